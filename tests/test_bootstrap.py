@@ -1,0 +1,72 @@
+"""The shipped Envoy bootstraps, and the ones EmbeddedEnvoy renders from them, are valid."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controlplane.launchers import EmbeddedEnvoy, find_binary, free_port, repo_root
+
+BOOTSTRAPS = ["bootstrap.yaml", "bootstrap-delta.yaml"]
+
+
+def validate(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            str(find_binary("envoy")),
+            "--mode",
+            "validate",
+            "-c",
+            str(config),
+            "--service-node",
+            "n",
+            "--service-cluster",
+            "c",
+            "--use-dynamic-base-id",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("name", BOOTSTRAPS)
+def test_shipped_bootstrap_validates(name: str) -> None:
+    result = validate(repo_root() / "deploy" / "envoy" / name)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["sotw", "delta"])
+def test_rendered_bootstrap_validates(tmp_path: Path, delta: bool) -> None:
+    envoy = EmbeddedEnvoy(
+        tmp_path, xds_address="127.0.0.1", xds_port=free_port(), node_id="n", fleet="c", delta=delta
+    )
+    result = validate(envoy.render())
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("name", "api_type"), [(BOOTSTRAPS[0], "GRPC"), (BOOTSTRAPS[1], "DELTA_GRPC")]
+)
+def test_rendered_bootstrap_points_at_the_control_plane(
+    tmp_path: Path, name: str, api_type: str
+) -> None:
+    envoy = EmbeddedEnvoy(
+        tmp_path,
+        xds_address="127.0.0.2",
+        xds_port=18123,
+        node_id="n",
+        fleet="c",
+        delta=name.endswith("-delta.yaml"),
+        admin_port=19901,
+    )
+    config = yaml.safe_load(envoy.render().read_text())
+    assert config["dynamic_resources"]["ads_config"]["api_type"] == api_type
+    (xds,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "kvpilot_xds"]
+    address = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "127.0.0.2", "port_value": 18123}
+    assert config["admin"]["address"]["socket_address"]["port_value"] == 19901
+    assert envoy.admin_url == "http://127.0.0.1:19901"
