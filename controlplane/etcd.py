@@ -1,0 +1,762 @@
+"""A thin, typed asyncio client for the etcd v3 API.
+
+Built directly on aetcd's generated gRPC stubs over ``grpc.aio`` channels, because the
+daemon needs what aetcd's high-level client hides: response header revisions, a watch that
+reports compaction and broken streams as typed errors (so the caller can resume or re-list),
+and explicit control over reconnects.
+
+Failure model, in one place:
+
+- ``EtcdUnavailable``: no endpoint answered within the call's timeout. Unary calls rotate to
+  the next endpoint on ``UNAVAILABLE`` and retry with a short backoff until the timeout runs
+  out. Conditional writes are retried only when the request provably never left the client
+  (gRPC could not connect), so a retry cannot turn a successful create into a conflict.
+- ``ConflictError``: a compare-and-swap failed; carries the key's actual ``mod_revision``.
+- ``CompactedError``: a watch asked for history etcd has already compacted; re-list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import inspect
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc  # type: ignore[import-untyped]  # grpcio ships no type information
+from aetcd import rpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# gRPC channel options. The reconnect backoff caps matter: with gRPC's defaults (up to 120 s)
+# a client could sit in backoff for minutes after etcd comes back.
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # Detect a dead peer on an idle watch stream. etcd's default --grpc-keepalive-min-time is
+    # 5 s; pinging more often than that gets the connection closed with "too_many_pings".
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+]
+
+# clientv3.WithRequireLeader: a member cut off from its cluster cancels the watch instead of
+# silently delivering nothing.
+_REQUIRE_LEADER = (("hasleader", "true"),)
+
+_RANGE_PAGE_SIZE = 1000
+
+
+class EtcdError(Exception):
+    """Base class for etcd failures; the message says what to do about it."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No etcd endpoint could be reached within the call's timeout."""
+
+
+class ConflictError(EtcdError):
+    """A conditional write failed because the key's ``mod_revision`` was not the expected one."""
+
+    def __init__(
+        self, key: bytes, actual_mod_revision: int, expected_mod_revision: int | None = None
+    ) -> None:
+        self.key = key
+        self.actual_mod_revision = actual_mod_revision
+        self.expected_mod_revision = expected_mod_revision
+        super().__init__(self._sentence())
+
+    def _sentence(self) -> str:
+        name = self.key.decode(errors="backslashreplace")
+        if self.expected_mod_revision == 0:
+            return (
+                f"{name} already exists (mod_revision {self.actual_mod_revision}); "
+                "read it and update it instead of creating it"
+            )
+        if self.actual_mod_revision == 0:
+            return (
+                f"{name} does not exist (expected mod_revision {self.expected_mod_revision}); "
+                "it was deleted, create it again if you still want it"
+            )
+        return (
+            f"{name} changed: expected mod_revision {self.expected_mod_revision}, "
+            f"it is now {self.actual_mod_revision}; re-read it and retry"
+        )
+
+
+class CompactedError(EtcdError):
+    """The requested revision has been compacted; the caller must re-list and watch anew."""
+
+    def __init__(self, compact_revision: int, requested_revision: int | None = None) -> None:
+        self.compact_revision = compact_revision
+        self.requested_revision = requested_revision
+        wanted = f" revision {requested_revision}" if requested_revision is not None else ""
+        super().__init__(
+            f"etcd history{wanted} was compacted (compact revision {compact_revision}); "
+            "re-list the keys and watch from the list's revision"
+        )
+
+
+class LeaseNotFoundError(EtcdError):
+    """A write referred to a lease that has expired or was revoked."""
+
+
+class EventType(enum.Enum):
+    PUT = "PUT"
+    DELETE = "DELETE"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def from_pb(cls, kv: Any) -> KeyValue:
+        return cls(
+            key=kv.key,
+            value=kv.value,
+            create_revision=kv.create_revision,
+            mod_revision=kv.mod_revision,
+            version=kv.version,
+            lease=kv.lease,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One change. For ``DELETE``, ``kv.value == b""`` and ``kv.mod_revision`` is the delete's."""
+
+    type: EventType
+    kv: KeyValue
+
+
+class WatchBatch(list[WatchEvent]):
+    """The events of one etcd ``WatchResponse``; a list, plus where the watch stands.
+
+    ``revision``: every change up to and including this revision has been delivered, so a
+    watch resumed after a disconnect starts at ``revision + 1``. ``header_revision``: etcd's
+    current revision when it sent the response. A batch may be empty: the first batch of
+    every watch (the watch is established) and etcd's progress notifications.
+    """
+
+    __slots__ = ("header_revision", "revision")
+
+    def __init__(self, events: Sequence[WatchEvent], revision: int, header_revision: int) -> None:
+        super().__init__(events)
+        self.revision = revision
+        self.header_revision = header_revision
+
+    def __repr__(self) -> str:
+        return f"WatchBatch({list.__repr__(self)}, revision={self.revision})"
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdStatus:
+    """What readiness checks need from the member the client talks to."""
+
+    endpoint: str
+    version: str
+    revision: int
+    member_id: int
+    leader: int
+    raft_term: int
+    db_size: int
+
+    @property
+    def has_leader(self) -> bool:
+        return self.leader != 0
+
+
+def prefix_range_end(prefix: bytes) -> bytes:
+    """The etcd ``range_end`` that selects every key starting with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\x00"  # empty prefix, or all 0xff: every key
+
+
+def _normalize_endpoint(endpoint: str) -> tuple[str, bool]:
+    """``host:port``, ``http://host:port`` or ``https://host:port`` -> (target, tls)."""
+    endpoint = endpoint.strip()
+    tls = False
+    if endpoint.startswith("https://"):
+        endpoint, tls = endpoint[len("https://") :], True
+    elif endpoint.startswith("http://"):
+        endpoint = endpoint[len("http://") :]
+    endpoint = endpoint.rstrip("/")
+    if not endpoint or ":" not in endpoint:
+        raise ValueError(f"etcd endpoint {endpoint!r} must look like host:port or http://host:port")
+    return endpoint, tls
+
+
+def _is_compacted(err: grpc.aio.AioRpcError) -> bool:
+    return err.code() == grpc.StatusCode.OUT_OF_RANGE and "compacted" in (err.details() or "")
+
+
+def _never_sent(err: grpc.aio.AioRpcError) -> bool:
+    """True when gRPC failed before the request reached a server (safe to retry a write)."""
+    return err.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (
+        err.details() or ""
+    )
+
+
+@dataclass(slots=True)
+class _Conn:
+    endpoint: str
+    channel: grpc.aio.Channel
+    kv: Any
+    watch: Any
+    lease: Any
+    maintenance: Any
+
+
+class EtcdClient:
+    """An etcd v3 client. Use as ``async with EtcdClient(["127.0.0.1:2379"]) as client``.
+
+    Several endpoints may be given; calls go to one at a time and move to the next when the
+    current one is unreachable.
+    """
+
+    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+        if isinstance(endpoints, str):
+            endpoints = [endpoints]
+        if not endpoints:
+            raise ValueError("EtcdClient needs at least one endpoint")
+        self._targets = [_normalize_endpoint(e) for e in endpoints]
+        self.timeout = timeout
+        self._conns: list[_Conn] = []
+        self._current = 0
+        self._closed = False
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [target for target, _ in self._targets]
+
+    @property
+    def current_endpoint(self) -> str:
+        return self._targets[self._current][0]
+
+    async def connect(self) -> None:
+        """Create the gRPC channels. No I/O: etcd may still be down when this returns."""
+        if self._conns:
+            return
+        self._closed = False
+        for target, tls in self._targets:
+            if tls:
+                channel = grpc.aio.secure_channel(
+                    target, grpc.ssl_channel_credentials(), options=_CHANNEL_OPTIONS
+                )
+            else:
+                channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+            self._conns.append(
+                _Conn(
+                    endpoint=target,
+                    channel=channel,
+                    kv=rpc.KVStub(channel),
+                    watch=rpc.WatchStub(channel),
+                    lease=rpc.LeaseStub(channel),
+                    maintenance=rpc.MaintenanceStub(channel),
+                )
+            )
+
+    async def close(self) -> None:
+        conns, self._conns = self._conns, []
+        self._closed = True
+        for conn in conns:
+            await conn.channel.close()
+
+    async def __aenter__(self) -> EtcdClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    async def _conn(self) -> _Conn:
+        if not self._conns:
+            if self._closed:
+                raise EtcdError("the etcd client is closed")
+            await self.connect()
+        return self._conns[self._current]
+
+    def _rotate(self, failed: _Conn) -> None:
+        """Move to the next endpoint, unless another call already moved away from ``failed``."""
+        if self._conns and self._conns[self._current] is failed:
+            self._current = (self._current + 1) % len(self._conns)
+            if len(self._conns) > 1:
+                log.info(
+                    "etcd endpoint %s unreachable, trying %s",
+                    failed.endpoint,
+                    self.current_endpoint,
+                )
+
+    async def _call(
+        self,
+        attempt: Callable[[_Conn, float], Awaitable[T]],
+        *,
+        what: str,
+        idempotent: bool = True,
+        budget: float | None = None,
+    ) -> T:
+        """Run ``attempt(conn, seconds_left)``, rotating endpoints on UNAVAILABLE until the timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.timeout if budget is None else budget)
+        delay = 0.05
+        tried_in_round = 0
+        last: grpc.aio.AioRpcError | None = None
+        while True:
+            conn = await self._conn()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise self._unavailable(what, last)
+            per_attempt = remaining
+            if idempotent and len(self._conns) > 1:
+                # A black-holed endpoint must not eat the whole budget.
+                per_attempt = min(remaining, max(self.timeout / len(self._conns), 0.5))
+            try:
+                return await attempt(conn, per_attempt)
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                retryable = code == grpc.StatusCode.UNAVAILABLE or (
+                    code == grpc.StatusCode.DEADLINE_EXCEEDED and per_attempt < remaining
+                )
+                if not retryable:
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise self._unavailable(what, err) from None
+                    raise _translate(err, what) from None
+                if not idempotent and not _never_sent(err):
+                    raise EtcdUnavailable(
+                        f"etcd at {conn.endpoint} failed during {what} ({err.details()}); "
+                        "the write may or may not have been applied: re-read before retrying"
+                    ) from None
+                last = err
+                self._rotate(conn)
+                tried_in_round += 1
+                if tried_in_round >= len(self._conns):
+                    tried_in_round = 0
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise self._unavailable(what, last) from None
+                    await asyncio.sleep(min(delay * (0.5 + random.random()), left))
+                    delay = min(delay * 2, 1.0)
+
+    def _unavailable(self, what: str, err: grpc.aio.AioRpcError | None) -> EtcdUnavailable:
+        detail = f": {err.details()}" if err is not None else ""
+        return EtcdUnavailable(
+            f"cannot reach etcd at {', '.join(self.endpoints)} for {what} within "
+            f"{self.timeout:g}s{detail}; check that etcd is running and the endpoints are right"
+        )
+
+    # -- KV ---------------------------------------------------------------------------------
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        request = rpc.RangeRequest(key=key)
+        response = await self._call(
+            lambda c, t: c.kv.Range(request, timeout=t), what=f"get {key!r}"
+        )
+        return KeyValue.from_pb(response.kvs[0]) if response.kvs else None
+
+    async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix``, sorted by key, and the revision they were read at.
+
+        Large ranges are read in pages, all at the revision of the first page, so the result is
+        one consistent snapshot. If that revision is compacted mid-way, the read starts over.
+        """
+        range_end = prefix_range_end(prefix)
+        for _ in range(5):
+            kvs: list[KeyValue] = []
+            revision = 0
+            key = prefix
+            try:
+                while True:
+                    request = rpc.RangeRequest(
+                        key=key, range_end=range_end, limit=_RANGE_PAGE_SIZE, revision=revision
+                    )
+                    response = await self._call(
+                        functools.partial(_range, request), what=f"list {prefix!r}"
+                    )
+                    if revision == 0:
+                        revision = response.header.revision
+                    kvs.extend(KeyValue.from_pb(kv) for kv in response.kvs)
+                    if not response.more or not response.kvs:
+                        return kvs, revision
+                    key = response.kvs[-1].key + b"\x00"
+            except CompactedError:
+                log.info("revision %d compacted while listing %r; starting over", revision, prefix)
+        raise EtcdError(f"could not list {prefix!r}: etcd kept compacting under the read")
+
+    async def put(
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        lease: int = 0,
+        expect_mod_revision: int | None = None,
+    ) -> int:
+        """Write ``key``; returns the new revision.
+
+        ``expect_mod_revision``: ``None`` writes unconditionally, ``0`` creates (the key must not
+        exist), ``N`` replaces only if the key's ``mod_revision`` is ``N``. Otherwise raises
+        ``ConflictError``.
+        """
+        put = rpc.PutRequest(key=key, value=value, lease=lease)
+        if expect_mod_revision is None:
+            response = await self._call(lambda c, t: c.kv.Put(put, timeout=t), what=f"put {key!r}")
+            return int(response.header.revision)
+        txn = rpc.TxnRequest(
+            compare=[_mod_revision_equals(key, expect_mod_revision)],
+            success=[rpc.RequestOp(request_put=put)],
+            failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key))],
+        )
+        response = await self._call(
+            lambda c, t: c.kv.Txn(txn, timeout=t), what=f"put {key!r}", idempotent=False
+        )
+        if not response.succeeded:
+            raise ConflictError(key, _txn_actual_revision(response), expect_mod_revision)
+        return int(response.header.revision)
+
+    async def delete(self, key: bytes, *, expect_mod_revision: int | None = None) -> bool:
+        """Delete ``key``; True if it existed. With ``expect_mod_revision``, ``ConflictError``
+        unless the key's ``mod_revision`` matches."""
+        delete = rpc.DeleteRangeRequest(key=key)
+        if expect_mod_revision is None:
+            response = await self._call(
+                lambda c, t: c.kv.DeleteRange(delete, timeout=t), what=f"delete {key!r}"
+            )
+            return bool(response.deleted)
+        txn = rpc.TxnRequest(
+            compare=[_mod_revision_equals(key, expect_mod_revision)],
+            success=[rpc.RequestOp(request_delete_range=delete)],
+            failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key))],
+        )
+        response = await self._call(
+            lambda c, t: c.kv.Txn(txn, timeout=t), what=f"delete {key!r}", idempotent=False
+        )
+        if not response.succeeded:
+            raise ConflictError(key, _txn_actual_revision(response), expect_mod_revision)
+        return bool(response.responses[0].response_delete_range.deleted)
+
+    async def delete_prefix(self, prefix: bytes) -> int:
+        """Delete every key under ``prefix``; returns how many were deleted."""
+        request = rpc.DeleteRangeRequest(key=prefix, range_end=prefix_range_end(prefix))
+        response = await self._call(
+            lambda c, t: c.kv.DeleteRange(request, timeout=t), what=f"delete prefix {prefix!r}"
+        )
+        return int(response.deleted)
+
+    async def compact(self, revision: int) -> None:
+        """Compact history up to ``revision`` (physically, so watches see it at once)."""
+        request = rpc.CompactionRequest(revision=revision, physical=True)
+        await self._call(lambda c, t: c.kv.Compact(request, timeout=t), what="compact")
+
+    async def status(self) -> EtcdStatus:
+        """Status of the member this client currently talks to."""
+        response = await self._call(
+            lambda c, t: c.maintenance.Status(rpc.StatusRequest(), timeout=t), what="status"
+        )
+        return EtcdStatus(
+            endpoint=self.current_endpoint,
+            version=response.version,
+            revision=response.header.revision,
+            member_id=response.header.member_id,
+            leader=response.leader,
+            raft_term=response.raftTerm,
+            db_size=response.dbSize,
+        )
+
+    # -- leases -----------------------------------------------------------------------------
+
+    async def grant_lease(self, ttl: int) -> int:
+        """Grant a lease of ``ttl`` seconds; returns its id."""
+        request = rpc.LeaseGrantRequest(TTL=ttl)
+        response = await self._call(
+            lambda c, t: c.lease.LeaseGrant(request, timeout=t), what="grant lease"
+        )
+        if response.error:
+            raise EtcdError(f"etcd refused to grant a {ttl}s lease: {response.error}")
+        return int(response.ID)
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        """Revoke a lease, deleting its keys. A lease that is already gone is not an error."""
+        request = rpc.LeaseRevokeRequest(ID=lease_id)
+        with contextlib.suppress(LeaseNotFoundError):
+            await self._call(
+                lambda c, t: c.lease.LeaseRevoke(request, timeout=t), what="revoke lease"
+            )
+
+    async def keepalive_once(self, lease_id: int) -> int:
+        """Refresh a lease once; returns its TTL in seconds, 0 if the lease is gone."""
+
+        async def attempt(conn: _Conn, seconds: float) -> int:
+            call = conn.lease.LeaseKeepAlive(timeout=seconds)
+            try:
+                await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    await _raise_for_status(call)
+                    raise EtcdError("etcd closed the lease keepalive stream without answering")
+                return int(response.TTL)
+            finally:
+                call.cancel()
+
+        return await self._call(attempt, what="lease keepalive")
+
+    def keepalive_forever(
+        self,
+        ttl: int,
+        *,
+        lease_id: int | None = None,
+        on_regrant: Callable[[int], Awaitable[None] | None] | None = None,
+        revoke_on_exit: bool = True,
+    ) -> LeaseKeeper:
+        """A context manager that keeps a lease alive while it is entered.
+
+        ``async with client.keepalive_forever(10, on_regrant=reregister) as keeper:`` grants a
+        lease (unless ``lease_id`` is given), refreshes it every ``ttl / 3`` seconds, and if the
+        lease is lost (etcd was down longer than the TTL) grants a new one and calls
+        ``on_regrant(new_lease_id)`` so the owner can write its keys again. ``keeper.lease_id``
+        is always the current lease. On exit the lease is revoked unless ``revoke_on_exit`` is
+        false.
+        """
+        return LeaseKeeper(
+            self, ttl, lease_id=lease_id, on_regrant=on_regrant, revoke_on_exit=revoke_on_exit
+        )
+
+    # -- watch ------------------------------------------------------------------------------
+
+    async def watch_prefix(
+        self, prefix: bytes, *, start_revision: int
+    ) -> AsyncIterator[WatchBatch]:
+        """Follow changes under ``prefix`` from ``start_revision`` (0 = from now).
+
+        Yields one ``WatchBatch`` per etcd ``WatchResponse``, so the events of one revision
+        (one transaction) stay together. The first batch is empty and means the watch is
+        established. Raises ``CompactedError`` if ``start_revision`` (or a later resume point)
+        was compacted, and ``EtcdUnavailable`` when the stream cannot be opened or breaks;
+        resume with ``start_revision=batch.revision + 1`` of the last batch seen. Closing or
+        cancelling the iterator cancels the watch.
+        """
+        create = rpc.WatchRequest(
+            create_request=rpc.WatchCreateRequest(
+                key=prefix,
+                range_end=prefix_range_end(prefix),
+                start_revision=start_revision,
+                progress_notify=True,
+            )
+        )
+        call, created = await self._open_watch(create, prefix)
+        try:
+            if created.compact_revision:
+                raise CompactedError(created.compact_revision, start_revision)
+            if created.canceled:
+                raise EtcdError(f"etcd refused the watch on {prefix!r}: {created.cancel_reason}")
+            header_revision = int(created.header.revision)
+            resumed_at = start_revision - 1 if start_revision > 0 else header_revision
+            yield WatchBatch([], resumed_at, header_revision)
+            while True:
+                try:
+                    response = await call.read()
+                except grpc.aio.AioRpcError as err:
+                    raise self._watch_broken(call, prefix, err) from None
+                if response is grpc.aio.EOF:
+                    raise self._watch_broken(call, prefix, None)
+                if response.compact_revision:
+                    raise CompactedError(response.compact_revision)
+                if response.canceled:
+                    raise EtcdUnavailable(
+                        f"etcd cancelled the watch on {prefix!r}: "
+                        f"{response.cancel_reason or 'no reason given'}; watch again"
+                    )
+                events = [_event_from_pb(e) for e in response.events]
+                # With events, the header revision can run ahead of what this response carries
+                # (etcd batches catch-up in chunks of revisions), so resume from the last event.
+                revision = events[-1].kv.mod_revision if events else int(response.header.revision)
+                yield WatchBatch(events, revision, int(response.header.revision))
+        finally:
+            call.cancel()
+
+    async def _open_watch(self, create: Any, prefix: bytes) -> tuple[Any, Any]:
+        async def attempt(conn: _Conn, seconds: float) -> tuple[Any, Any]:
+            call = conn.watch.Watch(metadata=_REQUIRE_LEADER)
+            try:
+                await asyncio.wait_for(call.write(create), seconds)
+                created = await asyncio.wait_for(call.read(), seconds)
+                if created is grpc.aio.EOF:
+                    await _raise_for_status(call)
+                    raise EtcdUnavailable(f"etcd closed the watch on {prefix!r} while opening it")
+            except TimeoutError:
+                call.cancel()
+                raise EtcdUnavailable(
+                    f"etcd at {conn.endpoint} did not open the watch on {prefix!r} "
+                    f"within {seconds:g}s"
+                ) from None
+            except BaseException:
+                call.cancel()
+                raise
+            return call, created
+
+        return await self._call(attempt, what=f"watch {prefix!r}")
+
+    def _watch_broken(
+        self, call: Any, prefix: bytes, err: grpc.aio.AioRpcError | None
+    ) -> EtcdError:
+        if err is not None and _is_compacted(err):
+            return CompactedError(0)
+        # The stream broke: next time, try the next endpoint.
+        for conn in self._conns:
+            if conn.endpoint == self.current_endpoint:
+                self._rotate(conn)
+                break
+        detail = err.details() if err is not None else "stream closed"
+        return EtcdUnavailable(f"the watch on {prefix!r} broke ({detail}); resume it")
+
+
+class LeaseKeeper:
+    """Keeps one lease alive in a background task; see ``EtcdClient.keepalive_forever``."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        ttl: int,
+        *,
+        lease_id: int | None = None,
+        on_regrant: Callable[[int], Awaitable[None] | None] | None = None,
+        revoke_on_exit: bool = True,
+    ) -> None:
+        if ttl < 1:
+            raise ValueError("lease TTL must be at least 1 second")
+        self._client = client
+        self.ttl = ttl
+        self.lease_id = lease_id or 0
+        self._on_regrant = on_regrant
+        self._revoke_on_exit = revoke_on_exit
+        self._task: asyncio.Task[None] | None = None
+        self.regrants = 0
+        """How many times the lease was lost and granted anew."""
+        self.last_error: str | None = None
+        """The last failure to refresh the lease, ``None`` after a success."""
+
+    async def __aenter__(self) -> LeaseKeeper:
+        if not self.lease_id:
+            self.lease_id = await self._client.grant_lease(self.ttl)
+        self._task = asyncio.create_task(self._run(), name=f"lease-keepalive-{self.lease_id:x}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._revoke_on_exit and self.lease_id:
+            try:
+                await self._client.revoke_lease(self.lease_id)
+            except EtcdError as err:
+                log.warning("could not revoke lease %x on exit: %s", self.lease_id, err)
+
+    async def _run(self) -> None:
+        interval = max(self.ttl / 3, 0.2)
+        wait = interval
+        while True:
+            await asyncio.sleep(wait)
+            try:
+                remaining = await self._client.keepalive_once(self.lease_id)
+                if remaining <= 0:
+                    await self._regrant()
+                self.last_error = None
+                wait = interval
+            except EtcdError as err:
+                self.last_error = str(err)
+                log.warning("lease %x keepalive failed: %s", self.lease_id, err)
+                wait = min(interval, 1.0)
+
+    async def _regrant(self) -> None:
+        old = self.lease_id
+        self.lease_id = await self._client.grant_lease(self.ttl)
+        self.regrants += 1
+        log.warning("lease %x was lost; granted %x", old, self.lease_id)
+        if self._on_regrant is not None:
+            try:
+                result = self._on_regrant(self.lease_id)
+                if inspect.isawaitable(result):
+                    await result
+            except EtcdError:
+                raise
+            except Exception:
+                log.exception("on_regrant callback failed for lease %x", self.lease_id)
+
+
+def _mod_revision_equals(key: bytes, revision: int) -> Any:
+    # A missing key compares as mod_revision 0, so revision 0 means "must not exist".
+    return rpc.Compare(
+        key=key,
+        result=rpc.Compare.EQUAL,
+        target=rpc.Compare.MOD,
+        mod_revision=revision,
+    )
+
+
+def _range(request: Any, conn: _Conn, seconds: float) -> Any:
+    return conn.kv.Range(request, timeout=seconds)
+
+
+def _txn_actual_revision(response: Any) -> int:
+    kvs = response.responses[0].response_range.kvs
+    return int(kvs[0].mod_revision) if kvs else 0
+
+
+def _event_from_pb(event: Any) -> WatchEvent:
+    kind = EventType.DELETE if event.type == rpc.Event.DELETE else EventType.PUT
+    return WatchEvent(kind, KeyValue.from_pb(event.kv))
+
+
+async def _raise_for_status(call: Any) -> None:
+    code = await call.code()
+    if code != grpc.StatusCode.OK:
+        details = await call.details()
+        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+def _translate(err: grpc.aio.AioRpcError, what: str) -> EtcdError:
+    details = err.details() or ""
+    if _is_compacted(err):
+        return CompactedError(0)
+    if err.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
+        return LeaseNotFoundError(
+            f"{what}: the lease has expired or was revoked; grant a new lease and write again"
+        )
+    if err.code() == grpc.StatusCode.CANCELLED:
+        return EtcdError(f"{what} was cancelled (is the client closing?)")
+    return EtcdError(f"etcd rejected {what}: {err.code().name} {details}")
