@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from bench.backend import BackendProcess
+    from controlplane.launchers import EmbeddedEnvoy
 
 T = TypeVar("T")
+
+EnvoyFactory = Callable[..., "EmbeddedEnvoy"]
+"""What the `envoy_factory` fixture returns: keyword arguments of EmbeddedEnvoy -> started Envoy."""
+
+BackendFactory = Callable[..., "BackendProcess"]
+"""What the `backends` fixture returns: (n, id_prefix=...) -> started BackendProcess."""
 
 
 def wait_until(
@@ -34,3 +45,12 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"{message} (after {timeout:.1f}s; last value: {last!r})")
         time.sleep(interval)
+
+
+def process_gone(pid: int) -> bool:
+    """True when `pid` no longer runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")

@@ -1,0 +1,459 @@
+"""Simulated OpenAI-compatible model replicas, several per process, for tests and the demo.
+
+Each replica listens on its own port and says who it is (`x-backend-id` header and a `backend`
+field), so tests behind Envoy can assert which replica answered. It serves:
+
+- `POST /v1/chat/completions`, `POST /v1/completions`: OpenAI-shaped JSON, or SSE chunks
+  ending in `data: [DONE]` when the request has `"stream": true`;
+- `GET /health`: 200, or 503 after `POST /admin/health {"healthy": false}`;
+- `GET /metrics`: Prometheus text with request counters and vLLM-style gauges
+  (`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`);
+- `POST /admin/fail {"status": 503}`: answer every inference request with that status
+  (`{"status": 0}` recovers).
+
+Run it:  python -m bench.backend --replicas 3 --host 127.0.0.1 --ports 0 --id-prefix be
+It prints one JSON line `{"replicas": [{"id": "be-0", "port": 12345}, ...]}` once every replica
+listens, then serves until SIGTERM or SIGINT. `BackendProcess` does that from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from controlplane.launchers import LauncherError, ManagedProcess
+
+DEFAULT_MODEL = "sim-model"
+
+
+@dataclass
+class Replica:
+    """One simulated model server: its identity, its switches and its counters."""
+
+    id: str
+    model: str = DEFAULT_MODEL
+    healthy: bool = True
+    """`GET /health` answers 503 when False."""
+    fail_status: int | None = None
+    """When set, every inference request is answered with this HTTP status."""
+    running: int = 0
+    """Requests being answered right now (the `vllm:num_requests_running` gauge)."""
+    waiting: int = 0
+    """Queued requests (`vllm:num_requests_waiting`); nothing queues yet, so always 0."""
+    kv_cache_usage: float = 0.0
+    """KV cache use from 0 to 1 (`vllm:kv_cache_usage_perc`); static for now."""
+    requests: Counter[tuple[str, int]] = field(default_factory=Counter)
+    """Answered requests by (path, status)."""
+
+    def metrics_text(self) -> str:
+        """The replica's metrics in Prometheus text format."""
+        model = f'model_name="{self.model}"'
+        lines = [
+            "# HELP kvpilot_backend_requests_total Requests answered, by path and status.",
+            "# TYPE kvpilot_backend_requests_total counter",
+        ]
+        for (path, status), count in sorted(self.requests.items()):
+            lines.append(
+                f'kvpilot_backend_requests_total{{backend="{self.id}",path="{path}",'
+                f'status="{status}"}} {count}'
+            )
+        gauges = [
+            ("vllm:num_requests_running", "Number of requests running.", float(self.running)),
+            ("vllm:num_requests_waiting", "Number of requests waiting.", float(self.waiting)),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV cache usage, 1 means 100 percent.",
+                self.kv_cache_usage,
+            ),
+        ]
+        for name, help_text, value in gauges:
+            lines += [
+                f"# HELP {name} {help_text}",
+                f"# TYPE {name} gauge",
+                f"{name}{{{model}}} {value}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- HTTP app
+
+
+def _completion_body(replica: Replica, kind: str, model: str) -> dict[str, Any]:
+    text = f"Hello from {replica.id}."
+    created = int(time.time())
+    usage = {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}
+    if kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "stop",
+        }
+        obj, prefix = "chat.completion", "chatcmpl"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
+        obj, prefix = "text_completion", "cmpl"
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+        "backend": replica.id,
+    }
+
+
+def _stream_chunks(replica: Replica, kind: str, model: str) -> Iterator[dict[str, Any]]:
+    """The answer as OpenAI streaming chunks, one word each, the last one with finish_reason."""
+    words = f"Hello from {replica.id}.".split(" ")
+    chunk_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    for i, word in enumerate([*words, ""]):
+        last = i == len(words)
+        piece = word if i == 0 else ("" if last else " " + word)
+        choice: dict[str, Any]
+        if kind == "chat":
+            delta: dict[str, Any] = {"content": piece} if not last else {}
+            if i == 0:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "finish_reason": "stop" if last else None}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": piece, "finish_reason": "stop" if last else None}
+            obj = "text_completion"
+        yield {
+            "id": chunk_id,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "backend": replica.id,
+        }
+
+
+def build_app(replica: Replica) -> Starlette:
+    """The HTTP app of one replica."""
+    headers = {"x-backend-id": replica.id}
+
+    def error(status: int, message: str, path: str) -> JSONResponse:
+        replica.requests[(path, status)] += 1
+        body = {
+            "error": {"message": message, "type": "error", "code": status},
+            "backend": replica.id,
+        }
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def completions(request: Request) -> Response:
+        path = request.url.path
+        kind = "chat" if path.endswith("/chat/completions") else "text"
+        if replica.fail_status is not None:
+            return error(replica.fail_status, f"{replica.id} is set to fail", path)
+        try:
+            payload = await request.json()
+        except ValueError:
+            return error(400, "request body is not valid JSON", path)
+        if not isinstance(payload, dict):
+            return error(400, "request body must be a JSON object", path)
+        model = str(payload.get("model") or replica.model)
+        replica.requests[(path, 200)] += 1
+        if not payload.get("stream"):
+            return JSONResponse(_completion_body(replica, kind, model), headers=headers)
+
+        async def events() -> AsyncIterator[str]:
+            replica.running += 1
+            try:
+                for chunk in _stream_chunks(replica, kind, model):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                replica.running -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def health(request: Request) -> Response:
+        status = 200 if replica.healthy else 503
+        return PlainTextResponse("ok" if replica.healthy else "unhealthy", status, headers=headers)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(
+            replica.metrics_text(), headers={**headers, "content-type": "text/plain; version=0.0.4"}
+        )
+
+    async def admin_fail(request: Request) -> Response:
+        try:
+            status = int((await request.json())["status"])
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse({"error": 'expected {"status": <int>}'}, 400, headers=headers)
+        if status != 0 and not 100 <= status <= 599:
+            return JSONResponse({"error": "status must be 0 or 100-599"}, 400, headers=headers)
+        replica.fail_status = status or None
+        return JSONResponse({"id": replica.id, "fail_status": status}, headers=headers)
+
+    async def admin_health(request: Request) -> Response:
+        try:
+            healthy = (await request.json())["healthy"]
+        except (ValueError, KeyError, TypeError):
+            healthy = None
+        if not isinstance(healthy, bool):
+            return JSONResponse({"error": 'expected {"healthy": true|false}'}, 400, headers=headers)
+        replica.healthy = healthy
+        return JSONResponse({"id": replica.id, "healthy": healthy}, headers=headers)
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/admin/fail", admin_fail, methods=["POST"]),
+            Route("/admin/health", admin_health, methods=["POST"]),
+        ]
+    )
+
+
+# --------------------------------------------------------------------------- serving
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signals alone: `serve()` owns them for all replicas."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def serve(replicas: Sequence[Replica], host: str, ports: Sequence[int]) -> None:
+    """Serve each replica on its port until SIGTERM/SIGINT; announce ports on stdout once up."""
+    sockets = [_bind(host, port) for port in ports]
+    servers = [
+        _Server(
+            uvicorn.Config(
+                build_app(replica),
+                lifespan="off",
+                access_log=False,
+                log_level="warning",
+                timeout_graceful_shutdown=2,
+            )
+        )
+        for replica in replicas
+    ]
+    loop = asyncio.get_running_loop()
+
+    def request_exit() -> None:
+        for server in servers:
+            server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, request_exit)
+    tasks = [
+        asyncio.create_task(server.serve(sockets=[sock]))
+        for server, sock in zip(servers, sockets, strict=True)
+    ]
+    while not all(server.started for server in servers):
+        if any(task.done() for task in tasks):
+            break
+        await asyncio.sleep(0.01)
+    else:
+        announcement = {
+            "replicas": [
+                {"id": replica.id, "port": sock.getsockname()[1]}
+                for replica, sock in zip(replicas, sockets, strict=True)
+            ]
+        }
+        print(json.dumps(announcement), flush=True)
+    # One replica stopping (a signal, or a crash) stops them all.
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    request_exit()
+    await asyncio.gather(*tasks)
+
+
+def _parse_ports(text: str, replicas: int) -> list[int]:
+    ports = [int(p) for p in text.split(",") if p.strip()]
+    if ports == [0]:
+        return [0] * replicas
+    if len(ports) != replicas:
+        raise ValueError(f"--ports lists {len(ports)} ports for {replicas} replicas")
+    return ports
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.backend", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--ports", default="0", help="0 for free ports, or a comma list, one per replica"
+    )
+    parser.add_argument("--id-prefix", default="be")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    args = parser.parse_args(argv)
+    try:
+        ports = _parse_ports(args.ports, args.replicas)
+    except ValueError as exc:
+        parser.error(str(exc))
+    replicas = [Replica(id=f"{args.id_prefix}-{i}", model=args.model) for i in range(args.replicas)]
+    asyncio.run(serve(replicas, args.host, ports))
+    return 0
+
+
+# --------------------------------------------------------------------------- Python API
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """Where one replica of a `BackendProcess` listens."""
+
+    id: str
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class BackendProcess:
+    """`python -m bench.backend` as a child process, for tests and the demo.
+
+    Uses the launchers' process handling: own process group, killed with its parent,
+    stopped at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        replicas: int = 2,
+        *,
+        host: str = "127.0.0.1",
+        ports: Sequence[int] | None = None,
+        id_prefix: str = "be",
+        model: str = DEFAULT_MODEL,
+        state_dir: Path | None = None,
+    ) -> None:
+        self.host = host
+        self.id_prefix = id_prefix
+        self.state_dir = (
+            Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="kvpilot-backend-"))
+        )
+        self.log_path = self.state_dir / f"backend-{id_prefix}.log"
+        self._stdout_path = self.state_dir / f"backend-{id_prefix}.out"
+        port_arg = ",".join(str(p) for p in ports) if ports else "0"
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.backend",
+            "--replicas",
+            str(replicas),
+            "--host",
+            host,
+            "--ports",
+            port_arg,
+            "--id-prefix",
+            id_prefix,
+            "--model",
+            model,
+        ]
+        self._process = ManagedProcess(argv, self.log_path, stdout_path=self._stdout_path)
+        self.replicas: list[ReplicaInfo] = []
+        """The replicas, known once `start()` returns."""
+
+    def _read_announcement(self) -> bool:
+        try:
+            text = self._stdout_path.read_text()
+        except OSError:
+            return False
+        if not text.endswith("\n"):
+            return False
+        data = json.loads(text.splitlines()[0])
+        self.replicas = [ReplicaInfo(r["id"], self.host, int(r["port"])) for r in data["replicas"]]
+        return True
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Start the replicas and wait until all of them listen."""
+        if self._process.running():
+            return self
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._stdout_path.unlink(missing_ok=True)
+        self._process.spawn()
+        self._process.wait_for(self._read_announcement, timeout, "the replicas listen")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout`. Idempotent."""
+        self._process.stop(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL every replica at once, as a crash would."""
+        self._process.kill()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self._process.log_tail(lines)
+
+    def replica(self, replica_id: str) -> ReplicaInfo:
+        """The replica with this id."""
+        for info in self.replicas:
+            if info.id == replica_id:
+                return info
+        raise KeyError(f"no replica {replica_id!r}; have {[r.id for r in self.replicas]}")
+
+    def _admin(self, replica_id: str, path: str, body: dict[str, Any]) -> None:
+        url = f"{self.replica(replica_id).url}{path}"
+        try:
+            httpx.post(url, json=body, timeout=5.0).raise_for_status()
+        except httpx.HTTPError as exc:
+            raise LauncherError(f"backend admin {url} failed: {exc}") from exc
+
+    def fail(self, replica_id: str, status: int) -> None:
+        """Make the replica answer every inference request with `status`; 0 recovers."""
+        self._admin(replica_id, "/admin/fail", {"status": status})
+
+    def set_healthy(self, replica_id: str, healthy: bool) -> None:
+        """Make the replica's `/health` answer 200 (True) or 503 (False)."""
+        self._admin(replica_id, "/admin/health", {"healthy": healthy})
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

