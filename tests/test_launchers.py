@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from util import process_gone, wait_until
+from util import EnvoyFactory, process_gone, wait_until
 
 from controlplane import launchers
 from controlplane.launchers import (
@@ -193,3 +193,24 @@ def test_etcd_dies_with_a_parent_that_exits_without_cleanup(tmp_path: Path) -> N
     assert result.returncode == 1, result.stderr
     pid = int(result.stdout.strip())
     wait_until(lambda: process_gone(pid), timeout=10, message=f"etcd pid {pid} outlived its parent")
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["sotw", "delta"])
+def test_envoy_dials_the_xds_port_speaking_http2(envoy_factory: EnvoyFactory, delta: bool) -> None:
+    """The bootstrap's xDS cluster must speak HTTP/2 (gRPC), or Envoy never connects."""
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(10)
+        envoy_factory(xds_port=listener.getsockname()[1], delta=delta)
+        connection, _ = listener.accept()
+        with connection:
+            connection.settimeout(10)
+            received = b""
+            while len(received) < len(preface):
+                chunk = connection.recv(len(preface) - len(received))
+                if not chunk:
+                    break
+                received += chunk
+    assert received == preface
