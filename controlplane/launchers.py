@@ -579,6 +579,11 @@ class EmbeddedEnvoy(_Launcher):
 
     def render(self) -> Path:
         """Write the bootstrap for this Envoy to `bootstrap_path` and return that path."""
+        if not self.template.is_file():
+            raise LauncherError(
+                f"Envoy bootstrap template {self.template} not found: deploy/ ships with the "
+                "source checkout, not the wheel; pass bootstrap=PATH or run from a checkout"
+            )
         config = render_bootstrap(
             self.template,
             xds_address=self.xds_address,

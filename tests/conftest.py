@@ -35,7 +35,8 @@ def _test_failed(request: pytest.FixtureRequest) -> bool:
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
     """One etcd for the whole session; tests keep apart through `etcd_prefix`."""
-    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd")).start()
+    # Test data is throwaway: skipping fsync makes writes fast on slow CI disks.
+    server = EmbeddedEtcd(tmp_path_factory.mktemp("etcd"), extra_args=["--unsafe-no-fsync"]).start()
     yield server
     server.stop()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controlplane.launchers import EmbeddedEnvoy, find_binary, free_port, repo_root
+from controlplane.launchers import EmbeddedEnvoy, LauncherError, find_binary, free_port, repo_root
 
 BOOTSTRAPS = ["bootstrap.yaml", "bootstrap-delta.yaml"]
 
@@ -70,3 +70,16 @@ def test_rendered_bootstrap_points_at_the_control_plane(
     assert address["socket_address"] == {"address": "127.0.0.2", "port_value": 18123}
     assert config["admin"]["address"]["socket_address"]["port_value"] == 19901
     assert envoy.admin_url == "http://127.0.0.1:19901"
+
+
+def test_missing_template_says_where_deploy_lives(tmp_path: Path) -> None:
+    envoy = EmbeddedEnvoy(
+        tmp_path,
+        xds_address="127.0.0.1",
+        xds_port=1,
+        node_id="n",
+        fleet="c",
+        bootstrap=tmp_path / "absent.yaml",
+    )
+    with pytest.raises(LauncherError, match="bootstrap=PATH"):
+        envoy.render()
