@@ -147,15 +147,21 @@ def find_binary(name: Literal["etcd", "envoy"]) -> Path:
 def _preexec_pdeathsig(parent_pid: int) -> Callable[[], None]:
     """A preexec_fn that makes the kernel SIGKILL the child when its parent dies (Linux)."""
 
+    prctl: Callable[..., int] | None = None
+    if sys.platform.startswith("linux"):
+        # Resolve prctl in the parent: dlopen() between fork and exec can deadlock when other
+        # threads (gRPC, asyncio executors) held the loader lock at fork time.
+        with contextlib.suppress(OSError, AttributeError):
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+
     def preexec() -> None:
-        if sys.platform.startswith("linux"):
-            with contextlib.suppress(OSError, AttributeError):
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            # The parent may have died between fork() and prctl(): then nobody would ever
-            # signal us, so leave now.
-            if os.getppid() != parent_pid:
-                os._exit(1)
+        if prctl is None:
+            return
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The parent may have died between fork() and prctl(): then nobody would ever
+        # signal us, so leave now.
+        if os.getppid() != parent_pid:
+            os._exit(1)
 
     return preexec
 
