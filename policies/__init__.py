@@ -1,0 +1,37 @@
+"""Policy objects, their validation, and compilation to a routing plan (no I/O)."""
+
+from policies.compile import PolicyState, cluster_name, compile_plan, listener_name
+from policies.models import (
+    API_VERSION,
+    KINDS,
+    Endpoint,
+    Fleet,
+    PolicyObject,
+    Pool,
+    RoutingPolicy,
+)
+from policies.plan import DEFAULT_FLEET, Diagnostic, FleetPlan, RoutingPlan
+from policies.validate import FieldError, PolicyError, decode_documents, load_objects, parse_object
+
+__all__ = [
+    "API_VERSION",
+    "DEFAULT_FLEET",
+    "KINDS",
+    "Diagnostic",
+    "Endpoint",
+    "FieldError",
+    "Fleet",
+    "FleetPlan",
+    "PolicyError",
+    "PolicyObject",
+    "PolicyState",
+    "Pool",
+    "RoutingPlan",
+    "RoutingPolicy",
+    "cluster_name",
+    "compile_plan",
+    "decode_documents",
+    "listener_name",
+    "load_objects",
+    "parse_object",
+]

@@ -14,7 +14,7 @@ import pytest
 from util import BackendFactory, EnvoyFactory
 
 from bench.backend import BackendProcess
-from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd
+from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -108,4 +108,42 @@ def backends(
         if failed:
             print(f"--- backend {process.id_prefix} log tail ({process.log_path}) ---")
             print(process.log_tail())
+        process.stop()
+
+
+ADMIN_TOKEN = "test-admin-token"
+READ_TOKEN = "test-read-token"
+
+
+@pytest.fixture
+def kvpilot_factory(
+    etcd: EmbeddedEtcd,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[Any]:
+    """Start `kvpilot serve` daemons against the session etcd with `kvpilot_factory(prefix)`.
+
+    Each gets free ports and the test tokens (`ADMIN_TOKEN`, `READ_TOKEN`); all stop at
+    teardown, printing their log tail when the test failed.
+    """
+    started: list[KvpilotProcess] = []
+
+    def make(prefix: str, **kwargs: Any) -> KvpilotProcess:
+        env = {"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "KVPILOT_READ_TOKEN": READ_TOKEN}
+        process = KvpilotProcess(
+            tmp_path_factory.mktemp("kvpilot"),
+            etcd_endpoints=[etcd.endpoint],
+            prefix=prefix,
+            env={**env, **kwargs.pop("env", {})},
+            **kwargs,
+        )
+        started.append(process)
+        return process.start()
+
+    yield make
+    failed = _test_failed(request)
+    for process in started:
+        if failed:
+            print(f"--- kvpilot log tail ({process.log_path}) ---")
+            print(process.log_tail(80))
         process.stop()

@@ -1,0 +1,324 @@
+"""Compile policy objects and live endpoints into a routing plan (pure, no I/O).
+
+Design choices, each forced by what Envoy does:
+
+- One cluster per route, with failover tier k at EDS priority k. Session affinity hashes
+  within one cluster only (``weighted_clusters`` picks the cluster before the hash,
+  envoy#8167), so pools that share a tier, such as a 90/10 rollout, live in the same cluster
+  and their split is expressed as endpoint weights. A session then stays on one side of the
+  split, and retries move to the next priority with ``previous_priorities``.
+- Compilation is best effort: a broken reference is reported as a diagnostic and everything
+  else still ships.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from policies.models import Endpoint, Fleet, FleetSpec, Pool, Route, RoutingPolicy, Tier
+from policies.plan import (
+    DEFAULT_FLEET,
+    Diagnostic,
+    FleetPlan,
+    PlanCluster,
+    PlanEndpoint,
+    PlanListener,
+    PlanRoute,
+    PlanVirtualHost,
+    RoutingPlan,
+)
+
+SPLIT_SCALE = 100
+"""Resolution of a split: a pool's endpoints share ``pool weight x SPLIT_SCALE`` weight units."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """Everything compilation needs, already validated."""
+
+    pools: Mapping[str, Pool] = field(default_factory=dict)
+    policies: Mapping[str, RoutingPolicy] = field(default_factory=dict)
+    fleets: Mapping[str, Fleet] = field(default_factory=dict)
+    registered: Mapping[str, Mapping[str, Endpoint]] = field(default_factory=dict)
+    """Endpoints registered through the API or by agents: pool name -> endpoint id -> endpoint."""
+
+
+def cluster_name(policy: str, route: str) -> str:
+    """The Envoy cluster of one route."""
+    return f"{policy}/{route}"
+
+
+def listener_name(port: int) -> str:
+    """The Envoy listener (and route configuration) for one port."""
+    return f"listener-{port}"
+
+
+def is_ip(address: str) -> bool:
+    """EDS carries IP addresses only: Envoy rejects a DNS name there ("malformed IP address")."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
+
+
+def pool_endpoints(pool: Pool, registered: Mapping[str, Endpoint]) -> list[Endpoint]:
+    """Static endpoints of a pool plus registered ones; a registration overrides a static entry
+    with the same address and port. Endpoints named by DNS are left out (see ``is_ip``)."""
+    merged = {endpoint.key: endpoint for endpoint in pool.spec.endpoints}
+    for endpoint in registered.values():
+        merged[endpoint.key] = endpoint
+    return [merged[key] for key in sorted(merged) if is_ip(merged[key].address)]
+
+
+def _tier_endpoints(
+    tier: Tier,
+    priority: int,
+    state: PolicyState,
+) -> list[PlanEndpoint]:
+    members = []
+    for target in tier.pools:
+        pool = state.pools.get(target.pool)
+        if pool is None or target.weight == 0:
+            continue
+        endpoints = pool_endpoints(pool, state.registered.get(target.pool, {}))
+        if endpoints:
+            members.append((target.weight, pool, endpoints))
+    out: list[PlanEndpoint] = []
+    for pool_weight, pool, endpoints in members:
+        total = sum(endpoint.weight for endpoint in endpoints)
+        for endpoint in endpoints:
+            if len(members) == 1:
+                weight = endpoint.weight
+            else:
+                weight = max(1, round(endpoint.weight * pool_weight * SPLIT_SCALE / total))
+            out.append(
+                PlanEndpoint(
+                    pool=pool.metadata.name,
+                    address=endpoint.address,
+                    port=endpoint.port,
+                    weight=weight,
+                    priority=priority,
+                    health=endpoint.health,
+                    region=endpoint.locality.region if endpoint.locality else "",
+                    zone=endpoint.locality.zone if endpoint.locality else "",
+                )
+            )
+    return out
+
+
+def _route_diagnostics(
+    policy: RoutingPolicy, index: int, route: Route, state: PolicyState
+) -> list[Diagnostic]:
+    name = policy.metadata.name
+    out = []
+    protocols = set()
+    for tier_index, tier in enumerate(route.tiers):
+        for pool_index, target in enumerate(tier.pools):
+            path = f"spec.routes[{index}].tiers[{tier_index}].pools[{pool_index}]"
+            pool = state.pools.get(target.pool)
+            if pool is None:
+                out.append(
+                    Diagnostic(
+                        "warning",
+                        "RoutingPolicy",
+                        name,
+                        f"pool {target.pool!r} does not exist (yet); route {route.name!r} "
+                        "skips it until it is created",
+                        path,
+                    )
+                )
+                continue
+            protocols.add(pool.spec.protocol)
+            named = [e.key for e in pool.spec.endpoints if not is_ip(e.address)]
+            if named:
+                out.append(
+                    Diagnostic(
+                        "error",
+                        "Pool",
+                        target.pool,
+                        f"endpoint {named[0]} is a DNS name; endpoints must be IP addresses "
+                        "(DNS-addressed external providers are not supported yet), so it is "
+                        "left out",
+                        "spec.endpoints",
+                    )
+                )
+            if not pool_endpoints(pool, state.registered.get(target.pool, {})):
+                out.append(
+                    Diagnostic(
+                        "warning",
+                        "RoutingPolicy",
+                        name,
+                        f"pool {target.pool!r} has no endpoints",
+                        path,
+                    )
+                )
+    if len(protocols) > 1:
+        out.append(
+            Diagnostic(
+                "error",
+                "RoutingPolicy",
+                name,
+                f"route {route.name!r} mixes http1 and http2 pools; one Envoy cluster speaks "
+                "one protocol, so the first tier's protocol is used",
+                f"spec.routes[{index}]",
+            )
+        )
+    return out
+
+
+def _compile_route(
+    policy: RoutingPolicy, route: Route, state: PolicyState
+) -> tuple[PlanCluster, PlanRoute]:
+    name = cluster_name(policy.metadata.name, route.name)
+    endpoints: list[PlanEndpoint] = []
+    for priority, tier in enumerate(route.tiers):
+        endpoints.extend(_tier_endpoints(tier, priority, state))
+    # Cluster-wide settings come from the first pool that exists, preferring tier 0.
+    primary = next(
+        (
+            state.pools[target.pool]
+            for tier in route.tiers
+            for target in tier.pools
+            if target.pool in state.pools
+        ),
+        None,
+    )
+    spec = (
+        primary.spec
+        if primary is not None
+        else Pool.model_validate({"metadata": {"name": "none"}, "spec": {}}).spec
+    )
+    cluster = PlanCluster(
+        name=name,
+        protocol=spec.protocol,
+        balancing=route.balancing,
+        affinity=route.session_affinity,
+        connect_timeout=spec.connect_timeout,
+        health_check=spec.health_check,
+        outlier_detection=spec.outlier_detection,
+        circuit_breakers=spec.circuit_breakers,
+        tls=spec.tls,
+        auth=spec.auth,
+        endpoints=tuple(endpoints),
+    )
+    plan_route = PlanRoute(
+        name=name,
+        cluster=name,
+        models=tuple(route.match.models),
+        path_prefix=route.match.path_prefix,
+        headers=tuple((header.name, header.value) for header in route.match.headers),
+        affinity=route.session_affinity,
+        retries=route.retries,
+        timeouts=route.timeouts,
+        rate_limit=route.rate_limit,
+        host_rewrite=spec.host_rewrite,
+        tiers=len(route.tiers),
+    )
+    return cluster, plan_route
+
+
+def fleet_names(state: PolicyState) -> list[str]:
+    """Every fleet that gets its own config: named by a policy or a Fleet object, plus default."""
+    names = {DEFAULT_FLEET, *state.fleets}
+    for policy in state.policies.values():
+        names.update(fleet for fleet in policy.spec.fleets if fleet != "*")
+    return sorted(names)
+
+
+def _applies(policy: RoutingPolicy, fleet: str) -> bool:
+    return "*" in policy.spec.fleets or fleet in policy.spec.fleets
+
+
+def compile_plan(state: PolicyState) -> RoutingPlan:
+    """Build the routing plan for every fleet. Pure: the same state gives the same plan."""
+    diagnostics: list[Diagnostic] = []
+    compiled: dict[str, tuple[list[PlanCluster], PlanVirtualHost]] = {}
+    for policy_name in sorted(state.policies):
+        policy = state.policies[policy_name]
+        policy_clusters = []
+        routes = []
+        for index, route in enumerate(policy.spec.routes):
+            diagnostics.extend(_route_diagnostics(policy, index, route, state))
+            cluster, plan_route = _compile_route(policy, route, state)
+            policy_clusters.append(cluster)
+            routes.append(plan_route)
+        compiled[policy_name] = (
+            policy_clusters,
+            PlanVirtualHost(
+                name=policy_name,
+                domains=tuple(policy.spec.hosts),
+                model_header=policy.spec.model_header,
+                routes=tuple(routes),
+            ),
+        )
+
+    fleets = []
+    for fleet in fleet_names(state):
+        fleet_object = state.fleets.get(fleet)
+        settings = fleet_object.spec if fleet_object is not None else FleetSpec()
+        by_port: dict[int, list[RoutingPolicy]] = {}
+        for policy_name in sorted(state.policies):
+            policy = state.policies[policy_name]
+            if _applies(policy, fleet):
+                by_port.setdefault(policy.spec.listener.port, []).append(policy)
+        listeners = []
+        clusters: list[PlanCluster] = []
+        for port in sorted(by_port):
+            vhosts, port_clusters, port_diagnostics = _merge_listener(
+                fleet, by_port[port], compiled
+            )
+            diagnostics.extend(port_diagnostics)
+            clusters.extend(port_clusters)
+            listeners.append(
+                PlanListener(
+                    name=listener_name(port),
+                    address=by_port[port][0].spec.listener.address,
+                    port=port,
+                    virtual_hosts=tuple(vhosts),
+                    max_request_body_bytes=settings.max_request_body_bytes,
+                    access_log=settings.access_log,
+                    drain_timeout=settings.drain_timeout,
+                )
+            )
+        fleets.append(FleetPlan(fleet=fleet, listeners=tuple(listeners), clusters=tuple(clusters)))
+    return RoutingPlan(fleets=tuple(fleets), diagnostics=_dedupe(diagnostics))
+
+
+def _merge_listener(
+    fleet: str,
+    policies: list[RoutingPolicy],
+    compiled: Mapping[str, tuple[list[PlanCluster], PlanVirtualHost]],
+) -> tuple[list[PlanVirtualHost], list[PlanCluster], list[Diagnostic]]:
+    """Put several policies on one port; a policy whose host names are taken is left out."""
+    vhosts: list[PlanVirtualHost] = []
+    clusters: list[PlanCluster] = []
+    diagnostics: list[Diagnostic] = []
+    owner: dict[str, str] = {}
+    for policy in policies:
+        name = policy.metadata.name
+        taken = [domain for domain in policy.spec.hosts if domain in owner]
+        if taken:
+            diagnostics.append(
+                Diagnostic(
+                    "error",
+                    "RoutingPolicy",
+                    name,
+                    f"host {taken[0]!r} on port {policy.spec.listener.port} already belongs to "
+                    f"policy {owner[taken[0]]!r} in fleet {fleet!r}; this policy is not applied "
+                    "there",
+                    "spec.hosts",
+                )
+            )
+            continue
+        owner.update(dict.fromkeys(policy.spec.hosts, name))
+        policy_clusters, vhost = compiled[name]
+        vhosts.append(vhost)
+        clusters.extend(policy_clusters)
+    return vhosts, clusters, diagnostics
+
+
+def _dedupe(diagnostics: Iterable[Diagnostic]) -> tuple[Diagnostic, ...]:
+    return tuple(dict.fromkeys(diagnostics))

@@ -1,0 +1,152 @@
+"""The routing plan: what every fleet of Envoys should do, as plain immutable data.
+
+``policies.compile`` builds it from validated objects, registered endpoints and telemetry;
+``xdsserver.translate`` turns it into Envoy resources. Nothing here does I/O, and nothing here
+knows about protobuf: the plan is what a reviewer reads to see what kvpilot decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from policies.models import (
+    TLS,
+    AuthHeader,
+    Balancing,
+    CircuitBreakers,
+    EndpointHealth,
+    HealthCheck,
+    OutlierDetection,
+    Protocol,
+    RateLimit,
+    Retries,
+    SessionAffinity,
+    Timeouts,
+)
+
+DEFAULT_FLEET = "default"
+"""The fleet whose config an Envoy gets when its node.cluster has no config of its own."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanEndpoint:
+    """One upstream host in one priority of a cluster."""
+
+    pool: str
+    address: str
+    port: int
+    weight: int
+    priority: int
+    health: EndpointHealth = "healthy"
+    region: str = ""
+    zone: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCluster:
+    """An Envoy cluster: the hosts a route may use, tier k at priority k."""
+
+    name: str
+    protocol: Protocol
+    balancing: Balancing
+    affinity: SessionAffinity | None
+    connect_timeout: float
+    health_check: HealthCheck
+    outlier_detection: OutlierDetection
+    circuit_breakers: CircuitBreakers
+    tls: TLS | None
+    auth: AuthHeader | None
+    endpoints: tuple[PlanEndpoint, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRoute:
+    """One route entry of a virtual host."""
+
+    name: str
+    cluster: str
+    models: tuple[str, ...]
+    path_prefix: str
+    headers: tuple[tuple[str, str], ...]
+    affinity: SessionAffinity | None
+    retries: Retries
+    timeouts: Timeouts
+    rate_limit: RateLimit | None
+    host_rewrite: str | None
+    tiers: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanVirtualHost:
+    """The routes of one RoutingPolicy on one listener."""
+
+    name: str
+    domains: tuple[str, ...]
+    model_header: str
+    routes: tuple[PlanRoute, ...]
+
+    @property
+    def routes_by_model(self) -> bool:
+        """True when some route selects requests by model name."""
+        return any(route.models for route in self.routes)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanListener:
+    """A listener and its route configuration (both named after the port)."""
+
+    name: str
+    address: str
+    port: int
+    virtual_hosts: tuple[PlanVirtualHost, ...]
+    max_request_body_bytes: int
+    access_log: bool
+    drain_timeout: float
+
+    @property
+    def routes_by_model(self) -> bool:
+        """True when the listener must read the request body's ``model`` field."""
+        return any(vhost.routes_by_model for vhost in self.virtual_hosts)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetPlan:
+    """Everything one fleet of Envoys is sent."""
+
+    fleet: str
+    listeners: tuple[PlanListener, ...]
+    clusters: tuple[PlanCluster, ...]
+
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnostic:
+    """Something a user should fix; the rest of the plan still ships (best effort)."""
+
+    severity: Severity
+    kind: str
+    name: str
+    message: str
+    path: str = ""
+
+    def __str__(self) -> str:
+        where = f"{self.kind}/{self.name}" + (f" at {self.path}" if self.path else "")
+        return f"{self.severity}: {where}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPlan:
+    """The compiled plan for every fleet, plus what could not be compiled and why."""
+
+    fleets: tuple[FleetPlan, ...]
+    diagnostics: tuple[Diagnostic, ...] = field(default=())
+
+    def fleet(self, name: str) -> FleetPlan | None:
+        """The plan of fleet ``name``, or None."""
+        for plan in self.fleets:
+            if plan.fleet == name:
+                return plan
+        return None

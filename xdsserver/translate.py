@@ -1,0 +1,533 @@
+"""Routing plan -> Envoy resources (CDS, EDS, LDS, RDS). Pure: no I/O, no state.
+
+Each function maps one plan type to one Envoy proto, so a reader can hold a plan dataclass and
+its Envoy counterpart side by side. Envoy behaviours that shaped a choice are cited inline; the
+measured ones are in design.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import (
+    address_pb2,
+    base_pb2,
+    config_source_pb2,
+    health_check_pb2,
+    protocol_pb2,
+)
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
+from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.matcher.v3 import metadata_pb2, string_pb2
+from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
+from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
+from google.protobuf.message import Message
+
+from policies.plan import FleetPlan, PlanCluster, PlanListener, PlanRoute, PlanVirtualHost
+from xdsserver import resources
+
+MODEL_METADATA_NAMESPACE = "envoy.lb"
+"""Where json_to_metadata puts the body's ``model`` field (design.md: namespace envoy.lb)."""
+MODEL_METADATA_KEY = "model"
+AFFINITY_SUFFIX = "/affinity"
+"""Suffix of the consistent-hash twin of a route cluster (same endpoints, same EDS resource)."""
+
+_HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_HEALTH = {
+    "healthy": health_check_pb2.HEALTHY,
+    "unhealthy": health_check_pb2.UNHEALTHY,
+    "draining": health_check_pb2.DRAINING,
+    "degraded": health_check_pb2.DEGRADED,
+}
+_LB_POLICY = {
+    "round_robin": cluster_pb2.Cluster.ROUND_ROBIN,
+    "least_request": cluster_pb2.Cluster.LEAST_REQUEST,
+    "random": cluster_pb2.Cluster.RANDOM,
+    # Telemetry weights are endpoint weights, which least request follows while also
+    # counting in-flight requests (design.md).
+    "telemetry": cluster_pb2.Cluster.LEAST_REQUEST,
+    "orca": cluster_pb2.Cluster.LEAST_REQUEST,
+}
+_RETRY_ON = {
+    "5xx": "5xx",
+    "reset": "reset",
+    "connect-failure": "connect-failure",
+    "gateway-error": "gateway-error",
+    "refused-stream": "refused-stream",
+    "429": "retriable-status-codes",
+}
+UNKNOWN_MODEL_BODY = json.dumps(
+    {
+        "error": {
+            "message": "The model in this request is not served here.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetResources:
+    """The four resource lists that make up one fleet's configuration."""
+
+    clusters: tuple[cluster_pb2.Cluster, ...]
+    endpoints: tuple[endpoint_pb2.ClusterLoadAssignment, ...]
+    listeners: tuple[listener_pb2.Listener, ...]
+    routes: tuple[route_pb2.RouteConfiguration, ...]
+
+    def by_type(self) -> dict[str, tuple[Message, ...]]:
+        """Resources keyed by xDS type URL, in make-before-break order."""
+        return {
+            resources.CLUSTER: self.clusters,
+            resources.ENDPOINT: self.endpoints,
+            resources.LISTENER: self.listeners,
+            resources.ROUTE: self.routes,
+        }
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    value = duration_pb2.Duration()
+    value.FromNanoseconds(round(seconds * 1e9))
+    return value
+
+
+def _any(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def _ads() -> config_source_pb2.ConfigSource:
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(),
+        resource_api_version=config_source_pb2.V3,
+    )
+
+
+def translate(plan: FleetPlan) -> FleetResources:
+    """All Envoy resources for one fleet."""
+    clusters: list[cluster_pb2.Cluster] = []
+    endpoints: list[endpoint_pb2.ClusterLoadAssignment] = []
+    for cluster in plan.clusters:
+        clusters.extend(translate_cluster(cluster))
+        endpoints.append(translate_endpoints(cluster))
+    return FleetResources(
+        clusters=tuple(clusters),
+        endpoints=tuple(endpoints),
+        listeners=tuple(translate_listener(listener) for listener in plan.listeners),
+        routes=tuple(translate_route_configuration(listener) for listener in plan.listeners),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# CDS and EDS
+# --------------------------------------------------------------------------------------------
+
+
+def translate_cluster(cluster: PlanCluster) -> list[cluster_pb2.Cluster]:
+    """The route's cluster, plus a consistent-hash twin when the route has session affinity.
+
+    Both read the same ClusterLoadAssignment (``eds_cluster_config.service_name``), so a
+    weight change is one EDS update. Requests with the session header go to the twin;
+    requests without it keep the route's balancing mode instead of landing on a random host.
+    """
+    base = _cluster(cluster, cluster.name)
+    base.lb_policy = _LB_POLICY[cluster.balancing]
+    out = [base]
+    if cluster.affinity is not None:
+        twin = _cluster(cluster, cluster.name + AFFINITY_SUFFIX)
+        if cluster.affinity.algorithm == "maglev":
+            twin.lb_policy = cluster_pb2.Cluster.MAGLEV
+        else:
+            twin.lb_policy = cluster_pb2.Cluster.RING_HASH
+            twin.ring_hash_lb_config.minimum_ring_size.value = 1024
+        if cluster.affinity.hash_balance_factor:
+            # Bounded load: no host above factor% of the average in-flight load.
+            twin.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = (
+                cluster.affinity.hash_balance_factor
+            )
+        out.append(twin)
+    return out
+
+
+def _cluster(cluster: PlanCluster, name: str) -> cluster_pb2.Cluster:
+    out = cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
+            eds_config=_ads(), service_name=cluster.name
+        ),
+        connect_timeout=_duration(cluster.connect_timeout),
+    )
+    # Apply a new host set at once; the 1 s default merge window delays failover.
+    out.common_lb_config.update_merge_window.CopyFrom(_duration(0))
+    protocol_options = http_protocol_options_pb2.HttpProtocolOptions()
+    if cluster.protocol == "http2":
+        protocol_options.explicit_http_config.http2_protocol_options.CopyFrom(
+            protocol_pb2.Http2ProtocolOptions()
+        )
+    else:
+        protocol_options.explicit_http_config.http_protocol_options.CopyFrom(
+            protocol_pb2.Http1ProtocolOptions()
+        )
+    out.typed_extension_protocol_options[_HTTP_PROTOCOL_OPTIONS].CopyFrom(_any(protocol_options))
+
+    check = cluster.health_check
+    if check.enabled:
+        out.health_checks.append(
+            health_check_pb2.HealthCheck(
+                timeout=_duration(check.timeout),
+                interval=_duration(check.interval),
+                # Idle tiers are checked as often as busy ones: failover needs to know
+                # whether priority 1 is healthy before traffic reaches it.
+                no_traffic_interval=_duration(check.interval),
+                unhealthy_threshold=wrappers_pb2.UInt32Value(value=check.unhealthy_threshold),
+                healthy_threshold=wrappers_pb2.UInt32Value(value=check.healthy_threshold),
+                http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=check.path),
+            )
+        )
+    outlier = cluster.outlier_detection
+    if outlier.enabled:
+        out.outlier_detection.CopyFrom(
+            outlier_detection_pb2.OutlierDetection(
+                consecutive_5xx=wrappers_pb2.UInt32Value(value=outlier.consecutive_5xx),
+                consecutive_gateway_failure=wrappers_pb2.UInt32Value(
+                    value=outlier.consecutive_gateway_failure
+                ),
+                # Envoy's default enforcement for gateway failures is 0%.
+                enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=100),
+                interval=_duration(outlier.interval),
+                base_ejection_time=_duration(outlier.base_ejection_time),
+                # Envoy's default of 10% never ejects anything among fewer than 10 hosts.
+                max_ejection_percent=wrappers_pb2.UInt32Value(value=outlier.max_ejection_percent),
+            )
+        )
+    breakers = cluster.circuit_breakers
+    out.circuit_breakers.CopyFrom(
+        circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                    max_connections=wrappers_pb2.UInt32Value(value=breakers.max_connections),
+                    max_pending_requests=wrappers_pb2.UInt32Value(
+                        value=breakers.max_pending_requests
+                    ),
+                    max_requests=wrappers_pb2.UInt32Value(value=breakers.max_requests),
+                    max_retries=wrappers_pb2.UInt32Value(value=breakers.max_retries),
+                )
+            ]
+        )
+    )
+    if cluster.tls is not None:
+        context = tls_pb2.UpstreamTlsContext(sni=cluster.tls.sni or "")
+        if cluster.tls.ca_file and not cluster.tls.insecure_skip_verify:
+            context.common_tls_context.validation_context.CopyFrom(
+                common_pb2.CertificateValidationContext(
+                    trusted_ca=base_pb2.DataSource(filename=cluster.tls.ca_file)
+                )
+            )
+        out.transport_socket.name = "envoy.transport_sockets.tls"
+        out.transport_socket.typed_config.CopyFrom(_any(context))
+    return out
+
+
+def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignment:
+    """One ClusterLoadAssignment per route: tier k at priority k, grouped by locality."""
+    groups: dict[tuple[int, str, str], list[endpoint_components_pb2.LbEndpoint]] = {}
+    for endpoint in cluster.endpoints:
+        groups.setdefault((endpoint.priority, endpoint.region, endpoint.zone), []).append(
+            endpoint_components_pb2.LbEndpoint(
+                endpoint=endpoint_components_pb2.Endpoint(
+                    address=_socket_address(endpoint.address, endpoint.port)
+                ),
+                health_status=_HEALTH[endpoint.health],
+                load_balancing_weight=wrappers_pb2.UInt32Value(value=endpoint.weight),
+                metadata=base_pb2.Metadata(
+                    filter_metadata={
+                        "kvpilot": struct_pb2.Struct(
+                            fields={"pool": struct_pb2.Value(string_value=endpoint.pool)}
+                        )
+                    }
+                ),
+            )
+        )
+    return endpoint_pb2.ClusterLoadAssignment(
+        cluster_name=cluster.name,
+        endpoints=[
+            endpoint_components_pb2.LocalityLbEndpoints(
+                locality=base_pb2.Locality(region=region, zone=zone),
+                priority=priority,
+                lb_endpoints=lb_endpoints,
+            )
+            for (priority, region, zone), lb_endpoints in sorted(groups.items())
+        ],
+    )
+
+
+def _socket_address(address: str, port: int) -> address_pb2.Address:
+    return address_pb2.Address(
+        socket_address=address_pb2.SocketAddress(address=address, port_value=port)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# LDS and RDS
+# --------------------------------------------------------------------------------------------
+
+
+def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
+    """A plain-HTTP listener whose routes come over RDS (route configuration of the same name)."""
+    filters: list[hcm_pb2.HttpFilter] = []
+    if listener.routes_by_model:
+        filters.append(
+            hcm_pb2.HttpFilter(
+                name="envoy.filters.http.json_to_metadata",
+                typed_config=_any(_model_to_metadata()),
+            )
+        )
+    filters.append(
+        hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router()))
+    )
+    manager = hcm_pb2.HttpConnectionManager(
+        stat_prefix=listener.name,
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=listener.name),
+        http_filters=filters,
+        # Streams may stay silent while a long prompt is prefilled; the per-route idle
+        # timeout governs instead.
+        stream_idle_timeout=_duration(0),
+        drain_timeout=_duration(listener.drain_timeout),
+    )
+    if listener.access_log:
+        manager.access_log.append(
+            accesslog_pb2.AccessLog(
+                name="envoy.access_loggers.stdout",
+                typed_config=_any(stream_pb2.StdoutAccessLog()),
+            )
+        )
+    return listener_pb2.Listener(
+        name=listener.name,
+        address=_socket_address(listener.address, listener.port),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[
+                    listener_components_pb2.Filter(
+                        name="envoy.filters.network.http_connection_manager",
+                        typed_config=_any(manager),
+                    )
+                ]
+            )
+        ],
+    )
+
+
+def _model_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
+    """Copy the OpenAI ``model`` body field to dynamic metadata; the filter then clears the
+    route cache so routes can match on it. Without the charset variant and empty content
+    types, many clients' requests would skip the filter (design.md)."""
+    rule = json_to_metadata_pb2.JsonToMetadata.Rule(
+        selectors=[json_to_metadata_pb2.JsonToMetadata.Selector(key=MODEL_METADATA_KEY)],
+        on_present=json_to_metadata_pb2.JsonToMetadata.KeyValuePair(
+            metadata_namespace=MODEL_METADATA_NAMESPACE,
+            key=MODEL_METADATA_KEY,
+            type=json_to_metadata_pb2.JsonToMetadata.STRING,
+        ),
+    )
+    return json_to_metadata_pb2.JsonToMetadata(
+        request_rules=json_to_metadata_pb2.JsonToMetadata.MatchRules(
+            rules=[rule],
+            allow_content_types=["application/json", "application/json; charset=utf-8"],
+            allow_empty_content_type=True,
+        )
+    )
+
+
+def translate_route_configuration(listener: PlanListener) -> route_pb2.RouteConfiguration:
+    """One virtual host per RoutingPolicy on this listener."""
+    return route_pb2.RouteConfiguration(
+        name=listener.name,
+        virtual_hosts=[
+            _virtual_host(vhost, listener.max_request_body_bytes)
+            for vhost in listener.virtual_hosts
+        ],
+    )
+
+
+def _virtual_host(vhost: PlanVirtualHost, body_limit: int) -> route_components_pb2.VirtualHost:
+    routes: list[route_components_pb2.Route] = []
+    for route in vhost.routes:
+        routes.extend(_routes(route, vhost.model_header, body_limit))
+    if vhost.routes_by_model:
+        routes.append(_unknown_model_route())
+    return route_components_pb2.VirtualHost(
+        name=vhost.name, domains=list(vhost.domains), routes=routes
+    )
+
+
+def _routes(
+    route: PlanRoute, model_header: str, body_limit: int
+) -> Iterable[route_components_pb2.Route]:
+    """Envoy route entries for one plan route.
+
+    A route that selects by model gets two entries per model: the override header first, then
+    the body field. With session affinity each of those is preceded by an entry that requires
+    the session header and targets the consistent-hash cluster.
+    """
+    matches: list[route_components_pb2.RouteMatch] = []
+    if route.models:
+        for model in route.models:
+            matches.append(_match(route, header=(model_header, model)))
+            matches.append(_match(route, model=model))
+    else:
+        matches.append(_match(route))
+    for index, match in enumerate(matches):
+        if route.affinity is not None:
+            hashed = route_components_pb2.RouteMatch()
+            hashed.CopyFrom(match)
+            hashed.headers.append(
+                route_components_pb2.HeaderMatcher(name=route.affinity.header, present_match=True)
+            )
+            yield _route_entry(
+                route,
+                f"{route.name}#{index}/affinity",
+                hashed,
+                affinity=True,
+                body_limit=body_limit,
+            )
+        yield _route_entry(
+            route, f"{route.name}#{index}", match, affinity=False, body_limit=body_limit
+        )
+
+
+def _match(
+    route: PlanRoute, *, header: tuple[str, str] | None = None, model: str | None = None
+) -> route_components_pb2.RouteMatch:
+    match = route_components_pb2.RouteMatch(prefix=route.path_prefix)
+    for name, value in (*route.headers, *([header] if header else [])):
+        match.headers.append(
+            route_components_pb2.HeaderMatcher(
+                name=name, string_match=string_pb2.StringMatcher(exact=value)
+            )
+        )
+    if model is not None:
+        match.dynamic_metadata.append(
+            metadata_pb2.MetadataMatcher(
+                filter=MODEL_METADATA_NAMESPACE,
+                path=[metadata_pb2.MetadataMatcher.PathSegment(key=MODEL_METADATA_KEY)],
+                value=value_matcher_pb2.ValueMatcher(
+                    string_match=string_pb2.StringMatcher(exact=model)
+                ),
+            )
+        )
+    return match
+
+
+def _route_entry(
+    route: PlanRoute,
+    name: str,
+    match: route_components_pb2.RouteMatch,
+    *,
+    affinity: bool,
+    body_limit: int,
+) -> route_components_pb2.Route:
+    action = route_components_pb2.RouteAction(
+        cluster=route.cluster + (AFFINITY_SUFFIX if affinity else ""),
+        timeout=_duration(route.timeouts.request),
+        idle_timeout=_duration(route.timeouts.idle),
+        retry_policy=_retry_policy(route, affinity=affinity),
+    )
+    if affinity and route.affinity is not None:
+        action.hash_policy.append(
+            route_components_pb2.RouteAction.HashPolicy(
+                header=route_components_pb2.RouteAction.HashPolicy.Header(
+                    header_name=route.affinity.header
+                )
+            )
+        )
+    if route.host_rewrite:
+        action.host_rewrite_literal = route.host_rewrite
+    out = route_components_pb2.Route(name=name, match=match, route=action)
+    # Long prompts are the norm: let the model-routing filter buffer the whole body.
+    out.request_body_buffer_limit.value = body_limit
+    return out
+
+
+def _retry_policy(route: PlanRoute, *, affinity: bool) -> route_components_pb2.RetryPolicy:
+    retries = route.retries
+    policy = route_components_pb2.RetryPolicy(
+        retry_on=",".join(dict.fromkeys(_RETRY_ON[condition] for condition in retries.retry_on)),
+        num_retries=wrappers_pb2.UInt32Value(value=retries.attempts),
+        retry_host_predicate=[
+            route_components_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        ],
+        # A consistent hash picks the same host again on retry unless asked to re-pick many
+        # times; plain balancers need only a few attempts.
+        host_selection_retry_max_attempts=50 if affinity else 5,
+        retry_back_off=route_components_pb2.RetryPolicy.RetryBackOff(
+            base_interval=_duration(retries.backoff_base),
+            max_interval=_duration(retries.backoff_base * 10),
+        ),
+    )
+    if "429" in retries.retry_on:
+        policy.retriable_status_codes.append(429)
+    if retries.per_try_timeout:
+        policy.per_try_timeout.CopyFrom(_duration(retries.per_try_timeout))
+    if route.tiers > 1:
+        # Move to the next tier on retry even when the failed tier still looks healthy
+        # (a single priority-0 host answering 429, for example).
+        policy.retry_priority.CopyFrom(
+            route_components_pb2.RetryPolicy.RetryPriority(
+                name="envoy.retry_priorities.previous_priorities",
+                typed_config=_any(
+                    previous_priorities_config_pb2.PreviousPrioritiesConfig(update_frequency=1)
+                ),
+            )
+        )
+    return policy
+
+
+def _unknown_model_route() -> route_components_pb2.Route:
+    """Requests for a model no route serves get OpenAI's 404, not an empty 503."""
+    return route_components_pb2.Route(
+        name="unknown-model",
+        match=route_components_pb2.RouteMatch(prefix="/"),
+        direct_response=route_components_pb2.DirectResponseAction(
+            status=404, body=base_pb2.DataSource(inline_string=UNKNOWN_MODEL_BODY)
+        ),
+        response_headers_to_add=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ],
+    )
+
+
+__all__ = [
+    "AFFINITY_SUFFIX",
+    "FleetResources",
+    "translate",
+    "translate_cluster",
+    "translate_endpoints",
+    "translate_listener",
+    "translate_route_configuration",
+]
