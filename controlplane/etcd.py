@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-import grpc  # type: ignore[import-untyped]  # grpcio ships no type information
+import grpc
 from aetcd import rpc
 
 log = logging.getLogger(__name__)
@@ -426,21 +426,45 @@ class EtcdClient:
         exist), ``N`` replaces only if the key's ``mod_revision`` is ``N``. Otherwise raises
         ``ConflictError``.
         """
-        put = rpc.PutRequest(key=key, value=value, lease=lease)
+        kv = await self.put_kv(key, value, lease=lease, expect_mod_revision=expect_mod_revision)
+        return kv.mod_revision
+
+    async def put_kv(
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        lease: int = 0,
+        expect_mod_revision: int | None = None,
+    ) -> KeyValue:
+        """Like ``put``, but returns the written ``KeyValue`` (its create revision and version
+        come from the same atomic write, not from a second read)."""
+        put = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
         if expect_mod_revision is None:
             response = await self._call(lambda c, t: c.kv.Put(put, timeout=t), what=f"put {key!r}")
-            return int(response.header.revision)
-        txn = rpc.TxnRequest(
-            compare=[_mod_revision_equals(key, expect_mod_revision)],
-            success=[rpc.RequestOp(request_put=put)],
-            failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key))],
+            put_response = response
+        else:
+            txn = rpc.TxnRequest(
+                compare=[_mod_revision_equals(key, expect_mod_revision)],
+                success=[rpc.RequestOp(request_put=put)],
+                failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key))],
+            )
+            response = await self._call(
+                lambda c, t: c.kv.Txn(txn, timeout=t), what=f"put {key!r}", idempotent=False
+            )
+            if not response.succeeded:
+                raise ConflictError(key, _txn_actual_revision(response), expect_mod_revision)
+            put_response = response.responses[0].response_put
+        revision = int(response.header.revision)
+        prev = put_response.prev_kv if put_response.HasField("prev_kv") else None
+        return KeyValue(
+            key=key,
+            value=value,
+            create_revision=int(prev.create_revision) if prev is not None else revision,
+            mod_revision=revision,
+            version=int(prev.version) + 1 if prev is not None else 1,
+            lease=lease,
         )
-        response = await self._call(
-            lambda c, t: c.kv.Txn(txn, timeout=t), what=f"put {key!r}", idempotent=False
-        )
-        if not response.succeeded:
-            raise ConflictError(key, _txn_actual_revision(response), expect_mod_revision)
-        return int(response.header.revision)
 
     async def delete(self, key: bytes, *, expect_mod_revision: int | None = None) -> bool:
         """Delete ``key``; True if it existed. With ``expect_mod_revision``, ``ConflictError``
