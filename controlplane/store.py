@@ -55,6 +55,7 @@ from controlplane.etcd import (
     EtcdError,
     EventType,
     KeyValue,
+    WatchBatch,
 )
 
 log = logging.getLogger(__name__)
@@ -496,10 +497,9 @@ class StateMirror:
         log.info("loaded %d keys under %s at revision %d", len(fresh), self._keys.prefix, revision)
         await self._notify(StateChange(revision, changed, full_resync=True))
 
-    async def _apply(self, batch: list[Any]) -> None:
-        revision: int = getattr(batch, "revision", self.revision)
-        if not batch:
-            self.revision = max(self.revision, revision)
+    async def _apply(self, batch: WatchBatch) -> None:
+        if not batch:  # watch established, or a progress notification
+            self.revision = max(self.revision, batch.revision)
             return
         changed: set[str] = set()
         for event in batch:
@@ -509,7 +509,7 @@ class StateMirror:
             else:
                 self._items[key] = event.kv
             changed.add(key)
-        self.revision = max(self.revision, revision)
+        self.revision = max(self.revision, batch.revision)
         await self._notify(StateChange(self.revision, frozenset(changed), full_resync=False))
 
     async def _notify(self, change: StateChange) -> None:

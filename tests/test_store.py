@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -381,3 +382,30 @@ async def test_mirror_with_dead_first_endpoint(etcd: EmbeddedEtcd, etcd_prefix: 
             assert "objects/fleets/edge" in mirror.items
             rev = await c.put(f"{etcd_prefix}/endpoints/p/e".encode(), b"{}")
             await poll(lambda: mirror.revision >= rev, message="mirror follows via endpoint 2")
+
+
+async def test_mirror_relists_when_etcd_history_goes_back(private_etcd: EmbeddedEtcd) -> None:
+    """etcd replaced by an empty one (or restored from an old backup) at the same address."""
+    recorder = Recorder()
+    async with EtcdClient([private_etcd.endpoint], timeout=2.0) as c:
+        store = Store(c)
+        for name in "abcdef":
+            await store.create("Pool", name, pool(name))
+        mirror = StateMirror(c, "/kvpilot", recorder, backoff_max=0.5)
+        async with running(mirror):
+            await poll(lambda: mirror.connected, message="watch established")
+            seen = mirror.revision
+
+            await asyncio.to_thread(private_etcd.stop)
+            await poll(lambda: not mirror.connected, message="mirror notices etcd is gone")
+            shutil.rmtree(private_etcd.data_dir)
+            await asyncio.to_thread(private_etcd.start)
+            rev = await store.create("Pool", "z", pool("z"))
+            assert rev.revision < seen
+
+            await poll(
+                lambda: set(mirror.items) == {"objects/pools/z"},
+                within=20,
+                message="mirror re-lists the new etcd",
+            )
+            assert recorder.changes[-1].full_resync and mirror.revision == rev.revision
