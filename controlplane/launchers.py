@@ -759,7 +759,7 @@ class KvpilotProcess(_Launcher):
             "serve",
             "--etcd-endpoints",
             ",".join(self.etcd_endpoints),
-            "--prefix",
+            "--etcd-prefix",
             self.prefix,
             "--xds-address",
             f"{self.host}:{self.xds_port}",

@@ -1,0 +1,274 @@
+"""`kvpilot serve`: the daemon.
+
+It watches etcd, compiles policies into snapshots, serves them to Envoys over ADS (gRPC) and
+serves the REST API. With no ``--etcd-endpoints`` it starts an embedded etcd under the state
+directory, which is what local use and the demo want; production points at an etcd cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from api.app import ApiContext, create_app
+from api.auth import AuthConfig
+from controlplane.etcd import EtcdClient
+from controlplane.launchers import EmbeddedEtcd
+from controlplane.reconcile import ReconcileMetrics, Reconciler
+from controlplane.store import DEFAULT_PREFIX, StateChange, StateMirror, Store
+from policies import DEFAULT_FLEET
+from xdsserver.server import AdsServer
+from xdsserver.snapshot import SnapshotCache
+from xdsserver.status import ConnectionRegistry
+
+log = logging.getLogger("kvpilot")
+
+
+@dataclass
+class ServeConfig:
+    """Everything the daemon needs; the CLI flags map one to one."""
+
+    etcd_endpoints: list[str] = field(default_factory=list)
+    prefix: str = DEFAULT_PREFIX
+    xds_host: str = "0.0.0.0"
+    xds_port: int = 18000
+    api_host: str = "0.0.0.0"
+    api_port: int = 8080
+    state_dir: Path = Path(".state")
+    tokens_file: Path | None = None
+    insecure_no_auth: bool = False
+    quiet_period: float = 0.02
+    max_wait: float = 0.25
+    default_fleet: str = DEFAULT_FLEET
+    replica_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{uuid.uuid4().hex[:6]}")
+
+
+class _ApiServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the daemon owns SIGINT/SIGTERM and shuts every
+    part down in order (uvicorn would otherwise re-raise the signal after it stops)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _host_port(value: str, default_port: int) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host:
+        return value, default_port
+    return host.strip("[]"), int(port)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` subcommand's flags; each has an environment variable for containers."""
+    env = os.environ.get
+    parser.add_argument(
+        "--etcd-endpoints",
+        default=env("KVPILOT_ETCD_ENDPOINTS", ""),
+        help="comma-separated host:port list of an etcd cluster; empty starts an embedded etcd "
+        "under --state-dir (env KVPILOT_ETCD_ENDPOINTS)",
+    )
+    parser.add_argument(
+        "--etcd-prefix",
+        default=env("KVPILOT_ETCD_PREFIX", DEFAULT_PREFIX),
+        help="etcd key prefix (env KVPILOT_ETCD_PREFIX)",
+    )
+    parser.add_argument(
+        "--xds-address",
+        default=env("KVPILOT_XDS_ADDRESS", "0.0.0.0:18000"),
+        help="ADS gRPC listen address (env KVPILOT_XDS_ADDRESS)",
+    )
+    parser.add_argument(
+        "--api-address",
+        default=env("KVPILOT_API_ADDRESS", "0.0.0.0:8080"),
+        help="REST API listen address (env KVPILOT_API_ADDRESS)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(env("KVPILOT_STATE_DIR", ".state")),
+        help="data of the embedded etcd (env KVPILOT_STATE_DIR)",
+    )
+    parser.add_argument(
+        "--tokens-file",
+        type=Path,
+        default=env("KVPILOT_TOKENS_FILE"),
+        help="YAML/JSON file of API bearer tokens and roles (env KVPILOT_TOKENS_FILE); KVPILOT_ADMIN_TOKEN and KVPILOT_READ_TOKEN also work",
+    )
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve the REST API without authentication (logs a warning)",
+    )
+    parser.add_argument(
+        "--quiet-period",
+        type=float,
+        default=0.02,
+        help="debounce: seconds without changes before a rebuild (default 0.02)",
+    )
+    parser.add_argument(
+        "--max-wait",
+        type=float,
+        default=0.25,
+        help="debounce: longest delay from a change to its rebuild, seconds (default 0.25)",
+    )
+    parser.add_argument(
+        "--default-fleet",
+        default=DEFAULT_FLEET,
+        help="fleet served to Envoys whose node.cluster has no config of its own",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=env("KVPILOT_LOG_LEVEL", "info"),
+        help="debug, info, warning or error",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Turn parsed flags into a ServeConfig."""
+    xds_host, xds_port = _host_port(args.xds_address, 18000)
+    api_host, api_port = _host_port(args.api_address, 8080)
+    return ServeConfig(
+        etcd_endpoints=[e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
+        prefix=args.etcd_prefix,
+        xds_host=xds_host,
+        xds_port=xds_port,
+        api_host=api_host,
+        api_port=api_port,
+        state_dir=args.state_dir,
+        tokens_file=Path(args.tokens_file) if args.tokens_file else None,
+        insecure_no_auth=args.insecure_no_auth,
+        quiet_period=args.quiet_period,
+        max_wait=args.max_wait,
+        default_fleet=args.default_fleet,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `kvpilot serve`."""
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = config_from_args(args)
+    embedded: EmbeddedEtcd | None = None
+    if not config.etcd_endpoints:
+        embedded = EmbeddedEtcd(config.state_dir / "etcd")
+        log.info(
+            "no --etcd-endpoints given: starting an embedded etcd in %s", config.state_dir / "etcd"
+        )
+        embedded.start()
+        config.etcd_endpoints = [embedded.endpoint]
+    try:
+        asyncio.run(serve(config))
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) -> None:
+    """Run the daemon until SIGINT/SIGTERM (or cancellation)."""
+    auth = (
+        AuthConfig.disabled()
+        if config.insecure_no_auth
+        else AuthConfig.from_sources(config.tokens_file, os.environ)
+    )
+    registry = CollectorRegistry()
+    cache = SnapshotCache(default_fleet=config.default_fleet)
+    connections = ConnectionRegistry(registry=registry)
+    reconciler = Reconciler(
+        cache,
+        quiet_period=config.quiet_period,
+        max_wait=config.max_wait,
+        metrics=ReconcileMetrics(registry),
+    )
+    client = EtcdClient(config.etcd_endpoints)
+    await client.connect()
+    store = Store(client, config.prefix)
+
+    mirror: StateMirror
+
+    def on_change(change: StateChange) -> None:
+        reconciler.on_change(change, mirror.items)
+
+    mirror = StateMirror(client, config.prefix, on_change)
+
+    grpc_server = grpc.aio.server(
+        options=[
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ]
+    )
+    AdsServer(cache, connections).add_to(grpc_server)
+    xds_port = grpc_server.add_insecure_port(f"{config.xds_host}:{config.xds_port}")
+
+    app = create_app(
+        ApiContext(
+            store=store,
+            reconciler=reconciler,
+            connections=connections,
+            auth=auth,
+            metrics_registry=registry,
+            etcd=client,
+        )
+    )
+    api = _ApiServer(
+        uvicorn.Config(
+            app, host=config.api_host, port=config.api_port, log_level="warning", lifespan="off"
+        )
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+    await grpc_server.start()
+    tasks = [
+        asyncio.create_task(mirror.run(), name="etcd-watch"),
+        asyncio.create_task(reconciler.run(), name="reconcile"),
+        asyncio.create_task(api.serve(), name="rest-api"),
+    ]
+    log.info(
+        "kvpilot replica %s: etcd %s, prefix %s",
+        config.replica_id,
+        ",".join(config.etcd_endpoints),
+        config.prefix,
+    )
+    log.info("ADS (gRPC, SotW and Delta) listening on %s:%d", config.xds_host, xds_port)
+    log.info(
+        "REST API listening on http://%s:%d (OpenAPI at /docs)", config.api_host, config.api_port
+    )
+    if started is not None:
+        started.set()
+    try:
+        done, _ = await asyncio.wait(
+            [asyncio.create_task(stop.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in done:
+            if task in tasks and task.exception() is not None:
+                log.error("%s stopped: %r", task.get_name(), task.exception())
+    finally:
+        log.info("shutting down")
+        api.should_exit = True
+        await grpc_server.stop(grace=2.0)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
