@@ -1,0 +1,250 @@
+"""What every connected Envoy has, what it rejected and why; plus the xDS Prometheus metrics.
+
+The ADS server reports each event here. The REST status endpoint reads `as_dict()`, and the
+daemon can mirror changes elsewhere (etcd) through `add_listener`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from xdsserver.resources import short_name
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["sotw", "delta"]
+Event = Literal["connected", "disconnected", "subscribed", "sent", "acked", "nacked"]
+Listener = Callable[[Event, "ConnectionStatus"], None]
+
+
+@dataclass
+class Nack:
+    """The last configuration an Envoy rejected."""
+
+    version: str
+    """The version that was rejected (what the server sent with the NACKed nonce)."""
+    nonce: str
+    message: str
+    """Envoy's error_detail message: why it rejected the configuration."""
+    at: float
+    """Wall-clock time (seconds since the epoch)."""
+
+
+@dataclass
+class TypeStatus:
+    """One resource type on one stream."""
+
+    type_url: str
+    version_sent: str = ""
+    version_acked: str = ""
+    """The version the Envoy last accepted; after a NACK it keeps running this one."""
+    nonce: str = ""
+    """Nonce of the last response sent."""
+    last_nack: Nack | None = None
+    wildcard: bool = False
+    resource_names: list[str] = field(default_factory=list)
+    """Names the Envoy subscribed to explicitly (sorted)."""
+
+
+@dataclass
+class ConnectionStatus:
+    """One ADS stream from one Envoy."""
+
+    stream_id: int
+    node_id: str
+    fleet: str
+    peer: str
+    mode: Mode
+    connected_since: float
+    """Wall-clock time (seconds since the epoch)."""
+    types: dict[str, TypeStatus] = field(default_factory=dict)
+
+    def type(self, type_url: str) -> TypeStatus:
+        status = self.types.get(type_url)
+        if status is None:
+            status = self.types[type_url] = TypeStatus(type_url)
+        return status
+
+    def as_dict(self) -> dict[str, Any]:
+        types: dict[str, Any] = {}
+        for type_url, t in self.types.items():
+            nack = t.last_nack
+            types[type_url] = {
+                "type": short_name(type_url),
+                "version_sent": t.version_sent,
+                "version_acked": t.version_acked,
+                "nonce": t.nonce,
+                "wildcard": t.wildcard,
+                "resource_names": list(t.resource_names),
+                "last_nack": None
+                if nack is None
+                else {
+                    "version": nack.version,
+                    "nonce": nack.nonce,
+                    "message": nack.message,
+                    "at": nack.at,
+                },
+            }
+        return {
+            "stream_id": self.stream_id,
+            "node_id": self.node_id,
+            "fleet": self.fleet,
+            "peer": self.peer,
+            "mode": self.mode,
+            "connected_since": self.connected_since,
+            "types": types,
+        }
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.streams = Gauge(
+            "kvpilot_xds_streams", "Open ADS streams.", ["mode"], registry=registry
+        )
+        self.pushes = Counter(
+            "kvpilot_xds_pushes_total", "xDS responses sent.", ["type"], registry=registry
+        )
+        self.acks = Counter(
+            "kvpilot_xds_acks_total",
+            "xDS responses accepted by Envoys.",
+            ["type"],
+            registry=registry,
+        )
+        self.nacks = Counter(
+            "kvpilot_xds_nacks_total",
+            "xDS responses rejected by Envoys.",
+            ["type", "fleet"],
+            registry=registry,
+        )
+        self.push_seconds = Histogram(
+            "kvpilot_xds_push_seconds",
+            "Time from set_snapshot to the response being sent on a stream.",
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+
+
+class ConnectionRegistry:
+    """Status of every open ADS stream, and the xDS metrics.
+
+    Pass a fresh `CollectorRegistry` when several registries live in one process (tests);
+    the default is prometheus_client's global registry.
+    """
+
+    def __init__(
+        self,
+        *,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._metrics = _Metrics(registry if registry is not None else REGISTRY)
+        self._clock = clock
+        self._connections: dict[int, ConnectionStatus] = {}
+        self._listeners: list[Listener] = []
+        self._next_id = 0
+
+    # Reading -------------------------------------------------------------------------------
+
+    def connections(self) -> list[ConnectionStatus]:
+        """A copy of the status of every open stream, oldest first."""
+        return [copy.deepcopy(c) for c in self._connections.values()]
+
+    def find(self, node_id: str) -> list[ConnectionStatus]:
+        """Copies of the open streams of one Envoy (usually one)."""
+        return [copy.deepcopy(c) for c in self._connections.values() if c.node_id == node_id]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly view for the REST status endpoint."""
+        return {"connections": [c.as_dict() for c in self._connections.values()]}
+
+    def add_listener(self, listener: Listener) -> Callable[[], None]:
+        """Call `listener(event, status)` on every change; returns a function that removes it.
+
+        Listeners run synchronously on the event loop: keep them cheap (hand off to a task
+        for I/O). Their exceptions are logged, never raised into the ADS stream.
+        """
+        self._listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return remove
+
+    # Reporting (called by the ADS server) ----------------------------------------------------
+
+    def open(self, *, node_id: str, fleet: str, peer: str, mode: Mode) -> ConnectionStatus:
+        self._next_id += 1
+        status = ConnectionStatus(
+            stream_id=self._next_id,
+            node_id=node_id,
+            fleet=fleet,
+            peer=peer,
+            mode=mode,
+            connected_since=self._clock(),
+        )
+        self._connections[status.stream_id] = status
+        self._metrics.streams.labels(mode=mode).inc()
+        self._notify("connected", status)
+        return status
+
+    def close(self, status: ConnectionStatus) -> None:
+        if self._connections.pop(status.stream_id, None) is None:
+            return
+        self._metrics.streams.labels(mode=status.mode).dec()
+        self._notify("disconnected", status)
+
+    def subscribed(
+        self, status: ConnectionStatus, type_url: str, names: Iterable[str], *, wildcard: bool
+    ) -> None:
+        t = status.type(type_url)
+        t.resource_names = sorted(names)
+        t.wildcard = wildcard
+        self._notify("subscribed", status)
+
+    def sent(
+        self,
+        status: ConnectionStatus,
+        type_url: str,
+        *,
+        version: str,
+        nonce: str,
+        changed_at: float | None = None,
+    ) -> None:
+        """A response went out; `changed_at` is the `time.monotonic()` of the snapshot change
+        that caused it, if one did."""
+        t = status.type(type_url)
+        t.version_sent = version
+        t.nonce = nonce
+        self._metrics.pushes.labels(type=short_name(type_url)).inc()
+        if changed_at is not None:
+            self._metrics.push_seconds.observe(max(0.0, time.monotonic() - changed_at))
+        self._notify("sent", status)
+
+    def acked(self, status: ConnectionStatus, type_url: str, *, version: str) -> None:
+        status.type(type_url).version_acked = version
+        self._metrics.acks.labels(type=short_name(type_url)).inc()
+        self._notify("acked", status)
+
+    def nacked(
+        self, status: ConnectionStatus, type_url: str, *, version: str, nonce: str, message: str
+    ) -> None:
+        status.type(type_url).last_nack = Nack(
+            version=version, nonce=nonce, message=message, at=self._clock()
+        )
+        self._metrics.nacks.labels(type=short_name(type_url), fleet=status.fleet).inc()
+        self._notify("nacked", status)
+
+    def _notify(self, event: Event, status: ConnectionStatus) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event, status)
+            except Exception:
+                log.exception("connection status listener failed on %s", event)
