@@ -1,0 +1,331 @@
+"""ADS state-of-the-world (StreamAggregatedResources) against a real grpc.aio server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from xdsclient import (
+    RunningServer,
+    SotwStream,
+    make_cluster,
+    make_endpoints,
+    make_listener,
+    make_messages,
+    make_route,
+    names_of,
+    unpack,
+    wait_until,
+)
+
+from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
+from xdsserver.snapshot import Snapshot
+
+
+def snap(clusters: dict[str, list[int]], **kw: Any) -> Snapshot:
+    return Snapshot.from_messages(make_messages(clusters, **kw))
+
+
+@pytest.fixture
+async def ads() -> AsyncIterator[RunningServer]:
+    async with RunningServer() as server:
+        yield server
+
+
+def metric(ads: RunningServer, name: str, **labels: str) -> float:
+    return ads.metric(name, **labels)
+
+
+async def recv(s: SotwStream, type_url: str | None = None) -> Any:
+    response = await (s.recv_type(type_url) if type_url else s.recv())
+    names = names_of(response)
+    assert len(names) == len(set(names)), f"duplicate names in {names}"  # rule 8
+    assert response.nonce
+    return response
+
+
+async def join(s: SotwStream, eds: list[str], rds: list[str]) -> dict[str, Any]:
+    """Subscribe like Envoy does at start: CDS, then EDS for its clusters, LDS, RDS; ACK each."""
+    got = {}
+    for type_url, names in ((CLUSTER, []), (ENDPOINT, eds), (LISTENER, []), (ROUTE, rds)):
+        await s.send(type_url, names)
+        got[type_url] = response = await recv(s)
+        assert response.type_url == type_url
+        await s.ack(response, names)
+    return got
+
+
+async def test_ack_records_the_version_and_triggers_no_resend(ads: RunningServer) -> None:
+    snapshot = snap({"a": [1], "b": [2]})
+    ads.cache.set_snapshot("default", snapshot)
+    async with ads.sotw("envoy-1") as s:
+        got = await join(s, ["a", "b"], ["ingress-routes"])
+        for type_url, response in got.items():
+            # version_info is the snapshot's content hash for the type (rule 2).
+            assert response.version_info == snapshot.version(type_url)
+        assert len({r.nonce for r in got.values()}) == 4
+        await s.expect_silence()
+        [conn] = ads.status.connections()
+        assert conn.node_id == "envoy-1" and conn.fleet == "default" and conn.mode == "sotw"
+        assert conn.types[CLUSTER].version_acked == snapshot.version(CLUSTER)
+        assert conn.types[ENDPOINT].resource_names == ["a", "b"]
+        assert metric(ads, "kvpilot_xds_acks_total", type="CDS") == 1
+        assert metric(ads, "kvpilot_xds_pushes_total", type="EDS") == 1
+
+
+async def test_wildcard_cds_gets_all_and_named_eds_only_what_it_asks(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2], "c": [3]}))
+    async with ads.sotw("envoy-1") as s:
+        await s.send(CLUSTER, [])
+        assert sorted(names_of(await recv(s))) == ["a", "b", "c"]
+    async with ads.sotw("envoy-2") as s:
+        await s.send(CLUSTER, ["*"])
+        assert sorted(names_of(await recv(s))) == ["a", "b", "c"]
+        await s.send(ENDPOINT, ["b", "b"])
+        response = await recv(s)
+        assert names_of(response) == ["b"]
+        assert unpack(response.resources[0]) == make_endpoints("b", [2])
+
+
+async def test_nack_is_recorded_and_never_answered_with_the_same_config(
+    ads: RunningServer,
+) -> None:
+    bad = snap({"a": [1]})
+    ads.cache.set_snapshot("default", bad)
+    async with ads.sotw("envoy-1") as s, ads.sotw("envoy-2") as other:
+        first = (await join(s, ["a"], ["ingress-routes"]))[ENDPOINT]
+        await join(other, ["a"], ["ingress-routes"])
+
+        ads.cache.set_snapshot("default", snap({"a": [2]}))
+        rejected = await recv(s, ENDPOINT)
+        await other.ack(await recv(other, ENDPOINT), ["a"])
+        await s.nack(rejected, "bad endpoint", good_version=first.version_info, names=["a"])
+        await s.expect_silence()  # no resend of the rejected config
+
+        [conn] = ads.status.find("envoy-1")
+        nack = conn.types[ENDPOINT].last_nack
+        assert nack is not None
+        assert nack.message == "bad endpoint" and nack.version == rejected.version_info
+        assert conn.types[ENDPOINT].version_acked == first.version_info
+        [peer] = ads.status.find("envoy-2")
+        assert peer.types[ENDPOINT].last_nack is None
+        assert metric(ads, "kvpilot_xds_nacks_total", type="EDS", fleet="default") == 1
+        json_view = ads.status.as_dict()["connections"]
+        assert any(c["types"][ENDPOINT]["last_nack"] for c in json_view)
+
+        # The next different version flows normally, to both.
+        fixed = snap({"a": [3]})
+        ads.cache.set_snapshot("default", fixed)
+        assert (await recv(s, ENDPOINT)).version_info == fixed.version(ENDPOINT)
+        assert (await recv(other, ENDPOINT)).version_info == fixed.version(ENDPOINT)
+
+
+async def test_stale_nonce_is_ignored(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    async with ads.sotw("envoy-1") as s:
+        await s.send(ENDPOINT, ["a"])
+        old = await recv(s)
+        ads.cache.set_snapshot("default", snap({"a": [5], "b": [2]}))
+        new = await recv(s)
+        assert new.nonce != old.nonce
+        # A request carrying the older nonce (sent before it saw `new`) is ignored entirely.
+        await s.send(ENDPOINT, ["a", "b"], version=old.version_info, nonce=old.nonce)
+        await s.expect_silence()
+        # The same request with the latest nonce is acted upon.
+        await s.send(ENDPOINT, ["a", "b"], version=new.version_info, nonce=new.nonce)
+        assert sorted(names_of(await recv(s))) == ["a", "b"]
+
+
+async def test_requested_name_is_pushed_when_it_appears(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.sotw("envoy-1") as s:
+        await s.send(ENDPOINT, ["a", "later"])
+        response = await recv(s)
+        assert names_of(response) == ["a"]
+        await s.ack(response, ["a", "later"])
+        await s.expect_silence()
+        ads.cache.set_snapshot("default", snap({"a": [1], "later": [9]}))
+        assert sorted(names_of(await recv(s))) == ["a", "later"]
+
+
+async def test_named_subscription_waits_for_a_name_that_does_not_exist(
+    ads: RunningServer,
+) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.sotw("envoy-1") as s:
+        await s.send(ENDPOINT, ["later"])
+        await s.expect_silence()
+        ads.cache.set_snapshot("default", snap({"a": [1], "later": [9]}))
+        assert names_of(await recv(s)) == ["later"]
+
+
+async def test_cds_full_set_shrinks_on_removal(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    async with ads.sotw("envoy-1") as s:
+        await s.send(CLUSTER)
+        response = await recv(s)
+        assert sorted(names_of(response)) == ["a", "b"]
+        await s.ack(response)
+        ads.cache.set_snapshot("default", snap({"a": [1]}))
+        assert names_of(await recv(s)) == ["a"]
+
+
+async def test_all_types_change_pushed_cds_eds_lds_rds(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.sotw("envoy-1") as s:
+        await join(s, ["a"], ["ingress-routes"])
+        ads.cache.set_snapshot(
+            "default",
+            Snapshot.from_messages(
+                {
+                    CLUSTER: [make_cluster("a", timeout_ms=500), make_cluster("b")],
+                    ENDPOINT: [make_endpoints("a", [2]), make_endpoints("b", [3])],
+                    LISTENER: [make_listener("ingress", "ingress-routes", port=10001)],
+                    ROUTE: [make_route("ingress-routes", "b")],
+                }
+            ),
+        )
+        order = [(await recv(s)).type_url for _ in range(4)]
+        assert order == [CLUSTER, ENDPOINT, LISTENER, ROUTE]
+
+
+async def test_removals_come_after_the_routes_that_stop_using_them(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}, route_to="b"))
+    async with ads.sotw("envoy-1") as s:
+        await join(s, ["a", "b"], ["ingress-routes"])
+        # Cluster b goes away and the route moves to a: CDS keeps b until RDS has moved.
+        ads.cache.set_snapshot("default", snap({"a": [3]}, route_to="a"))
+        pushes = [await recv(s) for _ in range(4)]
+        assert [p.type_url for p in pushes] == [CLUSTER, ENDPOINT, ROUTE, CLUSTER]
+        assert sorted(names_of(pushes[0])) == ["a", "b"]
+        assert names_of(pushes[3]) == ["a"]
+        assert pushes[3].version_info == ads.cache.snapshot_for("default").version(CLUSTER)  # type: ignore[union-attr]
+
+
+async def test_eds_request_after_cds_change_is_answered_even_if_unchanged(
+    ads: RunningServer,
+) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.sotw("envoy-1") as s:
+        got = await join(s, ["a"], ["ingress-routes"])
+        # Cluster a is rebuilt (new timeout) with the same endpoints: Envoy re-requests EDS for
+        # it with the same names and waits for the ClusterLoadAssignment to finish warming.
+        messages = make_messages({"a": [1]})
+        messages[CLUSTER] = [make_cluster("a", timeout_ms=900)]
+        ads.cache.set_snapshot("default", Snapshot.from_messages(messages))
+        cds = await recv(s)
+        assert cds.type_url == CLUSTER
+        await s.ack(cds)
+        await s.expect_silence()
+        eds = got[ENDPOINT]
+        await s.send(ENDPOINT, ["a"], version=eds.version_info, nonce=eds.nonce)
+        answer = await recv(s)
+        assert answer.type_url == ENDPOINT and answer.version_info == eds.version_info
+        assert names_of(answer) == ["a"]
+
+
+async def test_reconnect_with_the_current_version_is_not_resent(ads: RunningServer) -> None:
+    snapshot = snap({"a": [1]})
+    ads.cache.set_snapshot("default", snapshot)
+    async with ads.sotw("envoy-1") as s:
+        await s.send(CLUSTER, version=snapshot.version(CLUSTER))
+        await s.expect_silence()
+        ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+        assert sorted(names_of(await recv(s))) == ["a", "b"]
+
+
+async def test_fleets_get_their_own_snapshots_and_unknown_fleets_the_default(
+    ads: RunningServer,
+) -> None:
+    ads.cache.set_snapshot("default", snap({"shared": [1]}))
+    ads.cache.set_snapshot("gpu", snap({"gpu-pool": [2]}))
+    async with (
+        ads.sotw("e1", "gpu") as gpu,
+        ads.sotw("e2", "cpu") as cpu,
+        ads.sotw("e3", "default") as default,
+    ):
+        for s in (gpu, cpu, default):
+            await s.send(CLUSTER)
+        assert names_of(await recv(gpu)) == ["gpu-pool"]
+        assert names_of(await recv(cpu)) == ["shared"]
+        assert names_of(await recv(default)) == ["shared"]
+        # A change to one fleet reaches only that fleet.
+        ads.cache.set_snapshot("gpu", snap({"gpu-pool": [2], "gpu-2": [3]}))
+        assert sorted(names_of(await recv(gpu))) == ["gpu-2", "gpu-pool"]
+        await cpu.expect_silence(0.1)
+        await default.expect_silence(0.1)
+        assert {c.node_id: c.fleet for c in ads.status.connections()} == {
+            "e1": "gpu",
+            "e2": "cpu",
+            "e3": "default",
+        }
+
+
+async def test_stuck_envoy_does_not_block_set_snapshot_or_other_streams(
+    ads: RunningServer,
+) -> None:
+    def big(port: int) -> Snapshot:
+        # ~150 KB of endpoints per response: a few of these fill the HTTP/2 windows.
+        return snap({"a": list(range(port, port + 10_000))})
+
+    ads.cache.set_snapshot("default", big(1))
+    stuck = ads.sotw("stuck", read=False, **{"grpc.http2.bdp_probe": 0})
+    async with stuck, ads.sotw("healthy") as healthy:
+        await stuck.send(ENDPOINT, ["a"])
+        await healthy.send(ENDPOINT, ["a"])
+        await recv(healthy)
+        last = None
+        for round_ in range(2, 30):
+            last = big(round_ * 10_000)
+            ads.cache.set_snapshot("default", last)  # returns at once, never awaits a stream
+            response = await recv(healthy)
+            assert response.version_info == last.version(ENDPOINT)
+        # The stuck stream's writer is parked on flow control, far behind.
+        [stuck_conn] = ads.status.find("stuck")
+        assert stuck_conn.types[ENDPOINT].version_sent != last.version(ENDPOINT)  # type: ignore[union-attr]
+        # When it reads again it catches up to the newest snapshot, not a backlog.
+        stuck.start_reading()
+        async with asyncio.timeout(10):
+            while (await stuck.recv()).version_info != last.version(ENDPOINT):  # type: ignore[union-attr]
+                pass
+
+
+async def test_shutdown_ends_streams_cleanly() -> None:
+    server = RunningServer()
+    await server.__aenter__()
+    server.cache.set_snapshot("default", snap({"a": [1]}))
+    async with server.sotw("envoy-1") as s:
+        await s.send(CLUSTER)
+        await recv(s)
+        assert server.metric("kvpilot_xds_streams", mode="sotw") == 1
+        await server.stop(grace=5)
+        await asyncio.wait_for(s.ended.wait(), 5)
+        assert await s.call.code() == grpc.StatusCode.OK
+    assert server.status.connections() == []
+    assert server.metric("kvpilot_xds_streams", mode="sotw") == 0
+
+
+async def test_push_latency_is_observed_for_snapshot_changes(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.sotw("envoy-1") as s:
+        await s.send(CLUSTER)
+        await s.ack(await recv(s))
+        before = metric(ads, "kvpilot_xds_push_seconds_count")
+        ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+        await recv(s)
+        await wait_until(lambda: metric(ads, "kvpilot_xds_push_seconds_count") == before + 1)
+
+
+async def test_status_listener_sees_connect_nack_and_disconnect(ads: RunningServer) -> None:
+    events: list[tuple[str, str]] = []
+    ads.status.add_listener(lambda event, conn: events.append((event, conn.node_id)))
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.sotw("envoy-1") as s:
+        await s.send(CLUSTER)
+        await s.nack(await recv(s), "nope")
+        await wait_until(lambda: ("nacked", "envoy-1") in events)
+    await wait_until(lambda: ("disconnected", "envoy-1") in events)
+    assert events[0] == ("connected", "envoy-1")
