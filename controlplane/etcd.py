@@ -535,6 +535,14 @@ class EtcdClient:
                 lambda c, t: c.lease.LeaseRevoke(request, timeout=t), what="revoke lease"
             )
 
+    async def lease_time_to_live(self, lease_id: int) -> int:
+        """Seconds left on a lease without refreshing it; 0 if the lease is gone."""
+        request = rpc.LeaseTimeToLiveRequest(ID=lease_id)
+        response = await self._call(
+            lambda c, t: c.lease.LeaseTimeToLive(request, timeout=t), what="lease time-to-live"
+        )
+        return max(int(response.TTL), 0)  # etcd answers -1 for an expired or unknown lease
+
     async def keepalive_once(self, lease_id: int) -> int:
         """Refresh a lease once; returns its TTL in seconds, 0 if the lease is gone."""
 

@@ -165,12 +165,14 @@ async def test_lease_expiry_removes_key(client: EtcdClient, prefix: bytes) -> No
     kv = await client.get(key)
     assert kv is not None and kv.lease == lease
     assert await client.keepalive_once(lease) > 0
+    assert await client.lease_time_to_live(lease) > 0
 
     async def gone() -> bool:
         return await client.get(key) is None
 
     await poll(gone, within=10, message="leased key expires")
     assert await client.keepalive_once(lease) == 0
+    assert await client.lease_time_to_live(lease) == 0
     with pytest.raises(LeaseNotFoundError):
         await client.put(key, b"v", lease=lease)
 
