@@ -1,0 +1,227 @@
+"""ADS incremental (DeltaAggregatedResources) against a real grpc.aio server."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from xdsclient import DeltaStream, RunningServer, make_messages, names_of, unpack
+
+from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
+from xdsserver.snapshot import Snapshot
+
+
+def snap(clusters: dict[str, list[int]], **kw: Any) -> Snapshot:
+    return Snapshot.from_messages(make_messages(clusters, **kw))
+
+
+@pytest.fixture
+async def ads() -> AsyncIterator[RunningServer]:
+    async with RunningServer() as server:
+        yield server
+
+
+async def recv(s: DeltaStream, type_url: str | None = None) -> Any:
+    response = await (s.recv_type(type_url) if type_url else s.recv())
+    names = names_of(response)
+    assert len(names) == len(set(names)), f"duplicate names in {names}"
+    assert response.nonce and response.system_version_info
+    assert all(r.version for r in response.resources)
+    return response
+
+
+def versions(response: Any) -> dict[str, str]:
+    return {r.name: r.version for r in response.resources}
+
+
+async def test_legacy_wildcard_gets_everything_with_versions_and_ack(ads: RunningServer) -> None:
+    snapshot = snap({"a": [1], "b": [2]})
+    ads.cache.set_snapshot("default", snapshot)
+    async with ads.delta("envoy-1") as s:
+        await s.send(CLUSTER)
+        response = await recv(s)
+        assert response.system_version_info == snapshot.version(CLUSTER)
+        assert versions(response) == {n: r.version for n, r in snapshot.resources(CLUSTER).items()}
+        assert list(response.removed_resources) == []
+        await s.ack(response)
+        await s.expect_silence()
+        [conn] = ads.status.connections()
+        assert conn.mode == "delta"
+        assert conn.types[CLUSTER].version_acked == snapshot.version(CLUSTER)
+        assert conn.types[CLUSTER].wildcard
+        assert ads.metric("kvpilot_xds_streams", mode="delta") == 1
+
+
+async def test_only_changed_resources_are_sent(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(ENDPOINT, ["a", "b", "a"])
+        first = await recv(s)
+        assert sorted(names_of(first)) == ["a", "b"]
+        await s.ack(first)
+        ads.cache.set_snapshot("default", snap({"a": [1], "b": [7]}))
+        update = await recv(s)
+        assert names_of(update) == ["b"]
+        assert (
+            unpack(update.resources[0].resource)
+            .endpoints[0]
+            .lb_endpoints[0]
+            .endpoint.address.socket_address.port_value
+            == 7
+        )
+
+
+async def test_nack_is_recorded_and_not_answered(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.delta("envoy-1") as s, ads.delta("envoy-2") as other:
+        for stream in (s, other):
+            await stream.send(CLUSTER)
+            await stream.ack(await recv(stream))
+        ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+        rejected = await recv(s)
+        await other.ack(await recv(other))
+        await s.nack(rejected, "cluster b: bad config")
+        await s.expect_silence()
+        [conn] = ads.status.find("envoy-1")
+        nack = conn.types[CLUSTER].last_nack
+        assert nack is not None and nack.message == "cluster b: bad config"
+        assert nack.version == rejected.system_version_info
+        assert ads.status.find("envoy-2")[0].types[CLUSTER].last_nack is None
+        assert ads.metric("kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1
+        # The next different snapshot flows: only what changed since the rejected one.
+        ads.cache.set_snapshot("default", snap({"a": [1], "b": [2], "c": [3]}))
+        assert names_of(await recv(s)) == ["c"]
+
+
+async def test_subscription_on_a_stale_nonce_is_applied(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(ENDPOINT, ["a"])
+        old = await recv(s)
+        ads.cache.set_snapshot("default", snap({"a": [5], "b": [2]}))
+        new = await recv(s)
+        assert names_of(new) == ["a"]
+        await s.send(ENDPOINT, ["b"], nonce=old.nonce)  # stale, but the subscription counts
+        assert names_of(await recv(s)) == ["b"]
+        [conn] = ads.status.connections()
+        assert conn.types[ENDPOINT].resource_names == ["a", "b"]
+        assert conn.types[ENDPOINT].version_acked == ""  # a stale nonce is no ACK
+
+
+async def test_deleted_resources_go_in_removed_resources(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(CLUSTER)
+        await s.ack(await recv(s))
+        ads.cache.set_snapshot("default", snap({"a": [1]}))
+        response = await recv(s)
+        assert list(response.removed_resources) == ["b"]
+        assert names_of(response) == []
+
+
+async def test_unsubscribed_names_are_dropped_silently(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(ENDPOINT, ["a", "b"])
+        response = await recv(s)
+        await s.ack(response)
+        await s.send(ENDPOINT, unsubscribe=["b"], nonce=response.nonce)
+        await s.expect_silence()
+        ads.cache.set_snapshot("default", snap({"a": [1], "b": [9]}))
+        await s.expect_silence()
+        ads.cache.set_snapshot("default", snap({"a": [3]}))
+        update = await recv(s)
+        assert names_of(update) == ["a"] and list(update.removed_resources) == []
+
+
+async def test_requested_name_is_pushed_when_it_appears(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(ENDPOINT, ["later"])
+        await s.expect_silence()
+        ads.cache.set_snapshot("default", snap({"a": [1], "later": [4]}))
+        assert names_of(await recv(s)) == ["later"]
+
+
+async def test_explicit_wildcard_and_its_removal(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(ENDPOINT, ["*"])
+        response = await recv(s)
+        assert sorted(names_of(response)) == ["a", "b"]
+        await s.ack(response)
+        # Keep a by name, drop the wildcard: b leaves without a removal (the Envoy drops it).
+        await s.send(ENDPOINT, ["a"], ["*"], nonce=response.nonce)
+        resubscribed = await recv(s)  # a (re)subscription is always answered
+        assert names_of(resubscribed) == ["a"] and list(resubscribed.removed_resources) == []
+        await s.ack(resubscribed)
+        ads.cache.set_snapshot("default", snap({"a": [1], "b": [3], "c": [4]}))
+        await s.expect_silence()
+        ads.cache.set_snapshot("default", snap({"a": [2], "b": [3], "c": [4]}))
+        assert names_of(await recv(s)) == ["a"]
+
+
+async def test_reconnect_with_initial_versions_gets_exactly_the_differences(
+    ads: RunningServer,
+) -> None:
+    before = snap({"a": [1], "b": [2], "gone": [3]})
+    ads.cache.set_snapshot("default", before)
+    async with ads.delta("envoy-1") as s:
+        await s.send(CLUSTER)
+        first = await recv(s)
+        await s.ack(first)
+        await s.send(ENDPOINT, ["a", "b", "gone"])
+        endpoints = await recv(s)
+        await s.ack(endpoints)
+    had_clusters, had_endpoints = versions(first), versions(endpoints)
+
+    # While the Envoy is away: b's endpoints change, "gone" is deleted, "new" appears.
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [8], "new": [5]}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(CLUSTER, initial_versions=had_clusters)
+        clusters = await recv(s)
+        assert names_of(clusters) == ["new"]
+        assert list(clusters.removed_resources) == ["gone"]
+        await s.ack(clusters)
+        # Envoy re-subscribes to what it had before it processes the CDS update.
+        await s.send(ENDPOINT, ["a", "b", "gone"], initial_versions=had_endpoints)
+        update = await recv(s)
+        assert names_of(update) == ["b"]
+        assert list(update.removed_resources) == ["gone"]
+
+
+async def test_make_before_break_order_adds_then_removals(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"old": [1]}, listener_port=10000))
+    async with ads.delta("envoy-1") as s:
+        await s.send(CLUSTER)
+        await s.ack(await recv(s))
+        await s.send(ENDPOINT, ["old", "new"])  # "new" is remembered until it exists
+        await s.ack(await recv(s))
+        await s.send(LISTENER)
+        await s.ack(await recv(s))
+        await s.send(ROUTE, ["ingress-routes"])
+        await s.ack(await recv(s))
+
+        # Everything moves from cluster "old" to "new".
+        ads.cache.set_snapshot("default", snap({"new": [2]}, listener_port=10001))
+        pushes = [await recv(s) for _ in range(6)]
+        kinds = [(p.type_url, "add" if p.resources else "remove") for p in pushes]
+        assert kinds == [
+            (CLUSTER, "add"),
+            (ENDPOINT, "add"),
+            (LISTENER, "add"),
+            (ROUTE, "add"),
+            (CLUSTER, "remove"),
+            (ENDPOINT, "remove"),
+        ]
+
+
+async def test_fleets_are_scoped_in_delta_too(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"shared": [1]}))
+    ads.cache.set_snapshot("gpu", snap({"gpu-pool": [2]}))
+    async with ads.delta("e1", "gpu") as gpu, ads.delta("e2", "unknown") as other:
+        await gpu.send(CLUSTER)
+        await other.send(CLUSTER)
+        assert names_of(await recv(gpu)) == ["gpu-pool"]
+        assert names_of(await recv(other)) == ["shared"]
