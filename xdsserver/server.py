@@ -152,7 +152,11 @@ class AdsServer:
     async def _read(requests: AsyncIterator[Any], stream: _Stream, watch: Watch) -> None:
         try:
             async for request in requests:
-                stream.handle(request)
+                try:
+                    stream.handle(request)
+                except Exception:
+                    log.exception("xDS request from node=%s failed", stream.conn.node_id)
+                    raise
                 watch.event.set()
         except asyncio.CancelledError:
             raise
