@@ -721,12 +721,21 @@ class LeaseKeeper:
     async def _run(self) -> None:
         interval = max(self.ttl / 3, 0.2)
         wait = interval
+        owner_behind = False  # on_regrant has not yet succeeded for the current lease
         while True:
             await asyncio.sleep(wait)
             try:
                 remaining = await self._client.keepalive_once(self.lease_id)
                 if remaining <= 0:
-                    await self._regrant()
+                    old = self.lease_id
+                    self.lease_id = await self._client.grant_lease(self.ttl)
+                    self.regrants += 1
+                    owner_behind = True
+                    log.warning("lease %x was lost; granted %x", old, self.lease_id)
+                if owner_behind:
+                    # Retried until it succeeds: the owner's keys must land on the new lease.
+                    await self._call_on_regrant()
+                    owner_behind = False
                 self.last_error = None
                 wait = interval
             except EtcdError as err:
@@ -734,20 +743,18 @@ class LeaseKeeper:
                 log.warning("lease %x keepalive failed: %s", self.lease_id, err)
                 wait = min(interval, 1.0)
 
-    async def _regrant(self) -> None:
-        old = self.lease_id
-        self.lease_id = await self._client.grant_lease(self.ttl)
-        self.regrants += 1
-        log.warning("lease %x was lost; granted %x", old, self.lease_id)
-        if self._on_regrant is not None:
-            try:
-                result = self._on_regrant(self.lease_id)
-                if inspect.isawaitable(result):
-                    await result
-            except EtcdError:
-                raise
-            except Exception:
-                log.exception("on_regrant callback failed for lease %x", self.lease_id)
+    async def _call_on_regrant(self) -> None:
+        if self._on_regrant is None:
+            return
+        try:
+            result = self._on_regrant(self.lease_id)
+            if inspect.isawaitable(result):
+                await result
+        except EtcdError:
+            raise
+        except Exception:
+            # A bug in the callback is not fixed by calling it again.
+            log.exception("on_regrant callback failed for lease %x", self.lease_id)
 
 
 def _mod_revision_equals(key: bytes, revision: int) -> Any:

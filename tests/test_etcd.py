@@ -203,12 +203,16 @@ async def test_keepalive_forever_keeps_lease_and_revokes_on_exit(
     assert await client.get(key) is None
 
 
-async def test_keepalive_forever_regrants_lost_lease(client: EtcdClient, prefix: bytes) -> None:
+async def test_keepalive_forever_regrants_lost_lease_and_retries_owner(
+    client: EtcdClient, prefix: bytes
+) -> None:
     key = prefix + b"regranted"
     regranted: list[int] = []
 
     async def rewrite(lease_id: int) -> None:
         regranted.append(lease_id)
+        if len(regranted) == 1:  # the owner's first rewrite fails: it must be retried
+            raise EtcdUnavailable("etcd went away again")
         await client.put(key, b"again", lease=lease_id)
 
     async with client.keepalive_forever(2, on_regrant=rewrite) as keeper:
@@ -220,7 +224,7 @@ async def test_keepalive_forever_regrants_lost_lease(client: EtcdClient, prefix:
             return kv is not None and kv.lease == keeper.lease_id != first
 
         await poll(rewritten, message="lease re-granted and key rewritten")
-        assert regranted == [keeper.lease_id] and keeper.regrants == 1
+        assert regranted == [keeper.lease_id] * 2 and keeper.regrants == 1
 
 
 async def collect(
