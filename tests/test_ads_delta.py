@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from xdsclient import DeltaStream, RunningServer, make_messages, names_of, unpack
+from xdsclient import DeltaStream, RunningServer, make_cluster, make_messages, names_of, unpack
 
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from xdsserver.snapshot import Snapshot
@@ -225,3 +225,23 @@ async def test_fleets_are_scoped_in_delta_too(ads: RunningServer) -> None:
         await other.send(CLUSTER)
         assert names_of(await recv(gpu)) == ["gpu-pool"]
         assert names_of(await recv(other)) == ["shared"]
+
+
+async def test_rebuilt_cluster_gets_its_endpoints_resent(ads: RunningServer) -> None:
+    # Seen with Envoy 1.40: a cluster rebuilt under the same name stays warming until its
+    # ClusterLoadAssignment arrives again, and Delta Envoy does not re-subscribe to it.
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(CLUSTER)
+        await s.ack(await recv(s))
+        await s.send(ENDPOINT, ["a"])
+        endpoints = await recv(s)
+        await s.ack(endpoints)
+        messages = make_messages({"a": [1]})
+        messages[CLUSTER] = [make_cluster("a", timeout_ms=900)]
+        ads.cache.set_snapshot("default", Snapshot.from_messages(messages))
+        clusters = await recv(s)
+        assert clusters.type_url == CLUSTER and names_of(clusters) == ["a"]
+        resent = await recv(s)
+        assert resent.type_url == ENDPOINT
+        assert versions(resent) == versions(endpoints)

@@ -461,11 +461,20 @@ class _DeltaStream(_Stream):
     def plan(self, snapshot: Snapshot | None) -> list[_Push]:
         if snapshot is None:
             return []
-        changes = [
-            change
-            for type_url in _ordered(self.types, PUSH_ORDER)
-            if (change := self._evaluate(self.types[type_url], snapshot)) is not None
-        ]
+        changes = []
+        for type_url in _ordered(self.types, PUSH_ORDER):
+            change = self._evaluate(self.types[type_url], snapshot)
+            if change is None:
+                continue
+            changes.append(change)
+            follower = self.types.get(_ANSWER_NEXT_REQUEST.get(type_url, ""))
+            if type_url == CLUSTER and follower is not None:
+                # A rebuilt cluster warms until its ClusterLoadAssignment arrives, and in Delta
+                # Envoy does not re-subscribe (the name set is unchanged): resend it.
+                rebuilt = [r.name for r in change.updates if r.name in change.st.sent]
+                for name in rebuilt:
+                    if follower.sent.pop(name, None) is not None:
+                        follower.dirty = True
         if len(changes) <= 1:
             return [self._commit(c.st, c.version, c.updates, c.removals) for c in changes]
         # Make-before-break: every add and update (CDS → EDS → LDS → RDS), then removals
