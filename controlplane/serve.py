@@ -214,7 +214,8 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ]
     )
-    AdsServer(cache, connections).add_to(grpc_server)
+    ads = AdsServer(cache, connections)
+    ads.add_to(grpc_server)
     xds_port = grpc_server.add_insecure_port(f"{config.xds_host}:{config.xds_port}")
 
     app = create_app(
@@ -267,6 +268,7 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     finally:
         log.info("shutting down")
         api.should_exit = True
+        ads.close()  # streams end with status OK instead of waiting out the grace
         await grpc_server.stop(grace=2.0)
         for task in tasks:
             task.cancel()

@@ -4,7 +4,7 @@ watched mirror of everything under the prefix.
 Key layout
 ----------
 
-Every key lives under one prefix, ``/kvpilot`` by default (``--etcd-prefix``), so several
+Every key lives under one prefix, ``/kvpilot`` by default (``kvpilot serve --etcd-prefix``), so several
 kvpilot installations can share an etcd cluster. Values are JSON.
 
 =============================================  =============================================
@@ -14,8 +14,7 @@ key                                            value
                                                ``{"apiVersion": "kvpilot.io/v1", "kind": ...,
                                                "metadata": {"name": ...}, "spec": {...}}``;
                                                ``{kind}`` is the lowercase plural
-                                               (``pools``, ``routingpolicies``, ``fleets``,
-                                               ``rollouts``)
+                                               (``pools``, ``routingpolicies``, ``fleets``)
 ``{prefix}/endpoints/{pool}/{endpoint_id}``    a registered backend endpoint (address, port,
                                                weight, ...); under a lease when the backend
                                                registers itself with a TTL
@@ -67,7 +66,6 @@ KIND_PATH: Mapping[str, str] = MappingProxyType(
         "Pool": "pools",
         "RoutingPolicy": "routingpolicies",
         "Fleet": "fleets",
-        "Rollout": "rollouts",
     }
 )
 """Object kind -> its key segment under ``objects/``. Pass an extended mapping to ``Store`` to add
