@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 PATH_KIND = {path: kind for kind, path in KIND_PATH.items()}
 FAST_PATH_PREFIXES = ("endpoints/", "telemetry/")
+STATUS_PREFIX = "status/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +130,13 @@ class Reconciler:
 
     def on_change(self, change: StateChange, items: Mapping[str, KeyValue]) -> None:
         """Record a change; the run loop rebuilds after the debounce."""
+        self._items = items
+        if not change.full_resync and all(key.startswith(STATUS_PREFIX) for key in change.changed):
+            return  # Envoy status records of kvpilot replicas: nothing to rebuild
         now = time.monotonic()
         if not self._dirty.is_set():
             self._first_change = now
         self._last_change = now
-        self._items = items
         self._pending.update(change.changed)
         self._pending_full = self._pending_full or change.full_resync
         self._pending_revision = max(self._pending_revision, change.revision)

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from api.app import ApiContext, create_app
 from api.auth import AuthConfig
+from controlplane.envoystatus import StatusPublisher
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.reconcile import ReconcileMetrics, Reconciler
@@ -245,6 +246,9 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         asyncio.create_task(mirror.run(), name="etcd-watch"),
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(api.serve(), name="rest-api"),
+        asyncio.create_task(
+            StatusPublisher(store, connections, config.replica_id).run(), name="envoy-status"
+        ),
     ]
     log.info(
         "kvpilot replica %s: etcd %s, prefix %s",

@@ -1,0 +1,106 @@
+"""Publish this replica's Envoy connections to etcd, so status shows every Envoy of every replica.
+
+Each kvpilot replica writes one record per connected Envoy under
+``{prefix}/status/envoys/{replica}/{node}``, attached to a lease the replica keeps alive. When a
+replica dies its lease expires and its Envoys' records go with it; when an Envoy disconnects its
+record is deleted. Writes are coalesced (at most one per Envoy per ``interval``) because
+"sent"/"acked" events come with every push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+from urllib.parse import quote
+
+from controlplane.etcd import EtcdError
+from controlplane.store import Store
+from xdsserver.status import ConnectionRegistry, ConnectionStatus, Event
+
+log = logging.getLogger(__name__)
+
+
+def node_key(node_id: str) -> str:
+    """A node id as a single etcd key segment (node ids may contain '/')."""
+    return quote(node_id, safe="") or "-"
+
+
+class StatusPublisher:
+    """Mirrors a ConnectionRegistry into etcd under this replica's lease."""
+
+    def __init__(
+        self,
+        store: Store,
+        connections: ConnectionRegistry,
+        replica_id: str,
+        *,
+        ttl: int = 15,
+        interval: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.connections = connections
+        self.replica_id = replica_id
+        self.ttl = ttl
+        self.interval = interval
+        self._dirty: dict[str, ConnectionStatus | None] = {}
+        self._wake = asyncio.Event()
+        self._lease = 0
+
+    def _on_event(self, event: Event, status: ConnectionStatus) -> None:
+        key = node_key(status.node_id)
+        if event == "disconnected":
+            # Another stream of the same Envoy may still be open (a reconnect overlapping).
+            remaining = self.connections.find(status.node_id)
+            self._dirty[key] = remaining[-1] if remaining else None
+        else:
+            self._dirty[key] = status
+        self._wake.set()
+
+    def record(self, status: ConnectionStatus) -> dict[str, Any]:
+        """The JSON stored for one Envoy."""
+        return {**status.as_dict(), "replica": self.replica_id, "updated_at": time.time()}
+
+    async def _republish_all(self, lease: int) -> None:
+        self._lease = lease
+        for status in self.connections.connections():
+            self._dirty[node_key(status.node_id)] = status
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Publish until cancelled; on exit the lease is revoked and the records vanish."""
+        remove = self.connections.add_listener(self._on_event)
+        try:
+            async with self.store.client.keepalive_forever(
+                self.ttl, on_regrant=self._republish_all
+            ) as keeper:
+                self._lease = keeper.lease_id
+                while True:
+                    await self._wake.wait()
+                    self._wake.clear()
+                    batch, self._dirty = self._dirty, {}
+                    try:
+                        await self._flush(batch)
+                    except EtcdError as error:
+                        log.warning("cannot publish Envoy status to etcd (will retry): %s", error)
+                        for key, status in batch.items():
+                            self._dirty.setdefault(key, status)
+                        self._wake.set()
+                    await asyncio.sleep(self.interval)
+        finally:
+            remove()
+
+    async def _flush(self, batch: dict[str, ConnectionStatus | None]) -> None:
+        for key, status in batch.items():
+            if status is None:
+                await self.store.delete_envoy_status(self.replica_id, key)
+            else:
+                # The stream may have changed since the event; publish what it is now.
+                current = self.connections.find(status.node_id)
+                await self.store.put_envoy_status(
+                    self.replica_id,
+                    key,
+                    self.record(current[-1] if current else status),
+                    lease=self._lease,
+                )
