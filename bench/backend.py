@@ -9,9 +9,19 @@ field), so tests behind Envoy can assert which replica answered. It serves:
 - `GET /metrics`: Prometheus text with request counters and vLLM-style gauges
   (`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`);
 - `POST /admin/fail {"status": 503}`: answer every inference request with that status
-  (`{"status": 0}` recovers).
+  (`{"status": 0}` recovers; 429 works too).
+
+With `--simulate` each replica runs a `bench.simulator.Engine` instead of answering at once:
+continuous batching, a prefix-cached KV cache, simulated prefill and decode times, vLLM's
+metric names (prefix-cache hits, TTFT histogram) and optional ORCA load headers. Simulated
+replicas also take:
+
+- `POST /admin/slow {"factor": 4}`: every engine step takes 4x longer (1 recovers);
+- `POST /admin/die`: the replica aborts its requests and stops listening (the others go on);
+- `POST /admin/reset`: drop the unreferenced prefix cache and zero the engine's counters.
 
 Run it:  python -m bench.backend --replicas 3 --host 127.0.0.1 --ports 0 --id-prefix be
+         [--simulate [--sim-config '{"time_scale": 2.0, "orca": true}']]
 It prints one JSON line `{"replicas": [{"id": "be-0", "port": 12345}, ...]}` once every replica
 listens, then serves until SIGTERM or SIGINT. `BackendProcess` does that from Python.
 """
@@ -29,7 +39,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -42,6 +52,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from bench.simulator import Engine, EngineError, SimConfig, completion_response
 from controlplane.launchers import LauncherError, ManagedProcess
 
 DEFAULT_MODEL = "sim-model"
@@ -65,6 +76,12 @@ class Replica:
     """KV cache use from 0 to 1 (`vllm:kv_cache_usage_perc`); static for now."""
     requests: Counter[tuple[str, int]] = field(default_factory=Counter)
     """Answered requests by (path, status)."""
+    engine: Engine | None = None
+    """The simulated inference engine, when the replica simulates one."""
+    dead: bool = False
+    """Set by `POST /admin/die`: the replica has stopped serving."""
+    on_death: Callable[[], None] | None = None
+    """Called once by `POST /admin/die`; `serve()` sets it to stop this replica's server."""
 
     def metrics_text(self) -> str:
         """The replica's metrics in Prometheus text format."""
@@ -78,6 +95,8 @@ class Replica:
                 f'kvpilot_backend_requests_total{{backend="{self.id}",path="{path}",'
                 f'status="{status}"}} {count}'
             )
+        if self.engine is not None:
+            return "\n".join([*lines, *self.engine.metrics_lines()]) + "\n"
         gauges = [
             ("vllm:num_requests_running", "Number of requests running.", float(self.running)),
             ("vllm:num_requests_waiting", "Number of requests waiting.", float(self.waiting)),
@@ -176,6 +195,15 @@ def build_app(replica: Replica) -> Starlette:
         if not isinstance(payload, dict):
             return error(400, "request body must be a JSON object", path)
         model = str(payload.get("model") or replica.model)
+        if replica.engine is not None:
+            try:
+                response = await completion_response(
+                    replica.engine, kind, model, payload, headers, replica.id
+                )
+            except EngineError as exc:
+                return error(exc.status, str(exc), path)
+            replica.requests[(path, response.status_code)] += 1
+            return response
         replica.requests[(path, 200)] += 1
         if not payload.get("stream"):
             return JSONResponse(_completion_body(replica, kind, model), headers=headers)
@@ -220,6 +248,40 @@ def build_app(replica: Replica) -> Starlette:
         replica.healthy = healthy
         return JSONResponse({"id": replica.id, "healthy": healthy}, headers=headers)
 
+    def engine_of(request: Request) -> Engine:
+        if replica.engine is None:
+            raise EngineError(404, "this replica does not simulate an engine (--simulate)")
+        return replica.engine
+
+    async def admin_slow(request: Request) -> Response:
+        try:
+            engine = engine_of(request)
+            factor = float((await request.json())["factor"])
+        except EngineError as exc:
+            return JSONResponse({"error": str(exc)}, exc.status, headers=headers)
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse({"error": 'expected {"factor": <number>}'}, 400, headers=headers)
+        if not 0 < factor <= 1000:
+            return JSONResponse({"error": "factor must be in (0, 1000]"}, 400, headers=headers)
+        engine.slow_factor = factor
+        return JSONResponse({"id": replica.id, "factor": factor}, headers=headers)
+
+    async def admin_reset(request: Request) -> Response:
+        try:
+            result = engine_of(request).reset()
+        except EngineError as exc:
+            return JSONResponse({"error": str(exc)}, exc.status, headers=headers)
+        replica.requests.clear()
+        return JSONResponse({"id": replica.id, **result}, headers=headers)
+
+    async def admin_die(request: Request) -> Response:
+        replica.dead = True
+        if replica.engine is not None:
+            replica.engine.abort_all(f"{replica.id} died")
+        if replica.on_death is not None:
+            replica.on_death()
+        return JSONResponse({"id": replica.id, "dead": True}, headers=headers)
+
     return Starlette(
         routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
@@ -228,6 +290,9 @@ def build_app(replica: Replica) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/admin/fail", admin_fail, methods=["POST"]),
             Route("/admin/health", admin_health, methods=["POST"]),
+            Route("/admin/slow", admin_slow, methods=["POST"]),
+            Route("/admin/reset", admin_reset, methods=["POST"]),
+            Route("/admin/die", admin_die, methods=["POST"]),
         ]
     )
 
@@ -273,6 +338,23 @@ async def serve(replicas: Sequence[Replica], host: str, ports: Sequence[int]) ->
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, request_exit)
+    engines = [
+        asyncio.create_task(replica.engine.run())
+        for replica in replicas
+        if replica.engine is not None
+    ]
+
+    def dying(server: _Server) -> Callable[[], None]:
+        def stop() -> None:
+            # A dead replica drops its connections instead of draining them.
+            server.config.timeout_graceful_shutdown = 0
+            server.should_exit = True
+            server.force_exit = True
+
+        return stop
+
+    for replica, server in zip(replicas, servers, strict=True):
+        replica.on_death = dying(server)
     tasks = [
         asyncio.create_task(server.serve(sockets=[sock]))
         for server, sock in zip(servers, sockets, strict=True)
@@ -289,10 +371,18 @@ async def serve(replicas: Sequence[Replica], host: str, ports: Sequence[int]) ->
             ]
         }
         print(json.dumps(announcement), flush=True)
-    # One replica stopping (a signal, or a crash) stops them all.
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    # One replica stopping (a signal, or a crash) stops them all; a replica told to die
+    # (`/admin/die`) stops alone.
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if any(not replicas[tasks.index(task)].dead for task in done):
+            break
     request_exit()
     await asyncio.gather(*tasks)
+    for task in engines:
+        task.cancel()
+    await asyncio.gather(*engines, return_exceptions=True)
 
 
 def _parse_ports(text: str, replicas: int) -> list[int]:
@@ -315,13 +405,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--id-prefix", default="be")
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument(
+        "--simulate", action="store_true", help="run a simulated vLLM engine per replica"
+    )
+    parser.add_argument(
+        "--sim-config", default="{}", help="SimConfig fields as JSON, with --simulate"
+    )
     args = parser.parse_args(argv)
     try:
         ports = _parse_ports(args.ports, args.replicas)
     except ValueError as exc:
         parser.error(str(exc))
-    replicas = [Replica(id=f"{args.id_prefix}-{i}", model=args.model) for i in range(args.replicas)]
-    asyncio.run(serve(replicas, args.host, ports))
+    sim_config = SimConfig.from_json(args.sim_config) if args.simulate else None
+
+    async def run() -> None:
+        # Engines hold asyncio events: create them inside the running loop.
+        replicas = [
+            Replica(
+                id=f"{args.id_prefix}-{i}",
+                model=args.model,
+                engine=Engine(sim_config, args.model) if sim_config else None,
+            )
+            for i in range(args.replicas)
+        ]
+        await serve(replicas, args.host, ports)
+
+    asyncio.run(run())
     return 0
 
 
@@ -357,6 +466,7 @@ class BackendProcess:
         id_prefix: str = "be",
         model: str = DEFAULT_MODEL,
         state_dir: Path | None = None,
+        simulator: SimConfig | None = None,
     ) -> None:
         self.host = host
         self.id_prefix = id_prefix
@@ -381,6 +491,10 @@ class BackendProcess:
             "--model",
             model,
         ]
+        if simulator is not None:
+            argv += ["--simulate", "--sim-config", simulator.to_json()]
+        self.simulator = simulator
+        """The engine settings when the replicas simulate vLLM, else None."""
         self._process = ManagedProcess(argv, self.log_path, stdout_path=self._stdout_path)
         self.replicas: list[ReplicaInfo] = []
         """The replicas, known once `start()` returns."""
@@ -442,6 +556,19 @@ class BackendProcess:
     def set_healthy(self, replica_id: str, healthy: bool) -> None:
         """Make the replica's `/health` answer 200 (True) or 503 (False)."""
         self._admin(replica_id, "/admin/health", {"healthy": healthy})
+
+    def slow(self, replica_id: str, factor: float) -> None:
+        """Make a simulated replica's engine steps `factor` times slower; 1 recovers."""
+        self._admin(replica_id, "/admin/slow", {"factor": factor})
+
+    def die(self, replica_id: str) -> None:
+        """Make one simulated replica abort its requests and stop listening."""
+        self._admin(replica_id, "/admin/die", {})
+
+    def reset(self, replica_id: str | None = None) -> None:
+        """Drop the prefix cache and zero the counters of one simulated replica, or all."""
+        for info in [self.replica(replica_id)] if replica_id else self.replicas:
+            self._admin(info.id, "/admin/reset", {})
 
     def __enter__(self) -> Self:
         return self.start()

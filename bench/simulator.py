@@ -1,0 +1,509 @@
+"""A vLLM-like inference engine, simulated in time rather than computed on a GPU.
+
+One `Engine` per replica runs vLLM's scheduling loop: continuous batching of up to
+``max_batch`` sequences, chunked prefill under a per-step token budget, a paged KV cache with
+automatic prefix caching (`bench.kvcache`), and a step time that grows with the work in the
+step (uncached prompt tokens to prefill, sequences to decode). Each step is an
+``asyncio.sleep``: a replica costs almost no CPU, so a whole cluster fits a laptop.
+
+Times are simulated GPU seconds; ``time_scale`` stretches them into wall-clock seconds (2.0
+means the simulated GPU runs half as fast as the real one would), which keeps the HTTP and
+Envoy overhead small against the simulated work. Metrics on ``/metrics`` use vLLM's names and
+report simulated seconds.
+
+Answers are deterministic: `synth_answer` picks ``max_tokens`` one-token words from the
+prompt's tokens, so a workload generator can know every answer in advance and a conversation's
+next prompt starts with exactly the tokens the replica cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import random
+import time
+import uuid
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from bench.kvcache import Allocation, KVCache, blocks_for, tokenize
+
+# fmt: off
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+# fmt: on
+"""vLLM's `vllm:time_to_first_token_seconds` bucket bounds."""
+
+_WORDS = (
+    "the of and to in is it that was for on are with as at be by this have from or one had "
+    "not but what all were when we can said there use an each which she do how their if will "
+    "up other about out many then them these so some her would make like him into time has "
+    "look two more go see no way could my than been call who its now find long down day did "
+    "get come made may part over new sound take only work know place year live me back give "
+    "most very after our just name good man think say great where help much too mean old any "
+    "same tell boy came want show also form three small set put end does well large must big "
+    "even such turn here why ask went men read need land home us move try kind hand off "
+    "again play away spel air line"
+)
+_VOCAB = tuple(word for word in _WORDS.split() if len(word) <= 4)
+"""Answer words: at most 4 characters, so one word is one token."""
+
+
+def render_chat(messages: Sequence[dict[str, Any]]) -> str:
+    """The prompt text of a chat request: a whitespace-separated stand-in for a chat template.
+
+    It ends with the assistant marker, so prompt + answer is a prefix of the next turn's prompt.
+    """
+    parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
+    return " ".join([*parts, "<|assistant|>"])
+
+
+def synth_answer(prompt: Sequence[int], max_tokens: int) -> list[str]:
+    """The answer to `prompt`: `max_tokens` one-token words, a pure function of the prompt."""
+    seed = zlib.crc32(b"%d:" % len(prompt) + b",".join(b"%d" % t for t in prompt[-64:]))
+    return random.Random(seed).choices(_VOCAB, k=max_tokens)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated replica's hardware and scheduler. Defaults: an ~8B model on one GPU."""
+
+    max_batch: int = 32
+    """Most sequences running at once (vLLM ``max_num_seqs``)."""
+    max_batched_tokens: int = 2048
+    """Token budget of one step, decode tokens first, prefill chunks after."""
+    kv_blocks: int = 8192
+    """KV cache capacity in blocks."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    prefill_per_token: float = 1 / 8000
+    """Simulated seconds per uncached prompt token."""
+    decode_base: float = 0.012
+    """Simulated seconds of one step, whatever it holds."""
+    decode_per_seq: float = 0.00025
+    """Extra simulated seconds per decoding sequence in the step."""
+    time_scale: float = 1.0
+    """Wall-clock seconds per simulated second."""
+    stream_interval: float = 0.1
+    """Wall-clock seconds between SSE chunks after the first token (tokens are coalesced)."""
+    orca: bool = False
+    """Send ORCA ``endpoint-load-metrics`` headers on responses."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> SimConfig:
+        return cls(**json.loads(text))
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(eq=False)
+class SimSequence:
+    """One request inside the engine."""
+
+    prompt: list[int]
+    max_tokens: int
+    words: list[str]
+    arrival: float
+    prefill_left: int = 0
+    generated: int = 0
+    hit_tokens: int = 0
+    allocation: Allocation | None = None
+    first_token_at: float | None = None
+    finished: bool = False
+    error: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Histogram:
+    """A Prometheus histogram with fixed bounds."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out = []
+        total = 0
+        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            total += count
+            le = "+Inf" if bound == float("inf") else f"{bound}"
+            out.append(f'{name}_bucket{{{labels},le="{le}"}} {total}')
+        out += [f"{name}_sum{{{labels}}} {self.sum}", f"{name}_count{{{labels}}} {total}"]
+        return out
+
+
+class Engine:
+    """The scheduling loop and counters of one simulated replica."""
+
+    def __init__(self, config: SimConfig, model: str) -> None:
+        self.config = config
+        self.model = model
+        self.cache = KVCache(config.kv_blocks, config.block_size)
+        self.waiting: deque[SimSequence] = deque()
+        self.running: list[SimSequence] = []
+        self.slow_factor = 1.0
+        """Fault injection: every step takes this many times longer."""
+        self._wake = asyncio.Event()
+        self._zero_counters()
+
+    def _zero_counters(self) -> None:
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished = 0
+        self.busy_seconds = 0.0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.started_at = time.monotonic()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prompt: list[int], max_tokens: int) -> SimSequence:
+        """Queue a request; its `changed` event fires as tokens arrive."""
+        if max_tokens < 1:
+            raise EngineError(400, "max_tokens must be at least 1")
+        if not prompt:
+            raise EngineError(400, "the prompt is empty")
+        need = blocks_for(len(prompt) + max_tokens, self.config.block_size)
+        if need > self.config.kv_blocks:
+            raise EngineError(
+                400,
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) needs {need} KV "
+                f"blocks; this replica has {self.config.kv_blocks}",
+            )
+        seq = SimSequence(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            words=synth_answer(prompt, max_tokens),
+            arrival=time.monotonic(),
+        )
+        self.waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    def abort(self, seq: SimSequence, reason: str = "aborted") -> None:
+        """Take a request out (client gone, replica dying); frees its blocks."""
+        if seq.finished:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        seq.finished = True
+        seq.error = reason
+        seq.changed.set()
+
+    def abort_all(self, reason: str) -> None:
+        for seq in [*self.waiting, *self.running]:
+            self.abort(seq, reason)
+
+    def reset(self) -> dict[str, int]:
+        """Drop the unreferenced prefix cache and zero the counters (between benchmark runs)."""
+        dropped = self.cache.drop_unreferenced()
+        self._zero_counters()
+        return {"dropped_blocks": dropped}
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        """Step until cancelled; sleeps on an event while idle, never spins."""
+        config = self.config
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+            self._admit()
+            if not self.running:
+                # The head does not fit even in an empty batch: impossible after submit()'s
+                # check unless the cache is pinned by nothing; wait for more room.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            budget = config.max_batched_tokens
+            decoding = [s for s in self.running if s.prefill_left == 0]
+            budget -= len(decoding)
+            chunks: list[tuple[SimSequence, int]] = []
+            prefill_tokens = 0
+            for seq in self.running:
+                if budget <= 0:
+                    break
+                if seq.prefill_left:
+                    take = min(seq.prefill_left, budget)
+                    chunks.append((seq, take))
+                    budget -= take
+                    prefill_tokens += take
+            step = (
+                config.decode_base
+                + config.decode_per_seq * len(decoding)
+                + config.prefill_per_token * prefill_tokens
+            ) * self.slow_factor
+            await asyncio.sleep(step * config.time_scale)
+            self.busy_seconds += step
+            now = time.monotonic()
+            for seq in decoding:
+                if not seq.finished:
+                    seq.generated += 1
+                    seq.changed.set()
+            for seq, take in chunks:
+                if seq.finished:
+                    continue
+                seq.prefill_left -= take
+                if seq.prefill_left == 0:
+                    seq.generated = 1
+                    seq.first_token_at = now
+                    self.ttft.observe((now - seq.arrival) / config.time_scale)
+                    seq.changed.set()
+            done = [s for s in self.running if s.generated >= s.max_tokens]
+            for seq in done:
+                self.running.remove(seq)
+                self._release(seq)
+                seq.finished = True
+                self.finished += 1
+                self.generation_tokens += seq.generated
+                seq.changed.set()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_batch:
+            seq = self.waiting[0]
+            allocation = self.cache.allocate(seq.prompt, seq.max_tokens)
+            if allocation is None:
+                return
+            self.waiting.popleft()
+            seq.allocation = allocation
+            seq.hit_tokens = allocation.hit_blocks * self.config.block_size
+            seq.prefill_left = len(seq.prompt) - seq.hit_tokens
+            self.prefix_queries += len(seq.prompt)
+            self.prefix_hits += seq.hit_tokens
+            self.prompt_tokens += len(seq.prompt)
+            self.running.append(seq)
+
+    def _release(self, seq: SimSequence) -> None:
+        if seq.allocation is not None:
+            generated = tokenize(" ".join(seq.words[: seq.generated]))
+            self.cache.release(seq.allocation, seq.prompt + generated)
+            seq.allocation = None
+            self._wake.set()
+
+    # ------------------------------------------------------------------ telemetry
+
+    def utilization(self) -> float:
+        """Share of the batch in use, 0 to 1 (the ORCA cpu_utilization stand-in)."""
+        return min(1.0, (len(self.running) + len(self.waiting)) / self.config.max_batch)
+
+    def orca_header(self) -> str:
+        """ORCA in-band load report, Envoy's TEXT format for ``endpoint-load-metrics``."""
+        return (
+            f"TEXT cpu_utilization={self.utilization():.3f}, "
+            f"named_metrics.kv_cache={self.cache.usage:.3f}, "
+            f"named_metrics.waiting={len(self.waiting)}"
+        )
+
+    def metrics_lines(self) -> list[str]:
+        """vLLM-named metrics, plus the simulator's busy time."""
+        labels = f'model_name="{self.model}"'
+        usage = self.cache.usage
+        values: list[tuple[str, str, str, float]] = [
+            ("vllm:num_requests_running", "gauge", "Requests in the batch.", len(self.running)),
+            ("vllm:num_requests_waiting", "gauge", "Requests queued.", len(self.waiting)),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV cache usage, 1 = 100 percent.", usage),
+            ("vllm:gpu_cache_usage_perc", "gauge", "Older name of kv_cache_usage_perc.", usage),
+            (
+                "vllm:prefix_cache_queries_total",
+                "counter",
+                "Prompt tokens looked up in the prefix cache.",
+                self.prefix_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits_total",
+                "counter",
+                "Prompt tokens found in the prefix cache.",
+                self.prefix_hits,
+            ),
+            ("vllm:prompt_tokens_total", "counter", "Prompt tokens.", self.prompt_tokens),
+            (
+                "vllm:generation_tokens_total",
+                "counter",
+                "Generated tokens.",
+                self.generation_tokens,
+            ),
+            ("vllm:request_success_total", "counter", "Finished requests.", self.finished),
+            (
+                "kvpilot_sim_busy_seconds_total",
+                "counter",
+                "Simulated seconds the engine spent stepping.",
+                self.busy_seconds,
+            ),
+            (
+                "kvpilot_sim_elapsed_seconds",
+                "gauge",
+                "Simulated seconds since the counters were reset.",
+                (time.monotonic() - self.started_at) / self.config.time_scale,
+            ),
+        ]
+        lines: list[str] = []
+        for name, kind, help_text, value in values:
+            lines += [
+                f"# HELP {name} {help_text}",
+                f"# TYPE {name} {kind}",
+                f"{name}{{{labels}}} {float(value)}",
+            ]
+        lines += [
+            "# HELP vllm:time_to_first_token_seconds Time to first token, simulated seconds.",
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+            *self.ttft.lines("vllm:time_to_first_token_seconds", labels),
+        ]
+        return lines
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def _prompt_tokens(kind: str, payload: dict[str, Any]) -> list[int]:
+    if kind == "chat":
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise EngineError(400, "messages must be a list of objects")
+        return tokenize(render_chat(messages))
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list):
+        prompt = " ".join(str(p) for p in prompt)
+    if not isinstance(prompt, str):
+        raise EngineError(400, "prompt must be a string")
+    return tokenize(prompt)
+
+
+async def completion_response(
+    engine: Engine,
+    kind: str,
+    model: str,
+    payload: dict[str, Any],
+    headers: dict[str, str],
+    backend_id: str,
+) -> Response:
+    """Serve one OpenAI completion request through the engine (JSON or SSE)."""
+    prompt = _prompt_tokens(kind, payload)
+    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or 16
+    if not isinstance(max_tokens, int):
+        raise EngineError(400, "max_tokens must be an integer")
+    seq = engine.submit(prompt, max_tokens)
+    if engine.config.orca:
+        headers = {**headers, "endpoint-load-metrics": engine.orca_header()}
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    request_id = f"{prefix}-{uuid.uuid4().hex[:16]}"
+    created = int(time.time())
+
+    def usage() -> dict[str, Any]:
+        return {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": seq.generated,
+            "total_tokens": len(prompt) + seq.generated,
+            "prompt_tokens_details": {"cached_tokens": seq.hit_tokens},
+        }
+
+    if not payload.get("stream"):
+        try:
+            while not seq.finished:
+                seq.changed.clear()
+                await seq.changed.wait()
+        finally:
+            engine.abort(seq, "client went away")
+        if seq.error:
+            raise EngineError(503, f"{backend_id}: {seq.error}")
+        text = " ".join(seq.words)
+        choice: dict[str, Any]
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = "length"
+        body = {
+            "id": request_id,
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage(),
+            "backend": backend_id,
+        }
+        return JSONResponse(body, headers=headers)
+
+    include_usage = bool((payload.get("stream_options") or {}).get("include_usage"))
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(piece: str | None, finish: str | None, first: bool) -> str:
+        if kind == "chat":
+            delta: dict[str, Any] = {} if piece is None else {"content": piece}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": piece or "", "finish_reason": finish}
+        body = {
+            "id": request_id,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "backend": backend_id,
+        }
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        sent = 0
+        try:
+            while True:
+                if seq.error:
+                    # Mid-stream failure, as a dying server would leave it: no [DONE].
+                    raise ConnectionAbortedError(seq.error)
+                if seq.generated > sent:
+                    piece = " ".join(seq.words[sent : seq.generated])
+                    yield chunk(piece if sent == 0 else " " + piece, None, sent == 0)
+                    sent = seq.generated
+                    if not seq.finished:
+                        # Coalesce the next tokens: one chunk per interval, not per token.
+                        await asyncio.sleep(engine.config.stream_interval)
+                        continue
+                if seq.finished:
+                    break
+                seq.changed.clear()
+                await seq.changed.wait()
+            yield chunk(None, "length", False)
+            if include_usage:
+                body = {
+                    "id": request_id,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(),
+                    "backend": backend_id,
+                }
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            engine.abort(seq, "client went away")
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
