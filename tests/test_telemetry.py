@@ -1,0 +1,181 @@
+"""Metric maps and the Prometheus parser: what each server's /metrics becomes."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.telemetry import (
+    SGLANG,
+    TGI,
+    VLLM,
+    MetricMap,
+    PrefixCounters,
+    TelemetryRecord,
+    extract,
+    metric_map_for,
+    parse_samples,
+)
+
+VLLM_V1 = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama"} 5.0
+vllm:num_requests_running{engine="1",model_name="llama"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="llama"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="llama"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="llama"} 0.42
+vllm:kv_cache_usage_perc{engine="1",model_name="llama"} 0.61
+# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="llama"} 1000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="llama"} 1.7e9
+# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="llama"} 250.0
+"""
+
+VLLM_V0 = """\
+vllm:num_requests_running{model_name="llama"} 4.0
+vllm:num_requests_waiting{model_name="llama"} 1.0
+vllm:gpu_cache_usage_perc{model_name="llama"} 0.3
+vllm:gpu_prefix_cache_queries_total{model_name="llama"} 10.0
+vllm:gpu_prefix_cache_hits_total{model_name="llama"} 5.0
+"""
+
+SGLANG_TEXT = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="qwen"} 7.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="qwen"} 3.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="qwen"} 0.55
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{model_name="qwen"} 0.8
+"""
+
+TGI_TEXT = """\
+# TYPE tgi_queue_size gauge
+tgi_queue_size 6
+# TYPE tgi_batch_current_size gauge
+tgi_batch_current_size 12
+# TYPE tgi_batch_current_max_tokens gauge
+tgi_batch_current_max_tokens 20480
+"""
+
+
+def test_parse_samples_keeps_every_series_and_drops_created() -> None:
+    samples = parse_samples(VLLM_V1)
+    assert samples["vllm:num_requests_running"] == [5.0, 3.0]
+    assert "vllm:prefix_cache_queries_created" not in samples
+    assert samples["vllm:prefix_cache_queries_total"] == [1000.0]
+
+
+def test_parse_samples_rejects_garbage() -> None:
+    with pytest.raises(ValueError):
+        parse_samples("this is { not prometheus\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "metric_map", "expected"),
+    [
+        pytest.param(
+            VLLM_V1,
+            VLLM,
+            {"waiting": 2.0, "running": 8.0, "kv_cache": 0.61},
+            id="vllm-v1: counts summed over engines, KV cache is the fullest engine",
+        ),
+        pytest.param(
+            VLLM_V0,
+            VLLM,
+            {"waiting": 1.0, "running": 4.0, "kv_cache": 0.3},
+            id="vllm-v0: the older gpu_cache_usage_perc name",
+        ),
+        pytest.param(
+            SGLANG_TEXT,
+            SGLANG,
+            {"waiting": 3.0, "running": 7.0, "kv_cache": 0.55, "prefix_hit_rate": 0.8},
+            id="sglang",
+        ),
+        pytest.param(
+            TGI_TEXT,
+            TGI,
+            {"waiting": 6.0, "running": 12.0, "pending_tokens": 20480.0},
+            id="tgi: no KV-cache gauge, pending tokens instead",
+        ),
+        pytest.param(
+            "other_metric 1\n", VLLM, {}, id="a server that exports nothing known: all unset"
+        ),
+    ],
+)
+def test_builtin_maps(text: str, metric_map: MetricMap, expected: dict[str, float]) -> None:
+    record, _ = extract(parse_samples(text), metric_map, at=100.0)
+    got = record.model_dump(exclude_none=True, exclude={"at", "format"})
+    assert got == pytest.approx(expected)
+
+
+def test_prefix_hit_rate_comes_from_counter_deltas_between_scrapes() -> None:
+    first, counters = extract(parse_samples(VLLM_V1), VLLM, at=1.0)
+    assert first.prefix_hit_rate is None  # one sample of a counter is not a rate
+    assert counters == PrefixCounters(queries=1000.0, hits=250.0)
+    later = VLLM_V1.replace("} 1000.0", "} 1400.0").replace("} 250.0", "} 550.0")
+    second, _ = extract(parse_samples(later), VLLM, at=2.0, previous=counters)
+    assert second.prefix_hit_rate == pytest.approx(300 / 400)
+
+
+def test_a_counter_reset_gives_no_rate() -> None:
+    _, counters = extract(parse_samples(VLLM_V0), VLLM, at=1.0)
+    restarted = VLLM_V0.replace('queries_total{model_name="llama"} 10.0', "queries_total 2.0")
+    record, _ = extract(parse_samples(restarted), VLLM, at=2.0, previous=counters)
+    assert record.prefix_hit_rate is None
+
+
+def test_max_running_given_by_the_operator_when_the_server_does_not_export_it() -> None:
+    record, _ = extract(parse_samples(VLLM_V0), VLLM, at=1.0, max_running=256)
+    assert record.max_running == 256
+
+
+def test_custom_map_from_yaml_like_mapping() -> None:
+    custom = MetricMap.from_mapping(
+        {
+            "waiting": "queue_len",
+            "running": ["busy", "active"],
+            "kv_cache": "kv_pct",
+            "kv_cache_scale": 0.01,
+        }
+    )
+    record, _ = extract(
+        parse_samples("queue_len 4\nactive 2\nkv_pct 87\n"), custom, at=1.0, format="custom"
+    )
+    assert (record.waiting, record.running, record.kv_cache) == (4.0, 2.0, pytest.approx(0.87))
+    assert metric_map_for("custom", custom) is custom
+
+
+@pytest.mark.parametrize(
+    "data",
+    [{"queue": "x"}, {"waiting": 3}, {"running": ["a", 1]}],
+    ids=["unknown key", "not a name", "not a list of names"],
+)
+def test_custom_map_rejects_mistakes_with_a_sentence(data: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="metric map key"):
+        MetricMap.from_mapping(data)
+
+
+def test_metric_map_for_names_the_known_formats() -> None:
+    assert metric_map_for("sglang") is SGLANG
+    with pytest.raises(ValueError, match="vllm, sglang, tgi, custom"):
+        metric_map_for("triton")
+    with pytest.raises(ValueError, match="needs a metric map"):
+        metric_map_for("custom")
+
+
+def test_record_json_is_compact_and_round_trips() -> None:
+    record = TelemetryRecord(at=12.5, waiting=3, kv_cache=0.5, format="vllm")
+    text = record.to_json()
+    assert "running" not in text
+    assert TelemetryRecord.model_validate_json(text) == record
+    # Fields a newer agent adds are ignored, not an error.
+    assert TelemetryRecord.model_validate_json('{"at": 1, "gpu_temp": 80}').at == 1
