@@ -1,0 +1,254 @@
+"""The weight function, case by case: each row is one behaviour, read the ids.
+
+Pools have three endpoints a, b, c of static weight 100 unless a case says otherwise; the
+default ``WeightParams`` apply (queue_ref 8, step 0.1, band 0.15, affinity step 0.25 and band
+0.3, degraded at 32 queued or 97% KV cache). ``now`` is 1000.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policies.models import Endpoint
+from policies.telemetry import TelemetryRecord
+from policies.weights import WeightDecision, WeightParams, pool_weights
+
+NOW = 1000.0
+PORTS = {"a": 8001, "b": 8002, "c": 8003}
+
+
+def key(name: str) -> str:
+    return f"10.0.0.1:{PORTS[name]}"
+
+
+@dataclass
+class Case:
+    id: str
+    telemetry: dict[str, dict[str, Any]]
+    weights: dict[str, int]
+    degraded: set[str] = field(default_factory=set)
+    static: dict[str, int] = field(default_factory=dict)
+    previous: dict[str, WeightDecision] = field(default_factory=dict)
+    affinity: bool = False
+    health: dict[str, str] = field(default_factory=dict)
+
+
+def fresh(**signals: float) -> dict[str, Any]:
+    return {"at": NOW - 1, **signals}
+
+
+def prev(factor: float, degraded: bool = False) -> WeightDecision:
+    return WeightDecision(weight=round(100 * factor), factor=factor, degraded=degraded, load=0.0)
+
+
+CASES = [
+    Case("no telemetry: static weights", {}, {"a": 100, "b": 100, "c": 100}),
+    Case(
+        "all idle: static weights",
+        {n: fresh(waiting=0, running=0, kv_cache=0) for n in "abc"},
+        {"a": 100, "b": 100, "c": 100},
+    ),
+    Case(
+        "one long queue drops that replica to the floor",
+        {"a": fresh(waiting=40), "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 10, "b": 100, "c": 100},
+        degraded={"a"},  # 40 queued is over the saturation bound of 32
+    ),
+    Case(
+        "a moderate queue lowers the weight in steps of 0.1 (load 0.5 -> factor 0.55 -> 0.6)",
+        {"a": fresh(waiting=4), "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 60, "b": 100, "c": 100},
+    ),
+    Case(
+        "equal load everywhere: weights are relative, nothing moves",
+        {n: fresh(waiting=20, running=10, kv_cache=0.5) for n in "abc"},
+        {"a": 100, "b": 100, "c": 100},
+    ),
+    Case(
+        "stale telemetry (older than max_age 10s) is neutral, not zero",
+        {"a": {"at": NOW - 11, "waiting": 40}, "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 100, "b": 100, "c": 100},
+    ),
+    Case(
+        "noise inside the hysteresis band changes nothing (1 queued: factor 0.89, band 0.15)",
+        {"a": fresh(waiting=1), "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 100, "b": 100, "c": 100},
+    ),
+    Case(
+        "hysteresis holds a lowered factor while the target stays within the band",
+        {"a": fresh(waiting=3), "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 60, "b": 100, "c": 100},
+        previous={"a": prev(0.6)},
+    ),
+    Case(
+        "leaving the band moves the factor to the nearest step",
+        {"a": fresh(waiting=0), "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 100, "b": 100, "c": 100},
+        previous={"a": prev(0.6)},
+    ),
+    Case(
+        "affinity pools quantize coarser: 0.55 -> 0.5 (step 0.25)",
+        {"a": fresh(waiting=4), "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 50, "b": 100, "c": 100},
+        affinity=True,
+    ),
+    Case(
+        "affinity pools have a wider band: 2 queued moves nothing (0.78 is within 0.3)",
+        {"a": fresh(waiting=2), "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 100, "b": 100, "c": 100},
+        affinity=True,
+    ),
+    Case(
+        "without affinity, the same 2 queued gives 0.8",
+        {"a": fresh(waiting=2), "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 80, "b": 100, "c": 100},
+    ),
+    Case(
+        "capacity-aware: double capacity with double queue is as loaded as its peer",
+        {"a": fresh(waiting=8), "b": fresh(waiting=4), "c": fresh(waiting=0)},
+        {"a": 80, "b": 40, "c": 100},
+        static={"a": 200},
+    ),
+    Case(
+        "a full batch (running = max_running) counts half: factor 0.6",
+        {"a": fresh(running=32, max_running=32), "b": fresh(running=0), "c": fresh(running=0)},
+        {"a": 60, "b": 100, "c": 100},
+    ),
+    Case(
+        "KV cache at 80% counts half of it: factor 0.64 -> 0.6",
+        {"a": fresh(kv_cache=0.8), "b": fresh(kv_cache=0.0), "c": fresh(kv_cache=0.0)},
+        {"a": 60, "b": 100, "c": 100},
+    ),
+    Case(
+        "KV cache near full marks the replica degraded",
+        {"a": fresh(kv_cache=0.98), "b": fresh(kv_cache=0.1), "c": fresh(kv_cache=0.1)},
+        {"a": 60, "b": 100, "c": 100},
+        degraded={"a"},
+    ),
+    Case(
+        "all queues long: at most half the pool is degraded, the most loaded first; weights "
+        "stay relative to the least loaded",
+        {"a": fresh(waiting=40), "b": fresh(waiting=50), "c": fresh(waiting=45)},
+        {"a": 100, "b": 40, "c": 70},
+        degraded={"b"},
+    ),
+    Case(
+        "a degraded replica stays degraded until its queue is under half the bound",
+        {"a": fresh(waiting=20), "b": fresh(waiting=20), "c": fresh(waiting=0)},
+        {"a": 10, "b": 10, "c": 100},
+        degraded={"a"},
+        previous={"a": prev(0.1, degraded=True), "b": prev(0.1)},
+    ),
+    Case(
+        "and recovers below it",
+        {"a": fresh(waiting=10), "b": fresh(waiting=10), "c": fresh(waiting=0)},
+        {"a": 10, "b": 10, "c": 100},
+        previous={"a": prev(0.1, degraded=True), "b": prev(0.1)},
+    ),
+    Case(
+        "static health wins: a draining endpoint is not marked degraded",
+        {"a": fresh(waiting=40), "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 10, "b": 100, "c": 100},
+        health={"a": "draining"},
+    ),
+    Case(
+        "a timestamp from the future (clock skew) counts as fresh",
+        {"a": {"at": NOW + 5, "waiting": 4}, "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        {"a": 60, "b": 100, "c": 100},
+    ),
+    Case(
+        "an endpoint with telemetry and one without: the unknown one keeps its static weight",
+        {"a": fresh(waiting=4)},
+        {"a": 100, "b": 100, "c": 100},  # a is alone in the fresh set, so it is the least loaded
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_pool_weights(case: Case) -> None:
+    endpoints = [
+        Endpoint(
+            address="10.0.0.1",
+            port=PORTS[name],
+            weight=case.static.get(name, 100),
+            health=case.health.get(name, "healthy"),  # type: ignore[arg-type]
+        )
+        for name in "abc"
+    ]
+    telemetry = {key(n): TelemetryRecord.model_validate(r) for n, r in case.telemetry.items()}
+    previous = {key(n): d for n, d in case.previous.items()}
+    decisions = pool_weights(
+        endpoints, telemetry, now=NOW, previous=previous, affinity=case.affinity
+    )
+    assert {n: decisions[key(n)].weight for n in "abc"} == case.weights
+    assert {n for n in "abc" if decisions[key(n)].degraded} == case.degraded
+
+
+def test_stale_and_missing_decisions_say_so() -> None:
+    endpoints = [Endpoint(address="10.0.0.1", port=PORTS[n]) for n in "abc"]
+    telemetry = {
+        key("a"): TelemetryRecord(at=NOW - 60, waiting=3),
+        key("b"): TelemetryRecord(at=NOW - 2, waiting=3),
+    }
+    decisions = pool_weights(endpoints, telemetry, now=NOW)
+    assert decisions[key("a")].neutral and decisions[key("a")].age == 60
+    assert not decisions[key("b")].neutral and decisions[key("b")].age == 2
+    assert decisions[key("c")].neutral and decisions[key("c")].age is None
+
+
+def test_a_single_replica_pool_is_never_degraded() -> None:
+    endpoint = Endpoint(address="10.0.0.1", port=8001)
+    decisions = pool_weights(
+        [endpoint], {endpoint.key: TelemetryRecord(at=NOW, waiting=500)}, now=NOW
+    )
+    assert decisions[endpoint.key] == WeightDecision(
+        weight=100, factor=1.0, degraded=False, load=1.0, age=0.0
+    )
+
+
+def test_max_age_comes_from_params() -> None:
+    endpoints = [Endpoint(address="10.0.0.1", port=PORTS[n]) for n in "ab"]
+    telemetry = {key("a"): TelemetryRecord(at=NOW - 3, waiting=8)}
+    telemetry[key("b")] = TelemetryRecord(at=NOW - 3, waiting=0)
+    assert pool_weights(endpoints, telemetry, now=NOW)[key("a")].weight == 10
+    short = WeightParams(max_age=2)
+    assert pool_weights(endpoints, telemetry, now=NOW, params=short)[key("a")].weight == 100
+
+
+signals = st.fixed_dictionaries(
+    {},
+    optional={
+        "waiting": st.floats(0, 1000),
+        "running": st.floats(0, 1000),
+        "max_running": st.floats(1, 1000),
+        "kv_cache": st.floats(0, 1.5),
+        "pending_tokens": st.floats(0, 1e6),
+    },
+)
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 10_000), signals, st.floats(0, 30)), min_size=1, max_size=8)
+)
+def test_weights_stay_between_the_floor_and_the_static_weight(
+    rows: list[tuple[int, dict[str, float], float]],
+) -> None:
+    endpoints = [
+        Endpoint(address="10.0.0.1", port=9000 + i, weight=w) for i, (w, _, _) in enumerate(rows)
+    ]
+    telemetry = {
+        e.key: TelemetryRecord.model_validate({"at": NOW - age, **s})
+        for e, (_, s, age) in zip(endpoints, rows, strict=True)
+    }
+    decisions = pool_weights(endpoints, telemetry, now=NOW)
+    for endpoint in endpoints:
+        decision = decisions[endpoint.key]
+        assert max(1, round(endpoint.weight * 0.1)) <= decision.weight <= endpoint.weight
+        if telemetry[endpoint.key].at < NOW - 10:
+            assert decision.weight == endpoint.weight and decision.neutral
+    assert sum(d.degraded for d in decisions.values()) <= len(endpoints) // 2
