@@ -9,6 +9,8 @@ Design choices, each forced by what Envoy does:
   split, and retries move to the next priority with ``previous_priorities``.
 - Compilation is best effort: a broken reference is reported as a diagnostic and everything
   else still ships.
+- Routes with ``balancing: telemetry`` take their endpoint weights and DEGRADED health from
+  live telemetry (``policies.weights``); every other route keeps the static weights.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from policies.plan import (
     PlanVirtualHost,
     RoutingPlan,
 )
+from policies.telemetry import TelemetryRecord
+from policies.weights import WeightDecision, WeightParams, pool_weights
 
 SPLIT_SCALE = 100
 """Resolution of a split: a pool's endpoints share ``pool weight x SPLIT_SCALE`` weight units."""
@@ -43,6 +47,12 @@ class PolicyState:
     fleets: Mapping[str, Fleet] = field(default_factory=dict)
     registered: Mapping[str, Mapping[str, Endpoint]] = field(default_factory=dict)
     """Endpoints registered through the API or by agents: pool name -> endpoint id -> endpoint."""
+    telemetry: Mapping[str, Mapping[str, TelemetryRecord]] = field(default_factory=dict)
+    """Latest telemetry: pool name -> endpoint id (``address:port``) -> record."""
+    previous_weights: Mapping[str, Mapping[str, WeightDecision]] = field(default_factory=dict)
+    """``RoutingPlan.weights`` of the previous compile, for hysteresis."""
+    now: float = 0.0
+    """Wall-clock seconds that telemetry ages are measured against."""
 
 
 def cluster_name(policy: str, route: str) -> str:
@@ -73,17 +83,60 @@ def pool_endpoints(pool: Pool, registered: Mapping[str, Endpoint]) -> list[Endpo
     return [merged[key] for key in sorted(merged) if is_ip(merged[key].address)]
 
 
+def telemetry_weights(state: PolicyState) -> dict[str, dict[str, WeightDecision]]:
+    """Weights from telemetry for every pool that a ``balancing: telemetry`` route uses: pool
+    name -> endpoint key -> decision. A pool behind session affinity in any such route is
+    quantized coarsely (it shares one ClusterLoadAssignment with its hash cluster)."""
+    affinity: dict[str, bool] = {}
+    for policy in state.policies.values():
+        for route in policy.spec.routes:
+            if route.balancing != "telemetry":
+                continue
+            for tier in route.tiers:
+                for target in tier.pools:
+                    affinity[target.pool] = affinity.get(target.pool, False) or (
+                        route.session_affinity is not None
+                    )
+    out: dict[str, dict[str, WeightDecision]] = {}
+    for name in sorted(affinity):
+        pool = state.pools.get(name)
+        if pool is None:
+            continue
+        source = pool.spec.telemetry
+        out[name] = pool_weights(
+            pool_endpoints(pool, state.registered.get(name, {})),
+            state.telemetry.get(name, {}),
+            now=state.now,
+            previous=state.previous_weights.get(name, {}),
+            params=WeightParams(max_age=source.max_age) if source else WeightParams(),
+            affinity=affinity[name],
+        )
+    return out
+
+
+def _weighted(endpoint: Endpoint, decision: WeightDecision | None) -> Endpoint:
+    if decision is None:
+        return endpoint
+    health = "degraded" if decision.degraded else endpoint.health
+    return endpoint.model_copy(update={"weight": decision.weight, "health": health})
+
+
 def _tier_endpoints(
     tier: Tier,
     priority: int,
     state: PolicyState,
+    weights: Mapping[str, Mapping[str, WeightDecision]],
 ) -> list[PlanEndpoint]:
     members = []
     for target in tier.pools:
         pool = state.pools.get(target.pool)
         if pool is None or target.weight == 0:
             continue
-        endpoints = pool_endpoints(pool, state.registered.get(target.pool, {}))
+        decisions = weights.get(target.pool, {})
+        endpoints = [
+            _weighted(endpoint, decisions.get(endpoint.key))
+            for endpoint in pool_endpoints(pool, state.registered.get(target.pool, {}))
+        ]
         if endpoints:
             members.append((target.weight, pool, endpoints))
     out: list[PlanEndpoint] = []
@@ -170,12 +223,16 @@ def _route_diagnostics(
 
 
 def _compile_route(
-    policy: RoutingPolicy, route: Route, state: PolicyState
+    policy: RoutingPolicy,
+    route: Route,
+    state: PolicyState,
+    weights: Mapping[str, Mapping[str, WeightDecision]],
 ) -> tuple[PlanCluster, PlanRoute]:
     name = cluster_name(policy.metadata.name, route.name)
     endpoints: list[PlanEndpoint] = []
+    route_weights = weights if route.balancing == "telemetry" else {}
     for priority, tier in enumerate(route.tiers):
-        endpoints.extend(_tier_endpoints(tier, priority, state))
+        endpoints.extend(_tier_endpoints(tier, priority, state, route_weights))
     # Cluster-wide settings come from the first pool that exists, preferring tier 0.
     primary = next(
         (
@@ -236,13 +293,14 @@ def compile_plan(state: PolicyState) -> RoutingPlan:
     """Build the routing plan for every fleet. Pure: the same state gives the same plan."""
     diagnostics: list[Diagnostic] = []
     compiled: dict[str, tuple[list[PlanCluster], PlanVirtualHost]] = {}
+    weights = telemetry_weights(state)
     for policy_name in sorted(state.policies):
         policy = state.policies[policy_name]
         policy_clusters = []
         routes = []
         for index, route in enumerate(policy.spec.routes):
             diagnostics.extend(_route_diagnostics(policy, index, route, state))
-            cluster, plan_route = _compile_route(policy, route, state)
+            cluster, plan_route = _compile_route(policy, route, state, weights)
             policy_clusters.append(cluster)
             routes.append(plan_route)
         compiled[policy_name] = (
@@ -284,7 +342,7 @@ def compile_plan(state: PolicyState) -> RoutingPlan:
                 )
             )
         fleets.append(FleetPlan(fleet=fleet, listeners=tuple(listeners), clusters=tuple(clusters)))
-    return RoutingPlan(fleets=tuple(fleets), diagnostics=_dedupe(diagnostics))
+    return RoutingPlan(fleets=tuple(fleets), diagnostics=_dedupe(diagnostics), weights=weights)
 
 
 def _merge_listener(

@@ -7,6 +7,7 @@ knows about protobuf: the plan is what a reviewer reads to see what kvpilot deci
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,6 +25,7 @@ from policies.models import (
     SessionAffinity,
     Timeouts,
 )
+from policies.weights import WeightDecision
 
 DEFAULT_FLEET = "default"
 """The fleet whose config an Envoy gets when its node.cluster has no config of its own."""
@@ -143,6 +145,8 @@ class RoutingPlan:
 
     fleets: tuple[FleetPlan, ...]
     diagnostics: tuple[Diagnostic, ...] = field(default=())
+    weights: Mapping[str, Mapping[str, WeightDecision]] = field(default_factory=dict, hash=False)
+    """What telemetry decided, for telemetry-balanced pools: pool -> endpoint key -> decision."""
 
     def fleet(self, name: str) -> FleetPlan | None:
         """The plan of fleet ``name``, or None."""
