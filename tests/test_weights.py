@@ -252,3 +252,70 @@ def test_weights_stay_between_the_floor_and_the_static_weight(
         if telemetry[endpoint.key].at < NOW - 10:
             assert decision.weight == endpoint.weight and decision.neutral
     assert sum(d.degraded for d in decisions.values()) <= len(endpoints) // 2
+
+
+def _state(now: float, waiting: dict[int, float], *, affinity: bool = False) -> Any:
+    from policies.compile import PolicyState
+    from policies.models import Pool, RoutingPolicy
+
+    pool = Pool.model_validate(
+        {
+            "metadata": {"name": "p"},
+            "spec": {"endpoints": [{"address": "10.0.0.1", "port": p} for p in PORTS.values()]},
+        }
+    )
+    routes: list[dict[str, Any]] = [
+        {"name": "static", "balancing": "least_request", "tiers": [["p"]]},
+        {"name": "live", "balancing": "telemetry", "tiers": [["p"]], "match": {"pathPrefix": "/x"}},
+    ]
+    if affinity:
+        routes[1]["sessionAffinity"] = {}
+    policy = RoutingPolicy.model_validate({"metadata": {"name": "r"}, "spec": {"routes": routes}})
+    telemetry = {
+        f"10.0.0.1:{port}": TelemetryRecord(at=now, waiting=value)
+        for port, value in waiting.items()
+    }
+    return PolicyState(
+        pools={"p": pool}, policies={"r": policy}, telemetry={"p": telemetry}, now=now
+    )
+
+
+def _cluster_weights(plan: Any, name: str) -> dict[int, tuple[int, str]]:
+    cluster = next(c for c in plan.fleets[0].clusters if c.name == name)
+    return {e.port: (e.weight, e.health) for e in cluster.endpoints}
+
+
+def test_compile_applies_telemetry_weights_only_to_telemetry_routes() -> None:
+    from policies.compile import compile_plan
+
+    plan = compile_plan(_state(NOW, {8001: 40, 8002: 0, 8003: 0}))
+    assert _cluster_weights(plan, "r/static") == dict.fromkeys(PORTS.values(), (100, "healthy"))
+    assert _cluster_weights(plan, "r/live") == {
+        8001: (10, "degraded"),
+        8002: (100, "healthy"),
+        8003: (100, "healthy"),
+    }
+    assert plan.weights["p"]["10.0.0.1:8001"].factor == 0.1
+
+
+def test_compile_carries_hysteresis_through_previous_weights() -> None:
+    from dataclasses import replace
+
+    from policies.compile import compile_plan
+
+    first = compile_plan(_state(NOW, {8001: 4, 8002: 0, 8003: 0}))
+    assert _cluster_weights(first, "r/live")[8001] == (60, "healthy")
+    # 3 queued alone would give 0.7; within the band of 0.6 it stays put.
+    second = compile_plan(
+        replace(_state(NOW, {8001: 3, 8002: 0, 8003: 0}), previous_weights=first.weights)
+    )
+    assert _cluster_weights(second, "r/live")[8001] == (60, "healthy")
+    fresh_start = compile_plan(_state(NOW, {8001: 3, 8002: 0, 8003: 0}))
+    assert _cluster_weights(fresh_start, "r/live")[8001] == (70, "healthy")
+
+
+def test_compile_quantizes_coarsely_when_the_telemetry_route_has_affinity() -> None:
+    from policies.compile import compile_plan
+
+    plan = compile_plan(_state(NOW, {8001: 4, 8002: 0, 8003: 0}, affinity=True))
+    assert _cluster_weights(plan, "r/live")[8001] == (50, "healthy")
