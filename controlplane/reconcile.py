@@ -8,16 +8,25 @@ routes are reused and only the ClusterLoadAssignments are translated again.
 A value in etcd that is not a valid object (written with etcdctl, or by an older kvpilot) is
 skipped with a logged error visible in status; the last valid version of that object keeps
 serving.
+
+Telemetry: records under ``telemetry/{pool}/{endpoint_id}`` feed the weight function
+(``policies.weights``) through compile; its previous decisions are kept here for hysteresis.
+Rebuilds caused only by telemetry are capped at one per ``min_push_interval``, and a rebuild
+is also scheduled when fresh telemetry is about to pass its ``max_age`` (an agent that stopped
+writing but whose lease lives on), so weights fall back to neutral without any etcd change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -37,6 +46,8 @@ from policies import (
     compile_plan,
     parse_object,
 )
+from policies.telemetry import TelemetryRecord
+from policies.weights import WeightDecision
 from xdsserver import resources
 from xdsserver.snapshot import Snapshot, SnapshotCache
 from xdsserver.translate import translate, translate_endpoints
@@ -45,6 +56,7 @@ log = logging.getLogger(__name__)
 
 PATH_KIND = {path: kind for kind, path in KIND_PATH.items()}
 FAST_PATH_PREFIXES = ("endpoints/", "telemetry/")
+TELEMETRY_PREFIX = "telemetry/"
 STATUS_PREFIX = "status/"
 
 
@@ -95,6 +107,37 @@ class ReconcileMetrics:
             ["severity"],
             **kwargs,
         )
+        self.pushes = Counter(
+            "kvpilot_snapshot_pushes",
+            "Fleet snapshots that changed (and so were pushed to that fleet's Envoys), by cause: "
+            "telemetry, endpoints or config.",
+            ["cause"],
+            **kwargs,
+        )
+        self.telemetry_age = Gauge(
+            "kvpilot_telemetry_age_seconds",
+            "Age of each endpoint's latest telemetry record.",
+            ["pool", "endpoint"],
+            **kwargs,
+        )
+        self.weight_changes = Counter(
+            "kvpilot_telemetry_weight_changes",
+            "Endpoint weight or health changes decided from telemetry.",
+            ["pool"],
+            **kwargs,
+        )
+        self.telemetry_weight = Gauge(
+            "kvpilot_telemetry_weight",
+            "Endpoint weight decided from telemetry, for telemetry-balanced pools.",
+            ["pool", "endpoint"],
+            **kwargs,
+        )
+        self.degraded = Gauge(
+            "kvpilot_telemetry_degraded_endpoints",
+            "Endpoints marked DEGRADED because telemetry shows them saturated.",
+            ["pool"],
+            **kwargs,
+        )
 
 
 class Reconciler:
@@ -107,16 +150,27 @@ class Reconciler:
         quiet_period: float = 0.02,
         max_wait: float = 0.25,
         metrics: ReconcileMetrics | None = None,
+        min_push_interval: float = 1.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.cache = cache
         self.quiet_period = quiet_period
         self.max_wait = max_wait
+        self.min_push_interval = min_push_interval
+        """Least time between two rebuilds caused only by telemetry (push-rate cap)."""
+        self.clock = clock
+        """Wall clock that telemetry ages are measured with."""
         self.metrics = metrics or ReconcileMetrics(CollectorRegistry())
         self.errors: dict[str, ObjectError] = {}
         self.plan: RoutingPlan | None = None
         self.last_build = BuildInfo()
         self._objects: dict[str, PolicyObject] = {}
         self._endpoints: dict[str, Endpoint] = {}
+        self._telemetry: dict[str, TelemetryRecord] = {}
+        self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
+        self._weight_labels: set[tuple[str, str]] = set()
+        self._next_stale_at = math.inf
+        self._last_telemetry_build = -math.inf
         self._items: Mapping[str, KeyValue] = {}
         self._pending: set[str] = set()
         self._pending_full = False
@@ -133,14 +187,38 @@ class Reconciler:
         self._items = items
         if not change.full_resync and all(key.startswith(STATUS_PREFIX) for key in change.changed):
             return  # Envoy status records of kvpilot replicas: nothing to rebuild
+        self._mark(change.changed, full=change.full_resync, revision=change.revision)
+
+    def _mark(self, changed: frozenset[str], *, full: bool, revision: int) -> None:
         now = time.monotonic()
         if not self._dirty.is_set():
             self._first_change = now
         self._last_change = now
-        self._pending.update(change.changed)
-        self._pending_full = self._pending_full or change.full_resync
-        self._pending_revision = max(self._pending_revision, change.revision)
+        self._pending.update(changed)
+        self._pending_full = self._pending_full or full
+        self._pending_revision = max(self._pending_revision, revision)
         self._dirty.set()
+
+    def _telemetry_only(self) -> bool:
+        return (
+            not self._pending_full
+            and bool(self._pending)
+            and all(key.startswith(TELEMETRY_PREFIX) for key in self._pending)
+        )
+
+    async def _wait_dirty(self) -> None:
+        """Wait for a change, or until fresh telemetry goes stale (then weights must return to
+        neutral although nothing in etcd changed)."""
+        while not self._dirty.is_set():
+            delay = self._next_stale_at - self.clock()
+            if math.isinf(delay):
+                await self._dirty.wait()
+                return
+            try:
+                await asyncio.wait_for(self._dirty.wait(), max(delay, 0.0))
+            except TimeoutError:
+                self._next_stale_at = math.inf
+                self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
 
     @property
     def ready(self) -> bool:
@@ -152,15 +230,19 @@ class Reconciler:
     async def run(self) -> None:
         """Debounce changes and rebuild, until cancelled."""
         while True:
-            await self._dirty.wait()
+            await self._wait_dirty()
             while True:
                 now = time.monotonic()
                 deadline = min(
                     self._last_change + self.quiet_period, self._first_change + self.max_wait
                 )
+                if self._telemetry_only():
+                    # Push-rate cap: telemetry alone rebuilds at most once per interval; the
+                    # changes that arrive meanwhile are folded into that one rebuild.
+                    deadline = max(deadline, self._last_telemetry_build + self.min_push_interval)
                 if now >= deadline:
                     break
-                await asyncio.sleep(deadline - now)
+                await asyncio.sleep(min(deadline - now, max(self.quiet_period, 0.01)))
             self._dirty.clear()
             changed, self._pending = self._pending, set()
             full, self._pending_full = self._pending_full, False
@@ -187,10 +269,17 @@ class Reconciler:
         from publishing to the cache."""
         started = time.perf_counter()
         keys = (
-            set(items) | set(self._objects) | set(self._endpoints)
+            set(items) | set(self._objects) | set(self._endpoints) | set(self._telemetry)
             if full_resync or changed is None
             else changed
         )
+        cause = "config"
+        if changed is not None and not full_resync and changed:
+            if all(key.startswith(TELEMETRY_PREFIX) for key in changed):
+                cause = "telemetry"
+                self._last_telemetry_build = time.monotonic()
+            elif all(key.startswith(FAST_PATH_PREFIXES) for key in changed):
+                cause = "endpoints"
         fast = (
             not full_resync
             and changed is not None
@@ -202,8 +291,10 @@ class Reconciler:
         state = self._state()
         plan = compile_plan(state)
         fleets: dict[str, dict[str, str]] = {}
+        pushed = 0
         for fleet_plan in plan.fleets:
-            previous = self.cache.snapshot_for(fleet_plan.fleet) if fast else None
+            before = self.cache.snapshot_for(fleet_plan.fleet)
+            previous = before if fast else None
             if previous is not None and fleet_plan.fleet in self.cache.fleets():
                 snapshot = previous.with_messages(
                     resources.ENDPOINT,
@@ -212,11 +303,16 @@ class Reconciler:
                 )
             else:
                 snapshot = Snapshot.from_messages(translate(fleet_plan).by_type())
+            if before is None or before.versions() != snapshot.versions():
+                pushed += 1
             self.cache.set_snapshot(fleet_plan.fleet, snapshot)
             fleets[fleet_plan.fleet] = snapshot.versions()
+        if pushed:
+            self.metrics.pushes.labels(cause).inc(pushed)
         for stale in set(self.cache.fleets()) - set(fleets) - {DEFAULT_FLEET}:
             self.cache.delete_snapshot(stale)
         self._report(plan)
+        self._track_weights(state, plan)
         self.plan = plan
         elapsed = time.perf_counter() - started
         self.last_build = BuildInfo(
@@ -238,6 +334,8 @@ class Reconciler:
             self._apply_object(key, parts[1], kv)
         elif parts[0] == "endpoints" and len(parts) == 3:
             self._apply_endpoint(key, kv)
+        elif parts[0] == "telemetry" and len(parts) == 3:
+            self._apply_telemetry(key, kv)
 
     def _apply_object(self, key: str, path: str, kv: KeyValue | None) -> None:
         if kv is None:
@@ -271,8 +369,32 @@ class Reconciler:
         self._endpoints[key] = endpoint
         self.errors.pop(key, None)
 
+    def _apply_telemetry(self, key: str, kv: KeyValue | None) -> None:
+        _, pool, endpoint_id = key.split("/")
+        if kv is None:
+            self._telemetry.pop(key, None)
+            self.errors.pop(key, None)
+            with contextlib.suppress(KeyError):  # never had a valid record
+                self.metrics.telemetry_age.remove(pool, endpoint_id)
+            return
+        try:
+            record = TelemetryRecord.model_validate_json(kv.value)
+        except ValueError as error:
+            self._reject(key, kv, str(error))
+            return
+        if key not in self._telemetry:
+            self.metrics.telemetry_age.labels(pool, endpoint_id).set_function(
+                partial(self._telemetry_age, key)
+            )
+        self._telemetry[key] = record
+        self.errors.pop(key, None)
+
+    def _telemetry_age(self, key: str) -> float:
+        record = self._telemetry.get(key)
+        return max(0.0, self.clock() - record.at) if record is not None else math.nan
+
     def _reject(self, key: str, kv: KeyValue, message: str) -> None:
-        serving = key in self._objects or key in self._endpoints
+        serving = key in self._objects or key in self._endpoints or key in self._telemetry
         known = self.errors.get(key)
         if known is None or known.revision != kv.mod_revision:
             log.error(
@@ -299,7 +421,49 @@ class Reconciler:
         for key, endpoint in self._endpoints.items():
             _, pool, endpoint_id = key.split("/")
             registered.setdefault(pool, {})[endpoint_id] = endpoint
-        return PolicyState(pools=pools, policies=policies, fleets=fleets, registered=registered)
+        telemetry: dict[str, dict[str, TelemetryRecord]] = {}
+        for key, record in self._telemetry.items():
+            _, pool, endpoint_id = key.split("/")
+            telemetry.setdefault(pool, {})[endpoint_id] = record
+        return PolicyState(
+            pools=pools,
+            policies=policies,
+            fleets=fleets,
+            registered=registered,
+            telemetry=telemetry,
+            previous_weights=self._weights,
+            now=self.clock(),
+        )
+
+    def _track_weights(self, state: PolicyState, plan: RoutingPlan) -> None:
+        """Keep telemetry decisions for hysteresis, count changes, and schedule the rebuild
+        that returns the first fresh record to neutral when it goes stale."""
+        labels: set[tuple[str, str]] = set()
+        next_stale = math.inf
+        for pool, decisions in plan.weights.items():
+            before = self._weights.get(pool, {})
+            spec = state.pools[pool].spec.telemetry if pool in state.pools else None
+            max_age = spec.max_age if spec is not None else 10.0
+            for endpoint_id, decision in decisions.items():
+                old = before.get(endpoint_id)
+                if old is not None and (old.weight, old.degraded) != (
+                    decision.weight,
+                    decision.degraded,
+                ):
+                    self.metrics.weight_changes.labels(pool).inc()
+                self.metrics.telemetry_weight.labels(pool, endpoint_id).set(decision.weight)
+                labels.add((pool, endpoint_id))
+                if not decision.neutral and decision.age is not None:
+                    next_stale = min(next_stale, state.now - decision.age + max_age)
+            self.metrics.degraded.labels(pool).set(sum(d.degraded for d in decisions.values()))
+        for pool, endpoint_id in self._weight_labels - labels:
+            self.metrics.telemetry_weight.remove(pool, endpoint_id)
+        for pool in set(self._weights) - set(plan.weights):
+            self.metrics.degraded.remove(pool)
+        self._weight_labels = labels
+        self._weights = plan.weights
+        # A little after the deadline, so the record is stale by then on any rounding.
+        self._next_stale_at = next_stale + 0.05
 
     def _report(self, plan: RoutingPlan) -> None:
         previous = set(self.plan.diagnostics) if self.plan is not None else set()
