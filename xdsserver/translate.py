@@ -20,6 +20,7 @@ from envoy.config.core.v3 import (
     health_check_pb2,
     protocol_pb2,
 )
+from envoy.config.core.v3 import extension_pb2 as core_extension_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
@@ -28,6 +29,9 @@ from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_p
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (
+    client_side_weighted_round_robin_pb2 as cswrr_pb2,
 )
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
@@ -150,6 +154,9 @@ def translate_cluster(cluster: PlanCluster) -> list[cluster_pb2.Cluster]:
     """
     base = _cluster(cluster, cluster.name)
     base.lb_policy = _LB_POLICY[cluster.balancing]
+    if cluster.balancing == "orca":
+        # load_balancing_policy takes precedence over lb_policy.
+        base.load_balancing_policy.CopyFrom(_orca_policy())
     out = [base]
     if cluster.affinity is not None:
         twin = _cluster(cluster, cluster.name + AFFINITY_SUFFIX)
@@ -165,6 +172,40 @@ def translate_cluster(cluster: PlanCluster) -> list[cluster_pb2.Cluster]:
             )
         out.append(twin)
     return out
+
+
+ORCA_UTILIZATION_METRICS = ("named_metrics.kv_cache_usage_perc",)
+"""Used when a report has no ``application_utilization``: vLLM's own ORCA header reports its
+KV-cache use as a named metric."""
+
+
+def _orca_policy() -> cluster_pb2.LoadBalancingPolicy:
+    """Envoy's client-side weighted round robin: each Envoy weighs hosts by the ORCA load they
+    report in ``endpoint-load-metrics`` response headers (weight = qps / utilization), so
+    per-request load feedback needs no control-plane round trip.
+
+    Envoy's defaults are tuned for slow-moving services: a 10 s blackout before a new host's
+    reports count, recomputed every second. LLM load swings faster; a 1 s blackout and a
+    0.5 s update period let weights follow within a couple of seconds while still averaging
+    over many responses. Reports older than 60 s expire and the host falls back to the mean
+    weight.
+    """
+    config = cswrr_pb2.ClientSideWeightedRoundRobin(
+        blackout_period=_duration(1.0),
+        weight_update_period=_duration(0.5),
+        weight_expiration_period=_duration(60.0),
+        metric_names_for_computing_utilization=list(ORCA_UTILIZATION_METRICS),
+    )
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[
+            cluster_pb2.LoadBalancingPolicy.Policy(
+                typed_extension_config=core_extension_pb2.TypedExtensionConfig(
+                    name="envoy.load_balancing_policies.client_side_weighted_round_robin",
+                    typed_config=_any(config),
+                )
+            )
+        ]
+    )
 
 
 def _cluster(cluster: PlanCluster, name: str) -> cluster_pb2.Cluster:
