@@ -1,0 +1,438 @@
+"""`kvpilot agent`: scrape model servers' metrics into etcd, under a lease.
+
+Runs beside one model server, or centrally for many. Every ``--interval`` it scrapes each
+backend's Prometheus endpoint, reads it through a metric map (vLLM, SGLang, TGI or a
+user-defined one, see ``policies.telemetry``) and writes a compact ``TelemetryRecord`` to
+``{prefix}/telemetry/{pool}/{address:port}``. With ``--register`` it also registers each
+backend as an endpoint of its pool under ``{prefix}/endpoints/{pool}/{address:port}``.
+
+Everything is written under one lease that the agent keeps alive. When the agent dies, the
+lease expires after ``--ttl`` seconds and its telemetry and registrations disappear with it: a
+dead agent neither steers traffic with old numbers nor keeps a dead backend in rotation. When
+a backend stops answering while the agent lives, its telemetry is no longer refreshed (so it
+goes stale and neutral in ``--max-age`` time) and after ``--unregister-after`` failed scrapes
+its registration is withdrawn; it is registered again when it answers.
+
+Cheap by design: one HTTP client for all backends, a cap on the size of a scrape, a scrape
+timeout shorter than the interval, and an unchanged record is rewritten only every
+``--refresh`` seconds to keep it fresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import yaml
+
+from controlplane.etcd import EtcdClient, EtcdError, LeaseKeeper
+from controlplane.store import DEFAULT_PREFIX, Store
+from policies.telemetry import (
+    METRIC_MAPS,
+    MetricMap,
+    PrefixCounters,
+    TelemetryRecord,
+    extract,
+    metric_map_for,
+    parse_samples,
+)
+
+log = logging.getLogger("kvpilot.agent")
+
+MAX_SCRAPE_BYTES = 8 * 1024 * 1024
+"""A /metrics answer larger than this is refused rather than held in memory."""
+
+
+@dataclass
+class Target:
+    """One backend the agent scrapes (and maybe registers)."""
+
+    pool: str
+    url: str
+    """Base URL of the model server, for example ``http://10.0.0.5:8000``."""
+    address: str = ""
+    """Address registered in EDS (an IP); default: the URL's host."""
+    port: int = 0
+    """Port registered in EDS; default: the URL's port."""
+    weight: int = 100
+    metrics_path: str = "/metrics"
+    max_running: float | None = None
+    """Batch capacity when the server does not export it (vLLM ``--max-num-seqs``)."""
+
+    # Scrape state.
+    counters: PrefixCounters | None = field(default=None, repr=False)
+    last_written: TelemetryRecord | None = field(default=None, repr=False)
+    failures: int = field(default=0, repr=False)
+    registered: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"backend URL {self.url!r} must look like http://host:port")
+        self.address = self.address or parts.hostname
+        self.port = self.port or parts.port or (443 if parts.scheme == "https" else 80)
+        self.url = self.url.rstrip("/")
+
+    @property
+    def endpoint_id(self) -> str:
+        """The endpoint's id in etcd: ``address:port``, the same as ``Endpoint.key``."""
+        return f"{self.address}:{self.port}"
+
+    def endpoint_body(self) -> dict[str, Any]:
+        return {"address": self.address, "port": self.port, "weight": self.weight}
+
+
+@dataclass
+class AgentConfig:
+    """Everything the agent needs; the CLI flags map one to one."""
+
+    etcd_endpoints: list[str]
+    targets: list[Target]
+    prefix: str = DEFAULT_PREFIX
+    format: str = "vllm"
+    metric_map: MetricMap | None = None
+    interval: float = 1.0
+    ttl: int = 10
+    refresh: float = 3.0
+    register: bool = False
+    unregister_after: int = 3
+
+
+def _signals(record: TelemetryRecord) -> dict[str, Any]:
+    return record.model_dump(exclude={"at"})
+
+
+class Agent:
+    """The scrape-and-write loop. ``run()`` until cancelled; the lease is revoked on a clean
+    exit, and simply expires when the process is killed."""
+
+    def __init__(
+        self, store: Store, config: AgentConfig, *, http: httpx.AsyncClient | None = None
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.metric_map = metric_map_for(config.format, config.metric_map)
+        self._http = http
+        self._lease: LeaseKeeper | None = None
+        self.scrapes = 0
+        """Completed scrape rounds (for tests and logs)."""
+
+    @property
+    def lease_id(self) -> int:
+        return self._lease.lease_id if self._lease is not None else 0
+
+    async def run(self) -> None:
+        timeout = httpx.Timeout(max(0.2, min(self.config.interval * 0.8, 5.0)))
+        async with contextlib.AsyncExitStack() as stack:
+            http = self._http
+            if http is None:
+                http = await stack.enter_async_context(
+                    httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=64))
+                )
+            self._lease = await stack.enter_async_context(
+                LeaseKeeper(self.store.client, self.config.ttl, on_regrant=self._rewrite)
+            )
+            log.info(
+                "agent: %d backend(s), lease %x (ttl %ds), every %gs",
+                len(self.config.targets),
+                self.lease_id,
+                self.config.ttl,
+                self.config.interval,
+            )
+            loop = asyncio.get_running_loop()
+            while True:
+                started = loop.time()
+                await asyncio.gather(*(self._tick(http, t) for t in self.config.targets))
+                self.scrapes += 1
+                await asyncio.sleep(max(0.0, self.config.interval - (loop.time() - started)))
+
+    async def _tick(self, http: httpx.AsyncClient, target: Target) -> None:
+        try:
+            text = await _scrape(http, target.url + target.metrics_path)
+            samples = parse_samples(text)
+        except (httpx.HTTPError, ValueError) as error:
+            target.failures += 1
+            if target.failures == 1:
+                log.warning("scrape of %s failed: %s", target.url, error)
+            if target.registered and target.failures >= self.config.unregister_after:
+                await self._withdraw(target)
+            return
+        if target.failures:
+            log.info("scrape of %s works again after %d failure(s)", target.url, target.failures)
+        target.failures = 0
+        record, target.counters = extract(
+            samples,
+            self.metric_map,
+            at=time.time(),
+            previous=target.counters,
+            format=self.config.format,
+            max_running=target.max_running,
+        )
+        try:
+            if self.config.register and not target.registered:
+                await self.store.put_endpoint(
+                    target.pool, target.endpoint_id, target.endpoint_body(), lease=self.lease_id
+                )
+                target.registered = True
+                log.info("registered %s in pool %s", target.endpoint_id, target.pool)
+            last = target.last_written
+            if (
+                last is None
+                or _signals(last) != _signals(record)
+                or record.at - last.at >= self.config.refresh
+            ):
+                await self.store.put_telemetry(
+                    target.pool,
+                    target.endpoint_id,
+                    json.loads(record.to_json()),
+                    lease=self.lease_id,
+                )
+                target.last_written = record
+        except EtcdError as error:
+            # The lease keeper re-grants a lost lease and calls _rewrite; until then, retry
+            # on the next tick.
+            log.warning("writing %s to etcd failed: %s", target.endpoint_id, error)
+            target.registered = False
+            target.last_written = None
+
+    async def _withdraw(self, target: Target) -> None:
+        """A backend that keeps failing leaves its pool until it answers again."""
+        try:
+            await self.store.delete_endpoint(target.pool, target.endpoint_id)
+            await self.store.delete_telemetry(target.pool, target.endpoint_id)
+        except EtcdError as error:
+            log.warning("withdrawing %s failed: %s", target.endpoint_id, error)
+            return
+        target.registered = False
+        target.last_written = None
+        log.warning(
+            "withdrew %s from pool %s after %d failed scrapes",
+            target.endpoint_id,
+            target.pool,
+            target.failures,
+        )
+
+    async def _rewrite(self, lease_id: int) -> None:
+        """The lease was lost (etcd was unreachable for longer than the TTL): put everything
+        back under the new one."""
+        for target in self.config.targets:
+            if target.registered:
+                await self.store.put_endpoint(
+                    target.pool, target.endpoint_id, target.endpoint_body(), lease=lease_id
+                )
+            if target.last_written is not None:
+                await self.store.put_telemetry(
+                    target.pool,
+                    target.endpoint_id,
+                    json.loads(target.last_written.to_json()),
+                    lease=lease_id,
+                )
+
+
+async def _scrape(http: httpx.AsyncClient, url: str) -> str:
+    async with http.stream("GET", url) as response:
+        response.raise_for_status()
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > MAX_SCRAPE_BYTES:
+                raise ValueError(f"{url} answered more than {MAX_SCRAPE_BYTES} bytes")
+            chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", errors="replace")
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `agent` subcommand's flags; each has an environment variable for containers."""
+    env = os.environ.get
+    parser.add_argument(
+        "--etcd-endpoints",
+        default=env("KVPILOT_ETCD_ENDPOINTS", "127.0.0.1:2379"),
+        help="comma-separated host:port list of the etcd cluster (env KVPILOT_ETCD_ENDPOINTS)",
+    )
+    parser.add_argument(
+        "--etcd-prefix",
+        default=env("KVPILOT_ETCD_PREFIX", DEFAULT_PREFIX),
+        help="etcd key prefix (env KVPILOT_ETCD_PREFIX)",
+    )
+    parser.add_argument("--pool", default=env("KVPILOT_POOL"), help="pool of the backends")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="model server base URL, e.g. http://10.0.0.5:8000; repeat for several",
+    )
+    parser.add_argument(
+        "--targets-file",
+        type=Path,
+        help="YAML list of backends: [{pool, url, address?, port?, weight?, maxRunning?}]",
+    )
+    parser.add_argument(
+        "--advertise-address",
+        help="address to register instead of the --backend URL's host (one backend only)",
+    )
+    parser.add_argument(
+        "--format",
+        default="vllm",
+        choices=[*METRIC_MAPS, "custom"],
+        help="metric names to read (default vllm)",
+    )
+    parser.add_argument(
+        "--metric-map",
+        type=Path,
+        help='YAML/JSON map for --format custom, e.g. {"waiting": "queue_len", ...}',
+    )
+    parser.add_argument("--metrics-path", default="/metrics", help="default /metrics")
+    parser.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between scrapes (default 1)"
+    )
+    parser.add_argument(
+        "--refresh",
+        type=float,
+        default=3.0,
+        help="rewrite an unchanged record this often, seconds; keep it below the pool's "
+        "telemetry maxAge (default 3)",
+    )
+    parser.add_argument(
+        "--ttl",
+        type=int,
+        default=10,
+        help="lease TTL, seconds: telemetry and registrations vanish this long after the "
+        "agent dies (default 10)",
+    )
+    parser.add_argument(
+        "--register", action="store_true", help="also register each backend in its pool"
+    )
+    parser.add_argument("--weight", type=int, default=100, help="registered weight (default 100)")
+    parser.add_argument(
+        "--max-running",
+        type=float,
+        help="batch capacity when the server does not export it (vLLM --max-num-seqs)",
+    )
+    parser.add_argument(
+        "--unregister-after",
+        type=int,
+        default=3,
+        help="withdraw a registration after this many failed scrapes in a row (default 3)",
+    )
+    parser.add_argument(
+        "--log-level", default=env("KVPILOT_LOG_LEVEL", "info"), help="debug, info, warning"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    """Turn parsed flags into an AgentConfig; ``ValueError`` with a sentence on bad input."""
+    targets: list[Target] = []
+    for url in args.backend:
+        if not args.pool:
+            raise ValueError("--backend needs --pool (or use --targets-file)")
+        targets.append(
+            Target(
+                pool=args.pool,
+                url=url,
+                address=args.advertise_address or "",
+                weight=args.weight,
+                metrics_path=args.metrics_path,
+                max_running=args.max_running,
+            )
+        )
+    if args.targets_file:
+        entries = yaml.safe_load(args.targets_file.read_text()) or []
+        if not isinstance(entries, list):
+            raise ValueError(f"{args.targets_file}: expected a YAML list of backends")
+        for entry in entries:
+            targets.append(
+                Target(
+                    pool=entry.get("pool") or args.pool,
+                    url=entry["url"],
+                    address=entry.get("address", ""),
+                    port=int(entry.get("port", 0)),
+                    weight=int(entry.get("weight", args.weight)),
+                    metrics_path=entry.get("metricsPath", args.metrics_path),
+                    max_running=entry.get("maxRunning", args.max_running),
+                )
+            )
+    if not targets:
+        raise ValueError("nothing to scrape: give --pool and --backend URL, or --targets-file")
+    if args.advertise_address and len(targets) > 1:
+        raise ValueError("--advertise-address applies to a single --backend")
+    metric_map = None
+    if args.metric_map:
+        metric_map = MetricMap.from_mapping(yaml.safe_load(args.metric_map.read_text()) or {})
+    if args.format == "custom" and metric_map is None:
+        raise ValueError("--format custom needs --metric-map FILE")
+    if args.ttl < 1 or args.interval <= 0:
+        raise ValueError("--ttl must be at least 1 and --interval above 0")
+    return AgentConfig(
+        etcd_endpoints=[e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
+        targets=targets,
+        prefix=args.etcd_prefix,
+        format=args.format,
+        metric_map=metric_map,
+        interval=args.interval,
+        ttl=args.ttl,
+        refresh=args.refresh,
+        register=args.register,
+        unregister_after=args.unregister_after,
+    )
+
+
+async def run_agent(config: AgentConfig) -> None:
+    """Run until SIGINT/SIGTERM (or cancellation); revoke the lease on the way out."""
+    client = EtcdClient(config.etcd_endpoints)
+    await client.connect()
+    agent = Agent(Store(client, config.prefix), config)
+    task = asyncio.create_task(agent.run(), name="agent")
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        log.info("agent stopping")
+    finally:
+        await client.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `kvpilot agent`."""
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+    except (ValueError, KeyError, OSError) as error:
+        log.error("%s", error)
+        return 2
+    asyncio.run(run_agent(config))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpilot agent", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,317 @@
+"""`kvpilot agent` against a real etcd and a tiny backend whose /metrics the test controls."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from controlplane.agent import Agent, AgentConfig, Target, add_arguments, config_from_args
+from controlplane.etcd import EtcdClient, KeyValue
+from controlplane.launchers import EmbeddedEtcd, free_port, repo_root
+from controlplane.store import Store
+
+pytestmark = pytest.mark.e2e
+
+T = TypeVar("T")
+
+
+class MetricsBackend:
+    """A model-server stand-in on its own thread: `/metrics` serves `metrics` (vLLM names by
+    default), `/v1/chat/completions` answers with the backend's id and, when `utilization` is
+    set, an ORCA `endpoint-load-metrics` header. `status` other than 200 fails everything."""
+
+    def __init__(self, backend_id: str = "be", *, waiting: float = 0, kv: float = 0.0) -> None:
+        self.id = backend_id
+        self.waiting = waiting
+        self.running = 0.0
+        self.kv = kv
+        self.utilization: float | None = None
+        self.status = 200
+        self.extra_metrics = ""
+        self.port = free_port()
+        app = Starlette(
+            routes=[
+                Route("/metrics", self._metrics),
+                Route("/health", self._health),
+                Route("/v1/chat/completions", self._complete, methods=["POST"]),
+            ]
+        )
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+            )
+        )
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics(self) -> str:
+        return (
+            f'vllm:num_requests_waiting{{model_name="m"}} {self.waiting}\n'
+            f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {self.kv}\n' + self.extra_metrics
+        )
+
+    async def _metrics(self, request: Request) -> Response:
+        if self.status != 200:
+            return PlainTextResponse("down", self.status)
+        return PlainTextResponse(self.metrics)
+
+    async def _health(self, request: Request) -> Response:
+        return PlainTextResponse("ok", self.status)
+
+    async def _complete(self, request: Request) -> Response:
+        headers = {"x-backend-id": self.id}
+        if self.utilization is not None:
+            headers["endpoint-load-metrics"] = f"TEXT application_utilization={self.utilization}"
+        return JSONResponse({"backend": self.id}, self.status, headers=headers)
+
+    def start(self) -> MetricsBackend:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"test backend on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+@pytest.fixture
+def metrics_backends() -> Iterator[Callable[..., MetricsBackend]]:
+    started: list[MetricsBackend] = []
+
+    def make(backend_id: str = "be", **kwargs: Any) -> MetricsBackend:
+        backend = MetricsBackend(backend_id, **kwargs).start()
+        started.append(backend)
+        return backend
+
+    yield make
+    for backend in started:
+        backend.stop()
+
+
+async def eventually(
+    predicate: Callable[[], Awaitable[T]], within: float = 10.0, message: str = ""
+) -> T:
+    """Poll an async predicate until it returns something truthy (no fixed sleeps)."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await predicate()
+        if last:
+            return last
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{message or 'condition not met'} (last value: {last!r})")
+
+
+@pytest.fixture
+async def store(etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Store]:
+    client = EtcdClient([etcd.endpoint])
+    await client.connect()
+    yield Store(client, etcd_prefix)
+    await client.close()
+
+
+async def get(store: Store, relative: str) -> KeyValue | None:
+    return await store.client.get(store.keys.absolute(relative))
+
+
+async def body(store: Store, relative: str) -> dict[str, Any] | None:
+    kv = await get(store, relative)
+    return json.loads(kv.value) if kv is not None else None
+
+
+async def test_agent_writes_telemetry_and_registration_under_one_lease(
+    store: Store, metrics_backends: Callable[..., MetricsBackend]
+) -> None:
+    backend = metrics_backends(waiting=3, kv=0.25)
+    target = Target(pool="llama", url=backend.url)
+    config = AgentConfig([], [target], interval=0.1, ttl=5, register=True)
+    agent = Agent(store, config)
+    task = asyncio.create_task(agent.run())
+    try:
+        telemetry_key = f"telemetry/llama/127.0.0.1:{backend.port}"
+        record = await eventually(lambda: body(store, telemetry_key), message="telemetry")
+        assert (record["waiting"], record["kv_cache"], record["format"]) == (3, 0.25, "vllm")
+        assert abs(record["at"] - time.time()) < 5
+        endpoint = await body(store, f"endpoints/llama/127.0.0.1:{backend.port}")
+        assert endpoint == {"address": "127.0.0.1", "port": backend.port, "weight": 100}
+        leases = {
+            kv.lease
+            for key in (telemetry_key, f"endpoints/llama/127.0.0.1:{backend.port}")
+            if (kv := await get(store, key)) is not None
+        }
+        assert leases == {agent.lease_id} and agent.lease_id != 0
+
+        backend.waiting = 9
+
+        async def updated() -> bool:
+            current = await body(store, telemetry_key)
+            return current is not None and current["waiting"] == 9
+
+        await eventually(updated, message="the new queue depth to reach etcd")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    # A clean exit revokes the lease: the keys go at once.
+    assert await get(store, f"telemetry/llama/127.0.0.1:{backend.port}") is None
+    assert await get(store, f"endpoints/llama/127.0.0.1:{backend.port}") is None
+
+
+async def test_an_unchanged_record_is_rewritten_only_every_refresh(
+    store: Store, metrics_backends: Callable[..., MetricsBackend]
+) -> None:
+    backend = metrics_backends(waiting=1)
+    config = AgentConfig([], [Target(pool="p", url=backend.url)], interval=0.05, refresh=60)
+    agent = Agent(store, config)
+    task = asyncio.create_task(agent.run())
+    try:
+
+        async def many_scrapes() -> bool:
+            return agent.scrapes >= 10
+
+        await eventually(many_scrapes)
+        kv = await get(store, f"telemetry/p/127.0.0.1:{backend.port}")
+        assert kv is not None and kv.version == 1, "the same numbers were written again"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_failing_backend_is_withdrawn_and_registered_again_when_it_answers(
+    store: Store, metrics_backends: Callable[..., MetricsBackend]
+) -> None:
+    backend = metrics_backends()
+    config = AgentConfig(
+        [], [Target(pool="p", url=backend.url)], interval=0.05, register=True, unregister_after=3
+    )
+    agent = Agent(store, config)
+    task = asyncio.create_task(agent.run())
+    key = f"endpoints/p/127.0.0.1:{backend.port}"
+    try:
+        await eventually(lambda: get(store, key), message="registration")
+        backend.status = 503
+
+        async def gone() -> bool:
+            return await get(store, key) is None and (
+                await get(store, f"telemetry/p/127.0.0.1:{backend.port}") is None
+            )
+
+        await eventually(gone, message="the failing backend to be withdrawn")
+        backend.status = 200
+        await eventually(lambda: get(store, key), message="registration after recovery")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_killed_agent_s_keys_expire_with_its_lease(
+    store: Store, etcd: EmbeddedEtcd, etcd_prefix: str, metrics_backends: Any
+) -> None:
+    backend = metrics_backends(waiting=2)
+    process = await asyncio.create_subprocess_exec(
+        *[
+            sys.executable,
+            "-m",
+            "controlplane.agent",
+            "--etcd-endpoints",
+            etcd.endpoint,
+            "--etcd-prefix",
+            etcd_prefix,
+            "--pool",
+            "p",
+            "--backend",
+            backend.url,
+            "--register",
+            "--interval",
+            "0.2",
+            "--ttl",
+            "2",
+        ],
+        cwd=repo_root(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    keys = [f"endpoints/p/127.0.0.1:{backend.port}", f"telemetry/p/127.0.0.1:{backend.port}"]
+    try:
+
+        async def written() -> bool:
+            return all([await get(store, key) is not None for key in keys])
+
+        await eventually(written, 15, "the agent process to write its keys")
+        process.send_signal(signal.SIGKILL)
+        await process.wait()
+        killed_at = time.monotonic()
+
+        async def expired() -> bool:
+            return all([await get(store, key) is None for key in keys])
+
+        await eventually(expired, 10, "the lease to expire")
+        # etcd expires a lease between TTL and a little more; never before the agent died.
+        assert time.monotonic() - killed_at < 2 + 4
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ((), "nothing to scrape"),
+        (("--backend", "http://10.0.0.1:8000"), "needs --pool"),
+        (("--pool", "p", "--backend", "10.0.0.1:8000"), "must look like http://host:port"),
+        (("--pool", "p", "--backend", "http://10.0.0.1:8000", "--format", "custom"), "metric-map"),
+    ],
+    ids=["no backend", "no pool", "not a URL", "custom without a map"],
+)
+def test_bad_flags_get_a_sentence(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config_from_args(_args(*argv))
+
+
+def test_targets_file_and_custom_map(tmp_path: Path) -> None:
+    targets = tmp_path / "targets.yaml"
+    targets.write_text(
+        "- {pool: a, url: 'http://10.0.0.1:8000', weight: 200}\n"
+        "- {pool: b, url: 'http://backend.local:9000', address: 10.0.0.2, maxRunning: 64}\n"
+    )
+    metric_map = tmp_path / "map.yaml"
+    metric_map.write_text("waiting: queue_len\nkv_cache: kv_pct\nkv_cache_scale: 0.01\n")
+    config = config_from_args(
+        _args("--targets-file", str(targets), "--format", "custom", "--metric-map", str(metric_map))
+    )
+    assert [(t.pool, t.endpoint_id, t.weight, t.max_running) for t in config.targets] == [
+        ("a", "10.0.0.1:8000", 200, None),
+        ("b", "10.0.0.2:9000", 100, 64),
+    ]
+    assert config.metric_map is not None and config.metric_map.waiting == ("queue_len",)
