@@ -1,0 +1,73 @@
+"""`make bench` / `python -m bench`: kvpilot's benchmarks behind one entry point.
+
+    python -m bench [routing] [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
+    python -m bench controlplane      (not written yet: the ADS benchmark goes here)
+
+`routing` (the default) replays one LLM workload through a real Envoy configured by kvpilot
+under several routing policies and writes a Markdown report, a JSON file and PNG plots under
+``bench/results/``; it prints the report's path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from bench.routing import POLICIES, default_config, run_routing
+
+
+def _routing(args: argparse.Namespace) -> int:
+    config = default_config(short=args.short)
+    if args.out is not None:
+        config = replace(config, out_dir=args.out)
+    if args.policies:
+        wanted = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+        unknown = sorted(set(wanted) - {p.key for p in POLICIES})
+        if unknown:
+            print(f"unknown policies {unknown}; known: {[p.key for p in POLICIES]}")
+            return 2
+        config = replace(config, policies=wanted)
+    if args.workload:
+        config = replace(config, workload=replace(config.workload, kind=args.workload))
+    if args.arrival:
+        config = replace(config, workload=replace(config.workload, arrival=args.arrival))
+    if args.no_plots:
+        config = replace(config, plots=False)
+    report = run_routing(config, state_dir=args.state_dir)
+    print(f"\nreport: {report}")
+    print(f"json:   {report.with_suffix('.json')}")
+    return 0
+
+
+def _controlplane(args: argparse.Namespace) -> int:
+    print("the control-plane (ADS) benchmark is not written yet")
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command")
+    routing = sub.add_parser("routing", help="routing policies through Envoy (default)")
+    for p in (parser, routing):
+        p.add_argument("--short", action="store_true", help="a smoke run of under a minute")
+        p.add_argument("--out", type=Path, default=None, help="output directory (bench/results)")
+        p.add_argument("--policies", default="", help="comma list of policies to run")
+        p.add_argument("--workload", choices=["multiturn", "docs", "mix"], default=None)
+        p.add_argument("--arrival", choices=["poisson", "bursty"], default=None)
+        p.add_argument("--no-plots", action="store_true")
+        p.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    sub.add_parser("controlplane", help="control-plane benchmark (not written yet)")
+    args = parser.parse_args(argv)
+    if args.command == "controlplane":
+        return _controlplane(args)
+    return _routing(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

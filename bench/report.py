@@ -1,0 +1,245 @@
+"""The routing benchmark's outputs: a Markdown report, a JSON file and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+BASELINE = "round_robin"
+KVPILOT = "affinity"
+
+
+def _num(value: float | None, fmt: str = "{:.3f}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or base == 0:
+        return None
+    return value / base
+
+
+def targets(results: dict[str, Any], oracle: float) -> list[tuple[str, bool | None, str]]:
+    """The issue's targets for kvpilot's policy: (what, met?, measured)."""
+    mine = results.get(KVPILOT)
+    base = results.get(BASELINE)
+    if mine is None:
+        return []
+    hit = mine.get("hit_rate")
+    p99 = _ratio(mine.get("ttft_p99"), base.get("ttft_p99") if base else None)
+    load = mine.get("load_max_over_mean")
+    return [
+        (
+            "hit rate >= 90% of the oracle's",
+            None if hit is None or not oracle else hit / oracle >= 0.9,
+            f"{_num(hit and hit / oracle if oracle else None, '{:.1%}')} of the oracle",
+        ),
+        (
+            "TTFT p99 <= 1/3 of round robin's",
+            None if p99 is None else p99 <= 1 / 3,
+            f"{_num(p99, '{:.3f}')}x round robin",
+        ),
+        (
+            "max/mean per-replica load <= 1.3",
+            None if load is None else load <= 1.3,
+            _num(load, "{:.2f}"),
+        ),
+    ]
+
+
+def markdown(
+    *,
+    workload_summary: dict[str, Any],
+    calibration: dict[str, Any],
+    oracle: float,
+    results: dict[str, Any],
+    skipped: dict[str, str],
+    titles: dict[str, str],
+    config_dict: dict[str, Any],
+    plots: list[str],
+) -> str:
+    base = results.get(BASELINE, {})
+    sim = config_dict["sim"]
+    lines = [
+        "# kvpilot routing benchmark",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}. One workload replayed through a real Envoy "
+        f"configured by kvpilot, once per policy, against {config_dict['replicas']} simulated "
+        "vLLM replicas (prefix caches reset between policies). Times are simulated GPU seconds "
+        f"(wall time / time scale {sim['time_scale']}).",
+        "",
+        f"Workload: {workload_summary['kind']}, {workload_summary['requests']} requests, "
+        f"{workload_summary['sessions']} chat sessions, "
+        f"{workload_summary['document_requests']} document requests, "
+        f"{workload_summary['arrival']} arrivals (seed {workload_summary['seed']}); prompts "
+        f"{workload_summary['prompt_tokens_mean']:.0f} tokens on average "
+        f"(max {workload_summary['prompt_tokens_max']}), answers "
+        f"{workload_summary['answer_tokens_mean']:.0f} (max {workload_summary['answer_tokens_max']}). "
+        f"Offered load: {calibration['estimated_cache_blind_load']:.0%} of the cluster's "
+        "estimated cache-blind capacity; the measured engine busy share is in the table.",
+        "",
+        "| policy | hit rate | vs oracle | TTFT p50 | TTFT p99 | tokens/s | "
+        "p50 vs RR | p99 vs RR | tokens/s vs RR | load max/mean | served max/mean | busy | "
+        "errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, r in results.items():
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    titles.get(key, key),
+                    _num(r["hit_rate"], "{:.1%}"),
+                    _num(_ratio(r["hit_rate"], oracle), "{:.2f}"),
+                    _num(r["ttft_p50"], "{:.3f}s"),
+                    _num(r["ttft_p99"], "{:.3f}s"),
+                    _num(r["throughput_tokens_per_s"], "{:.0f}"),
+                    _num(_ratio(r["ttft_p50"], base.get("ttft_p50")), "{:.2f}x"),
+                    _num(_ratio(r["ttft_p99"], base.get("ttft_p99")), "{:.2f}x"),
+                    _num(
+                        _ratio(r["throughput_tokens_per_s"], base.get("throughput_tokens_per_s")),
+                        "{:.2f}x",
+                    ),
+                    _num(r["load_max_over_mean"], "{:.2f}"),
+                    _num(r["served_max_over_mean"], "{:.2f}"),
+                    _num(r["busy_fraction_mean"], "{:.0%}"),
+                    f"{r['errors']}/{r['requests']}",
+                ]
+            )
+            + " |"
+        )
+    lines.append(
+        f"| oracle (perfect affinity, infinite cache) | {oracle:.1%} | 1.00 | n/a | n/a | n/a | "
+        "n/a | n/a | n/a | n/a | n/a | n/a | n/a |"
+    )
+    lines += [
+        "",
+        "hit rate: prefix-cache hit tokens over prompt tokens, from the replicas' "
+        "`vllm:prefix_cache_*` counters. load max/mean: the busiest replica's mean in-flight "
+        "requests (running + waiting, sampled every 0.5 s) over the replicas' average; served: "
+        "the same for request counts. busy: share of time the simulated engines were stepping.",
+        "",
+    ]
+    for key, note in skipped.items():
+        lines.append(f"- {titles.get(key, key)}: {note}.")
+    check = targets(results, oracle)
+    if check:
+        lines += ["", "## Targets for kvpilot (issue 7)", ""]
+        for what, met, measured in check:
+            mark = "n/a" if met is None else ("met" if met else "NOT met")
+            lines.append(f"- {what}: {mark} ({measured})")
+    for key, r in results.items():
+        if r["errors"] or r["timed_out"]:
+            lines.append(
+                f"- {titles.get(key, key)}: {r['errors']} errors {r['error_kinds']}"
+                + (", stopped at the deadline" if r["timed_out"] else "")
+            )
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    lines += [
+        "",
+        "## Setup",
+        "",
+        "```json",
+        json.dumps(config_dict, indent=2),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _plots(out_dir: Path, stamp: str, results: dict[str, Any], titles: dict[str, str]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install -e '.[bench]')", flush=True)
+        return []
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, r in results.items():
+        values = sorted(r["ttfts"])
+        if values:
+            ys = [(i + 1) / len(values) for i in range(len(values))]
+            ax.plot(values, ys, label=titles.get(key, key))
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (simulated s, log)")
+    ax.set_ylabel("share of requests")
+    ax.set_title("TTFT distribution by policy")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    path = out_dir / f"routing-{stamp}-ttft.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(str(path))
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(7, 2.2 * max(1, len(results))), sharex=True)
+    if len(results) == 1:
+        axes = [axes]
+    for ax, (key, r) in zip(axes, results.items(), strict=True):
+        series = r["load_series"]
+        for rid in r["mean_in_flight"]:
+            ax.plot([s["at"] for s in series], [s.get(rid, 0) for s in series], label=rid, lw=0.8)
+        ax.set_title(f"{titles.get(key, key)}: in-flight requests per replica", fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=4)
+    axes[-1].set_xlabel("simulated seconds into the run")
+    path = out_dir / f"routing-{stamp}-load.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(str(path))
+    return paths
+
+
+def write_report(
+    *,
+    out_dir: Path,
+    plots: bool,
+    workload_summary: dict[str, Any],
+    calibration: dict[str, Any],
+    oracle: float,
+    results: dict[str, Any],
+    skipped: dict[str, str],
+    titles: dict[str, str],
+    config_dict: dict[str, Any],
+) -> Path:
+    """Write routing-<time>.md/.json (and PNGs) under the output directory; return the .md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    pngs = _plots(out_dir, stamp, results, titles) if plots and results else []
+    text = markdown(
+        workload_summary=workload_summary,
+        calibration=calibration,
+        oracle=oracle,
+        results=results,
+        skipped=skipped,
+        titles=titles,
+        config_dict=config_dict,
+        plots=pngs,
+    )
+    report = out_dir / f"routing-{stamp}.md"
+    report.write_text(text)
+    data = {
+        "workload": workload_summary,
+        "calibration": calibration,
+        "oracle": {"hit_rate": oracle},
+        "policies": {
+            key: {k: v for k, v in r.items() if k not in ("ttfts", "load_series")}
+            for key, r in results.items()
+        },
+        "skipped": skipped,
+        "targets": [
+            {"target": what, "met": met, "measured": measured}
+            for what, met, measured in targets(results, oracle)
+        ],
+        "config": config_dict,
+        "plots": pngs,
+    }
+    (out_dir / f"routing-{stamp}.json").write_text(json.dumps(data, indent=2, default=str))
+    return report
