@@ -1,0 +1,94 @@
+"""Objects -> the Envoy resources they produce, as JSON. Pure: no etcd, no server.
+
+Used by ``?dryRun=true`` on the REST API (the stored objects plus the proposed change) and by
+``kvpilot translate`` (objects read from files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from policies import (
+    Endpoint,
+    Fleet,
+    PolicyObject,
+    PolicyState,
+    Pool,
+    RoutingPlan,
+    RoutingPolicy,
+    compile_plan,
+)
+from xdsserver import resources
+from xdsserver.snapshot import Snapshot
+from xdsserver.translate import FleetResources, translate
+
+RESOURCE_KEYS = ("clusters", "endpoints", "listeners", "routes")
+"""The four resource lists of a fleet, in make-before-break order (CDS, EDS, LDS, RDS)."""
+_TYPE_URLS = (resources.CLUSTER, resources.ENDPOINT, resources.LISTENER, resources.ROUTE)
+
+
+def state_from_objects(
+    objects: Iterable[PolicyObject],
+    registered: Mapping[str, Mapping[str, Endpoint]] | None = None,
+) -> PolicyState:
+    """File validated objects by kind; a later object replaces an earlier one of the same name."""
+    pools: dict[str, Pool] = {}
+    policies: dict[str, RoutingPolicy] = {}
+    fleets: dict[str, Fleet] = {}
+    for obj in objects:
+        if isinstance(obj, Pool):
+            pools[obj.metadata.name] = obj
+        elif isinstance(obj, RoutingPolicy):
+            policies[obj.metadata.name] = obj
+        else:
+            fleets[obj.metadata.name] = obj
+    return PolicyState(
+        pools=pools, policies=policies, fleets=fleets, registered=dict(registered or {})
+    )
+
+
+def message_json(message: Message) -> dict[str, Any]:
+    """A proto as the JSON Envoy's own docs use (camelCase field names, ``@type`` on Anys)."""
+    return MessageToDict(message)
+
+
+def resources_json(fleet_resources: FleetResources) -> dict[str, list[dict[str, Any]]]:
+    """One fleet's resources: ``{"clusters": [...], "endpoints": [...], ...}``."""
+    return {
+        key: [message_json(message) for message in getattr(fleet_resources, key)]
+        for key in RESOURCE_KEYS
+    }
+
+
+def plan_json(plan: RoutingPlan, *, fleet: str | None = None) -> dict[str, Any]:
+    """Diagnostics plus every fleet's (or one fleet's) resources."""
+    return {
+        "diagnostics": [dataclasses.asdict(diagnostic) for diagnostic in plan.diagnostics],
+        "fleets": {
+            fleet_plan.fleet: resources_json(translate(fleet_plan))
+            for fleet_plan in plan.fleets
+            if fleet is None or fleet_plan.fleet == fleet
+        },
+    }
+
+
+def preview(state: PolicyState, *, fleet: str | None = None) -> dict[str, Any]:
+    """Compile and translate ``state``: what Envoys would be sent."""
+    return plan_json(compile_plan(state), fleet=fleet)
+
+
+def snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
+    """A served snapshot: each type's version and resources (with their own versions)."""
+    out: dict[str, Any] = {"versions": {}}
+    for key, type_url in zip(RESOURCE_KEYS, _TYPE_URLS, strict=True):
+        out["versions"][key] = snapshot.version(type_url)
+        out[key] = [
+            {"name": name, "version": resource.version, "resource": message_json(resource.message)}
+            for name, resource in sorted(snapshot.resources(type_url).items())
+        ]
+    return out
