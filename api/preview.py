@@ -7,6 +7,7 @@ Used by ``?dryRun=true`` on the REST API (the stored objects plus the proposed c
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -54,7 +55,9 @@ def state_from_objects(
 
 def message_json(message: Message) -> dict[str, Any]:
     """A proto as the JSON Envoy's own docs use (camelCase field names, ``@type`` on Anys)."""
-    return MessageToDict(message)
+    # MessageToDict gives OrderedDicts for Any fields; round-trip through JSON for plain dicts.
+    result: dict[str, Any] = json.loads(json.dumps(MessageToDict(message)))
+    return result
 
 
 def resources_json(fleet_resources: FleetResources) -> dict[str, list[dict[str, Any]]]:
