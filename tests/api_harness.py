@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from api.app import ApiContext, create_app
@@ -40,6 +41,7 @@ class Harness:
     reconciler: Reconciler
     client: EtcdClient
     prefix: str
+    app: FastAPI
 
     async def raw(self, relative_key: str) -> bytes | None:
         """The value at a key, read straight from etcd."""
@@ -101,7 +103,7 @@ async def running_api(
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://kvpilot", headers=ADMIN
         ) as http:
-            yield Harness(http, store, reconciler, client, prefix)
+            yield Harness(http, store, reconciler, client, prefix, app)
     finally:
         for task in tasks:
             task.cancel()

@@ -1,0 +1,164 @@
+"""`kvpilot` end to end: offline translate, and apply/get/set-weight/delete/status against a
+running API (uvicorn on a free port, backed by a real etcd)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+import yaml
+from api_harness import ADMIN_TOKEN, READ_TOKEN, running_api
+from util import wait_until
+
+from controlplane.cli import main
+from controlplane.launchers import EmbeddedEtcd, free_port
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "policies" / "examples"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# -- offline ------------------------------------------------------------------------------------
+
+
+def test_translate_prints_the_envoy_resources_of_the_examples(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "translate", "-f", str(EXAMPLES))
+    assert code == 0, err
+    fleets = yaml.safe_load(out)
+    assert "demo/chat" in [c["name"] for c in fleets["default"]["clusters"]]
+    assert "listener-10000" in [listener["name"] for listener in fleets["default"]["listeners"]]
+
+
+def test_translate_json_for_one_fleet(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "translate", "-f", str(EXAMPLES / "demo.yaml"), "--fleet", "default", "-o", "json"
+    )
+    assert code == 0
+    assert set(json.loads(out)) == {"default"}
+    code, _, err = run(capsys, "translate", "-f", str(EXAMPLES), "--fleet", "nope")
+    assert code == 1
+    assert err.startswith("error: fleet 'nope'")
+
+
+def test_invalid_files_report_every_problem_with_file_document_and_field(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "kind: Pool\nmetadata: {name: a}\nspec: {endpoints: [{address: x, port: 0}]}\n"
+        "---\nkind: RoutingPolicy\nmetadata: {name: r}\nspec: {routes: []}\n"
+    )
+    code, out, err = run(capsys, "translate", "-f", str(bad))
+    assert code == 1
+    assert f"{bad} (document 1): spec.endpoints[0].port" in err
+    assert f"{bad} (document 2): spec.routes" in err
+    assert out == ""
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["get"])
+    assert info.value.code == 2
+
+
+def test_unreachable_server_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "--server", f"http://127.0.0.1:{free_port()}", "get", "pools")
+    assert code == 1
+    assert err.count("\n") == 1 and "cannot reach kvpilot" in err
+
+
+# -- against a running API ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def server(etcd: EmbeddedEtcd, etcd_prefix: str) -> Iterator[str]:
+    port = free_port()
+    holder: dict[str, Any] = {}
+
+    async def serve() -> None:
+        async with running_api(etcd.endpoint, etcd_prefix) as harness:
+            config = uvicorn.Config(
+                harness.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"
+            )
+            holder["server"] = uvicorn.Server(config)
+            await holder["server"].serve()
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    thread.start()
+    wait_until(lambda: holder.get("server") and holder["server"].started, 15, message="API up")
+    yield f"http://127.0.0.1:{port}"
+    holder["server"].should_exit = True
+    thread.join(15)
+
+
+@pytest.mark.e2e
+def test_apply_get_set_weight_delete_and_status(
+    server: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPILOT_SERVER", server)
+    monkeypatch.setenv("KVPILOT_TOKEN", ADMIN_TOKEN)
+
+    code, out, err = run(capsys, "apply", "-f", str(EXAMPLES / "demo.yaml"))
+    assert code == 0, err
+    assert out.splitlines() == ["pool/demo-pool created", "routingpolicy/demo created"]
+    code, out, _ = run(capsys, "apply", "-f", str(EXAMPLES / "demo.yaml"))
+    assert out.splitlines() == ["pool/demo-pool unchanged", "routingpolicy/demo unchanged"]
+
+    code, out, _ = run(capsys, "get", "pool", "demo-pool")
+    assert code == 0
+    assert yaml.safe_load(out)["spec"]["models"] == ["demo-model"]
+    code, out, _ = run(capsys, "get", "routingpolicies", "-o", "json")
+    assert [i["metadata"]["name"] for i in json.loads(out)["items"]] == ["demo"]
+
+    code, out, err = run(capsys, "set-weight", "demo-pool", "127.0.0.1:8001", "700")
+    assert code == 0, err
+    assert "weight 700" in out
+    code, out, _ = run(capsys, "get", "pools")
+    (pool,) = list(yaml.safe_load_all(out))
+    assert [e["weight"] for e in pool["spec"]["endpoints"]] == [700, 100, 100]
+    code, out, _ = run(capsys, "apply", "-f", str(EXAMPLES / "demo.yaml"))
+    assert out.splitlines()[0] == "pool/demo-pool configured"
+
+    code, out, err = run(capsys, "status")
+    assert code == 0, err
+    assert "Envoys connected: 0" in out
+    assert "NODE" in out
+
+    code, _, err = run(capsys, "--token", READ_TOKEN, "delete", "pool", "demo-pool")
+    assert code == 1
+    assert "needs role 'admin'" in err
+    code, out, _ = run(capsys, "delete", "pool", "demo-pool")
+    assert out.strip() == "pool/demo-pool deleted"
+    code, _, err = run(capsys, "get", "pool", "demo-pool")
+    assert code == 1
+    assert "does not exist" in err
+
+
+@pytest.mark.e2e
+def test_apply_refuses_invalid_files_before_writing_anything(
+    server: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    good = (EXAMPLES / "demo.yaml").read_text()
+    (tmp_path / "all.yaml").write_text(good + "\n---\nkind: Fleet\nmetadata: {name: Bad_Name}\n")
+    code, out, err = run(
+        capsys, "--server", server, "--token", ADMIN_TOKEN, "apply", "-f", str(tmp_path)
+    )
+    assert code == 1
+    assert "(document 3): metadata.name" in err
+    assert out == ""
+    code, out, _ = run(
+        capsys, "--server", server, "--token", ADMIN_TOKEN, "get", "pools", "-o", "json"
+    )
+    assert json.loads(out)["items"] == []
