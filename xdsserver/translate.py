@@ -219,6 +219,9 @@ def _cluster(cluster: PlanCluster, name: str) -> cluster_pb2.Cluster:
     )
     # Apply a new host set at once; the 1 s default merge window delays failover.
     out.common_lb_config.update_merge_window.CopyFrom(_duration(0))
+    # With active health checks Envoy keeps an endpoint that EDS removed for as long as it
+    # passes its checks; a removal through kvpilot must take it out of rotation now.
+    out.ignore_health_on_host_removal = True
     protocol_options = http_protocol_options_pb2.HttpProtocolOptions()
     if cluster.protocol == "http2":
         protocol_options.explicit_http_config.http2_protocol_options.CopyFrom(
