@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -142,12 +143,24 @@ def _unprocessable(errors: list[FieldError]) -> JSONResponse:
     return JSONResponse({"detail": _validation_detail(errors)}, status_code=422)
 
 
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity; JSON does not, and they cannot be written back.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a number")
+    return value
+
+
 async def _json_body(request: Request) -> Any:
     raw = await request.body()
     if not raw.strip():
         raise ApiError(400, "the request needs a JSON body")
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError) as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from None
 
@@ -156,6 +169,9 @@ def _parse_for_kind(data: Any, kind: str) -> PolicyObject:
     """Validate ``data`` as a ``kind`` object; ``kind`` may be left out of the body."""
     if isinstance(data, dict) and "kind" not in data:
         data = {**data, "kind": kind}
+    if isinstance(data, dict) and not isinstance(data["kind"], str):
+        # parse_object looks the kind up in a dict: an unhashable kind must not reach it.
+        raise PolicyError([FieldError("kind", f"kind must be a string: {kind}")])
     obj = parse_object(data)
     if obj.kind != kind:
         raise PolicyError([FieldError("kind", f"this path takes {kind} objects, not {obj.kind}")])

@@ -73,8 +73,12 @@ def load_files(paths: Sequence[Path]) -> list[PolicyObject]:
             problems.append(str(error))
             continue
         for index, document in enumerate(documents):
+            source = f"{file} (document {index + 1})"
+            if isinstance(document, dict) and not isinstance(document.get("kind", ""), str):
+                problems.append(f"{source}: kind: kind must be a string")
+                continue
             try:
-                objects.append(parse_object(document, source=f"{file} (document {index + 1})"))
+                objects.append(parse_object(document, source=source))
             except PolicyError as error:
                 problems.extend(f"{error.source}: {problem}" for problem in error.errors)
     if problems:

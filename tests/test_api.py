@@ -146,10 +146,19 @@ async def test_name_in_body_must_match_the_path(api: Harness) -> None:
     assert await api.raw("objects/pools/chat") is None
 
 
-async def test_non_json_body_is_a_400_sentence(api: Harness) -> None:
-    response = await api.http.post("/v1/pools", content=b"{nope")
+@pytest.mark.parametrize(
+    "content", [b"{nope", b"", b'{"kind": "Pool", "spec": {"connectTimeout": 1e999}}', b"NaN"]
+)
+async def test_non_json_body_is_a_400_sentence(api: Harness, content: bytes) -> None:
+    response = await api.http.post("/v1/pools", content=content)
     assert response.status_code == 400
     assert isinstance(response.json()["detail"], str)
+
+
+async def test_a_kind_that_is_not_a_string_is_a_422(api: Harness) -> None:
+    response = await api.http.post("/v1/pools", json={**pool("chat"), "kind": []})
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == "kind"
 
 
 async def test_stale_if_match_gets_412(api: Harness) -> None:
