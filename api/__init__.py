@@ -1,0 +1,6 @@
+"""The REST API over the store: CRUD with revisions, bearer-token auth, status endpoints."""
+
+from api.app import ApiContext, create_app
+from api.auth import AuthConfig, AuthConfigError, Principal, Role
+
+__all__ = ["ApiContext", "AuthConfig", "AuthConfigError", "Principal", "Role", "create_app"]
