@@ -111,6 +111,13 @@ class PlanListener:
         """True when the listener must read the request body's ``model`` field."""
         return any(vhost.routes_by_model for vhost in self.virtual_hosts)
 
+    @property
+    def rate_limited(self) -> bool:
+        """True when some route on the listener has a rate limit."""
+        return any(
+            route.rate_limit is not None for vhost in self.virtual_hosts for route in vhost.routes
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class FleetPlan:

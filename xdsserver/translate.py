@@ -19,13 +19,16 @@ from envoy.config.core.v3 import (
     config_source_pb2,
     health_check_pb2,
     protocol_pb2,
+    substitution_format_string_pb2,
 )
 from envoy.config.core.v3 import extension_pb2 as core_extension_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
+from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
@@ -39,9 +42,11 @@ from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, string_pb2
 from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
+from envoy.type.v3 import percent_pb2, token_bucket_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
+from policies.models import RateLimit
 from policies.plan import FleetPlan, PlanCluster, PlanListener, PlanRoute, PlanVirtualHost
 from xdsserver import resources
 
@@ -74,6 +79,20 @@ _RETRY_ON = {
     "gateway-error": "gateway-error",
     "refused-stream": "refused-stream",
     "429": "retriable-status-codes",
+}
+LOCAL_RATELIMIT = "envoy.filters.http.local_ratelimit"
+TENANT_DESCRIPTOR = "tenant"
+MAX_TENANTS = 10_000
+"""Most distinct tenant buckets one route keeps per Envoy (least recently used are dropped)."""
+_UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600}
+RATE_LIMITED_BODY = {
+    "error": {
+        "message": "Rate limit reached for this route; retry after the interval in the "
+        "x-ratelimit-reset header.",
+        "type": "rate_limit_exceeded",
+        "param": None,
+        "code": "rate_limit_exceeded",
+    }
 }
 UNKNOWN_MODEL_BODY = json.dumps(
     {
@@ -345,6 +364,14 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
                 typed_config=_any(_model_to_metadata()),
             )
         )
+    if listener.rate_limited:
+        # Off at the listener; routes with a rate limit turn it on in typed_per_filter_config.
+        filters.append(
+            hcm_pb2.HttpFilter(
+                name=LOCAL_RATELIMIT,
+                typed_config=_any(local_rate_limit_pb2.LocalRateLimit(stat_prefix="rate_limit")),
+            )
+        )
     filters.append(
         hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router()))
     )
@@ -358,6 +385,8 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
         stream_idle_timeout=_duration(0),
         drain_timeout=_duration(listener.drain_timeout),
     )
+    if listener.rate_limited:
+        manager.local_reply_config.CopyFrom(_rate_limited_reply())
     if listener.access_log:
         manager.access_log.append(
             accesslog_pb2.AccessLog(
@@ -507,6 +536,10 @@ def _route_entry(
     if route.host_rewrite:
         action.host_rewrite_literal = route.host_rewrite
     out = route_components_pb2.Route(name=name, match=match, route=action)
+    if route.rate_limit is not None:
+        out.typed_per_filter_config[LOCAL_RATELIMIT].CopyFrom(
+            _any(_rate_limit(route.rate_limit, name))
+        )
     # Long prompts are the norm: let the model-routing filter buffer the whole body.
     out.request_body_buffer_limit.value = body_limit
     return out
@@ -547,6 +580,84 @@ def _retry_policy(route: PlanRoute, *, affinity: bool) -> route_components_pb2.R
             )
         )
     return policy
+
+
+def _rate_limit(limit: RateLimit, stat_name: str) -> local_rate_limit_pb2.LocalRateLimit:
+    """A token bucket per route, or per tenant header value when the limit names one.
+
+    Tenant buckets are dynamic descriptors: an entry with an empty value matches any value and
+    each distinct value gets its own bucket of the same size.
+    """
+    bucket = _token_bucket(limit)
+    always = percent_pb2.FractionalPercent(
+        numerator=100, denominator=percent_pb2.FractionalPercent.HUNDRED
+    )
+    config = local_rate_limit_pb2.LocalRateLimit(
+        stat_prefix="rate_limit",
+        token_bucket=bucket,
+        filter_enabled=base_pb2.RuntimeFractionalPercent(default_value=always),
+        filter_enforced=base_pb2.RuntimeFractionalPercent(default_value=always),
+        enable_x_ratelimit_headers=ratelimit_pb2.DRAFT_VERSION_03,
+    )
+    if limit.tenant_header:
+        config.rate_limits.append(
+            route_components_pb2.RateLimit(
+                actions=[
+                    route_components_pb2.RateLimit.Action(
+                        request_headers=route_components_pb2.RateLimit.Action.RequestHeaders(
+                            header_name=limit.tenant_header,
+                            descriptor_key=TENANT_DESCRIPTOR,
+                            skip_if_absent=True,
+                        )
+                    )
+                ]
+            )
+        )
+        config.descriptors.append(
+            ratelimit_pb2.LocalRateLimitDescriptor(
+                entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=TENANT_DESCRIPTOR, value="")],
+                token_bucket=_token_bucket(limit),
+            )
+        )
+        config.max_dynamic_descriptors.value = MAX_TENANTS
+        # A tenant's request spends only its own bucket; requests without the header share
+        # the route's bucket.
+        config.always_consume_default_token_bucket.value = False
+    return config
+
+
+def _token_bucket(limit: RateLimit) -> token_bucket_pb2.TokenBucket:
+    return token_bucket_pb2.TokenBucket(
+        max_tokens=limit.burst or limit.requests,
+        tokens_per_fill=wrappers_pb2.UInt32Value(value=limit.requests),
+        fill_interval=_duration(_UNIT_SECONDS[limit.unit]),
+    )
+
+
+def _rate_limited_reply() -> hcm_pb2.LocalReplyConfig:
+    """Envoy's own 429s (rate limits) answered in OpenAI's error format; 429s from upstreams
+    pass through untouched because local reply mappers only see local replies."""
+    body = struct_pb2.Struct()
+    body.update(RATE_LIMITED_BODY)
+    return hcm_pb2.LocalReplyConfig(
+        mappers=[
+            hcm_pb2.ResponseMapper(
+                filter=accesslog_pb2.AccessLogFilter(
+                    status_code_filter=accesslog_pb2.StatusCodeFilter(
+                        comparison=accesslog_pb2.ComparisonFilter(
+                            op=accesslog_pb2.ComparisonFilter.EQ,
+                            value=base_pb2.RuntimeUInt32(
+                                default_value=429, runtime_key="kvpilot.rate_limited_status"
+                            ),
+                        )
+                    )
+                ),
+                body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
+                    json_format=body
+                ),
+            )
+        ]
+    )
 
 
 def _unknown_model_route() -> route_components_pb2.Route:
