@@ -246,11 +246,10 @@ def _endpoints_prefix(store: Store, pool: str) -> bytes:
 
 
 async def _lease_ttl(client: EtcdClient, lease: int) -> int | None:
-    """Seconds left on a lease, if the etcd client can tell."""
-    ask: Callable[[int], Awaitable[int]] | None = getattr(client, "lease_time_to_live", None)
-    if ask is None or not lease:
+    """Seconds left on an endpoint's lease; None for a registration without a TTL."""
+    if not lease:
         return None
-    return await ask(lease)
+    return await client.lease_time_to_live(lease)
 
 
 # --------------------------------------------------------------------------------------------

@@ -276,5 +276,7 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         await grpc_server.stop(grace=2.0)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Closing the channel ends an etcd watch that is still being opened; waiting for the
+        # cancelled tasks first could wait for that call's own deadline.
         await client.close()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -61,7 +61,7 @@ def parse_object(data: Any, *, source: str = "") -> PolicyObject:
     if not isinstance(data, Mapping):
         raise PolicyError([FieldError("", "a policy object must be a mapping")], source)
     kind = data.get("kind")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         known = ", ".join(sorted(KINDS))
         raise PolicyError(
             [FieldError("kind", f"unknown kind {kind!r}; expected one of {known}")], source
