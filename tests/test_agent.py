@@ -82,7 +82,11 @@ class MetricsBackend:
     async def _complete(self, request: Request) -> Response:
         headers = {"x-backend-id": self.id}
         if self.utilization is not None:
-            headers["endpoint-load-metrics"] = f"TEXT application_utilization={self.utilization}"
+            # Envoy's weight is rps_fractional / utilization, and it rejects reports without
+            # a positive rate; equal rates let the utilization alone decide.
+            headers["endpoint-load-metrics"] = (
+                f"TEXT application_utilization={self.utilization}, rps_fractional=100"
+            )
         return JSONResponse({"backend": self.id}, self.status, headers=headers)
 
     def start(self) -> MetricsBackend:

@@ -1,0 +1,368 @@
+"""Live telemetry to Envoy, end to end: backends' load -> (agent ->) etcd -> kvpilot -> Envoy.
+
+Real etcd, a real `kvpilot serve`, a real Envoy and tiny test backends whose /metrics (and ORCA
+response headers) the test controls. The closed loop runs through the real agent; the
+staleness and hysteresis cases write telemetry records straight into etcd, which is what an
+agent does, so that their timing is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from conftest import ADMIN_TOKEN
+from test_agent import MetricsBackend, eventually
+from test_e2e_skeleton import endpoint_weights, served_by
+
+from controlplane.agent import Agent, AgentConfig, Target
+from controlplane.etcd import EtcdClient
+from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, free_port, repo_root
+from controlplane.store import Store
+
+pytestmark = pytest.mark.e2e
+
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+CLUSTER = "web/all"
+
+
+def pool(name: str, ports: list[int], *, max_age: str = "10s") -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "Pool",
+        "metadata": {"name": name},
+        "spec": {
+            "endpoints": [{"address": "127.0.0.1", "port": port} for port in ports],
+            "telemetry": {"format": "vllm", "maxAge": max_age},
+            # Test backends answer /health; checks every 0.5 s keep start-up quick.
+            "healthCheck": {"interval": "500ms"},
+        },
+    }
+
+
+def policy(listener_port: int, balancing: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "RoutingPolicy",
+        "metadata": {"name": "web"},
+        "spec": {
+            "listener": {"port": listener_port, "address": "127.0.0.1"},
+            "routes": [{"name": "all", "balancing": balancing, "tiers": [["sim"]]}],
+        },
+    }
+
+
+def health_flags(envoy: EmbeddedEnvoy, cluster: str) -> dict[int, str]:
+    """Port -> Envoy's health flags for `cluster` (admin /clusters)."""
+    flags = {}
+    for line in envoy.clusters().splitlines():
+        parts = line.split("::")
+        if len(parts) == 4 and parts[0] == cluster and parts[2] == "health_flags":
+            flags[int(parts[1].rsplit(":", 1)[1])] = parts[3]
+    return flags
+
+
+def metric(api_url: str, name: str, labels: str = "") -> float:
+    """One sample of kvpilot's /metrics (0 when absent)."""
+    text = httpx.get(f"{api_url}/metrics", timeout=5).text
+    pattern = re.escape(name + (f"{{{labels}}}" if labels else "")) + r" ([0-9.e+-]+)"
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else 0.0
+
+
+class Setup:
+    def __init__(
+        self,
+        kvpilot: Any,
+        envoy: EmbeddedEnvoy,
+        backends: list[MetricsBackend],
+        listener_port: int,
+        store: Store,
+    ) -> None:
+        self.kvpilot = kvpilot
+        self.envoy = envoy
+        self.backends = backends
+        self.ports = [b.port for b in backends]
+        self.url = f"http://127.0.0.1:{listener_port}/v1/chat/completions"
+        self.store = store
+
+    def weights(self) -> dict[int, int]:
+        return endpoint_weights(self.envoy, CLUSTER)
+
+    async def wait_weights(self, expected: dict[int, int], within: float, what: str) -> float:
+        """Wait until Envoy has `expected`; return how long it took."""
+        started = time.monotonic()
+
+        seen: list[dict[int, int]] = [{}]
+
+        async def reached() -> bool:
+            seen[0] = await asyncio.to_thread(self.weights)
+            return seen[0] == expected
+
+        try:
+            await eventually(reached, within, what)
+        except AssertionError as error:
+            raise AssertionError(f"{error}: Envoy has {seen[0]}, expected {expected}") from None
+        return time.monotonic() - started
+
+    async def put(self, port: int, **signals: float) -> None:
+        await self.store.put_telemetry(
+            "sim", f"127.0.0.1:{port}", {"at": signals.pop("at", time.time()), **signals}
+        )
+
+
+@pytest.fixture
+async def make_setup(
+    etcd: EmbeddedEtcd,
+    etcd_prefix: str,
+    kvpilot_factory: Any,
+    envoy_factory: Any,
+) -> AsyncIterator[Callable[..., Any]]:
+    client = EtcdClient([etcd.endpoint])
+    await client.connect()
+    started: list[MetricsBackend] = []
+
+    async def make(balancing: str, *, max_age: str = "10s", static: bool = True) -> Setup:
+        backends = [MetricsBackend(f"be-{i}").start() for i in range(3)]
+        started.extend(backends)
+        kvpilot = await asyncio.to_thread(kvpilot_factory, etcd_prefix)
+        envoy = await asyncio.to_thread(envoy_factory, xds_port=kvpilot.xds_port)
+        listener_port = free_port()
+        ports = [b.port for b in backends] if static else []
+        async with httpx.AsyncClient(base_url=kvpilot.api_url, headers=ADMIN) as api:
+            response = await api.put("/v1/pools/sim", json=pool("sim", ports, max_age=max_age))
+            assert response.status_code in (200, 201), response.text
+            response = await api.put(
+                "/v1/routingpolicies/web", json=policy(listener_port, balancing)
+            )
+            assert response.status_code in (200, 201), response.text
+        return Setup(kvpilot, envoy, backends, listener_port, Store(client, etcd_prefix))
+
+    yield make
+    for backend in started:
+        backend.stop()
+    await client.close()
+
+
+async def test_a_long_queue_lowers_the_weight_in_envoy_and_traffic_moves_away(
+    make_setup: Callable[..., Any],
+) -> None:
+    setup: Setup = await make_setup("telemetry")
+    ports = setup.ports
+    await setup.wait_weights(dict.fromkeys(ports, 100), 30, "static weights first")
+    agent = Agent(
+        setup.store,
+        AgentConfig([], [Target(pool="sim", url=b.url) for b in setup.backends], interval=0.2),
+    )
+    task = asyncio.create_task(agent.run())
+    try:
+        busy = setup.backends[0]
+        busy.waiting = 20  # the pool's longest queue, well above queue_ref: factor 0.1
+        # Agent interval 0.2 s + push-rate cap 1 s + debounce: well within 5 s.
+        took = await setup.wait_weights({ports[0]: 10, ports[1]: 100, ports[2]: 100}, 15, "lower")
+        assert took < 5, f"the weight took {took:.1f}s to reach Envoy"
+        counts = await asyncio.to_thread(served_by, setup.url, 63)
+        assert counts[busy.id] <= 10, counts  # expected 10/210 of 63 = 3
+        assert counts["be-1"] >= 20 and counts["be-2"] >= 20, counts
+
+        busy.waiting = 40  # over the saturation bound: DEGRADED, no new work while others cope
+        await eventually(
+            lambda: asyncio.to_thread(
+                lambda: "degraded_eds_health" in health_flags(setup.envoy, CLUSTER)[ports[0]]
+            ),
+            15,
+            "the saturated backend to be DEGRADED in Envoy",
+        )
+        # Envoy sends degraded hosts only what the healthy ones cannot take: with 2 of 3
+        # healthy and the default overprovisioning factor 1.4, that is 100 - 1.4 * 66.7 = 7%.
+        counts = await asyncio.to_thread(served_by, setup.url, 60)
+        assert counts[busy.id] <= 10, counts
+
+        busy.waiting = 0
+        await setup.wait_weights(dict.fromkeys(ports, 100), 15, "recovery")
+        assert "degraded" not in health_flags(setup.envoy, CLUSTER)[ports[0]]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_stale_telemetry_falls_back_to_the_static_weight(
+    make_setup: Callable[..., Any],
+) -> None:
+    setup: Setup = await make_setup("telemetry", max_age="2s")
+    ports = setup.ports
+    await setup.wait_weights(dict.fromkeys(ports, 100), 30, "static weights first")
+    for port, waiting in zip(ports, (20, 0, 0), strict=True):
+        await setup.put(port, waiting=waiting)
+    await setup.wait_weights({ports[0]: 10, ports[1]: 100, ports[2]: 100}, 10, "lowered")
+    written = time.monotonic()
+    # Nothing is written any more (an agent that hangs but keeps its lease): kvpilot notices
+    # the age on its own and goes back to neutral, never to zero.
+    await setup.wait_weights(dict.fromkeys(ports, 100), 10, "neutral after maxAge")
+    assert time.monotonic() - written >= 1.0  # not before the records could be stale
+    # A record that is already old when written is neutral from the start.
+    await setup.put(ports[1], waiting=20, at=time.time() - 60)
+    await setup.put(ports[0], waiting=0)
+    await setup.put(ports[2], waiting=0)
+    assert metric(setup.kvpilot.api_url, "kvpilot_telemetry_age_seconds") >= 0
+    await asyncio.sleep(0)  # let the writes go out before sampling Envoy
+    await setup.wait_weights(dict.fromkeys(ports, 100), 10, "stale record ignored")
+
+
+async def test_telemetry_inside_the_hysteresis_band_causes_no_push(
+    make_setup: Callable[..., Any],
+) -> None:
+    setup: Setup = await make_setup("telemetry")
+    ports = setup.ports
+    api_url = setup.kvpilot.api_url
+    await setup.wait_weights(dict.fromkeys(ports, 100), 30, "static weights first")
+    for port in ports:
+        await setup.put(port, waiting=0, kv_cache=0.1)
+
+    async def settled() -> bool:
+        return (
+            metric(
+                api_url, "kvpilot_telemetry_weight", f'endpoint="127.0.0.1:{ports[2]}",pool="sim"'
+            )
+            == 100
+        )
+
+    await eventually(settled, 10, "the telemetry to be compiled")
+    pushes = metric(api_url, "kvpilot_snapshot_pushes_total", 'cause="telemetry"')
+    versions = setup.envoy.config_dump(include_eds=True)
+    builds = metric(api_url, "kvpilot_reconcile_builds_total", 'path="fast"')
+    # Noise: one request queued now and then, KV cache wobbling by a few percent.
+    for waiting, kv in ((1, 0.12), (0, 0.08), (1, 0.15), (0, 0.1)):
+        await setup.put(ports[0], waiting=waiting, kv_cache=kv)
+
+        async def rebuilt(after: float = builds) -> float:
+            now = metric(api_url, "kvpilot_reconcile_builds_total", 'path="fast"')
+            return now if now > after else 0.0
+
+        builds = await eventually(rebuilt, 10, "kvpilot to process the telemetry")
+    assert metric(api_url, "kvpilot_snapshot_pushes_total", 'cause="telemetry"') == pushes
+    assert setup.weights() == dict.fromkeys(ports, 100)
+    assert _eds_versions(setup.envoy.config_dump(include_eds=True)) == _eds_versions(versions)
+    # Leaving the band is pushed.
+    await setup.put(ports[0], waiting=20, kv_cache=0.1)
+    await setup.wait_weights({ports[0]: 10, ports[1]: 100, ports[2]: 100}, 10, "outside band")
+    assert metric(api_url, "kvpilot_snapshot_pushes_total", 'cause="telemetry"') == pushes + 1
+    assert metric(api_url, "kvpilot_telemetry_weight_changes_total", 'pool="sim"') >= 1
+
+
+def eds_ports(envoy: EmbeddedEnvoy, cluster: str) -> set[int]:
+    """Ports of the endpoints in `cluster`'s ClusterLoadAssignment as Envoy received it."""
+    ports = set()
+    for config in envoy.config_dump(include_eds=True).get("configs", []):
+        for dynamic in config.get("dynamic_endpoint_configs", []):
+            assignment = dynamic.get("endpoint_config", {})
+            if assignment.get("cluster_name") != cluster:
+                continue
+            for group in assignment.get("endpoints", []):
+                for lb_endpoint in group.get("lb_endpoints", []):
+                    address = lb_endpoint["endpoint"]["address"]["socket_address"]
+                    ports.add(int(address["port_value"]))
+    return ports
+
+
+def _eds_versions(dump: dict[str, Any]) -> list[str]:
+    out = []
+    for config in dump.get("configs", []):
+        for cluster in config.get("dynamic_endpoint_configs", []):
+            out.append(cluster.get("version_info", ""))
+    return out
+
+
+async def test_a_killed_agents_endpoint_leaves_eds_after_the_lease_ttl(
+    make_setup: Callable[..., Any], etcd: EmbeddedEtcd, etcd_prefix: str
+) -> None:
+    setup: Setup = await make_setup("telemetry", static=False)
+    processes = []
+    for backend in setup.backends[:2]:
+        processes.append(
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "controlplane.agent",
+                "--etcd-endpoints",
+                etcd.endpoint,
+                "--etcd-prefix",
+                etcd_prefix,
+                "--pool",
+                "sim",
+                "--backend",
+                backend.url,
+                "--register",
+                "--interval",
+                "0.2",
+                "--ttl",
+                "2",
+                cwd=repo_root(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    kept, killed = setup.ports[0], setup.ports[1]
+    try:
+        await setup.wait_weights({kept: 100, killed: 100}, 30, "agents register their backends")
+        processes[1].send_signal(signal.SIGKILL)
+        await processes[1].wait()
+        started = time.monotonic()
+
+        seen: list[set[int]] = [set()]
+
+        async def left_eds() -> bool:
+            seen[0] = await asyncio.to_thread(eds_ports, setup.envoy, CLUSTER)
+            return seen[0] == {kept}
+
+        try:
+            await eventually(left_eds, 15, "the killed agent's endpoint to leave EDS")
+        except AssertionError as error:
+            keys, _ = await setup.store.client.get_prefix(setup.store.keys.absolute(""))
+            left = [kv.key for kv in keys]
+            raise AssertionError(f"{error}: EDS has {seen[0]}, {kept=}, etcd has {left}") from None
+        took = time.monotonic() - started
+        assert took < 2 + 4, f"took {took:.1f}s for a 2 s lease"
+        # Envoy keeps a host that left EDS while it still passes active health checks (its
+        # eventual-consistency rule), so the backend, still alive here, leaves rotation once
+        # it fails them.
+        setup.backends[1].status = 503
+        await setup.wait_weights({kept: 100}, 15, "the host to leave Envoy")
+        counts = await asyncio.to_thread(served_by, setup.url, 10)
+        assert counts == collections.Counter({"be-0": 10}), counts
+    finally:
+        for process in processes:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+async def test_orca_mode_follows_the_utilization_backends_report(
+    make_setup: Callable[..., Any],
+) -> None:
+    setup: Setup = await make_setup("orca")
+    for backend, utilization in zip(setup.backends, (0.9, 0.1, 0.45), strict=True):
+        backend.utilization = utilization
+    await setup.wait_weights(dict.fromkeys(setup.ports, 100), 30, "endpoints in Envoy")
+    dump = setup.envoy.config_dump()
+    assert "client_side_weighted_round_robin" in str(dump)
+    # Envoy ignores a host's reports for the 1 s blackout period, then weighs hosts by
+    # qps / utilization. Send traffic until the split settles, then measure it.
+    await asyncio.to_thread(served_by, setup.url, 60)
+
+    async def follows() -> collections.Counter[str] | None:
+        counts = await asyncio.to_thread(served_by, setup.url, 200)
+        ordered = counts["be-1"] > counts["be-2"] > counts["be-0"]
+        return counts if ordered and counts["be-1"] >= 100 else None
+
+    counts = await eventually(follows, 30, "traffic to follow the reported utilization")
+    assert counts["be-0"] <= 40, counts  # expected about 8% at utilization 0.9
