@@ -112,6 +112,15 @@ class PlanListener:
         return any(vhost.routes_by_model for vhost in self.virtual_hosts)
 
     @property
+    def prefix_hashing(self) -> bool:
+        """True when some route hashes a prompt prefix for affinity (Envoy's Lua filter)."""
+        return any(
+            route.affinity is not None and route.affinity.prefix_hash_chars > 0
+            for vhost in self.virtual_hosts
+            for route in vhost.routes
+        )
+
+    @property
     def rate_limited(self) -> bool:
         """True when some route on the listener has a rate limit."""
         return any(

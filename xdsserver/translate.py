@@ -29,6 +29,7 @@ from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
@@ -81,6 +82,9 @@ _RETRY_ON = {
     "429": "retriable-status-codes",
 }
 LOCAL_RATELIMIT = "envoy.filters.http.local_ratelimit"
+LUA = "envoy.filters.http.lua"
+PREFIX_KEY_HEADER = "x-kvpilot-prefix-key"
+"""Set by Envoy's Lua filter from the prompt's first characters when no session header is sent."""
 TENANT_DESCRIPTOR = "tenant"
 MAX_TENANTS = 10_000
 """Most distinct tenant buckets one route keeps per Envoy (least recently used are dropped)."""
@@ -372,6 +376,9 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
                 typed_config=_any(local_rate_limit_pb2.LocalRateLimit(stat_prefix="rate_limit")),
             )
         )
+    if listener.prefix_hashing:
+        # No code at the listener; routes with prompt-prefix affinity bring theirs.
+        filters.append(hcm_pb2.HttpFilter(name=LUA, typed_config=_any(lua_pb2.Lua())))
     filters.append(
         hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router()))
     )
@@ -469,23 +476,90 @@ def _routes(
             matches.append(_match(route, model=model))
     else:
         matches.append(_match(route))
+    affinity = route.affinity
     for index, match in enumerate(matches):
-        if route.affinity is not None:
-            hashed = route_components_pb2.RouteMatch()
-            hashed.CopyFrom(match)
-            hashed.headers.append(
-                route_components_pb2.HeaderMatcher(name=route.affinity.header, present_match=True)
-            )
+        if affinity is not None:
             yield _route_entry(
                 route,
                 f"{route.name}#{index}/affinity",
-                hashed,
-                affinity=True,
+                _with_header(match, affinity.header),
+                affinity=affinity.header,
                 body_limit=body_limit,
             )
-        yield _route_entry(
-            route, f"{route.name}#{index}", match, affinity=False, body_limit=body_limit
+            if affinity.prefix_hash_chars:
+                yield _route_entry(
+                    route,
+                    f"{route.name}#{index}/prefix",
+                    _with_header(match, PREFIX_KEY_HEADER),
+                    affinity=PREFIX_KEY_HEADER,
+                    body_limit=body_limit,
+                )
+        entry = _route_entry(
+            route, f"{route.name}#{index}", match, affinity=None, body_limit=body_limit
         )
+        if affinity is not None and affinity.prefix_hash_chars:
+            # No session header: the Lua filter derives a key from the prompt's first
+            # characters and sets PREFIX_KEY_HEADER; changing headers clears Envoy's route
+            # cache, so the request is matched again and takes the "/prefix" entry above.
+            entry.typed_per_filter_config[LUA].CopyFrom(
+                _any(
+                    lua_pb2.LuaPerRoute(
+                        source_code=base_pb2.DataSource(
+                            inline_string=prefix_key_lua(
+                                affinity.header, affinity.prefix_hash_chars
+                            )
+                        )
+                    )
+                )
+            )
+        yield entry
+
+
+def _with_header(
+    match: route_components_pb2.RouteMatch, header: str
+) -> route_components_pb2.RouteMatch:
+    out = route_components_pb2.RouteMatch()
+    out.CopyFrom(match)
+    out.headers.append(route_components_pb2.HeaderMatcher(name=header, present_match=True))
+    return out
+
+
+def prefix_key_lua(session_header: str, chars: int) -> str:
+    """Lua run by Envoy on requests without a session header: a hash of the first ``chars``
+    characters of the prompt (from the ``messages`` or ``prompt`` field on, as sent) becomes
+    the PREFIX_KEY_HEADER, so requests that share a long prefix (a system prompt, a document)
+    hash to the same replica and meet its prefix cache.
+
+    The trade-off of ``chars``: too small and unrelated conversations that merely share a
+    short system prompt all pile onto one replica (bounded load then spills them over); too
+    large and requests sharing a long prefix still differ within the window and scatter.
+    The hash is computed in Lua so the header stays short and printable whatever the prompt
+    holds; Envoy then hashes the header onto the ring like a session ID.
+    """
+    return f"""-- kvpilot: prompt-prefix affinity key ({chars} characters)
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  if headers:get("{session_header}") ~= nil or headers:get("{PREFIX_KEY_HEADER}") ~= nil then
+    return
+  end
+  local body = handle:body()
+  if body == nil then
+    return
+  end
+  local text = body:getBytes(0, math.min(body:length(), {chars} + 65536))
+  local start = string.find(text, '"messages"', 1, true) or string.find(text, '"prompt"', 1, true)
+  if start == nil then
+    return
+  end
+  local window = string.sub(text, start, start + {chars} - 1)
+  local hash = 7
+  for i = 1, #window do
+    hash = (hash * 31 + string.byte(window, i)) % 2147483647
+  end
+  -- Header handles taken before body() are invalid after it yields: fetch them again.
+  handle:headers():add("{PREFIX_KEY_HEADER}", string.format("%x", hash))
+end
+"""
 
 
 def _match(
@@ -516,21 +590,20 @@ def _route_entry(
     name: str,
     match: route_components_pb2.RouteMatch,
     *,
-    affinity: bool,
+    affinity: str | None,
     body_limit: int,
 ) -> route_components_pb2.Route:
+    """One route entry; ``affinity`` names the header to hash on (consistent-hash cluster)."""
     action = route_components_pb2.RouteAction(
         cluster=route.cluster + (AFFINITY_SUFFIX if affinity else ""),
         timeout=_duration(route.timeouts.request),
         idle_timeout=_duration(route.timeouts.idle),
-        retry_policy=_retry_policy(route, affinity=affinity),
+        retry_policy=_retry_policy(route, affinity=affinity is not None),
     )
-    if affinity and route.affinity is not None:
+    if affinity:
         action.hash_policy.append(
             route_components_pb2.RouteAction.HashPolicy(
-                header=route_components_pb2.RouteAction.HashPolicy.Header(
-                    header_name=route.affinity.header
-                )
+                header=route_components_pb2.RouteAction.HashPolicy.Header(header_name=affinity)
             )
         )
     if route.host_rewrite:
