@@ -37,7 +37,8 @@ def state_of(path: Path) -> PolicyState:
 def render(messages: tuple[object, ...]) -> str:
     # Through JSON so that nested OrderedDicts (from Any fields) become plain data.
     docs = [
-        json.loads(json_format.MessageToJson(m, preserving_proto_field_name=True)) for m in messages
+        json.loads(json_format.MessageToJson(m, preserving_proto_field_name=True, sort_keys=True))
+        for m in messages
     ]
     return yaml.safe_dump(docs, sort_keys=False, width=100)
 
