@@ -278,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
         return parser
 
     _add_serve(add_parser)
+    agent = add_parser(
+        "agent", help="scrape backends' metrics into etcd telemetry (and register them)"
+    )
+    from controlplane import agent as agent_command
+
+    agent_command.add_arguments(agent)
+    agent.set_defaults(func=agent_command.run)
 
     apply = add_parser("apply", help="validate policy files, then create or update their objects")
     apply.add_argument(
