@@ -466,14 +466,14 @@ def _routes(
     """Envoy route entries for one plan route.
 
     A route that selects by model gets two entries per model: the override header first, then
-    the body field. With session affinity each of those is preceded by an entry that requires
+    the body field, which counts only when the override header is absent. With session affinity each of those is preceded by an entry that requires
     the session header and targets the consistent-hash cluster.
     """
     matches: list[route_components_pb2.RouteMatch] = []
     if route.models:
         for model in route.models:
             matches.append(_match(route, header=(model_header, model)))
-            matches.append(_match(route, model=model))
+            matches.append(_match(route, model=model, unless_header=model_header))
     else:
         matches.append(_match(route))
     affinity = route.affinity
@@ -563,13 +563,25 @@ end
 
 
 def _match(
-    route: PlanRoute, *, header: tuple[str, str] | None = None, model: str | None = None
+    route: PlanRoute,
+    *,
+    header: tuple[str, str] | None = None,
+    model: str | None = None,
+    unless_header: str | None = None,
 ) -> route_components_pb2.RouteMatch:
     match = route_components_pb2.RouteMatch(prefix=route.path_prefix)
     for name, value in (*route.headers, *([header] if header else [])):
         match.headers.append(
             route_components_pb2.HeaderMatcher(
                 name=name, string_match=string_pb2.StringMatcher(exact=value)
+            )
+        )
+    if unless_header is not None:
+        # Envoy takes the first entry that matches: without this, the body entry of an
+        # earlier route would beat the override header's entry of a later route.
+        match.headers.append(
+            route_components_pb2.HeaderMatcher(
+                name=unless_header, present_match=True, invert_match=True
             )
         )
     if model is not None:
