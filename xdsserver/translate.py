@@ -404,6 +404,13 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
     return listener_pb2.Listener(
         name=listener.name,
         address=_socket_address(listener.address, listener.port),
+        # json_to_metadata buffers the body under the route matched before the model is
+        # known: the unknown-model direct response when the model is in the body alone. A
+        # route's request_body_buffer_limit does not apply to a direct response, so without
+        # this the connection's 1 MiB default answers long prompts with 413.
+        per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(
+            value=min(listener.max_request_body_bytes, 2**32 - 1)
+        ),
         filter_chains=[
             listener_components_pb2.FilterChain(
                 filters=[
