@@ -48,6 +48,7 @@ WILDCARD = "*"
 # (listeners) it rebuilt, often with an unchanged name set; a rebuilt cluster only finishes
 # warming when its ClusterLoadAssignment arrives, so that request must be answered.
 _ANSWER_NEXT_REQUEST = {CLUSTER: ENDPOINT, LISTENER: ROUTE}
+_LEADER = {follower: leader for leader, follower in _ANSWER_NEXT_REQUEST.items()}
 
 
 def _ordered(types: Iterable[str], order: tuple[str, ...]) -> list[str]:
@@ -293,10 +294,11 @@ class _SotwStream(_Stream):
             # exist yet stay in st.names and go out when they appear.
             items = {n: resources[n] for n in sorted(st.names) if n in resources}
         if st.sent is None:
-            if st.wildcard and st.client_version == version:
+            if st.client_version == version and (st.wildcard or self._leader_resumed(st)):
                 # Reconnect (maybe to another replica): content-hash versions say the Envoy
-                # already has exactly this set.
+                # already has exactly this set, and for a named type the names it asks for.
                 st.sent, st.sent_version, st.respond = items, version, False
+                self.status.resumed(self.conn, st.type_url, version=version)
                 return None
             if not items and not st.wildcard:
                 st.respond = False
@@ -305,6 +307,13 @@ class _SotwStream(_Stream):
             return None
         st.respond = False
         return items
+
+    def _leader_resumed(self, st: _SotwType) -> bool:
+        """Whether the Envoy kept its clusters (listeners) on this stream without a push: only
+        then do its EDS (RDS) names and version still describe what it has. A cluster that is
+        pushed, even in this same round, warms until its ClusterLoadAssignment is answered."""
+        leader = self.types.get(_LEADER.get(st.type_url, ""))
+        return leader is not None and leader.sent is not None and not leader.nonce
 
     def plan(self, snapshot: Snapshot | None) -> list[_Push]:
         if snapshot is None:
@@ -374,6 +383,8 @@ class _DeltaType:
     """system_version_info of the latest response."""
     dirty: bool = True
     seen_version: str = ""
+    resuming: bool = False
+    """The Envoy came with initial_resource_versions and nothing was sent since."""
 
 
 @dataclass(slots=True)
@@ -402,6 +413,7 @@ class _DeltaStream(_Stream):
             st = self.types[type_url] = _DeltaType(type_url)
             # Reconnect: the Envoy already has these; send only what differs.
             st.sent = {str(k): str(v) for k, v in request.initial_resource_versions.items()}
+            st.resuming = bool(st.sent)
             # Legacy wildcard: a first request naming nothing subscribes to everything.
             st.wildcard = not subscribe and type_url in WILDCARD_TYPES
         # Subscription changes apply even on a stale nonce (protocol: "the server must process
@@ -455,6 +467,9 @@ class _DeltaStream(_Stream):
         updates = [r for r in candidates if st.sent.get(r.name) != r.version]
         removals = sorted(n for n in st.sent if n not in resources)
         if not updates and not removals:
+            if st.resuming:
+                # A reconnect that needs nothing: the Envoy holds this version already.
+                self.status.resumed(self.conn, st.type_url, version=version)
             return None
         return _DeltaChange(st, version, updates, removals)
 
@@ -490,7 +505,7 @@ class _DeltaStream(_Stream):
         self, st: _DeltaType, version: str, updates: list[Resource], removals: list[str]
     ) -> _Push:
         nonce = self.next_nonce()
-        st.nonce, st.nonce_version = nonce, version
+        st.nonce, st.nonce_version, st.resuming = nonce, version, False
         response = discovery_pb2.DeltaDiscoveryResponse(
             system_version_info=version,
             type_url=st.type_url,

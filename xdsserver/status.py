@@ -233,6 +233,15 @@ class ConnectionRegistry:
         self._metrics.acks.labels(type=short_name(type_url)).inc()
         self._notify("acked", status)
 
+    def resumed(self, status: ConnectionStatus, type_url: str, *, version: str) -> None:
+        """The Envoy reconnected holding `version` already (its request said so), so nothing
+        was sent: record what it runs. Not counted as an ACK."""
+        t = status.type(type_url)
+        if t.version_acked == version:
+            return
+        t.version_acked = version
+        self._notify("acked", status)
+
     def nacked(
         self, status: ConnectionStatus, type_url: str, *, version: str, nonce: str, message: str
     ) -> None:
