@@ -242,13 +242,14 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             loop.add_signal_handler(sig, stop.set)
 
     await grpc_server.start()
+    publisher = asyncio.create_task(
+        StatusPublisher(store, connections, config.replica_id).run(), name="envoy-status"
+    )
     tasks = [
         asyncio.create_task(mirror.run(), name="etcd-watch"),
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(api.serve(), name="rest-api"),
-        asyncio.create_task(
-            StatusPublisher(store, connections, config.replica_id).run(), name="envoy-status"
-        ),
+        publisher,
     ]
     log.info(
         "kvpilot replica %s: etcd %s, prefix %s",
@@ -274,6 +275,10 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         api.should_exit = True
         ads.close()  # streams end with status OK instead of waiting out the grace
         await grpc_server.stop(grace=2.0)
+        # The publisher revokes its lease on the way out, which removes this replica's Envoy
+        # records from etcd at once instead of after the lease TTL: let it, while etcd is open.
+        publisher.cancel()
+        await asyncio.wait([publisher], timeout=2.0)
         for task in tasks:
             task.cancel()
         # Closing the channel ends an etcd watch that is still being opened; waiting for the
