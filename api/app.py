@@ -90,6 +90,11 @@ class ApiContext:
     metrics_registry: prometheus_client.CollectorRegistry | None = None
     etcd: EtcdClient | None = None
     """For readiness: /readyz asks it whether etcd answers."""
+    replica_id: str = ""
+    """This kvpilot replica's id, as its Envoy status records in etcd carry it."""
+    envoy_records: Callable[[], list[dict[str, Any]]] | None = None
+    """The Envoy status records every replica publishes to etcd
+    (`controlplane.envoystatus`): with them /v1/status lists the Envoys of all replicas."""
 
 
 class WeightChange(BaseModel):
@@ -711,7 +716,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
         build = reconciler.last_build
         return {
             "ready": reconciler.ready,
-            "envoys": context.connections.as_dict()["connections"],
+            "envoys": _envoys(context),
             "invalidObjects": [dataclasses.asdict(e) for e in reconciler.errors.values()],
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
             "lastBuild": {
@@ -723,6 +728,18 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "fleets": build.fleets,
             },
         }
+
+
+def _envoys(context: ApiContext) -> list[dict[str, Any]]:
+    """This replica's Envoys as they are now, then other replicas' as they last published them."""
+    own = [
+        {**connection, "replica": context.replica_id}
+        for connection in context.connections.as_dict()["connections"]
+    ]
+    if context.envoy_records is None:
+        return own
+    others = [r for r in context.envoy_records() if r.get("replica") != context.replica_id]
+    return own + others
 
 
 def _install_openapi(app: FastAPI) -> None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
-from controlplane.etcd import EtcdError
-from controlplane.store import Store
+from controlplane.etcd import EtcdError, KeyValue
+from controlplane.store import STATUS, Store, decode_json
 from xdsserver.status import ConnectionRegistry, ConnectionStatus, Event
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,23 @@ log = logging.getLogger(__name__)
 def node_key(node_id: str) -> str:
     """A node id as a single etcd key segment (node ids may contain '/')."""
     return quote(node_id, safe="") or "-"
+
+
+ENVOYS_PREFIX = f"{STATUS}/envoys/"
+"""Relative key prefix of the Envoy status records of every replica."""
+
+
+def records(items: Mapping[str, KeyValue]) -> list[dict[str, Any]]:
+    """The Envoy status records among mirrored etcd `items` (relative key -> KeyValue), by key.
+
+    What every replica published: with them a replica's status lists the Envoys of all
+    replicas. A record that is not JSON is skipped (nothing kvpilot wrote).
+    """
+    found = []
+    for key in sorted(k for k in items if k.startswith(ENVOYS_PREFIX)):
+        if (body := decode_json(items[key])) is not None:
+            found.append(body)
+    return found
 
 
 class StatusPublisher:

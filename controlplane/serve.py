@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from api.app import ApiContext, create_app
 from api.auth import AuthConfig
 from controlplane.envoystatus import StatusPublisher
+from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.reconcile import ReconcileMetrics, Reconciler
@@ -227,6 +228,8 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             auth=auth,
             metrics_registry=registry,
             etcd=client,
+            replica_id=config.replica_id,
+            envoy_records=lambda: envoy_records(mirror.items),
         )
     )
     api = _ApiServer(
