@@ -1,0 +1,361 @@
+"""ADS with real Envoys, end to end: SotW and Delta, NACKs, status and metrics.
+
+Real etcd, real `kvpilot serve` processes, real Envoys started from the bootstraps in
+`deploy/envoy/`, and simulated replicas. Traffic assertions name the replica that answered
+(`x-backend-id`); config assertions compare what kvpilot says it serves and what the Envoy says
+it accepted (`/v1/status`) with what the Envoy itself reports (admin stats).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from conftest import ADMIN_TOKEN
+from test_e2e_skeleton import served_by
+from util import wait_until
+
+from controlplane.launchers import EmbeddedEnvoy, free_port
+
+pytestmark = pytest.mark.e2e
+
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+TYPES = {"CDS": "clusters", "EDS": "endpoints", "LDS": "listeners", "RDS": "routes"}
+"""Short type name in /v1/status -> key of the versions in /v1/fleets/{fleet}/config."""
+MODE = [pytest.param(False, id="sotw"), pytest.param(True, id="delta")]
+
+
+def pool(name: str, ports: list[int]) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "Pool",
+        "metadata": {"name": name},
+        "spec": {
+            "models": ["sim-model"],
+            "endpoints": [{"address": "127.0.0.1", "port": port} for port in ports],
+        },
+    }
+
+
+def policy(name: str, pool_name: str, port: int, *, fleets: tuple[str, ...] = ("default",)) -> Any:
+    return {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "RoutingPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "fleets": list(fleets),
+            "listener": {"port": port, "address": "127.0.0.1"},
+            "routes": [{"name": "all", "balancing": "round_robin", "tiers": [[pool_name]]}],
+        },
+    }
+
+
+def url(port: int) -> str:
+    return f"http://127.0.0.1:{port}/v1/chat/completions"
+
+
+def put(api: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    response = api.put(path, json=body)
+    assert response.status_code in (200, 201), response.text
+
+
+def answered_by(port: int, count: int = 8) -> set[str]:
+    """The replicas that answered `count` requests sent to an Envoy listener."""
+    return set(served_by(url(port), count))
+
+
+def envoys(api: httpx.Client) -> list[dict[str, Any]]:
+    response = api.get("/v1/status")
+    response.raise_for_status()
+    result: list[dict[str, Any]] = response.json()["envoys"]
+    return result
+
+
+def envoy_types(api: httpx.Client, node_id: str) -> dict[str, dict[str, Any]]:
+    """Per short type name, the status kvpilot reports for one Envoy (empty if not connected)."""
+    for connection in envoys(api):
+        if connection["node_id"] == node_id:
+            return {t["type"]: t for t in connection["types"].values()}
+    return {}
+
+
+def served_versions(api: httpx.Client, fleet: str) -> dict[str, str]:
+    response = api.get(f"/v1/fleets/{fleet}/config")
+    response.raise_for_status()
+    versions = response.json()["versions"]
+    return {short: versions[key] for short, key in TYPES.items()}
+
+
+def acked_everything(api: httpx.Client, envoy: EmbeddedEnvoy) -> dict[str, str] | None:
+    """The served versions once the Envoy has ACKed every type at exactly those, else None."""
+    served = served_versions(api, envoy.fleet)
+    types = envoy_types(api, envoy.node_id)
+    acked = {short: types[short]["version_acked"] for short in TYPES if short in types}
+    return served if acked == served else None
+
+
+def metric(api_url: str, name: str, labels: dict[str, str]) -> float:
+    """One sample of kvpilot's /metrics (0 when absent)."""
+    text = httpx.get(f"{api_url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        match = re.fullmatch(r"([a-z_]+)\{(.*)\} (\S+)", line)
+        if match is None or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(match.group(3))
+    return 0.0
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that another process (this test) holds: Envoy cannot bind it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("delta", MODE)
+def test_config_arrives_traffic_flows_and_an_api_change_flows(
+    delta: bool, etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any, backends: Any
+) -> None:
+    first, second = backends(2, id_prefix="first"), backends(1, id_prefix="second")
+    kvpilot = kvpilot_factory(etcd_prefix)
+    envoy = envoy_factory(xds_port=kvpilot.xds_port, delta=delta)
+    port = free_port()
+    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
+    put(api, "/v1/pools/first", pool("first", [r.port for r in first.replicas]))
+    put(api, "/v1/pools/second", pool("second", [r.port for r in second.replicas]))
+    put(api, "/v1/routingpolicies/web", policy("web", "first", port))
+
+    wait_until(
+        lambda: answered_by(port) == {r.id for r in first.replicas},
+        30,
+        message="both replicas of pool 'first' to answer through Envoy",
+    )
+    before = wait_until(
+        lambda: acked_everything(api, envoy), 30, message="the Envoy to ACK every type"
+    )
+    [connection] = [c for c in envoys(api) if c["node_id"] == envoy.node_id]
+    assert connection["mode"] == ("delta" if delta else "sotw")
+    assert connection["fleet"] == "default"
+    assert all(t["last_nack"] is None for t in connection["types"].values())
+    # The Envoy's own view: the versions it applied are kvpilot's content hashes.
+    stats = envoy.stats()
+    assert stats["cluster_manager.cds.version_text"] == before["CDS"]
+    assert stats["listener_manager.lds.version_text"] == before["LDS"]
+
+    # A change through the REST API: the route now goes to the other pool.
+    put(api, "/v1/routingpolicies/web", policy("web", "second", port))
+    wait_until(
+        lambda: answered_by(port) == {second.replicas[0].id},
+        30,
+        message="only pool 'second' to answer after the change",
+    )
+    after = wait_until(
+        lambda: acked_everything(api, envoy), 30, message="the Envoy to ACK the change"
+    )
+    assert after["EDS"] != before["EDS"]
+    assert all(t["last_nack"] is None for t in envoy_types(api, envoy.node_id).values())
+
+
+@pytest.mark.parametrize("delta", MODE)
+def test_a_listener_envoy_cannot_bind_is_nacked_and_shown_and_the_fix_flows(
+    delta: bool,
+    busy_port: int,
+    etcd_prefix: str,
+    kvpilot_factory: Any,
+    envoy_factory: Any,
+    backends: Any,
+) -> None:
+    replicas = backends(2, id_prefix="be")
+    ports = [r.port for r in replicas.replicas]
+    ids = {r.id for r in replicas.replicas}
+    kvpilot = kvpilot_factory(etcd_prefix)
+    envoy = envoy_factory(xds_port=kvpilot.xds_port, delta=delta)
+    other = envoy_factory(xds_port=kvpilot.xds_port, fleet="other", delta=delta)
+    web_port, other_port, fixed_port = free_port(), free_port(), free_port()
+    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
+    put(api, "/v1/pools/sim", pool("sim", ports))
+    put(api, "/v1/routingpolicies/web", policy("web", "sim", web_port))
+    put(api, "/v1/routingpolicies/side", policy("side", "sim", other_port, fleets=("other",)))
+    wait_until(
+        lambda: answered_by(web_port) == ids, 30, message="traffic through the default fleet"
+    )
+    wait_until(lambda: answered_by(other_port) == ids, 30, message="traffic through fleet 'other'")
+    good = wait_until(lambda: acked_everything(api, envoy), 30, message="the first ACKs")
+    other_good = wait_until(lambda: acked_everything(api, other), 30, message="fleet 'other' ACKs")
+
+    # kvpilot accepts this policy (nothing is wrong with it on paper), but its port is taken on
+    # the Envoy's host, so Envoy rejects the listener.
+    put(api, "/v1/routingpolicies/new", policy("new", "sim", busy_port))
+
+    def lds_nack() -> dict[str, Any] | None:
+        nack: dict[str, Any] | None = (
+            envoy_types(api, envoy.node_id).get("LDS", {}).get("last_nack")
+        )
+        return nack
+
+    nack = wait_until(lds_nack, 30, message="the Envoy's LDS NACK to show in /v1/status")
+    lds = envoy_types(api, envoy.node_id)["LDS"]
+    assert lds["version_acked"] == good["LDS"], "the Envoy keeps the version it accepted"
+    assert nack["version"] == lds["version_sent"] != good["LDS"]
+    assert str(busy_port) in nack["message"], nack
+    assert (
+        metric(kvpilot.api_url, "kvpilot_xds_nacks_total", {"type": "LDS", "fleet": "default"}) >= 1
+    )
+    assert envoy.stats()["listener_manager.lds.update_rejected"] == 1
+
+    # The Envoy keeps serving its last good config, and the other fleet never noticed.
+    assert answered_by(web_port) == ids
+    assert answered_by(other_port) == ids
+    assert acked_everything(api, other) == other_good
+    assert all(t["last_nack"] is None for t in envoy_types(api, other.node_id).values())
+
+    # The fix (a free port) flows to the Envoy, which ACKs it and serves on the new listener.
+    put(api, "/v1/routingpolicies/new", policy("new", "sim", fixed_port))
+    wait_until(lambda: answered_by(fixed_port) == ids, 30, message="traffic on the fixed listener")
+    fixed = wait_until(lambda: acked_everything(api, envoy), 30, message="the fix to be ACKed")
+    assert fixed["LDS"] != good["LDS"]
+    assert answered_by(web_port) == ids
+    # The rejected listener was never sent again: Envoy rejected exactly one update.
+    assert envoy.stats()["listener_manager.lds.update_rejected"] == 1
+    assert envoy_types(api, envoy.node_id)["LDS"]["version_acked"] == fixed["LDS"]
+
+
+class TwoServerEnvoy(EmbeddedEnvoy):
+    """An Envoy whose xDS cluster lists several kvpilot replicas: when one goes away, Envoy
+    reconnects to another."""
+
+    def __init__(self, *args: Any, xds_ports: list[int], **kwargs: Any) -> None:
+        super().__init__(*args, xds_port=xds_ports[0], **kwargs)
+        self.xds_ports = xds_ports
+
+    def render(self) -> Any:
+        path = super().render()
+        config = yaml.safe_load(path.read_text())
+        [xds] = [c for c in config["static_resources"]["clusters"] if c["name"] == "kvpilot_xds"]
+        xds["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {
+                "endpoint": {
+                    "address": {"socket_address": {"address": self.xds_address, "port_value": p}}
+                }
+            }
+            for p in self.xds_ports
+        ]
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return path
+
+
+def applied(envoy: EmbeddedEnvoy) -> dict[str, Any]:
+    """What an Envoy says it applied: per xDS subscription its version and successful updates,
+    and per resource in its config dump the version and the time it was last updated."""
+    stats = {
+        name: value
+        for name, value in envoy.stats().items()
+        if name.endswith((".version_text", ".update_success", ".update_rejected"))
+        and not name.startswith("cluster.kvpilot_xds.")
+    }
+    resources = {}
+    for config in envoy.config_dump(include_eds=True)["configs"]:
+        for key in (
+            "dynamic_active_clusters",
+            "dynamic_listeners",
+            "dynamic_route_configs",
+            "dynamic_endpoint_configs",
+        ):
+            for entry in config.get(key, []):
+                entry = entry.get("active_state", entry)
+                body = next(
+                    v for k, v in entry.items() if k not in ("version_info", "last_updated")
+                )
+                name = body.get("name") or body.get("cluster_name")
+                resources[f"{key}/{name}"] = (entry.get("version_info"), entry.get("last_updated"))
+    return {"stats": stats, "resources": resources}
+
+
+def placement(api: httpx.Client) -> dict[str, str]:
+    """Node id -> the kvpilot replica it is connected to, for Envoys that hold every type."""
+    return {
+        c["node_id"]: c["replica"]
+        for c in envoys(api)
+        if len(c["types"]) == len(TYPES) and all(t["version_acked"] for t in c["types"].values())
+    }
+
+
+@pytest.mark.parametrize("delta", MODE)
+def test_an_envoy_moving_to_another_replica_reloads_nothing_and_status_spans_replicas(
+    delta: bool,
+    etcd_prefix: str,
+    kvpilot_factory: Any,
+    envoy_factory: Any,
+    backends: Any,
+    tmp_path: Path,
+) -> None:
+    replicas = backends(2, id_prefix="be")
+    ids = [r.id for r in replicas.replicas]
+    kvpilots = [kvpilot_factory(etcd_prefix), kvpilot_factory(etcd_prefix)]
+    apis = [httpx.Client(base_url=k.api_url, headers=ADMIN, timeout=10) for k in kvpilots]
+    port, moving_port = free_port(), free_port()
+    put(apis[0], "/v1/pools/sim", pool("sim", [r.port for r in replicas.replicas]))
+    put(apis[0], "/v1/routingpolicies/web", policy("web", "sim", port))
+    put(apis[0], "/v1/routingpolicies/mover", policy("mover", "sim", moving_port, fleets=("m",)))
+    pinned = [envoy_factory(xds_port=k.xds_port, delta=delta) for k in kvpilots]
+    moving = TwoServerEnvoy(
+        tmp_path / "moving",
+        xds_address="127.0.0.1",
+        xds_ports=[k.xds_port for k in kvpilots],
+        node_id="moving",
+        fleet="m",
+        delta=delta,
+    )
+    try:
+        moving.start()
+        wait_until(lambda: answered_by(moving_port) == set(ids), 30, message="traffic via moving")
+
+        # Both replicas serve the same content-hash versions, and each one's status lists the
+        # Envoys of both: its own live, the other's from the records in etcd.
+        nodes = {pinned[0].node_id, pinned[1].node_id, "moving"}
+        where = wait_until(
+            lambda: (p := placement(apis[0])) == placement(apis[1]) and p.keys() == nodes and p,
+            30,
+            message="both replicas' status to list all three Envoys with every type ACKed",
+        )
+        assert where[pinned[0].node_id] != where[pinned[1].node_id]
+        for fleet in ("default", "m"):
+            assert served_versions(apis[0], fleet) == served_versions(apis[1], fleet)
+
+        # Stop the replica the moving Envoy is on: Envoy reconnects to the other one.
+        source = 0 if where["moving"] == where[pinned[0].node_id] else 1
+        target = 1 - source
+        before = applied(moving)
+        kvpilots[source].stop()
+        served = served_versions(apis[target], "m")
+
+        def moved() -> bool:
+            now = {c["node_id"]: c for c in envoys(apis[target])}
+            if set(now) != {pinned[target].node_id, "moving"}:
+                return False  # the stopped replica's records go with its lease
+            types = {t["type"]: t["version_acked"] for t in now["moving"]["types"].values()}
+            return now["moving"]["replica"] == where[pinned[target].node_id] and types == served
+
+        wait_until(moved, 60, message="the Envoy to show on the other replica, holding its config")
+        # Envoy's own view: no version it had not applied before, and no update applied at all.
+        assert applied(moving) == before
+        assert answered_by(moving_port) == set(ids)
+
+        # The new replica's stream is live: the next change flows through it.
+        put(apis[target], "/v1/pools/sim", pool("sim", [replicas.replicas[0].port]))
+        wait_until(
+            lambda: answered_by(moving_port) == {ids[0]}, 30, message="the change after the move"
+        )
+        assert applied(moving)["stats"] != before["stats"]
+    finally:
+        moving.stop()
