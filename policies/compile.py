@@ -17,9 +17,19 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from policies.models import Endpoint, Fleet, FleetSpec, Pool, Route, RoutingPolicy, Tier
+from policies.models import (
+    Endpoint,
+    Fleet,
+    FleetSpec,
+    Pool,
+    PoolSpec,
+    Route,
+    RoutingPolicy,
+    Tier,
+)
 from policies.plan import (
     DEFAULT_FLEET,
     Diagnostic,
@@ -34,6 +44,8 @@ from policies.plan import (
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision, WeightParams, pool_weights
 
+LOCAL_SUFFIX = "/local"
+"""Suffix of the replicas' cluster of a route whose aggregate cluster also has providers."""
 SPLIT_SCALE = 100
 """Resolution of a split: a pool's endpoints share ``pool weight x SPLIT_SCALE`` weight units."""
 
@@ -74,13 +86,19 @@ def is_ip(address: str) -> bool:
     return True
 
 
+def is_external(pool: Pool) -> bool:
+    """An external provider pool: TLS or DNS-named endpoints. It gets a cluster of its own that
+    Envoy resolves by DNS, since EDS carries only IP addresses."""
+    return pool.spec.tls is not None or any(not is_ip(e.address) for e in pool.spec.endpoints)
+
+
 def pool_endpoints(pool: Pool, registered: Mapping[str, Endpoint]) -> list[Endpoint]:
     """Static endpoints of a pool plus registered ones; a registration overrides a static entry
-    with the same address and port. Endpoints named by DNS are left out (see ``is_ip``)."""
+    with the same address and port."""
     merged = {endpoint.key: endpoint for endpoint in pool.spec.endpoints}
     for endpoint in registered.values():
         merged[endpoint.key] = endpoint
-    return [merged[key] for key in sorted(merged) if is_ip(merged[key].address)]
+    return [merged[key] for key in sorted(merged)]
 
 
 def telemetry_weights(state: PolicyState) -> dict[str, dict[str, WeightDecision]]:
@@ -130,7 +148,7 @@ def _tier_endpoints(
     members = []
     for target in tier.pools:
         pool = state.pools.get(target.pool)
-        if pool is None or target.weight == 0:
+        if pool is None or target.weight == 0 or is_external(pool):
             continue
         decisions = weights.get(target.pool, {})
         endpoints = [
@@ -157,6 +175,7 @@ def _tier_endpoints(
                     health=endpoint.health,
                     region=endpoint.locality.region if endpoint.locality else "",
                     zone=endpoint.locality.zone if endpoint.locality else "",
+                    hostname=pool.spec.host_rewrite or "",
                 )
             )
     return out
@@ -168,6 +187,7 @@ def _route_diagnostics(
     name = policy.metadata.name
     out = []
     protocols = set()
+    seen_external = False
     for tier_index, tier in enumerate(route.tiers):
         for pool_index, target in enumerate(tier.pools):
             path = f"spec.routes[{index}].tiers[{tier_index}].pools[{pool_index}]"
@@ -184,20 +204,21 @@ def _route_diagnostics(
                     )
                 )
                 continue
-            protocols.add(pool.spec.protocol)
-            named = [e.key for e in pool.spec.endpoints if not is_ip(e.address)]
-            if named:
-                out.append(
-                    Diagnostic(
-                        "error",
-                        "Pool",
-                        target.pool,
-                        f"endpoint {named[0]} is a DNS name; endpoints must be IP addresses "
-                        "(DNS-addressed external providers are not supported yet), so it is "
-                        "left out",
-                        "spec.endpoints",
+            if is_external(pool):
+                seen_external = True
+            else:
+                protocols.add(pool.spec.protocol)
+                if seen_external:
+                    out.append(
+                        Diagnostic(
+                            "warning",
+                            "RoutingPolicy",
+                            name,
+                            f"pool {target.pool!r} follows an external provider pool; replicas "
+                            "are always tried before external providers, in tier order",
+                            path,
+                        )
                     )
-                )
             if not pool_endpoints(pool, state.registered.get(target.pool, {})):
                 out.append(
                     Diagnostic(
@@ -222,33 +243,10 @@ def _route_diagnostics(
     return out
 
 
-def _compile_route(
-    policy: RoutingPolicy,
-    route: Route,
-    state: PolicyState,
-    weights: Mapping[str, Mapping[str, WeightDecision]],
-) -> tuple[PlanCluster, PlanRoute]:
-    name = cluster_name(policy.metadata.name, route.name)
-    endpoints: list[PlanEndpoint] = []
-    route_weights = weights if route.balancing == "telemetry" else {}
-    for priority, tier in enumerate(route.tiers):
-        endpoints.extend(_tier_endpoints(tier, priority, state, route_weights))
-    # Cluster-wide settings come from the first pool that exists, preferring tier 0.
-    primary = next(
-        (
-            state.pools[target.pool]
-            for tier in route.tiers
-            for target in tier.pools
-            if target.pool in state.pools
-        ),
-        None,
-    )
-    spec = (
-        primary.spec
-        if primary is not None
-        else Pool.model_validate({"metadata": {"name": "none"}, "spec": {}}).spec
-    )
-    cluster = PlanCluster(
+def _cluster(
+    name: str, route: Route, spec: PoolSpec, endpoints: Iterable[PlanEndpoint], **extra: Any
+) -> PlanCluster:
+    return PlanCluster(
         name=name,
         protocol=spec.protocol,
         balancing=route.balancing,
@@ -260,7 +258,62 @@ def _compile_route(
         tls=spec.tls,
         auth=spec.auth,
         endpoints=tuple(endpoints),
+        **extra,
     )
+
+
+def _provider_cluster(name: str, route: Route, pool: Pool, state: PolicyState) -> PlanCluster:
+    endpoints = [
+        PlanEndpoint(
+            pool=pool.metadata.name,
+            address=endpoint.address,
+            port=endpoint.port,
+            weight=endpoint.weight,
+            priority=0,
+            health=endpoint.health,
+            hostname=pool.spec.host_rewrite or endpoint.address,
+        )
+        for endpoint in pool_endpoints(pool, state.registered.get(pool.metadata.name, {}))
+    ]
+    # Hashing does not apply to a provider: it keeps its own cache.
+    cluster = _cluster(name, route, pool.spec, endpoints, kind="dns")
+    return replace(cluster, affinity=None, balancing="round_robin")
+
+
+def _compile_route(
+    policy: RoutingPolicy,
+    route: Route,
+    state: PolicyState,
+    weights: Mapping[str, Mapping[str, WeightDecision]],
+) -> tuple[list[PlanCluster], PlanRoute]:
+    """The clusters of one route and its route entry.
+
+    Replicas (IP endpoints) of every tier go into one EDS cluster at priority = tier. External
+    provider pools get a DNS cluster each; when a route has any, an aggregate cluster puts the
+    replicas first and the providers after them, in tier order.
+    """
+    name = cluster_name(policy.metadata.name, route.name)
+    route_weights = weights if route.balancing == "telemetry" else {}
+    endpoints: list[PlanEndpoint] = []
+    providers: list[Pool] = []
+    for priority, tier in enumerate(route.tiers):
+        endpoints.extend(_tier_endpoints(tier, priority, state, route_weights))
+        providers.extend(
+            pool
+            for target in tier.pools
+            if (pool := state.pools.get(target.pool)) is not None
+            and is_external(pool)
+            and target.weight > 0
+        )
+    local = [
+        state.pools[target.pool]
+        for tier in route.tiers
+        for target in tier.pools
+        if target.pool in state.pools and not is_external(state.pools[target.pool])
+    ]
+    # Cluster-wide settings of the replicas' cluster come from the first pool, tier 0 first.
+    spec = local[0].spec if local else PoolSpec()
+    uses_hostname = any(pool.spec.host_rewrite for pool in local) or bool(providers)
     plan_route = PlanRoute(
         name=name,
         cluster=name,
@@ -271,10 +324,23 @@ def _compile_route(
         retries=route.retries,
         timeouts=route.timeouts,
         rate_limit=route.rate_limit,
-        host_rewrite=spec.host_rewrite,
+        host_rewrite=uses_hostname,
         tiers=len(route.tiers),
     )
-    return cluster, plan_route
+    if not providers:
+        return [_cluster(name, route, spec, endpoints)], plan_route
+    members: list[str] = []
+    clusters: list[PlanCluster] = []
+    if local:
+        local_name = name + LOCAL_SUFFIX
+        clusters.append(_cluster(local_name, route, spec, endpoints, eds_service=name))
+        members.append(local_name)
+    for pool in providers:
+        provider = _provider_cluster(f"{name}/provider/{pool.metadata.name}", route, pool, state)
+        clusters.append(provider)
+        members.append(provider.name)
+    aggregate = _cluster(name, route, spec, (), kind="aggregate", members=tuple(members))
+    return [aggregate, *clusters], plan_route
 
 
 def fleet_names(state: PolicyState) -> list[str]:
@@ -300,8 +366,8 @@ def compile_plan(state: PolicyState) -> RoutingPlan:
         routes = []
         for index, route in enumerate(policy.spec.routes):
             diagnostics.extend(_route_diagnostics(policy, index, route, state))
-            cluster, plan_route = _compile_route(policy, route, state, weights)
-            policy_clusters.append(cluster)
+            route_clusters, plan_route = _compile_route(policy, route, state, weights)
+            policy_clusters.extend(route_clusters)
             routes.append(plan_route)
         compiled[policy_name] = (
             policy_clusters,
@@ -341,7 +407,15 @@ def compile_plan(state: PolicyState) -> RoutingPlan:
                     drain_timeout=settings.drain_timeout,
                 )
             )
-        fleets.append(FleetPlan(fleet=fleet, listeners=tuple(listeners), clusters=tuple(clusters)))
+        fleets.append(
+            FleetPlan(
+                fleet=fleet,
+                listeners=tuple(listeners),
+                clusters=tuple(clusters),
+                secrets_dir=settings.secrets_dir,
+                trusted_ca_file=settings.trusted_ca_file,
+            )
+        )
     return RoutingPlan(fleets=tuple(fleets), diagnostics=_dedupe(diagnostics), weights=weights)
 
 

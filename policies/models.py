@@ -179,10 +179,15 @@ class CircuitBreakers(Model):
 
 
 class SecretRef(Model):
-    """A reference to a secret value; the value itself is never stored in a policy."""
+    """A reference to a secret; the value itself never passes through kvpilot.
 
-    name: str = Field(description="Secret name (a file under the secrets directory).")
-    key: str = Field("token", description="Key within the secret. Default: token.")
+    Each Envoy reads it from ``{secretsDir}/{name}.yaml`` on its own host (a Fleet setting;
+    in Kubernetes, a mounted Secret), in Envoy's SDS file format: a ``resources`` list with one
+    ``envoy.extensions.transport_sockets.tls.v3.Secret`` named ``name`` whose
+    ``generic_secret.secret.inline_string`` is the whole header value, e.g. ``Bearer sk-...``.
+    """
+
+    name: Name = Field(description="Secret name; also its file name without '.yaml'.")
 
 
 class TLS(Model):
@@ -193,7 +198,8 @@ class TLS(Model):
     )
     ca_file: str | None = Field(
         None,
-        description="PEM file of trusted CAs on the Envoy host. Default: the system trust store.",
+        description="PEM file of trusted CAs on the Envoy host. Default: the fleet's "
+        "trustedCaFile.",
     )
     insecure_skip_verify: bool = Field(
         False, description="Do not verify the server certificate (tests only). Default: false."
@@ -201,11 +207,11 @@ class TLS(Model):
 
 
 class AuthHeader(Model):
-    """A header that Envoy adds to every upstream request, taken from a secret."""
+    """A header that Envoy adds to every request to the pool, taken from a secret (Envoy's
+    credential injector). Clients' own values of that header are replaced."""
 
     header: HeaderName = Field("authorization", description="Header name. Default: authorization.")
-    prefix: str = Field("Bearer ", description="Text before the secret value. Default: 'Bearer '.")
-    secret_ref: SecretRef = Field(description="Where the secret value comes from.")
+    secret_ref: SecretRef = Field(description="The secret holding the header's value.")
 
 
 TelemetryFormat = Literal["vllm", "sglang", "tgi", "custom"]
@@ -532,6 +538,16 @@ class FleetSpec(Model):
     access_log: bool = Field(True, description="Write an access log to stdout. Default: true.")
     drain_timeout: Duration = Field(
         30.0, description="How long in-flight requests may finish on shutdown. Default: 30s."
+    )
+    secrets_dir: str = Field(
+        "/etc/envoy/secrets",
+        description="Directory on each Envoy host holding the secret files that pools' auth "
+        "headers name ({secretsDir}/{name}.yaml). Default: /etc/envoy/secrets.",
+    )
+    trusted_ca_file: str = Field(
+        "/etc/ssl/certs/ca-certificates.crt",
+        description="PEM bundle of CAs on each Envoy host that TLS pools trust unless they name "
+        "their own caFile. Default: /etc/ssl/certs/ca-certificates.crt.",
     )
 
 

@@ -43,11 +43,21 @@ class PlanEndpoint:
     health: EndpointHealth = "healthy"
     region: str = ""
     zone: str = ""
+    hostname: str = ""
+    """Host header for this endpoint when its pool rewrites it (Envoy's auto_host_rewrite)."""
+
+
+ClusterKind = Literal["eds", "dns", "aggregate"]
 
 
 @dataclass(frozen=True, slots=True)
 class PlanCluster:
-    """An Envoy cluster: the hosts a route may use, tier k at priority k."""
+    """An Envoy cluster.
+
+    - ``eds``: the route's replicas, tier k at priority k, endpoints over EDS;
+    - ``dns``: one external provider pool, resolved by Envoy (EDS carries only IP addresses);
+    - ``aggregate``: failover across ``members`` in order, when a route ends in providers.
+    """
 
     name: str
     protocol: Protocol
@@ -60,6 +70,11 @@ class PlanCluster:
     tls: TLS | None
     auth: AuthHeader | None
     endpoints: tuple[PlanEndpoint, ...]
+    kind: ClusterKind = "eds"
+    eds_service: str = ""
+    """Name of the ClusterLoadAssignment an ``eds`` cluster reads (default: its own name)."""
+    members: tuple[str, ...] = ()
+    """Clusters of an ``aggregate``, highest priority first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +90,8 @@ class PlanRoute:
     retries: Retries
     timeouts: Timeouts
     rate_limit: RateLimit | None
-    host_rewrite: str | None
+    host_rewrite: bool
+    """Rewrite the Host header to the chosen endpoint's hostname (providers, hostRewrite)."""
     tiers: int
 
 
@@ -135,6 +151,10 @@ class FleetPlan:
     fleet: str
     listeners: tuple[PlanListener, ...]
     clusters: tuple[PlanCluster, ...]
+    secrets_dir: str = "/etc/envoy/secrets"
+    """Where this fleet's Envoys find secret files (SDS) named by pools' ``auth``."""
+    trusted_ca_file: str = "/etc/ssl/certs/ca-certificates.crt"
+    """CA bundle on this fleet's Envoy hosts for TLS pools without a caFile of their own."""
 
 
 Severity = Literal["error", "warning"]

@@ -26,7 +26,9 @@ from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.extensions.filters.http.credential_injector.v3 import credential_injector_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
@@ -34,12 +36,13 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.extensions.http.injected_credentials.generic.v3 import generic_pb2
 from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (
     client_side_weighted_round_robin_pb2 as cswrr_pb2,
 )
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
-from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
+from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, string_pb2
 from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
@@ -47,6 +50,7 @@ from envoy.type.v3 import percent_pb2, token_bucket_pb2
 from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
+from policies.compile import LOCAL_SUFFIX
 from policies.models import RateLimit
 from policies.plan import FleetPlan, PlanCluster, PlanListener, PlanRoute, PlanVirtualHost
 from xdsserver import resources
@@ -55,6 +59,8 @@ MODEL_METADATA_NAMESPACE = "envoy.lb"
 """Where json_to_metadata puts the body's ``model`` field (design.md: namespace envoy.lb)."""
 MODEL_METADATA_KEY = "model"
 AFFINITY_SUFFIX = "/affinity"
+INTERNAL_SUFFIX = "/internal"
+"""Suffix of the internal listener (and its cluster) in front of an authenticated provider."""
 """Suffix of the consistent-hash twin of a route cluster (same endpoints, same EDS resource)."""
 
 _HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -152,13 +158,28 @@ def translate(plan: FleetPlan) -> FleetResources:
     """All Envoy resources for one fleet."""
     clusters: list[cluster_pb2.Cluster] = []
     endpoints: list[endpoint_pb2.ClusterLoadAssignment] = []
+    listeners = [translate_listener(listener) for listener in plan.listeners]
+    behind_listener = frozenset(
+        cluster.name for cluster in plan.clusters if cluster.kind == "dns" and cluster.auth
+    )
     for cluster in plan.clusters:
-        clusters.extend(translate_cluster(cluster))
-        endpoints.append(translate_endpoints(cluster))
+        clusters.extend(
+            translate_cluster(
+                cluster,
+                secrets_dir=plan.secrets_dir,
+                trusted_ca_file=plan.trusted_ca_file,
+                behind_listener=behind_listener,
+            )
+        )
+        if cluster.kind == "eds":
+            endpoints.append(translate_endpoints(cluster))
+        elif cluster.kind == "dns" and cluster.auth is not None:
+            listeners.append(_credential_listener(cluster, plan.secrets_dir))
+            clusters.append(_internal_cluster(cluster))
     return FleetResources(
         clusters=tuple(clusters),
         endpoints=tuple(endpoints),
-        listeners=tuple(translate_listener(listener) for listener in plan.listeners),
+        listeners=tuple(listeners),
         routes=tuple(translate_route_configuration(listener) for listener in plan.listeners),
     )
 
@@ -168,21 +189,31 @@ def translate(plan: FleetPlan) -> FleetResources:
 # --------------------------------------------------------------------------------------------
 
 
-def translate_cluster(cluster: PlanCluster) -> list[cluster_pb2.Cluster]:
+def translate_cluster(
+    cluster: PlanCluster,
+    *,
+    secrets_dir: str = "/etc/envoy/secrets",
+    trusted_ca_file: str = "/etc/ssl/certs/ca-certificates.crt",
+    behind_listener: frozenset[str] = frozenset(),
+) -> list[cluster_pb2.Cluster]:
     """The route's cluster, plus a consistent-hash twin when the route has session affinity.
 
     Both read the same ClusterLoadAssignment (``eds_cluster_config.service_name``), so a
     weight change is one EDS update. Requests with the session header go to the twin;
     requests without it keep the route's balancing mode instead of landing on a random host.
     """
-    base = _cluster(cluster, cluster.name)
+    if cluster.kind == "aggregate":
+        return _aggregate(cluster, behind_listener)
+    if cluster.kind == "dns":
+        return [_provider(cluster, secrets_dir, trusted_ca_file)]
+    base = _cluster(cluster, cluster.name, trusted_ca_file)
     base.lb_policy = _LB_POLICY[cluster.balancing]
     if cluster.balancing == "orca":
         # load_balancing_policy takes precedence over lb_policy.
         base.load_balancing_policy.CopyFrom(_orca_policy())
     out = [base]
     if cluster.affinity is not None:
-        twin = _cluster(cluster, cluster.name + AFFINITY_SUFFIX)
+        twin = _cluster(cluster, cluster.name + AFFINITY_SUFFIX, trusted_ca_file)
         if cluster.affinity.algorithm == "maglev":
             twin.lb_policy = cluster_pb2.Cluster.MAGLEV
         else:
@@ -231,12 +262,178 @@ def _orca_policy() -> cluster_pb2.LoadBalancingPolicy:
     )
 
 
-def _cluster(cluster: PlanCluster, name: str) -> cluster_pb2.Cluster:
+def _aggregate(cluster: PlanCluster, behind_listener: frozenset[str]) -> list[cluster_pb2.Cluster]:
+    """Failover from the route's replicas to external providers, in order.
+
+    Envoy's aggregate cluster lays the members' priorities end to end, so health-based
+    failover and retries with previous_priorities work across them. With session affinity a
+    twin aggregate starts from the replicas' consistent-hash cluster instead.
+    """
+    members = tuple(
+        _internal_name(member) if member in behind_listener else member
+        for member in cluster.members
+    )
+    variants = [(cluster.name, members)]
+    if cluster.affinity is not None:
+        variants.append(
+            (
+                cluster.name + AFFINITY_SUFFIX,
+                tuple(
+                    member + AFFINITY_SUFFIX if member == cluster.name + LOCAL_SUFFIX else member
+                    for member in members
+                ),
+            )
+        )
+    out = []
+    for name, members in variants:
+        aggregate = cluster_pb2.Cluster(
+            name=name,
+            connect_timeout=_duration(cluster.connect_timeout),
+            lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
+        )
+        aggregate.cluster_type.name = "envoy.clusters.aggregate"
+        aggregate.cluster_type.typed_config.CopyFrom(
+            _any(aggregate_pb2.ClusterConfig(clusters=list(members)))
+        )
+        out.append(aggregate)
+    return out
+
+
+def _provider(cluster: PlanCluster, secrets_dir: str, trusted_ca_file: str) -> cluster_pb2.Cluster:
+    """An external provider: resolved by Envoy's DNS (EDS carries only IPs), over TLS, with
+    its credential header added by Envoy from a secret file on the Envoy host."""
+    out = _cluster(cluster, cluster.name, trusted_ca_file)
+    out.ClearField("eds_cluster_config")
+    # One name behind a CDN or load balancer: LOGICAL_DNS keeps one connection target at a
+    # time; several endpoints: STRICT_DNS balances over all resolved addresses.
+    out.type = (
+        cluster_pb2.Cluster.LOGICAL_DNS
+        if len(cluster.endpoints) == 1
+        else cluster_pb2.Cluster.STRICT_DNS
+    )
+    out.dns_lookup_family = cluster_pb2.Cluster.V4_PREFERRED
+    out.lb_policy = cluster_pb2.Cluster.ROUND_ROBIN
+    assignment = translate_endpoints(cluster)
+    assignment.cluster_name = cluster.name
+    out.load_assignment.CopyFrom(assignment)
+    return out
+
+
+def _credential_listener(cluster: PlanCluster, secrets_dir: str) -> listener_pb2.Listener:
+    """An Envoy internal listener in front of an authenticated provider.
+
+    Envoy applies a cluster's upstream HTTP filters only when the route targets that cluster
+    directly, not through an aggregate cluster (envoy#29318), and filters on the aggregate
+    would hand the provider's key to the replicas too. So the aggregate reaches the provider
+    through this listener, whose credential injector adds the header on this path only.
+    Needs the ``envoy.bootstrap.internal_listener`` bootstrap extension (deploy/envoy/).
+    """
+    manager = hcm_pb2.HttpConnectionManager(
+        stat_prefix=_internal_name(cluster.name).replace("/", "_"),
+        route_config=route_pb2.RouteConfiguration(
+            name=_internal_name(cluster.name),
+            virtual_hosts=[
+                route_components_pb2.VirtualHost(
+                    name="provider",
+                    domains=["*"],
+                    routes=[
+                        route_components_pb2.Route(
+                            match=route_components_pb2.RouteMatch(prefix="/"),
+                            route=route_components_pb2.RouteAction(
+                                cluster=cluster.name,
+                                # The outer route owns timeouts and retries.
+                                timeout=_duration(0),
+                            ),
+                        )
+                    ],
+                )
+            ],
+        ),
+        http_filters=[
+            hcm_pb2.HttpFilter(
+                name="envoy.filters.http.credential_injector",
+                typed_config=_any(_credential_injector(cluster, secrets_dir)),
+            ),
+            hcm_pb2.HttpFilter(
+                name="envoy.filters.http.router", typed_config=_any(router_pb2.Router())
+            ),
+        ],
+        stream_idle_timeout=_duration(0),
+    )
+    listener = listener_pb2.Listener(
+        name=_internal_name(cluster.name),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[
+                    listener_components_pb2.Filter(
+                        name="envoy.filters.network.http_connection_manager",
+                        typed_config=_any(manager),
+                    )
+                ]
+            )
+        ],
+    )
+    listener.internal_listener.SetInParent()
+    return listener
+
+
+def _internal_cluster(cluster: PlanCluster) -> cluster_pb2.Cluster:
+    """The aggregate's member for an authenticated provider: its internal listener."""
+    name = _internal_name(cluster.name)
+    endpoint = endpoint_components_pb2.LbEndpoint(
+        endpoint=endpoint_components_pb2.Endpoint(
+            address=address_pb2.Address(
+                envoy_internal_address=address_pb2.EnvoyInternalAddress(server_listener_name=name)
+            ),
+            # Keeps the outer route's auto_host_rewrite pointing at the provider's host.
+            hostname=cluster.endpoints[0].hostname if cluster.endpoints else "",
+        )
+    )
+    return cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.STATIC,
+        connect_timeout=_duration(cluster.connect_timeout),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=name,
+            endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[endpoint])],
+        ),
+    )
+
+
+def _internal_name(provider_cluster: str) -> str:
+    return provider_cluster + INTERNAL_SUFFIX
+
+
+def _credential_injector(
+    cluster: PlanCluster, secrets_dir: str
+) -> credential_injector_pb2.CredentialInjector:
+    assert cluster.auth is not None
+    name = cluster.auth.secret_ref.name
+    secret = secret_pb2.SdsSecretConfig(
+        name=name,
+        sds_config=config_source_pb2.ConfigSource(
+            path_config_source=config_source_pb2.PathConfigSource(
+                path=f"{secrets_dir.rstrip('/')}/{name}.yaml"
+            ),
+            resource_api_version=config_source_pb2.V3,
+        ),
+    )
+    return credential_injector_pb2.CredentialInjector(
+        # The provider's key replaces whatever a client sent in that header.
+        overwrite=True,
+        credential=core_extension_pb2.TypedExtensionConfig(
+            name="envoy.http.injected_credentials.generic",
+            typed_config=_any(generic_pb2.Generic(credential=secret, header=cluster.auth.header)),
+        ),
+    )
+
+
+def _cluster(cluster: PlanCluster, name: str, trusted_ca_file: str) -> cluster_pb2.Cluster:
     out = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
-            eds_config=_ads(), service_name=cluster.name
+            eds_config=_ads(), service_name=cluster.eds_service or cluster.name
         ),
         connect_timeout=_duration(cluster.connect_timeout),
     )
@@ -302,13 +499,20 @@ def _cluster(cluster: PlanCluster, name: str) -> cluster_pb2.Cluster:
         )
     )
     if cluster.tls is not None:
-        context = tls_pb2.UpstreamTlsContext(sni=cluster.tls.sni or "")
-        if cluster.tls.ca_file and not cluster.tls.insecure_skip_verify:
-            context.common_tls_context.validation_context.CopyFrom(
-                common_pb2.CertificateValidationContext(
-                    trusted_ca=base_pb2.DataSource(filename=cluster.tls.ca_file)
+        sni = cluster.tls.sni or (cluster.endpoints[0].address if cluster.endpoints else "")
+        context = tls_pb2.UpstreamTlsContext(sni=sni)
+        if not cluster.tls.insecure_skip_verify:
+            # Without a validation context Envoy would not verify the server at all; Envoy
+            # also refuses SAN matching without a trusted CA file.
+            validation = context.common_tls_context.validation_context
+            validation.trusted_ca.filename = cluster.tls.ca_file or trusted_ca_file
+            if sni:
+                validation.match_typed_subject_alt_names.append(
+                    common_pb2.SubjectAltNameMatcher(
+                        san_type=common_pb2.SubjectAltNameMatcher.DNS,
+                        matcher=string_pb2.StringMatcher(exact=sni),
+                    )
                 )
-            )
         out.transport_socket.name = "envoy.transport_sockets.tls"
         out.transport_socket.typed_config.CopyFrom(_any(context))
     return out
@@ -321,7 +525,8 @@ def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignm
         groups.setdefault((endpoint.priority, endpoint.region, endpoint.zone), []).append(
             endpoint_components_pb2.LbEndpoint(
                 endpoint=endpoint_components_pb2.Endpoint(
-                    address=_socket_address(endpoint.address, endpoint.port)
+                    address=_socket_address(endpoint.address, endpoint.port),
+                    hostname=endpoint.hostname,
                 ),
                 health_status=_HEALTH[endpoint.health],
                 load_balancing_weight=wrappers_pb2.UInt32Value(value=endpoint.weight),
@@ -335,7 +540,7 @@ def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignm
             )
         )
     return endpoint_pb2.ClusterLoadAssignment(
-        cluster_name=cluster.name,
+        cluster_name=cluster.eds_service or cluster.name,
         endpoints=[
             endpoint_components_pb2.LocalityLbEndpoints(
                 locality=base_pb2.Locality(region=region, zone=zone),
@@ -626,7 +831,9 @@ def _route_entry(
             )
         )
     if route.host_rewrite:
-        action.host_rewrite_literal = route.host_rewrite
+        # The chosen endpoint's hostname: a provider's name, or its pool's hostRewrite.
+        # Endpoints without one keep the client's Host header.
+        action.auto_host_rewrite.value = True
     out = route_components_pb2.Route(name=name, match=match, route=action)
     if route.rate_limit is not None:
         out.typed_per_filter_config[LOCAL_RATELIMIT].CopyFrom(

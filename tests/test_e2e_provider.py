@@ -1,0 +1,174 @@
+"""An external provider over TLS as the last failover tier, through a real Envoy.
+
+The provider is a local HTTPS server with a self-signed certificate for `localhost`; Envoy
+resolves it by DNS, verifies its certificate against the pool's CA file, sends SNI and the
+rewritten Host, and adds the credential header from a secret file on the Envoy host.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import subprocess
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import ADMIN_TOKEN
+from util import wait_until
+
+from controlplane.launchers import free_port
+
+pytestmark = pytest.mark.e2e
+
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+SECRET = "Bearer sk-provider-test-key"
+
+
+class Provider:
+    """A tiny OpenAI-ish HTTPS server that records what each request carried."""
+
+    def __init__(self, certfile: Path, keyfile: Path) -> None:
+        self.seen: list[dict[str, str]] = []
+        self.sni: list[str | None] = []
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(certfile, keyfile)
+        context.sni_callback = lambda sock, name, ctx: self.sni.append(name)  # type: ignore[assignment]
+        provider = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", "0")))
+                provider.seen.append(
+                    {
+                        "authorization": self.headers.get("authorization", ""),
+                        "host": self.headers.get("host", ""),
+                    }
+                )
+                body = json.dumps({"object": "chat.completion", "backend": "provider"}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("x-backend-id", "provider")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def provider(tmp_path: Path) -> Iterator[tuple[Provider, Path]]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server = Provider(cert, key)
+    yield server, cert
+    server.close()
+
+
+def test_provider_tier_gets_tls_sni_host_rewrite_and_the_secret_header(
+    tmp_path: Path,
+    provider: tuple[Provider, Path],
+    etcd_prefix: str,
+    kvpilot_factory: Any,
+    envoy_factory: Any,
+    backends: Any,
+) -> None:
+    server, cert = provider
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "provider-key.yaml").write_text(
+        json.dumps(
+            {
+                "resources": [
+                    {
+                        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret",
+                        "name": "provider-key",
+                        "generic_secret": {"secret": {"inline_string": SECRET}},
+                    }
+                ]
+            }
+        )
+    )
+    replicas = backends(1, id_prefix="local")
+    kvpilot = kvpilot_factory(etcd_prefix)
+    envoy_factory(xds_port=kvpilot.xds_port)
+    port = free_port()
+    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
+    objects = [
+        {"kind": "Fleet", "metadata": {"name": "default"}, "spec": {"secretsDir": str(secrets)}},
+        {
+            "kind": "Pool",
+            "metadata": {"name": "local"},
+            "spec": {"endpoints": [{"address": "127.0.0.1", "port": replicas.replicas[0].port}]},
+        },
+        {
+            "kind": "Pool",
+            "metadata": {"name": "provider"},
+            "spec": {
+                "endpoints": [{"address": "localhost", "port": server.port}],
+                "tls": {"sni": "localhost", "caFile": str(cert)},
+                "hostRewrite": "api.provider.test",
+                "auth": {"secretRef": {"name": "provider-key"}},
+                "healthCheck": {"enabled": False},
+            },
+        },
+        {
+            "kind": "RoutingPolicy",
+            "metadata": {"name": "failover"},
+            "spec": {
+                "listener": {"address": "127.0.0.1", "port": port},
+                "routes": [{"name": "chat", "tiers": [["local"], ["provider"]]}],
+            },
+        },
+    ]
+    paths = {"Fleet": "fleets", "Pool": "pools", "RoutingPolicy": "routingpolicies"}
+    for body in objects:
+        response = api.put(f"/v1/{paths[body['kind']]}/{body['metadata']['name']}", json=body)
+        assert response.is_success, response.text
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    client = httpx.Client(timeout=10)
+
+    def ask() -> httpx.Response:
+        return client.post(
+            url,
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": "Bearer client-key-must-not-leak"},
+        )
+
+    wait_until(lambda: ask().headers.get("x-backend-id") == "local-0", 30, message="the local tier")
+    assert server.seen == []
+
+    # The replicas fail: retries move to the provider tier and no request fails.
+    replicas.fail("local-0", 503)
+    answers = [ask() for _ in range(10)]
+    assert [a.status_code for a in answers] == [200] * 10
+    assert {a.headers["x-backend-id"] for a in answers} == {"provider"}
+    assert server.seen and all(seen["authorization"] == SECRET for seen in server.seen)
+    assert {seen["host"] for seen in server.seen} == {"api.provider.test"}
+    assert set(server.sni) == {"localhost"}
+
+    # Recovery: the local tier takes traffic again.
+    replicas.fail("local-0", 0)
+    wait_until(
+        lambda: ask().headers.get("x-backend-id") == "local-0", 60, message="the local tier back"
+    )
