@@ -1,0 +1,263 @@
+"""Model replicas that hold requests until the test opens a gate, for end-to-end routing tests.
+
+`bench.backend` answers at once (or after simulated GPU time), so a test cannot know that a set
+of requests is in flight at the same moment. Bounded load is about exactly that: where Envoy
+puts a request depends on how many requests each host holds right now. These replicas count
+requests in flight and keep them until `POST /admin/gate {"open": true}`, so a test can send
+40 requests, wait until all 40 are held, read where they landed and then let them finish, with
+no timing involved. Streams send their first chunks at once and the rest after the gate opens,
+which shows whether Envoy passes chunks through as they come or buffers the response.
+
+Each replica says who it is (`x-backend-id` header, `backend` field). It serves:
+
+- `POST /v1/chat/completions`: JSON, or SSE chunks ending in `data: [DONE]` with `"stream": true`;
+- `GET /health`: 200;
+- `GET /admin/state`: `{"id", "in_flight", "served"}`;
+- `POST /admin/gate {"open": bool}`: a closed gate holds requests (streams after
+  `STREAM_CHUNKS_BEFORE_GATE` chunks); opening it releases them. The gate starts open.
+
+Run it:  python tests/gated_backend.py --replicas 3 --id-prefix g
+It prints `{"replicas": [{"id": "g-0", "port": 12345}, ...]}` once every replica listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from controlplane.launchers import ManagedProcess
+
+STREAM_CHUNKS = 6
+"""Content chunks of a streamed answer, before `data: [DONE]`."""
+STREAM_CHUNKS_BEFORE_GATE = 2
+"""Chunks a stream sends before it waits for the gate."""
+HOLD_LIMIT = 120.0
+"""Seconds a request waits for the gate at most, so a forgotten gate never hangs a test run."""
+
+
+def stream_piece(index: int) -> str:
+    """The content of streamed chunk `index`: a test can rebuild the whole answer."""
+    return f"piece-{index} "
+
+
+@dataclass
+class GatedReplica:
+    id: str
+    in_flight: int = 0
+    served: int = 0
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait_gate(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.gate.wait(), HOLD_LIMIT)
+
+
+def build_app(replica: GatedReplica) -> Starlette:
+    headers = {"x-backend-id": replica.id}
+
+    async def completions(request: Request) -> Response:
+        payload = await request.json()
+        model = str(payload.get("model", "gated"))
+        if not payload.get("stream"):
+            replica.in_flight += 1
+            try:
+                await replica.wait_gate()
+            finally:
+                replica.in_flight -= 1
+            replica.served += 1
+            body = {
+                "object": "chat.completion",
+                "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+                "backend": replica.id,
+            }
+            return JSONResponse(body, headers=headers)
+
+        async def events() -> AsyncIterator[str]:
+            replica.in_flight += 1
+            try:
+                for index in range(STREAM_CHUNKS):
+                    if index == STREAM_CHUNKS_BEFORE_GATE:
+                        await replica.wait_gate()
+                    chunk = {
+                        "object": "chat.completion.chunk",
+                        "model": model,
+                        "choices": [{"index": 0, "delta": {"content": stream_piece(index)}}],
+                        "backend": replica.id,
+                    }
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                replica.in_flight -= 1
+                replica.served += 1
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def health(request: Request) -> Response:
+        return PlainTextResponse("ok", headers=headers)
+
+    async def state(request: Request) -> Response:
+        return JSONResponse(
+            {"id": replica.id, "in_flight": replica.in_flight, "served": replica.served},
+            headers=headers,
+        )
+
+    async def gate(request: Request) -> Response:
+        if (await request.json())["open"]:
+            replica.gate.set()
+        else:
+            replica.gate.clear()
+        return JSONResponse({"id": replica.id, "open": replica.gate.is_set()}, headers=headers)
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/admin/state", state, methods=["GET"]),
+            Route("/admin/gate", gate, methods=["POST"]),
+        ]
+    )
+
+
+class _Server(uvicorn.Server):
+    """Leaves signals to `serve()`, which owns them for all replicas."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(count: int, id_prefix: str, host: str) -> None:
+    replicas = [GatedReplica(f"{id_prefix}-{i}") for i in range(count)]
+    for replica in replicas:
+        replica.gate.set()
+    sockets = []
+    for _ in replicas:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sockets.append(sock)
+    servers = [
+        _Server(
+            uvicorn.Config(
+                build_app(replica),
+                lifespan="off",
+                access_log=False,
+                log_level="warning",
+                timeout_graceful_shutdown=1,
+            )
+        )
+        for replica in replicas
+    ]
+
+    def request_exit() -> None:
+        for server in servers:
+            server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, request_exit)
+    tasks = [
+        asyncio.create_task(server.serve(sockets=[sock]))
+        for server, sock in zip(servers, sockets, strict=True)
+    ]
+    while not all(server.started for server in servers):
+        if any(task.done() for task in tasks):
+            request_exit()
+            break
+        await asyncio.sleep(0.01)
+    else:
+        announcement = [
+            {"id": replica.id, "port": sock.getsockname()[1]}
+            for replica, sock in zip(replicas, sockets, strict=True)
+        ]
+        print(json.dumps({"replicas": announcement}), flush=True)
+    await asyncio.gather(*tasks)
+
+
+# --------------------------------------------------------------------------- Python API
+
+
+class GatedBackend:
+    """`python tests/gated_backend.py` as a child process, with its admin calls."""
+
+    def __init__(self, replicas: int, *, id_prefix: str, state_dir: Path) -> None:
+        self.id_prefix = id_prefix
+        self.log_path = state_dir / f"gated-{id_prefix}.log"
+        self._stdout_path = state_dir / f"gated-{id_prefix}.out"
+        argv = [sys.executable, __file__, "--replicas", str(replicas), "--id-prefix", id_prefix]
+        self._process = ManagedProcess(argv, self.log_path, stdout_path=self._stdout_path)
+        self.ports: dict[str, int] = {}
+        """Replica id -> port, known once `start()` returns."""
+
+    def _read_announcement(self) -> bool:
+        try:
+            text = self._stdout_path.read_text()
+        except OSError:
+            return False
+        if not text.endswith("\n"):
+            return False
+        replicas = json.loads(text.splitlines()[0])["replicas"]
+        self.ports = {replica["id"]: int(replica["port"]) for replica in replicas}
+        return True
+
+    def start(self, timeout: float = 30.0) -> Self:
+        self._process.spawn()
+        self._process.wait_for(self._read_announcement, timeout, "the replicas listen")
+        return self
+
+    def stop(self) -> None:
+        self._process.stop(timeout=5.0)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self._process.log_tail(lines)
+
+    def _url(self, replica_id: str, path: str) -> str:
+        return f"http://127.0.0.1:{self.ports[replica_id]}{path}"
+
+    def in_flight(self) -> dict[str, int]:
+        """Replica id -> requests it holds right now."""
+        return {
+            replica_id: int(
+                httpx.get(self._url(replica_id, "/admin/state"), timeout=5).json()["in_flight"]
+            )
+            for replica_id in self.ports
+        }
+
+    def set_gate(self, open_: bool) -> None:
+        """Close (hold new and waiting requests) or open (release them) every replica's gate."""
+        for replica_id in self.ports:
+            response = httpx.post(
+                self._url(replica_id, "/admin/gate"), json={"open": open_}, timeout=5
+            )
+            response.raise_for_status()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--id-prefix", default="g")
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args()
+    asyncio.run(serve(args.replicas, args.id_prefix, args.host))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
