@@ -1,0 +1,361 @@
+"""Routing features proven with real traffic: REST API -> etcd -> kvpilot -> ADS -> Envoy -> replicas.
+
+Each test applies a policy through the REST API, waits until Envoy's health checks pass on the
+replicas it expects, then sends requests through Envoy and asserts on which replica answered
+(`x-backend-id`). One kvpilot and one Envoy per test; design.md lists the Envoy behaviours
+these tests pin down.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from gated_backend import STREAM_CHUNKS, GatedBackend, stream_piece
+from routing_harness import (
+    ADMIN,
+    Rig,
+    answered_by,
+    binomial_bounds,
+    chat,
+    policy,
+    pool,
+    send,
+)
+from util import wait_until
+
+from controlplane.launchers import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def rig(etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any) -> Iterator[Rig]:
+    kvpilot = kvpilot_factory(etcd_prefix)
+    envoy = envoy_factory(xds_port=kvpilot.xds_port, fleet="default")
+    with httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10) as api:
+        yield Rig(kvpilot, envoy, api, free_port())
+
+
+@pytest.fixture
+def gated(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., GatedBackend]]:
+    """Start replicas that hold requests until their gate opens: `gated(n, id_prefix=...)`."""
+    started: list[GatedBackend] = []
+
+    def make(n: int, *, id_prefix: str) -> GatedBackend:
+        backend = GatedBackend(n, id_prefix=id_prefix, state_dir=tmp_path_factory.mktemp(id_prefix))
+        started.append(backend)
+        return backend.start()
+
+    yield make
+    failed = getattr(getattr(request.node, "rep_call", None), "failed", False)
+    for backend in started:
+        if failed:
+            print(f"--- gated backend {backend.id_prefix} log tail ---\n{backend.log_tail()}")
+        backend.stop()
+
+
+def ports_of(process: Any) -> list[int]:
+    return [replica.port for replica in process.replicas]
+
+
+# --------------------------------------------------------------------------- session affinity
+
+
+def test_each_session_sticks_to_one_replica_and_sessions_spread(rig: Rig, backends: Any) -> None:
+    replicas = backends(3, id_prefix="aff")
+    ports = ports_of(replicas)
+    rig.apply(
+        pool("llm", ports),
+        policy(
+            "chat", rig.listener_port, [{"name": "all", "sessionAffinity": {}, "tiers": [["llm"]]}]
+        ),
+    )
+    rig.wait_ready("chat/all", ports)
+    rig.wait_ready("chat/all/affinity", ports)
+
+    # 24 sessions on a ring shared by 3 replicas: all on one replica has probability < 1e-9.
+    sessions = [f"session-{index}" for index in range(24)]
+    landed: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    with httpx.Client(timeout=30) as client:
+        for turn in range(3):
+            for session in sessions:
+                response = client.post(
+                    rig.url(),
+                    json=chat(content=f"{session} turn {turn}"),
+                    headers={"x-session-id": session},
+                )
+                assert response.status_code == 200, response.text
+                landed[session][answered_by(response)] += 1
+        unpinned = send(client, rig.url(), 60)
+
+    assert all(len(replica) == 1 for replica in landed.values()), dict(landed)
+    homes = collections.Counter(next(iter(replica)) for replica in landed.values())
+    assert len(homes) > 1, homes
+    # Without the header the route's own balancing (least request) applies: every replica
+    # serves some of 60 requests (one left out has probability < 1e-10).
+    assert {status for status, _ in unpinned} == {200}
+    assert {replica for _, replica in unpinned} == {r.id for r in replicas.replicas}
+
+
+def test_a_hot_session_spreads_under_bounded_load(rig: Rig, gated: Any) -> None:
+    replicas = gated(3, id_prefix="hot")
+    ports = list(replicas.ports.values())
+    affinity = {"header": "x-session-id", "hashBalanceFactor": 150}
+    rig.apply(
+        pool("llm", ports),
+        policy(
+            "chat",
+            rig.listener_port,
+            [{"name": "all", "sessionAffinity": affinity, "tiers": [["llm"]]}],
+        ),
+    )
+    rig.wait_ready("chat/all/affinity", ports)
+
+    total = 40
+    replicas.set_gate(False)
+    with ThreadPoolExecutor(max_workers=total) as executor:
+        futures = []
+        try:
+            # One request at a time, each held by its replica before the next is sent, so
+            # Envoy knows every host's true in-flight count when it places the next one.
+            for index in range(total):
+                futures.append(
+                    executor.submit(
+                        httpx.post,
+                        rig.url(),
+                        json=chat(content=f"turn {index}"),
+                        headers={"x-session-id": "hot-session"},
+                        timeout=150,
+                    )
+                )
+                wait_until(
+                    lambda n=index + 1: sum(replicas.in_flight().values()) == n,
+                    60,
+                    message=f"{index + 1} requests to be held by the replicas",
+                )
+            held = replicas.in_flight()
+        finally:
+            replicas.set_gate(True)
+        responses = [future.result() for future in futures]
+
+    assert [response.status_code for response in responses] == [200] * total
+    assert collections.Counter(answered_by(r) for r in responses) == collections.Counter(held)
+    # Without bounded load all 40 go to the session's replica (design.md). With a factor of
+    # 150% Envoy places a request on a replica only while it holds at most 1.5x the average
+    # in flight, so none ends above that plus one. Arriving one by one, the requests fill the
+    # session's replica to the bound and spill to the next on the ring (21/19/0 was seen;
+    # concurrent arrivals spread wider, 16/16/8 in design.md).
+    assert len([count for count in held.values() if count]) > 1, held
+    assert max(held.values()) <= math.ceil(1.5 * total / 3) + 1, held
+
+
+# --------------------------------------------------------------------------- failover
+
+
+TWO_TIERS = [{"name": "all", "tiers": [["primary"], ["secondary"]]}]
+
+
+def test_killed_tier_fails_over_without_failed_requests_and_comes_back(
+    rig: Rig, backends: Any
+) -> None:
+    # Fixed ports, so the primary replicas come back where Envoy expects them.
+    primary = backends(2, id_prefix="primary", ports=[free_port(), free_port()])
+    secondary = backends(1, id_prefix="secondary")
+    # Health checks notice a dead replica after three failed probes a second apart, so the
+    # first requests after the kill meet dead hosts and only retries save them.
+    slow_checks = {"interval": "1s", "unhealthyThreshold": 3}
+    rig.apply(
+        pool("primary", ports_of(primary), healthCheck=slow_checks),
+        pool("secondary", ports_of(secondary)),
+        policy("chat", rig.listener_port, TWO_TIERS),
+    )
+    rig.wait_ready("chat/all", ports_of(primary) + ports_of(secondary))
+    url = rig.url()
+    with httpx.Client(timeout=30) as client:
+        before = send(client, url, 10)
+        assert {replica for _, replica in before} <= {r.id for r in primary.replicas}, before
+
+        primary.kill()
+        during = send(client, url, 20)
+        assert during == [(200, "secondary-0")] * 20
+        wait_until(
+            lambda: all(
+                rig.hosts("chat/all")[port]["health_flags"] != "healthy"
+                for port in ports_of(primary)
+            ),
+            30,
+            message="Envoy to mark the killed replicas down",
+        )
+        assert send(client, url, 10) == [(200, "secondary-0")] * 10
+        retried = rig.envoy.stats().get("cluster.chat/all.upstream_rq_retry_success", 0)
+        assert int(retried) > 0, "no request met a dead replica before health checks noticed"
+
+        primary.start()
+        recovered: list[tuple[int, str]] = []
+
+        def back_on_primary() -> bool:
+            batch = send(client, url, 10)
+            recovered.extend(batch)
+            return all(replica.startswith("primary-") for _, replica in batch)
+
+        wait_until(back_on_primary, 30, message="traffic to return to the recovered tier")
+    assert all(status == 200 for status, _ in recovered), recovered
+
+
+def rejected(process: Any, replica_id: str, status: int) -> int:
+    """How many inference requests a bench replica answered with `status`."""
+    text = httpx.get(f"{process.replica(replica_id).url}/metrics", timeout=5).text
+    pattern = (
+        rf'kvpilot_backend_requests_total{{backend="{replica_id}",'
+        rf'path="/v1/chat/completions",status="{status}"}} (\d+)'
+    )
+    match = re.search(pattern, text)
+    return int(match.group(1)) if match else 0
+
+
+def test_a_tier_answering_429_is_left_for_the_next_tier(rig: Rig, backends: Any) -> None:
+    primary = backends(1, id_prefix="primary")
+    secondary = backends(1, id_prefix="secondary")
+    rig.apply(
+        pool("primary", ports_of(primary)),
+        pool("secondary", ports_of(secondary)),
+        policy("chat", rig.listener_port, TWO_TIERS),
+    )
+    rig.wait_ready("chat/all", ports_of(primary) + ports_of(secondary))
+    with httpx.Client(timeout=30) as client:
+        assert send(client, rig.url(), 5) == [(200, "primary-0")] * 5
+        primary.fail("primary-0", 429)
+        # A 429 is no health failure: the replica stays in priority 0, and each request is
+        # retried at priority 1 (previous_priorities), after exactly one try at priority 0.
+        assert send(client, rig.url(), 20) == [(200, "secondary-0")] * 20
+    assert rejected(primary, "primary-0", 429) == 20
+
+
+# --------------------------------------------------------------------------- weighted split
+
+
+def test_a_90_10_split_lands_within_binomial_bounds(rig: Rig, backends: Any) -> None:
+    stable = backends(2, id_prefix="stable")
+    canary = backends(2, id_prefix="canary")
+    split = [{"pool": "stable", "weight": 90}, {"pool": "canary", "weight": 10}]
+    rig.apply(
+        pool("stable", ports_of(stable)),
+        pool("canary", ports_of(canary)),
+        policy("chat", rig.listener_port, [{"name": "all", "tiers": [split]}]),
+    )
+    rig.wait_ready("chat/all", ports_of(stable) + ports_of(canary))
+
+    total = 400
+    with httpx.Client(timeout=30) as client:
+        results = send(client, rig.url(), total)
+    assert {status for status, _ in results} == {200}
+    on_canary = sum(replica.startswith("canary-") for _, replica in results)
+    low, high = binomial_bounds(total, 0.10)  # fails by chance with probability < 1e-6
+    assert low <= on_canary <= high, (on_canary, (low, high))
+
+
+# --------------------------------------------------------------------------- model routing
+
+
+def test_the_model_field_or_header_selects_the_pool(rig: Rig, backends: Any) -> None:
+    llama = backends(1, id_prefix="llama", model="llama-3")
+    qwen = backends(1, id_prefix="qwen", model="qwen-7b")
+    rig.apply(
+        pool("llama", ports_of(llama), models=["llama-3"]),
+        pool("qwen", ports_of(qwen), models=["qwen-7b"]),
+        policy(
+            "chat",
+            rig.listener_port,
+            [
+                {"name": "llama", "match": {"models": ["llama-3"]}, "tiers": [["llama"]]},
+                {"name": "qwen", "match": {"models": ["qwen-7b"]}, "tiers": [["qwen"]]},
+            ],
+        ),
+    )
+    rig.wait_ready("chat/llama", ports_of(llama))
+    rig.wait_ready("chat/qwen", ports_of(qwen))
+
+    json_utf8 = {"content-type": "application/json; charset=utf-8"}
+    # Two million characters of prompt, with `model` after them: the filter must read the
+    # whole body, beyond Envoy's default 1 MiB buffer.
+    long_prompt = {"messages": [{"role": "user", "content": "x" * 2_000_000}], "model": "qwen-7b"}
+    cases: list[tuple[str, dict[str, str], bytes, str]] = [
+        ("body field", {"content-type": "application/json"}, body(chat("llama-3")), "llama-0"),
+        ("body field", {"content-type": "application/json"}, body(chat("qwen-7b")), "qwen-0"),
+        ("charset=utf-8", json_utf8, body(chat("qwen-7b")), "qwen-0"),
+        ("no content-type", {}, body(chat("llama-3")), "llama-0"),
+        ("header overrides body", {"x-model": "qwen-7b"}, body(chat("llama-3")), "qwen-0"),
+        ("header overrides body", {"x-model": "llama-3"}, body(chat("qwen-7b")), "llama-0"),
+        ("2 MB prompt", json_utf8, body(long_prompt), "qwen-0"),
+    ]
+    with httpx.Client(timeout=30) as client:
+        for name, headers, content, expected in cases:
+            response = client.post(rig.url(), content=content, headers=headers)
+            assert (response.status_code, answered_by(response)) == (200, expected), name
+
+        unknown = client.post(rig.url(), json=chat("gpt-9"))
+        # The header wins even when it names a model nobody serves.
+        overridden = client.post(rig.url(), json=chat("llama-3"), headers={"x-model": "gpt-9"})
+    assert overridden.status_code == 404, overridden.text
+    assert unknown.status_code == 404
+    assert unknown.headers["content-type"] == "application/json"
+    error = unknown.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model", error
+    assert error["type"] == "invalid_request_error" and error["message"], error
+
+
+def body(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload).encode()
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def test_sse_streams_pass_through_as_they_come_and_intact(rig: Rig, gated: Any) -> None:
+    replicas = gated(1, id_prefix="stream")
+    ports = list(replicas.ports.values())
+    rig.apply(
+        pool("llm", ports, models=["stream-model"]),
+        policy(
+            "chat",
+            rig.listener_port,
+            [{"name": "all", "match": {"models": ["stream-model"]}, "tiers": [["llm"]]}],
+        ),
+    )
+    rig.wait_ready("chat/all", ports)
+
+    replicas.set_gate(False)
+    events: list[str] = []
+    try:
+        with (
+            httpx.Client(timeout=30) as client,
+            client.stream("POST", rig.url(), json=chat("stream-model", stream=True)) as response,
+        ):
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            assert response.headers["x-backend-id"] == "stream-0"
+            lines = response.iter_lines()
+            # The replica sends two chunks and then waits for the gate: they reach the client
+            # only if Envoy forwards chunks as they come instead of buffering the response.
+            while len(events) < 2:
+                line = next(lines)
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+            replicas.set_gate(True)
+            events += [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    finally:
+        replicas.set_gate(True)
+
+    assert events[-1] == "[DONE]", events
+    pieces = [json.loads(event)["choices"][0]["delta"]["content"] for event in events[:-1]]
+    assert pieces == [stream_piece(index) for index in range(STREAM_CHUNKS)]
