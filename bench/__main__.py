@@ -1,7 +1,7 @@
 """`make bench` / `python -m bench`: kvpilot's benchmarks behind one entry point.
 
     python -m bench [routing] [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
-    python -m bench controlplane      (not written yet: the ADS benchmark goes here)
+    python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
 
 `routing` (the default) replays one LLM workload through a real Envoy configured by kvpilot
 under several routing policies and writes a Markdown report, a JSON file and PNG plots under
@@ -42,8 +42,14 @@ def _routing(args: argparse.Namespace) -> int:
 
 
 def _controlplane(args: argparse.Namespace) -> int:
-    print("the control-plane (ADS) benchmark is not written yet")
-    return 2
+    from bench.controlplane import default_config as controlplane_config
+    from bench.controlplane import run_controlplane
+
+    config = controlplane_config(short=args.short)
+    if args.out is not None:
+        config = replace(config, out_dir=args.out)
+    print(f"\njson: {run_controlplane(config, state_dir=args.state_dir)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--arrival", choices=["poisson", "bursty"], default=None)
         p.add_argument("--no-plots", action="store_true")
         p.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
-    sub.add_parser("controlplane", help="control-plane benchmark (not written yet)")
+    controlplane = sub.add_parser("controlplane", help="ADS: change-to-ACK latency, scale, memory")
+    controlplane.add_argument("--short", action="store_true", help="a smoke run (seconds)")
+    controlplane.add_argument("--out", type=Path, default=None, help="output directory")
+    controlplane.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     args = parser.parse_args(argv)
     if args.command == "controlplane":
         return _controlplane(args)
