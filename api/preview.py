@@ -16,12 +16,9 @@ from google.protobuf.message import Message
 
 from policies import (
     Endpoint,
-    Fleet,
     PolicyObject,
     PolicyState,
-    Pool,
     RoutingPlan,
-    RoutingPolicy,
     compile_plan,
 )
 from xdsserver import resources
@@ -38,19 +35,7 @@ def state_from_objects(
     registered: Mapping[str, Mapping[str, Endpoint]] | None = None,
 ) -> PolicyState:
     """File validated objects by kind; a later object replaces an earlier one of the same name."""
-    pools: dict[str, Pool] = {}
-    policies: dict[str, RoutingPolicy] = {}
-    fleets: dict[str, Fleet] = {}
-    for obj in objects:
-        if isinstance(obj, Pool):
-            pools[obj.metadata.name] = obj
-        elif isinstance(obj, RoutingPolicy):
-            policies[obj.metadata.name] = obj
-        else:
-            fleets[obj.metadata.name] = obj
-    return PolicyState(
-        pools=pools, policies=policies, fleets=fleets, registered=dict(registered or {})
-    )
+    return PolicyState.from_objects(objects, registered=dict(registered or {}))
 
 
 def message_json(message: Message) -> dict[str, Any]:

@@ -36,13 +36,10 @@ from controlplane.store import KIND_PATH, StateChange
 from policies import (
     DEFAULT_FLEET,
     Endpoint,
-    Fleet,
     PolicyError,
     PolicyObject,
     PolicyState,
-    Pool,
     RoutingPlan,
-    RoutingPolicy,
     compile_plan,
     parse_object,
 )
@@ -407,16 +404,6 @@ class Reconciler:
         self.errors[key] = ObjectError(key, message, kv.mod_revision, serving)
 
     def _state(self) -> PolicyState:
-        pools: dict[str, Pool] = {}
-        policies: dict[str, RoutingPolicy] = {}
-        fleets: dict[str, Fleet] = {}
-        for obj in self._objects.values():
-            if isinstance(obj, Pool):
-                pools[obj.metadata.name] = obj
-            elif isinstance(obj, RoutingPolicy):
-                policies[obj.metadata.name] = obj
-            else:
-                fleets[obj.metadata.name] = obj
         registered: dict[str, dict[str, Endpoint]] = {}
         for key, endpoint in self._endpoints.items():
             _, pool, endpoint_id = key.split("/")
@@ -425,10 +412,8 @@ class Reconciler:
         for key, record in self._telemetry.items():
             _, pool, endpoint_id = key.split("/")
             telemetry.setdefault(pool, {})[endpoint_id] = record
-        return PolicyState(
-            pools=pools,
-            policies=policies,
-            fleets=fleets,
+        return PolicyState.from_objects(
+            self._objects.values(),
             registered=registered,
             telemetry=telemetry,
             previous_weights=self._weights,

@@ -24,6 +24,7 @@ from policies.models import (
     Endpoint,
     Fleet,
     FleetSpec,
+    PolicyObject,
     Pool,
     PoolSpec,
     Route,
@@ -65,6 +66,17 @@ class PolicyState:
     """``RoutingPlan.weights`` of the previous compile, for hysteresis."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
+
+    @classmethod
+    def from_objects(cls, objects: Iterable[PolicyObject], **live: Any) -> PolicyState:
+        """File validated objects by kind (a later object replaces an earlier one of the same
+        kind and name); ``live`` gives the other fields (registered endpoints, telemetry...)."""
+        by_kind: dict[type[PolicyObject], dict[str, Any]] = {Pool: {}, RoutingPolicy: {}, Fleet: {}}
+        for obj in objects:
+            by_kind[type(obj)][obj.metadata.name] = obj
+        return cls(
+            pools=by_kind[Pool], policies=by_kind[RoutingPolicy], fleets=by_kind[Fleet], **live
+        )
 
 
 def cluster_name(policy: str, route: str) -> str:

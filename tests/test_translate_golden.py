@@ -16,7 +16,6 @@ from google.protobuf import json_format
 
 from controlplane.launchers import find_binary, repo_root
 from policies import PolicyState, compile_plan, load_objects
-from policies.models import Fleet, Pool, RoutingPolicy
 from xdsserver.static import validate_with_envoy
 from xdsserver.translate import translate
 
@@ -26,12 +25,7 @@ UPDATE = os.environ.get("KVPILOT_UPDATE_GOLDEN") == "1"
 
 
 def state_of(path: Path) -> PolicyState:
-    objects = load_objects(path)
-    return PolicyState(
-        pools={o.metadata.name: o for o in objects if isinstance(o, Pool)},
-        policies={o.metadata.name: o for o in objects if isinstance(o, RoutingPolicy)},
-        fleets={o.metadata.name: o for o in objects if isinstance(o, Fleet)},
-    )
+    return PolicyState.from_objects(load_objects(path))
 
 
 def render(messages: tuple[object, ...]) -> str:
