@@ -96,11 +96,13 @@ def test_traffic_through_envoy_follows_changes_made_through_the_api(
     # 2. Envoy receives it and every replica serves traffic.
     wait_until(
         lambda: endpoint_weights(envoy, "web/all") == dict.fromkeys(ports, 100),
-        30, message="Envoy to receive three endpoints of weight 100",
+        30,
+        message="Envoy to receive three endpoints of weight 100",
     )
     wait_until(
         lambda: set(served_by(url, 12)) == set(ids.values()),
-        30, message="all three replicas to answer through Envoy",
+        30,
+        message="all three replicas to answer through Envoy",
     )
 
     # 3. A weight change through the API moves traffic.
@@ -109,7 +111,8 @@ def test_traffic_through_envoy_follows_changes_made_through_the_api(
     assert response.status_code == 200, response.text
     wait_until(
         lambda: endpoint_weights(envoy, "web/all").get(heavy) == 1000,
-        30, message="the new weight to reach Envoy",
+        30,
+        message="the new weight to reach Envoy",
     )
     counts = served_by(url, 60)
     assert counts[ids[heavy]] >= 45, counts  # expected 1000/1200 of 60 = 50
@@ -121,7 +124,8 @@ def test_traffic_through_envoy_follows_changes_made_through_the_api(
     assert api.put("/v1/pools/sim", json=body).status_code == 200
     wait_until(
         lambda: removed not in endpoint_weights(envoy, "web/all"),
-        30, message="the removed endpoint to leave Envoy",
+        30,
+        message="the removed endpoint to leave Envoy",
     )
     counts = served_by(url, 30)
     assert ids[removed] not in counts and sum(counts.values()) == 30, counts
