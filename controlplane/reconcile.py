@@ -1,9 +1,11 @@
 """From etcd state to Envoy snapshots: decode, compile, translate, publish.
 
 The reconciler is told which keys changed (by ``StateMirror``) and rebuilds after a quiet
-period, never waiting longer than a maximum from the first change (debounce). Changes that touch
-only registered endpoints or telemetry take the fast path: policies, clusters, listeners and
-routes are reused and only the ClusterLoadAssignments are translated again.
+period, never waiting longer than a maximum from the first change (debounce). Compiling is
+cheap; translating and serializing are not, so when a fleet's new plan differs from the last
+one only in the endpoints of some clusters (registrations, weights, health, telemetry), only
+those ClusterLoadAssignments are translated and serialized again and everything else is
+reused (the EDS fast path).
 
 A value in etcd that is not a valid object (written with etcdctl, or by an older kvpilot) is
 skipped with a logged error visible in status; the last valid version of that object keeps
@@ -25,7 +27,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -36,6 +38,7 @@ from controlplane.store import KIND_PATH, StateChange
 from policies import (
     DEFAULT_FLEET,
     Endpoint,
+    FleetPlan,
     PolicyError,
     PolicyObject,
     PolicyState,
@@ -277,28 +280,18 @@ class Reconciler:
                 self._last_telemetry_build = time.monotonic()
             elif all(key.startswith(FAST_PATH_PREFIXES) for key in changed):
                 cause = "endpoints"
-        fast = (
-            not full_resync
-            and changed is not None
-            and self.plan is not None
-            and all(key.startswith(FAST_PATH_PREFIXES) for key in changed)
-        )
         for key in keys:
             self._apply(key, items.get(key))
         state = self._state()
         plan = compile_plan(state)
         fleets: dict[str, dict[str, str]] = {}
         pushed = 0
+        fast = True
         for fleet_plan in plan.fleets:
             before = self.cache.snapshot_for(fleet_plan.fleet)
-            previous = before if fast else None
-            if previous is not None and fleet_plan.fleet in self.cache.fleets():
-                snapshot = previous.with_messages(
-                    resources.ENDPOINT,
-                    [translate_endpoints(cluster) for cluster in fleet_plan.clusters],
-                    replace_all=True,
-                )
-            else:
+            snapshot = self._endpoints_only(fleet_plan, before)
+            if snapshot is None:
+                fast = False
                 snapshot = Snapshot.from_messages(translate(fleet_plan).by_type())
             if before is None or before.versions() != snapshot.versions():
                 pushed += 1
@@ -323,6 +316,38 @@ class Reconciler:
             revision,
             elapsed * 1000,
             "fast" if fast else "full",
+        )
+
+    def _endpoints_only(self, fleet: FleetPlan, before: Snapshot | None) -> Snapshot | None:
+        """The fast path: when a fleet's plan differs from the last one only in the endpoints
+        of EDS clusters (registrations, weights, health, telemetry), translate and serialize
+        just those ClusterLoadAssignments and reuse everything else. None when anything else
+        changed."""
+        old = self.plan.fleet(fleet.fleet) if self.plan is not None else None
+        if (
+            old is None
+            or before is None
+            or fleet.fleet not in self.cache.fleets()
+            or old.listeners != fleet.listeners
+            or (old.secrets_dir, old.trusted_ca_file) != (fleet.secrets_dir, fleet.trusted_ca_file)
+        ):
+            return None
+        previous = {cluster.name: cluster for cluster in old.clusters}
+        if list(previous) != [cluster.name for cluster in fleet.clusters]:
+            return None
+        changed = [cluster for cluster in fleet.clusters if previous[cluster.name] != cluster]
+        for cluster in changed:
+            if (
+                cluster.kind != "eds"
+                or replace(previous[cluster.name], endpoints=cluster.endpoints) != cluster
+            ):
+                return None
+        if not changed:
+            return before
+        return before.with_messages(
+            resources.ENDPOINT,
+            [translate_endpoints(cluster) for cluster in changed],
+            replace_all=False,
         )
 
     def _apply(self, key: str, kv: KeyValue | None) -> None:
