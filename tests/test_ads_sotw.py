@@ -148,7 +148,22 @@ async def test_requested_name_is_pushed_when_it_appears(ads: RunningServer) -> N
         await s.ack(response, ["a", "later"])
         await s.expect_silence()
         ads.cache.set_snapshot("default", snap({"a": [1], "later": [9]}))
-        assert sorted(names_of(await recv(s))) == ["a", "later"]
+        # A push of a named type carries only what changed; Envoy keeps "a".
+        assert names_of(await recv(s)) == ["later"]
+
+
+async def test_eds_push_carries_only_the_changed_assignments(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2], "c": [3]}))
+    async with ads.sotw("envoy-1") as s:
+        await s.send(ENDPOINT, ["a", "b", "c"])
+        response = await recv(s)
+        assert names_of(response) == ["a", "b", "c"]
+        await s.ack(response, ["a", "b", "c"])
+        ads.cache.set_snapshot("default", snap({"a": [1], "b": [7], "c": [3]}))
+        pushed = await recv(s)
+        assert names_of(pushed) == ["b"]
+        # The version still names the whole set, as every replica computes it.
+        assert pushed.version_info == snap({"a": [1], "b": [7], "c": [3]}).version(ENDPOINT)
 
 
 async def test_named_subscription_waits_for_a_name_that_does_not_exist(

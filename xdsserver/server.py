@@ -233,6 +233,8 @@ class _SotwType:
     """After a NACK: the snapshot version rejected; nothing is sent until it changes."""
     dirty: bool = True
     seen_version: str = ""
+    partial: bool = False
+    """The next response carries only the resources that changed since the last one."""
 
 
 class _SotwStream(_Stream):
@@ -258,8 +260,11 @@ class _SotwStream(_Stream):
         wildcard = WILDCARD in names or (not names and type_url in WILDCARD_TYPES)
         subscription = frozenset(n for n in names if n != WILDCARD)
         if (wildcard, subscription) != (st.wildcard, st.names):
+            changed = st.sent is not None
             st.wildcard, st.names = wildcard, subscription
             st.dirty = True
+            # A new subscription is answered with everything it names (full set).
+            st.respond = st.respond or changed
             self.status.subscribed(self.conn, type_url, subscription, wildcard=wildcard)
         if request.HasField("error_detail"):
             # Never answer a NACK with the same config (endless loop). The Envoy keeps its last
@@ -305,6 +310,11 @@ class _SotwStream(_Stream):
                 return None
         elif not st.respond and _same(items, st.sent):
             return None
+        # A push of a named type (EDS, RDS) carries only what changed: in SotW only CDS and LDS
+        # responses must hold the full set, and Envoy keeps the named resources a response
+        # leaves out. An answer to a request (new names, a re-created cluster warming) holds
+        # everything asked for.
+        st.partial = not st.wildcard and not st.respond and st.sent is not None
         st.respond = False
         return items
 
@@ -349,6 +359,15 @@ class _SotwStream(_Stream):
         self, st: _SotwType, items: dict[str, Resource], version: str, *, makes: bool
     ) -> _Push:
         nonce = self.next_nonce()
+        body = items
+        if st.partial and st.sent is not None:
+            sent = st.sent
+            body = {
+                n: r
+                for n, r in items.items()
+                if n not in sent or (sent[n] is not r and sent[n].version != r.version)
+            }
+            st.partial = False
         st.nonce, st.sent, st.sent_version = nonce, items, version
         follower = _ANSWER_NEXT_REQUEST.get(st.type_url)
         if follower is not None and makes:
@@ -358,7 +377,7 @@ class _SotwStream(_Stream):
         response = discovery_pb2.DiscoveryResponse(
             version_info=version, type_url=st.type_url, nonce=nonce
         )
-        response.resources.extend([r.body for r in items.values()])
+        response.resources.extend([r.body for r in body.values()])
         return _Push(st.type_url, version, nonce, response)
 
 
