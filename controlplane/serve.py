@@ -54,6 +54,8 @@ class ServeConfig:
     quiet_period: float = 0.02
     max_wait: float = 0.25
     default_fleet: str = DEFAULT_FLEET
+    node_fleets: dict[str, str] = field(default_factory=dict)
+    """Envoy node id -> fleet, overriding the node's own node.cluster."""
     replica_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{uuid.uuid4().hex[:6]}")
 
 
@@ -132,10 +134,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fleet served to Envoys whose node.cluster has no config of its own",
     )
     parser.add_argument(
+        "--node-fleet",
+        action="append",
+        default=[e for e in env("KVPILOT_NODE_FLEETS", "").split(",") if e],
+        metavar="NODE_ID=FLEET",
+        help="serve this Envoy the config of FLEET whatever its node.cluster; repeatable "
+        "(env KVPILOT_NODE_FLEETS, comma-separated)",
+    )
+    parser.add_argument(
         "--log-level",
         default=env("KVPILOT_LOG_LEVEL", "info"),
         help="debug, info, warning or error",
     )
+
+
+def _node_fleets(values: list[str]) -> dict[str, str]:
+    out = {}
+    for value in values:
+        node, sep, fleet = value.partition("=")
+        if not sep or not node or not fleet:
+            raise SystemExit(f"--node-fleet takes NODE_ID=FLEET, not {value!r}")
+        out[node] = fleet
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -155,6 +175,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         quiet_period=args.quiet_period,
         max_wait=args.max_wait,
         default_fleet=args.default_fleet,
+        node_fleets=_node_fleets(args.node_fleet),
     )
 
 
@@ -189,7 +210,7 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         else AuthConfig.from_sources(config.tokens_file, os.environ)
     )
     registry = CollectorRegistry()
-    cache = SnapshotCache(default_fleet=config.default_fleet)
+    cache = SnapshotCache(default_fleet=config.default_fleet, node_overrides=config.node_fleets)
     connections = ConnectionRegistry(registry=registry)
     reconciler = Reconciler(
         cache,
