@@ -1,0 +1,92 @@
+"""Routing plan -> Envoy resources (CDS, EDS, LDS, RDS). Pure: no I/O, no state.
+
+Each function maps one plan type to one Envoy proto, so a reader can hold a plan dataclass and
+its Envoy counterpart side by side: ``clusters`` (CDS, EDS), ``providers`` (external providers),
+``listeners`` (LDS) and ``routes`` (RDS). Envoy behaviours that shaped a choice are cited
+inline; the measured ones are in the design notes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+from google.protobuf.message import Message
+
+from policies.plan import FleetPlan
+from xdsserver import resources
+from xdsserver.translate.clusters import (
+    AFFINITY_SUFFIX,
+    aggregate_clusters,
+    translate_cluster,
+    translate_endpoints,
+)
+from xdsserver.translate.listeners import translate_listener
+from xdsserver.translate.providers import credential_listener, internal_cluster, provider_cluster
+from xdsserver.translate.routes import (
+    PREFIX_KEY_HEADER,
+    prefix_key_lua,
+    translate_route_configuration,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetResources:
+    """The four resource lists that make up one fleet's configuration."""
+
+    clusters: tuple[cluster_pb2.Cluster, ...]
+    endpoints: tuple[endpoint_pb2.ClusterLoadAssignment, ...]
+    listeners: tuple[listener_pb2.Listener, ...]
+    routes: tuple[route_pb2.RouteConfiguration, ...]
+
+    def by_type(self) -> dict[str, tuple[Message, ...]]:
+        """Resources keyed by xDS type URL, in make-before-break order."""
+        return {
+            resources.CLUSTER: self.clusters,
+            resources.ENDPOINT: self.endpoints,
+            resources.LISTENER: self.listeners,
+            resources.ROUTE: self.routes,
+        }
+
+
+def translate(plan: FleetPlan) -> FleetResources:
+    """All Envoy resources for one fleet."""
+    clusters: list[cluster_pb2.Cluster] = []
+    endpoints: list[endpoint_pb2.ClusterLoadAssignment] = []
+    listeners = [translate_listener(listener) for listener in plan.listeners]
+    behind_listener = frozenset(
+        cluster.name for cluster in plan.clusters if cluster.kind == "dns" and cluster.auth
+    )
+    for cluster in plan.clusters:
+        if cluster.kind == "eds":
+            clusters.extend(translate_cluster(cluster, trusted_ca_file=plan.trusted_ca_file))
+            endpoints.append(translate_endpoints(cluster))
+        elif cluster.kind == "aggregate":
+            clusters.extend(aggregate_clusters(cluster, behind_listener))
+        else:
+            clusters.append(provider_cluster(cluster, plan.trusted_ca_file))
+            if cluster.auth is not None:
+                listeners.append(credential_listener(cluster, plan.secrets_dir))
+                clusters.append(internal_cluster(cluster))
+    return FleetResources(
+        clusters=tuple(clusters),
+        endpoints=tuple(endpoints),
+        listeners=tuple(listeners),
+        routes=tuple(translate_route_configuration(listener) for listener in plan.listeners),
+    )
+
+
+__all__ = [
+    "AFFINITY_SUFFIX",
+    "PREFIX_KEY_HEADER",
+    "FleetResources",
+    "prefix_key_lua",
+    "translate",
+    "translate_cluster",
+    "translate_endpoints",
+    "translate_listener",
+    "translate_route_configuration",
+]

@@ -1,0 +1,283 @@
+"""CDS and EDS for the route clusters: replicas by priority, the consistent-hash twin, the
+aggregate that adds external providers, and the ClusterLoadAssignments."""
+
+from __future__ import annotations
+
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import (
+    base_pb2,
+    health_check_pb2,
+    protocol_pb2,
+)
+from envoy.config.core.v3 import extension_pb2 as core_extension_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
+from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (
+    client_side_weighted_round_robin_pb2 as cswrr_pb2,
+)
+from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.matcher.v3 import string_pb2
+from google.protobuf import struct_pb2, wrappers_pb2
+
+from policies.compile import LOCAL_SUFFIX
+from policies.plan import PlanCluster
+from xdsserver.translate.protos import (
+    HTTP_PROTOCOL_OPTIONS,
+    ads_source,
+    duration,
+    pack,
+    socket_address,
+)
+
+AFFINITY_SUFFIX = "/affinity"
+"""Suffix of the consistent-hash twin of a route cluster (same endpoints, same EDS resource)."""
+INTERNAL_SUFFIX = "/internal"
+"""Suffix of the internal listener (and its cluster) in front of an authenticated provider."""
+DEFAULT_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"
+"""CA bundle for TLS pools when neither the pool nor its fleet names one."""
+
+_HEALTH = {
+    "healthy": health_check_pb2.HEALTHY,
+    "unhealthy": health_check_pb2.UNHEALTHY,
+    "draining": health_check_pb2.DRAINING,
+    "degraded": health_check_pb2.DEGRADED,
+}
+_LB_POLICY = {
+    "round_robin": cluster_pb2.Cluster.ROUND_ROBIN,
+    "least_request": cluster_pb2.Cluster.LEAST_REQUEST,
+    "random": cluster_pb2.Cluster.RANDOM,
+    # Telemetry weights are endpoint weights, which least request follows while also
+    # counting in-flight requests (design.md).
+    "telemetry": cluster_pb2.Cluster.LEAST_REQUEST,
+    "orca": cluster_pb2.Cluster.LEAST_REQUEST,
+}
+
+
+def translate_cluster(
+    cluster: PlanCluster, *, trusted_ca_file: str = DEFAULT_CA_FILE
+) -> list[cluster_pb2.Cluster]:
+    """The route's replicas cluster, plus a consistent-hash twin when the route has session
+    affinity.
+
+    Both read the same ClusterLoadAssignment (``eds_cluster_config.service_name``), so a
+    weight change is one EDS update. Requests with the session header go to the twin;
+    requests without it keep the route's balancing mode instead of landing on a random host.
+    """
+    base = cluster_base(cluster, cluster.name, trusted_ca_file)
+    base.lb_policy = _LB_POLICY[cluster.balancing]
+    if cluster.balancing == "orca":
+        # load_balancing_policy takes precedence over lb_policy.
+        base.load_balancing_policy.CopyFrom(_orca_policy())
+    out = [base]
+    if cluster.affinity is not None:
+        twin = cluster_base(cluster, cluster.name + AFFINITY_SUFFIX, trusted_ca_file)
+        if cluster.affinity.algorithm == "maglev":
+            twin.lb_policy = cluster_pb2.Cluster.MAGLEV
+        else:
+            twin.lb_policy = cluster_pb2.Cluster.RING_HASH
+            twin.ring_hash_lb_config.minimum_ring_size.value = 1024
+        if cluster.affinity.hash_balance_factor:
+            # Bounded load: no host above factor% of the average in-flight load.
+            twin.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = (
+                cluster.affinity.hash_balance_factor
+            )
+        out.append(twin)
+    return out
+
+
+ORCA_UTILIZATION_METRICS = ("named_metrics.kv_cache_usage_perc",)
+"""Used when a report has no ``application_utilization``: vLLM's own ORCA header reports its
+KV-cache use as a named metric."""
+
+
+def _orca_policy() -> cluster_pb2.LoadBalancingPolicy:
+    """Envoy's client-side weighted round robin: each Envoy weighs hosts by the ORCA load they
+    report in ``endpoint-load-metrics`` response headers (weight = qps / utilization), so
+    per-request load feedback needs no control-plane round trip.
+
+    Envoy's defaults are tuned for slow-moving services: a 10 s blackout before a new host's
+    reports count, recomputed every second. LLM load swings faster; a 1 s blackout and a
+    0.5 s update period let weights follow within a couple of seconds while still averaging
+    over many responses. Reports older than 60 s expire and the host falls back to the mean
+    weight.
+    """
+    config = cswrr_pb2.ClientSideWeightedRoundRobin(
+        blackout_period=duration(1.0),
+        weight_update_period=duration(0.5),
+        weight_expiration_period=duration(60.0),
+        metric_names_for_computing_utilization=list(ORCA_UTILIZATION_METRICS),
+    )
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[
+            cluster_pb2.LoadBalancingPolicy.Policy(
+                typed_extension_config=core_extension_pb2.TypedExtensionConfig(
+                    name="envoy.load_balancing_policies.client_side_weighted_round_robin",
+                    typed_config=pack(config),
+                )
+            )
+        ]
+    )
+
+
+def aggregate_clusters(
+    cluster: PlanCluster, behind_listener: frozenset[str] = frozenset()
+) -> list[cluster_pb2.Cluster]:
+    """Failover from the route's replicas to external providers, in order.
+
+    Envoy's aggregate cluster lays the members' priorities end to end, so health-based
+    failover and retries with previous_priorities work across them. With session affinity a
+    twin aggregate starts from the replicas' consistent-hash cluster instead.
+    """
+    members = tuple(
+        member + INTERNAL_SUFFIX if member in behind_listener else member
+        for member in cluster.members
+    )
+    variants = [(cluster.name, members)]
+    if cluster.affinity is not None:
+        variants.append(
+            (
+                cluster.name + AFFINITY_SUFFIX,
+                tuple(
+                    member + AFFINITY_SUFFIX if member == cluster.name + LOCAL_SUFFIX else member
+                    for member in members
+                ),
+            )
+        )
+    out = []
+    for name, members in variants:
+        aggregate = cluster_pb2.Cluster(
+            name=name,
+            connect_timeout=duration(cluster.connect_timeout),
+            lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
+        )
+        aggregate.cluster_type.name = "envoy.clusters.aggregate"
+        aggregate.cluster_type.typed_config.CopyFrom(
+            pack(aggregate_pb2.ClusterConfig(clusters=list(members)))
+        )
+        out.append(aggregate)
+    return out
+
+
+def cluster_base(cluster: PlanCluster, name: str, trusted_ca_file: str) -> cluster_pb2.Cluster:
+    out = cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
+            eds_config=ads_source(), service_name=cluster.eds_service or cluster.name
+        ),
+        connect_timeout=duration(cluster.connect_timeout),
+    )
+    # Apply a new host set at once; the 1 s default merge window delays failover.
+    out.common_lb_config.update_merge_window.CopyFrom(duration(0))
+    # With active health checks Envoy keeps an endpoint that EDS removed for as long as it
+    # passes its checks; a removal through kvpilot must take it out of rotation now.
+    out.ignore_health_on_host_removal = True
+    protocol_options = http_protocol_options_pb2.HttpProtocolOptions()
+    if cluster.protocol == "http2":
+        protocol_options.explicit_http_config.http2_protocol_options.CopyFrom(
+            protocol_pb2.Http2ProtocolOptions()
+        )
+    else:
+        protocol_options.explicit_http_config.http_protocol_options.CopyFrom(
+            protocol_pb2.Http1ProtocolOptions()
+        )
+    out.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(protocol_options))
+
+    check = cluster.health_check
+    if check.enabled:
+        out.health_checks.append(
+            health_check_pb2.HealthCheck(
+                timeout=duration(check.timeout),
+                interval=duration(check.interval),
+                # Idle tiers are checked as often as busy ones: failover needs to know
+                # whether priority 1 is healthy before traffic reaches it.
+                no_traffic_interval=duration(check.interval),
+                unhealthy_threshold=wrappers_pb2.UInt32Value(value=check.unhealthy_threshold),
+                healthy_threshold=wrappers_pb2.UInt32Value(value=check.healthy_threshold),
+                http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path=check.path),
+            )
+        )
+    outlier = cluster.outlier_detection
+    if outlier.enabled:
+        out.outlier_detection.CopyFrom(
+            outlier_detection_pb2.OutlierDetection(
+                consecutive_5xx=wrappers_pb2.UInt32Value(value=outlier.consecutive_5xx),
+                consecutive_gateway_failure=wrappers_pb2.UInt32Value(
+                    value=outlier.consecutive_gateway_failure
+                ),
+                # Envoy's default enforcement for gateway failures is 0%.
+                enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=100),
+                interval=duration(outlier.interval),
+                base_ejection_time=duration(outlier.base_ejection_time),
+                # Envoy's default of 10% never ejects anything among fewer than 10 hosts.
+                max_ejection_percent=wrappers_pb2.UInt32Value(value=outlier.max_ejection_percent),
+            )
+        )
+    breakers = cluster.circuit_breakers
+    out.circuit_breakers.CopyFrom(
+        circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                    max_connections=wrappers_pb2.UInt32Value(value=breakers.max_connections),
+                    max_pending_requests=wrappers_pb2.UInt32Value(
+                        value=breakers.max_pending_requests
+                    ),
+                    max_requests=wrappers_pb2.UInt32Value(value=breakers.max_requests),
+                    max_retries=wrappers_pb2.UInt32Value(value=breakers.max_retries),
+                )
+            ]
+        )
+    )
+    if cluster.tls is not None:
+        sni = cluster.tls.sni or (cluster.endpoints[0].address if cluster.endpoints else "")
+        context = tls_pb2.UpstreamTlsContext(sni=sni)
+        if not cluster.tls.insecure_skip_verify:
+            # Without a validation context Envoy would not verify the server at all; Envoy
+            # also refuses SAN matching without a trusted CA file.
+            validation = context.common_tls_context.validation_context
+            validation.trusted_ca.filename = cluster.tls.ca_file or trusted_ca_file
+            if sni:
+                validation.match_typed_subject_alt_names.append(
+                    common_pb2.SubjectAltNameMatcher(
+                        san_type=common_pb2.SubjectAltNameMatcher.DNS,
+                        matcher=string_pb2.StringMatcher(exact=sni),
+                    )
+                )
+        out.transport_socket.name = "envoy.transport_sockets.tls"
+        out.transport_socket.typed_config.CopyFrom(pack(context))
+    return out
+
+
+def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignment:
+    """One ClusterLoadAssignment per route: tier k at priority k, grouped by locality."""
+    groups: dict[tuple[int, str, str], list[endpoint_components_pb2.LbEndpoint]] = {}
+    for endpoint in cluster.endpoints:
+        groups.setdefault((endpoint.priority, endpoint.region, endpoint.zone), []).append(
+            endpoint_components_pb2.LbEndpoint(
+                endpoint=endpoint_components_pb2.Endpoint(
+                    address=socket_address(endpoint.address, endpoint.port),
+                    hostname=endpoint.hostname,
+                ),
+                health_status=_HEALTH[endpoint.health],
+                load_balancing_weight=wrappers_pb2.UInt32Value(value=endpoint.weight),
+                metadata=base_pb2.Metadata(
+                    filter_metadata={
+                        "kvpilot": struct_pb2.Struct(
+                            fields={"pool": struct_pb2.Value(string_value=endpoint.pool)}
+                        )
+                    }
+                ),
+            )
+        )
+    return endpoint_pb2.ClusterLoadAssignment(
+        cluster_name=cluster.eds_service or cluster.name,
+        endpoints=[
+            endpoint_components_pb2.LocalityLbEndpoints(
+                locality=base_pb2.Locality(region=region, zone=zone),
+                priority=priority,
+                lb_endpoints=lb_endpoints,
+            )
+            for (priority, region, zone), lb_endpoints in sorted(groups.items())
+        ],
+    )

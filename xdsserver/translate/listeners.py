@@ -1,0 +1,150 @@
+"""LDS: one plain-HTTP listener per port, with the HTTP filters its routes need."""
+
+from __future__ import annotations
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.core.v3 import (
+    base_pb2,
+    substitution_format_string_pb2,
+)
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
+from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from google.protobuf import struct_pb2, wrappers_pb2
+
+from policies.plan import PlanListener
+from xdsserver.translate.protos import ads_source, duration, pack, socket_address
+
+MODEL_METADATA_NAMESPACE = "envoy.lb"
+"""Where json_to_metadata puts the body's ``model`` field (design.md: namespace envoy.lb)."""
+MODEL_METADATA_KEY = "model"
+LOCAL_RATELIMIT = "envoy.filters.http.local_ratelimit"
+LUA = "envoy.filters.http.lua"
+RATE_LIMITED_BODY = {
+    "error": {
+        "message": "Rate limit reached for this route; retry after the interval in the "
+        "x-ratelimit-reset header.",
+        "type": "rate_limit_exceeded",
+        "param": None,
+        "code": "rate_limit_exceeded",
+    }
+}
+
+
+def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
+    """A plain-HTTP listener whose routes come over RDS (route configuration of the same name)."""
+    filters: list[hcm_pb2.HttpFilter] = []
+    if listener.routes_by_model:
+        filters.append(
+            hcm_pb2.HttpFilter(
+                name="envoy.filters.http.json_to_metadata",
+                typed_config=pack(_model_to_metadata()),
+            )
+        )
+    if listener.rate_limited:
+        # Off at the listener; routes with a rate limit turn it on in typed_per_filter_config.
+        filters.append(
+            hcm_pb2.HttpFilter(
+                name=LOCAL_RATELIMIT,
+                typed_config=pack(local_rate_limit_pb2.LocalRateLimit(stat_prefix="rate_limit")),
+            )
+        )
+    if listener.prefix_hashing:
+        # No code at the listener; routes with prompt-prefix affinity bring theirs.
+        filters.append(hcm_pb2.HttpFilter(name=LUA, typed_config=pack(lua_pb2.Lua())))
+    filters.append(
+        hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router_pb2.Router()))
+    )
+    manager = hcm_pb2.HttpConnectionManager(
+        stat_prefix=listener.name,
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        rds=hcm_pb2.Rds(config_source=ads_source(), route_config_name=listener.name),
+        http_filters=filters,
+        # Streams may stay silent while a long prompt is prefilled; the per-route idle
+        # timeout governs instead.
+        stream_idle_timeout=duration(0),
+        drain_timeout=duration(listener.drain_timeout),
+    )
+    if listener.rate_limited:
+        manager.local_reply_config.CopyFrom(_rate_limited_reply())
+    if listener.access_log:
+        manager.access_log.append(
+            accesslog_pb2.AccessLog(
+                name="envoy.access_loggers.stdout",
+                typed_config=pack(stream_pb2.StdoutAccessLog()),
+            )
+        )
+    return listener_pb2.Listener(
+        name=listener.name,
+        address=socket_address(listener.address, listener.port),
+        # json_to_metadata buffers the body under the route matched before the model is
+        # known: the unknown-model direct response when the model is in the body alone. A
+        # route's request_body_buffer_limit does not apply to a direct response, so without
+        # this the connection's 1 MiB default answers long prompts with 413.
+        per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(
+            value=min(listener.max_request_body_bytes, 2**32 - 1)
+        ),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[
+                    listener_components_pb2.Filter(
+                        name="envoy.filters.network.http_connection_manager",
+                        typed_config=pack(manager),
+                    )
+                ]
+            )
+        ],
+    )
+
+
+def _model_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
+    """Copy the OpenAI ``model`` body field to dynamic metadata; the filter then clears the
+    route cache so routes can match on it. Without the charset variant and empty content
+    types, many clients' requests would skip the filter (design.md)."""
+    rule = json_to_metadata_pb2.JsonToMetadata.Rule(
+        selectors=[json_to_metadata_pb2.JsonToMetadata.Selector(key=MODEL_METADATA_KEY)],
+        on_present=json_to_metadata_pb2.JsonToMetadata.KeyValuePair(
+            metadata_namespace=MODEL_METADATA_NAMESPACE,
+            key=MODEL_METADATA_KEY,
+            type=json_to_metadata_pb2.JsonToMetadata.STRING,
+        ),
+    )
+    return json_to_metadata_pb2.JsonToMetadata(
+        request_rules=json_to_metadata_pb2.JsonToMetadata.MatchRules(
+            rules=[rule],
+            allow_content_types=["application/json", "application/json; charset=utf-8"],
+            allow_empty_content_type=True,
+        )
+    )
+
+
+def _rate_limited_reply() -> hcm_pb2.LocalReplyConfig:
+    """Envoy's own 429s (rate limits) answered in OpenAI's error format; 429s from upstreams
+    pass through untouched because local reply mappers only see local replies."""
+    body = struct_pb2.Struct()
+    body.update(RATE_LIMITED_BODY)
+    return hcm_pb2.LocalReplyConfig(
+        mappers=[
+            hcm_pb2.ResponseMapper(
+                filter=accesslog_pb2.AccessLogFilter(
+                    status_code_filter=accesslog_pb2.StatusCodeFilter(
+                        comparison=accesslog_pb2.ComparisonFilter(
+                            op=accesslog_pb2.ComparisonFilter.EQ,
+                            value=base_pb2.RuntimeUInt32(
+                                default_value=429, runtime_key="kvpilot.rate_limited_status"
+                            ),
+                        )
+                    )
+                ),
+                body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
+                    json_format=body
+                ),
+            )
+        ]
+    )

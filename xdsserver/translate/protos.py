@@ -1,0 +1,39 @@
+"""Small builders shared by the translation modules: durations, Any packing, config sources."""
+
+from __future__ import annotations
+
+from envoy.config.core.v3 import address_pb2, config_source_pb2
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
+
+HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+"""Key of a cluster's HTTP protocol options in ``typed_extension_protocol_options``."""
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    """Seconds as a protobuf Duration (nanosecond precision)."""
+    value = duration_pb2.Duration()
+    value.FromNanoseconds(round(seconds * 1e9))
+    return value
+
+
+def pack(message: Message) -> any_pb2.Any:
+    """A message packed into an Any, as Envoy's typed_config fields take it."""
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def ads_source() -> config_source_pb2.ConfigSource:
+    """A config source that says "over the same ADS stream"."""
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(),
+        resource_api_version=config_source_pb2.V3,
+    )
+
+
+def socket_address(address: str, port: int) -> address_pb2.Address:
+    """An IP (or, for DNS clusters, host name) and port."""
+    return address_pb2.Address(
+        socket_address=address_pb2.SocketAddress(address=address, port_value=port)
+    )

@@ -1,0 +1,357 @@
+"""RDS: virtual hosts and route entries; model matching, session and prompt-prefix affinity,
+retries across tiers, rate limits."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from envoy.config.core.v3 import (
+    base_pb2,
+)
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
+from envoy.type.matcher.v3 import metadata_pb2, string_pb2
+from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
+from envoy.type.v3 import percent_pb2, token_bucket_pb2
+from google.protobuf import wrappers_pb2
+
+from policies.models import RateLimit
+from policies.plan import PlanListener, PlanRoute, PlanVirtualHost
+from xdsserver.translate.clusters import AFFINITY_SUFFIX
+from xdsserver.translate.listeners import (
+    LOCAL_RATELIMIT,
+    LUA,
+    MODEL_METADATA_KEY,
+    MODEL_METADATA_NAMESPACE,
+)
+from xdsserver.translate.protos import duration, pack
+
+PREFIX_KEY_HEADER = "x-kvpilot-prefix-key"
+"""Set by Envoy's Lua filter from the prompt's first characters when no session header is sent."""
+TENANT_DESCRIPTOR = "tenant"
+MAX_TENANTS = 10_000
+"""Most distinct tenant buckets one route keeps per Envoy (least recently used are dropped)."""
+_UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600}
+_RETRY_ON = {
+    "5xx": "5xx",
+    "reset": "reset",
+    "connect-failure": "connect-failure",
+    "gateway-error": "gateway-error",
+    "refused-stream": "refused-stream",
+    "429": "retriable-status-codes",
+}
+UNKNOWN_MODEL_BODY = json.dumps(
+    {
+        "error": {
+            "message": "The model in this request is not served here.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+)
+
+
+def translate_route_configuration(listener: PlanListener) -> route_pb2.RouteConfiguration:
+    """One virtual host per RoutingPolicy on this listener."""
+    return route_pb2.RouteConfiguration(
+        name=listener.name,
+        virtual_hosts=[
+            _virtual_host(vhost, listener.max_request_body_bytes)
+            for vhost in listener.virtual_hosts
+        ],
+    )
+
+
+def _virtual_host(vhost: PlanVirtualHost, body_limit: int) -> route_components_pb2.VirtualHost:
+    routes: list[route_components_pb2.Route] = []
+    for route in vhost.routes:
+        routes.extend(_routes(route, vhost.model_header, body_limit))
+    if vhost.routes_by_model:
+        routes.append(_unknown_model_route())
+    return route_components_pb2.VirtualHost(
+        name=vhost.name, domains=list(vhost.domains), routes=routes
+    )
+
+
+def _routes(
+    route: PlanRoute, model_header: str, body_limit: int
+) -> Iterable[route_components_pb2.Route]:
+    """Envoy route entries for one plan route.
+
+    A route that selects by model gets two entries per model: the override header first, then
+    the body field, which counts only when the override header is absent. With session affinity each of those is preceded by an entry that requires
+    the session header and targets the consistent-hash cluster.
+    """
+    matches: list[route_components_pb2.RouteMatch] = []
+    if route.models:
+        for model in route.models:
+            matches.append(_match(route, header=(model_header, model)))
+            matches.append(_match(route, model=model, unless_header=model_header))
+    else:
+        matches.append(_match(route))
+    affinity = route.affinity
+    for index, match in enumerate(matches):
+        if affinity is not None:
+            yield _route_entry(
+                route,
+                f"{route.name}#{index}/affinity",
+                _with_header(match, affinity.header),
+                affinity=affinity.header,
+                body_limit=body_limit,
+            )
+            if affinity.prefix_hash_chars:
+                yield _route_entry(
+                    route,
+                    f"{route.name}#{index}/prefix",
+                    _with_header(match, PREFIX_KEY_HEADER),
+                    affinity=PREFIX_KEY_HEADER,
+                    body_limit=body_limit,
+                )
+        entry = _route_entry(
+            route, f"{route.name}#{index}", match, affinity=None, body_limit=body_limit
+        )
+        if affinity is not None and affinity.prefix_hash_chars:
+            # No session header: the Lua filter derives a key from the prompt's first
+            # characters and sets PREFIX_KEY_HEADER; changing headers clears Envoy's route
+            # cache, so the request is matched again and takes the "/prefix" entry above.
+            entry.typed_per_filter_config[LUA].CopyFrom(
+                pack(
+                    lua_pb2.LuaPerRoute(
+                        source_code=base_pb2.DataSource(
+                            inline_string=prefix_key_lua(
+                                affinity.header, affinity.prefix_hash_chars
+                            )
+                        )
+                    )
+                )
+            )
+        yield entry
+
+
+def _with_header(
+    match: route_components_pb2.RouteMatch, header: str
+) -> route_components_pb2.RouteMatch:
+    out = route_components_pb2.RouteMatch()
+    out.CopyFrom(match)
+    out.headers.append(route_components_pb2.HeaderMatcher(name=header, present_match=True))
+    return out
+
+
+def prefix_key_lua(session_header: str, chars: int) -> str:
+    """Lua run by Envoy on requests without a session header: a hash of the first ``chars``
+    characters of the prompt (from the ``messages`` or ``prompt`` field on, as sent) becomes
+    the PREFIX_KEY_HEADER, so requests that share a long prefix (a system prompt, a document)
+    hash to the same replica and meet its prefix cache.
+
+    The trade-off of ``chars``: too small and unrelated conversations that merely share a
+    short system prompt all pile onto one replica (bounded load then spills them over); too
+    large and requests sharing a long prefix still differ within the window and scatter.
+    The hash is computed in Lua so the header stays short and printable whatever the prompt
+    holds; Envoy then hashes the header onto the ring like a session ID.
+    """
+    return f"""-- kvpilot: prompt-prefix affinity key ({chars} characters)
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  if headers:get("{session_header}") ~= nil or headers:get("{PREFIX_KEY_HEADER}") ~= nil then
+    return
+  end
+  local body = handle:body()
+  if body == nil then
+    return
+  end
+  local text = body:getBytes(0, math.min(body:length(), {chars} + 65536))
+  local start = string.find(text, '"messages"', 1, true) or string.find(text, '"prompt"', 1, true)
+  if start == nil then
+    return
+  end
+  local window = string.sub(text, start, start + {chars} - 1)
+  local hash = 7
+  for i = 1, #window do
+    hash = (hash * 31 + string.byte(window, i)) % 2147483647
+  end
+  -- Header handles taken before body() are invalid after it yields: fetch them again.
+  handle:headers():add("{PREFIX_KEY_HEADER}", string.format("%x", hash))
+end
+"""
+
+
+def _match(
+    route: PlanRoute,
+    *,
+    header: tuple[str, str] | None = None,
+    model: str | None = None,
+    unless_header: str | None = None,
+) -> route_components_pb2.RouteMatch:
+    match = route_components_pb2.RouteMatch(prefix=route.path_prefix)
+    for name, value in (*route.headers, *([header] if header else [])):
+        match.headers.append(
+            route_components_pb2.HeaderMatcher(
+                name=name, string_match=string_pb2.StringMatcher(exact=value)
+            )
+        )
+    if unless_header is not None:
+        # Envoy takes the first entry that matches: without this, the body entry of an
+        # earlier route would beat the override header's entry of a later route.
+        match.headers.append(
+            route_components_pb2.HeaderMatcher(
+                name=unless_header, present_match=True, invert_match=True
+            )
+        )
+    if model is not None:
+        match.dynamic_metadata.append(
+            metadata_pb2.MetadataMatcher(
+                filter=MODEL_METADATA_NAMESPACE,
+                path=[metadata_pb2.MetadataMatcher.PathSegment(key=MODEL_METADATA_KEY)],
+                value=value_matcher_pb2.ValueMatcher(
+                    string_match=string_pb2.StringMatcher(exact=model)
+                ),
+            )
+        )
+    return match
+
+
+def _route_entry(
+    route: PlanRoute,
+    name: str,
+    match: route_components_pb2.RouteMatch,
+    *,
+    affinity: str | None,
+    body_limit: int,
+) -> route_components_pb2.Route:
+    """One route entry; ``affinity`` names the header to hash on (consistent-hash cluster)."""
+    action = route_components_pb2.RouteAction(
+        cluster=route.cluster + (AFFINITY_SUFFIX if affinity else ""),
+        timeout=duration(route.timeouts.request),
+        idle_timeout=duration(route.timeouts.idle),
+        retry_policy=_retry_policy(route, affinity=affinity is not None),
+    )
+    if affinity:
+        action.hash_policy.append(
+            route_components_pb2.RouteAction.HashPolicy(
+                header=route_components_pb2.RouteAction.HashPolicy.Header(header_name=affinity)
+            )
+        )
+    if route.host_rewrite:
+        # The chosen endpoint's hostname: a provider's name, or its pool's hostRewrite.
+        # Endpoints without one keep the client's Host header.
+        action.auto_host_rewrite.value = True
+    out = route_components_pb2.Route(name=name, match=match, route=action)
+    if route.rate_limit is not None:
+        out.typed_per_filter_config[LOCAL_RATELIMIT].CopyFrom(
+            pack(_rate_limit(route.rate_limit, name))
+        )
+    # Long prompts are the norm: let the model-routing filter buffer the whole body.
+    out.request_body_buffer_limit.value = body_limit
+    return out
+
+
+def _retry_policy(route: PlanRoute, *, affinity: bool) -> route_components_pb2.RetryPolicy:
+    retries = route.retries
+    policy = route_components_pb2.RetryPolicy(
+        retry_on=",".join(dict.fromkeys(_RETRY_ON[condition] for condition in retries.retry_on)),
+        num_retries=wrappers_pb2.UInt32Value(value=retries.attempts),
+        retry_host_predicate=[
+            route_components_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        ],
+        # A consistent hash picks the same host again on retry unless asked to re-pick many
+        # times; plain balancers need only a few attempts.
+        host_selection_retry_max_attempts=50 if affinity else 5,
+        retry_back_off=route_components_pb2.RetryPolicy.RetryBackOff(
+            base_interval=duration(retries.backoff_base),
+            max_interval=duration(retries.backoff_base * 10),
+        ),
+    )
+    if "429" in retries.retry_on:
+        policy.retriable_status_codes.append(429)
+    if retries.per_try_timeout:
+        policy.per_try_timeout.CopyFrom(duration(retries.per_try_timeout))
+    if route.tiers > 1:
+        # Move to the next tier on retry even when the failed tier still looks healthy
+        # (a single priority-0 host answering 429, for example).
+        policy.retry_priority.CopyFrom(
+            route_components_pb2.RetryPolicy.RetryPriority(
+                name="envoy.retry_priorities.previous_priorities",
+                typed_config=pack(
+                    previous_priorities_config_pb2.PreviousPrioritiesConfig(update_frequency=1)
+                ),
+            )
+        )
+    return policy
+
+
+def _rate_limit(limit: RateLimit, stat_name: str) -> local_rate_limit_pb2.LocalRateLimit:
+    """A token bucket per route, or per tenant header value when the limit names one.
+
+    Tenant buckets are dynamic descriptors: an entry with an empty value matches any value and
+    each distinct value gets its own bucket of the same size.
+    """
+    bucket = _token_bucket(limit)
+    always = percent_pb2.FractionalPercent(
+        numerator=100, denominator=percent_pb2.FractionalPercent.HUNDRED
+    )
+    config = local_rate_limit_pb2.LocalRateLimit(
+        stat_prefix="rate_limit",
+        token_bucket=bucket,
+        filter_enabled=base_pb2.RuntimeFractionalPercent(default_value=always),
+        filter_enforced=base_pb2.RuntimeFractionalPercent(default_value=always),
+        enable_x_ratelimit_headers=ratelimit_pb2.DRAFT_VERSION_03,
+    )
+    if limit.tenant_header:
+        config.rate_limits.append(
+            route_components_pb2.RateLimit(
+                actions=[
+                    route_components_pb2.RateLimit.Action(
+                        request_headers=route_components_pb2.RateLimit.Action.RequestHeaders(
+                            header_name=limit.tenant_header,
+                            descriptor_key=TENANT_DESCRIPTOR,
+                            skip_if_absent=True,
+                        )
+                    )
+                ]
+            )
+        )
+        config.descriptors.append(
+            ratelimit_pb2.LocalRateLimitDescriptor(
+                entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=TENANT_DESCRIPTOR, value="")],
+                token_bucket=_token_bucket(limit),
+            )
+        )
+        config.max_dynamic_descriptors.value = MAX_TENANTS
+        # A tenant's request spends only its own bucket; requests without the header share
+        # the route's bucket.
+        config.always_consume_default_token_bucket.value = False
+    return config
+
+
+def _token_bucket(limit: RateLimit) -> token_bucket_pb2.TokenBucket:
+    return token_bucket_pb2.TokenBucket(
+        max_tokens=limit.burst or limit.requests,
+        tokens_per_fill=wrappers_pb2.UInt32Value(value=limit.requests),
+        fill_interval=duration(_UNIT_SECONDS[limit.unit]),
+    )
+
+
+def _unknown_model_route() -> route_components_pb2.Route:
+    """Requests for a model no route serves get OpenAI's 404, not an empty 503."""
+    return route_components_pb2.Route(
+        name="unknown-model",
+        match=route_components_pb2.RouteMatch(prefix="/"),
+        direct_response=route_components_pb2.DirectResponseAction(
+            status=404, body=base_pb2.DataSource(inline_string=UNKNOWN_MODEL_BODY)
+        ),
+        response_headers_to_add=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ],
+    )
