@@ -1,0 +1,1 @@
+"""Simulated model replicas, workloads and the benchmarks behind ``make bench``."""
