@@ -245,3 +245,14 @@ async def test_rebuilt_cluster_gets_its_endpoints_resent(ads: RunningServer) -> 
         resent = await recv(s)
         assert resent.type_url == ENDPOINT
         assert versions(resent) == versions(endpoints)
+
+
+async def test_a_wildcard_subscription_to_an_empty_set_is_answered(ads: RunningServer) -> None:
+    """An Envoy of a fleet with no listeners yet must still finish initializing at once."""
+    ads.cache.set_snapshot("default", Snapshot.from_messages({CLUSTER: [], LISTENER: []}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(LISTENER)
+        response = await recv(s)
+        assert names_of(response) == [] and list(response.removed_resources) == []
+        await s.ack(response)
+        await s.expect_silence()

@@ -489,7 +489,11 @@ class _DeltaStream(_Stream):
             if st.resuming:
                 # A reconnect that needs nothing: the Envoy holds this version already.
                 self.status.resumed(self.conn, st.type_url, version=version)
-            return None
+                return None
+            if not (st.wildcard and not st.nonce):
+                return None
+            # A new wildcard subscription to an empty set still gets an (empty) answer, or the
+            # Envoy would wait out its initial_fetch_timeout before it counts as initialized.
         return _DeltaChange(st, version, updates, removals)
 
     def plan(self, snapshot: Snapshot | None) -> list[_Push]:
