@@ -3,9 +3,11 @@
     python -m bench [routing] [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
 
-`routing` (the default) replays one LLM workload through a real Envoy configured by kvpilot
-under several routing policies and writes a Markdown report, a JSON file and PNG plots under
-``bench/results/``; it prints the report's path.
+`routing` (the default) replays LLM workloads (multi-turn chat, shared documents) through a
+real Envoy configured by kvpilot under several routing policies and writes a Markdown report,
+a JSON file, every request's measurements and PNG plots under ``bench/results/``; it prints
+the report's path. Policies: round_robin, least_request, affinity, affinity_telemetry, orca,
+affinity_200 (a bounded-load sensitivity check), docs_round_robin, docs_prefix.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ def _routing(args: argparse.Namespace) -> int:
     if args.workload:
         config = replace(config, workload=replace(config.workload, kind=args.workload))
     if args.arrival:
-        config = replace(config, workload=replace(config.workload, arrival=args.arrival))
+        config = replace(
+            config,
+            workload=replace(config.workload, arrival=args.arrival),
+            docs_workload=replace(config.docs_workload, arrival=args.arrival),
+        )
     if args.no_plots:
         config = replace(config, plots=False)
     report = run_routing(config, state_dir=args.state_dir)

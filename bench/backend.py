@@ -18,7 +18,8 @@ replicas also take:
 
 - `POST /admin/slow {"factor": 4}`: every engine step takes 4x longer (1 recovers);
 - `POST /admin/die`: the replica aborts its requests and stops listening (the others go on);
-- `POST /admin/reset`: drop the unreferenced prefix cache and zero the engine's counters.
+- `POST /admin/reset`: drop the unreferenced prefix cache and zero the engine's counters
+  (`{"cache": "keep"}` zeroes the counters only, after warming the cache).
 
 Run it:  python -m bench.backend --replicas 3 --host 127.0.0.1 --ports 0 --id-prefix be
          [--simulate [--sim-config '{"time_scale": 2.0, "orca": true}']]
@@ -268,7 +269,12 @@ def build_app(replica: Replica) -> Starlette:
 
     async def admin_reset(request: Request) -> Response:
         try:
-            result = engine_of(request).reset()
+            body = await request.json()
+        except ValueError:
+            body = {}
+        drop_cache = not isinstance(body, dict) or body.get("cache", "drop") != "keep"
+        try:
+            result = engine_of(request).reset(drop_cache=drop_cache)
         except EngineError as exc:
             return JSONResponse({"error": str(exc)}, exc.status, headers=headers)
         replica.requests.clear()
@@ -565,10 +571,12 @@ class BackendProcess:
         """Make one simulated replica abort its requests and stop listening."""
         self._admin(replica_id, "/admin/die", {})
 
-    def reset(self, replica_id: str | None = None) -> None:
-        """Drop the prefix cache and zero the counters of one simulated replica, or all."""
+    def reset(self, replica_id: str | None = None, *, keep_cache: bool = False) -> None:
+        """Drop the prefix cache (unless `keep_cache`) and zero the counters of one simulated
+        replica, or all."""
+        body = {"cache": "keep"} if keep_cache else {}
         for info in [self.replica(replica_id)] if replica_id else self.replicas:
-            self._admin(info.id, "/admin/reset", {})
+            self._admin(info.id, "/admin/reset", body)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench.analysis import describe, tail_breakdown
 
 BASELINE = "round_robin"
 KVPILOT = "affinity"
@@ -49,51 +52,43 @@ def targets(results: dict[str, Any], oracle: float) -> list[tuple[str, bool | No
     ]
 
 
-def markdown(
-    *,
-    workload_summary: dict[str, Any],
-    calibration: dict[str, Any],
-    oracle: float,
-    results: dict[str, Any],
-    skipped: dict[str, str],
-    titles: dict[str, str],
-    config_dict: dict[str, Any],
-    plots: list[str],
-) -> str:
-    base = results.get(BASELINE, {})
-    sim = config_dict["sim"]
+@dataclass
+class WorkloadGroup:
+    """One workload's results: its own baseline (round robin) and its own oracle."""
+
+    name: str
+    summary: dict[str, Any]
+    calibration: dict[str, Any]
+    oracle: float
+    results: dict[str, Any]
+
+    @property
+    def baseline(self) -> dict[str, Any]:
+        """The group's round-robin result (the first policy when there is none)."""
+        for key, result in self.results.items():
+            if key.endswith(BASELINE):
+                return dict(result)
+        return dict(next(iter(self.results.values()), {}))
+
+
+def _table(group: WorkloadGroup, titles: dict[str, str]) -> list[str]:
+    base = group.baseline
     lines = [
-        "# kvpilot routing benchmark",
-        "",
-        f"{time.strftime('%Y-%m-%d %H:%M:%S')}. One workload replayed through a real Envoy "
-        f"configured by kvpilot, once per policy, against {config_dict['replicas']} simulated "
-        "vLLM replicas (prefix caches reset between policies). Times are simulated GPU seconds "
-        f"(wall time / time scale {sim['time_scale']}).",
-        "",
-        f"Workload: {workload_summary['kind']}, {workload_summary['requests']} requests, "
-        f"{workload_summary['sessions']} chat sessions, "
-        f"{workload_summary['document_requests']} document requests, "
-        f"{workload_summary['arrival']} arrivals (seed {workload_summary['seed']}); prompts "
-        f"{workload_summary['prompt_tokens_mean']:.0f} tokens on average "
-        f"(max {workload_summary['prompt_tokens_max']}), answers "
-        f"{workload_summary['answer_tokens_mean']:.0f} (max {workload_summary['answer_tokens_max']}). "
-        f"Offered load: {calibration['estimated_cache_blind_load']:.0%} of the cluster's "
-        "estimated cache-blind capacity; the measured engine busy share is in the table.",
-        "",
-        "| policy | hit rate | vs oracle | TTFT p50 | TTFT p99 | tokens/s | "
+        "| policy | hit rate | vs oracle | TTFT p50 | TTFT p90 | TTFT p99 | tokens/s | "
         "p50 vs RR | p99 vs RR | tokens/s vs RR | load max/mean | served max/mean | busy | "
         "errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key, r in results.items():
+    for key, r in group.results.items():
         lines.append(
             "| "
             + " | ".join(
                 [
                     titles.get(key, key),
                     _num(r["hit_rate"], "{:.1%}"),
-                    _num(_ratio(r["hit_rate"], oracle), "{:.2f}"),
+                    _num(_ratio(r["hit_rate"], group.oracle), "{:.2f}"),
                     _num(r["ttft_p50"], "{:.3f}s"),
+                    _num(r["ttft_p90"], "{:.3f}s"),
                     _num(r["ttft_p99"], "{:.3f}s"),
                     _num(r["throughput_tokens_per_s"], "{:.0f}"),
                     _num(_ratio(r["ttft_p50"], base.get("ttft_p50")), "{:.2f}x"),
@@ -111,31 +106,101 @@ def markdown(
             + " |"
         )
     lines.append(
-        f"| oracle (perfect affinity, infinite cache) | {oracle:.1%} | 1.00 | n/a | n/a | n/a | "
-        "n/a | n/a | n/a | n/a | n/a | n/a | n/a |"
+        f"| oracle (perfect affinity, infinite cache) | {group.oracle:.1%} | 1.00 | n/a | n/a | "
+        "n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |"
     )
+    return lines
+
+
+def _workload_line(summary: dict[str, Any], calibration: dict[str, Any]) -> str:
+    return (
+        f"{summary['kind']}, {summary['requests']} requests, {summary['sessions']} chat sessions "
+        f"({summary.get('turns_mean', 0):.1f} turns on average), "
+        f"{summary['document_requests']} document requests, {summary['arrival']} arrivals "
+        f"(seed {summary['seed']}); prompts {summary['prompt_tokens_mean']:.0f} tokens on "
+        f"average (p50 {summary.get('prompt_tokens_p50', 0):.0f}, max "
+        f"{summary['prompt_tokens_max']}), answers {summary['answer_tokens_mean']:.0f} (max "
+        f"{summary['answer_tokens_max']}). Offered load: "
+        f"{calibration['estimated_cache_blind_load']:.0%} of the cluster's estimated "
+        "cache-blind capacity."
+    )
+
+
+def markdown(
+    *,
+    groups: list[WorkloadGroup],
+    titles: dict[str, str],
+    config_dict: dict[str, Any],
+    plots: list[str],
+) -> str:
+    sim = config_dict["sim"]
+    lines = [
+        "# kvpilot routing benchmark",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}. Each workload replayed through a real Envoy "
+        f"configured by kvpilot, once per policy, against {config_dict['replicas']} simulated "
+        "vLLM replicas (prefix caches reset between policies). Times are simulated GPU seconds "
+        f"(wall time / time scale {sim['time_scale']}).",
+    ]
+    for group in groups:
+        lines += [
+            "",
+            f"## Workload: {group.name}",
+            "",
+            _workload_line(group.summary, group.calibration),
+            "",
+            *_table(group, titles),
+        ]
     lines += [
         "",
         "hit rate: prefix-cache hit tokens over prompt tokens, from the replicas' "
         "`vllm:prefix_cache_*` counters. load max/mean: the busiest replica's mean in-flight "
         "requests (running + waiting, sampled every 0.5 s) over the replicas' average; served: "
-        "the same for request counts. busy: share of time the simulated engines were stepping.",
-        "",
+        "the same for request counts. busy: share of time the simulated engines were stepping. "
+        "Ratios are to the same workload's round robin.",
     ]
-    for key, note in skipped.items():
-        lines.append(f"- {titles.get(key, key)}: {note}.")
-    check = targets(results, oracle)
+    for group in groups:
+        for key, r in group.results.items():
+            if "telemetry" in r:
+                t = r["telemetry"]
+                lines.append(
+                    f"- {titles.get(key, key)}: kvpilot changed endpoint weights "
+                    f"{t['weight_changes']:.0f} times from telemetry during the run "
+                    f"({t['telemetry_pushes']:.0f} pushes); weights at the end "
+                    f"{t['weights_at_end']}."
+                )
+            if r["errors"] or r["timed_out"]:
+                lines.append(
+                    f"- {titles.get(key, key)}: {r['errors']} errors {r['error_kinds']}"
+                    + (", stopped at the deadline" if r["timed_out"] else "")
+                )
+    chat = next((g for g in groups if KVPILOT in g.results), None)
+    check = targets(chat.results, chat.oracle) if chat else []
     if check:
         lines += ["", "## Targets for kvpilot (issue 7)", ""]
         for what, met, measured in check:
             mark = "n/a" if met is None else ("met" if met else "NOT met")
             lines.append(f"- {what}: {mark} ({measured})")
-    for key, r in results.items():
-        if r["errors"] or r["timed_out"]:
-            lines.append(
-                f"- {titles.get(key, key)}: {r['errors']} errors {r['error_kinds']}"
-                + (", stopped at the deadline" if r["timed_out"] else "")
-            )
+    breakdowns = [
+        (titles.get(key, key), r["tail"])
+        for g in groups
+        for key, r in g.results.items()
+        if r.get("tail")
+    ]
+    if breakdowns:
+        lines += [
+            "",
+            "## Where the slowest first tokens come from",
+            "",
+            "Each request's TTFT split into its own prefill (uncached tokens at the "
+            "simulator's cost, in chunks of the step budget) and waiting (queue, and steps "
+            "shared with other prefills). Kinds: first turn of a session; moved (a later turn "
+            "on another replica than the previous turn); evicted (same replica, history "
+            "missing); warm (history found).",
+            "",
+        ]
+        for title, breakdown in breakdowns:
+            lines += describe(title, breakdown)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     lines += [
@@ -201,45 +266,44 @@ def write_report(
     *,
     out_dir: Path,
     plots: bool,
-    workload_summary: dict[str, Any],
-    calibration: dict[str, Any],
-    oracle: float,
-    results: dict[str, Any],
-    skipped: dict[str, str],
+    groups: list[WorkloadGroup],
     titles: dict[str, str],
     config_dict: dict[str, Any],
 ) -> Path:
-    """Write routing-<time>.md/.json (and PNGs) under the output directory; return the .md."""
+    """Write routing-<time>.md/.json (and PNGs, and every request's measurements in
+    routing-<time>-requests.json) under the output directory; return the .md."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    results = {key: r for g in groups for key, r in g.results.items()}
+    for r in results.values():
+        r["tail"] = tail_breakdown(r.get("per_request", []), config_dict["sim"])
     pngs = _plots(out_dir, stamp, results, titles) if plots and results else []
-    text = markdown(
-        workload_summary=workload_summary,
-        calibration=calibration,
-        oracle=oracle,
-        results=results,
-        skipped=skipped,
-        titles=titles,
-        config_dict=config_dict,
-        plots=pngs,
-    )
+    text = markdown(groups=groups, titles=titles, config_dict=config_dict, plots=pngs)
     report = out_dir / f"routing-{stamp}.md"
     report.write_text(text)
+    chat = next((g for g in groups if KVPILOT in g.results), None)
     data = {
-        "workload": workload_summary,
-        "calibration": calibration,
-        "oracle": {"hit_rate": oracle},
+        "workloads": {
+            g.name: {
+                "summary": g.summary,
+                "calibration": g.calibration,
+                "oracle": {"hit_rate": g.oracle},
+                "policies": list(g.results),
+            }
+            for g in groups
+        },
         "policies": {
-            key: {k: v for k, v in r.items() if k not in ("ttfts", "load_series")}
+            key: {k: v for k, v in r.items() if k not in ("ttfts", "load_series", "per_request")}
             for key, r in results.items()
         },
-        "skipped": skipped,
         "targets": [
             {"target": what, "met": met, "measured": measured}
-            for what, met, measured in targets(results, oracle)
+            for what, met, measured in (targets(chat.results, chat.oracle) if chat else [])
         ],
         "config": config_dict,
         "plots": pngs,
     }
     (out_dir / f"routing-{stamp}.json").write_text(json.dumps(data, indent=2, default=str))
+    requests = {key: r.get("per_request", []) for key, r in results.items()}
+    (out_dir / f"routing-{stamp}-requests.json").write_text(json.dumps(requests))
     return report

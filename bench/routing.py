@@ -1,10 +1,15 @@
-"""The routing benchmark: one workload, several kvpilot policies, one real Envoy, one run.
+"""The routing benchmark: the same workloads, several kvpilot policies, one real Envoy, one run.
 
 It starts an embedded etcd, ``kvpilot serve``, a cluster of simulated vLLM replicas (one
-process) and a real Envoy fed by kvpilot over ADS. For each policy it applies a RoutingPolicy
-through the REST API, waits until Envoy's ``/config_dump`` shows it, resets the replicas'
-prefix caches and counters, replays the same workload through Envoy, and reads the replicas'
-``/metrics``. It writes a Markdown report, a JSON file and (with matplotlib) PNG plots.
+process), a real Envoy fed by kvpilot over ADS and one ``kvpilot agent`` that writes every
+replica's telemetry to etcd. For each policy it applies a RoutingPolicy through the REST API,
+waits until Envoy's ``/config_dump`` shows it, resets the replicas' prefix caches and
+counters, puts the shared system prompts back in every cache (a fleet in service holds them),
+replays the policy's workload through Envoy, and reads the replicas' ``/metrics``.
+
+Two workloads: multi-turn chat with session ids (the issue's targets are measured on it), and
+shared long documents without session ids (for prompt-prefix affinity). It writes a Markdown
+report, a JSON file, every request's measurements and (with matplotlib) PNG plots.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import contextlib
 import json
 import secrets
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -26,15 +32,24 @@ import httpx
 
 from bench.backend import BackendProcess
 from bench.loadgen import RunResult, parse_metrics, replay
-from bench.report import write_report
-from bench.serve_shim import BenchKvpilotProcess
+from bench.report import WorkloadGroup, write_report
 from bench.simulator import SimConfig
 from bench.workload import Workload, WorkloadConfig, cache_blind_cost, generate, oracle_hit_rate
-from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess, free_port
+from controlplane.launchers import (
+    EmbeddedEnvoy,
+    EmbeddedEtcd,
+    KvpilotProcess,
+    ManagedProcess,
+    free_port,
+    repo_root,
+)
 
 MODEL = "sim-model"
 POOL = "bench"
 POLICY_NAME = "bench"
+PREFIX_HASH_CHARS = 1024
+"""Prompt characters hashed for prompt-prefix affinity: the system message and the first
+couple of hundred words of the document, enough to tell the documents apart."""
 
 
 @dataclass(frozen=True)
@@ -44,9 +59,11 @@ class Policy:
     key: str
     title: str
     route: dict[str, Any]
-    skip: str = ""
-    """When set, the policy is not run and this note is printed instead."""
+    workload: str = "chat"
+    """Which of the benchmark's workloads it replays: ``chat`` (multi-turn) or ``docs``."""
 
+
+AFFINITY = {"header": "x-session-id", "hashBalanceFactor": 150}
 
 POLICIES: tuple[Policy, ...] = (
     Policy("round_robin", "round robin", {"balancing": "round_robin"}),
@@ -54,23 +71,35 @@ POLICIES: tuple[Policy, ...] = (
     Policy(
         "affinity",
         "kvpilot session affinity + bounded load",
-        {
-            "balancing": "least_request",
-            "sessionAffinity": {"header": "x-session-id", "hashBalanceFactor": 150},
-        },
+        {"balancing": "least_request", "sessionAffinity": AFFINITY},
     ),
-    # Slot for affinity plus telemetry-driven endpoint weights and ORCA feedback. kvpilot's
-    # policy model accepts balancing 'telemetry' and 'orca', but today both compile to plain
-    # least request and no telemetry loop sets weights; run it once they do.
+    # Session affinity plus weights from live telemetry: `kvpilot agent` scrapes the
+    # replicas into etcd, kvpilot turns queue depth and KV use into endpoint weights, which
+    # the ring-hash twin cluster (the one session requests use) honours too.
     Policy(
         "affinity_telemetry",
-        "kvpilot affinity + telemetry weights / ORCA",
+        "kvpilot affinity + telemetry weights",
+        {"balancing": "telemetry", "sessionAffinity": AFFINITY},
+    ),
+    # ORCA cannot combine with session affinity (one cluster has one load balancer), so this
+    # row is Envoy's client-side weighted round robin on the replicas' load reports alone.
+    Policy("orca", "ORCA weighted round robin (no affinity)", {"balancing": "orca"}),
+    Policy(
+        "affinity_200",
+        "sensitivity: affinity + bounded load 200",
+        {"balancing": "least_request", "sessionAffinity": {**AFFINITY, "hashBalanceFactor": 200}},
+    ),
+    # The shared-document workload: no session ids, every request is a long document plus a
+    # question. Prompt-prefix affinity hashes the prompt's head inside Envoy instead.
+    Policy("docs_round_robin", "documents: round robin", {"balancing": "round_robin"}, "docs"),
+    Policy(
+        "docs_prefix",
+        "documents: kvpilot prompt-prefix affinity",
         {
-            "balancing": "telemetry",
-            "sessionAffinity": {"header": "x-session-id", "hashBalanceFactor": 150},
+            "balancing": "least_request",
+            "sessionAffinity": {"hashBalanceFactor": 150, "prefixHashChars": PREFIX_HASH_CHARS},
         },
-        skip="telemetry weights and ORCA balancing are not implemented in kvpilot yet "
-        "(balancing 'telemetry' and 'orca' compile to least_request); skipped",
+        "docs",
     ),
 )
 
@@ -82,11 +111,23 @@ class BenchConfig:
     replicas: int = 4
     sim: SimConfig = field(default_factory=SimConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    """The multi-turn chat workload (the issue's targets are measured on it)."""
+    docs_workload: WorkloadConfig = field(
+        default_factory=lambda: WorkloadConfig(kind="docs", duration=30.0)
+    )
+    """The shared-document workload, for the prompt-prefix affinity rows."""
     target_load: float = 0.75
     """Offered load as a share of the cluster's cache-blind capacity (estimated)."""
     deadline: float = 240.0
     """Wall-clock limit of one policy's replay."""
-    policies: tuple[str, ...] = ("round_robin", "least_request", "affinity", "affinity_telemetry")
+    policies: tuple[str, ...] = tuple(p.key for p in POLICIES if p.key != "affinity_200")
+    """The policies to run; the bounded-load sensitivity row only when asked for, since at
+    this load bounded load moves a handful of requests (see the report's tail breakdown)."""
+    warm_system_prompts: bool = True
+    """Put the chat workload's shared system prompts in every replica's cache before each
+    replay (see `_warm`), so runs measure a fleet in service rather than a cold start."""
+    agent_interval: float = 1.0
+    """Simulated seconds between the telemetry agent's scrapes."""
     out_dir: Path = Path("bench/results")
     plots: bool = True
 
@@ -100,45 +141,80 @@ def default_config(short: bool = False) -> BenchConfig:
         prefill_per_token=1 / 4000,
         decode_base=0.02,
         decode_per_seq=0.0004,
-        time_scale=1.0,
+        # Simulated time runs 2.5x faster than the wall clock so that every policy fits
+        # `make bench`'s 10 minutes; engine steps stay 8 ms or longer in wall time.
+        time_scale=0.4,
         stream_interval=0.2,
+        orca=True,
     )
+    # Multi-turn chat as people use it: a few long shared system prompts, five turns on
+    # average (up to eight), each prompt the whole conversation so far, so histories grow to
+    # thousands of tokens; heavy-tailed questions and answers.
     workload = WorkloadConfig(
         kind="multiturn",
-        duration=75.0,
-        system_prompts=(300, 600, 900, 1200),
+        duration=80.0,
+        system_prompts=(1000, 2000, 3000, 4000),
         question_median=100,
-        answer_median=150,
+        answer_median=200,
+        length_cap=600,
         mean_turns=5.0,
         max_turns=8,
-        think_mean=2.0,
+        think_mean=3.0,
+    )
+    docs = WorkloadConfig(
+        kind="docs",
+        duration=30.0,
+        documents=(2000, 3000, 4000, 5000, 6000, 8000),
+        question_median=100,
+        answer_median=150,
     )
     if short:
-        workload = replace(workload, duration=8.0, max_turns=3, answer_median=60, length_cap=200)
-        return BenchConfig(sim=sim, workload=workload, deadline=14.0, plots=False)
-    return BenchConfig(sim=sim, workload=workload)
+        workload = replace(
+            workload, duration=6.0, max_turns=3, think_mean=1.0, answer_median=60, length_cap=200
+        )
+        docs = replace(docs, duration=3.0, answer_median=60, length_cap=200)
+        return BenchConfig(
+            sim=sim,
+            workload=workload,
+            docs_workload=docs,
+            deadline=30.0,
+            plots=False,
+            policies=("round_robin", "affinity", "affinity_telemetry", "orca", "docs_prefix"),
+        )
+    return BenchConfig(sim=sim, workload=workload, docs_workload=docs)
 
 
-def calibrate(config: BenchConfig) -> tuple[Workload, dict[str, Any]]:
-    """The workload at the session rate that offers `target_load` of cache-blind capacity.
+def calibrate(config: BenchConfig, base: WorkloadConfig) -> tuple[Workload, dict[str, Any]]:
+    """`base` at the arrival rate that offers `target_load` of cache-blind capacity.
 
-    The cost estimate depends on which sessions the seed draws at a given rate, so the rate
-    is corrected a few times (a fixed-point iteration) rather than set in one step.
+    The rate is the session rate of a chat workload, the document request rate of a
+    document workload. The cost estimate depends on which sessions the seed draws at a given
+    rate, so the rate is corrected a few times (a fixed-point iteration) rather than set in
+    one step.
     """
-    replicas, duration = config.replicas, config.workload.duration
+    replicas, duration = config.replicas, base.duration
+    rate_field = "doc_rate" if base.kind == "docs" else "session_rate"
+
+    def at(rate: float) -> tuple[Workload, float]:
+        if base.kind == "docs":
+            workload = generate(replace(base, doc_rate=rate))
+        else:
+            workload = generate(replace(base, session_rate=rate))
+        warm = workload.system_prompts() if config.warm_system_prompts else []
+        cost = cache_blind_cost(workload, config.sim, replicas, warm)
+        return workload, cost / (replicas * duration)
+
     rate = 1.0
-    workload = generate(replace(config.workload, session_rate=rate))
-    load = cache_blind_cost(workload, config.sim, replicas) / (replicas * duration)
+    workload, load = at(rate)
     best = (abs(load - config.target_load), rate, load, workload)
     for _ in range(6):
         if not load or best[0] < 0.02:
             break
         rate *= config.target_load / load
-        workload = generate(replace(config.workload, session_rate=rate))
-        load = cache_blind_cost(workload, config.sim, replicas) / (replicas * duration)
+        workload, load = at(rate)
         best = min(best, (abs(load - config.target_load), rate, load, workload), key=lambda b: b[0])
     _, rate, load, workload = best
-    return workload, {"session_rate": rate, "estimated_cache_blind_load": load}
+    return workload, {rate_field: rate, "estimated_cache_blind_load": load}
 
 
 # --------------------------------------------------------------------------- the stack
@@ -153,6 +229,7 @@ class Stack:
     kvpilot: KvpilotProcess
     envoy: EmbeddedEnvoy
     backends: BackendProcess
+    agent: ManagedProcess
     token: str
     listener_port: int
 
@@ -182,7 +259,7 @@ def start_stack(state_dir: Path, config: BenchConfig) -> Iterator[Stack]:
             EmbeddedEtcd(state_dir / "etcd", extra_args=["--unsafe-no-fsync"]).start()
         )
         kvpilot = stack.enter_context(
-            BenchKvpilotProcess(
+            KvpilotProcess(
                 state_dir / "kvpilot",
                 etcd_endpoints=[etcd.endpoint],
                 env={"KVPILOT_ADMIN_TOKEN": token},
@@ -206,7 +283,40 @@ def start_stack(state_dir: Path, config: BenchConfig) -> Iterator[Stack]:
                 fleet="default",
             ).start()
         )
-        yield Stack(kvpilot, envoy, backends, token, free_port())
+        agent = start_agent(state_dir / "agent", etcd.endpoint, backends, config)
+        stack.callback(agent.stop)
+        yield Stack(kvpilot, envoy, backends, agent, token, free_port())
+
+
+def start_agent(
+    state_dir: Path, etcd_endpoint: str, backends: BackendProcess, config: BenchConfig
+) -> ManagedProcess:
+    """One `kvpilot agent` for every replica, writing their telemetry to etcd (no
+    registration: the pool lists its endpoints statically)."""
+    interval = config.agent_interval * config.sim.time_scale
+    argv = [
+        sys.executable,
+        "-m",
+        "controlplane.cli",
+        "agent",
+        "--etcd-endpoints",
+        etcd_endpoint,
+        "--pool",
+        POOL,
+        "--interval",
+        f"{interval:g}",
+        "--refresh",
+        f"{3 * interval:g}",
+        "--max-running",
+        str(config.sim.max_batch),
+        "--log-level",
+        "warning",
+    ]
+    for replica in backends.replicas:
+        argv += ["--backend", replica.url]
+    agent = ManagedProcess(argv, state_dir / "agent.log", cwd=repo_root())
+    agent.spawn()
+    return agent
 
 
 def _pool_body(stack: Stack) -> dict[str, Any]:
@@ -218,6 +328,8 @@ def _pool_body(stack: Stack) -> dict[str, Any]:
             "models": [MODEL],
             "endpoints": [{"address": r.host, "port": r.port} for r in stack.backends.replicas],
             "healthCheck": {"path": "/health", "interval": "1s", "timeout": "500ms"},
+            # Read by routes with balancing 'telemetry' only; the others keep static weights.
+            "telemetry": {"format": "vllm", "maxAge": "5s"},
         },
     }
 
@@ -235,13 +347,38 @@ def _policy_body(stack: Stack, policy: Policy) -> dict[str, Any]:
     }
 
 
-def _clusters_in_envoy(envoy: EmbeddedEnvoy) -> dict[str, str]:
-    """{cluster name: lb_policy} of Envoy's active dynamic clusters."""
-    out: dict[str, str] = {}
+def _lb_signature(cluster: dict[str, Any]) -> tuple[str, int]:
+    """(load balancer, bounded-load factor) of a cluster from Envoy's /config_dump."""
+    custom = cluster.get("load_balancing_policy", {}).get("policies", [])
+    if custom:
+        lb = custom[0].get("typed_extension_config", {}).get("name", "custom").rsplit(".", 1)[-1]
+    else:
+        lb = cluster.get("lb_policy", "ROUND_ROBIN")
+    hashing = cluster.get("common_lb_config", {}).get("consistent_hashing_lb_config", {})
+    return lb, int(hashing.get("hash_balance_factor", 0))
+
+
+def _clusters_in_envoy(envoy: EmbeddedEnvoy) -> dict[str, tuple[str, int]]:
+    """{cluster name: load-balancer signature} of Envoy's active dynamic clusters."""
+    out: dict[str, tuple[str, int]] = {}
     for config in envoy.config_dump()["configs"]:
         for entry in config.get("dynamic_active_clusters", []):
             cluster = entry.get("cluster", {})
-            out[cluster.get("name", "")] = cluster.get("lb_policy", "ROUND_ROBIN")
+            out[cluster.get("name", "")] = _lb_signature(cluster)
+    return out
+
+
+def _expected_clusters(policy: Policy) -> dict[str, tuple[str, int]]:
+    """The load-balancer signatures Envoy shows once `policy` is applied, by name suffix."""
+    balancing = policy.route.get("balancing", "least_request")
+    base = {
+        "round_robin": "ROUND_ROBIN",
+        "orca": "client_side_weighted_round_robin",
+    }.get(balancing, "LEAST_REQUEST")
+    out = {"": (base, 0)}
+    affinity = policy.route.get("sessionAffinity")
+    if affinity is not None:
+        out["/affinity"] = ("RING_HASH", int(affinity.get("hashBalanceFactor", 150)))
     return out
 
 
@@ -250,13 +387,11 @@ def _policy_live(stack: Stack, policy: Policy) -> bool:
         clusters = _clusters_in_envoy(stack.envoy)
     except Exception:
         return False
-    affinity = "sessionAffinity" in policy.route
-    want = "ROUND_ROBIN" if policy.route.get("balancing") == "round_robin" else "LEAST_REQUEST"
-    base = [p for name, p in clusters.items() if not name.endswith("/affinity")]
-    twins = [p for name, p in clusters.items() if name.endswith("/affinity")]
-    if base != [want] or bool(twins) != affinity:
-        return False
-    if affinity and twins != ["RING_HASH"]:
+    seen = {
+        "/affinity" if name.endswith("/affinity") else "": signature
+        for name, signature in clusters.items()
+    }
+    if len(clusters) != len(seen) or seen != _expected_clusters(policy):
         return False
     # Every replica healthy in every cluster, and the listener answering.
     hosts = [
@@ -266,6 +401,30 @@ def _policy_live(stack: Stack, policy: Policy) -> bool:
     ]
     want_hosts = len(clusters) * len(stack.backends.replicas)
     return len(hosts) == want_hosts and all(line.endswith("::healthy") for line in hosts)
+
+
+def _telemetry_metrics(stack: Stack) -> dict[str, float]:
+    """kvpilot's telemetry counters and per-endpoint weights for the pool."""
+    text = httpx.get(f"{stack.kvpilot.api_url}/metrics", timeout=5.0).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or (f'pool="{POOL}"' not in line and "cause=" not in line):
+            continue
+        name, _, value = line.rpartition(" ")
+        with contextlib.suppress(ValueError):
+            out[name] = float(value)
+    return out
+
+
+def _telemetry_fresh(stack: Stack) -> bool:
+    """kvpilot has decided a weight from telemetry for every replica."""
+    try:
+        weights = [
+            k for k in _telemetry_metrics(stack) if k.startswith("kvpilot_telemetry_weight{")
+        ]
+    except httpx.HTTPError:
+        return False
+    return len(weights) >= len(stack.backends.replicas)
 
 
 def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -289,6 +448,28 @@ def _replica_metrics(stack: Stack) -> dict[str, dict[str, float]]:
     for replica in stack.backends.replicas:
         out[replica.id] = parse_metrics(httpx.get(f"{replica.url}/metrics", timeout=5.0).text)
     return out
+
+
+async def _warm(stack: Stack, system_prompts: list[str]) -> None:
+    """Send every shared system prompt to every replica once, straight (not through Envoy).
+
+    A fleet that has been serving for a while holds its shared system prompts in every
+    replica's cache (they are the most used blocks, and vLLM evicts a conversation from its
+    end). Without this, the first minutes of every run pay for a cold start that no
+    routing policy can avoid, and those few requests are the p99.
+    """
+
+    async def one(client: httpx.AsyncClient, url: str) -> None:
+        for prompt in system_prompts:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "system", "content": prompt}],
+                "max_tokens": 1,
+            }
+            (await client.post(f"{url}/v1/chat/completions", json=body)).raise_for_status()
+
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        await asyncio.gather(*(one(client, r.url) for r in stack.backends.replicas))
 
 
 def _idle(stack: Stack) -> bool:
@@ -370,6 +551,7 @@ def summarize(run: RunResult, metrics: dict[str, dict[str, float]]) -> dict[str,
         "busy_fraction": busy,
         "busy_fraction_mean": statistics.fmean(busy.values()) if busy else None,
         "ttfts": ttfts,
+        "per_request": [r.to_json() for r in run.results],
         "load_series": [
             {"at": s.at, **{rid: s.in_flight.get(rid, 0.0) for rid in replica_ids}}
             for s in run.samples
@@ -388,8 +570,21 @@ def run_policy(
     _wait(lambda: _policy_live(stack, policy), 60, f"Envoy to serve {policy.key}")
     _wait(lambda: _probe(stack), 30, "a request through Envoy")
     _wait(lambda: _idle(stack), 60, "the replicas to go idle")
+    telemetry = policy.route.get("balancing") == "telemetry"
+    if telemetry:
+        _wait(lambda: _telemetry_fresh(stack), 30, "kvpilot to weigh the replicas by telemetry")
+    before = _telemetry_metrics(stack)
     stack.backends.reset()
-    _say(f"   Envoy serves it; replica caches reset; replaying {workload.requests} requests ...")
+    system_prompts = workload.system_prompts()
+    if config.warm_system_prompts and system_prompts:
+        asyncio.run(_warm(stack, system_prompts))
+        _wait(lambda: _idle(stack), 60, "the replicas to go idle after warming")
+        stack.backends.reset(keep_cache=True)
+    _say(
+        "   Envoy serves it; replica caches reset"
+        + (f" and warmed with {len(system_prompts)} system prompts" if system_prompts else "")
+        + f"; replaying {workload.requests} requests ..."
+    )
     run = asyncio.run(
         replay(
             workload,
@@ -401,6 +596,20 @@ def run_policy(
         )
     )
     summary = summarize(run, _replica_metrics(stack))
+    if telemetry:
+        after = _telemetry_metrics(stack)
+        changes = f'kvpilot_telemetry_weight_changes_total{{pool="{POOL}"}}'
+        pushes = 'kvpilot_snapshot_pushes_total{cause="telemetry"}'
+        summary["telemetry"] = {
+            "weight_changes": after.get(changes, 0.0) - before.get(changes, 0.0),
+            "telemetry_pushes": after.get(pushes, 0.0) - before.get(pushes, 0.0),
+            "weights_at_end": {
+                k.split('endpoint="', 1)[1].split('"', 1)[0]: v
+                for k, v in after.items()
+                if k.startswith("kvpilot_telemetry_weight{")
+            },
+        }
+        _say(f"   telemetry: {summary['telemetry']}")
     _say(
         f"   {summary['ok']}/{summary['requests']} ok, hit rate {_fmt(summary['hit_rate'], '%')}, "
         f"TTFT p50 {_fmt(summary['ttft_p50'], 's')} p99 {_fmt(summary['ttft_p99'], 's')}, "
@@ -421,23 +630,39 @@ def _fmt(value: float | None, unit: str = "") -> str:
     return f"{value:.2f}"
 
 
+@dataclass
+class WorkloadRun:
+    """One workload of the benchmark and the policies replayed on it."""
+
+    name: str
+    workload: Workload
+    calibration: dict[str, Any]
+    oracle: float
+    results: dict[str, Any] = field(default_factory=dict)
+
+
 def run_routing(config: BenchConfig, state_dir: Path | None = None) -> Path:
     """Run the benchmark; returns the Markdown report's path."""
-    workload, calibration = calibrate(config)
-    oracle = oracle_hit_rate(workload, config.sim.block_size)
-    summary = workload.summary()
-    _say(
-        f"workload: {summary['requests']} requests in {summary['sessions']} sessions "
-        f"(+{summary['document_requests']} document requests), session rate "
-        f"{calibration['session_rate']:.2f}/s, estimated cache-blind load "
-        f"{calibration['estimated_cache_blind_load']:.0%}, oracle hit rate {oracle:.1%}"
-    )
-    results: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
+    bases = {"chat": config.workload, "docs": config.docs_workload}
+    wanted = [p for p in POLICIES if p.key in config.policies]
+    runs: dict[str, WorkloadRun] = {}
+    for name in dict.fromkeys(p.workload for p in wanted):
+        workload, calibration = calibrate(config, bases[name])
+        warm = workload.system_prompts() if config.warm_system_prompts else []
+        oracle = oracle_hit_rate(workload, config.sim.block_size, warm)
+        runs[name] = WorkloadRun(name, workload, calibration, oracle)
+        summary = workload.summary()
+        rate = calibration.get("session_rate") or calibration.get("doc_rate") or 0.0
+        _say(
+            f"workload {name}: {summary['requests']} requests in {summary['sessions']} sessions "
+            f"(+{summary['document_requests']} document requests), rate {rate:.2f}/s, "
+            f"estimated cache-blind load {calibration['estimated_cache_blind_load']:.0%}, "
+            f"oracle hit rate {oracle:.1%}"
+        )
     with contextlib.ExitStack() as exits:
         if state_dir is None:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-")))
-        _say("starting etcd, kvpilot, simulated replicas and Envoy ...")
+        _say("starting etcd, kvpilot, simulated replicas, Envoy and a telemetry agent ...")
         stack = exits.enter_context(start_stack(state_dir, config))
         stack.put("pools", _pool_body(stack))
         with contextlib.suppress(RuntimeError):
@@ -450,27 +675,31 @@ def run_routing(config: BenchConfig, state_dir: Path | None = None) -> Path:
                     "spec": {"accessLog": False},
                 },
             )
-        for policy in POLICIES:
-            if policy.key not in config.policies:
-                continue
-            if policy.skip:
-                _say(f"\n== {policy.title}: {policy.skip}")
-                skipped[policy.key] = policy.skip
-                continue
-            results[policy.key] = run_policy(stack, policy, workload, config)
+        for policy in wanted:
+            run = runs[policy.workload]
+            run.results[policy.key] = run_policy(stack, policy, run.workload, config)
     return write_report(
         out_dir=Path(config.out_dir),
         plots=config.plots,
-        workload_summary=summary,
-        calibration=calibration,
-        oracle=oracle,
-        results=results,
-        skipped=skipped,
+        groups=[
+            WorkloadGroup(
+                name=run.name,
+                summary=run.workload.summary(),
+                calibration=run.calibration,
+                oracle=run.oracle,
+                results=run.results,
+            )
+            for run in runs.values()
+        ],
         titles={p.key: p.title for p in POLICIES},
         config_dict={
             "replicas": config.replicas,
             "sim": asdict(config.sim),
             "workload": asdict(config.workload),
+            "docs_workload": asdict(config.docs_workload),
             "target_load": config.target_load,
+            "agent_interval": config.agent_interval,
+            "warm_system_prompts": config.warm_system_prompts,
+            "prefix_hash_chars": PREFIX_HASH_CHARS,
         },
     )

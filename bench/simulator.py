@@ -220,9 +220,10 @@ class Engine:
         for seq in [*self.waiting, *self.running]:
             self.abort(seq, reason)
 
-    def reset(self) -> dict[str, int]:
-        """Drop the unreferenced prefix cache and zero the counters (between benchmark runs)."""
-        dropped = self.cache.drop_unreferenced()
+    def reset(self, drop_cache: bool = True) -> dict[str, int]:
+        """Drop the unreferenced prefix cache (unless `drop_cache` is False) and zero the
+        counters: between benchmark runs, and after warming a fresh cache."""
+        dropped = self.cache.drop_unreferenced() if drop_cache else 0
         self._zero_counters()
         return {"dropped_blocks": dropped}
 
@@ -314,11 +315,15 @@ class Engine:
         return min(1.0, (len(self.running) + len(self.waiting)) / self.config.max_batch)
 
     def orca_header(self) -> str:
-        """ORCA in-band load report, Envoy's TEXT format for ``endpoint-load-metrics``."""
+        """ORCA in-band load report, Envoy's TEXT format for ``endpoint-load-metrics``.
+
+        The named metrics carry vLLM's own names (``kv_cache_usage_perc``,
+        ``num_requests_waiting``), which is what kvpilot's ORCA clusters read.
+        """
         return (
             f"TEXT cpu_utilization={self.utilization():.3f}, "
-            f"named_metrics.kv_cache={self.cache.usage:.3f}, "
-            f"named_metrics.waiting={len(self.waiting)}"
+            f"named_metrics.kv_cache_usage_perc={self.cache.usage:.3f}, "
+            f"named_metrics.num_requests_waiting={len(self.waiting)}"
         )
 
     def metrics_lines(self) -> list[str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 import string
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -100,6 +100,16 @@ class Workload:
     def requests(self) -> int:
         return sum(len(s.turns) for s in self.sessions)
 
+    def system_prompts(self) -> list[str]:
+        """The distinct system messages of the chat sessions, in order of first use."""
+        seen: dict[str, None] = {}
+        for session in self.sessions:
+            if session.send_session_id and session.turns:
+                first = session.turns[0].messages[0]
+                if first.get("role") == "system":
+                    seen.setdefault(first["content"], None)
+        return list(seen)
+
     def turns_in_order(self) -> Iterator[tuple[float, Session, Turn]]:
         """Every turn at its nominal time (think times only; answers take no time)."""
         timed = []
@@ -114,6 +124,7 @@ class Workload:
     def summary(self) -> dict[str, Any]:
         prompts = [t.prompt_tokens for s in self.sessions for t in s.turns]
         answers = [t.max_tokens for s in self.sessions for t in s.turns]
+        chats = [len(s.turns) for s in self.sessions if s.send_session_id]
         return {
             "kind": self.config.kind,
             "seed": self.config.seed,
@@ -121,6 +132,8 @@ class Workload:
             "sessions": sum(1 for s in self.sessions if s.send_session_id),
             "document_requests": sum(1 for s in self.sessions if not s.send_session_id),
             "requests": self.requests,
+            "turns_mean": sum(chats) / max(1, len(chats)),
+            "prompt_tokens_p50": sorted(prompts)[len(prompts) // 2] if prompts else 0,
             "prompt_tokens_mean": sum(prompts) / max(1, len(prompts)),
             "prompt_tokens_max": max(prompts, default=0),
             "answer_tokens_mean": sum(answers) / max(1, len(answers)),
@@ -203,13 +216,25 @@ def generate(config: WorkloadConfig) -> Workload:
 # --------------------------------------------------------------------------- bounds and load
 
 
-def oracle_hit_rate(workload: Workload, block_size: int = BLOCK_SIZE) -> float:
+def warm_blocks(system_prompts: Sequence[str], block_size: int = BLOCK_SIZE) -> set[int]:
+    """The cached blocks a replica holds after serving each system prompt once on its own."""
+    out: set[int] = set()
+    for prompt in system_prompts:
+        tokens = tokenize(render_chat([{"role": "system", "content": prompt}]))
+        out.update(block_hashes(tokens, block_size))
+    return out
+
+
+def oracle_hit_rate(
+    workload: Workload, block_size: int = BLOCK_SIZE, warm: Sequence[str] = ()
+) -> float:
     """Prefix-cache hit rate with perfect affinity and an infinite cache.
 
     Every request meets every block any earlier request computed (prompt and answer), in the
-    workload's nominal order. As in the simulator, a prompt's last token is always computed.
+    workload's nominal order, plus the `warm` system prompts' blocks from the start. As in
+    the simulator, a prompt's last token is always computed.
     """
-    seen: set[int] = set()
+    seen: set[int] = warm_blocks(warm, block_size)
     queries = hits = 0
     for _, _, turn in workload.turns_in_order():
         prompt = tokenize(render_chat(list(turn.messages)))
@@ -227,15 +252,19 @@ def oracle_hit_rate(workload: Workload, block_size: int = BLOCK_SIZE) -> float:
     return hits / queries if queries else 0.0
 
 
-def cache_blind_cost(workload: Workload, sim: SimConfig, replicas: int) -> float:
+def cache_blind_cost(
+    workload: Workload, sim: SimConfig, replicas: int, warm: Sequence[str] = ()
+) -> float:
     """Simulated engine seconds the workload costs when routing ignores the cache.
 
     Round robin over `replicas` replicas with unbounded caches: a request hits only what the
     same replica computed before (shared system prompts, and its own session's turns one time
-    in `replicas`). Decode is charged per token at a typical half-full batch. It is an
-    estimate for choosing the offered load, not a measurement.
+    in `replicas`; every replica starts with the `warm` system prompts' blocks). Decode is
+    charged per token at a typical half-full batch. It is an estimate for choosing the
+    offered load, not a measurement.
     """
-    seen: list[set[int]] = [set() for _ in range(replicas)]
+    start = warm_blocks(warm, sim.block_size)
+    seen: list[set[int]] = [set(start) for _ in range(replicas)]
     batch = max(1, sim.max_batch // 2)
     decode_per_token = sim.decode_per_seq + sim.decode_base / batch
     total = 0.0

@@ -58,7 +58,7 @@ def test_stream_has_usage_and_orca_header(sim: BackendProcess) -> None:
     response = chat(sim.replicas[1].url, "hi", stream=True, stream_options={"include_usage": True})
     assert response.headers["x-backend-id"] == sim.replicas[1].id
     assert response.headers["endpoint-load-metrics"].startswith("TEXT cpu_utilization=")
-    assert "named_metrics.kv_cache=" in response.headers["endpoint-load-metrics"]
+    assert "named_metrics.kv_cache_usage_perc=" in response.headers["endpoint-load-metrics"]
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]

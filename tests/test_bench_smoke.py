@@ -32,16 +32,30 @@ def test_short_routing_benchmark_writes_a_well_formed_report(tmp_path: Path) -> 
     text = reports[0].read_text()
     for row in (
         "| round robin |",
-        "| least request |",
         "| kvpilot session affinity + bounded load |",
+        "| kvpilot affinity + telemetry weights |",
+        "| ORCA weighted round robin (no affinity) |",
+        "| documents: kvpilot prompt-prefix affinity |",
         "| oracle (perfect affinity, infinite cache) |",
+        "## Where the slowest first tokens come from",
     ):
         assert row in text
-    assert "not implemented in kvpilot yet" in text or "telemetry" in text
 
     data = json.loads(reports[0].with_suffix(".json").read_text())
-    assert set(data["policies"]) == {"round_robin", "least_request", "affinity"}
-    assert 0 < data["oracle"]["hit_rate"] <= 1
+    assert set(data["policies"]) == {
+        "round_robin",
+        "affinity",
+        "affinity_telemetry",
+        "orca",
+        "docs_prefix",
+    }
+    assert set(data["workloads"]) == {"chat", "docs"}
+    for workload in data["workloads"].values():
+        assert 0 < workload["oracle"]["hit_rate"] <= 1
+    # kvpilot saw the agent's telemetry for every replica before the telemetry run.
+    assert len(data["policies"]["affinity_telemetry"]["telemetry"]["weights_at_end"]) == 4
+    requests = json.loads((out / reports[0].name.replace(".md", "-requests.json")).read_text())
+    assert set(requests) == set(data["policies"])
     for name, policy in data["policies"].items():
         assert policy["ok"] > 0, name
         assert 0 <= policy["hit_rate"] <= 1, name
