@@ -7,7 +7,8 @@ chunks of the step's token budget) and everything else: waiting in the replica's
 sharing steps with other sequences' prefills. It then asks, for the slowest 1%, which kind of
 request they are:
 
-- ``first turn``: the first request of a session (only a shared system prompt can be cached);
+- ``first turn``: the first request of a session, and every request without a session (only
+  a shared prefix, a system prompt or a document, can be cached);
 - ``moved``: a later turn answered by another replica than the session's previous turn
   (bounded load spilled it, or the policy does not keep sessions together), so its history
   is cold there;
@@ -18,6 +19,7 @@ request they are:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -62,14 +64,14 @@ def classify(per_request: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 def tail_breakdown(
     per_request: Sequence[Mapping[str, Any]], sim: Mapping[str, Any], quantile: float = 0.99
 ) -> dict[str, Any]:
-    """Who the requests at or above the TTFT `quantile` are, and how much of their TTFT was
-    their own prefill versus waiting; with the same split for all requests to compare."""
+    """Who the slowest ``1 - quantile`` of requests are (at least one), and how much of their
+    TTFT was their own prefill versus waiting; with the same split for all requests."""
     rows = classify(per_request)
     if not rows:
         return {}
-    ttfts = sorted(float(r["ttft"]) for r in rows)
-    cut = ttfts[min(len(ttfts) - 1, int(quantile * (len(ttfts) - 1)))]
-    tail = [r for r in rows if float(r["ttft"]) >= cut]
+    count = max(1, math.ceil(len(rows) * (1 - quantile) - 1e-9))
+    tail = sorted(rows, key=lambda r: float(r["ttft"]), reverse=True)[:count]
+    cut = float(tail[-1]["ttft"])
 
     def split(group: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not group:
@@ -101,8 +103,8 @@ def describe(title: str, breakdown: Mapping[str, Any]) -> list[str]:
     tail, everyone = breakdown["tail"], breakdown["all"]
     kinds = ", ".join(f"{tail['kinds'].get(k, 0)} {k}" for k in KINDS if tail["kinds"].get(k))
     lines = [
-        f"- {title}: the {tail['requests']} requests at or above p99 ({breakdown['cut']:.3f}s) "
-        f"are {kinds}; their mean TTFT {tail['ttft_mean']:.3f}s, of which their own prefill "
+        f"- {title}: the slowest 1% ({tail['requests']} requests, TTFT "
+        f"{breakdown['cut']:.3f}s and more) are {kinds}; their mean TTFT {tail['ttft_mean']:.3f}s, of which their own prefill "
         f"{tail['own_prefill_mean']:.3f}s ({1 - tail['wait_share']:.0%}) and waiting "
         f"{tail['wait_share']:.0%}; mean hit {tail['hit_mean']:.0%}, prompts "
         f"{tail['prompt_tokens_mean']:.0f} tokens. All requests: "

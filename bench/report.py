@@ -194,9 +194,10 @@ def markdown(
             "",
             "Each request's TTFT split into its own prefill (uncached tokens at the "
             "simulator's cost, in chunks of the step budget) and waiting (queue, and steps "
-            "shared with other prefills). Kinds: first turn of a session; moved (a later turn "
-            "on another replica than the previous turn); evicted (same replica, history "
-            "missing); warm (history found).",
+            "shared with other prefills). Kinds: first turn of a session (every document request "
+            "is one); moved (a later turn on another replica than the previous turn); evicted "
+            "(same replica, history missing); warm (history found). With a few hundred "
+            "requests the p99 is the slowest handful: read it with the p90 column.",
             "",
         ]
         for title, breakdown in breakdowns:

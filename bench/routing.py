@@ -188,9 +188,8 @@ def calibrate(config: BenchConfig, base: WorkloadConfig) -> tuple[Workload, dict
     """`base` at the arrival rate that offers `target_load` of cache-blind capacity.
 
     The rate is the session rate of a chat workload, the document request rate of a
-    document workload. The cost estimate depends on which sessions the seed draws at a given
-    rate, so the rate is corrected a few times (a fixed-point iteration) rather than set in
-    one step.
+    document workload. The load grows with the rate in steps (each new session adds its
+    cost), so the rate is searched for rather than set in one step.
     """
     replicas, duration = config.replicas, base.duration
     rate_field = "doc_rate" if base.kind == "docs" else "session_rate"
@@ -204,15 +203,23 @@ def calibrate(config: BenchConfig, base: WorkloadConfig) -> tuple[Workload, dict
         cost = cache_blind_cost(workload, config.sim, replicas, warm)
         return workload, cost / (replicas * duration)
 
+    target = config.target_load
     rate = 1.0
     workload, load = at(rate)
-    best = (abs(load - config.target_load), rate, load, workload)
-    for _ in range(6):
-        if not load or best[0] < 0.02:
+    best = (abs(load - target), rate, load, workload)
+    low, high = 0.0, float("inf")
+    for _ in range(14):
+        if not load or best[0] < 0.01:
             break
-        rate *= config.target_load / load
+        if load < target:
+            low = max(low, rate)
+        else:
+            high = min(high, rate)
+        # Proportional steps until the target is bracketed, then bisection: the load grows
+        # with the rate, but in steps (one more long session), so it may never be hit exactly.
+        rate = rate * target / load if high == float("inf") or low == 0.0 else (low + high) / 2
         workload, load = at(rate)
-        best = min(best, (abs(load - config.target_load), rate, load, workload), key=lambda b: b[0])
+        best = min(best, (abs(load - target), rate, load, workload), key=lambda b: b[0])
     _, rate, load, workload = best
     return workload, {rate_field: rate, "estimated_cache_blind_load": load}
 

@@ -174,7 +174,12 @@ def _turn(messages: list[dict[str, str]], max_tokens: int, think: float) -> Turn
 
 
 def generate(config: WorkloadConfig) -> Workload:
-    """Build the workload for `config` (deterministic in its seed)."""
+    """Build the workload for `config` (deterministic in its seed).
+
+    Arrival times and each session's content come from separate random streams, so a higher
+    rate compresses the same arrivals and adds sessions while the first N sessions stay the
+    same: the offered load grows smoothly with the rate, which lets calibration converge.
+    """
     rng = random.Random(config.seed)
     systems = [_words(rng, n) for n in config.system_prompts]
     documents = [_words(rng, n) for n in config.documents]
@@ -182,7 +187,9 @@ def generate(config: WorkloadConfig) -> Workload:
     c = config
     if c.kind in ("multiturn", "mix"):
         p_stop = 1.0 / max(1.0, c.mean_turns)
-        for index, start in enumerate(_arrivals(rng, c.session_rate, c.duration, c.arrival)):
+        arrivals = random.Random(f"{c.seed}/chat-arrivals")
+        for index, start in enumerate(_arrivals(arrivals, c.session_rate, c.duration, c.arrival)):
+            rng = random.Random(f"{c.seed}/chat/{index}")
             turns_wanted = 1
             while turns_wanted < c.max_turns and rng.random() > p_stop:
                 turns_wanted += 1
@@ -198,7 +205,9 @@ def generate(config: WorkloadConfig) -> Workload:
                 messages.append({"role": "assistant", "content": turn.answer})
             sessions.append(Session(f"s{c.seed}-{index:05d}", start, tuple(turns), True))
     if c.kind in ("docs", "mix"):
-        for index, start in enumerate(_arrivals(rng, c.doc_rate, c.duration, c.arrival)):
+        arrivals = random.Random(f"{c.seed}/doc-arrivals")
+        for index, start in enumerate(_arrivals(arrivals, c.doc_rate, c.duration, c.arrival)):
+            rng = random.Random(f"{c.seed}/doc/{index}")
             document = rng.choice(documents)
             question = _words(rng, _length(rng, c.question_median, c.length_sigma, 1000))
             messages = [
