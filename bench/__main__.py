@@ -7,7 +7,8 @@
 real Envoy configured by kvpilot under several routing policies and writes a Markdown report,
 a JSON file, every request's measurements and PNG plots under ``bench/results/``; it prints
 the report's path. Policies: round_robin, least_request, affinity, affinity_telemetry, orca,
-affinity_200 (a bounded-load sensitivity check), docs_round_robin, docs_prefix.
+docs_round_robin, docs_prefix; and on request affinity_125 and affinity_200, bounded-load
+sensitivity checks.
 """
 
 from __future__ import annotations
