@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -47,27 +47,6 @@ class Harness:
         """The value at a key, read straight from etcd."""
         kv = await self.client.get(f"{self.prefix}/{relative_key}".encode())
         return kv.value if kv is not None else None
-
-
-async def poll(
-    predicate: Callable[[], Awaitable[T]], within: float = 10.0, message: str = "condition"
-) -> T:
-    """Await ``predicate`` until it returns something truthy, or fail after ``within``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    last: object = None
-    while True:
-        try:
-            value = await predicate()
-        except Exception as error:
-            last = error
-        else:
-            if value:
-                return value
-            last = value
-        if loop.time() >= deadline:
-            raise AssertionError(f"{message} not met within {within}s (last: {last!r})")
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from api_harness import Harness, fleet, policy, poll, pool, running_api
+from api_harness import Harness, fleet, policy, pool, running_api
+from util import poll
 
 from controlplane.launchers import EmbeddedEtcd
 

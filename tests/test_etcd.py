@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from util import poll
 
 from controlplane.etcd import (
     CompactedError,
@@ -26,27 +27,6 @@ from controlplane.launchers import EmbeddedEtcd, free_port
 pytestmark = pytest.mark.e2e
 
 T = TypeVar("T")
-
-
-async def poll(
-    predicate: Callable[[], Awaitable[T]], within: float = 10.0, message: str = "condition"
-) -> T:
-    """Await ``predicate`` until it returns something truthy, or fail after ``within``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    last: object = None
-    while True:
-        try:
-            value = await predicate()
-        except Exception as exc:
-            last = exc
-        else:
-            if value:
-                return value
-            last = value
-        if loop.time() >= deadline:
-            raise AssertionError(f"{message} not met after {within}s; last: {last!r}")
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from util import poll
 
 from controlplane.etcd import ConflictError, EtcdClient
 from controlplane.launchers import EmbeddedEtcd, free_port
@@ -28,29 +29,6 @@ from controlplane.store import (
 )
 
 pytestmark = pytest.mark.e2e
-
-
-async def poll(
-    predicate: Callable[[], object], within: float = 10.0, message: str = "condition"
-) -> object:
-    """Poll ``predicate`` (sync or async) until it is truthy, or fail after ``within`` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    last: object = None
-    while True:
-        try:
-            value = predicate()
-            if isinstance(value, Awaitable):
-                value = await value
-        except Exception as exc:
-            last = exc
-        else:
-            if value:
-                return value
-            last = value
-        if loop.time() >= deadline:
-            raise AssertionError(f"{message} not met after {within}s; last: {last!r}")
-        await asyncio.sleep(0.05)
 
 
 def pool(name: str, **spec: Any) -> dict[str, Any]:

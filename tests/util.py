@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +47,30 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"{message} (after {timeout:.1f}s; last value: {last!r})")
         time.sleep(interval)
+
+
+async def poll(
+    predicate: Callable[[], object], within: float = 10.0, message: str = "condition"
+) -> object:
+    """`wait_until` for async tests: poll ``predicate`` (sync or async) on the running loop
+    until it is truthy, or fail after ``within`` seconds with the last value it gave."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    last: object = None
+    while True:
+        try:
+            value = predicate()
+            if inspect.isawaitable(value):
+                value = await value
+        except Exception as exc:  # the condition may legitimately fail until it holds
+            last = exc
+        else:
+            if value:
+                return value
+            last = value
+        if loop.time() >= deadline:
+            raise AssertionError(f"{message} not met after {within}s; last: {last!r}")
+        await asyncio.sleep(0.05)
 
 
 def process_gone(pid: int) -> bool:
