@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import signal
 import socket
@@ -54,6 +53,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from bench.simulator import Engine, EngineError, SimConfig, completion_response
+from controlplane.asgi import UvicornServer
 from controlplane.launchers import LauncherError, ManagedProcess
 
 DEFAULT_MODEL = "sim-model"
@@ -306,14 +306,6 @@ def build_app(replica: Replica) -> Starlette:
 # --------------------------------------------------------------------------- serving
 
 
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signals alone: `serve()` owns them for all replicas."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -325,7 +317,7 @@ async def serve(replicas: Sequence[Replica], host: str, ports: Sequence[int]) ->
     """Serve each replica on its port until SIGTERM/SIGINT; announce ports on stdout once up."""
     sockets = [_bind(host, port) for port in ports]
     servers = [
-        _Server(
+        UvicornServer(
             uvicorn.Config(
                 build_app(replica),
                 lifespan="off",
@@ -350,7 +342,7 @@ async def serve(replicas: Sequence[Replica], host: str, ports: Sequence[int]) ->
         if replica.engine is not None
     ]
 
-    def dying(server: _Server) -> Callable[[], None]:
+    def dying(server: UvicornServer) -> Callable[[], None]:
         def stop() -> None:
             # A dead replica drops its connections instead of draining them.
             server.config.timeout_graceful_shutdown = 0

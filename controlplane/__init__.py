@@ -7,5 +7,6 @@
 - ``serve``: ``kvpilot serve``; ``agent``: ``kvpilot agent`` (telemetry and registration);
 - ``envoystatus``: each replica's Envoy connections, published to etcd;
 - ``cli`` and ``client``: the ``kvpilot`` command and its REST client;
-- ``launchers``: local etcd, Envoy and kvpilot processes; ``demo``: ``make demo``.
+- ``launchers``: local etcd, Envoy and kvpilot processes; ``demo``: ``make demo``;
+- ``asgi``: uvicorn servers that leave signal handling to their process.
 """

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from api.app import ApiContext, create_app
 from api.auth import AuthConfig
+from controlplane.asgi import UvicornServer
 from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdClient
@@ -57,15 +57,6 @@ class ServeConfig:
     node_fleets: dict[str, str] = field(default_factory=dict)
     """Envoy node id -> fleet, overriding the node's own node.cluster."""
     replica_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{uuid.uuid4().hex[:6]}")
-
-
-class _ApiServer(uvicorn.Server):
-    """uvicorn without its signal handlers: the daemon owns SIGINT/SIGTERM and shuts every
-    part down in order (uvicorn would otherwise re-raise the signal after it stops)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def _host_port(value: str, default_port: int) -> tuple[str, int]:
@@ -253,7 +244,7 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             envoy_records=lambda: envoy_records(mirror.items),
         )
     )
-    api = _ApiServer(
+    api = UvicornServer(
         uvicorn.Config(
             app, host=config.api_host, port=config.api_port, log_level="warning", lifespan="off"
         )

@@ -29,7 +29,7 @@ import json
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -41,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from controlplane.asgi import UvicornServer
 from controlplane.launchers import ManagedProcess
 
 STREAM_CHUNKS = 6
@@ -135,14 +136,6 @@ def build_app(replica: GatedReplica) -> Starlette:
     )
 
 
-class _Server(uvicorn.Server):
-    """Leaves signals to `serve()`, which owns them for all replicas."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 async def serve(count: int, id_prefix: str, host: str) -> None:
     replicas = [GatedReplica(f"{id_prefix}-{i}") for i in range(count)]
     for replica in replicas:
@@ -154,7 +147,7 @@ async def serve(count: int, id_prefix: str, host: str) -> None:
         sock.bind((host, 0))
         sockets.append(sock)
     servers = [
-        _Server(
+        UvicornServer(
             uvicorn.Config(
                 build_app(replica),
                 lifespan="off",
