@@ -7,6 +7,9 @@ Design choices, each forced by what Envoy does:
   envoy#8167), so pools that share a tier, such as a 90/10 rollout, live in the same cluster
   and their split is expressed as endpoint weights. A session then stays on one side of the
   split, and retries move to the next priority with ``previous_priorities``.
+- External provider pools (TLS or DNS-named endpoints) cannot join that cluster: EDS carries
+  only IP addresses. Each gets a DNS cluster of its own, and a route that ends in providers
+  targets an aggregate cluster: its replicas first, then the providers, in tier order.
 - Compilation is best effort: a broken reference is reported as a diagnostic and everything
   else still ships.
 - Routes with ``balancing: telemetry`` take their endpoint weights and DEGRADED health from
