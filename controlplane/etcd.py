@@ -444,16 +444,9 @@ class EtcdClient:
             response = await self._call(lambda c, t: c.kv.Put(put, timeout=t), what=f"put {key!r}")
             put_response = response
         else:
-            txn = rpc.TxnRequest(
-                compare=[_mod_revision_equals(key, expect_mod_revision)],
-                success=[rpc.RequestOp(request_put=put)],
-                failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key))],
+            response = await self._compare_and(
+                key, expect_mod_revision, rpc.RequestOp(request_put=put), what="put"
             )
-            response = await self._call(
-                lambda c, t: c.kv.Txn(txn, timeout=t), what=f"put {key!r}", idempotent=False
-            )
-            if not response.succeeded:
-                raise ConflictError(key, _txn_actual_revision(response), expect_mod_revision)
             put_response = response.responses[0].response_put
         revision = int(response.header.revision)
         prev = put_response.prev_kv if put_response.HasField("prev_kv") else None
@@ -475,17 +468,28 @@ class EtcdClient:
                 lambda c, t: c.kv.DeleteRange(delete, timeout=t), what=f"delete {key!r}"
             )
             return bool(response.deleted)
+        response = await self._compare_and(
+            key, expect_mod_revision, rpc.RequestOp(request_delete_range=delete), what="delete"
+        )
+        return bool(response.responses[0].response_delete_range.deleted)
+
+    async def _compare_and(
+        self, key: bytes, expect_mod_revision: int, operation: Any, *, what: str
+    ) -> Any:
+        """Run ``operation`` only if ``key``'s mod_revision is ``expect_mod_revision`` (0: the
+        key must not exist); otherwise raise ``ConflictError`` with the actual revision, read in
+        the same transaction. Not retried once sent: it may have been applied."""
         txn = rpc.TxnRequest(
             compare=[_mod_revision_equals(key, expect_mod_revision)],
-            success=[rpc.RequestOp(request_delete_range=delete)],
+            success=[operation],
             failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key))],
         )
         response = await self._call(
-            lambda c, t: c.kv.Txn(txn, timeout=t), what=f"delete {key!r}", idempotent=False
+            lambda c, t: c.kv.Txn(txn, timeout=t), what=f"{what} {key!r}", idempotent=False
         )
         if not response.succeeded:
             raise ConflictError(key, _txn_actual_revision(response), expect_mod_revision)
-        return bool(response.responses[0].response_delete_range.deleted)
+        return response
 
     async def delete_prefix(self, prefix: bytes) -> int:
         """Delete every key under ``prefix``; returns how many were deleted."""
