@@ -55,7 +55,8 @@ from xdsserver.translate import translate, translate_endpoints
 log = logging.getLogger(__name__)
 
 PATH_KIND = {path: kind for kind, path in KIND_PATH.items()}
-FAST_PATH_PREFIXES = ("endpoints/", "telemetry/")
+ENDPOINT_PREFIXES = ("endpoints/", "telemetry/")
+"""Keys whose changes count as endpoint changes in the pushes metric."""
 TELEMETRY_PREFIX = "telemetry/"
 STATUS_PREFIX = "status/"
 
@@ -278,7 +279,7 @@ class Reconciler:
             if all(key.startswith(TELEMETRY_PREFIX) for key in changed):
                 cause = "telemetry"
                 self._last_telemetry_build = time.monotonic()
-            elif all(key.startswith(FAST_PATH_PREFIXES) for key in changed):
+            elif all(key.startswith(ENDPOINT_PREFIXES) for key in changed):
                 cause = "endpoints"
         for key in keys:
             self._apply(key, items.get(key))
