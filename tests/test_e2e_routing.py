@@ -359,3 +359,51 @@ def test_sse_streams_pass_through_as_they_come_and_intact(rig: Rig, gated: Any) 
     assert events[-1] == "[DONE]", events
     pieces = [json.loads(event)["choices"][0]["delta"]["content"] for event in events[:-1]]
     assert pieces == [stream_piece(index) for index in range(STREAM_CHUNKS)]
+
+
+# --------------------------------------------------------------------------- circuit breakers
+
+
+def test_requests_over_the_circuit_breaker_limits_fail_fast(rig: Rig, gated: Any) -> None:
+    replicas = gated(1, id_prefix="cb")
+    ports = list(replicas.ports.values())
+    breakers = {"maxConnections": 2, "maxRequests": 2, "maxPendingRequests": 1}
+    rig.apply(
+        pool("llm", ports, circuitBreakers=breakers),
+        policy("chat", rig.listener_port, [{"name": "all", "tiers": [["llm"]]}]),
+    )
+    rig.wait_ready("chat/all", ports)
+
+    def stat(name: str) -> int:
+        return int(rig.envoy.stats().get(f"cluster.chat/all.{name}", 0))
+
+    replicas.set_gate(False)
+    with ThreadPoolExecutor(max_workers=3) as executor:
+        try:
+            held = [
+                executor.submit(
+                    httpx.post, rig.url(), json=chat(content=f"held {index}"), timeout=60
+                )
+                for index in range(2)
+            ]
+            wait_until(lambda: replicas.in_flight() == {"cb-0": 2}, 30, message="2 requests held")
+            # HTTP/1.1 upstream: both connections are busy, so the next request waits for one.
+            pending = executor.submit(
+                httpx.post, rig.url(), json=chat(content="pending"), timeout=60
+            )
+            wait_until(
+                lambda: stat("upstream_rq_pending_active") == 1,
+                30,
+                message="the third request to wait for a connection",
+            )
+            # Limits reached: Envoy answers at once instead of queueing without bound.
+            overflow = httpx.post(rig.url(), json=chat(content="over"), timeout=30)
+            assert overflow.status_code == 503, overflow.text
+            assert overflow.headers.get("x-envoy-overloaded") == "true", overflow.headers
+            assert replicas.in_flight() == {"cb-0": 2}
+        finally:
+            replicas.set_gate(True)
+        answers = [future.result() for future in [*held, pending]]
+
+    assert [(r.status_code, answered_by(r)) for r in answers] == [(200, "cb-0")] * 3
+    assert stat("upstream_rq_pending_overflow") >= 1
