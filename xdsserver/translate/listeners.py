@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import (
     base_pb2,
@@ -35,6 +37,18 @@ RATE_LIMITED_BODY = {
         "code": "rate_limit_exceeded",
     }
 }
+
+UNAVAILABLE_BODY = {
+    "error": {
+        "message": "%LOCAL_REPLY_BODY%",
+        "type": "server_error",
+        "param": None,
+        "code": "%RESPONSE_CODE_DETAILS%",
+    }
+}
+"""Envoy's own 5xx answers (no healthy replica, circuit breaker overflow, upstream timeout or
+reset) in OpenAI's error format. Envoy fills in its message and the reason in snake case,
+for example ``no_healthy_upstream`` or ``upstream_reset_before_response_started{overflow}``."""
 
 
 def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
@@ -71,8 +85,7 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
         stream_idle_timeout=duration(0),
         drain_timeout=duration(listener.drain_timeout),
     )
-    if listener.rate_limited:
-        manager.local_reply_config.CopyFrom(_rate_limited_reply())
+    manager.local_reply_config.CopyFrom(local_replies(rate_limited=listener.rate_limited))
     if listener.access_log:
         manager.access_log.append(
             accesslog_pb2.AccessLog(
@@ -124,27 +137,44 @@ def _model_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
     )
 
 
-def _rate_limited_reply() -> hcm_pb2.LocalReplyConfig:
-    """Envoy's own 429s (rate limits) answered in OpenAI's error format; 429s from upstreams
-    pass through untouched because local reply mappers only see local replies."""
-    body = struct_pb2.Struct()
-    body.update(RATE_LIMITED_BODY)
-    return hcm_pb2.LocalReplyConfig(
-        mappers=[
-            hcm_pb2.ResponseMapper(
-                filter=accesslog_pb2.AccessLogFilter(
-                    status_code_filter=accesslog_pb2.StatusCodeFilter(
-                        comparison=accesslog_pb2.ComparisonFilter(
-                            op=accesslog_pb2.ComparisonFilter.EQ,
-                            value=base_pb2.RuntimeUInt32(
-                                default_value=429, runtime_key="kvpilot.rate_limited_status"
-                            ),
-                        )
-                    )
-                ),
-                body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
-                    json_format=body
-                ),
+def local_replies(*, rate_limited: bool) -> hcm_pb2.LocalReplyConfig:
+    """Envoy's own error answers in OpenAI's format, so clients parse them like the model
+    server's: 429s from rate limits (when the listener has any) and 5xx. Mappers see local
+    replies only, so 429s and 5xx that replicas send pass through untouched."""
+    mappers = [
+        _status_mapper(accesslog_pb2.ComparisonFilter.GE, 500, "server_error", UNAVAILABLE_BODY)
+    ]
+    if rate_limited:
+        mappers.insert(
+            0,
+            _status_mapper(
+                accesslog_pb2.ComparisonFilter.EQ, 429, "rate_limited", RATE_LIMITED_BODY
+            ),
+        )
+    return hcm_pb2.LocalReplyConfig(mappers=mappers)
+
+
+def _status_mapper(
+    op: accesslog_pb2.ComparisonFilter.Op.ValueType,
+    status: int,
+    runtime_name: str,
+    body: dict[str, Any],
+) -> hcm_pb2.ResponseMapper:
+    """Replace the body of local replies whose status compares ``op`` to ``status``."""
+    fields = struct_pb2.Struct()
+    fields.update(body)
+    return hcm_pb2.ResponseMapper(
+        filter=accesslog_pb2.AccessLogFilter(
+            status_code_filter=accesslog_pb2.StatusCodeFilter(
+                comparison=accesslog_pb2.ComparisonFilter(
+                    op=op,
+                    value=base_pb2.RuntimeUInt32(
+                        default_value=status, runtime_key=f"kvpilot.{runtime_name}_status"
+                    ),
+                )
             )
-        ]
+        ),
+        body_format_override=substitution_format_string_pb2.SubstitutionFormatString(
+            json_format=fields
+        ),
     )

@@ -22,6 +22,7 @@ from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 
 from policies.plan import PlanCluster
 from xdsserver.translate.clusters import INTERNAL_SUFFIX, cluster_base, translate_endpoints
+from xdsserver.translate.listeners import local_replies
 from xdsserver.translate.protos import duration, pack
 
 
@@ -85,6 +86,9 @@ def credential_listener(cluster: PlanCluster, secrets_dir: str) -> listener_pb2.
             ),
         ],
         stream_idle_timeout=duration(0),
+        # Its own 5xx (provider unreachable, TLS failure) reach the client as the provider's
+        # answer: in the same OpenAI format as the outer listener's.
+        local_reply_config=local_replies(rate_limited=False),
     )
     listener = listener_pb2.Listener(
         name=internal_name(cluster.name),
