@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
-import socket
 import sys
 import tempfile
 import time
@@ -46,14 +44,13 @@ from types import TracebackType
 from typing import Any, Self
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from bench.simulator import Engine, EngineError, SimConfig, completion_response
-from controlplane.asgi import UvicornServer
+from controlplane.asgi import ServerGroup, UvicornServer
 from controlplane.launchers import LauncherError, ManagedProcess
 
 DEFAULT_MODEL = "sim-model"
@@ -306,36 +303,9 @@ def build_app(replica: Replica) -> Starlette:
 # --------------------------------------------------------------------------- serving
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
-
-
 async def serve(replicas: Sequence[Replica], host: str, ports: Sequence[int]) -> None:
     """Serve each replica on its port until SIGTERM/SIGINT; announce ports on stdout once up."""
-    sockets = [_bind(host, port) for port in ports]
-    servers = [
-        UvicornServer(
-            uvicorn.Config(
-                build_app(replica),
-                lifespan="off",
-                access_log=False,
-                log_level="warning",
-                timeout_graceful_shutdown=2,
-            )
-        )
-        for replica in replicas
-    ]
-    loop = asyncio.get_running_loop()
-
-    def request_exit() -> None:
-        for server in servers:
-            server.should_exit = True
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, request_exit)
+    group = ServerGroup([build_app(replica) for replica in replicas], host, ports)
     engines = [
         asyncio.create_task(replica.engine.run())
         for replica in replicas
@@ -351,33 +321,25 @@ async def serve(replicas: Sequence[Replica], host: str, ports: Sequence[int]) ->
 
         return stop
 
-    for replica, server in zip(replicas, servers, strict=True):
+    for replica, server in zip(replicas, group.servers, strict=True):
         replica.on_death = dying(server)
-    tasks = [
-        asyncio.create_task(server.serve(sockets=[sock]))
-        for server, sock in zip(servers, sockets, strict=True)
-    ]
-    while not all(server.started for server in servers):
-        if any(task.done() for task in tasks):
-            break
-        await asyncio.sleep(0.01)
-    else:
+    if await group.start():
         announcement = {
             "replicas": [
-                {"id": replica.id, "port": sock.getsockname()[1]}
-                for replica, sock in zip(replicas, sockets, strict=True)
+                {"id": replica.id, "port": port}
+                for replica, port in zip(replicas, group.ports, strict=True)
             ]
         }
         print(json.dumps(announcement), flush=True)
     # One replica stopping (a signal, or a crash) stops them all; a replica told to die
     # (`/admin/die`) stops alone.
-    pending = set(tasks)
+    pending = set(group.tasks)
     while pending:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if any(not replicas[tasks.index(task)].dead for task in done):
+        if any(not replicas[group.tasks.index(task)].dead for task in done):
             break
-    request_exit()
-    await asyncio.gather(*tasks)
+    group.request_exit()
+    await group.wait()
     for task in engines:
         task.cancel()
     await asyncio.gather(*engines, return_exceptions=True)

@@ -26,8 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -35,13 +33,12 @@ from pathlib import Path
 from typing import Self
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from controlplane.asgi import UvicornServer
+from controlplane.asgi import ServerGroup
 from controlplane.launchers import ManagedProcess
 
 STREAM_CHUNKS = 6
@@ -140,48 +137,14 @@ async def serve(count: int, id_prefix: str, host: str) -> None:
     replicas = [GatedReplica(f"{id_prefix}-{i}") for i in range(count)]
     for replica in replicas:
         replica.gate.set()
-    sockets = []
-    for _ in replicas:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        sockets.append(sock)
-    servers = [
-        UvicornServer(
-            uvicorn.Config(
-                build_app(replica),
-                lifespan="off",
-                access_log=False,
-                log_level="warning",
-                timeout_graceful_shutdown=1,
-            )
-        )
-        for replica in replicas
-    ]
-
-    def request_exit() -> None:
-        for server in servers:
-            server.should_exit = True
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, request_exit)
-    tasks = [
-        asyncio.create_task(server.serve(sockets=[sock]))
-        for server, sock in zip(servers, sockets, strict=True)
-    ]
-    while not all(server.started for server in servers):
-        if any(task.done() for task in tasks):
-            request_exit()
-            break
-        await asyncio.sleep(0.01)
-    else:
+    group = ServerGroup([build_app(replica) for replica in replicas], host, graceful_shutdown=1)
+    if await group.start():
         announcement = [
-            {"id": replica.id, "port": sock.getsockname()[1]}
-            for replica, sock in zip(replicas, sockets, strict=True)
+            {"id": replica.id, "port": port}
+            for replica, port in zip(replicas, group.ports, strict=True)
         ]
         print(json.dumps({"replicas": announcement}), flush=True)
-    await asyncio.gather(*tasks)
+    await group.wait()
 
 
 # --------------------------------------------------------------------------- Python API

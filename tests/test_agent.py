@@ -131,6 +131,34 @@ async def eventually(
     raise AssertionError(f"{message or 'condition not met'} (last value: {last!r})")
 
 
+async def start_agent_process(
+    etcd_endpoint: str, etcd_prefix: str, pool: str, backend_url: str
+) -> asyncio.subprocess.Process:
+    """`kvpilot agent` as its own process, registering one backend with a 2 s lease and
+    reporting every 0.2 s, so a test can kill it and watch its keys expire."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "controlplane.agent",
+        "--etcd-endpoints",
+        etcd_endpoint,
+        "--etcd-prefix",
+        etcd_prefix,
+        "--pool",
+        pool,
+        "--backend",
+        backend_url,
+        "--register",
+        "--interval",
+        "0.2",
+        "--ttl",
+        "2",
+        cwd=repo_root(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 @pytest.fixture
 async def store(etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Store]:
     client = EtcdClient([etcd.endpoint])
@@ -236,29 +264,7 @@ async def test_a_killed_agent_s_keys_expire_with_its_lease(
     store: Store, etcd: EmbeddedEtcd, etcd_prefix: str, metrics_backends: Any
 ) -> None:
     backend = metrics_backends(waiting=2)
-    process = await asyncio.create_subprocess_exec(
-        *[
-            sys.executable,
-            "-m",
-            "controlplane.agent",
-            "--etcd-endpoints",
-            etcd.endpoint,
-            "--etcd-prefix",
-            etcd_prefix,
-            "--pool",
-            "p",
-            "--backend",
-            backend.url,
-            "--register",
-            "--interval",
-            "0.2",
-            "--ttl",
-            "2",
-        ],
-        cwd=repo_root(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    process = await start_agent_process(etcd.endpoint, etcd_prefix, "p", backend.url)
     keys = [f"endpoints/p/127.0.0.1:{backend.port}", f"telemetry/p/127.0.0.1:{backend.port}"]
     try:
 

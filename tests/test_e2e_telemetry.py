@@ -12,8 +12,6 @@ import asyncio
 import collections
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -21,12 +19,12 @@ from typing import Any
 import httpx
 import pytest
 from conftest import ADMIN_TOKEN
-from test_agent import MetricsBackend, eventually
+from test_agent import MetricsBackend, eventually, start_agent_process
 from test_e2e_skeleton import endpoint_weights, served_by
 
 from controlplane.agent import Agent, AgentConfig, Target
 from controlplane.etcd import EtcdClient
-from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, free_port, repo_root
+from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, free_port
 from controlplane.store import Store
 
 pytestmark = pytest.mark.e2e
@@ -288,29 +286,7 @@ async def test_a_killed_agents_endpoint_leaves_eds_after_the_lease_ttl(
     setup: Setup = await make_setup("telemetry", static=False)
     processes = []
     for backend in setup.backends[:2]:
-        processes.append(
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "controlplane.agent",
-                "--etcd-endpoints",
-                etcd.endpoint,
-                "--etcd-prefix",
-                etcd_prefix,
-                "--pool",
-                "sim",
-                "--backend",
-                backend.url,
-                "--register",
-                "--interval",
-                "0.2",
-                "--ttl",
-                "2",
-                cwd=repo_root(),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
+        processes.append(await start_agent_process(etcd.endpoint, etcd_prefix, "sim", backend.url))
     kept, killed = setup.ports[0], setup.ports[1]
     try:
         await setup.wait_weights({kept: 100, killed: 100}, 30, "agents register their backends")
