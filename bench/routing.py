@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 import statistics
 import sys
 import tempfile
@@ -37,10 +36,10 @@ from bench.simulator import SimConfig
 from bench.workload import Workload, WorkloadConfig, cache_blind_cost, generate, oracle_hit_rate
 from controlplane.launchers import (
     EmbeddedEnvoy,
-    EmbeddedEtcd,
     KvpilotProcess,
     ManagedProcess,
     free_port,
+    local_stack,
     repo_root,
 )
 
@@ -271,17 +270,10 @@ class Stack:
 
 @contextlib.contextmanager
 def start_stack(state_dir: Path, config: BenchConfig) -> Iterator[Stack]:
-    token = secrets.token_urlsafe(24)
     with contextlib.ExitStack() as stack:
-        etcd = stack.enter_context(
-            EmbeddedEtcd(state_dir / "etcd", extra_args=["--unsafe-no-fsync"]).start()
-        )
-        kvpilot = stack.enter_context(
-            KvpilotProcess(
-                state_dir / "kvpilot",
-                etcd_endpoints=[etcd.endpoint],
-                env={"KVPILOT_ADMIN_TOKEN": token},
-            ).start()
+        # The benchmark measures routing, not disk: etcd skips fsync.
+        local = stack.enter_context(
+            local_stack(state_dir, node_id="bench-envoy", etcd_args=["--unsafe-no-fsync"])
         )
         backends = stack.enter_context(
             BackendProcess(
@@ -292,18 +284,9 @@ def start_stack(state_dir: Path, config: BenchConfig) -> Iterator[Stack]:
                 simulator=config.sim,
             ).start()
         )
-        envoy = stack.enter_context(
-            EmbeddedEnvoy(
-                state_dir / "envoy",
-                xds_address="127.0.0.1",
-                xds_port=kvpilot.xds_port,
-                node_id="bench-envoy",
-                fleet="default",
-            ).start()
-        )
-        agent = start_agent(state_dir / "agent", etcd.endpoint, backends, config)
+        agent = start_agent(state_dir / "agent", local.etcd.endpoint, backends, config)
         stack.callback(agent.stop)
-        yield Stack(kvpilot, envoy, backends, agent, token, free_port())
+        yield Stack(local.kvpilot, local.envoy, backends, agent, local.admin_token, free_port())
 
 
 def start_agent(

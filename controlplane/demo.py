@@ -17,7 +17,6 @@ import argparse
 import collections
 import contextlib
 import os
-import secrets
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ import httpx
 
 from bench.backend import BackendProcess
 from controlplane.client import KvpilotClient
-from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess, free_port, repo_root
+from controlplane.launchers import EmbeddedEnvoy, LocalStack, free_port, local_stack, repo_root
 from policies import load_objects
 
 EXAMPLE = repo_root() / "policies" / "examples" / "demo.yaml"
@@ -92,37 +91,15 @@ def _policy_documents(ports: list[int], listener_port: int) -> list[dict[str, An
 
 
 @contextlib.contextmanager
-def _stack(state_dir: Path, replicas: int) -> Iterator[dict[str, Any]]:
-    token = secrets.token_urlsafe(24)
-    with contextlib.ExitStack() as stack:
-        _say("starting etcd, kvpilot, replicas and Envoy (all local, free ports) ...")
-        etcd = stack.enter_context(EmbeddedEtcd(state_dir / "etcd").start())
-        kvpilot = stack.enter_context(
-            KvpilotProcess(
-                state_dir / "kvpilot",
-                etcd_endpoints=[etcd.endpoint],
-                env={"KVPILOT_ADMIN_TOKEN": token},
-            ).start()
-        )
-        backends = stack.enter_context(
-            BackendProcess(replicas, id_prefix="replica", state_dir=state_dir / "backends").start()
-        )
-        envoy = stack.enter_context(
-            EmbeddedEnvoy(
-                state_dir / "envoy",
-                xds_address="127.0.0.1",
-                xds_port=kvpilot.xds_port,
-                node_id="demo-envoy-1",
-                fleet="default",
-            ).start()
-        )
-        yield {
-            "etcd": etcd,
-            "kvpilot": kvpilot,
-            "backends": backends,
-            "envoy": envoy,
-            "token": token,
-        }
+def _stack(state_dir: Path, replicas: int) -> Iterator[tuple[LocalStack, BackendProcess]]:
+    _say("starting etcd, kvpilot, replicas and Envoy (all local, free ports) ...")
+    with (
+        local_stack(state_dir, node_id="demo-envoy-1") as stack,
+        BackendProcess(
+            replicas, id_prefix="replica", state_dir=state_dir / "backends"
+        ).start() as backends,
+    ):
+        yield stack, backends
 
 
 def _served_weight(envoy: EmbeddedEnvoy, port: int) -> int | None:
@@ -135,15 +112,13 @@ def _served_weight(envoy: EmbeddedEnvoy, port: int) -> int | None:
 
 def run(keep: bool, requests: int, state_dir: Path) -> int:
     """Run the demo; returns the exit code."""
-    with _stack(state_dir, replicas=3) as parts:
-        kvpilot: KvpilotProcess = parts["kvpilot"]
-        backends: BackendProcess = parts["backends"]
-        envoy: EmbeddedEnvoy = parts["envoy"]
+    with _stack(state_dir, replicas=3) as (stack, backends):
+        kvpilot, envoy, token = stack.kvpilot, stack.envoy, stack.admin_token
         replicas = [replica.id for replica in backends.replicas]
         ports = [replica.port for replica in backends.replicas]
         listener_port = free_port()
         url = f"http://127.0.0.1:{listener_port}/v1/chat/completions"
-        client = KvpilotClient(kvpilot.api_url, token=parts["token"])
+        client = KvpilotClient(kvpilot.api_url, token=token)
 
         _say(
             f"\n1. apply {EXAMPLE.relative_to(repo_root())} through the REST API ({kvpilot.api_url})"
@@ -188,11 +163,9 @@ def run(keep: bool, requests: int, state_dir: Path) -> int:
                 f"  curl -s {url} -H 'content-type: application/json' \\\n"
                 '       -d \'{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}\''
             )
+            _say(f"  curl -s -H 'authorization: Bearer {token}' {kvpilot.api_url}/v1/status")
             _say(
-                f"  curl -s -H 'authorization: Bearer {parts['token']}' {kvpilot.api_url}/v1/status"
-            )
-            _say(
-                f"  curl -s -H 'authorization: Bearer {parts['token']}' {kvpilot.api_url}/v1/fleets/default/config"
+                f"  curl -s -H 'authorization: Bearer {token}' {kvpilot.api_url}/v1/fleets/default/config"
             )
             _say(f"  curl -s {envoy.admin_url}/clusters")
             with contextlib.suppress(KeyboardInterrupt):

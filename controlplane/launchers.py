@@ -22,6 +22,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,7 +30,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal, Self
@@ -787,3 +789,44 @@ class KvpilotProcess(_Launcher):
         self._process.spawn()
         self._process.wait_for(self._ready, timeout, "GET /readyz answers 200")
         return self
+
+
+@dataclass
+class LocalStack:
+    """An embedded etcd, `kvpilot serve` with an admin token, and one Envoy of the default
+    fleet: the whole control path on one machine, for the demo and the benchmarks."""
+
+    etcd: EmbeddedEtcd
+    kvpilot: KvpilotProcess
+    envoy: EmbeddedEnvoy
+    admin_token: str
+
+
+@contextlib.contextmanager
+def local_stack(
+    state_dir: Path, *, node_id: str, etcd_args: Sequence[str] = ()
+) -> Iterator[LocalStack]:
+    """Start etcd, kvpilot and Envoy on free loopback ports under `state_dir` (each waits until
+    ready), and stop them in reverse order on exit. The admin token is random per run."""
+    token = secrets.token_urlsafe(24)
+    with contextlib.ExitStack() as stack:
+        etcd = stack.enter_context(
+            EmbeddedEtcd(state_dir / "etcd", extra_args=list(etcd_args)).start()
+        )
+        kvpilot = stack.enter_context(
+            KvpilotProcess(
+                state_dir / "kvpilot",
+                etcd_endpoints=[etcd.endpoint],
+                env={"KVPILOT_ADMIN_TOKEN": token},
+            ).start()
+        )
+        envoy = stack.enter_context(
+            EmbeddedEnvoy(
+                state_dir / "envoy",
+                xds_address="127.0.0.1",
+                xds_port=kvpilot.xds_port,
+                node_id=node_id,
+                fleet="default",
+            ).start()
+        )
+        yield LocalStack(etcd, kvpilot, envoy, token)
