@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,41 @@ def test_all_examples_together_pass_envoy_validation(tmp_path: Path) -> None:
     for fleet in plan.fleets:
         ok, output = validate_with_envoy(translate(fleet), envoy, tmp_path / fleet.fleet)
         assert ok, f"fleet {fleet.fleet}: {output}"
+
+
+VERSIONS_SCRIPT = """
+import json, sys
+from pathlib import Path
+from policies import PolicyState, compile_plan, load_objects
+from xdsserver.snapshot import Snapshot
+from xdsserver.translate import translate
+plan = compile_plan(PolicyState.from_objects(load_objects(Path(sys.argv[1]))))
+print(json.dumps({
+    fleet.fleet: {
+        type_url: {name: r.version for name, r in snapshot.resources(type_url).items()}
+        for snapshot in [Snapshot.from_messages(translate(fleet).by_type())]
+        for type_url in translate(fleet).by_type()
+    }
+    for fleet in plan.fleets
+}))
+"""
+
+
+def test_versions_are_equal_across_processes(tmp_path: Path) -> None:
+    """Two kvpilot replicas, or one before and after a restart, hash equal config to equal
+    versions, so an Envoy that reconnects elsewhere reloads nothing. Map fields (JSON bodies,
+    per-filter configs) inside packed Any fields must serialize in one order for that, whatever
+    the process's hash seed."""
+    outputs = []
+    for seed in ("1", "2", "3"):
+        done = subprocess.run(
+            [sys.executable, "-c", VERSIONS_SCRIPT, str(EXAMPLES)],
+            capture_output=True,
+            text=True,
+            cwd=repo_root(),
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        assert done.returncode == 0, done.stderr
+        outputs.append(json.loads(done.stdout))
+    assert outputs[0], "no fleet translated"
+    assert outputs[0] == outputs[1] == outputs[2]

@@ -20,7 +20,10 @@ def duration(seconds: float) -> duration_pb2.Duration:
 def pack(message: Message) -> any_pb2.Any:
     """A message packed into an Any, as Envoy's typed_config fields take it."""
     packed = any_pb2.Any()
-    packed.Pack(message)
+    # Deterministic bytes inside the Any too: map fields (Struct, typed_per_filter_config)
+    # would otherwise serialize in an order that differs between processes, and with it the
+    # content-hash version of the whole resource.
+    packed.Pack(message, deterministic=True)
     return packed
 
 
