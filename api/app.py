@@ -725,6 +725,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "ageSeconds": round(time.time() - build.at, 3) if build.at else None,
                 "seconds": build.seconds,
                 "fastPath": build.fast_path,
+                "path": build.path,
                 "fleets": build.fleets,
             },
         }

@@ -14,9 +14,10 @@ kvpilot). Then:
 - **simulated streams** (1,000 SotW ADS streams from a separate process, asyncio gRPC, 50
   streams per HTTP/2 connection, each ACKing every response at once): the same changes;
 - **10,000 endpoints**: in this process, the reconciler's full rebuild (decode, validate,
-  compile, translate, serialize once into a Snapshot) and its EDS fast path for one endpoint
-  change; then end to end, 10 real Envoys holding that config, the time from an endpoint
-  change (EDS fast path) and from a route change (full rebuild, RDS) to every Envoy's ACK;
+  compile, translate, serialize once into a Snapshot), its EDS fast path for one endpoint
+  change and its routes path for one route change (LDS and RDS translated, every cluster and
+  endpoint reused); then end to end, 10 real Envoys holding that config, the time from an
+  endpoint change (EDS) and from a route change (RDS) to every Envoy's ACK;
 - kvpilot's resident memory (`VmRSS` of the daemon) at each stage.
 
 It prints a Markdown table and writes `bench/results/controlplane.json`. `--short` (1 and 3
@@ -333,7 +334,7 @@ class Bench:
         return changes
 
     def _change_route(self) -> None:
-        """One change that is not endpoints only: a route timeout (full rebuild, RDS)."""
+        """One change that is not endpoints only: a route timeout (routes path, RDS)."""
         assert self.api is not None
         body = self.api.get(f"/v1/routingpolicies/{POLICY}").json()
         self.weight += 1
@@ -476,13 +477,24 @@ def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
         started = time.perf_counter()
         reconciler.rebuild(items, changed={key}, full_resync=False)
         fast.append(time.perf_counter() - started)
-        assert reconciler.last_build.fast_path
+        assert reconciler.last_build.path == "fast"
+    policy_key = f"objects/routingpolicies/{POLICY}"
+    policy = json.loads(items[policy_key].value)
+    routes = []
+    for seconds in range(1, repeats * 2 + 1):
+        policy["spec"]["routes"][0]["timeouts"] = {"request": f"{seconds}s"}
+        put(policy_key, policy)
+        started = time.perf_counter()
+        reconciler.rebuild(items, changed={policy_key}, full_resync=False)
+        routes.append(time.perf_counter() - started)
+        assert reconciler.last_build.path == "routes"
     return {
         "endpoints": endpoints,
         "clusters": len(snapshot.resources(snapshot.types()[0])),
         "serialized_kib": round(size / 1024),
         "full_rebuild_ms": round(statistics.median(full) * 1000, 1),
         "fast_path_ms": round(statistics.median(fast) * 1000, 1),
+        "routes_path_ms": round(statistics.median(routes) * 1000, 1),
     }
 
 
@@ -554,6 +566,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"| full: decode, validate, compile, translate, serialize (Snapshot) | "
         f"{t['full_rebuild_ms']} |",
         f"| EDS fast path: one endpoint changed | {t['fast_path_ms']} |",
+        f"| routes path: one route timeout changed (LDS, RDS) | {t['routes_path_ms']} |",
         "",
         "kvpilot RSS MiB: " + ", ".join(f"{k} {v}" for k, v in results["memory_mib"].items()),
         "",

@@ -50,7 +50,12 @@ from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision
 from xdsserver import resources
 from xdsserver.snapshot import Snapshot, SnapshotCache
-from xdsserver.translate import translate, translate_endpoints
+from xdsserver.translate import (
+    translate,
+    translate_endpoints,
+    translate_listeners,
+    translate_routes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +84,10 @@ class BuildInfo:
     at: float = 0.0
     seconds: float = 0.0
     fast_path: bool = False
+    """True when no fleet needed a full translation (see ``path``)."""
+    path: str = "full"
+    """The costliest path any fleet took: ``fast`` (endpoints only), ``routes`` (listeners and
+    routes only) or ``full``."""
     fleets: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
@@ -89,7 +98,8 @@ class ReconcileMetrics:
         kwargs: dict[str, Any] = {"registry": registry} if registry is not None else {}
         self.builds = Counter(
             "kvpilot_reconcile_builds",
-            "Snapshot rebuilds, by path (full or fast).",
+            "Snapshot rebuilds, by path: fast (endpoints only), routes (listeners and routes "
+            "only) or full.",
             ["path"],
             **kwargs,
         )
@@ -287,12 +297,15 @@ class Reconciler:
         plan = compile_plan(state)
         fleets: dict[str, dict[str, str]] = {}
         pushed = 0
-        fast = True
+        path = "fast"
         for fleet_plan in plan.fleets:
             before = self.cache.snapshot_for(fleet_plan.fleet)
             snapshot = self._endpoints_only(fleet_plan, before)
             if snapshot is None:
-                fast = False
+                snapshot = self._routes_only(fleet_plan, before)
+                path = "routes" if path != "full" else path
+            if snapshot is None:
+                path = "full"
                 snapshot = Snapshot.from_messages(translate(fleet_plan).by_type())
             if before is None or before.versions() != snapshot.versions():
                 pushed += 1
@@ -307,16 +320,21 @@ class Reconciler:
         self.plan = plan
         elapsed = time.perf_counter() - started
         self.last_build = BuildInfo(
-            revision=revision, at=time.time(), seconds=elapsed, fast_path=fast, fleets=fleets
+            revision=revision,
+            at=time.time(),
+            seconds=elapsed,
+            fast_path=path != "full",
+            path=path,
+            fleets=fleets,
         )
-        self.metrics.builds.labels("fast" if fast else "full").inc()
+        self.metrics.builds.labels(path).inc()
         self.metrics.build_seconds.observe(elapsed)
         self._built.set()
         log.debug(
             "rebuilt at revision %d in %.1f ms (%s path)",
             revision,
             elapsed * 1000,
-            "fast" if fast else "full",
+            path,
         )
 
     def _endpoints_only(self, fleet: FleetPlan, before: Snapshot | None) -> Snapshot | None:
@@ -350,6 +368,23 @@ class Reconciler:
             [translate_endpoints(cluster) for cluster in changed],
             replace_all=False,
         )
+
+    def _routes_only(self, fleet: FleetPlan, before: Snapshot | None) -> Snapshot | None:
+        """The routes path: when a fleet's clusters are what they were and only its listeners
+        or routes changed (a timeout, a match, a rate limit), translate LDS and RDS and reuse
+        every Cluster and ClusterLoadAssignment, which dominate at scale. None otherwise."""
+        old = self.plan.fleet(fleet.fleet) if self.plan is not None else None
+        if (
+            old is None
+            or before is None
+            or fleet.fleet not in self.cache.fleets()
+            or old.clusters != fleet.clusters
+            or (old.secrets_dir, old.trusted_ca_file) != (fleet.secrets_dir, fleet.trusted_ca_file)
+        ):
+            return None
+        return before.with_messages(
+            resources.LISTENER, translate_listeners(fleet), replace_all=True
+        ).with_messages(resources.ROUTE, translate_routes(fleet), replace_all=True)
 
     def _apply(self, key: str, kv: KeyValue | None) -> None:
         parts = key.split("/")

@@ -47,4 +47,5 @@ def test_short_controlplane_benchmark_writes_well_formed_results(tmp_path: Path)
     translation = results["translation"]
     assert translation["endpoints"] == 1000
     assert translation["full_rebuild_ms"] > 0 and translation["fast_path_ms"] > 0
+    assert translation["routes_path_ms"] > 0
     assert set(results["memory_mib"]) == {"idle", "1000 endpoints", "end"}

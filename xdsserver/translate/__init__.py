@@ -16,7 +16,7 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from google.protobuf.message import Message
 
-from policies.plan import FleetPlan
+from policies.plan import FleetPlan, PlanCluster
 from xdsserver import resources
 from xdsserver.translate.clusters import (
     AFFINITY_SUFFIX,
@@ -56,10 +56,7 @@ def translate(plan: FleetPlan) -> FleetResources:
     """All Envoy resources for one fleet."""
     clusters: list[cluster_pb2.Cluster] = []
     endpoints: list[endpoint_pb2.ClusterLoadAssignment] = []
-    listeners = [translate_listener(listener) for listener in plan.listeners]
-    behind_listener = frozenset(
-        cluster.name for cluster in plan.clusters if cluster.kind == "dns" and cluster.auth
-    )
+    behind_listener = frozenset(cluster.name for cluster in _authenticated_providers(plan))
     for cluster in plan.clusters:
         if cluster.kind == "eds":
             clusters.extend(translate_cluster(cluster, trusted_ca_file=plan.trusted_ca_file))
@@ -69,14 +66,34 @@ def translate(plan: FleetPlan) -> FleetResources:
         else:
             clusters.append(provider_cluster(cluster, plan.trusted_ca_file))
             if cluster.auth is not None:
-                listeners.append(credential_listener(cluster, plan.secrets_dir))
                 clusters.append(internal_cluster(cluster))
     return FleetResources(
         clusters=tuple(clusters),
         endpoints=tuple(endpoints),
-        listeners=tuple(listeners),
-        routes=tuple(translate_route_configuration(listener) for listener in plan.listeners),
+        listeners=translate_listeners(plan),
+        routes=translate_routes(plan),
     )
+
+
+def translate_listeners(plan: FleetPlan) -> tuple[listener_pb2.Listener, ...]:
+    """LDS alone: the policies' listeners, then an internal listener per provider with a
+    credential header (it depends on the clusters and the fleet's secrets directory only)."""
+    return (
+        *(translate_listener(listener) for listener in plan.listeners),
+        *(
+            credential_listener(cluster, plan.secrets_dir)
+            for cluster in _authenticated_providers(plan)
+        ),
+    )
+
+
+def translate_routes(plan: FleetPlan) -> tuple[route_pb2.RouteConfiguration, ...]:
+    """RDS alone: one route configuration per listener."""
+    return tuple(translate_route_configuration(listener) for listener in plan.listeners)
+
+
+def _authenticated_providers(plan: FleetPlan) -> list[PlanCluster]:
+    return [cluster for cluster in plan.clusters if cluster.kind == "dns" and cluster.auth]
 
 
 __all__ = [
@@ -88,5 +105,7 @@ __all__ = [
     "translate_cluster",
     "translate_endpoints",
     "translate_listener",
+    "translate_listeners",
     "translate_route_configuration",
+    "translate_routes",
 ]
