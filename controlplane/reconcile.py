@@ -76,6 +76,11 @@ class ObjectError:
     serving_previous: bool
 
 
+BUILD_PATHS = ("fast", "routes", "full")
+"""How a rebuild made a fleet's snapshot, cheapest first: ``fast`` translates only changed
+ClusterLoadAssignments, ``routes`` only listeners and route configurations, ``full`` all."""
+
+
 @dataclass(slots=True)
 class BuildInfo:
     """What the last rebuild did, for status and logs."""
@@ -297,16 +302,18 @@ class Reconciler:
         plan = compile_plan(state)
         fleets: dict[str, dict[str, str]] = {}
         pushed = 0
-        path = "fast"
+        path = BUILD_PATHS[0]
         for fleet_plan in plan.fleets:
             before = self.cache.snapshot_for(fleet_plan.fleet)
-            snapshot = self._endpoints_only(fleet_plan, before)
+            snapshot, fleet_path = self._endpoints_only(fleet_plan, before), "fast"
             if snapshot is None:
-                snapshot = self._routes_only(fleet_plan, before)
-                path = "routes" if path != "full" else path
+                snapshot, fleet_path = self._routes_only(fleet_plan, before), "routes"
             if snapshot is None:
-                path = "full"
-                snapshot = Snapshot.from_messages(translate(fleet_plan).by_type())
+                snapshot, fleet_path = (
+                    Snapshot.from_messages(translate(fleet_plan).by_type()),
+                    "full",
+                )
+            path = max(path, fleet_path, key=BUILD_PATHS.index)
             if before is None or before.versions() != snapshot.versions():
                 pushed += 1
             self.cache.set_snapshot(fleet_plan.fleet, snapshot)
