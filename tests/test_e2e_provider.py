@@ -85,6 +85,56 @@ def provider(tmp_path: Path) -> Iterator[tuple[Provider, Path]]:
     server.close()
 
 
+def provider_setup(
+    secrets: Path, local_port: int, provider_port: int, cert: Path, listener_port: int
+) -> list[dict[str, Any]]:
+    """A local replica tier, then the TLS provider with its credential from `secrets`."""
+    return [
+        {"kind": "Fleet", "metadata": {"name": "default"}, "spec": {"secretsDir": str(secrets)}},
+        {
+            "kind": "Pool",
+            "metadata": {"name": "local"},
+            "spec": {"endpoints": [{"address": "127.0.0.1", "port": local_port}]},
+        },
+        {
+            "kind": "Pool",
+            "metadata": {"name": "provider"},
+            "spec": {
+                "endpoints": [{"address": "localhost", "port": provider_port}],
+                "tls": {"sni": "localhost", "caFile": str(cert)},
+                "hostRewrite": "api.provider.test",
+                "auth": {"secretRef": {"name": "provider-key"}},
+                "healthCheck": {"enabled": False},
+            },
+        },
+        {
+            "kind": "RoutingPolicy",
+            "metadata": {"name": "failover"},
+            "spec": {
+                "listener": {"address": "127.0.0.1", "port": listener_port},
+                "routes": [{"name": "chat", "tiers": [["local"], ["provider"]]}],
+            },
+        },
+    ]
+
+
+def write_secret(secrets: Path) -> None:
+    """The provider's credential in Envoy's SDS file format, as an operator deploys it."""
+    secret = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret",
+        "name": "provider-key",
+        "generic_secret": {"secret": {"inline_string": SECRET}},
+    }
+    (secrets / "provider-key.yaml").write_text(json.dumps({"resources": [secret]}))
+
+
+def apply(api: httpx.Client, objects: list[dict[str, Any]]) -> None:
+    paths = {"Fleet": "fleets", "Pool": "pools", "RoutingPolicy": "routingpolicies"}
+    for body in objects:
+        response = api.put(f"/v1/{paths[body['kind']]}/{body['metadata']['name']}", json=body)
+        assert response.is_success, response.text
+
+
 def test_provider_tier_gets_tls_sni_host_rewrite_and_the_secret_header(
     tmp_path: Path,
     provider: tuple[Provider, Path],
@@ -96,55 +146,14 @@ def test_provider_tier_gets_tls_sni_host_rewrite_and_the_secret_header(
     server, cert = provider
     secrets = tmp_path / "secrets"
     secrets.mkdir()
-    (secrets / "provider-key.yaml").write_text(
-        json.dumps(
-            {
-                "resources": [
-                    {
-                        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret",
-                        "name": "provider-key",
-                        "generic_secret": {"secret": {"inline_string": SECRET}},
-                    }
-                ]
-            }
-        )
-    )
+    write_secret(secrets)
     replicas = backends(1, id_prefix="local")
     kvpilot = kvpilot_factory(etcd_prefix)
     envoy_factory(xds_port=kvpilot.xds_port)
     port = free_port()
     api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    objects = [
-        {"kind": "Fleet", "metadata": {"name": "default"}, "spec": {"secretsDir": str(secrets)}},
-        {
-            "kind": "Pool",
-            "metadata": {"name": "local"},
-            "spec": {"endpoints": [{"address": "127.0.0.1", "port": replicas.replicas[0].port}]},
-        },
-        {
-            "kind": "Pool",
-            "metadata": {"name": "provider"},
-            "spec": {
-                "endpoints": [{"address": "localhost", "port": server.port}],
-                "tls": {"sni": "localhost", "caFile": str(cert)},
-                "hostRewrite": "api.provider.test",
-                "auth": {"secretRef": {"name": "provider-key"}},
-                "healthCheck": {"enabled": False},
-            },
-        },
-        {
-            "kind": "RoutingPolicy",
-            "metadata": {"name": "failover"},
-            "spec": {
-                "listener": {"address": "127.0.0.1", "port": port},
-                "routes": [{"name": "chat", "tiers": [["local"], ["provider"]]}],
-            },
-        },
-    ]
-    paths = {"Fleet": "fleets", "Pool": "pools", "RoutingPolicy": "routingpolicies"}
-    for body in objects:
-        response = api.put(f"/v1/{paths[body['kind']]}/{body['metadata']['name']}", json=body)
-        assert response.is_success, response.text
+    objects = provider_setup(secrets, replicas.replicas[0].port, server.port, cert, port)
+    apply(api, objects)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     client = httpx.Client(timeout=10)
 
@@ -172,3 +181,64 @@ def test_provider_tier_gets_tls_sni_host_rewrite_and_the_secret_header(
     wait_until(
         lambda: ask().headers.get("x-backend-id") == "local-0", 60, message="the local tier back"
     )
+
+
+def test_a_missing_secret_file_shows_as_a_nack_and_the_local_tier_keeps_serving(
+    tmp_path: Path,
+    provider: tuple[Provider, Path],
+    etcd_prefix: str,
+    kvpilot_factory: Any,
+    envoy_factory: Any,
+    backends: Any,
+) -> None:
+    """kvpilot cannot see the Envoy hosts' files. When the secret file is missing, Envoy
+    rejects only the provider's credential listener: it NACKs the update (status shows which
+    file), and still applies the other listeners of it (Envoy's LDS handling), so the local
+    tier serves and only the provider tier is out."""
+    server, cert = provider
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()  # but no provider-key.yaml in it
+    replicas = backends(1, id_prefix="local")
+    kvpilot = kvpilot_factory(etcd_prefix)
+    envoy = envoy_factory(xds_port=kvpilot.xds_port)
+    port = free_port()
+    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
+    apply(api, provider_setup(secrets, replicas.replicas[0].port, server.port, cert, port))
+
+    def lds_nack() -> dict[str, Any] | None:
+        for connection in api.get("/v1/status").json()["envoys"]:
+            if connection["node_id"] == envoy.node_id:
+                for status in connection["types"].values():
+                    if status["type"] == "LDS" and status["last_nack"]:
+                        nack: dict[str, Any] = status["last_nack"]
+                        return nack
+        return None
+
+    nack = wait_until(lds_nack, 30, message="the LDS NACK to show in /v1/status")
+    assert "provider/internal" in nack["message"], nack  # the listener it rejected ...
+    assert "provider-key.yaml" in nack["message"], nack  # ... and why
+
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    def local_answers() -> bool:
+        return httpx.post(url, json=body, timeout=10).headers.get("x-backend-id") == "local-0"
+
+    wait_until(local_answers, 30, message="the policy's listener to serve despite the NACK")
+    # With the local tier down, the provider tier has no listener to go through.
+    replicas.fail("local-0", 503)
+    failed = httpx.post(url, json=body, timeout=10)
+    assert failed.status_code == 503 and server.seen == [], failed.text
+
+    # The file appears. kvpilot does not resend a version Envoy rejected, so Envoy creates the
+    # listener with the next listener change for the fleet (or when it restarts).
+    write_secret(secrets)
+    fleet = {"kind": "Fleet", "metadata": {"name": "default"}}
+    fleet["spec"] = {"secretsDir": str(secrets), "accessLog": False}
+    apply(api, [fleet])
+
+    def provider_answers() -> bool:
+        return httpx.post(url, json=body, timeout=10).headers.get("x-backend-id") == "provider"
+
+    wait_until(provider_answers, 30, message="the provider tier once the file exists")
+    assert server.seen and all(seen["authorization"] == SECRET for seen in server.seen)
