@@ -344,19 +344,27 @@ class Reconciler:
             path,
         )
 
-    def _endpoints_only(self, fleet: FleetPlan, before: Snapshot | None) -> Snapshot | None:
-        """The fast path: when a fleet's plan differs from the last one only in the endpoints
-        of EDS clusters (registrations, weights, health, telemetry), translate and serialize
-        just those ClusterLoadAssignments and reuse everything else. None when anything else
-        changed."""
+    def _previous(self, fleet: FleetPlan, before: Snapshot | None) -> FleetPlan | None:
+        """The fleet's last plan, when a partial rebuild may start from its snapshot `before`:
+        the fleet was built and served, and its secrets directory and CA file (which every
+        kind of resource may embed) are unchanged. None otherwise."""
         old = self.plan.fleet(fleet.fleet) if self.plan is not None else None
         if (
             old is None
             or before is None
             or fleet.fleet not in self.cache.fleets()
-            or old.listeners != fleet.listeners
             or (old.secrets_dir, old.trusted_ca_file) != (fleet.secrets_dir, fleet.trusted_ca_file)
         ):
+            return None
+        return old
+
+    def _endpoints_only(self, fleet: FleetPlan, before: Snapshot | None) -> Snapshot | None:
+        """The fast path: when a fleet's plan differs from the last one only in the endpoints
+        of EDS clusters (registrations, weights, health, telemetry), translate and serialize
+        just those ClusterLoadAssignments and reuse everything else. None when anything else
+        changed."""
+        old = self._previous(fleet, before)
+        if old is None or before is None or old.listeners != fleet.listeners:
             return None
         previous = {cluster.name: cluster for cluster in old.clusters}
         if list(previous) != [cluster.name for cluster in fleet.clusters]:
@@ -380,14 +388,8 @@ class Reconciler:
         """The routes path: when a fleet's clusters are what they were and only its listeners
         or routes changed (a timeout, a match, a rate limit), translate LDS and RDS and reuse
         every Cluster and ClusterLoadAssignment, which dominate at scale. None otherwise."""
-        old = self.plan.fleet(fleet.fleet) if self.plan is not None else None
-        if (
-            old is None
-            or before is None
-            or fleet.fleet not in self.cache.fleets()
-            or old.clusters != fleet.clusters
-            or (old.secrets_dir, old.trusted_ca_file) != (fleet.secrets_dir, fleet.trusted_ca_file)
-        ):
+        old = self._previous(fleet, before)
+        if old is None or before is None or old.clusters != fleet.clusters:
             return None
         return before.with_messages(
             resources.LISTENER, translate_listeners(fleet), replace_all=True
