@@ -50,7 +50,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from bench.simulator import Engine, EngineError, SimConfig, completion_response
-from controlplane.asgi import ServerGroup, UvicornServer
+from controlplane.asgi import ServerGroup, UvicornServer, read_announcement
 from controlplane.launchers import LauncherError, ManagedProcess
 
 DEFAULT_MODEL = "sim-model"
@@ -324,13 +324,7 @@ async def serve(replicas: Sequence[Replica], host: str, ports: Sequence[int]) ->
     for replica, server in zip(replicas, group.servers, strict=True):
         replica.on_death = dying(server)
     if await group.start():
-        announcement = {
-            "replicas": [
-                {"id": replica.id, "port": port}
-                for replica, port in zip(replicas, group.ports, strict=True)
-            ]
-        }
-        print(json.dumps(announcement), flush=True)
+        group.announce([replica.id for replica in replicas])
     # One replica stopping (a signal, or a crash) stops them all; a replica told to die
     # (`/admin/die`) stops alone.
     pending = set(group.tasks)
@@ -460,15 +454,10 @@ class BackendProcess:
         """The replicas, known once `start()` returns."""
 
     def _read_announcement(self) -> bool:
-        try:
-            text = self._stdout_path.read_text()
-        except OSError:
-            return False
-        if not text.endswith("\n"):
-            return False
-        data = json.loads(text.splitlines()[0])
-        self.replicas = [ReplicaInfo(r["id"], self.host, int(r["port"])) for r in data["replicas"]]
-        return True
+        ports = read_announcement(self._stdout_path)
+        if ports is not None:
+            self.replicas = [ReplicaInfo(id_, self.host, port) for id_, port in ports.items()]
+        return ports is not None
 
     def start(self, timeout: float = 30.0) -> Self:
         """Start the replicas and wait until all of them listen."""

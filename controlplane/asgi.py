@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import socket
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -79,9 +81,28 @@ class ServerGroup:
             await asyncio.sleep(0.01)
         return True
 
+    def announce(self, ids: Sequence[str]) -> None:
+        """Tell the parent process where each app listens: one JSON line on stdout,
+        ``{"replicas": [{"id": ..., "port": ...}, ...]}``, read back by `read_announcement`."""
+        replicas = [{"id": id_, "port": port} for id_, port in zip(ids, self.ports, strict=True)]
+        print(json.dumps({"replicas": replicas}), flush=True)
+
     async def wait(self) -> None:
         """Until every server has stopped."""
         await asyncio.gather(*self.tasks)
+
+
+def read_announcement(stdout_path: Path) -> dict[str, int] | None:
+    """Replica id -> port from a child's `ServerGroup.announce` line; None until it is
+    written in full."""
+    try:
+        text = stdout_path.read_text()
+    except OSError:
+        return None
+    if not text.endswith("\n"):
+        return None
+    replicas = json.loads(text.splitlines()[0])["replicas"]
+    return {replica["id"]: int(replica["port"]) for replica in replicas}
 
 
 def _bind(host: str, port: int) -> socket.socket:

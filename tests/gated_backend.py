@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from controlplane.asgi import ServerGroup
+from controlplane.asgi import ServerGroup, read_announcement
 from controlplane.launchers import ManagedProcess
 
 STREAM_CHUNKS = 6
@@ -139,11 +139,7 @@ async def serve(count: int, id_prefix: str, host: str) -> None:
         replica.gate.set()
     group = ServerGroup([build_app(replica) for replica in replicas], host, graceful_shutdown=1)
     if await group.start():
-        announcement = [
-            {"id": replica.id, "port": port}
-            for replica, port in zip(replicas, group.ports, strict=True)
-        ]
-        print(json.dumps({"replicas": announcement}), flush=True)
+        group.announce([replica.id for replica in replicas])
     await group.wait()
 
 
@@ -163,15 +159,8 @@ class GatedBackend:
         """Replica id -> port, known once `start()` returns."""
 
     def _read_announcement(self) -> bool:
-        try:
-            text = self._stdout_path.read_text()
-        except OSError:
-            return False
-        if not text.endswith("\n"):
-            return False
-        replicas = json.loads(text.splitlines()[0])["replicas"]
-        self.ports = {replica["id"]: int(replica["port"]) for replica in replicas}
-        return True
+        self.ports = read_announcement(self._stdout_path) or {}
+        return bool(self.ports)
 
     def start(self, timeout: float = 30.0) -> Self:
         self._process.spawn()
