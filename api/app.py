@@ -42,6 +42,7 @@ from controlplane.store import (
     decode_json,
 )
 from policies import KINDS, Endpoint, FieldError, PolicyError, PolicyObject, Pool, parse_object
+from policies.validate import field_errors, field_path
 from xdsserver.status import ConnectionRegistry
 
 log = logging.getLogger(__name__)
@@ -174,9 +175,6 @@ def _parse_for_kind(data: Any, kind: str) -> PolicyObject:
     """Validate ``data`` as a ``kind`` object; ``kind`` may be left out of the body."""
     if isinstance(data, dict) and "kind" not in data:
         data = {**data, "kind": kind}
-    if isinstance(data, dict) and not isinstance(data["kind"], str):
-        # parse_object looks the kind up in a dict: an unhashable kind must not reach it.
-        raise PolicyError([FieldError("kind", f"kind must be a string: {kind}")])
     obj = parse_object(data)
     if obj.kind != kind:
         raise PolicyError([FieldError("kind", f"this path takes {kind} objects, not {obj.kind}")])
@@ -300,10 +298,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def request_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        errors = []
-        for item in exc.errors():
-            location = [str(part) for part in item.get("loc", ())]
-            errors.append(FieldError(".".join(location), str(item.get("msg", "invalid"))))
+        errors = [
+            FieldError(field_path(item.get("loc", ())), str(item.get("msg", "invalid")))
+            for item in exc.errors()
+        ]
         return _unprocessable(errors)
 
     def status_for(status: int) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
@@ -556,7 +554,7 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         try:
             endpoint = Endpoint.model_validate(await _json_body(request))
         except ValidationError as error:
-            raise PolicyError(_pydantic_errors(error)) from None
+            raise PolicyError(field_errors(error)) from None
         body = _dump(endpoint)
         revision, lease = await store.put_endpoint(pool, endpoint_id, body, ttl=ttl)
         log.info("registered endpoint %s/%s (lease %s)", pool, endpoint_id, lease)
@@ -604,7 +602,7 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
             try:
                 endpoint = Endpoint.model_validate({**current, "weight": change.weight})
             except ValidationError as error:
-                raise PolicyError(_pydantic_errors(error)) from None
+                raise PolicyError(field_errors(error)) from None
             try:
                 revision, _lease = await store.put_endpoint(
                     pool, endpoint_id, _dump(endpoint), lease=kv.lease or None
@@ -675,18 +673,6 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         )
 
 
-def _pydantic_errors(error: ValidationError) -> list[FieldError]:
-    out = []
-    for item in error.errors(include_input=False):
-        location = ""
-        for part in item["loc"]:
-            location += (
-                f"[{part}]" if isinstance(part, int) else ("." if location else "") + str(part)
-            )
-        out.append(FieldError(location, item["msg"].removeprefix("Value error, ")))
-    return out
-
-
 def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
     reconciler = context.reconciler
     tags: list[str | Any] = ["status"]
@@ -724,7 +710,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "at": build.at or None,
                 "ageSeconds": round(time.time() - build.at, 3) if build.at else None,
                 "seconds": build.seconds,
-                "fastPath": build.fast_path,
+                "fastPath": build.path != "full",
                 "path": build.path,
                 "fleets": build.fleets,
             },

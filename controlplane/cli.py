@@ -74,9 +74,6 @@ def load_files(paths: Sequence[Path]) -> list[PolicyObject]:
             continue
         for index, document in enumerate(documents):
             source = f"{file} (document {index + 1})"
-            if isinstance(document, dict) and not isinstance(document.get("kind", ""), str):
-                problems.append(f"{source}: kind: kind must be a string")
-                continue
             try:
                 objects.append(parse_object(document, source=source))
             except PolicyError as error:
@@ -184,7 +181,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     out.write(
         f"\nLast build: revision {build.get('revision')} at {_when(build.get('at'))} "
         f"({(build.get('seconds') or 0) * 1000:.1f} ms, "
-        f"{'fast' if build.get('fastPath') else 'full'} path)\n"
+        f"{build.get('path', 'full')} path)\n"
     )
     for fleet, versions in sorted(build.get("fleets", {}).items()):
         out.write(f"  fleet {fleet}: " + ", ".join(f"{v}" for v in versions.values()) + "\n")

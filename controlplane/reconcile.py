@@ -88,8 +88,6 @@ class BuildInfo:
     revision: int = 0
     at: float = 0.0
     seconds: float = 0.0
-    fast_path: bool = False
-    """True when no fleet needed a full translation (see ``path``)."""
     path: str = "full"
     """The costliest path any fleet took: ``fast`` (endpoints only), ``routes`` (listeners and
     routes only) or ``full``."""
@@ -330,7 +328,6 @@ class Reconciler:
             revision=revision,
             at=time.time(),
             seconds=elapsed,
-            fast_path=path != "full",
             path=path,
             fleets=fleets,
         )

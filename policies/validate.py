@@ -35,7 +35,8 @@ class PolicyError(ValueError):
         super().__init__(prefix + "; ".join(str(error) for error in self.errors))
 
 
-def _path(location: Iterable[int | str]) -> str:
+def field_path(location: Iterable[int | str]) -> str:
+    """A pydantic error location as a document path: ``spec.routes[0].tiers``."""
     out = ""
     for part in location:
         if isinstance(part, int):
@@ -45,14 +46,15 @@ def _path(location: Iterable[int | str]) -> str:
     return out
 
 
-def _field_errors(error: ValidationError) -> list[FieldError]:
+def field_errors(error: ValidationError) -> list[FieldError]:
+    """One FieldError per problem pydantic found, with the document's own path."""
     errors = []
     for item in error.errors():
         # Tagged-union and "before" validators add type names to the location; drop them so
         # the path is the document's own.
         location = [part for part in item["loc"] if not str(part).startswith("function-")]
         message = item["msg"].removeprefix("Value error, ")
-        errors.append(FieldError(_path(location), message))
+        errors.append(FieldError(field_path(location), message))
     return errors
 
 
@@ -79,7 +81,7 @@ def parse_object(data: Any, *, source: str = "") -> PolicyObject:
     try:
         return KINDS[kind].model_validate(data)
     except ValidationError as error:
-        raise PolicyError(_field_errors(error), source) from None
+        raise PolicyError(field_errors(error), source) from None
 
 
 def decode_documents(text: str, *, source: str = "") -> list[Any]:
