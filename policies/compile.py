@@ -18,8 +18,6 @@ Design choices, each forced by what Envoy does:
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -93,23 +91,9 @@ def listener_name(port: int) -> str:
     return f"listener-{port}"
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def is_ip(address: str) -> bool:
-    """EDS carries IP addresses only: Envoy rejects a DNS name there ("malformed IP address").
-
-    Cached: every compile asks it for every endpoint, and parsing dominated a rebuild at
-    10,000 endpoints."""
-    try:
-        ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return True
-
-
 def is_external(pool: Pool) -> bool:
-    """An external provider pool: TLS or DNS-named endpoints. It gets a cluster of its own that
-    Envoy resolves by DNS, since EDS carries only IP addresses."""
-    return pool.spec.tls is not None or any(not is_ip(e.address) for e in pool.spec.endpoints)
+    """An external provider pool (``PoolSpec.external``): TLS or DNS-named endpoints."""
+    return pool.spec.external
 
 
 def pool_endpoints(pool: Pool, registered: Mapping[str, Endpoint]) -> list[Endpoint]:
@@ -152,13 +136,6 @@ def telemetry_weights(state: PolicyState) -> dict[str, dict[str, WeightDecision]
     return out
 
 
-def _weighted(endpoint: Endpoint, decision: WeightDecision | None) -> Endpoint:
-    if decision is None:
-        return endpoint
-    health = "degraded" if decision.degraded else endpoint.health
-    return endpoint.model_copy(update={"weight": decision.weight, "health": health})
-
-
 def _tier_endpoints(
     tier: Tier,
     priority: int,
@@ -171,20 +148,25 @@ def _tier_endpoints(
         if pool is None or target.weight == 0 or is_external(pool):
             continue
         decisions = weights.get(target.pool, {})
-        endpoints = [
-            _weighted(endpoint, decisions.get(endpoint.key))
-            for endpoint in pool_endpoints(pool, state.registered.get(target.pool, {}))
-        ]
+        # (endpoint, weight, health): telemetry decisions override the registered values.
+        endpoints = []
+        for endpoint in pool_endpoints(pool, state.registered.get(target.pool, {})):
+            decision = decisions.get(endpoint.key)
+            if decision is None:
+                endpoints.append((endpoint, endpoint.weight, endpoint.health))
+            else:
+                health = "degraded" if decision.degraded else endpoint.health
+                endpoints.append((endpoint, decision.weight, health))
         if endpoints:
             members.append((target.weight, pool, endpoints))
     out: list[PlanEndpoint] = []
     for pool_weight, pool, endpoints in members:
-        total = sum(endpoint.weight for endpoint in endpoints)
-        for endpoint in endpoints:
+        total = sum(weight for _, weight, _ in endpoints)
+        for endpoint, endpoint_weight, health in endpoints:
             if len(members) == 1:
-                weight = endpoint.weight
+                weight = endpoint_weight
             else:
-                weight = max(1, round(endpoint.weight * pool_weight * SPLIT_SCALE / total))
+                weight = max(1, round(endpoint_weight * pool_weight * SPLIT_SCALE / total))
             out.append(
                 PlanEndpoint(
                     pool=pool.metadata.name,
@@ -192,7 +174,7 @@ def _tier_endpoints(
                     port=endpoint.port,
                     weight=weight,
                     priority=priority,
-                    health=endpoint.health,
+                    health=health,
                     region=endpoint.locality.region if endpoint.locality else "",
                     zone=endpoint.locality.zone if endpoint.locality else "",
                     hostname=pool.spec.host_rewrite or "",

@@ -8,6 +8,8 @@ reference (they also produce the OpenAPI schema of the REST API).
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import re
 from typing import Annotated, Any, Literal
 
@@ -277,10 +279,16 @@ class PoolSpec(Model):
             seen.add(endpoint.key)
         return endpoints
 
+    # --------------------------------------------------------------------------------------------
+    # RoutingPolicy
+    # --------------------------------------------------------------------------------------------
 
-# --------------------------------------------------------------------------------------------
-# RoutingPolicy
-# --------------------------------------------------------------------------------------------
+    @functools.cached_property
+    def external(self) -> bool:
+        """An external provider: TLS, or endpoints named by DNS. It gets a cluster of its own
+        that Envoy resolves, since EDS carries IP addresses only (Envoy rejects a name there:
+        "malformed IP address"). Worked out once per parsed pool; every compile asks."""
+        return self.tls is not None or any(not is_ip(e.address) for e in self.endpoints)
 
 
 class HeaderMatch(Model):
@@ -597,3 +605,12 @@ KINDS: dict[str, type[PolicyObject]] = {
     "RoutingPolicy": RoutingPolicy,
     "Fleet": Fleet,
 }
+
+
+def is_ip(address: str) -> bool:
+    """True for an IPv4 or IPv6 address, False for a DNS name."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
