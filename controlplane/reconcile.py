@@ -1,11 +1,12 @@
 """From etcd state to Envoy snapshots: decode, compile, translate, publish.
 
 The reconciler is told which keys changed (by ``StateMirror``) and rebuilds after a quiet
-period, never waiting longer than a maximum from the first change (debounce). Compiling is
-cheap; translating and serializing are not, so when a fleet's new plan differs from the last
-one only in the endpoints of some clusters (registrations, weights, health, telemetry), only
-those ClusterLoadAssignments are translated and serialized again and everything else is
-reused (the EDS fast path).
+period, never waiting longer than a maximum from the first change (debounce). Every rebuild
+compiles the whole plan (at scale the larger share of a partial rebuild), then translates and
+serializes only what the change needs: when a fleet's new plan differs from the last one only
+in the endpoints of some clusters (registrations, weights, health, telemetry), only those
+ClusterLoadAssignments (the EDS fast path); when its clusters are unchanged, only its
+listeners and route configurations (the routes path); otherwise everything.
 
 A value in etcd that is not a valid object (written with etcdctl, or by an older kvpilot) is
 skipped with a logged error visible in status; the last valid version of that object keeps
@@ -26,7 +27,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -36,7 +37,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from controlplane.etcd import KeyValue
 from controlplane.store import KIND_PATH, StateChange
 from policies import (
-    DEFAULT_FLEET,
     Endpoint,
     FleetPlan,
     PolicyError,
@@ -182,7 +182,6 @@ class Reconciler:
         self._endpoints: dict[str, Endpoint] = {}
         self._telemetry: dict[str, TelemetryRecord] = {}
         self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
-        self._weight_labels: set[tuple[str, str]] = set()
         self._next_stale_at = math.inf
         self._last_telemetry_build = -math.inf
         self._items: Mapping[str, KeyValue] = {}
@@ -214,11 +213,7 @@ class Reconciler:
         self._dirty.set()
 
     def _telemetry_only(self) -> bool:
-        return (
-            not self._pending_full
-            and bool(self._pending)
-            and all(key.startswith(TELEMETRY_PREFIX) for key in self._pending)
-        )
+        return not self._pending_full and _all_under(self._pending, TELEMETRY_PREFIX)
 
     async def _wait_dirty(self) -> None:
         """Wait for a change, or until fresh telemetry goes stale (then weights must return to
@@ -288,11 +283,11 @@ class Reconciler:
             else changed
         )
         cause = "config"
-        if changed is not None and not full_resync and changed:
-            if all(key.startswith(TELEMETRY_PREFIX) for key in changed):
+        if changed is not None and not full_resync:
+            if _all_under(changed, TELEMETRY_PREFIX):
                 cause = "telemetry"
                 self._last_telemetry_build = time.monotonic()
-            elif all(key.startswith(ENDPOINT_PREFIXES) for key in changed):
+            elif _all_under(changed, ENDPOINT_PREFIXES):
                 cause = "endpoints"
         for key in keys:
             self._apply(key, items.get(key))
@@ -302,23 +297,17 @@ class Reconciler:
         pushed = 0
         path = BUILD_PATHS[0]
         for fleet_plan in plan.fleets:
-            before = self.cache.snapshot_for(fleet_plan.fleet)
-            snapshot, fleet_path = self._endpoints_only(fleet_plan, before), "fast"
+            snapshot, fleet_path = self._partial(fleet_plan)
             if snapshot is None:
-                snapshot, fleet_path = self._routes_only(fleet_plan, before), "routes"
-            if snapshot is None:
-                snapshot, fleet_path = (
-                    Snapshot.from_messages(translate(fleet_plan).by_type()),
-                    "full",
-                )
+                snapshot = Snapshot.from_messages(translate(fleet_plan).by_type())
             path = max(path, fleet_path, key=BUILD_PATHS.index)
-            if before is None or before.versions() != snapshot.versions():
+            if self.cache.set_snapshot(fleet_plan.fleet, snapshot):
                 pushed += 1
-            self.cache.set_snapshot(fleet_plan.fleet, snapshot)
             fleets[fleet_plan.fleet] = snapshot.versions()
         if pushed:
             self.metrics.pushes.labels(cause).inc(pushed)
-        for stale in set(self.cache.fleets()) - set(fleets) - {DEFAULT_FLEET}:
+        # The default fleet is always in the plan, so its snapshot is never dropped here.
+        for stale in set(self.cache.fleets()) - set(fleets):
             self.cache.delete_snapshot(stale)
         self._report(plan)
         self._track_weights(state, plan)
@@ -341,28 +330,30 @@ class Reconciler:
             path,
         )
 
-    def _previous(self, fleet: FleetPlan, before: Snapshot | None) -> FleetPlan | None:
-        """The fleet's last plan, when a partial rebuild may start from its snapshot `before`:
-        the fleet was built and served, and its secrets directory and CA file (which every
-        kind of resource may embed) are unchanged. None otherwise."""
+    def _partial(self, fleet: FleetPlan) -> tuple[Snapshot | None, str]:
+        """The cheapest way to this fleet's new snapshot from the one it is served now: the
+        snapshot and its path, or (None, "full") when everything must be translated. A partial
+        path applies only when every part of the plan other than the one it translates is
+        equal to the last plan's, so a field added to FleetPlan later cannot go stale."""
         old = self.plan.fleet(fleet.fleet) if self.plan is not None else None
-        if (
-            old is None
-            or before is None
-            or fleet.fleet not in self.cache.fleets()
-            or (old.secrets_dir, old.trusted_ca_file) != (fleet.secrets_dir, fleet.trusted_ca_file)
-        ):
-            return None
-        return old
+        before = self.cache.snapshot_for(fleet.fleet)
+        if old is None or before is None or fleet.fleet not in self.cache.fleets():
+            return None, "full"
+        if replace(fleet, clusters=old.clusters) == old:
+            snapshot = self._endpoints_only(fleet, old, before)
+            if snapshot is not None:
+                return snapshot, "fast"
+        if replace(fleet, listeners=old.listeners) == old:
+            return self._routes_only(fleet, before), "routes"
+        return None, "full"
 
-    def _endpoints_only(self, fleet: FleetPlan, before: Snapshot | None) -> Snapshot | None:
-        """The fast path: when a fleet's plan differs from the last one only in the endpoints
-        of EDS clusters (registrations, weights, health, telemetry), translate and serialize
-        just those ClusterLoadAssignments and reuse everything else. None when anything else
-        changed."""
-        old = self._previous(fleet, before)
-        if old is None or before is None or old.listeners != fleet.listeners:
-            return None
+    def _endpoints_only(
+        self, fleet: FleetPlan, old: FleetPlan, before: Snapshot
+    ) -> Snapshot | None:
+        """The fast path, for a plan that differs from `old` in its clusters alone: when only
+        the endpoints of EDS clusters changed (registrations, weights, health, telemetry),
+        translate and serialize just those ClusterLoadAssignments and reuse everything else.
+        None when anything else changed."""
         previous = {cluster.name: cluster for cluster in old.clusters}
         if list(previous) != [cluster.name for cluster in fleet.clusters]:
             return None
@@ -381,13 +372,10 @@ class Reconciler:
             replace_all=False,
         )
 
-    def _routes_only(self, fleet: FleetPlan, before: Snapshot | None) -> Snapshot | None:
-        """The routes path: when a fleet's clusters are what they were and only its listeners
-        or routes changed (a timeout, a match, a rate limit), translate LDS and RDS and reuse
-        every Cluster and ClusterLoadAssignment, which dominate at scale. None otherwise."""
-        old = self._previous(fleet, before)
-        if old is None or before is None or old.clusters != fleet.clusters:
-            return None
+    def _routes_only(self, fleet: FleetPlan, before: Snapshot) -> Snapshot:
+        """The routes path, for a plan whose clusters are what they were (a timeout, a match, a
+        rate limit changed): translate LDS and RDS and reuse every Cluster and
+        ClusterLoadAssignment, which dominate at scale."""
         return before.with_messages(
             resources.LISTENER, translate_listeners(fleet), replace_all=True
         ).with_messages(resources.ROUTE, translate_routes(fleet), replace_all=True)
@@ -490,7 +478,6 @@ class Reconciler:
     def _track_weights(self, state: PolicyState, plan: RoutingPlan) -> None:
         """Keep telemetry decisions for hysteresis, count changes, and schedule the rebuild
         that returns the first fresh record to neutral when it goes stale."""
-        labels: set[tuple[str, str]] = set()
         next_stale = math.inf
         for pool, decisions in plan.weights.items():
             before = self._weights.get(pool, {})
@@ -498,21 +485,24 @@ class Reconciler:
             max_age = spec.max_age if spec is not None else 10.0
             for endpoint_id, decision in decisions.items():
                 old = before.get(endpoint_id)
+                if old is None or old.weight != decision.weight:
+                    self.metrics.telemetry_weight.labels(pool, endpoint_id).set(decision.weight)
                 if old is not None and (old.weight, old.degraded) != (
                     decision.weight,
                     decision.degraded,
                 ):
                     self.metrics.weight_changes.labels(pool).inc()
-                self.metrics.telemetry_weight.labels(pool, endpoint_id).set(decision.weight)
-                labels.add((pool, endpoint_id))
                 if not decision.neutral and decision.age is not None:
                     next_stale = min(next_stale, state.now - decision.age + max_age)
             self.metrics.degraded.labels(pool).set(sum(d.degraded for d in decisions.values()))
-        for pool, endpoint_id in self._weight_labels - labels:
-            self.metrics.telemetry_weight.remove(pool, endpoint_id)
-        for pool in set(self._weights) - set(plan.weights):
-            self.metrics.degraded.remove(pool)
-        self._weight_labels = labels
+        # The gauges hold exactly the last decisions: drop the series of endpoints and pools
+        # that have none now.
+        for pool, decisions in self._weights.items():
+            kept = plan.weights.get(pool, {})
+            for endpoint_id in decisions.keys() - kept.keys():
+                self.metrics.telemetry_weight.remove(pool, endpoint_id)
+            if pool not in plan.weights:
+                self.metrics.degraded.remove(pool)
         self._weights = plan.weights
         # A little after the deadline, so the record is stale by then on any rounding.
         self._next_stale_at = next_stale + 0.05
@@ -528,3 +518,8 @@ class Reconciler:
             self.metrics.diagnostics.labels(severity).set(
                 sum(1 for d in plan.diagnostics if d.severity == severity)
             )
+
+
+def _all_under(keys: Collection[str], prefixes: str | tuple[str, ...]) -> bool:
+    """True when there are keys and all of them start with one of `prefixes`."""
+    return bool(keys) and all(key.startswith(prefixes) for key in keys)

@@ -199,13 +199,15 @@ class SnapshotCache:
         """Fleets that have a snapshot of their own."""
         return sorted(self._snapshots)
 
-    def set_snapshot(self, fleet: str, snapshot: Snapshot) -> None:
-        """Publish `snapshot` for `fleet` and wake the streams it concerns. Never blocks."""
+    def set_snapshot(self, fleet: str, snapshot: Snapshot) -> bool:
+        """Publish `snapshot` for `fleet` and wake the streams it concerns. Never blocks.
+        True when it differs from what the fleet was served (so streams were woken)."""
         previous = self.snapshot_for(fleet)
         self._snapshots[fleet] = snapshot
-        if previous is not None and previous.versions() == snapshot.versions():
-            return
+        if previous == snapshot:
+            return False
         self._wake(fleet)
+        return True
 
     def delete_snapshot(self, fleet: str) -> None:
         """Forget a fleet's own snapshot; its Envoys fall back to the default fleet's."""
