@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
@@ -195,9 +195,6 @@ def extract(
     return TelemetryRecord.model_validate(values), counters
 
 
-Format = Literal["vllm", "sglang", "tgi", "custom"]
-
-
 def metric_map_for(format: str, custom: MetricMap | None = None) -> MetricMap:
     """The map of a ``TelemetrySource.format``; ``custom`` needs a user-defined map."""
     if format == "custom":
@@ -216,7 +213,6 @@ __all__ = [
     "SGLANG",
     "TGI",
     "VLLM",
-    "Format",
     "MetricMap",
     "PrefixCounters",
     "Samples",

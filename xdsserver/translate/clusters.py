@@ -34,8 +34,6 @@ AFFINITY_SUFFIX = "/affinity"
 """Suffix of the consistent-hash twin of a route cluster (same endpoints, same EDS resource)."""
 INTERNAL_SUFFIX = "/internal"
 """Suffix of the internal listener (and its cluster) in front of an authenticated provider."""
-DEFAULT_CA_FILE = "/etc/ssl/certs/ca-certificates.crt"
-"""CA bundle for TLS pools when neither the pool nor its fleet names one."""
 
 _HEALTH = {
     "healthy": health_check_pb2.HEALTHY,
@@ -54,9 +52,7 @@ _LB_POLICY = {
 }
 
 
-def translate_cluster(
-    cluster: PlanCluster, *, trusted_ca_file: str = DEFAULT_CA_FILE
-) -> list[cluster_pb2.Cluster]:
+def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[cluster_pb2.Cluster]:
     """The route's replicas cluster, plus a consistent-hash twin when the route has session
     affinity.
 

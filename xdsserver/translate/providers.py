@@ -40,9 +40,7 @@ def provider_cluster(cluster: PlanCluster, trusted_ca_file: str) -> cluster_pb2.
     )
     out.dns_lookup_family = cluster_pb2.Cluster.V4_PREFERRED
     out.lb_policy = cluster_pb2.Cluster.ROUND_ROBIN
-    assignment = translate_endpoints(cluster)
-    assignment.cluster_name = cluster.name
-    out.load_assignment.CopyFrom(assignment)
+    out.load_assignment.CopyFrom(translate_endpoints(cluster))
     return out
 
 
