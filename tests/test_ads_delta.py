@@ -6,7 +6,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from xdsclient import DeltaStream, RunningServer, make_cluster, make_messages, names_of, unpack
+from xdsclient import (
+    DeltaStream,
+    RunningServer,
+    make_cluster,
+    make_listener,
+    make_messages,
+    names_of,
+    unpack,
+)
 
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from xdsserver.snapshot import Snapshot
@@ -256,3 +264,45 @@ async def test_a_wildcard_subscription_to_an_empty_set_is_answered(ads: RunningS
         assert names_of(response) == [] and list(response.removed_resources) == []
         await s.ack(response)
         await s.expect_silence()
+
+
+async def test_a_rebuilt_affinity_twin_gets_the_shared_endpoints_resent(
+    ads: RunningServer,
+) -> None:
+    """kvpilot's affinity twin reads its route cluster's assignment (eds service name)."""
+
+    def twin(timeout_ms: int) -> Snapshot:
+        messages = make_messages({"a": [1]})
+        messages[CLUSTER] = [
+            make_cluster("a"),
+            make_cluster("a/affinity", timeout_ms=timeout_ms, service_name="a"),
+        ]
+        return Snapshot.from_messages(messages)
+
+    ads.cache.set_snapshot("default", twin(250))
+    async with ads.delta("envoy-1") as s:
+        await s.send(CLUSTER)
+        await s.ack(await recv(s))
+        await s.send(ENDPOINT, ["a"])
+        endpoints = await recv(s)
+        await s.ack(endpoints)
+        ads.cache.set_snapshot("default", twin(900))
+        clusters = await recv(s)
+        assert clusters.type_url == CLUSTER and names_of(clusters) == ["a/affinity"]
+        resent = await recv(s)
+        assert resent.type_url == ENDPOINT and versions(resent) == versions(endpoints)
+
+
+async def test_an_empty_wildcard_answer_is_sent_alongside_other_changes(
+    ads: RunningServer,
+) -> None:
+    async with ads.delta("envoy-1") as s:
+        await s.send(CLUSTER)
+        await s.send(LISTENER)
+        await s.expect_silence()  # no snapshot yet: the Envoy waits
+        ads.cache.set_snapshot(
+            "default",
+            Snapshot.from_messages({CLUSTER: [], LISTENER: [make_listener("ingress", "r")]}),
+        )
+        got = {response.type_url: response for response in [await recv(s), await recv(s)]}
+        assert names_of(got[CLUSTER]) == [] and names_of(got[LISTENER]) == ["ingress"]

@@ -242,6 +242,62 @@ async def test_eds_request_after_cds_change_is_answered_even_if_unchanged(
         assert names_of(answer) == ["a"]
 
 
+async def test_eds_push_in_the_round_of_a_cluster_rebuild_carries_that_cluster_too(
+    ads: RunningServer,
+) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    async with ads.sotw("envoy-1") as s:
+        await join(s, ["a", "b"], ["ingress-routes"])
+        # One round: cluster a rebuilt with the same endpoints, b's endpoints changed. The EDS
+        # push must not be cut to b alone: a warms until its assignment arrives, and Envoy's
+        # re-request for it comes with a nonce that is stale by then.
+        messages = make_messages({"a": [1], "b": [3]})
+        messages[CLUSTER] = [make_cluster("a", timeout_ms=900), make_cluster("b")]
+        ads.cache.set_snapshot("default", Snapshot.from_messages(messages))
+        cds = await recv(s)
+        assert cds.type_url == CLUSTER
+        eds = await recv(s)
+        assert eds.type_url == ENDPOINT and names_of(eds) == ["a", "b"]
+
+
+async def test_eds_push_while_a_re_request_is_owed_carries_the_whole_set(
+    ads: RunningServer,
+) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    async with ads.sotw("envoy-1") as s:
+        await join(s, ["a", "b"], ["ingress-routes"])
+        # Cluster a rebuilt alone: Envoy will re-request EDS for it ...
+        messages = make_messages({"a": [1], "b": [2]})
+        messages[CLUSTER] = [make_cluster("a", timeout_ms=900), make_cluster("b")]
+        ads.cache.set_snapshot("default", Snapshot.from_messages(messages))
+        await s.ack(await recv(s, CLUSTER))
+        # ... but b's endpoints change first: that push answers the owed re-request too.
+        messages = make_messages({"a": [1], "b": [3]})
+        messages[CLUSTER] = [make_cluster("a", timeout_ms=900), make_cluster("b")]
+        ads.cache.set_snapshot("default", Snapshot.from_messages(messages))
+        eds = await recv(s)
+        assert eds.type_url == ENDPOINT and names_of(eds) == ["a", "b"]
+
+
+async def test_a_request_to_answer_is_answered_after_a_nack(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.sotw("envoy-1") as s:
+        first = (await join(s, ["a"], ["ingress-routes"]))[ENDPOINT]
+        ads.cache.set_snapshot("default", snap({"a": [2]}))
+        rejected = await recv(s, ENDPOINT)
+        await s.nack(rejected, "bad endpoint", good_version=first.version_info, names=["a"])
+        await s.expect_silence()
+        # Cluster a is rebuilt: it warms until Envoy's EDS re-request is answered, although
+        # the EDS version is still the one it rejected.
+        messages = make_messages({"a": [2]})
+        messages[CLUSTER] = [make_cluster("a", timeout_ms=900)]
+        ads.cache.set_snapshot("default", Snapshot.from_messages(messages))
+        await s.ack(await recv(s, CLUSTER))
+        await s.send(ENDPOINT, ["a"], version=first.version_info, nonce=rejected.nonce)
+        answer = await recv(s)
+        assert answer.type_url == ENDPOINT and names_of(answer) == ["a"]
+
+
 async def test_reconnect_with_the_current_version_is_not_resent(ads: RunningServer) -> None:
     snapshot = snap({"a": [1]})
     ads.cache.set_snapshot("default", snapshot)

@@ -202,8 +202,9 @@ def unpack(any_msg: Any) -> Any:
 # Small real Envoy resources and a running server, for the ADS tests -----------------------------
 
 
-def make_cluster(name: str, *, timeout_ms: int = 250) -> Any:
-    """An EDS cluster fetched over ADS."""
+def make_cluster(name: str, *, timeout_ms: int = 250, service_name: str = "") -> Any:
+    """An EDS cluster fetched over ADS (its ClusterLoadAssignment named `service_name`, if
+    given, as kvpilot's affinity twins share their route cluster's)."""
     from envoy.config.cluster.v3 import cluster_pb2
     from envoy.config.core.v3 import config_source_pb2
 
@@ -215,6 +216,7 @@ def make_cluster(name: str, *, timeout_ms: int = 250) -> Any:
             resource_api_version=config_source_pb2.V3,
         )
     )
+    c.eds_cluster_config.service_name = service_name
     return c
 
 

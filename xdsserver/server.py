@@ -287,7 +287,9 @@ class _SotwStream(_Stream):
             return None
         st.dirty = False
         st.seen_version = version
-        if st.hold_version is not None:
+        if st.hold_version is not None and not st.respond:
+            # The rejected version is not pushed again; a request that must be answered (new
+            # names, a rebuilt cluster warming) still is.
             if version == st.hold_version:
                 return None
             st.hold_version = None
@@ -314,7 +316,13 @@ class _SotwStream(_Stream):
         # responses must hold the full set, and Envoy keeps the named resources a response
         # leaves out. An answer to a request (new names, a re-created cluster warming) holds
         # everything asked for.
-        st.partial = not st.wildcard and not st.respond and st.sent is not None
+        # A re-request still owed after an earlier leader push is answered by this one.
+        st.partial = (
+            not st.wildcard
+            and not st.respond
+            and not st.respond_to_next_request
+            and st.sent is not None
+        )
         st.respond = False
         return items
 
@@ -334,6 +342,13 @@ class _SotwStream(_Stream):
             items = self._evaluate(st, snapshot)
             if items is not None:
                 changes.append((st, items))
+        # A follower pushed in the round of its leader holds its whole named set: the leader's
+        # rebuilt clusters (listeners) warm until theirs arrive, and Envoy's re-request for
+        # them will carry a nonce that is stale by then.
+        pushed = {st.type_url for st, _ in changes}
+        for st, _ in changes:
+            if _LEADER.get(st.type_url) in pushed:
+                st.partial = False
         # Make-before-break: when a full-set type (CDS/LDS) drops names in a round that also
         # changes other types, first send the union (old kept), then the final set after the
         # rest, so nothing the new routes still reference disappears first.
@@ -372,7 +387,8 @@ class _SotwStream(_Stream):
         follower = _ANSWER_NEXT_REQUEST.get(st.type_url)
         if follower is not None and makes:
             self.types.setdefault(follower, _SotwType(follower)).respond_to_next_request = True
-        # This response already carries the followers' current resources.
+        # This response carries the whole named set (never partial while a re-request is owed
+        # or in a round that pushed its leader), so that re-request is answered already.
         st.respond_to_next_request = False
         response = discovery_pb2.DiscoveryResponse(
             version_info=version, type_url=st.type_url, nonce=nonce
@@ -507,17 +523,24 @@ class _DeltaStream(_Stream):
             changes.append(change)
             follower = self.types.get(_ANSWER_NEXT_REQUEST.get(type_url, ""))
             if type_url == CLUSTER and follower is not None:
-                # A rebuilt cluster warms until its ClusterLoadAssignment arrives, and in Delta
-                # Envoy does not re-subscribe (the name set is unchanged): resend it.
-                rebuilt = [r.name for r in change.updates if r.name in change.st.sent]
-                for name in rebuilt:
-                    if follower.sent.pop(name, None) is not None:
+                # A rebuilt or added cluster warms until its ClusterLoadAssignment arrives, and
+                # in Delta Envoy does not re-subscribe a name it already watches: resend the
+                # assignment each one reads (its EDS service name, shared by affinity twins).
+                for r in change.updates:
+                    service = r.message.eds_cluster_config.service_name or r.name
+                    if follower.sent.pop(service, None) is not None:
                         follower.dirty = True
         if len(changes) <= 1:
             return [self._commit(c.st, c.version, c.updates, c.removals) for c in changes]
         # Make-before-break: every add and update (CDS → EDS → LDS → RDS), then removals
         # referrer first (LDS → RDS → CDS → EDS).
-        pushes = [self._commit(c.st, c.version, c.updates, []) for c in changes if c.updates]
+        # (A change with neither updates nor removals is the empty answer to a new wildcard
+        # subscription: it goes out too.)
+        pushes = [
+            self._commit(c.st, c.version, c.updates, [])
+            for c in changes
+            if c.updates or not c.removals
+        ]
         by_type = {c.st.type_url: c for c in changes if c.removals}
         for type_url in _ordered(by_type, REMOVE_ORDER):
             c = by_type[type_url]
