@@ -207,13 +207,20 @@ async def test_stale_telemetry_falls_back_to_the_static_weight(
     # the age on its own and goes back to neutral, never to zero.
     await setup.wait_weights(dict.fromkeys(ports, 100), 10, "neutral after maxAge")
     assert time.monotonic() - written >= 1.0  # not before the records could be stale
-    # A record that is already old when written is neutral from the start.
-    await setup.put(ports[1], waiting=20, at=time.time() - 60)
+    # A record that is already old when written is neutral from the start. It is written
+    # last, so once kvpilot reports its age the rebuild that saw all three has happened.
     await setup.put(ports[0], waiting=0)
     await setup.put(ports[2], waiting=0)
-    assert metric(setup.kvpilot.api_url, "kvpilot_telemetry_age_seconds") >= 0
-    await asyncio.sleep(0)  # let the writes go out before sampling Envoy
-    await setup.wait_weights(dict.fromkeys(ports, 100), 10, "stale record ignored")
+    await setup.put(ports[1], waiting=20, at=time.time() - 60)
+    labels = f'endpoint="127.0.0.1:{ports[1]}",pool="sim"'
+
+    async def compiled() -> bool:
+        return metric(setup.kvpilot.api_url, "kvpilot_telemetry_age_seconds", labels) >= 59
+
+    await eventually(compiled, 10, "kvpilot to read the old record")
+    # The rebuild that read it decided neutral (a fresh record of 20 waiting would give 10).
+    assert metric(setup.kvpilot.api_url, "kvpilot_telemetry_weight", labels) == 100
+    assert setup.weights() == dict.fromkeys(ports, 100)
 
 
 async def test_telemetry_inside_the_hysteresis_band_causes_no_push(
