@@ -96,7 +96,8 @@ class Target:
 
 @dataclass
 class AgentConfig:
-    """Everything the agent needs; the CLI flags map one to one."""
+    """Everything the agent needs (`kvpilot agent` builds it from its flags; per-backend
+    settings live on each `Target`)."""
 
     etcd_endpoints: list[str]
     targets: list[Target]
@@ -283,7 +284,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--targets-file",
         type=Path,
-        help="YAML list of backends: [{pool, url, address?, port?, weight?, maxRunning?}]",
+        help="YAML list of backends: "
+        "[{pool, url, address?, port?, weight?, maxRunning?, metricsPath?}]",
     )
     parser.add_argument(
         "--advertise-address",

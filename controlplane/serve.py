@@ -40,7 +40,7 @@ log = logging.getLogger("kvpilot")
 
 @dataclass
 class ServeConfig:
-    """Everything the daemon needs; the CLI flags map one to one."""
+    """Everything the daemon needs (`kvpilot serve` builds it from its flags)."""
 
     etcd_endpoints: list[str] = field(default_factory=list)
     prefix: str = DEFAULT_PREFIX

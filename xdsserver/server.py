@@ -161,7 +161,9 @@ class AdsServer:
                 watch.event.set()
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the peer went away mid-read; the writer ends the stream
+        except Exception as exc:
+            # The peer went away mid-read, or handle() failed (logged above): the writer ends
+            # the stream.
             log.debug("xDS stream read ended: %r", exc)
         finally:
             stream.done = True

@@ -2,7 +2,7 @@
 
 Envoy validates dynamic resources only when it receives them; a static bootstrap carrying the
 same clusters (with their endpoints inlined) and listeners (with their routes inlined) gets the
-same checks offline. Tests and `kvpilot translate --validate` use this.
+same checks offline. The golden tests run every example through it.
 """
 
 from __future__ import annotations
