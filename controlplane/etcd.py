@@ -607,7 +607,7 @@ class EtcdClient:
                 progress_notify=True,
             )
         )
-        call, created = await self._open_watch(create, prefix)
+        call, created, conn = await self._open_watch(create, prefix)
         try:
             if created.compact_revision:
                 raise CompactedError(created.compact_revision, start_revision)
@@ -620,9 +620,9 @@ class EtcdClient:
                 try:
                     response = await call.read()
                 except grpc.aio.AioRpcError as err:
-                    raise self._watch_broken(call, prefix, err) from None
+                    raise self._watch_broken(conn, prefix, err) from None
                 if response is grpc.aio.EOF:
-                    raise self._watch_broken(call, prefix, None)
+                    raise self._watch_broken(conn, prefix, None)
                 if response.compact_revision:
                     raise CompactedError(response.compact_revision)
                 if response.canceled:
@@ -638,8 +638,10 @@ class EtcdClient:
         finally:
             call.cancel()
 
-    async def _open_watch(self, create: Any, prefix: bytes) -> tuple[Any, Any]:
-        async def attempt(conn: _Conn, seconds: float) -> tuple[Any, Any]:
+    async def _open_watch(self, create: Any, prefix: bytes) -> tuple[Any, Any, _Conn]:
+        """The watch call, etcd's "created" response, and the endpoint it is open on."""
+
+        async def attempt(conn: _Conn, seconds: float) -> tuple[Any, Any, _Conn]:
             call = conn.watch.Watch(metadata=_REQUIRE_LEADER)
             try:
                 await asyncio.wait_for(call.write(create), seconds)
@@ -656,20 +658,18 @@ class EtcdClient:
             except BaseException:
                 call.cancel()
                 raise
-            return call, created
+            return call, created, conn
 
         return await self._call(attempt, what=f"watch {prefix!r}")
 
     def _watch_broken(
-        self, call: Any, prefix: bytes, err: grpc.aio.AioRpcError | None
+        self, conn: _Conn, prefix: bytes, err: grpc.aio.AioRpcError | None
     ) -> EtcdError:
         if err is not None and _is_compacted(err):
             return CompactedError(0)
-        # The stream broke: next time, try the next endpoint.
-        for conn in self._conns:
-            if conn.endpoint == self.current_endpoint:
-                self._rotate(conn)
-                break
+        # The stream broke: next time, try the next endpoint, unless another call has
+        # already moved on from the one this watch was open on.
+        self._rotate(conn)
         detail = err.details() if err is not None else "stream closed"
         return EtcdUnavailable(f"the watch on {prefix!r} broke ({detail}); resume it")
 
