@@ -41,7 +41,16 @@ from controlplane.store import (
     UnknownKind,
     decode_json,
 )
-from policies import KINDS, Endpoint, FieldError, PolicyError, PolicyObject, Pool, parse_object
+from policies import (
+    KIND_PATHS,
+    KINDS,
+    Endpoint,
+    FieldError,
+    PolicyError,
+    PolicyObject,
+    Pool,
+    parse_object,
+)
 from policies.validate import field_errors, field_path
 from xdsserver.status import ConnectionRegistry
 
@@ -52,12 +61,6 @@ READINESS_ETCD_TIMEOUT = 2.0
 WEIGHT_CAS_ATTEMPTS = 10
 """Compare-and-swap attempts when a weight change rewrites a Pool that others also edit."""
 
-KIND_PATHS: dict[str, str] = {
-    "Pool": "pools",
-    "RoutingPolicy": "routingpolicies",
-    "Fleet": "fleets",
-}
-"""REST path segment of each kind (the same segment as in etcd keys)."""
 
 Reader = Annotated[Principal, Depends(require("read"))]
 Admin = Annotated[Principal, Depends(require("admin"))]

@@ -7,11 +7,10 @@ from typing import Any, Literal
 
 import httpx
 
-from policies import KINDS, PolicyError, parse_object
+from policies import KIND_PATHS, KINDS, PolicyError, parse_object
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 
-KIND_PATHS = {"Pool": "pools", "RoutingPolicy": "routingpolicies", "Fleet": "fleets"}
 _KIND_ALIASES = {
     **{kind.lower(): kind for kind in KIND_PATHS},
     **{path: kind for kind, path in KIND_PATHS.items()},

@@ -56,20 +56,14 @@ from controlplane.etcd import (
     KeyValue,
     WatchBatch,
 )
+from policies import KIND_PATHS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/kvpilot"
 
-KIND_PATH: Mapping[str, str] = MappingProxyType(
-    {
-        "Pool": "pools",
-        "RoutingPolicy": "routingpolicies",
-        "Fleet": "fleets",
-    }
-)
-"""Object kind -> its key segment under ``objects/``. Pass an extended mapping to ``Store`` to add
-kinds."""
+KIND_PATH: Mapping[str, str] = MappingProxyType(KIND_PATHS)
+"""Object kind -> its key segment under ``objects/`` (``policies.KIND_PATHS``)."""
 
 OBJECTS = "objects"
 ENDPOINTS = "endpoints"

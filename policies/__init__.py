@@ -3,6 +3,7 @@
 from policies.compile import PolicyState, cluster_name, compile_plan, listener_name
 from policies.models import (
     API_VERSION,
+    KIND_PATHS,
     KINDS,
     Endpoint,
     Fleet,
@@ -17,6 +18,7 @@ __all__ = [
     "API_VERSION",
     "DEFAULT_FLEET",
     "KINDS",
+    "KIND_PATHS",
     "Diagnostic",
     "Endpoint",
     "FieldError",

@@ -606,6 +606,13 @@ KINDS: dict[str, type[PolicyObject]] = {
     "Fleet": Fleet,
 }
 
+KIND_PATHS: dict[str, str] = {
+    "Pool": "pools",
+    "RoutingPolicy": "routingpolicies",
+    "Fleet": "fleets",
+}
+"""Each kind's plural: its REST path segment (``/v1/pools``) and its etcd key segment."""
+
 
 def is_ip(address: str) -> bool:
     """True for an IPv4 or IPv6 address, False for a DNS name."""

@@ -14,6 +14,7 @@ from conftest import ADMIN_TOKEN
 from util import wait_until
 
 from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess
+from policies import KIND_PATHS
 from policies.compile import listener_name
 
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -48,9 +49,6 @@ def policy(name: str, listener_port: int, routes: list[dict[str, Any]]) -> dict[
     }
 
 
-_KIND_PATHS = {"Pool": "pools", "RoutingPolicy": "routingpolicies", "Fleet": "fleets"}
-
-
 @dataclass
 class Rig:
     """One `kvpilot serve`, one Envoy of the default fleet, and the REST API as admin."""
@@ -67,7 +65,7 @@ class Rig:
     def apply(self, *objects: Mapping[str, Any]) -> None:
         """Create or replace objects through the REST API, pools first."""
         for obj in sorted(objects, key=lambda o: o["kind"] != "Pool"):
-            path = f"/v1/{_KIND_PATHS[obj['kind']]}/{obj['metadata']['name']}"
+            path = f"/v1/{KIND_PATHS[obj['kind']]}/{obj['metadata']['name']}"
             response = self.api.put(path, json=obj)
             assert response.status_code in (200, 201), f"PUT {path}: {response.text}"
 
