@@ -34,6 +34,7 @@ from bench.loadgen import RunResult, parse_metrics, replay
 from bench.report import WorkloadGroup, write_report
 from bench.simulator import SimConfig
 from bench.workload import Workload, WorkloadConfig, cache_blind_cost, generate, oracle_hit_rate
+from controlplane.client import KvpilotClient
 from controlplane.launchers import (
     EmbeddedEnvoy,
     KvpilotProcess,
@@ -254,18 +255,9 @@ class Stack:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.listener_port}/v1/chat/completions"
 
-    def put(self, kind_path: str, body: dict[str, Any]) -> None:
-        name = body["metadata"]["name"]
-        response = httpx.put(
-            f"{self.kvpilot.api_url}/v1/{kind_path}/{name}",
-            json=body,
-            headers={"authorization": f"Bearer {self.token}"},
-            timeout=10.0,
-        )
-        if response.status_code >= 300:
-            raise RuntimeError(
-                f"PUT /v1/{kind_path}/{name}: HTTP {response.status_code} {response.text[:300]}"
-            )
+    def put(self, body: dict[str, Any]) -> None:
+        """Create or replace an object through the REST API."""
+        KvpilotClient(self.kvpilot.api_url, token=self.token).put(body)
 
 
 @contextlib.contextmanager
@@ -567,7 +559,7 @@ def run_policy(
     stack: Stack, policy: Policy, workload: Workload, config: BenchConfig
 ) -> dict[str, Any]:
     _say(f"\n== {policy.title}: apply RoutingPolicy/{POLICY_NAME} {json.dumps(policy.route)}")
-    stack.put("routingpolicies", _policy_body(stack, policy))
+    stack.put(_policy_body(stack, policy))
     _wait(lambda: _policy_live(stack, policy), 60, f"Envoy to serve {policy.key}")
     _wait(lambda: _probe(stack), 30, "a request through Envoy")
     _wait(lambda: _idle(stack), 60, "the replicas to go idle")
@@ -665,17 +657,15 @@ def run_routing(config: BenchConfig, state_dir: Path | None = None) -> Path:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-")))
         _say("starting etcd, kvpilot, simulated replicas, Envoy and a telemetry agent ...")
         stack = exits.enter_context(start_stack(state_dir, config))
-        stack.put("pools", _pool_body(stack))
-        with contextlib.suppress(RuntimeError):
-            stack.put(
-                "fleets",
-                {
-                    "apiVersion": "kvpilot.io/v1",
-                    "kind": "Fleet",
-                    "metadata": {"name": "default"},
-                    "spec": {"accessLog": False},
-                },
-            )
+        stack.put(_pool_body(stack))
+        stack.put(
+            {
+                "apiVersion": "kvpilot.io/v1",
+                "kind": "Fleet",
+                "metadata": {"name": "default"},
+                "spec": {"accessLog": False},
+            }
+        )
         for policy in wanted:
             run = runs[policy.workload]
             run.results[policy.key] = run_policy(stack, policy, run.workload, config)
