@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from api.auth import AuthConfig, Principal, require
-from api.preview import preview, snapshot_json, state_from_objects
+from api.preview import preview, snapshot_json
 from controlplane.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFoundError
 from controlplane.reconcile import Reconciler
 from controlplane.store import (
@@ -48,6 +48,7 @@ from policies import (
     FieldError,
     PolicyError,
     PolicyObject,
+    PolicyState,
     Pool,
     parse_object,
 )
@@ -232,7 +233,10 @@ async def _dry_run(
         objects.pop((kind, name), None)
     else:
         objects[(kind, name)] = replacement
-    return {"dryRun": True, **preview(state_from_objects(objects.values(), registered))}
+    return {
+        "dryRun": True,
+        **preview(PolicyState.from_objects(objects.values(), registered=registered)),
+    }
 
 
 async def _expected_revision(
@@ -270,7 +274,6 @@ def create_app(context: ApiContext) -> FastAPI:
         version="1",
         description="Routing policy for fleets of Envoys in front of LLM inference backends.",
     )
-    app.state.context = context
     app.state.auth = context.auth
     if not context.auth.enabled:
         log.warning(

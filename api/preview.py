@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from policies import (
-    Endpoint,
-    PolicyObject,
     PolicyState,
     RoutingPlan,
     compile_plan,
@@ -28,14 +25,6 @@ from xdsserver.translate import FleetResources, translate
 RESOURCE_KEYS = ("clusters", "endpoints", "listeners", "routes")
 """The four resource lists of a fleet, in make-before-break order (CDS, EDS, LDS, RDS)."""
 _TYPE_URLS = (resources.CLUSTER, resources.ENDPOINT, resources.LISTENER, resources.ROUTE)
-
-
-def state_from_objects(
-    objects: Iterable[PolicyObject],
-    registered: Mapping[str, Mapping[str, Endpoint]] | None = None,
-) -> PolicyState:
-    """File validated objects by kind; a later object replaces an earlier one of the same name."""
-    return PolicyState.from_objects(objects, registered=dict(registered or {}))
 
 
 def message_json(message: Message) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import yaml
 
 from controlplane.client import DEFAULT_SERVER, ClientError, KvpilotClient, kind_name
-from policies import PolicyError, PolicyObject, decode_documents, parse_object
+from policies import PolicyError, PolicyObject, PolicyState, decode_documents, parse_object
 
 
 class CliError(Exception):
@@ -197,10 +197,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from api.preview import preview, state_from_objects
+    from api.preview import preview
 
     objects = load_files(args.filename)
-    result = preview(state_from_objects(objects), fleet=args.fleet)
+    result = preview(PolicyState.from_objects(objects), fleet=args.fleet)
     for diagnostic in result["diagnostics"]:
         where = f" at {diagnostic['path']}" if diagnostic["path"] else ""
         print(
@@ -231,20 +231,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_serve(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     parser = add_parser("serve", help="run the control plane (etcd watch, ADS server, REST API)")
-    try:
-        from controlplane import serve
-    except ImportError as error:  # the daemon is optional for client-only installs
-        parser.set_defaults(func=_unavailable(f"`kvpilot serve` is unavailable: {error}"))
-        return
+    from controlplane import serve
+
     serve.add_arguments(parser)
     parser.set_defaults(func=cmd_serve)
-
-
-def _unavailable(message: str) -> Callable[[argparse.Namespace], int]:
-    def handler(args: argparse.Namespace) -> int:
-        raise CliError(message)
-
-    return handler
 
 
 def _add_global_options(parser: argparse.ArgumentParser, server: Any, token: Any) -> None:

@@ -153,7 +153,7 @@ def run(keep: bool, requests: int, state_dir: Path) -> int:
             return 1
 
         status = client.status()
-        for connection in status.get("envoys", status.get("connections", [])):
+        for connection in status["envoys"]:
             _say(
                 f"\nEnvoy {connection.get('node_id')} (fleet {connection.get('fleet')}) is connected over ADS"
             )

@@ -652,10 +652,6 @@ class EmbeddedEnvoy(_Launcher):
         self._process.wait_for(self._admin_answers, timeout, "the admin interface answers")
         return self
 
-    def wait_admin(self, timeout: float = 30.0) -> None:
-        """Wait until the admin interface answers at all (LIVE or PRE_INITIALIZING)."""
-        self._require_started().wait_for(self._admin_answers, timeout, "admin answers")
-
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Wait until `GET /ready` is 200 LIVE: Envoy got its initial config from xDS."""
 
