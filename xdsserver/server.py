@@ -198,6 +198,17 @@ class _Stream:
         """Responses to send now, in order, with the stream state already updated for them."""
         raise NotImplementedError
 
+    def request_type(self, request: Any) -> str | None:
+        """The request's type URL; None (logged) for a request without one, which is ignored."""
+        type_url = str(request.type_url)
+        if not type_url:
+            log.warning("xDS request without type_url from node=%s ignored", self.conn.node_id)
+            return None
+        return type_url
+
+    def log_stale(self, type_url: str) -> None:
+        log.debug("xDS stale nonce node=%s type=%s", self.conn.node_id, short_name(type_url))
+
     def record_nack(self, type_url: str, version: str, request: Any) -> None:
         message = str(request.error_detail.message)
         log.warning(
@@ -245,9 +256,8 @@ class _SotwStream(_Stream):
         self.types: dict[str, _SotwType] = {}
 
     def handle(self, request: Any) -> None:
-        type_url = str(request.type_url)
-        if not type_url:
-            log.warning("xDS request without type_url from node=%s ignored", self.conn.node_id)
+        type_url = self.request_type(request)
+        if type_url is None:
             return
         st = self.types.get(type_url)
         if st is None:
@@ -256,7 +266,7 @@ class _SotwStream(_Stream):
         if nonce and nonce != st.nonce:
             # Stale: the Envoy has not seen our latest response yet and will send another request
             # after it has; acting on this one could resend or undo config.
-            log.debug("xDS stale nonce node=%s type=%s", self.conn.node_id, short_name(type_url))
+            self.log_stale(type_url)
             return
         names = [str(n) for n in request.resource_names]
         wildcard = WILDCARD in names or (not names and type_url in WILDCARD_TYPES)
@@ -438,9 +448,8 @@ class _DeltaStream(_Stream):
         self.types: dict[str, _DeltaType] = {}
 
     def handle(self, request: Any) -> None:
-        type_url = str(request.type_url)
-        if not type_url:
-            log.warning("xDS request without type_url from node=%s ignored", self.conn.node_id)
+        type_url = self.request_type(request)
+        if type_url is None:
             return
         st = self.types.get(type_url)
         first = st is None
@@ -477,7 +486,7 @@ class _DeltaStream(_Stream):
         if not nonce:
             return
         if nonce != st.nonce:
-            log.debug("xDS stale nonce node=%s type=%s", self.conn.node_id, short_name(type_url))
+            self.log_stale(type_url)
         elif request.HasField("error_detail"):
             # The Envoy keeps what it had; `sent` already holds the rejected versions, so
             # nothing is resent until the snapshot changes.
