@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from util import poll
 
 from controlplane.agent import Agent, AgentConfig, Target, add_arguments, config_from_args
 from controlplane.etcd import EtcdClient, KeyValue
@@ -117,20 +118,6 @@ def metrics_backends() -> Iterator[Callable[..., MetricsBackend]]:
         backend.stop()
 
 
-async def eventually(
-    predicate: Callable[[], Awaitable[T]], within: float = 10.0, message: str = ""
-) -> T:
-    """Poll an async predicate until it returns something truthy (no fixed sleeps)."""
-    deadline = time.monotonic() + within
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = await predicate()
-        if last:
-            return last
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{message or 'condition not met'} (last value: {last!r})")
-
-
 async def start_agent_process(
     etcd_endpoint: str, etcd_prefix: str, pool: str, backend_url: str
 ) -> asyncio.subprocess.Process:
@@ -186,7 +173,7 @@ async def test_agent_writes_telemetry_and_registration_under_one_lease(
     task = asyncio.create_task(agent.run())
     try:
         telemetry_key = f"telemetry/llama/127.0.0.1:{backend.port}"
-        record = await eventually(lambda: body(store, telemetry_key), message="telemetry")
+        record = await poll(lambda: body(store, telemetry_key), message="telemetry")
         assert (record["waiting"], record["kv_cache"], record["format"]) == (3, 0.25, "vllm")
         assert abs(record["at"] - time.time()) < 5
         endpoint = await body(store, f"endpoints/llama/127.0.0.1:{backend.port}")
@@ -204,7 +191,7 @@ async def test_agent_writes_telemetry_and_registration_under_one_lease(
             current = await body(store, telemetry_key)
             return current is not None and current["waiting"] == 9
 
-        await eventually(updated, message="the new queue depth to reach etcd")
+        await poll(updated, message="the new queue depth to reach etcd")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -225,7 +212,7 @@ async def test_an_unchanged_record_is_rewritten_only_every_refresh(
         async def many_scrapes() -> bool:
             return agent.scrapes >= 10
 
-        await eventually(many_scrapes)
+        await poll(many_scrapes)
         kv = await get(store, f"telemetry/p/127.0.0.1:{backend.port}")
         assert kv is not None and kv.version == 1, "the same numbers were written again"
     finally:
@@ -244,7 +231,7 @@ async def test_a_failing_backend_is_withdrawn_and_registered_again_when_it_answe
     task = asyncio.create_task(agent.run())
     key = f"endpoints/p/127.0.0.1:{backend.port}"
     try:
-        await eventually(lambda: get(store, key), message="registration")
+        await poll(lambda: get(store, key), message="registration")
         backend.status = 503
 
         async def gone() -> bool:
@@ -252,9 +239,9 @@ async def test_a_failing_backend_is_withdrawn_and_registered_again_when_it_answe
                 await get(store, f"telemetry/p/127.0.0.1:{backend.port}") is None
             )
 
-        await eventually(gone, message="the failing backend to be withdrawn")
+        await poll(gone, message="the failing backend to be withdrawn")
         backend.status = 200
-        await eventually(lambda: get(store, key), message="registration after recovery")
+        await poll(lambda: get(store, key), message="registration after recovery")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -271,7 +258,7 @@ async def test_a_killed_agent_s_keys_expire_with_its_lease(
         async def written() -> bool:
             return all([await get(store, key) is not None for key in keys])
 
-        await eventually(written, 15, "the agent process to write its keys")
+        await poll(written, 15, "the agent process to write its keys")
         process.send_signal(signal.SIGKILL)
         await process.wait()
         killed_at = time.monotonic()
@@ -279,7 +266,7 @@ async def test_a_killed_agent_s_keys_expire_with_its_lease(
         async def expired() -> bool:
             return all([await get(store, key) is None for key in keys])
 
-        await eventually(expired, 10, "the lease to expire")
+        await poll(expired, 10, "the lease to expire")
         # etcd expires a lease between TTL and a little more; never before the agent died.
         assert time.monotonic() - killed_at < 2 + 4
     finally:

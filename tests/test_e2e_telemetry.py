@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 import pytest
 from conftest import ADMIN_TOKEN
-from test_agent import MetricsBackend, eventually, start_agent_process
+from test_agent import MetricsBackend, start_agent_process
 from test_e2e_skeleton import endpoint_weights, served_by
+from util import poll
 
 from controlplane.agent import Agent, AgentConfig, Target
 from controlplane.etcd import EtcdClient
@@ -107,7 +108,7 @@ class Setup:
             return seen[0] == expected
 
         try:
-            await eventually(reached, within, what)
+            await poll(reached, within, what)
         except AssertionError as error:
             raise AssertionError(f"{error}: Envoy has {seen[0]}, expected {expected}") from None
         return time.monotonic() - started
@@ -173,7 +174,7 @@ async def test_a_long_queue_lowers_the_weight_in_envoy_and_traffic_moves_away(
         assert counts["be-1"] >= 20 and counts["be-2"] >= 20, counts
 
         busy.waiting = 40  # over the saturation bound: DEGRADED, no new work while others cope
-        await eventually(
+        await poll(
             lambda: asyncio.to_thread(
                 lambda: "degraded_eds_health" in health_flags(setup.envoy, CLUSTER)[ports[0]]
             ),
@@ -217,7 +218,7 @@ async def test_stale_telemetry_falls_back_to_the_static_weight(
     async def compiled() -> bool:
         return metric(setup.kvpilot.api_url, "kvpilot_telemetry_age_seconds", labels) >= 59
 
-    await eventually(compiled, 10, "kvpilot to read the old record")
+    await poll(compiled, 10, "kvpilot to read the old record")
     # The rebuild that read it decided neutral (a fresh record of 20 waiting would give 10).
     assert metric(setup.kvpilot.api_url, "kvpilot_telemetry_weight", labels) == 100
     assert setup.weights() == dict.fromkeys(ports, 100)
@@ -241,7 +242,7 @@ async def test_telemetry_inside_the_hysteresis_band_causes_no_push(
             == 100
         )
 
-    await eventually(settled, 10, "the telemetry to be compiled")
+    await poll(settled, 10, "the telemetry to be compiled")
     pushes = metric(api_url, "kvpilot_snapshot_pushes_total", 'cause="telemetry"')
     versions = setup.envoy.config_dump(include_eds=True)
     builds = metric(api_url, "kvpilot_reconcile_builds_total", 'path="fast"')
@@ -253,7 +254,7 @@ async def test_telemetry_inside_the_hysteresis_band_causes_no_push(
             now = metric(api_url, "kvpilot_reconcile_builds_total", 'path="fast"')
             return now if now > after else 0.0
 
-        builds = await eventually(rebuilt, 10, "kvpilot to process the telemetry")
+        builds = await poll(rebuilt, 10, "kvpilot to process the telemetry")
     assert metric(api_url, "kvpilot_snapshot_pushes_total", 'cause="telemetry"') == pushes
     assert setup.weights() == dict.fromkeys(ports, 100)
     assert _eds_versions(setup.envoy.config_dump(include_eds=True)) == _eds_versions(versions)
@@ -308,7 +309,7 @@ async def test_a_killed_agents_endpoint_leaves_eds_after_the_lease_ttl(
             return seen[0] == {kept}
 
         try:
-            await eventually(left_eds, 15, "the killed agent's endpoint to leave EDS")
+            await poll(left_eds, 15, "the killed agent's endpoint to leave EDS")
         except AssertionError as error:
             keys, _ = await setup.store.client.get_prefix(setup.store.keys.absolute(""))
             left = [kv.key for kv in keys]
@@ -354,6 +355,6 @@ async def test_orca_mode_follows_the_utilization_backends_report(
         return counts if ordered and settled else None
 
     try:
-        await eventually(follows, 45, "traffic to follow the reported utilization")
+        await poll(follows, 45, "traffic to follow the reported utilization")
     except AssertionError as error:
         raise AssertionError(f"{error}: last window {last}") from None

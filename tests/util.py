@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -50,8 +50,8 @@ def wait_until(
 
 
 async def poll(
-    predicate: Callable[[], object], within: float = 10.0, message: str = "condition"
-) -> object:
+    predicate: Callable[[], T | Awaitable[T]], within: float = 10.0, message: str = "condition"
+) -> T:
     """`wait_until` for async tests: poll ``predicate`` (sync or async) on the running loop
     until it is truthy, or fail after ``within`` seconds with the last value it gave."""
     loop = asyncio.get_running_loop()
@@ -59,9 +59,8 @@ async def poll(
     last: object = None
     while True:
         try:
-            value = predicate()
-            if inspect.isawaitable(value):
-                value = await value
+            result = predicate()
+            value = await result if inspect.isawaitable(result) else result
         except Exception as exc:  # the condition may legitimately fail until it holds
             last = exc
         else:
