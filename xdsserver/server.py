@@ -232,6 +232,8 @@ class _SotwType:
     type_url: str
     wildcard: bool = False
     names: frozenset[str] = frozenset()
+    ordered: tuple[str, ...] = ()
+    """``names`` sorted, kept with them: every evaluation walks them in this order."""
     nonce: str = ""
     """Nonce of the latest response: requests carrying another one are stale."""
     sent: dict[str, Resource] | None = None
@@ -273,7 +275,7 @@ class _SotwStream(_Stream):
         subscription = frozenset(n for n in names if n != WILDCARD)
         if (wildcard, subscription) != (st.wildcard, st.names):
             changed = st.sent is not None
-            st.wildcard, st.names = wildcard, subscription
+            st.wildcard, st.names, st.ordered = wildcard, subscription, tuple(sorted(subscription))
             st.dirty = True
             # A new subscription is answered with everything it names (full set).
             st.respond = st.respond or changed
@@ -311,7 +313,7 @@ class _SotwStream(_Stream):
         else:
             # EDS and RDS are named: send what was asked for and exists; names that do not
             # exist yet stay in st.names and go out when they appear.
-            items = {n: resources[n] for n in sorted(st.names) if n in resources}
+            items = {n: resources[n] for n in st.ordered if n in resources}
         if st.sent is None:
             if st.client_version == version and (st.wildcard or self._leader_resumed(st)):
                 # Reconnect (maybe to another replica): content-hash versions say the Envoy
@@ -423,6 +425,8 @@ class _DeltaType:
     type_url: str
     wildcard: bool = False
     names: set[str] = field(default_factory=set)
+    ordered: tuple[str, ...] = ()
+    """``names`` sorted, refreshed when the subscription changes."""
     sent: dict[str, str] = field(default_factory=dict)
     """Name → version the Envoy has (from initial_resource_versions and what was sent)."""
     nonce: str = ""
@@ -481,6 +485,7 @@ class _DeltaStream(_Stream):
                 st.sent.pop(name, None)  # the Envoy dropped it itself
         if first or subscribe or unsubscribe:
             st.dirty = True
+            st.ordered = tuple(sorted(st.names))
             self.status.subscribed(self.conn, type_url, st.names, wildcard=st.wildcard)
         nonce = str(request.response_nonce)
         if not nonce:
@@ -506,7 +511,7 @@ class _DeltaStream(_Stream):
         if st.wildcard:
             candidates = resources.values()
         else:
-            candidates = [resources[n] for n in sorted(st.names) if n in resources]
+            candidates = [resources[n] for n in st.ordered if n in resources]
             # Names the Envoy reported having but is not subscribed to are not ours to manage.
             for name in [n for n in st.sent if n not in st.names]:
                 del st.sent[name]
