@@ -29,12 +29,12 @@ from typing import Any
 
 import httpx
 
+from api.client import KvpilotClient
 from bench.backend import BackendProcess
 from bench.loadgen import RunResult, parse_metrics, replay
 from bench.report import WorkloadGroup, write_report
 from bench.simulator import SimConfig
 from bench.workload import Workload, WorkloadConfig, cache_blind_cost, generate, oracle_hit_rate
-from controlplane.client import KvpilotClient
 from controlplane.launchers import (
     EmbeddedEnvoy,
     KvpilotProcess,
@@ -290,7 +290,7 @@ def start_agent(
     argv = [
         sys.executable,
         "-m",
-        "controlplane.cli",
+        "commands.cli",
         "agent",
         "--etcd-endpoints",
         etcd_endpoint,

@@ -756,7 +756,7 @@ class KvpilotProcess(_Launcher):
         argv = [
             sys.executable,
             "-m",
-            "controlplane.cli",
+            "commands.cli",
             "serve",
             "--etcd-endpoints",
             ",".join(self.etcd_endpoints),

@@ -6,7 +6,7 @@ REST API -> etcd -> kvpilot -> ADS -> Envoy -> model replicas. It starts an embe
 which replica answered; then changes one endpoint's weight and removes another through the API
 and shows the traffic follow. Everything it started is stopped at the end (or on Ctrl-C).
 
-    python -m controlplane.demo [--keep] [--requests N]
+    python -m commands.demo [--keep] [--requests N]
 
 With ``--keep`` (or ``KVPILOT_DEMO_KEEP=1``) it stays up and prints curl lines to try.
 """
@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
+from api.client import KvpilotClient
 from bench.backend import BackendProcess
-from controlplane.client import KvpilotClient
 from controlplane.launchers import EmbeddedEnvoy, LocalStack, free_port, local_stack, repo_root
 from policies import load_objects
 
