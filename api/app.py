@@ -28,10 +28,14 @@ from pydantic.json_schema import models_json_schema
 
 from api.auth import AuthConfig, Principal, require
 from api.preview import preview, snapshot_json
-from controlplane.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFoundError
+from controlplane.decode import DecodedState
+from controlplane.etcd import EtcdError, EtcdUnavailable, LeaseNotFoundError
 from controlplane.reconcile import Reconciler
 from controlplane.store import (
+    ENDPOINTS,
+    OBJECTS,
     AlreadyExists,
+    Contended,
     InvalidName,
     InvalidValue,
     NotFound,
@@ -39,7 +43,6 @@ from controlplane.store import (
     Store,
     StoredObject,
     UnknownKind,
-    decode_json,
 )
 from policies import (
     KIND_PATHS,
@@ -48,7 +51,6 @@ from policies import (
     FieldError,
     PolicyError,
     PolicyObject,
-    PolicyState,
     Pool,
     parse_object,
 )
@@ -93,8 +95,6 @@ class ApiContext:
     connections: ConnectionRegistry
     auth: AuthConfig
     metrics_registry: prometheus_client.CollectorRegistry | None = None
-    etcd: EtcdClient | None = None
-    """For readiness: /readyz asks it whether etcd answers."""
     replica_id: str = ""
     """This kvpilot replica's id, as its Envoy status records in etcd carry it."""
     envoy_records: Callable[[], list[dict[str, Any]]] | None = None
@@ -193,50 +193,19 @@ def _object_response(stored: StoredObject, status: int = 200) -> JSONResponse:
     return JSONResponse(stored.body, status_code=status, headers={"ETag": _etag(stored.revision)})
 
 
-async def _current_objects(
-    store: Store,
-) -> tuple[dict[tuple[str, str], PolicyObject], dict[str, dict[str, Endpoint]]]:
-    """Every valid object and registered endpoint in etcd now (invalid values are skipped,
-    as the daemon skips them)."""
-    objects: dict[tuple[str, str], PolicyObject] = {}
-    kvs, _ = await store.client.get_prefix(store.keys.absolute("objects/"))
-    for kv in kvs:
-        parts = store.keys.relative(kv.key).split("/")
-        body = decode_json(kv)
-        if len(parts) != 3 or body is None:
-            continue
-        try:
-            obj = parse_object(body)
-        except PolicyError:
-            continue
-        if KIND_PATHS.get(obj.kind) == parts[1] and obj.metadata.name == parts[2]:
-            objects[(obj.kind, obj.metadata.name)] = obj
-    registered: dict[str, dict[str, Endpoint]] = {}
-    kvs, _ = await store.client.get_prefix(store.keys.absolute("endpoints/"))
-    for kv in kvs:
-        parts = store.keys.relative(kv.key).split("/")
-        if len(parts) != 3:
-            continue
-        try:
-            endpoint = Endpoint.model_validate_json(kv.value)
-        except ValidationError:
-            continue
-        registered.setdefault(parts[1], {})[parts[2]] = endpoint
-    return objects, registered
-
-
 async def _dry_run(
     store: Store, kind: str, name: str, replacement: PolicyObject | None
 ) -> dict[str, Any]:
-    objects, registered = await _current_objects(store)
+    """The resources every fleet would get with `replacement` (None: a deletion) in place of
+    the object, over the valid objects and registered endpoints in etcd now, decoded as the
+    daemon decodes them."""
+    state = DecodedState.from_values(await store.values((OBJECTS, ENDPOINTS)))
+    key = store.keys.object(kind, name)
     if replacement is None:
-        objects.pop((kind, name), None)
+        state.objects.pop(key, None)
     else:
-        objects[(kind, name)] = replacement
-    return {
-        "dryRun": True,
-        **preview(PolicyState.from_objects(objects.values(), registered=registered)),
-    }
+        state.objects[key] = replacement
+    return {"dryRun": True, **preview(state.policy_state())}
 
 
 async def _expected_revision(
@@ -249,17 +218,6 @@ async def _expected_revision(
     if current is None:
         raise ApiError(412, f"{kind} {name!r} does not exist, and If-Match: * needs it to")
     return current.revision
-
-
-def _endpoints_prefix(store: Store, pool: str) -> bytes:
-    return store.keys.absolute(store.keys.endpoint(pool, "-").rsplit("/", 1)[0] + "/")
-
-
-async def _lease_ttl(client: EtcdClient, lease: int) -> int | None:
-    """Seconds left on an endpoint's lease; None for a registration without a TTL."""
-    if not lease:
-        return None
-    return await client.lease_time_to_live(lease)
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,6 +287,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InvalidName, status_for(400))
     app.add_exception_handler(UnknownKind, status_for(404))
     app.add_exception_handler(InvalidValue, status_for(500))
+    app.add_exception_handler(Contended, status_for(409))
     app.add_exception_handler(EtcdUnavailable, status_for(503))
     app.add_exception_handler(EtcdError, etcd_error)
 
@@ -345,12 +304,11 @@ def _add_health_routes(app: FastAPI, context: ApiContext) -> None:
         responses={503: {"description": "Not ready; the body says why."}},
     )
     async def readyz() -> JSONResponse:
-        if context.etcd is not None:
-            try:
-                await asyncio.wait_for(context.etcd.status(), READINESS_ETCD_TIMEOUT)
-            except (EtcdError, TimeoutError) as error:
-                reason = str(error) or f"etcd did not answer within {READINESS_ETCD_TIMEOUT:g}s"
-                return JSONResponse({"detail": f"etcd is unreachable: {reason}"}, status_code=503)
+        try:
+            await asyncio.wait_for(context.store.status(), READINESS_ETCD_TIMEOUT)
+        except (EtcdError, TimeoutError) as error:
+            reason = str(error) or f"etcd did not answer within {READINESS_ETCD_TIMEOUT:g}s"
+            return JSONResponse({"detail": f"etcd is unreachable: {reason}"}, status_code=503)
         if not context.reconciler.ready:
             return JSONResponse(
                 {"detail": "the first snapshot has not been built yet"}, status_code=503
@@ -525,19 +483,17 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         summary="Endpoints registered to a pool (not its static ones)",
     )
     async def list_endpoints(pool: str, _: Reader) -> dict[str, Any]:
-        kvs, revision = await store.client.get_prefix(_endpoints_prefix(store, pool))
-        items = []
-        for kv in kvs:
-            endpoint_id = store.keys.relative(kv.key).rsplit("/", 1)[-1]
-            items.append(
-                {
-                    "id": endpoint_id,
-                    "endpoint": decode_json(kv),
-                    "revision": kv.mod_revision,
-                    "lease": kv.lease or None,
-                    "ttlSeconds": await _lease_ttl(store.client, kv.lease),
-                }
-            )
+        registrations, revision = await store.endpoints(pool)
+        items = [
+            {
+                "id": registration.endpoint_id,
+                "endpoint": registration.body,
+                "revision": registration.revision,
+                "lease": registration.lease or None,
+                "ttlSeconds": await store.lease_ttl(registration.lease),
+            }
+            for registration in registrations
+        ]
         return {"items": items, "revision": revision}
 
     @app.put(
@@ -597,10 +553,9 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
     async def set_weight(
         pool: str, endpoint_id: str, change: WeightChange, _: Admin
     ) -> dict[str, Any]:
-        key = store.keys.absolute(store.keys.endpoint(pool, endpoint_id))
-        kv = await store.client.get(key)
-        if kv is not None:
-            current = decode_json(kv)
+        registration = await store.get_endpoint(pool, endpoint_id)
+        if registration is not None:
+            current = registration.body
             if current is None:
                 raise ApiError(
                     500, f"the registration of {endpoint_id!r} is not JSON; re-register it"
@@ -611,7 +566,7 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
                 raise PolicyError(field_errors(error)) from None
             try:
                 revision, _lease = await store.put_endpoint(
-                    pool, endpoint_id, _dump(endpoint), lease=kv.lease or None
+                    pool, endpoint_id, _dump(endpoint), lease=registration.lease or None
                 )
             except LeaseNotFoundError:
                 raise ApiError(
@@ -625,8 +580,8 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
                 "weight": change.weight,
                 "revision": revision,
             }
-        for _attempt in range(WEIGHT_CAS_ATTEMPTS):
-            stored = await store.get("Pool", pool)
+
+        def reweigh(stored: StoredObject | None) -> dict[str, Any]:
             if stored is None:
                 raise ApiError(
                     404,
@@ -660,23 +615,17 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
                     )
                 }
             )
-            try:
-                written = await store.replace(
-                    "Pool", pool, _dump(updated), expect_revision=stored.revision
-                )
-            except (RevisionMismatch, NotFound):
-                continue
-            log.info("pool %s static endpoint %s weight -> %d", pool, endpoint_id, change.weight)
-            return {
-                "pool": pool,
-                "id": endpoint_id,
-                "source": "static",
-                "weight": change.weight,
-                "revision": written.revision,
-            }
-        raise ApiError(
-            409, f"pool {pool!r} kept changing under {WEIGHT_CAS_ATTEMPTS} attempts; retry"
-        )
+            return _dump(updated)
+
+        written = await store.update("Pool", pool, reweigh, attempts=WEIGHT_CAS_ATTEMPTS)
+        log.info("pool %s static endpoint %s weight -> %d", pool, endpoint_id, change.weight)
+        return {
+            "pool": pool,
+            "id": endpoint_id,
+            "source": "static",
+            "weight": change.weight,
+            "revision": written.revision,
+        }
 
 
 def _add_status_routes(app: FastAPI, context: ApiContext) -> None:

@@ -7,13 +7,13 @@ from typing import Any, Literal
 
 import httpx
 
-from policies import KIND_PATHS, KINDS, PolicyError, parse_object
+from policies import KIND_PATHS, KINDS, PATH_KINDS, PolicyError, parse_object
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 
 _KIND_ALIASES = {
     **{kind.lower(): kind for kind in KIND_PATHS},
-    **{path: kind for kind, path in KIND_PATHS.items()},
+    **PATH_KINDS,
     "policy": "RoutingPolicy",
     "policies": "RoutingPolicy",
     "rp": "RoutingPolicy",

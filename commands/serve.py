@@ -239,7 +239,6 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             connections=connections,
             auth=auth,
             metrics_registry=registry,
-            etcd=client,
             replica_id=config.replica_id,
             envoy_records=lambda: envoy_records(mirror.items),
         )

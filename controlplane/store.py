@@ -42,7 +42,7 @@ import inspect
 import json
 import logging
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -52,18 +52,17 @@ from controlplane.etcd import (
     ConflictError,
     EtcdClient,
     EtcdError,
+    EtcdStatus,
     EventType,
     KeyValue,
+    LeaseKeeper,
     WatchBatch,
 )
-from policies import KIND_PATHS
+from policies import KIND_PATHS, PATH_KINDS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/kvpilot"
-
-KIND_PATH: Mapping[str, str] = MappingProxyType(KIND_PATHS)
-"""Object kind -> its key segment under ``objects/`` (``policies.KIND_PATHS``)."""
 
 OBJECTS = "objects"
 ENDPOINTS = "endpoints"
@@ -120,6 +119,22 @@ class InvalidValue(StoreError):
     """A stored value is not a JSON object (written by something other than kvpilot)."""
 
 
+class Contended(StoreError):
+    """A read-modify-write lost the race to other writers on every attempt."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A registered endpoint as stored."""
+
+    endpoint_id: str
+    body: dict[str, Any] | None
+    """The registration, or None when its value is not a JSON object."""
+    revision: int
+    lease: int
+    """Its lease id; 0 for a registration without a TTL."""
+
+
 @dataclass(frozen=True)
 class StoredObject:
     kind: str
@@ -162,10 +177,8 @@ def _normalize_prefix(prefix: str) -> str:
 class Keys:
     """Key construction and parsing for one prefix; relative keys omit ``{prefix}/``."""
 
-    def __init__(self, prefix: str = DEFAULT_PREFIX, kinds: Mapping[str, str] = KIND_PATH) -> None:
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = _normalize_prefix(prefix)
-        self.kinds = dict(kinds)
-        self._kind_by_path = {path: kind for kind, path in self.kinds.items()}
 
     @property
     def root(self) -> bytes:
@@ -174,16 +187,16 @@ class Keys:
 
     def kind_path(self, kind: str) -> str:
         """``"Pool"`` or ``"pools"`` -> ``"pools"``."""
-        if kind in self.kinds:
-            return self.kinds[kind]
-        if kind in self._kind_by_path:
+        if kind in KIND_PATHS:
+            return KIND_PATHS[kind]
+        if kind in PATH_KINDS:
             return kind
-        known = ", ".join(sorted(self.kinds))
+        known = ", ".join(sorted(KIND_PATHS))
         raise UnknownKind(f"unknown kind {kind!r}; known kinds: {known}")
 
     def kind_name(self, kind: str) -> str:
         """``"pools"`` or ``"Pool"`` -> ``"Pool"``."""
-        return self._kind_by_path[self.kind_path(kind)]
+        return PATH_KINDS[self.kind_path(kind)]
 
     def absolute(self, relative: str) -> bytes:
         return f"{self.prefix}/{relative}".encode()
@@ -196,6 +209,9 @@ class Keys:
 
     def objects(self, kind: str) -> str:
         return f"{OBJECTS}/{self.kind_path(kind)}/"
+
+    def endpoints(self, pool: str) -> str:
+        return f"{ENDPOINTS}/{_segment(pool, 'pool')}/"
 
     def endpoint(self, pool: str, endpoint_id: str) -> str:
         return f"{ENDPOINTS}/{_segment(pool, 'pool')}/{_segment(endpoint_id, 'endpoint id')}"
@@ -212,15 +228,9 @@ class Keys:
 class Store:
     """CRUD over kvpilot's keys, with revisions for optimistic concurrency."""
 
-    def __init__(
-        self,
-        client: EtcdClient,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        kinds: Mapping[str, str] = KIND_PATH,
-    ) -> None:
+    def __init__(self, client: EtcdClient, prefix: str = DEFAULT_PREFIX) -> None:
         self.client = client
-        self.keys = Keys(prefix, kinds)
+        self.keys = Keys(prefix)
 
     # -- declarative objects -----------------------------------------------------------------
 
@@ -284,6 +294,38 @@ class Store:
         except ConflictError as err:
             raise self._conflict(kind, name, err) from None
 
+    async def update(
+        self,
+        kind: str,
+        name: str,
+        edit: Callable[[StoredObject | None], Mapping[str, Any]],
+        *,
+        attempts: int = 10,
+    ) -> StoredObject:
+        """Read-modify-write with compare-and-swap: `edit` gets the object as it is now (None
+        when it does not exist; it raises to give up) and returns the new body, which is
+        written only if nobody wrote in between; otherwise read and edit again, up to
+        `attempts` times, then ``Contended``."""
+        kind = self.keys.kind_name(kind)
+        for _attempt in range(attempts):
+            current = await self.get(kind, name)
+            body = edit(current)
+            expected = current.revision if current is not None else 0
+            try:
+                return await self.replace(kind, name, body, expect_revision=expected)
+            except (RevisionMismatch, NotFound, AlreadyExists):
+                continue
+        raise Contended(f"{kind} {name!r} kept changing under {attempts} attempts; retry")
+
+    async def values(self, sections: Sequence[str]) -> dict[str, bytes]:
+        """Relative key -> value of every key under `sections` (``objects``, ``endpoints``,
+        ...), for a consumer that decodes them (``controlplane.decode``)."""
+        found: dict[str, bytes] = {}
+        for section in sections:
+            kvs, _ = await self.client.get_prefix(self.keys.absolute(f"{section}/"))
+            found.update((self.keys.relative(kv.key), kv.value) for kv in kvs)
+        return found
+
     def _conflict(self, kind: str, name: str, err: ConflictError) -> StoreError | ConflictError:
         expected = err.expected_mod_revision
         if expected == 0:
@@ -333,6 +375,38 @@ class Store:
         ``lease`` attaches to an existing one (an agent registering several endpoints).
         """
         return await self._put_leased(self.keys.endpoint(pool, endpoint_id), body, ttl, lease)
+
+    async def endpoints(self, pool: str) -> tuple[Sequence[Registration], int]:
+        """The endpoints registered to `pool`, by id, and the revision of that read."""
+        kvs, revision = await self.client.get_prefix(self.keys.absolute(self.keys.endpoints(pool)))
+        return [self._registration(kv) for kv in kvs], revision
+
+    async def get_endpoint(self, pool: str, endpoint_id: str) -> Registration | None:
+        """One registered endpoint, or None."""
+        kv = await self.client.get(self.keys.absolute(self.keys.endpoint(pool, endpoint_id)))
+        return self._registration(kv) if kv is not None else None
+
+    def _registration(self, kv: KeyValue) -> Registration:
+        endpoint_id = self.keys.relative(kv.key).rsplit("/", 1)[-1]
+        return Registration(endpoint_id, decode_json(kv), kv.mod_revision, kv.lease)
+
+    async def lease_ttl(self, lease: int) -> int | None:
+        """Seconds left on a lease; None for no lease (0)."""
+        if not lease:
+            return None
+        return await self.client.lease_time_to_live(lease)
+
+    def keep_lease(
+        self, ttl: int, *, on_regrant: Callable[[int], Awaitable[None] | None] | None = None
+    ) -> LeaseKeeper:
+        """A lease kept alive while the returned context manager is entered (an agent's
+        registrations and telemetry, a replica's Envoy status records live under one); see
+        ``EtcdClient.keepalive_forever``."""
+        return self.client.keepalive_forever(ttl, on_regrant=on_regrant)
+
+    async def status(self) -> EtcdStatus:
+        """The etcd member's status: an answer means etcd is reachable."""
+        return await self.client.status()
 
     async def delete_endpoint(self, pool: str, endpoint_id: str) -> bool:
         return await self.client.delete(self.keys.absolute(self.keys.endpoint(pool, endpoint_id)))

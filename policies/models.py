@@ -613,6 +613,9 @@ KIND_PATHS: dict[str, str] = {
 }
 """Each kind's plural: its REST path segment (``/v1/pools``) and its etcd key segment."""
 
+PATH_KINDS: dict[str, str] = {path: kind for kind, path in KIND_PATHS.items()}
+"""The inverse of ``KIND_PATHS``: a plural (``pools``) -> its kind (``Pool``)."""
+
 
 def is_ip(address: str) -> bool:
     """True for an IPv4 or IPv6 address, False for a DNS name."""

@@ -75,7 +75,6 @@ async def running_api(
             connections=ConnectionRegistry(registry=registry),
             auth=auth or auth_config(),
             metrics_registry=registry,
-            etcd=client,
         )
     )
     try:

@@ -98,7 +98,6 @@ def test_bad_names_are_refused(name: str) -> None:
 def test_unknown_kind_lists_known_ones() -> None:
     with pytest.raises(UnknownKind, match="known kinds: Fleet, Pool"):
         Keys().object("Widget", "w")
-    assert Keys(kinds={"Widget": "widgets"}).object("Widget", "w") == "objects/widgets/w"
 
 
 def test_decode_json_never_raises() -> None:
