@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controlplane.decode import DecodedState, DecodeError
 from controlplane.etcd import KeyValue
-from controlplane.store import StateChange
+from controlplane.mirror import StateChange
 from policies import PolicyState, RoutingPlan, compile_plan
 from policies.weights import WeightDecision
 from xdsserver.incremental import BUILD_PATHS, build_snapshot

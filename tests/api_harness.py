@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry
 from api.app import ApiContext, create_app
 from api.auth import AuthConfig
 from controlplane.etcd import EtcdClient
+from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
-from controlplane.store import StateChange, StateMirror, Store
+from controlplane.store import Store
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 

@@ -14,6 +14,7 @@ from util import poll
 
 from controlplane.etcd import ConflictError, EtcdClient
 from controlplane.launchers import EmbeddedEtcd, free_port
+from controlplane.mirror import StateChange, StateMirror
 from controlplane.store import (
     AlreadyExists,
     InvalidName,
@@ -21,8 +22,6 @@ from controlplane.store import (
     Keys,
     NotFound,
     RevisionMismatch,
-    StateChange,
-    StateMirror,
     Store,
     UnknownKind,
     decode_json,
