@@ -21,7 +21,7 @@ import grpc
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from api.app import ApiContext, create_app
+from api import ApiContext, create_app
 from api.auth import AuthConfig
 from controlplane.asgi import UvicornServer
 from controlplane.envoystatus import StatusPublisher

@@ -12,7 +12,7 @@ import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from api.app import ApiContext, create_app
+from api import ApiContext, create_app
 from api.auth import AuthConfig
 from controlplane.etcd import EtcdClient
 from controlplane.mirror import StateChange, StateMirror

@@ -9,13 +9,7 @@ from typing import Any
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from xdsserver.resources import (
-    CLUSTER,
-    PUSH_ORDER,
-    REMOVE_ORDER,
-    WILDCARD_TYPES,
-    Resource,
-)
+from xdsserver.resources import CLUSTER, PUSH_ORDER, REMOVE_ORDER, WILDCARD_TYPES, Resource
 from xdsserver.snapshot import Snapshot
 from xdsserver.status import ConnectionRegistry, ConnectionStatus
 from xdsserver.stream import ANSWER_NEXT_REQUEST, WILDCARD, Push, Stream, in_order

@@ -9,13 +9,7 @@ from typing import Any
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from xdsserver.resources import (
-    PUSH_ORDER,
-    REMOVE_ORDER,
-    WILDCARD_TYPES,
-    Resource,
-    content_version,
-)
+from xdsserver.resources import PUSH_ORDER, REMOVE_ORDER, WILDCARD_TYPES, Resource, content_version
 from xdsserver.snapshot import Snapshot
 from xdsserver.status import ConnectionRegistry, ConnectionStatus
 from xdsserver.stream import ANSWER_NEXT_REQUEST, LEADER, WILDCARD, Push, Stream, in_order

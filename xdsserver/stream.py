@@ -10,13 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from xdsserver.resources import (
-    CLUSTER,
-    ENDPOINT,
-    LISTENER,
-    ROUTE,
-    short_name,
-)
+from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, short_name
 from xdsserver.snapshot import Snapshot
 from xdsserver.status import ConnectionRegistry, ConnectionStatus
 

@@ -8,13 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
-from controlplane.launchers.process import (
-    Launcher,
-    ManagedProcess,
-    free_port,
-    http_get,
-    repo_root,
-)
+from controlplane.launchers.process import Launcher, ManagedProcess, free_port, http_get, repo_root
 
 
 class KvpilotProcess(Launcher):
