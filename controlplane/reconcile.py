@@ -35,6 +35,7 @@ from controlplane.decode import DecodedState, DecodeError
 from controlplane.etcd import KeyValue
 from controlplane.mirror import StateChange
 from policies import PolicyState, RoutingPlan, compile_plan
+from policies.models import TELEMETRY_MAX_AGE
 from policies.weights import WeightDecision
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
 from xdsserver.snapshot import SnapshotCache
@@ -351,7 +352,7 @@ class Reconciler:
         for pool, decisions in plan.weights.items():
             before = self._weights.get(pool, {})
             spec = state.pools[pool].spec.telemetry if pool in state.pools else None
-            max_age = spec.max_age if spec is not None else 10.0
+            max_age = spec.max_age if spec is not None else TELEMETRY_MAX_AGE
             for endpoint_id, decision in decisions.items():
                 old = before.get(endpoint_id)
                 if old is None or old.weight != decision.weight:

@@ -219,6 +219,10 @@ class AuthHeader(Model):
 TelemetryFormat = Literal["vllm", "sglang", "tgi", "custom"]
 
 
+TELEMETRY_MAX_AGE = 10.0
+"""Seconds after which a telemetry record counts as unknown, unless a pool sets its own."""
+
+
 class TelemetrySource(Model):
     """Where the pool's live load signal comes from."""
 
@@ -226,7 +230,7 @@ class TelemetrySource(Model):
     path: str = Field("/metrics", description="Prometheus endpoint path. Default: /metrics.")
     interval: Duration = Field(1.0, description="Scrape interval. Default: 1s.")
     max_age: Duration = Field(
-        10.0,
+        TELEMETRY_MAX_AGE,
         description="Telemetry older than this counts as unknown and gives a neutral weight. "
         "Default: 10s.",
     )

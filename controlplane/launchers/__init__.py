@@ -7,11 +7,13 @@ from controlplane.launchers.envoy import EmbeddedEnvoy, render_bootstrap
 from controlplane.launchers.etcd import EmbeddedEtcd
 from controlplane.launchers.kvpilot import KvpilotProcess
 from controlplane.launchers.process import (
+    Launcher,
     LauncherError,
     ManagedProcess,
     find_binary,
     free_port,
     repo_root,
+    wait_until,
 )
 from controlplane.launchers.stack import LocalStack, local_stack
 
@@ -19,6 +21,7 @@ __all__ = [
     "EmbeddedEnvoy",
     "EmbeddedEtcd",
     "KvpilotProcess",
+    "Launcher",
     "LauncherError",
     "LocalStack",
     "ManagedProcess",
@@ -27,4 +30,5 @@ __all__ = [
     "local_stack",
     "render_bootstrap",
     "repo_root",
+    "wait_until",
 ]

