@@ -4,7 +4,6 @@ answered as ``{"detail": ...}``, the role a route requires, and reading and writ
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,12 +19,7 @@ from controlplane.store import Store
 from policies import Endpoint, FieldError, PolicyError, PolicyObject, parse_object
 from xdsserver.status import ConnectionRegistry
 
-log = logging.getLogger(__name__)
-
-
 Reader = Annotated[Principal, Depends(require("read"))]
-
-
 Admin = Annotated[Principal, Depends(require("admin"))]
 
 

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from controlplane.decode import DecodedState, DecodeError
 from controlplane.etcd import KeyValue
 from controlplane.mirror import StateChange
+from controlplane.store import ENDPOINTS, STATUS, TELEMETRY
 from policies import PolicyState, RoutingPlan, compile_plan
 from policies.models import TELEMETRY_MAX_AGE
 from policies.weights import WeightDecision
@@ -42,10 +43,10 @@ from xdsserver.snapshot import SnapshotCache
 
 log = logging.getLogger(__name__)
 
-ENDPOINT_PREFIXES = ("endpoints/", "telemetry/")
+ENDPOINT_PREFIXES = (f"{ENDPOINTS}/", f"{TELEMETRY}/")
 """Keys whose changes count as endpoint changes in the pushes metric."""
-TELEMETRY_PREFIX = "telemetry/"
-STATUS_PREFIX = "status/"
+TELEMETRY_PREFIX = f"{TELEMETRY}/"
+STATUS_PREFIX = f"{STATUS}/"
 
 
 @dataclass(frozen=True, slots=True)
