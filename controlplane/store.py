@@ -50,7 +50,7 @@ from controlplane.etcd import (
     KeyValue,
     LeaseKeeper,
 )
-from policies import KIND_PATHS, PATH_KINDS
+from policies import KIND_PATHS, kind_named
 
 log = logging.getLogger(__name__)
 
@@ -179,16 +179,15 @@ class Keys:
 
     def kind_path(self, kind: str) -> str:
         """``"Pool"`` or ``"pools"`` -> ``"pools"``."""
-        if kind in KIND_PATHS:
-            return KIND_PATHS[kind]
-        if kind in PATH_KINDS:
-            return kind
-        known = ", ".join(sorted(KIND_PATHS))
-        raise UnknownKind(f"unknown kind {kind!r}; known kinds: {known}")
+        return KIND_PATHS[self.kind_name(kind)]
 
     def kind_name(self, kind: str) -> str:
-        """``"pools"`` or ``"Pool"`` -> ``"Pool"``."""
-        return PATH_KINDS[self.kind_path(kind)]
+        """``"pools"`` or ``"Pool"`` -> ``"Pool"`` (``policies.kind_named``)."""
+        found = kind_named(kind)
+        if found is None:
+            known = ", ".join(sorted(KIND_PATHS))
+            raise UnknownKind(f"unknown kind {kind!r}; known kinds: {known}")
+        return found
 
     def absolute(self, relative: str) -> bytes:
         return f"{self.prefix}/{relative}".encode()

@@ -11,6 +11,7 @@ from policies.models import (
     PolicyObject,
     Pool,
     RoutingPolicy,
+    kind_named,
 )
 from policies.plan import DEFAULT_FLEET, Diagnostic, FleetPlan, RoutingPlan
 from policies.validate import FieldError, PolicyError, decode_documents, load_objects, parse_object
@@ -35,6 +36,7 @@ __all__ = [
     "cluster_name",
     "compile_plan",
     "decode_documents",
+    "kind_named",
     "listener_name",
     "load_objects",
     "parse_object",

@@ -620,6 +620,20 @@ KIND_PATHS: dict[str, str] = {
 PATH_KINDS: dict[str, str] = {path: kind for kind, path in KIND_PATHS.items()}
 """The inverse of ``KIND_PATHS``: a plural (``pools``) -> its kind (``Pool``)."""
 
+_KIND_ALIASES = {
+    **{kind.lower(): kind for kind in KIND_PATHS},
+    **PATH_KINDS,
+    "policy": "RoutingPolicy",
+    "policies": "RoutingPolicy",
+    "rp": "RoutingPolicy",
+}
+
+
+def kind_named(text: str) -> str | None:
+    """The kind a user means: ``Pool``, ``pool`` or ``pools`` -> ``Pool``; also ``rp`` and
+    ``policy`` for RoutingPolicy. None when `text` names no kind."""
+    return text if text in KIND_PATHS else _KIND_ALIASES.get(text.lower())
+
 
 def is_ip(address: str) -> bool:
     """True for an IPv4 or IPv6 address, False for a DNS name."""
