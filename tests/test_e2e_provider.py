@@ -71,15 +71,30 @@ class Provider:
         self.server.server_close()
 
 
-@pytest.fixture
-def provider(tmp_path: Path) -> Iterator[tuple[Provider, Path]]:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate (its own CA) and key for DNS name `name`."""
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+         "-subj", f"/CN={name}", "-addext", f"subjectAltName=DNS:{name}",
          "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )  # fmt: skip
+    return cert, key
+
+
+@pytest.fixture
+def provider(tmp_path: Path) -> Iterator[tuple[Provider, Path]]:
+    cert, key = self_signed(tmp_path, "localhost")
+    server = Provider(cert, key)
+    yield server, cert
+    server.close()
+
+
+@pytest.fixture
+def impostor(tmp_path: Path) -> Iterator[tuple[Provider, Path]]:
+    """A provider at `localhost` whose certificate, trusted as its own CA, names another host."""
+    cert, key = self_signed(tmp_path, "other.provider.test")
     server = Provider(cert, key)
     yield server, cert
     server.close()
@@ -242,3 +257,47 @@ def test_a_missing_secret_file_shows_as_a_nack_and_the_local_tier_keeps_serving(
 
     wait_until(provider_answers, 30, message="the provider tier once the file exists")
     assert server.seen and all(seen["authorization"] == SECRET for seen in server.seen)
+
+
+def test_a_provider_certificate_for_another_name_is_refused(
+    tmp_path: Path,
+    impostor: tuple[Provider, Path],
+    etcd_prefix: str,
+    kvpilot_factory: Any,
+    envoy_factory: Any,
+    backends: Any,
+) -> None:
+    """The certificate chains to the pool's CA file but names another host than the SNI:
+    Envoy must refuse the connection, so no request (nor the credential) reaches it."""
+    server, cert = impostor
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    write_secret(secrets)
+    replicas = backends(1, id_prefix="local")
+    kvpilot = kvpilot_factory(etcd_prefix)
+    envoy = envoy_factory(xds_port=kvpilot.xds_port)
+    port = free_port()
+    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
+    apply(api, provider_setup(secrets, replicas.replicas[0].port, server.port, cert, port))
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    client = httpx.Client(timeout=30)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    wait_until(
+        lambda: client.post(url, json=body).headers.get("x-backend-id") == "local-0",
+        60,
+        message="the local tier",
+    )
+
+    def refused_by_name() -> int:
+        return sum(
+            int(value)
+            for name, value in envoy.stats().items()
+            if name.endswith(".ssl.fail_verify_san")
+        )
+
+    replicas.fail("local-0", 503)  # every request now goes on to the provider tier
+    answers = [client.post(url, json=body) for _ in range(5)]
+    assert [a.status_code for a in answers] == [503] * 5, [a.text for a in answers]
+    assert "provider" not in {a.headers.get("x-backend-id") for a in answers}
+    assert server.seen == []
+    wait_until(refused_by_name, 30, message="Envoy to count a certificate name mismatch")
