@@ -22,6 +22,7 @@ from conftest import ADMIN_TOKEN
 from test_agent import MetricsBackend, start_agent_process
 from test_e2e_skeleton import endpoint_weights, served_by
 from util import poll
+from xdsclient import sent_endpoint_weights
 
 from controlplane.agent import Agent, AgentConfig, Target
 from controlplane.etcd import EtcdClient
@@ -336,7 +337,16 @@ async def test_orca_mode_follows_the_utilization_backends_report(
     setup: Setup = await make_setup("orca")
     for backend, utilization in zip(setup.backends, (0.9, 0.1, 0.45), strict=True):
         backend.utilization = utilization
-    await setup.wait_weights(dict.fromkeys(setup.ports, 100), 30, "endpoints in Envoy")
+    # kvpilot sends neutral weights and lets Envoy weigh by the reports. Envoy's own view
+    # shows the balancer's weights: it rewrites every host's weight once per second, to 1
+    # while no host has a valid report, so the weights sent are read from kvpilot.
+    await poll(
+        lambda: asyncio.to_thread(lambda: set(setup.weights()) == set(setup.ports)),
+        30,
+        "endpoints in Envoy",
+    )
+    sent = await sent_endpoint_weights(f"127.0.0.1:{setup.kvpilot.xds_port}", CLUSTER)
+    assert sent == dict.fromkeys(setup.ports, 100), sent
     dump = setup.envoy.config_dump()
     assert "client_side_weighted_round_robin" in str(dump)
     # Envoy ignores a host's reports for the 1 s blackout period, then weighs hosts by

@@ -199,6 +199,27 @@ def unpack(any_msg: Any) -> Any:
     raise ValueError(f"unexpected type {any_msg.type_url}")
 
 
+async def sent_endpoint_weights(
+    target: str, cluster: str, *, fleet: str = "default", within: float = 30.0
+) -> dict[int, int]:
+    """Port -> weight of `cluster`'s endpoints as the control plane at `target` sends them to
+    an Envoy of `fleet`: what it decided, before any load balancer in Envoy rewrites weights
+    (Envoy's admin pages show the weights its load balancer uses)."""
+    from xdsserver.resources import ENDPOINT
+
+    async with SotwStream(target, f"weights-reader-{cluster}", fleet) as stream:
+        await stream.send(ENDPOINT, [cluster])
+        response = await stream.recv_type(ENDPOINT, within)
+    weights = {}
+    for resource in response.resources:
+        assignment = unpack(resource)
+        for group in assignment.endpoints:
+            for lb_endpoint in group.lb_endpoints:
+                port = lb_endpoint.endpoint.address.socket_address.port_value
+                weights[port] = lb_endpoint.load_balancing_weight.value or 1
+    return weights
+
+
 # Small real Envoy resources and a running server, for the ADS tests -----------------------------
 
 
