@@ -121,7 +121,8 @@ def kvpilot_factory(
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Iterator[Any]:
-    """Start `kvpilot serve` daemons against the session etcd with `kvpilot_factory(prefix)`.
+    """Start `kvpilot serve` daemons against the session etcd with `kvpilot_factory(prefix)`
+    (`etcd_endpoints=[]` runs one on its own embedded etcd instead).
 
     Each gets free ports and the test tokens (`ADMIN_TOKEN`, `READ_TOKEN`); all stop at
     teardown, printing their log tail when the test failed.
@@ -132,7 +133,7 @@ def kvpilot_factory(
         env = {"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "KVPILOT_READ_TOKEN": READ_TOKEN}
         process = KvpilotProcess(
             tmp_path_factory.mktemp("kvpilot"),
-            etcd_endpoints=[etcd.endpoint],
+            etcd_endpoints=kwargs.pop("etcd_endpoints", [etcd.endpoint]),
             prefix=prefix,
             env={**env, **kwargs.pop("env", {})},
             **kwargs,

@@ -14,6 +14,8 @@ from controlplane.launchers.process import Launcher, ManagedProcess, free_port, 
 class KvpilotProcess(Launcher):
     """`kvpilot serve` as a child process, against a given etcd, on free ports.
 
+    Without `etcd_endpoints` it runs on serve's default, an embedded etcd under `state_dir`.
+
     What production runs, started the way the demo and end-to-end tests need it: ready means
     `GET /readyz` answers 200 (etcd reachable and the first snapshot built).
     """
@@ -22,7 +24,7 @@ class KvpilotProcess(Launcher):
         self,
         state_dir: Path,
         *,
-        etcd_endpoints: Sequence[str],
+        etcd_endpoints: Sequence[str] = (),
         prefix: str = "/kvpilot",
         host: str = "127.0.0.1",
         xds_port: int | None = None,
@@ -55,7 +57,7 @@ class KvpilotProcess(Launcher):
             "commands.cli",
             "serve",
             "--etcd-endpoints",
-            ",".join(self.etcd_endpoints),
+            ",".join(self.etcd_endpoints),  # empty: an embedded etcd
             "--etcd-prefix",
             self.prefix,
             "--xds-address",
