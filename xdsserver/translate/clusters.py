@@ -208,6 +208,10 @@ def cluster_base(cluster: PlanCluster, name: str, trusted_ca_file: str) -> clust
                 base_ejection_time=duration(outlier.base_ejection_time),
                 # Envoy's default of 10% never ejects anything among fewer than 10 hosts.
                 max_ejection_percent=wrappers_pb2.UInt32Value(value=outlier.max_ejection_percent),
+                # By default a passing active health check un-ejects the host at once: a
+                # replica that answers 5xx to inference while /health says 200 would be back
+                # within one health-check interval. It serves again when its ejection ends.
+                successful_active_health_check_uneject_host=wrappers_pb2.BoolValue(value=False),
             )
         )
     breakers = cluster.circuit_breakers
