@@ -45,8 +45,10 @@ STREAM_CHUNKS = 6
 """Content chunks of a streamed answer, before `data: [DONE]`."""
 STREAM_CHUNKS_BEFORE_GATE = 2
 """Chunks a stream sends before it waits for the gate."""
-HOLD_LIMIT = 120.0
-"""Seconds a request waits for the gate at most, so a forgotten gate never hangs a test run."""
+HOLD_LIMIT = 600.0
+"""Seconds a request waits for the gate at most, so a forgotten gate never hangs a manual run
+(the test fixtures stop the replicas anyway). Longer than a test may hold requests on a loaded
+machine: 40 requests placed one by one have taken over two minutes."""
 
 
 def stream_piece(index: int) -> str:
@@ -157,6 +159,9 @@ class GatedBackend:
         self._process = ManagedProcess(argv, self.log_path, stdout_path=self._stdout_path)
         self.ports: dict[str, int] = {}
         """Replica id -> port, known once `start()` returns."""
+        # One client for the admin calls: a new one per call builds an SSL context each time,
+        # which a test polling in_flight() dozens of times pays for dearly on a loaded machine.
+        self._admin = httpx.Client(timeout=5)
 
     def _read_announcement(self) -> bool:
         self.ports = read_announcement(self._stdout_path) or {}
@@ -169,6 +174,7 @@ class GatedBackend:
 
     def stop(self) -> None:
         self._process.stop(timeout=5.0)
+        self._admin.close()
 
     def log_tail(self, lines: int = 40) -> str:
         return self._process.log_tail(lines)
@@ -180,7 +186,7 @@ class GatedBackend:
         """Replica id -> requests it holds right now."""
         return {
             replica_id: int(
-                httpx.get(self._url(replica_id, "/admin/state"), timeout=5).json()["in_flight"]
+                self._admin.get(self._url(replica_id, "/admin/state")).json()["in_flight"]
             )
             for replica_id in self.ports
         }
@@ -188,9 +194,7 @@ class GatedBackend:
     def set_gate(self, open_: bool) -> None:
         """Close (hold new and waiting requests) or open (release them) every replica's gate."""
         for replica_id in self.ports:
-            response = httpx.post(
-                self._url(replica_id, "/admin/gate"), json={"open": open_}, timeout=5
-            )
+            response = self._admin.post(self._url(replica_id, "/admin/gate"), json={"open": open_})
             response.raise_for_status()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -135,10 +136,67 @@ def send(
     return out
 
 
+class Traffic:
+    """Clients sending chat requests back to back on threads, from `with` until its end.
+
+    `results` holds (status, replica) of each finished request in order of completion; a
+    request that got no HTTP answer (connection reset, timeout) counts as status 0 with the
+    exception's name as replica, so a test can count every failure a user would have seen.
+    """
+
+    def __init__(self, url: str, *, workers: int = 4) -> None:
+        self.url = url
+        self.results: list[tuple[int, str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                try:
+                    response = client.post(self.url, json=chat())
+                    result = (response.status_code, answered_by(response))
+                except httpx.HTTPError as exc:
+                    result = (0, type(exc).__name__)
+                with self._lock:
+                    self.results.append(result)
+
+    def finished(self) -> int:
+        """How many requests have finished so far."""
+        with self._lock:
+            return len(self.results)
+
+    def wait_for(self, count: int, timeout: float = 60.0) -> None:
+        """Wait until `count` requests in all have finished."""
+        wait_until(lambda: self.finished() >= count, timeout, message=f"{count} requests")
+
+    def __enter__(self) -> Traffic:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(90)
+
+
 def binomial_bounds(n: int, p: float, alpha: float = 1e-6) -> tuple[int, int]:
     """The narrowest-ish [lo, hi] with P(X < lo) + P(X > hi) < alpha for X ~ Binomial(n, p):
     each tail gets alpha / 2."""
-    pmf = [math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n + 1)]
+    # In log space: math.comb(n, k) overflows a float from n of about 1,030.
+    log_p, log_q = math.log(p), math.log1p(-p)
+    pmf = [
+        math.exp(
+            math.lgamma(n + 1)
+            - math.lgamma(k + 1)
+            - math.lgamma(n - k + 1)
+            + k * log_p
+            + (n - k) * log_q
+        )
+        for k in range(n + 1)
+    ]
     lo, tail = 0, 0.0
     while tail + pmf[lo] < alpha / 2:
         tail += pmf[lo]
