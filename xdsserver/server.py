@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from xdsserver.acceptance import Acceptance, Answer, Sent
 from xdsserver.resources import (
     CLUSTER,
     ENDPOINT,
@@ -209,6 +210,20 @@ class _Stream:
     def log_stale(self, type_url: str) -> None:
         log.debug("xDS stale nonce node=%s type=%s", self.conn.node_id, short_name(type_url))
 
+    def settle(
+        self, acceptance: Acceptance[Any], type_url: str, nonce: str, request: Any
+    ) -> Answer[Any] | None:
+        """Apply the ACK or NACK a request carries for the response sent with `nonce`, and
+        report it; None if that response was answered already (or never sent here)."""
+        answer = acceptance.answer(nonce, nacked=request.HasField("error_detail"))
+        if answer is None:
+            return None
+        if answer.nacked:
+            self.record_nack(type_url, answer.sent.version, request)
+        else:
+            self.status.acked(self.conn, type_url, version=answer.sent.version)
+        return answer
+
     def record_nack(self, type_url: str, version: str, request: Any) -> None:
         message = str(request.error_detail.message)
         log.warning(
@@ -244,8 +259,8 @@ class _SotwType:
     respond: bool = True
     """Answer at the next evaluation even if nothing changed."""
     respond_to_next_request: bool = False
-    hold_version: str | None = None
-    """After a NACK: the snapshot version rejected; nothing is sent until it changes."""
+    acceptance: Acceptance[Resource] = field(default_factory=Acceptance)
+    """What the Envoy runs: unions and partial pushes start from it; rejected versions held."""
     dirty: bool = True
     seen_version: str = ""
     partial: bool = False
@@ -265,6 +280,9 @@ class _SotwStream(_Stream):
         if st is None:
             st = self.types[type_url] = _SotwType(type_url, client_version=request.version_info)
         nonce = str(request.response_nonce)
+        if nonce:
+            # Counted even on a stale nonce: it answers an earlier response of this stream.
+            self.settle(st.acceptance, type_url, nonce, request)
         if nonce and nonce != st.nonce:
             # Stale: the Envoy has not seen our latest response yet and will send another request
             # after it has; acting on this one could resend or undo config.
@@ -281,13 +299,9 @@ class _SotwStream(_Stream):
             st.respond = st.respond or changed
             self.status.subscribed(self.conn, type_url, subscription, wildcard=wildcard)
         if request.HasField("error_detail"):
-            # Never answer a NACK with the same config (endless loop). The Envoy keeps its last
-            # good version; the next different snapshot flows normally.
-            self.record_nack(type_url, st.sent_version, request)
-            st.hold_version = st.seen_version
+            # Never answer a NACK with the same config (endless loop): settle() recorded the
+            # version as rejected; the next different snapshot flows normally.
             return
-        if nonce:
-            self.status.acked(self.conn, type_url, version=str(request.version_info))
         if st.respond_to_next_request:
             st.respond_to_next_request = False
             st.respond = True
@@ -301,12 +315,10 @@ class _SotwStream(_Stream):
             return None
         st.dirty = False
         st.seen_version = version
-        if st.hold_version is not None and not st.respond:
-            # The rejected version is not pushed again; a request that must be answered (new
+        if not st.respond and st.acceptance.rejected(version):
+            # A rejected version is not pushed again; a request that must be answered (new
             # names, a rebuilt cluster warming) still is.
-            if version == st.hold_version:
-                return None
-            st.hold_version = None
+            return None
         resources = snapshot.resources(st.type_url)
         if st.wildcard:
             items = dict(resources)
@@ -319,6 +331,7 @@ class _SotwStream(_Stream):
                 # Reconnect (maybe to another replica): content-hash versions say the Envoy
                 # already has exactly this set, and for a named type the names it asks for.
                 st.sent, st.sent_version, st.respond = items, version, False
+                st.acceptance.accepted = dict(items)
                 self.status.resumed(self.conn, st.type_url, version=version)
                 return None
             if not items and not st.wildcard:
@@ -363,17 +376,20 @@ class _SotwStream(_Stream):
         for st, _ in changes:
             if _LEADER.get(st.type_url) in pushed:
                 st.partial = False
-        # Make-before-break: when a full-set type (CDS/LDS) drops names in a round that also
-        # changes other types, first send the union (old kept), then the final set after the
-        # rest, so nothing the new routes still reference disappears first.
+        # Make-before-break: when a full-set type (CDS/LDS) drops names the Envoy runs in a
+        # round that also changes other types, first send the union (old kept), then the final
+        # set after the rest, so nothing the new routes still reference disappears first. The
+        # old side is what the Envoy accepted: what was merely sent may be what it rejected.
         first: list[tuple[_SotwType, dict[str, Resource], str]] = []
         last: list[tuple[_SotwType, dict[str, Resource], str]] = []
         for st, items in changes:
             final_version = snapshot.version(st.type_url)
-            dropped = (st.sent.keys() - items.keys()) if st.sent else set()
-            if len(changes) > 1 and st.wildcard and dropped and st.sent is not None:
-                union = {n: st.sent[n] for n in dropped} | items
-                first.append((st, union, content_version((n, r.version) for n, r in union.items())))
+            accepted = st.acceptance.accepted
+            dropped = accepted.keys() - items.keys() if len(changes) > 1 and st.wildcard else ()
+            union = {n: accepted[n] for n in dropped} | items
+            union_version = content_version((n, r.version) for n, r in union.items())
+            if dropped and not st.acceptance.rejected(union_version):
+                first.append((st, union, union_version))
                 last.append((st, items, final_version))
             else:
                 first.append((st, items, final_version))
@@ -389,14 +405,12 @@ class _SotwStream(_Stream):
     ) -> _Push:
         nonce = self.next_nonce()
         body = items
-        if st.partial and st.sent is not None:
-            sent = st.sent
-            body = {
-                n: r
-                for n, r in items.items()
-                if n not in sent or (sent[n] is not r and sent[n].version != r.version)
-            }
+        if st.partial:
+            # Only what the Envoy does not run yet: a response it rejected left it without.
+            accepted = st.acceptance.accepted
+            body = {n: r for n, r in items.items() if not _same_resource(accepted.get(n), r)}
             st.partial = False
+        st.acceptance.sent(nonce, Sent(version, body, replace=st.wildcard))
         st.nonce, st.sent, st.sent_version = nonce, items, version
         follower = _ANSWER_NEXT_REQUEST.get(st.type_url)
         if follower is not None and makes:
@@ -414,7 +428,11 @@ class _SotwStream(_Stream):
 def _same(items: Mapping[str, Resource], sent: Mapping[str, Resource]) -> bool:
     if items.keys() != sent.keys():
         return False
-    return all(sent[n] is r or sent[n].version == r.version for n, r in items.items())
+    return all(_same_resource(sent[n], r) for n, r in items.items())
+
+
+def _same_resource(old: Resource | None, new: Resource) -> bool:
+    return old is not None and (old is new or old.version == new.version)
 
 
 # Delta (incremental) ---------------------------------------------------------------------------
@@ -436,6 +454,8 @@ class _DeltaType:
     seen_version: str = ""
     resuming: bool = False
     """The Envoy came with initial_resource_versions and nothing was sent since."""
+    acceptance: Acceptance[str] = field(default_factory=Acceptance)
+    """Name → version the Envoy runs (ACKed, or reported on reconnect); rejected versions."""
 
 
 @dataclass(slots=True)
@@ -463,6 +483,7 @@ class _DeltaStream(_Stream):
             st = self.types[type_url] = _DeltaType(type_url)
             # Reconnect: the Envoy already has these; send only what differs.
             st.sent = {str(k): str(v) for k, v in request.initial_resource_versions.items()}
+            st.acceptance = Acceptance(st.sent)
             st.resuming = bool(st.sent)
             # Legacy wildcard: a first request naming nothing subscribes to everything.
             st.wildcard = not subscribe and type_url in WILDCARD_TYPES
@@ -483,6 +504,7 @@ class _DeltaStream(_Stream):
             st.names.discard(name)
             if not st.wildcard:
                 st.sent.pop(name, None)  # the Envoy dropped it itself
+                st.acceptance.accepted.pop(name, None)
         if first or subscribe or unsubscribe:
             st.dirty = True
             st.ordered = tuple(sorted(st.names))
@@ -490,14 +512,22 @@ class _DeltaStream(_Stream):
         nonce = str(request.response_nonce)
         if not nonce:
             return
-        if nonce != st.nonce:
-            self.log_stale(type_url)
-        elif request.HasField("error_detail"):
-            # The Envoy keeps what it had; `sent` already holds the rejected versions, so
-            # nothing is resent until the snapshot changes.
-            self.record_nack(type_url, st.nonce_version, request)
-        else:
-            self.status.acked(self.conn, type_url, version=st.nonce_version)
+        answer = self.settle(st.acceptance, type_url, nonce, request)
+        if answer is None:
+            if nonce != st.nonce:
+                self.log_stale(type_url)
+            return
+        if answer.nacked:
+            # The Envoy keeps what it had. The rejected version is held (not sent again); the
+            # names it changed go back to what the Envoy runs, so the next version still
+            # holding them carries them again.
+            accepted = st.acceptance.accepted
+            for name, version in answer.sent.updates.items():
+                if st.sent.get(name) == version:
+                    _restore(st.sent, name, accepted.get(name))
+            for name in answer.sent.removals:
+                if name not in st.sent:
+                    _restore(st.sent, name, accepted.get(name))
 
     def _evaluate(self, st: _DeltaType, snapshot: Snapshot) -> _DeltaChange | None:
         version = snapshot.version(st.type_url)
@@ -505,7 +535,10 @@ class _DeltaStream(_Stream):
             return None
         if not st.dirty and version == st.seen_version:
             return None
+        held = not st.dirty and st.acceptance.rejected(version)
         st.dirty, st.seen_version = False, version
+        if held:
+            return None  # the Envoy rejected this version; a (re)subscription is still answered
         resources = snapshot.resources(st.type_url)
         candidates: Iterable[Resource]
         if st.wildcard:
@@ -584,4 +617,14 @@ class _DeltaStream(_Stream):
             st.sent[r.name] = r.version
         for name in removals:
             st.sent.pop(name, None)
+        st.acceptance.sent(
+            nonce, Sent(version, {r.name: r.version for r in updates}, tuple(removals))
+        )
         return _Push(st.type_url, version, nonce, response)
+
+
+def _restore(sent: dict[str, str], name: str, version: str | None) -> None:
+    if version is None:
+        sent.pop(name, None)
+    else:
+        sent[name] = version
