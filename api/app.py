@@ -4,17 +4,20 @@ Every object lives in etcd under its kind and name; its etcd ``mod_revision`` is
 writes that carry ``If-Match`` fail with 412 instead of silently overwriting someone else's
 change. Bodies are validated with ``policies.parse_object`` before anything is written: an
 invalid body gets 422 with the field path of every problem, and etcd is left untouched.
+
+Whatever a client sends gets a 4xx, never a 5xx: every body goes through one reader
+(`_json_body`: at most `MAX_BODY_BYTES`, JSON parsed by `policies.jsondoc`), and every path
+parameter through one rule (the `ObjectName`, `PoolName`, `EndpointId` and `FleetName` types:
+the rules of ``metadata.name``). A 5xx means etcd (or kvpilot) is broken, and says which.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -39,6 +42,7 @@ from controlplane.store import (
     Store,
     StoredObject,
     UnknownKind,
+    ValueTooLarge,
     decode_json,
 )
 from policies import (
@@ -50,8 +54,10 @@ from policies import (
     PolicyObject,
     PolicyState,
     Pool,
+    jsondoc,
     parse_object,
 )
+from policies.models import ENDPOINT_ID_PATTERN, ENDPOINT_ID_RULE, NAME_PATTERN, NAME_RULE
 from policies.validate import field_errors, field_path
 from xdsserver.status import ConnectionRegistry
 
@@ -61,6 +67,9 @@ READINESS_ETCD_TIMEOUT = 2.0
 """Seconds /readyz waits for etcd before calling it unreachable."""
 WEIGHT_CAS_ATTEMPTS = 10
 """Compare-and-swap attempts when a weight change rewrites a Pool that others also edit."""
+MAX_BODY_BYTES = 1024 * 1024
+"""Largest request body read, in bytes. etcd refuses values over its --max-request-bytes
+(1.5 MiB by default), and a body is stored with its defaults filled in."""
 
 
 Reader = Annotated[Principal, Depends(require("read"))]
@@ -81,7 +90,23 @@ IfMatch = Annotated[
         "if the object changed since.",
     ),
 ]
-ObjectName = Annotated[str, Path(description="Object name.")]
+ObjectName = Annotated[
+    str, Path(pattern=NAME_PATTERN, max_length=63, description=f"Object name: {NAME_RULE}.")
+]
+PoolName = Annotated[
+    str, Path(pattern=NAME_PATTERN, max_length=63, description=f"Pool name: {NAME_RULE}.")
+]
+FleetName = Annotated[
+    str, Path(pattern=NAME_PATTERN, max_length=63, description=f"Fleet name: {NAME_RULE}.")
+]
+EndpointId = Annotated[
+    str,
+    Path(
+        pattern=ENDPOINT_ID_PATTERN,
+        max_length=260,
+        description=f"Endpoint id: {ENDPOINT_ID_RULE}.",
+    ),
+]
 
 
 @dataclass
@@ -153,25 +178,32 @@ def _unprocessable(errors: list[FieldError]) -> JSONResponse:
     return JSONResponse({"detail": _validation_detail(errors)}, status_code=422)
 
 
-def _reject_constant(name: str) -> Any:
-    # Python's json accepts NaN and Infinity; JSON does not, and they cannot be written back.
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is out of range for a number")
-    return value
+def _too_large() -> ApiError:
+    return ApiError(
+        413,
+        f"the request body is larger than {MAX_BODY_BYTES:,} bytes, the most kvpilot accepts; "
+        "split the object (a pool per model, say) or register endpoints one by one",
+    )
 
 
 async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+    """The request's JSON body: every route reads bodies here and only here."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise _too_large()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw.strip():
         raise ApiError(400, "the request needs a JSON body")
     try:
-        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, UnicodeDecodeError) as error:
+        return jsondoc.loads(raw)
+    except jsondoc.JsonError as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from None
 
 
@@ -290,6 +322,22 @@ def create_app(context: ApiContext) -> FastAPI:
     return app
 
 
+_PATH_RULES = {
+    "name": NAME_RULE,
+    "pool": NAME_RULE,
+    "fleet": NAME_RULE,
+    "endpoint_id": ENDPOINT_ID_RULE,
+}
+
+
+def _validation_message(item: Mapping[str, Any]) -> str:
+    """FastAPI's message, or for a path parameter the rule it breaks, in words."""
+    loc = tuple(item.get("loc", ()))
+    if len(loc) == 2 and loc[0] == "path" and loc[1] in _PATH_RULES:
+        return f"{item.get('input')!r} is not a valid {loc[1]}: use {_PATH_RULES[loc[1]]}"
+    return str(item.get("msg", "invalid"))
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     def detail(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse({"detail": message}, status_code=status, headers=headers)
@@ -305,7 +353,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def request_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = [
-            FieldError(field_path(item.get("loc", ())), str(item.get("msg", "invalid")))
+            FieldError(field_path(item.get("loc", ())), _validation_message(item))
             for item in exc.errors()
         ]
         return _unprocessable(errors)
@@ -328,7 +376,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(NotFound, status_for(412))
     app.add_exception_handler(InvalidName, status_for(400))
     app.add_exception_handler(UnknownKind, status_for(404))
-    app.add_exception_handler(InvalidValue, status_for(500))
+    app.add_exception_handler(ValueTooLarge, status_for(413))
+    # Garbage in etcd (written by another tool): the client can fix it by replacing the object.
+    app.add_exception_handler(InvalidValue, status_for(409))
     app.add_exception_handler(EtcdUnavailable, status_for(503))
     app.add_exception_handler(EtcdError, etcd_error)
 
@@ -524,7 +574,7 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         operation_id="list_endpoints",
         summary="Endpoints registered to a pool (not its static ones)",
     )
-    async def list_endpoints(pool: str, _: Reader) -> dict[str, Any]:
+    async def list_endpoints(pool: PoolName, _: Reader) -> dict[str, Any]:
         kvs, revision = await store.client.get_prefix(_endpoints_prefix(store, pool))
         items = []
         for kv in kvs:
@@ -548,8 +598,8 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         openapi_extra=endpoint_doc,
     )
     async def register_endpoint(
-        pool: str,
-        endpoint_id: str,
+        pool: PoolName,
+        endpoint_id: EndpointId,
         request: Request,
         _: Admin,
         ttl: Annotated[
@@ -582,7 +632,7 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         summary="Remove a registered endpoint",
         status_code=204,
     )
-    async def deregister_endpoint(pool: str, endpoint_id: str, _: Admin) -> Response:
+    async def deregister_endpoint(pool: PoolName, endpoint_id: EndpointId, _: Admin) -> Response:
         if not await store.delete_endpoint(pool, endpoint_id):
             raise ApiError(404, f"endpoint {endpoint_id!r} is not registered to pool {pool!r}")
         log.info("deregistered endpoint %s/%s", pool, endpoint_id)
@@ -593,17 +643,31 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         tags=tags,
         operation_id="set_endpoint_weight",
         summary="Change one endpoint's weight (registered, or static as address:port)",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/WeightChange"}}
+                },
+            }
+        },
     )
     async def set_weight(
-        pool: str, endpoint_id: str, change: WeightChange, _: Admin
+        pool: PoolName, endpoint_id: EndpointId, request: Request, _: Admin
     ) -> dict[str, Any]:
+        try:
+            change = WeightChange.model_validate(await _json_body(request))
+        except ValidationError as error:
+            raise PolicyError(field_errors(error)) from None
         key = store.keys.absolute(store.keys.endpoint(pool, endpoint_id))
         kv = await store.client.get(key)
         if kv is not None:
             current = decode_json(kv)
             if current is None:
                 raise ApiError(
-                    500, f"the registration of {endpoint_id!r} is not JSON; re-register it"
+                    409,
+                    f"the registration of {endpoint_id!r} at {kv.key.decode(errors='replace')} "
+                    "is not a JSON object; register it again (PUT) or DELETE it",
                 )
             try:
                 endpoint = Endpoint.model_validate({**current, "weight": change.weight})
@@ -689,7 +753,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
         operation_id="fleet_config",
         summary="The Envoy resources served to a fleet now, with per-type versions",
     )
-    async def fleet_config(fleet: str, _: Reader) -> dict[str, Any]:
+    async def fleet_config(fleet: FleetName, _: Reader) -> dict[str, Any]:
         snapshot = reconciler.cache.snapshot_for(fleet)
         if snapshot is None:
             raise ApiError(404, f"no configuration is served to fleet {fleet!r} yet")
@@ -745,7 +809,7 @@ def _install_openapi(app: FastAPI) -> None:
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
         models: list[tuple[type[BaseModel], Any]] = [
-            (model, "validation") for model in (*KINDS.values(), Endpoint)
+            (model, "validation") for model in (*KINDS.values(), Endpoint, WeightChange)
         ]
         _, definitions = models_json_schema(models, ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {}).setdefault("schemas", {})

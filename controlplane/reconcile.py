@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
@@ -44,6 +43,7 @@ from policies import (
     PolicyState,
     RoutingPlan,
     compile_plan,
+    jsondoc,
     parse_object,
 )
 from policies.telemetry import TelemetryRecord
@@ -395,7 +395,7 @@ class Reconciler:
             self.errors.pop(key, None)
             return
         try:
-            obj = parse_object(json.loads(kv.value), source=key)
+            obj = parse_object(jsondoc.loads(kv.value), source=key)
             name = key.rsplit("/", 1)[1]
             if PATH_KIND.get(path) != obj.kind or obj.metadata.name != name:
                 raise PolicyError(

@@ -56,7 +56,7 @@ from controlplane.etcd import (
     KeyValue,
     WatchBatch,
 )
-from policies import KIND_PATHS
+from policies import KIND_PATHS, jsondoc
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,10 @@ class UnknownKind(StoreError, ValueError):
     """The kind has no key path."""
 
 
+class ValueTooLarge(StoreError):
+    """A value is larger than etcd accepts in one request."""
+
+
 class InvalidValue(StoreError):
     """A stored value is not a JSON object (written by something other than kvpilot)."""
 
@@ -131,17 +135,29 @@ class StoredObject:
 
 
 def decode_json(kv: KeyValue | bytes) -> dict[str, Any] | None:
-    """The value as a JSON object, or ``None`` if it is not one."""
+    """The value as a JSON object, or ``None`` if it is not one (or is nested too deeply)."""
     raw = kv if isinstance(kv, bytes) else kv.value
     try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        value = jsondoc.loads(raw)
+    except jsondoc.JsonError:
         return None
     return value if isinstance(value, dict) else None
 
 
+MAX_VALUE_BYTES = 1_500_000
+"""Largest value written: etcd refuses requests over --max-request-bytes (1.5 MiB by default,
+key and framing included)."""
+
+
 def encode_json(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact JSON; ``ValueTooLarge`` over `MAX_VALUE_BYTES`."""
+    value = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(value) > MAX_VALUE_BYTES:
+        raise ValueTooLarge(
+            f"the object is {len(value):,} bytes stored, over the {MAX_VALUE_BYTES:,} bytes etcd "
+            "accepts in one value; split it"
+        )
+    return value
 
 
 def _segment(value: str, what: str) -> str:
@@ -299,8 +315,9 @@ class Store:
         body = decode_json(kv)
         if body is None:
             raise InvalidValue(
-                f"{kind} {name!r} at {kv.key.decode(errors='backslashreplace')} is not a JSON "
-                "object (written by another tool?); replace or delete it"
+                f"{kind} {name!r}: the value at etcd key {kv.key.decode(errors='backslashreplace')} "
+                "is not a JSON object kvpilot can read (written by another tool?); replace it "
+                "with PUT or remove it with DELETE"
             )
         return StoredObject(kind, name, body, kv.mod_revision, kv.create_revision)
 
