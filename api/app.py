@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import prometheus_client
 from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
@@ -31,7 +31,14 @@ from pydantic.json_schema import models_json_schema
 
 from api.auth import AuthConfig, Principal, require
 from api.preview import preview, snapshot_json
-from controlplane.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFoundError
+from controlplane.etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdOutcomeUnknown,
+    EtcdUnavailable,
+    KeyValue,
+    LeaseNotFoundError,
+)
 from controlplane.reconcile import Reconciler
 from controlplane.store import (
     AlreadyExists,
@@ -39,6 +46,7 @@ from controlplane.store import (
     InvalidValue,
     NotFound,
     RevisionMismatch,
+    StateMirror,
     Store,
     StoredObject,
     UnknownKind,
@@ -125,6 +133,9 @@ class ApiContext:
     envoy_records: Callable[[], list[dict[str, Any]]] | None = None
     """The Envoy status records every replica publishes to etcd
     (`controlplane.envoystatus`): with them /v1/status lists the Envoys of all replicas."""
+    mirror: StateMirror | None = None
+    """The daemon's watched copy of etcd: reads are answered from it, marked stale, while etcd
+    cannot be reached."""
 
 
 class WeightChange(BaseModel):
@@ -138,10 +149,14 @@ class WeightChange(BaseModel):
 class ApiError(Exception):
     """An error answered with ``{"detail": message}``."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
+
+
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,6 +238,43 @@ def _dump(obj: PolicyObject | Endpoint) -> dict[str, Any]:
 
 def _object_response(stored: StoredObject, status: int = 200) -> JSONResponse:
     return JSONResponse(stored.body, status_code=status, headers={"ETag": _etag(stored.revision)})
+
+
+async def _read(
+    context: ApiContext,
+    from_etcd: Callable[[], Awaitable[T]],
+    from_mirror: Callable[[Mapping[str, KeyValue]], T],
+) -> tuple[T, dict[str, str]]:
+    """A read from etcd; while etcd cannot be reached, from the mirror with headers that say
+    so (`X-Kvpilot-Stale`, the mirror's revision, and `Age`: seconds since it was known to
+    match etcd). Without a loaded mirror, etcd's error stands."""
+    mirror = context.mirror
+    if mirror is None or not mirror.synced:
+        return await from_etcd(), {}
+    if not mirror.lost:  # otherwise etcd is known down: do not wait out its timeout
+        try:
+            return await from_etcd(), {}
+        except EtcdOutcomeUnknown:
+            raise
+        except EtcdUnavailable as error:
+            log.warning("etcd unreachable, answering a read from the mirror: %s", error)
+    headers = {
+        "X-Kvpilot-Stale": "true",
+        "X-Kvpilot-Mirror-Revision": str(mirror.revision),
+        "Age": str(int(mirror.age)),
+    }
+    return from_mirror(mirror.items), headers
+
+
+def _check_after_unknown_outcome(request: Request) -> str:
+    """Where a client reads back what an unconfirmed write did."""
+    path = request.url.path.removesuffix("/weight")
+    parts = path.strip("/").split("/")
+    if len(parts) == 5 and parts[3] == "endpoints":
+        return "/" + "/".join(parts[:4])  # the pool's registered endpoints
+    if request.method == "POST":
+        return f"{path}/<name>"
+    return path
 
 
 async def _current_objects(
@@ -344,7 +396,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
-        return detail(exc.status, exc.message)
+        return detail(exc.status, exc.message, exc.headers)
+
+    async def outcome_unknown(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("write with unknown outcome: %s %s: %s", request.method, request.url, exc)
+        check = _check_after_unknown_outcome(request)
+        return detail(
+            503,
+            f"the outcome of this write is unknown: {exc}. Check before retrying: GET {check} "
+            "and compare its ETag (revision) with the one you wrote against; etcd may still "
+            "apply the write when it recovers.",
+        )
 
     async def policy_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, PolicyError)
@@ -379,6 +441,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValueTooLarge, status_for(413))
     # Garbage in etcd (written by another tool): the client can fix it by replacing the object.
     app.add_exception_handler(InvalidValue, status_for(409))
+    app.add_exception_handler(EtcdOutcomeUnknown, outcome_unknown)
     app.add_exception_handler(EtcdUnavailable, status_for(503))
     app.add_exception_handler(EtcdError, etcd_error)
 
@@ -428,15 +491,27 @@ def _add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) 
     }
     tags: list[str | Any] = [path]
 
-    async def list_objects(_: Reader) -> dict[str, Any]:
-        objects, revision = await store.list(kind)
-        return {"items": [obj.body for obj in objects], "revision": revision}
+    async def list_objects(_: Reader) -> JSONResponse:
+        (objects, revision), headers = await _read(
+            context,
+            lambda: store.list(kind),
+            lambda items: (store.list_from(items, kind), context.mirror.revision),  # type: ignore[union-attr]
+        )
+        return JSONResponse(
+            {"items": [obj.body for obj in objects], "revision": revision}, headers=headers
+        )
 
     async def get_object(name: ObjectName, _: Reader) -> JSONResponse:
-        stored = await store.get(kind, name)
+        stored, headers = await _read(
+            context,
+            lambda: store.get(kind, name),
+            lambda items: store.get_from(items, kind, name),
+        )
         if stored is None:
-            raise ApiError(404, f"{kind} {name!r} does not exist")
-        return _object_response(stored)
+            raise ApiError(404, f"{kind} {name!r} does not exist", headers)
+        response = _object_response(stored)
+        response.headers.update(headers)
+        return response
 
     async def create_object(request: Request, _: Admin, dry_run: DryRun = False) -> JSONResponse:
         obj = _parse_for_kind(await _json_body(request), kind)
@@ -574,8 +649,17 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         operation_id="list_endpoints",
         summary="Endpoints registered to a pool (not its static ones)",
     )
-    async def list_endpoints(pool: PoolName, _: Reader) -> dict[str, Any]:
-        kvs, revision = await store.client.get_prefix(_endpoints_prefix(store, pool))
+    async def list_endpoints(pool: PoolName, _: Reader) -> JSONResponse:
+        prefix = _endpoints_prefix(store, pool)
+
+        def from_mirror(items: Mapping[str, KeyValue]) -> tuple[list[KeyValue], int]:
+            relative = store.keys.relative(prefix)
+            kvs = [kv for key, kv in sorted(items.items()) if key.startswith(relative)]
+            return kvs, context.mirror.revision  # type: ignore[union-attr]
+
+        (kvs, revision), headers = await _read(
+            context, lambda: store.client.get_prefix(prefix), from_mirror
+        )
         items = []
         for kv in kvs:
             endpoint_id = store.keys.relative(kv.key).rsplit("/", 1)[-1]
@@ -585,10 +669,11 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
                     "endpoint": decode_json(kv),
                     "revision": kv.mod_revision,
                     "lease": kv.lease or None,
-                    "ttlSeconds": await _lease_ttl(store.client, kv.lease),
+                    # A lease's time left is etcd's to tell; not known from the mirror.
+                    "ttlSeconds": None if headers else await _lease_ttl(store.client, kv.lease),
                 }
             )
-        return {"items": items, "revision": revision}
+        return JSONResponse({"items": items, "revision": revision}, headers=headers)
 
     @app.put(
         "/v1/pools/{pool}/endpoints/{endpoint_id}",

@@ -38,11 +38,13 @@ holding garbage, and leaves decoding to the consumer (``decode_json``).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import inspect
 import json
 import logging
 import random
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -274,6 +276,20 @@ class Store:
             return None
         return self._decode(kind, name, kv)
 
+    def get_from(self, items: Mapping[str, KeyValue], kind: str, name: str) -> StoredObject | None:
+        """`get`, answered from a `StateMirror`'s items instead of etcd."""
+        kind = self.keys.kind_name(kind)
+        kv = items.get(self.keys.object(kind, name))
+        return None if kv is None else self._decode(kind, name, kv)
+
+    def list_from(self, items: Mapping[str, KeyValue], kind: str) -> list[StoredObject]:
+        """`list`'s objects, answered from a `StateMirror`'s items instead of etcd."""
+        kind = self.keys.kind_name(kind)
+        prefix = self.keys.objects(kind)
+        return self._decode_all(
+            kind, [kv for key, kv in sorted(items.items()) if key.startswith(prefix)]
+        )
+
     async def list(self, kind: str) -> tuple[list[StoredObject], int]:
         """All objects of a kind, sorted by name, and the revision of that snapshot.
 
@@ -281,14 +297,17 @@ class Store:
         """
         kind = self.keys.kind_name(kind)
         kvs, revision = await self.client.get_prefix(self.keys.absolute(self.keys.objects(kind)))
-        objects: list[StoredObject] = []
+        return self._decode_all(kind, kvs), revision
+
+    def _decode_all(self, kind: str, kvs: Iterable[KeyValue]) -> builtins.list[StoredObject]:
+        objects: builtins.list[StoredObject] = []
         for kv in kvs:
             name = self.keys.relative(kv.key).rsplit("/", 1)[-1]
             try:
                 objects.append(self._decode(kind, name, kv))
             except InvalidValue as err:
                 log.warning("%s", err)
-        return objects, revision
+        return objects
 
     async def delete(self, kind: str, name: str, *, expect_revision: int | None = None) -> bool:
         """Delete an object; False if it did not exist. With ``expect_revision``:
@@ -440,6 +459,8 @@ class StateMirror:
         """Why the mirror last lost etcd (kept after recovery, for status pages)."""
         self.resyncs = 0
         """How many full (re-)lists have been applied, the initial load included."""
+        self._lost_at: float | None = None
+        """``time.monotonic()`` when the watch broke, until it is back."""
 
     @property
     def items(self) -> Mapping[str, KeyValue]:
@@ -449,6 +470,22 @@ class StateMirror:
     @property
     def synced(self) -> bool:
         return self._synced.is_set()
+
+    @property
+    def lost(self) -> bool:
+        """The watch on etcd broke and is not back: the mirror may lag etcd."""
+        return self._lost_at is not None
+
+    @property
+    def age(self) -> float:
+        """Seconds since the watch broke (0 while it has not): how long the mirror may have
+        been missing changes."""
+        return 0.0 if self._lost_at is None else time.monotonic() - self._lost_at
+
+    def _lost(self) -> None:
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
+        self.connected = False
 
     async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Wait for the first full load; ``TimeoutError`` if it does not happen in time."""
@@ -470,16 +507,17 @@ class StateMirror:
                         # etcd has less history than we have seen: restored or replaced.
                         raise _HistoryWentBack(batch.header_revision, self.revision)
                     self.connected = True
+                    self._lost_at = None
                     backoff = self._backoff_initial
                     await self._apply(batch)
                 raise EtcdError("the watch ended without an error")
             except (CompactedError, _HistoryWentBack) as err:
-                self.connected = False
+                self._lost()
                 self.last_error = str(err)
                 log.warning("etcd watch cannot resume at %d: %s; re-listing", self.revision, err)
                 need_list = True
             except EtcdError as err:
-                self.connected = False
+                self._lost()
                 self.last_error = str(err)
                 delay = backoff * random.uniform(0.5, 1.5)
                 log.warning(

@@ -76,6 +76,7 @@ async def running_api(
             auth=auth or auth_config(),
             metrics_registry=registry,
             etcd=client,
+            mirror=mirror,
         )
     )
     try:
