@@ -68,7 +68,7 @@ def load_files(paths: Sequence[Path]) -> list[PolicyObject]:
     problems: list[str] = []
     for file in _files(paths):
         try:
-            documents = decode_documents(file.read_text(), source=str(file))
+            documents = decode_documents(file.read_bytes(), source=str(file))
         except PolicyError as error:
             problems.append(str(error))
             continue

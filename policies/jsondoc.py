@@ -57,12 +57,13 @@ def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
     except (ValueError, UnicodeDecodeError) as error:
         # ValueError also covers integers longer than Python's digit limit.
         raise JsonError(str(error)) from None
-    if _depth_exceeds(value, max_depth):
+    if depth_exceeds(value, max_depth):
         raise JsonError(f"it is nested more than {max_depth} levels deep")
     return value
 
 
-def _depth_exceeds(value: Any, limit: int) -> bool:
+def depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether arrays and objects (lists and dicts) nest deeper than `limit` levels."""
     # Iterative: the check itself must not recurse on hostile input.
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
