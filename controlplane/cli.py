@@ -160,6 +160,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         types = {t.get("type"): t for t in envoy.get("types", {}).values()}
         nacks = [
             f"{name}: {t['last_nack']['message']}"
+            + (" (resolved)" if t["last_nack"].get("resolved") else "")
             for name, t in sorted(types.items())
             if t.get("last_nack")
         ]
