@@ -585,15 +585,29 @@ class _DeltaStream(_Stream):
         # referrer first (LDS → RDS → CDS → EDS).
         # (A change with neither updates nor removals is the empty answer to a new wildcard
         # subscription: it goes out too.)
-        pushes = [
-            self._commit(c.st, c.version, c.updates, [])
-            for c in changes
-            if c.updates or not c.removals
-        ]
+        # An updates push that removals follow is labelled with the set the Envoy holds after
+        # it (old names kept), as a SotW union is: a NACK of it then rejects that set, not the
+        # snapshot version the removals push carries. Once that set was rejected, the type's
+        # updates go out with its removals instead.
+        pushes = []
+        merged: set[str] = set()
+        for c in changes:
+            if not c.updates and c.removals:
+                continue
+            version = c.version
+            if c.removals:
+                version = content_version(
+                    {**c.st.sent, **{r.name: r.version for r in c.updates}}.items()
+                )
+                if c.st.acceptance.rejected(version):
+                    merged.add(c.st.type_url)
+                    continue
+            pushes.append(self._commit(c.st, version, c.updates, []))
         by_type = {c.st.type_url: c for c in changes if c.removals}
         for type_url in _ordered(by_type, REMOVE_ORDER):
             c = by_type[type_url]
-            pushes.append(self._commit(c.st, c.version, [], c.removals))
+            updates = c.updates if type_url in merged else []
+            pushes.append(self._commit(c.st, c.version, updates, c.removals))
         return pushes
 
     def _commit(
