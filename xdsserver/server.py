@@ -446,10 +446,9 @@ class _DeltaType:
     ordered: tuple[str, ...] = ()
     """``names`` sorted, refreshed when the subscription changes."""
     sent: dict[str, str] = field(default_factory=dict)
-    """Name → version the Envoy has (from initial_resource_versions and what was sent)."""
+    """Name → version the Envoy has or was sent (from initial_resource_versions and what was
+    sent; after a NACK, what it accepted)."""
     nonce: str = ""
-    nonce_version: str = ""
-    """system_version_info of the latest response."""
     dirty: bool = True
     seen_version: str = ""
     resuming: bool = False
@@ -614,7 +613,7 @@ class _DeltaStream(_Stream):
         self, st: _DeltaType, version: str, updates: list[Resource], removals: list[str]
     ) -> _Push:
         nonce = self.next_nonce()
-        st.nonce, st.nonce_version, st.resuming = nonce, version, False
+        st.nonce, st.resuming = nonce, False
         response = discovery_pb2.DeltaDiscoveryResponse(
             system_version_info=version,
             type_url=st.type_url,
