@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import re
 import threading
 import urllib.parse
@@ -31,7 +32,8 @@ from controlplane.launchers import EmbeddedEtcd
 
 pytestmark = pytest.mark.e2e
 
-MIN_REQUESTS = 5_000
+MIN_REQUESTS = int(os.environ.get("KVPILOT_FUZZ_REQUESTS", "5000"))
+"""At least this many requests per run (the environment variable shortens a local try)."""
 BATCH = 12
 """Requests per generated example, sent concurrently."""
 
@@ -155,7 +157,8 @@ def requests(draw: st.DrawFn, routes: list[tuple[str, str]]) -> dict[str, Any]:
     method, template = draw(st.sampled_from(routes))
     url = re.sub(r"\{[^}]+\}", lambda _: urllib.parse.quote(draw(names), safe=""), template)
     request: dict[str, Any] = {"method": method, "url": url, "params": {}, "headers": {}}
-    if draw(st.booleans()):
+    if draw(st.integers(0, 9)) == 0:
+        # Rarely: a dry run compiles everything stored, the costliest answer there is.
         request["params"]["dryRun"] = draw(st.sampled_from(["true", "false", "1", "maybe"]))
     if draw(st.integers(0, 4)) == 0:
         request["params"]["ttl"] = draw(st.sampled_from(["0", "1", "-5", "x", "9" * 30, "60"]))
@@ -192,7 +195,7 @@ def api(
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    context = running_api(etcd.endpoint, etcd_prefix, quiet_period=0.2, max_wait=1.0)
+    context = running_api(etcd.endpoint, etcd_prefix, quiet_period=1.0, max_wait=5.0)
     harness = asyncio.run_coroutine_threadsafe(context.__aenter__(), loop).result(30)
     yield harness, loop
     asyncio.run_coroutine_threadsafe(context.__aexit__(None, None, None), loop).result(30)
@@ -201,6 +204,9 @@ def api(
     loop.close()
 
 
+# Some 30 s of CPU; the generous timeout is for a shared, oversubscribed machine (it only
+# guards against a hang).
+@pytest.mark.timeout(900)
 def test_every_route_answers_hostile_input_without_a_5xx(
     api: tuple[Harness, asyncio.AbstractEventLoop],
 ) -> None:
