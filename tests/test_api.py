@@ -457,7 +457,7 @@ async def test_a_deeply_nested_body_is_a_4xx(api: Harness, depth: int) -> None:
 
 
 async def test_a_body_over_the_limit_is_a_413_that_names_the_limit(api: Harness) -> None:
-    from api.app import MAX_BODY_BYTES
+    from api.context import MAX_BODY_BYTES
 
     huge = pool("chat", *range(1, 2))
     huge["spec"]["models"] = [f"model-{i:07d}" for i in range(MAX_BODY_BYTES // 16)]

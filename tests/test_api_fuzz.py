@@ -27,7 +27,7 @@ from api_harness import Harness, fleet, policy, pool, running_api
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.app import MAX_BODY_BYTES
+from api.context import MAX_BODY_BYTES
 from controlplane.launchers import EmbeddedEtcd
 
 pytestmark = pytest.mark.e2e
