@@ -41,8 +41,8 @@ from controlplane.etcd import EtcdClient, EtcdError, LeaseKeeper
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies.telemetry import (
     METRIC_MAPS,
-    MetricMap,
     Counters,
+    MetricMap,
     TelemetryRecord,
     extract,
     metric_map_for,
