@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -204,7 +205,12 @@ async def replay(
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     timeout = httpx.Timeout(request_timeout, connect=10.0)
     started = time.monotonic()
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    # Without TCP_NODELAY the request body waits for the ACK of its headers (Nagle against
+    # delayed ACK), up to 200 ms added to every time to first token.
+    transport = httpx.AsyncHTTPTransport(
+        limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+    )
+    async with httpx.AsyncClient(transport=transport, timeout=timeout) as client:
         sampler = asyncio.create_task(
             _sample_load(replicas, started, time_scale, sample_interval, samples)
         )

@@ -27,8 +27,10 @@ medians.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -197,13 +199,19 @@ class SuiteConfig:
     out_dir: Path = Path("bench/results")
 
 
+SUITE_TIME_SCALE = 1.0
+"""Wall-clock seconds per simulated second. Several fleets at once cost several times the CPU
+of one; in real time the harness's own Python work stays small against the simulated steps
+on a shared 2-core machine."""
+
+
 def default_suite(short: bool = False) -> SuiteConfig:
     """`make bench`'s suite, or a smoke run (one seed, two short scenarios) with `short`."""
     from bench.routing import default_config
 
     # One chunk per second of wall time per stream is enough for the suite's numbers (the
     # first token and the end are sent at once) and keeps the CPU of several fleets low.
-    sim = replace(default_config().sim, stream_interval=1.0)
+    sim = replace(default_config().sim, stream_interval=1.0, time_scale=SUITE_TIME_SCALE)
     if not short:
         return SuiteConfig(sim=sim)
     quick = {"duration": 8.0, "max_turns": 3, "think_mean": 1.0, "answer_median": 60}
@@ -341,40 +349,71 @@ async def _prepare(fleet: Fleet, scenario: Scenario, sim: SimConfig, prompts: li
         await _admin(replica.url, "/admin/reset", {"cache": "keep"})
 
 
-async def _events(fleets: Sequence[Fleet], event: SlowEvent, time_scale: float) -> None:
+async def _events(
+    fleets: Sequence[Fleet], event: SlowEvent, start_at: float, time_scale: float
+) -> None:
     """Slow one replica of every fleet at the same moment, and recover it."""
-    await asyncio.sleep(event.start * time_scale)
+    await asyncio.sleep(max(0.0, start_at + event.start * time_scale - time.time()))
     for fleet in fleets:
         await _admin(fleet.replicas[event.replica].url, "/admin/slow", {"factor": event.factor})
-    await asyncio.sleep((event.end - event.start) * time_scale)
+    await asyncio.sleep(max(0.0, start_at + event.end * time_scale - time.time()))
     for fleet in fleets:
         await _admin(fleet.replicas[event.replica].url, "/admin/slow", {"factor": 1.0})
 
 
-async def _replay_all(
+def _replay_process(
+    workload: Workload,
+    url: str,
+    replicas: list[tuple[str, str]],
+    start_at: float,
+    time_scale: float,
+    deadline: float,
+) -> RunResult:
+    """One fleet's replay, in a process of its own, from the wall-clock moment `start_at`.
+
+    A load generator is Python too: one process for every fleet would make it the
+    bottleneck of all of them on a busy machine. One process per fleet, started at the same
+    instant, keeps the fleets independent and the comparison fair.
+    """
+
+    async def run() -> RunResult:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await replay(
+            workload,
+            url,
+            model=MODEL,
+            time_scale=time_scale,
+            replicas=replicas,
+            deadline=deadline,
+            sample_interval=1.0,
+        )
+
+    return asyncio.run(run())
+
+
+def _replay_all(
     fleets: Sequence[Fleet], workload: Workload, scenario: Scenario, config: SuiteConfig
 ) -> dict[str, RunResult]:
     scale = config.sim.time_scale
-    runs = [
-        replay(
-            workload,
-            fleet.url,
-            model=MODEL,
-            time_scale=scale,
-            replicas=[(r.id, r.url) for r in fleet.replicas],
-            deadline=config.deadline,
-            sample_interval=1.0,
-        )
-        for fleet in fleets
-    ]
-    event = None
-    if scenario.event is not None:
-        event = asyncio.create_task(_events(fleets, scenario.event, scale))
-    results = await asyncio.gather(*runs)
-    if event is not None:
-        event.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await event
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(len(fleets), mp_context=context) as pool:
+        # Children import the bench modules first; start every replay together after that.
+        start_at = time.time() + 5.0
+        futures = [
+            pool.submit(
+                _replay_process,
+                workload,
+                fleet.url,
+                [(r.id, r.url) for r in fleet.replicas],
+                start_at,
+                scale,
+                config.deadline,
+            )
+            for fleet in fleets
+        ]
+        if scenario.event is not None:
+            asyncio.run(_events(fleets, scenario.event, start_at, scale))
+        results = [future.result() for future in futures]
     return {fleet.policy.key: run for fleet, run in zip(fleets, results, strict=True)}
 
 
@@ -416,6 +455,12 @@ def measure(
         )
     }
     makespan = summary["makespan_s"] or 0.0
+    ttft_count = sum(m.get("vllm:time_to_first_token_seconds_count", 0.0) for m in metrics.values())
+    ttft_sum = sum(m.get("vllm:time_to_first_token_seconds_sum", 0.0) for m in metrics.values())
+    # The engines' own mean TTFT: the client's minus this is the harness (HTTP, Envoy, a busy
+    # machine), the same for every policy of the run.
+    out["engine_ttft_mean"] = ttft_sum / ttft_count if ttft_count else None
+    out["ttft_mean"] = statistics.fmean(r.ttft for r in ok if r.ttft is not None) if ok else None
     out["goodput_per_s"] = good / makespan if makespan else None
     out["goodput_share"] = good / len(run.results) if run.results else None
     out["hit_vs_oracle"] = (summary["hit_rate"] or 0.0) / oracle if oracle else None
@@ -581,7 +626,7 @@ def _run_once(
             await asyncio.gather(*(_prepare(f, scenario, config.sim, prompts) for f in fleets))
 
         asyncio.run(prepare())
-        return asyncio.run(_replay_all(fleets, workload, scenario, config))
+        return _replay_all(fleets, workload, scenario, config)
     finally:
         for agent in agents:
             agent.stop()
@@ -596,7 +641,8 @@ def _line(m: dict[str, Any]) -> str:
         f"E2E p99 {f(m['latency_p99'], '{:.2f}')} s, {f(m['requests_per_s'], '{:.2f}')} req/s, "
         f"goodput {f(m['goodput_share'], '{:.1%}')}, hit {f(m['hit_rate'], '{:.1%}')}, "
         f"load max/mean {f(m['load_max_over_mean'], '{:.2f}')}, moved {m['moved']}, "
-        f"errors {m['errors']}"
+        f"errors {m['errors']}, mean TTFT {f(m['ttft_mean'], '{:.3f}')} s "
+        f"(engines {f(m['engine_ttft_mean'], '{:.3f}')} s)"
     )
     slow = m.get("slow")
     if slow:
