@@ -44,6 +44,11 @@ class RequestResult:
     error: str = ""
     answer_matches: bool = False
     """The streamed text equals the workload's predicted answer."""
+    engine_ttft: float | None = None
+    """Time to first token as the simulated engine measured it, from the request's arrival
+    at the replica (simulated seconds); None from servers that do not report it."""
+    engine_latency: float | None = None
+    """The same for the last token."""
 
     @property
     def ok(self) -> bool:
@@ -122,6 +127,10 @@ async def _one_turn(
                         if result.ttft is None:
                             result.ttft = (time.monotonic() - sent) / time_scale
                         pieces.append(piece)
+                timing = chunk.get("engine_timing")
+                if timing:
+                    result.engine_ttft = timing.get("ttft")
+                    result.engine_latency = timing.get("e2e")
                 usage = chunk.get("usage")
                 if usage:
                     result.prompt_tokens = int(usage.get("prompt_tokens", 0))

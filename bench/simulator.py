@@ -150,6 +150,7 @@ class SimSequence:
     hit_tokens: int = 0
     allocation: Allocation | None = None
     first_token_at: float | None = None
+    finished_at: float | None = None
     finished: bool = False
     error: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -340,6 +341,7 @@ class Engine:
                 self.running.remove(seq)
                 self._release(seq)
                 seq.finished = True
+                seq.finished_at = now
                 self.finished += 1
                 self.generation_tokens += seq.generated
                 seq.changed.set()
@@ -502,6 +504,17 @@ async def completion_response(
             "prompt_tokens_details": {"cached_tokens": seq.hit_tokens},
         }
 
+    def engine_timing() -> dict[str, float | None]:
+        """The request as the engine saw it, in simulated seconds from its arrival at the
+        replica: what a routing policy changes (queueing, prefill, batch), without the HTTP
+        path of the load generator, which a busy machine slows for every policy alike."""
+        scale = engine.config.time_scale
+
+        def since_arrival(at: float | None) -> float | None:
+            return None if at is None else (at - seq.arrival) / scale
+
+        return {"ttft": since_arrival(seq.first_token_at), "e2e": since_arrival(seq.finished_at)}
+
     if not payload.get("stream"):
         try:
             while not seq.finished:
@@ -581,6 +594,7 @@ async def completion_response(
                     "choices": [],
                     "usage": usage(),
                     "backend": backend_id,
+                    "engine_timing": engine_timing(),
                 }
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"

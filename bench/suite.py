@@ -140,7 +140,7 @@ SUITE_POLICIES: tuple[SuitePolicy, ...] = (
 def _chat(**overrides: Any) -> WorkloadConfig:
     base = WorkloadConfig(
         kind="multiturn",
-        duration=40.0,
+        duration=30.0,
         system_prompts=(1000, 2000, 3000, 4000),
         question_median=100,
         answer_median=200,
@@ -175,9 +175,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "slowdown",
-        "one replica 3x slower from 12 s to 32 s, then recovered",
+        "one replica 3x slower from 10 s to 25 s, then recovered",
         _chat(),
-        event=SlowEvent(replica=0, factor=3.0, start=12.0, end=32.0),
+        event=SlowEvent(replica=0, factor=3.0, start=10.0, end=25.0),
     ),
     Scenario("bursty", "chat at 75%, bursty arrivals", _chat(arrival="bursty")),
 )
@@ -199,10 +199,9 @@ class SuiteConfig:
     out_dir: Path = Path("bench/results")
 
 
-SUITE_TIME_SCALE = 1.0
-"""Wall-clock seconds per simulated second. Several fleets at once cost several times the CPU
-of one; in real time the harness's own Python work stays small against the simulated steps
-on a shared 2-core machine."""
+SUITE_TIME_SCALE = 0.5
+"""Wall-clock seconds per simulated second: engine steps of 10 ms and more in wall time, so
+several fleets of simulated engines keep their schedule on a shared 2-core machine."""
 
 
 def default_suite(short: bool = False) -> SuiteConfig:
@@ -214,13 +213,17 @@ def default_suite(short: bool = False) -> SuiteConfig:
     sim = replace(default_config().sim, stream_interval=1.0, time_scale=SUITE_TIME_SCALE)
     if not short:
         return SuiteConfig(sim=sim)
-    quick = {"duration": 8.0, "max_turns": 3, "think_mean": 1.0, "answer_median": 60}
     scenarios = tuple(
-        replace(s, workload=replace(s.workload, **quick))
+        replace(
+            s,
+            workload=replace(
+                s.workload, duration=6.0, max_turns=3, think_mean=1.0, answer_median=60
+            ),
+        )
         for s in SCENARIOS
-        if s.key in ("chat", "hetero")
+        if s.key == "hetero"
     )
-    return SuiteConfig(sim=sim, scenarios=scenarios, seeds=(1,), deadline=60.0)
+    return SuiteConfig(sim=sim, scenarios=scenarios, seeds=(1,), deadline=90.0)
 
 
 # --------------------------------------------------------------------------- the stack
@@ -430,8 +433,18 @@ def measure(
 ) -> dict[str, Any]:
     """The suite's numbers for one policy in one run (times in simulated seconds)."""
     summary = summarize(run, metrics)
+    client = {"ttft_p50": summary["ttft_p50"], "ttft_p99": summary["ttft_p99"]}
     ok = [r for r in run.results if r.ok]
-    good = sum(1 for r in ok if r.ttft is not None and r.ttft <= slo)
+    # Times as the engines measured them (see `engine_timing` in bench.simulator): several
+    # fleets at once on a shared machine slow the Python HTTP path by seconds, equally for
+    # every policy, and that would drown what routing changes. The client's are kept too.
+    ttft = {id(r): r.engine_ttft if r.engine_ttft is not None else r.ttft for r in ok}
+    latency = [r.engine_latency if r.engine_latency is not None else r.latency for r in ok]
+    ttfts = [t for t in ttft.values() if t is not None]
+    summary["ttft_p50"] = percentile(ttfts, 50)
+    summary["ttft_p99"] = percentile(ttfts, 99)
+    summary["latency_p99"] = percentile([t for t in latency if t is not None], 99)
+    good = sum(1 for t in ttfts if t <= slo)
     rows = classify([r.to_json() for r in run.results])
     later = [r for r in rows if int(r["turn"]) > 0]
     moved = sum(1 for r in later if r["kind"] == "moved")
@@ -460,7 +473,9 @@ def measure(
     # The engines' own mean TTFT: the client's minus this is the harness (HTTP, Envoy, a busy
     # machine), the same for every policy of the run.
     out["engine_ttft_mean"] = ttft_sum / ttft_count if ttft_count else None
-    out["ttft_mean"] = statistics.fmean(r.ttft for r in ok if r.ttft is not None) if ok else None
+    out["ttft_mean"] = statistics.fmean(ttfts) if ttfts else None
+    out["client_ttft_p50"] = client["ttft_p50"]
+    out["client_ttft_p99"] = client["ttft_p99"]
     out["goodput_per_s"] = good / makespan if makespan else None
     out["goodput_share"] = good / len(run.results) if run.results else None
     out["hit_vs_oracle"] = (summary["hit_rate"] or 0.0) / oracle if oracle else None
@@ -471,7 +486,10 @@ def measure(
         slowed = f"{policy}-{event.replica}"
 
         def window(start: float, end: float) -> list[Any]:
-            return [r for r in ok if start <= r.start < end and r.ttft is not None]
+            return [r for r in ok if start <= r.start < end and ttft[id(r)] is not None]
+
+        def p99(start: float, end: float) -> float | None:
+            return percentile([t for r in window(start, end) if (t := ttft[id(r)]) is not None], 99)
 
         def new_share(start: float, end: float) -> float | None:
             first = [r for r in window(start, end) if r.turn == 0]
@@ -641,8 +659,8 @@ def _line(m: dict[str, Any]) -> str:
         f"E2E p99 {f(m['latency_p99'], '{:.2f}')} s, {f(m['requests_per_s'], '{:.2f}')} req/s, "
         f"goodput {f(m['goodput_share'], '{:.1%}')}, hit {f(m['hit_rate'], '{:.1%}')}, "
         f"load max/mean {f(m['load_max_over_mean'], '{:.2f}')}, moved {m['moved']}, "
-        f"errors {m['errors']}, mean TTFT {f(m['ttft_mean'], '{:.3f}')} s "
-        f"(engines {f(m['engine_ttft_mean'], '{:.3f}')} s)"
+        f"errors {m['errors']}; at the client TTFT p50 {f(m['client_ttft_p50'], '{:.3f}')} "
+        f"p99 {f(m['client_ttft_p99'], '{:.3f}')} s"
     )
     slow = m.get("slow")
     if slow:

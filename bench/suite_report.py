@@ -266,9 +266,9 @@ def markdown(
             "| scenario | target | met | measured |",
             "|---|---|---|---|",
         ]
-        for scenario, claim, met, measured in check:
+        for key, claim, met, measured in check:
             mark = "n/a" if met is None else ("met" if met else "NOT met")
-            lines.append(f"| {scenario} | {claim} | {mark} | {measured} |")
+            lines.append(f"| {key} | {claim} | {mark} | {measured} |")
     return "\n".join(lines) + "\n"
 
 
