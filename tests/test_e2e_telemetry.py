@@ -275,7 +275,7 @@ async def test_stale_telemetry_falls_back_to_the_static_weight(
     labels = f'endpoint="127.0.0.1:{ports[1]}",pool="sim"'
 
     async def compiled() -> bool:
-        return metric(setup.kvpilot.api_url, "kvpilot_telemetry_age_seconds", held) >= 59
+        return metric(setup.kvpilot.api_url, "kvpilot_telemetry_age_seconds", labels) >= 59
 
     await poll(compiled, 10, "kvpilot to read the old record")
     # The rebuild that read it decided neutral (a fresh record of 20 waiting would give 10).
