@@ -140,7 +140,7 @@ SUITE_POLICIES: tuple[SuitePolicy, ...] = (
 def _chat(**overrides: Any) -> WorkloadConfig:
     base = WorkloadConfig(
         kind="multiturn",
-        duration=30.0,
+        duration=20.0,
         system_prompts=(1000, 2000, 3000, 4000),
         question_median=100,
         answer_median=200,
@@ -175,9 +175,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "slowdown",
-        "one replica 3x slower from 10 s to 25 s, then recovered",
+        "one replica 3x slower from 4 s to 14 s, then recovered",
         _chat(),
-        event=SlowEvent(replica=0, factor=3.0, start=10.0, end=25.0),
+        event=SlowEvent(replica=0, factor=3.0, start=4.0, end=14.0),
     ),
     Scenario("bursty", "chat at 75%, bursty arrivals", _chat(arrival="bursty")),
 )
@@ -502,7 +502,7 @@ def measure(
             "new_share_before": new_share(0, event.start),
             "new_share_first_5s": new_share(event.start, event.start + 5.0),
             "new_share_after_5s": new_share(event.start + 5.0, event.end),
-            "new_share_recovered": new_share(event.end + 5.0, float("inf")),
+            "new_share_recovered": new_share(event.end, float("inf")),
         }
     out["per_request"] = [r.to_json() for r in run.results]
     return out
