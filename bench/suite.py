@@ -467,7 +467,15 @@ def measure(
             "wall_seconds",
         )
     }
-    makespan = summary["makespan_s"] or 0.0
+    # Completed requests per second, from the first request sent to the last token as the
+    # engines timed it: the client's last receipt would add the harness's delays.
+    ends = [
+        r.start + (r.engine_latency if r.engine_latency is not None else r.latency or 0.0)
+        for r in ok
+    ]
+    makespan = max(ends) - min(r.start for r in ok) if ok else 0.0
+    out["makespan_s"] = makespan
+    out["requests_per_s"] = len(ok) / makespan if makespan else None
     ttft_count = sum(m.get("vllm:time_to_first_token_seconds_count", 0.0) for m in metrics.values())
     ttft_sum = sum(m.get("vllm:time_to_first_token_seconds_sum", 0.0) for m in metrics.values())
     # The engines' own mean TTFT: the client's minus this is the harness (HTTP, Envoy, a busy

@@ -3,6 +3,7 @@ issue's targets checked on the recommended policy, a JSON file and every request
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -313,3 +314,64 @@ def write_suite_report(
         },
     )
     return report
+
+
+def rerender(report_json: Path, slo_ttft: float | None = None) -> Path:
+    """Write a run's report again from its JSON and requests files (with another goodput
+    objective if given): for reading a finished run in another way without running it again.
+    Recomputes the request-level numbers; the replicas' counters come from the JSON."""
+    from bench.simulator import SimConfig
+    from bench.suite import SCENARIOS, SUITE_POLICIES
+
+    data = json.loads(report_json.read_text())
+    requests = json.loads(report_json.with_name(report_json.stem + "-requests.json").read_text())
+    raw = data["config"]
+    slo = raw["slo_ttft"] if slo_ttft is None else slo_ttft
+    scenarios = {s.key: s for s in SCENARIOS}
+    config = SuiteConfig(
+        replicas=raw["replicas"],
+        sim=SimConfig(**raw["sim"]),
+        scenarios=tuple(scenarios[key] for key in data["results"]),
+        policies=tuple(raw["policies"]),
+        seeds=tuple(raw["seeds"]),
+        slo_ttft=slo,
+        out_dir=report_json.parent,
+    )
+    results: dict[str, dict[str, Runs]] = data["results"]
+    for scenario, by_policy in results.items():
+        for policy, runs in by_policy.items():
+            for measured, per_request in zip(runs, requests[scenario][policy], strict=True):
+                measured.update(_request_numbers(per_request, slo))
+                measured["per_request"] = per_request
+    policies = [p for p in SUITE_POLICIES if p.key in config.policies]
+    return write_suite_report(config, policies, data["workloads"], results)
+
+
+def _request_numbers(per_request: list[dict[str, Any]], slo: float) -> dict[str, Any]:
+    """Completed req/s and goodput from one run's requests, as `bench.suite.measure`."""
+    ok = [r for r in per_request if r["status"] == 200 and not r["error"]]
+    if not ok:
+        return {}
+
+    def engine(r: dict[str, Any], key: str) -> float:
+        value = r.get(f"engine_{key}")
+        return float(value if value is not None else r[key] or 0.0)
+
+    makespan = max(r["start"] + engine(r, "latency") for r in ok) - min(r["start"] for r in ok)
+    good = sum(1 for r in ok if engine(r, "ttft") <= slo)
+    return {
+        "makespan_s": makespan,
+        "requests_per_s": len(ok) / makespan if makespan else None,
+        "goodput_per_s": good / makespan if makespan else None,
+        "goodput_share": good / len(per_request),
+    }
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=rerender.__doc__)
+    parser.add_argument("report_json", type=Path)
+    parser.add_argument("--slo", type=float, default=None, help="TTFT objective, seconds")
+    args = parser.parse_args()
+    print(rerender(args.report_json, args.slo))
