@@ -521,6 +521,8 @@ def measure(
 
 def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
     """Run every scenario with every seed; returns the Markdown report's path."""
+    from bench.suite_report import write_suite_report
+
     policies = [p for p in SUITE_POLICIES if p.key in config.policies]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     workloads: dict[str, list[dict[str, Any]]] = {}
@@ -552,8 +554,11 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
             exits.enter_context(backends.start())
             fleets.append(Fleet(policy, backends, free_port()))
         number = 0
-        for scenario in config.scenarios:
-            for seed in config.seeds:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        # Seed by seed, every scenario each time, and the report rewritten after every run:
+        # a run stopped early still reports every scenario.
+        for seed in config.seeds:
+            for scenario in config.scenarios:
                 number += 1
                 workload, calibration = _calibrate(config, scenario, seed)
                 prompts = workload.system_prompts()
@@ -582,9 +587,8 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                         measured
                     )
                     _say(f"   {fleet.policy.key:>14}: {_line(measured)}")
-    from bench.suite_report import write_suite_report
-
-    return write_suite_report(config, policies, workloads, results)
+                write_suite_report(config, policies, workloads, results, stamp)
+    return write_suite_report(config, policies, workloads, results, stamp)
 
 
 def _calibrate(

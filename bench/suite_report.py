@@ -278,11 +278,13 @@ def write_suite_report(
     policies: Sequence[SuitePolicy],
     workloads: dict[str, list[dict[str, Any]]],
     results: dict[str, dict[str, Runs]],
+    stamp: str | None = None,
 ) -> Path:
-    """Write scenarios-<time>.md, .json and -requests.json under the output directory."""
+    """Write scenarios-<stamp>.md, .json and -requests.json under the output directory (the
+    stamp is the time by default)."""
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
     report = out_dir / f"scenarios-{stamp}.md"
     report.write_text(markdown(config, policies, workloads, results))
     slim = {
