@@ -168,7 +168,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("overload", "chat at 110% (overload)", _chat(), load=1.10),
     Scenario(
         "hetero",
-        "heterogeneous: 2 of 8 at half speed, 1 with half the KV cache",
+        "heterogeneous: 2 replicas at half speed, 1 with half the KV cache",
         _chat(),
         slow=(2.0, 2.0),
         kv=(1.0, 1.0, 0.5),
@@ -205,7 +205,8 @@ several fleets of simulated engines keep their schedule on a shared 2-core machi
 
 
 def default_suite(short: bool = False) -> SuiteConfig:
-    """`make bench`'s suite, or a smoke run (one seed, two short scenarios) with `short`."""
+    """`make bench`'s suite, or with `short` a smoke run: one seed of a short heterogeneous
+    scenario on 4 replicas per policy."""
     from bench.routing import default_config
 
     # One chunk per second of wall time per stream is enough for the suite's numbers (the
@@ -223,7 +224,7 @@ def default_suite(short: bool = False) -> SuiteConfig:
         for s in SCENARIOS
         if s.key == "hetero"
     )
-    return SuiteConfig(sim=sim, scenarios=scenarios, seeds=(1,), deadline=90.0)
+    return SuiteConfig(replicas=4, sim=sim, scenarios=scenarios, seeds=(1,), deadline=90.0)
 
 
 # --------------------------------------------------------------------------- the stack

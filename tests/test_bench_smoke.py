@@ -24,7 +24,7 @@ def test_short_scenario_suite_writes_a_well_formed_report(tmp_path: Path) -> Non
         cwd=repo_root(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=420,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reports = list(out.glob("scenarios-*.md"))
@@ -32,7 +32,7 @@ def test_short_scenario_suite_writes_a_well_formed_report(tmp_path: Path) -> Non
     assert f"report: {reports[0]}" in done.stdout
     text = reports[0].read_text()
     for line in (
-        "## heterogeneous: 2 of 8 at half speed, 1 with half the KV cache (`hetero`)",
+        "## heterogeneous: 2 replicas at half speed, 1 with half the KV cache (`hetero`)",
         "| round robin |",
         "| affinity + bounded load |",
         "| kvpilot: affinity + telemetry |",
