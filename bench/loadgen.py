@@ -191,6 +191,8 @@ class RunResult:
     samples: list[LoadSample]
     wall_seconds: float
     timed_out: bool
+    late: float = 0.0
+    """Wall-clock seconds the replay began after the moment it was meant to."""
 
 
 async def replay(

@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import json
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -382,7 +383,8 @@ def _replay_process(
 
     async def run() -> RunResult:
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        return await replay(
+        late = time.time() - start_at
+        result = await replay(
             workload,
             url,
             model=MODEL,
@@ -391,33 +393,58 @@ def _replay_process(
             deadline=deadline,
             sample_interval=1.0,
         )
+        result.late = late
+        return result
 
     return asyncio.run(run())
 
 
+def _ready(seconds: float) -> int:
+    """A task that holds one worker for a moment: once one has run per worker, every worker
+    process has started and imported the bench."""
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def start_workers(count: int) -> concurrent.futures.ProcessPoolExecutor:
+    """The load generators' processes, started and warm before any replay: a process that
+    is still importing when its replay should begin would start its fleet late."""
+    pool = concurrent.futures.ProcessPoolExecutor(
+        count, mp_context=multiprocessing.get_context("spawn")
+    )
+    pids = set(pool.map(_ready, [0.5] * count))
+    while len(pids) < count:
+        pids |= set(pool.map(_ready, [0.5] * count))
+    return pool
+
+
 def _replay_all(
-    fleets: Sequence[Fleet], workload: Workload, scenario: Scenario, config: SuiteConfig
+    pool: concurrent.futures.ProcessPoolExecutor,
+    fleets: Sequence[Fleet],
+    workload: Workload,
+    scenario: Scenario,
+    config: SuiteConfig,
 ) -> dict[str, RunResult]:
     scale = config.sim.time_scale
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(len(fleets), mp_context=context) as pool:
-        # Children import the bench modules first; start every replay together after that.
-        start_at = time.time() + 5.0
-        futures = [
-            pool.submit(
-                _replay_process,
-                workload,
-                fleet.url,
-                [(r.id, r.url) for r in fleet.replicas],
-                start_at,
-                scale,
-                config.deadline,
-            )
-            for fleet in fleets
-        ]
-        if scenario.event is not None:
-            asyncio.run(_events(fleets, scenario.event, start_at, scale))
-        results = [future.result() for future in futures]
+    start_at = time.time() + 2.0
+    futures = [
+        pool.submit(
+            _replay_process,
+            workload,
+            fleet.url,
+            [(r.id, r.url) for r in fleet.replicas],
+            start_at,
+            scale,
+            config.deadline,
+        )
+        for fleet in fleets
+    ]
+    if scenario.event is not None:
+        asyncio.run(_events(fleets, scenario.event, start_at, scale))
+    results = [future.result() for future in futures]
+    for fleet, run in zip(fleets, results, strict=True):
+        if run.late > 0.5:
+            _say(f"   warning: {fleet.policy.key}'s load generator started {run.late:.1f}s late")
     return {fleet.policy.key: run for fleet, run in zip(fleets, results, strict=True)}
 
 
@@ -554,6 +581,7 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
             )
             exits.enter_context(backends.start())
             fleets.append(Fleet(policy, backends, free_port()))
+        pool = exits.enter_context(start_workers(len(fleets)))
         number = 0
         stamp = time.strftime("%Y%m%d-%H%M%S")
         # Seed by seed, every scenario each time, and the report rewritten after every run:
@@ -572,7 +600,7 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                     f"requests, oracle hit rate {oracle:.1%}"
                 )
                 runs = _run_once(
-                    local, client, fleets, scenario, workload, config, number, state_dir
+                    pool, local, client, fleets, scenario, workload, config, number, state_dir
                 )
                 for fleet in fleets:
                     measured = measure(
@@ -610,6 +638,7 @@ def _calibrate(
 
 
 def _run_once(
+    pool: concurrent.futures.ProcessPoolExecutor,
     local: Any,
     client: KvpilotClient,
     fleets: Sequence[Fleet],
@@ -626,8 +655,8 @@ def _run_once(
         fleet.pool = f"run{number}-{fleet.policy.key.replace('_', '-')}"
         client.put(_pool_body(fleet))
         client.put(_policy_body(fleet))
-    for pool in old:
-        client.delete("pools", pool)
+    for name in old:
+        client.delete("pools", name)
     agents: list[ManagedProcess] = []
     try:
         for fleet in fleets:
@@ -657,7 +686,7 @@ def _run_once(
             await asyncio.gather(*(_prepare(f, scenario, config.sim, prompts) for f in fleets))
 
         asyncio.run(prepare())
-        return _replay_all(fleets, workload, scenario, config)
+        return _replay_all(pool, fleets, workload, scenario, config)
     finally:
         for agent in agents:
             agent.stop()
