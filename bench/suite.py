@@ -354,16 +354,15 @@ async def _prepare(fleet: Fleet, scenario: Scenario, sim: SimConfig, prompts: li
         await _admin(replica.url, "/admin/reset", {"cache": "keep"})
 
 
-async def _events(
-    fleets: Sequence[Fleet], event: SlowEvent, start_at: float, time_scale: float
-) -> None:
-    """Slow one replica of every fleet at the same moment, and recover it."""
-    await asyncio.sleep(max(0.0, start_at + event.start * time_scale - time.time()))
-    for fleet in fleets:
-        await _admin(fleet.replicas[event.replica].url, "/admin/slow", {"factor": event.factor})
-    await asyncio.sleep(max(0.0, start_at + event.end * time_scale - time.time()))
-    for fleet in fleets:
-        await _admin(fleet.replicas[event.replica].url, "/admin/slow", {"factor": 1.0})
+async def _events(event: SlowEvent, replicas: Sequence[tuple[str, str]], scale: float) -> None:
+    """Slow one replica of a fleet from ``event.start`` to ``event.end``, and recover it."""
+    url = replicas[event.replica][1]
+    await asyncio.sleep(event.start * scale)
+    await _admin(url, "/admin/slow", {"factor": event.factor})
+    try:
+        await asyncio.sleep((event.end - event.start) * scale)
+    finally:
+        await _admin(url, "/admin/slow", {"factor": 1.0})
 
 
 def _replay_process(
@@ -373,6 +372,7 @@ def _replay_process(
     start_at: float,
     time_scale: float,
     deadline: float,
+    event: SlowEvent | None,
 ) -> RunResult:
     """One fleet's replay, in a process of its own, from the wall-clock moment `start_at`.
 
@@ -384,6 +384,10 @@ def _replay_process(
     async def run() -> RunResult:
         await asyncio.sleep(max(0.0, start_at - time.time()))
         late = time.time() - start_at
+        # The slowdown runs in the replay's own loop, so it keeps to the replay's clock.
+        slowing = None
+        if event is not None:
+            slowing = asyncio.create_task(_events(event, replicas, time_scale))
         result = await replay(
             workload,
             url,
@@ -394,6 +398,9 @@ def _replay_process(
             sample_interval=1.0,
         )
         result.late = late
+        if slowing is not None:
+            slowing.cancel()
+            await asyncio.gather(slowing, return_exceptions=True)
         return result
 
     return asyncio.run(run())
@@ -401,7 +408,15 @@ def _replay_process(
 
 def _ready(seconds: float) -> int:
     """A task that holds one worker for a moment: once one has run per worker, every worker
-    process has started and imported the bench."""
+    process has started and imported the bench, including what httpx imports only when a
+    client is first made (seconds on a loaded machine, which would delay the first requests
+    behind the replay's schedule)."""
+
+    async def client() -> None:
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport()):
+            pass
+
+    asyncio.run(client())
     time.sleep(seconds)
     return os.getpid()
 
@@ -436,11 +451,10 @@ def _replay_all(
             start_at,
             scale,
             config.deadline,
+            scenario.event,
         )
         for fleet in fleets
     ]
-    if scenario.event is not None:
-        asyncio.run(_events(fleets, scenario.event, start_at, scale))
     results = [future.result() for future in futures]
     for fleet, run in zip(fleets, results, strict=True):
         if run.late > 0.5:
