@@ -42,6 +42,7 @@ from typing import Any
 
 import httpx
 
+from api.client import KvpilotClient
 from bench.analysis import classify
 from bench.backend import BackendProcess, ReplicaInfo
 from bench.loadgen import RunResult, parse_metrics, replay
@@ -56,7 +57,6 @@ from bench.routing import (
 )
 from bench.simulator import SimConfig
 from bench.workload import Workload, WorkloadConfig, oracle_hit_rate
-from controlplane.client import KvpilotClient
 from controlplane.launchers import ManagedProcess, free_port, local_stack
 
 
