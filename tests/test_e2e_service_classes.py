@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from routing_harness import ADMIN, Rig, chat, policy, pool
+from routing_harness import ADMIN, Rig, chat, policy, pool, send
 from util import wait_until
 
 from controlplane.etcd import EtcdClient
@@ -27,6 +27,12 @@ pytestmark = pytest.mark.e2e
 
 CLUSTER = "svc/chat"
 BATCH = {"x-priority": "batch"}
+STANDARD = {"x-priority": "standard"}
+SPILL_ROUTE = {
+    "name": "spill",
+    "match": {"headers": [{"name": "x-spill", "value": "1"}]},
+    "tiers": [["spill"]],
+}
 
 
 @pytest.fixture
@@ -37,13 +43,15 @@ def rig(etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any) -> Iterator[
         yield Rig(kvpilot, envoy, api, free_port())
 
 
-def classes(**batch: Any) -> dict[str, Any]:
+def classes(*middle: dict[str, Any], **batch: Any) -> dict[str, Any]:
+    """Interactive (the default, never restricted), then `middle`, then batch."""
     return {
         "tenantHeader": "x-tenant-id",
-        # One step sheds the whole batch class; a fast cadence keeps the test short.
+        # One step restricts a whole class; a fast cadence keeps the test short.
         "saturation": {"step": 100, "shedInterval": "200ms", "recoverInterval": "1s"},
         "classes": [
             {"name": "interactive", "objective": {"ttft": "1s"}},
+            *middle,
             {
                 "name": "batch",
                 "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
@@ -54,9 +62,11 @@ def classes(**batch: Any) -> dict[str, Any]:
     }
 
 
-def classified(rig: Rig, service_classes: dict[str, Any]) -> dict[str, Any]:
-    """Policy `svc`: one route to pool `sims`, with these service classes."""
-    body = policy("svc", rig.listener_port, [{"name": "chat", "tiers": [["sims"]]}])
+def classified(
+    rig: Rig, service_classes: dict[str, Any], *routes: dict[str, Any]
+) -> dict[str, Any]:
+    """Policy `svc`: `routes`, then route `chat` to pool `sims`, with these classes."""
+    body = policy("svc", rig.listener_port, [*routes, {"name": "chat", "tiers": [["sims"]]}])
     body["spec"]["serviceClasses"] = service_classes
     return body
 
@@ -87,17 +97,28 @@ def test_a_saturated_pool_sheds_batch_first_and_takes_it_back_when_it_recovers(
 ) -> None:
     replicas = backends(2, id_prefix="svc")
     ports = [r.port for r in replicas.replicas]
+    own = {r.id for r in replicas.replicas}
+    spill = backends(1, id_prefix="spill")
+    standard = {
+        "name": "standard",
+        "match": {"headers": [{"name": "x-priority", "value": "standard"}]},
+        "objective": {"ttft": "5s"},
+        "whenSaturated": "divert",
+        "divertTo": "spill",
+    }
     rig.apply(
         pool("sims", ports, telemetry={"maxAge": "60s"}),
-        classified(rig, classes(whenSaturated="shed", retryAfter="7s")),
+        pool("spill", [spill.replicas[0].port]),
+        classified(rig, classes(standard, whenSaturated="shed", retryAfter="7s"), SPILL_ROUTE),
     )
     rig.wait_ready(CLUSTER, ports)
     client = httpx.Client(timeout=10)
     put_telemetry(etcd, etcd_prefix, ports, waiting=0)
 
-    # The fleet has room: nothing is shed.
+    # The fleet has room: nothing is shed or diverted.
     wait_until(lambda: status(client, rig, BATCH) == 200, 30, message="batch served")
     assert [status(client, rig, BATCH) for _ in range(10)] == [200] * 10
+    assert {replica for _, replica in send(client, rig.url(), 5, headers=STANDARD)} <= own
 
     # Saturated (mean queue 20 against a bound of 4): batch is shed, interactive passes.
     before = rig.envoy.stats()
@@ -127,13 +148,30 @@ def test_a_saturated_pool_sheds_batch_first_and_takes_it_back_when_it_recovers(
     assert isinstance(admitted, int) and admitted >= 10
     print(f"telemetry write to first shed request: {took:.2f}s")
 
-    # Recovered: batch is admitted again, after the recovery interval.
+    # Still saturated: the next class up, standard, is diverted to the spill route's pool.
+    spilled = spill.replicas[0].id
+    wait_until(
+        lambda: send(client, rig.url(), 1, headers=STANDARD)[0][1] == spilled,
+        30,
+        message="standard to be diverted",
+    )
+    assert send(client, rig.url(), 5, headers=STANDARD) == [(200, spilled)] * 5
+    assert [status(client, rig) for _ in range(5)] == [200] * 5
+    diverted = rig.envoy.stats()["vhost.svc.route.chat.standard.diverted.upstream_rq_completed"]
+    assert isinstance(diverted, int) and diverted >= 6
+
+    # Recovered: standard comes back first, then batch, a recovery interval apart.
     put_telemetry(etcd, etcd_prefix, ports, waiting=0)
+    wait_until(
+        lambda: send(client, rig.url(), 1, headers=STANDARD)[0][1] in own,
+        30,
+        message="standard to be served by its own pool again",
+    )
     wait_until(lambda: status(client, rig, BATCH) == 200, 30, message="batch to be readmitted")
     assert [status(client, rig, BATCH) for _ in range(10)] == [200] * 10
     metrics = httpx.get(f"{rig.kvpilot.api_url}/metrics", timeout=5).text
-    assert 'kvpilot_admission_changes_total{direction="restrict",route="svc/chat"} 1.0' in metrics
-    assert 'kvpilot_admission_changes_total{direction="readmit",route="svc/chat"} 1.0' in metrics
+    assert 'kvpilot_admission_changes_total{direction="restrict",route="svc/chat"} 2.0' in metrics
+    assert 'kvpilot_admission_changes_total{direction="readmit",route="svc/chat"} 2.0' in metrics
 
 
 def test_a_tenant_over_its_share_of_the_class_budget_is_limited_while_others_pass(
