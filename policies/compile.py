@@ -27,6 +27,7 @@ from typing import Any
 
 from policies.admission import AdmissionDecision, decide, pool_pressure
 from policies.models import (
+    ClassQueue,
     Endpoint,
     Fleet,
     FleetSpec,
@@ -54,6 +55,8 @@ from policies.weights import WeightDecision, WeightParams, pool_weights
 
 LOCAL_SUFFIX = "/local"
 """Suffix of the replicas' cluster of a route whose aggregate cluster also has providers."""
+QUEUE_INFIX = "/queue/"
+"""Between a route's cluster name and a class name: the cluster that queues that class."""
 SPLIT_SCALE = 100
 """Resolution of a split: a pool's endpoints share ``pool weight x SPLIT_SCALE`` weight units."""
 
@@ -91,6 +94,11 @@ class PolicyState:
 def cluster_name(policy: str, route: str) -> str:
     """The Envoy cluster of one route."""
     return f"{policy}/{route}"
+
+
+def queue_cluster_name(route_cluster: str, service_class: str) -> str:
+    """The cluster whose circuit breakers queue one class of one route."""
+    return f"{route_cluster}{QUEUE_INFIX}{service_class}"
 
 
 def listener_name(port: int) -> str:
@@ -200,6 +208,11 @@ def _plan_classes(
         if divert == route.name:
             # A route cannot divert to itself: this class is what it takes in.
             action, divert = "admit", None
+        target = cluster_name(policy.metadata.name, divert) if divert else ""
+        if action == "queue":
+            target = queue_cluster_name(
+                cluster_name(policy.metadata.name, route.name), service_class.name
+            )
         return PlanClass(
             name=service_class.name,
             headers=()
@@ -209,7 +222,7 @@ def _plan_classes(
             action=action,
             admitted=decision.share(service_class.name) if action != "admit" else 1.0,
             retry_after=max(1, math.ceil(service_class.retry_after)),
-            divert_cluster=cluster_name(policy.metadata.name, divert) if divert else "",
+            divert_cluster=target,
             budget=service_class.budget,
         )
 
@@ -417,13 +430,20 @@ def _compile_route(
         if policy.spec.service_classes is not None
         else "",
     )
+    classes = policy.spec.service_classes
+    queues = tuple(
+        (queue_cluster_name(name, c.name), c.queue or ClassQueue())
+        for c in (classes.queued if classes is not None else [])
+    )
     if not providers:
-        return [_cluster(name, route, spec, endpoints)], plan_route
+        return [_cluster(name, route, spec, endpoints, queues=queues)], plan_route
     members: list[str] = []
     clusters: list[PlanCluster] = []
     if local:
         local_name = name + LOCAL_SUFFIX
-        clusters.append(_cluster(local_name, route, spec, endpoints, eds_service=name))
+        clusters.append(
+            _cluster(local_name, route, spec, endpoints, eds_service=name, queues=queues)
+        )
         members.append(local_name)
     for pool in providers:
         provider = _provider_cluster(f"{name}/provider/{pool.metadata.name}", route, pool, state)

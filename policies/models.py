@@ -458,7 +458,7 @@ class RateLimit(Model):
 # Service classes
 # --------------------------------------------------------------------------------------------
 
-ClassAction = Literal["admit", "shed", "divert"]
+ClassAction = Literal["admit", "shed", "queue", "divert"]
 
 
 class ClassMatch(Model):
@@ -509,6 +509,29 @@ class ClassBudget(Model):
     )
 
 
+class ClassQueue(Model):
+    """Where a queued class waits: in each Envoy, at most ``concurrency`` of its requests at
+    the pool at once and ``size`` more waiting for one of those places (Envoy's circuit
+    breakers on a cluster of the class's own); past that Envoy answers 503 at once."""
+
+    concurrency: int = Field(
+        8,
+        ge=1,
+        le=100_000,
+        description="Requests of the class in flight to the pool at once, per Envoy: a "
+        "connection limit, since with http1 each request holds a connection of its own. Envoy "
+        "lets each worker thread open one connection past the limit, so the bound is at "
+        "least the number of workers. Default: 8.",
+    )
+    size: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="Requests that wait in each Envoy for a place; more overflow with 503. "
+        "Default: 1000.",
+    )
+
+
 class ServiceClass(Model):
     """A class of traffic with an objective and what to do when the fleet cannot meet it.
 
@@ -529,8 +552,9 @@ class ServiceClass(Model):
         "admit",
         description="What Envoy does with the class's requests while the pool is saturated: "
         "admit (keep serving, queueing at the replicas), shed (answer 429 with Retry-After, "
-        "in OpenAI's error format) or divert (send them to the route named by divertTo, "
-        "for example a lower tier or an external provider). Default: admit.",
+        "in OpenAI's error format), queue (hold them in Envoy, see queue) or divert (send "
+        "them to the route named by divertTo, for example a lower tier or an external "
+        "provider). Default: admit.",
     )
     retry_after: Duration = Field(
         10.0,
@@ -542,12 +566,19 @@ class ServiceClass(Model):
         description="Route of this policy that takes diverted requests (whenSaturated: "
         "divert). Default: none.",
     )
+    queue: ClassQueue | None = Field(
+        None,
+        description="Bounds of the queue in Envoy (whenSaturated: queue). Default: "
+        "concurrency 8, size 1000.",
+    )
     budget: ClassBudget | None = Field(
         None, description="Request budget of the class, fair among tenants. Default: none."
     )
 
     @model_validator(mode="after")
     def _check(self) -> ServiceClass:
+        if self.queue is not None and self.when_saturated != "queue":
+            raise ValueError("queue applies only with whenSaturated 'queue'")
         if self.when_saturated == "divert" and self.divert_to is None:
             raise ValueError("whenSaturated 'divert' needs divertTo: the route that takes them")
         if self.divert_to is not None and self.when_saturated != "divert":
@@ -630,6 +661,11 @@ class ServiceClasses(Model):
     def names(self) -> list[str]:
         """Class names, most important first."""
         return [service_class.name for service_class in self.classes]
+
+    @property
+    def queued(self) -> list[ServiceClass]:
+        """The classes that wait in Envoy when restricted."""
+        return [c for c in self.classes if c.when_saturated == "queue"]
 
     @property
     def default(self) -> str:

@@ -19,6 +19,7 @@ from policies.models import (
     CircuitBreakers,
     ClassAction,
     ClassBudget,
+    ClassQueue,
     EndpointHealth,
     HealthCheck,
     OutlierDetection,
@@ -78,6 +79,9 @@ class PlanCluster:
     """Name of the ClusterLoadAssignment an ``eds`` cluster reads (default: its own name)."""
     members: tuple[str, ...] = ()
     """Clusters of an ``aggregate``, highest priority first."""
+    queues: tuple[tuple[str, ClassQueue], ...] = ()
+    """Twins of an ``eds`` cluster (same endpoints, same EDS resource) whose circuit breakers
+    hold queued service classes: (twin cluster name, bounds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +99,7 @@ class PlanClass:
     retry_after: int
     """Seconds, for the Retry-After of shed requests."""
     divert_cluster: str = ""
-    """Cluster that takes diverted requests (``action: divert``)."""
+    """Cluster that takes diverted requests (``action: divert``) or queues them (``queue``)."""
     budget: ClassBudget | None = None
 
     @property

@@ -10,8 +10,10 @@ compiles admission, pushes RDS, Envoy sheds per request).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -198,3 +200,49 @@ def test_a_tenant_over_its_share_of_the_class_budget_is_limited_while_others_pas
     # The class budget is spent: a third tenant is refused too; interactive is not limited.
     assert batch("third") == 429
     assert [status(client, rig) for _ in range(5)] == [200] * 5
+
+
+def test_a_queued_class_waits_in_envoy_within_its_bounds(
+    etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any, gated: Any, etcd: EmbeddedEtcd
+) -> None:
+    kvpilot = kvpilot_factory(etcd_prefix)
+    # One worker thread: Envoy lets each worker open a connection even past the limit, so
+    # with more workers the concurrency bound is at least their number.
+    envoy = envoy_factory(xds_port=kvpilot.xds_port, extra_args=["--concurrency", "1"])
+    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
+    rig = Rig(kvpilot, envoy, api, free_port())
+    replica = gated(1, id_prefix="q")
+    ports = list(replica.ports.values())
+    background = {
+        "name": "background",
+        "match": {"headers": [{"name": "x-priority", "value": "background"}]},
+        "objective": {"ttft": "30s"},
+        "whenSaturated": "queue",
+        "queue": {"concurrency": 1, "size": 1},
+    }
+    service_classes = classes(background)
+    rig.apply(pool("sims", ports, telemetry={"maxAge": "60s"}), classified(rig, service_classes))
+    rig.wait_ready(CLUSTER, ports)
+    client = httpx.Client(timeout=30)
+    wait_until(lambda: status(client, rig) == 200, 30, message="the route to serve")
+    put_telemetry(etcd, etcd_prefix, ports, waiting=20)
+    wait_until(
+        lambda: "@background/queue" in json.dumps(rig.envoy.config_dump()),
+        30,
+        message="background to be queued in Envoy",
+    )
+    # One background request at the replica, one waiting in Envoy, the third turned away.
+    replica.set_gate(False)
+    headers = {"x-priority": "background"}
+    with ThreadPoolExecutor(3) as pool_:
+        first = pool_.submit(client.post, rig.url(), json=chat(), headers=headers)
+        wait_until(lambda: sum(replica.in_flight().values()) == 1, 30, message="one held")
+        second = pool_.submit(client.post, rig.url(), json=chat(), headers=headers)
+        queue = "cluster.svc/chat/queue/background.upstream_rq_pending_active"
+        wait_until(lambda: rig.envoy.stats().get(queue) == 1, 30, message="one waiting")
+        overflow = client.post(rig.url(), json=chat(), headers=headers)
+        assert overflow.status_code == 503
+        assert "overflow" in overflow.json()["error"]["code"]
+        assert sum(replica.in_flight().values()) == 1  # the queue held the second one
+        replica.set_gate(True)
+        assert [first.result().status_code, second.result().status_code] == [200, 200]

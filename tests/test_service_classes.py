@@ -76,9 +76,14 @@ BATCH = {"name": "batch", "objective": {"ttft": "60s"}, "whenSaturated": "shed"}
             "low must be below high",
         ),
         (
-            _policy({"classes": [{**BATCH, "whenSaturated": "queue"}]}),
+            _policy({"classes": [{**BATCH, "whenSaturated": "drop"}]}),
             "spec.serviceClasses.classes[0].whenSaturated",
-            "'admit', 'shed' or 'divert'",
+            "'admit', 'shed', 'queue' or 'divert'",
+        ),
+        (
+            _policy({"classes": [{**BATCH, "queue": {"concurrency": 2}}]}),
+            "spec.serviceClasses.classes[0]",
+            "queue applies only with whenSaturated 'queue'",
         ),
     ],
 )
@@ -159,7 +164,7 @@ def test_a_saturated_pool_becomes_shed_and_divert_entries_that_envoy_accepts(
         "10.0.6.11:8000": TelemetryRecord(at=0.0, waiting=12),
     }
     previous: dict[str, AdmissionDecision] = {}
-    for second in range(6):
+    for second in range(6):  # 6 steps: all of batch, then half of background
         state = PolicyState.from_objects(
             objects,
             telemetry={
@@ -172,7 +177,8 @@ def test_a_saturated_pool_becomes_shed_and_divert_entries_that_envoy_accepts(
         previous = dict(plan.admission)
     assert dict(previous["classes/chat"].admitted or {}) == {
         "interactive": 1.0,
-        "standard": 0.5,
+        "standard": 1.0,
+        "background": 0.5,
         "batch": 0.0,
     }
     resources = translate(plan.fleets[0])
@@ -184,10 +190,16 @@ def test_a_saturated_pool_becomes_shed_and_divert_entries_that_envoy_accepts(
     assert [h.string_match.safe_regex.regex for h in shed.match.headers][-1] == (
         "^(nightly\\-etl|evals)$"
     )
-    divert = entries["classes/chat#0@standard/divert"]
-    assert divert.route.cluster == "classes/spill"
-    assert divert.match.runtime_fraction.default_value.numerator == 500_000
-    assert divert.stat_prefix == "chat.standard.diverted"
+    queued = entries["classes/chat#0@background/queue"]
+    assert queued.route.cluster == "classes/chat/queue/background"
+    assert queued.match.runtime_fraction.default_value.numerator == 500_000
+    assert queued.stat_prefix == "chat.background.queued"
+    held = {c.name: c for c in resources.clusters}["classes/chat/queue/background"]
+    assert held.eds_cluster_config.service_name == "classes/chat"  # the route's endpoints
+    limits = held.circuit_breakers.thresholds[0]
+    assert (limits.max_connections.value, limits.max_pending_requests.value) == (4, 200)
+    # Standard is not restricted yet: it is more important than background.
+    assert "classes/chat#0@standard/divert" not in entries
     # Interactive requests, the fallback class, are never restricted.
     assert not any(
         name.startswith("classes/chat#0@interactive/") and "shed" in name for name in entries

@@ -238,12 +238,23 @@ def _restricted_entry(
             runtime_key=f"kvpilot.admission.{route.name.replace('/', '.')}.{plan_class.name}",
         )
     )
-    if plan_class.action == "divert":
-        diverted = replace(route, cluster=plan_class.divert_cluster, host_rewrite=True)
-        entry = _route_entry(
-            diverted, f"{name}/divert", restricted, affinity=None, body_limit=body_limit
+    if plan_class.action in ("divert", "queue"):
+        # Diverted: another route's cluster; queued: this route's cluster twin whose circuit
+        # breakers hold the class in Envoy.
+        elsewhere = replace(
+            route,
+            cluster=plan_class.divert_cluster,
+            host_rewrite=route.host_rewrite or plan_class.action == "divert",
         )
-        entry.stat_prefix = f"{route.short_name}.{plan_class.name}.diverted"
+        verb = "diverted" if plan_class.action == "divert" else "queued"
+        entry = _route_entry(
+            elsewhere,
+            f"{name}/{plan_class.action}",
+            restricted,
+            affinity=None,
+            body_limit=body_limit,
+        )
+        entry.stat_prefix = f"{route.short_name}.{plan_class.name}.{verb}"
         return entry
     # Envoy's own status for a shed request; the listener's local-reply mapper turns it into
     # a 429 with an OpenAI error body, so a shed reply is never mistaken for a rate limit's.
