@@ -222,7 +222,7 @@ def _plan_classes(
             action=action,
             admitted=decision.share(service_class.name) if action != "admit" else 1.0,
             retry_after=max(1, math.ceil(service_class.retry_after)),
-            divert_cluster=target,
+            target_cluster=target,
             budget=service_class.budget,
         )
 

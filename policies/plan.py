@@ -98,7 +98,7 @@ class PlanClass:
     """Share of the class's requests Envoy admits, 0 to 1; the rest are shed or diverted."""
     retry_after: int
     """Seconds, for the Retry-After of shed requests."""
-    divert_cluster: str = ""
+    target_cluster: str = ""
     """Cluster that takes diverted requests (``action: divert``) or queues them (``queue``)."""
     budget: ClassBudget | None = None
 

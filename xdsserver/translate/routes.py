@@ -243,7 +243,7 @@ def _restricted_entry(
         # breakers hold the class in Envoy.
         elsewhere = replace(
             route,
-            cluster=plan_class.divert_cluster,
+            cluster=plan_class.target_cluster,
             host_rewrite=route.host_rewrite or plan_class.action == "divert",
         )
         verb = "diverted" if plan_class.action == "divert" else "queued"
