@@ -50,7 +50,6 @@ from bench.routing import (
     _pool_body,
     _probe,
     _replica_metrics,
-    _wait,
     _warm,
     calibrate,
     percentile,
@@ -58,6 +57,7 @@ from bench.routing import (
 )
 from bench.routing import default_config as routing_config
 from bench.workload import Session, Workload, WorkloadConfig
+from controlplane.launchers import wait_until
 
 INTERACTIVE, BATCH = "interactive", "batch"
 TENANTS = ("evals", "nightly-etl", "backfill")
@@ -235,8 +235,10 @@ def _apply(stack: Stack, policy: Policy, config: ClassesConfig) -> None:
         body["spec"]["serviceClasses"] = config.service_classes
     stack.put(body)
     classified = policy.key == "classes"
-    _wait(lambda: _policy_live(stack, policy), 60, f"Envoy to serve {policy.key}")
-    _wait(lambda: _classes_in_envoy(stack) == classified, 60, f"Envoy's routes for {policy.key}")
+    wait_until(lambda: _policy_live(stack, policy), 60, f"Envoy to serve {policy.key}")
+    wait_until(
+        lambda: _classes_in_envoy(stack) == classified, 60, f"Envoy's routes for {policy.key}"
+    )
 
 
 def _classes_in_envoy(stack: Stack) -> bool:
@@ -291,12 +293,12 @@ def run_one(
     sim = config.routing.sim
     print(f"\n== {policy.title}: {workload.requests} requests", flush=True)
     _apply(stack, policy, config)
-    _wait(lambda: _probe(stack), 30, "a request through Envoy")
-    _wait(lambda: _idle(stack), 120, "the replicas to go idle")
+    wait_until(lambda: _probe(stack), 30, "a request through Envoy")
+    wait_until(lambda: _idle(stack), 120, "the replicas to go idle")
     stack.backends.reset()
     prompts = workload.system_prompts()
     asyncio.run(_warm(stack, prompts))
-    _wait(lambda: _idle(stack), 60, "the replicas to go idle after warming")
+    wait_until(lambda: _idle(stack), 60, "the replicas to go idle after warming")
     stack.backends.reset(keep_cache=True)
     with AdmissionSampler(stack.kvpilot.api_url, sim.time_scale) as sampler:
         run = asyncio.run(
