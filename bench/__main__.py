@@ -4,6 +4,7 @@
                     [--policies a,b] [--state-dir DIR]
     python -m bench routing [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
+    python -m bench classes [--short] [--out DIR] [--state-dir DIR]
 
 `scenarios` (the default) runs every routing policy side by side, at the same time, on its
 own simulated fleet behind one real Envoy, in the scenarios where live telemetry has to pay
@@ -16,7 +17,8 @@ real Envoy configured by kvpilot under several routing policies and writes a Mar
 a JSON file, every request's measurements and PNG plots under ``bench/results/``; it prints
 the report's path. Policies: round_robin, least_request, affinity, affinity_telemetry, orca,
 docs_round_robin, docs_prefix; and on request affinity_125 and affinity_200, bounded-load
-sensitivity checks.
+sensitivity checks. `classes` overloads 8 replicas with batch work on top of interactive chat
+and compares round robin, affinity alone and affinity with service classes.
 """
 
 from __future__ import annotations
@@ -97,6 +99,19 @@ def _controlplane(args: argparse.Namespace) -> int:
     return 0
 
 
+def _classes(args: argparse.Namespace) -> int:
+    from bench.classes import default_config as classes_config
+    from bench.classes import run_classes
+
+    config = classes_config(short=args.short)
+    if args.out is not None:
+        config = replace(config, out_dir=args.out)
+    report = run_classes(config, state_dir=args.state_dir)
+    print(f"\nreport: {report}")
+    print(f"json:   {report.with_suffix('.json')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
@@ -124,11 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     controlplane.add_argument("--short", action="store_true", help="a smoke run (seconds)")
     controlplane.add_argument("--out", type=Path, default=None, help="output directory")
     controlplane.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    classes = sub.add_parser(
+        "classes", help="service classes: interactive chat while batch overloads the fleet"
+    )
+    classes.add_argument("--short", action="store_true", help="a smoke run (about a minute)")
+    classes.add_argument("--out", type=Path, default=None, help="output directory")
+    classes.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     args = parser.parse_args(argv)
     if args.command == "controlplane":
         return _controlplane(args)
     if args.command == "routing":
         return _routing(args)
+    if args.command == "classes":
+        return _classes(args)
     return _scenarios(args)
 
 

@@ -24,6 +24,7 @@ from policies import (
     jsondoc,
     parse_object,
 )
+from policies.admission import AdmissionDecision
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision
 
@@ -106,6 +107,7 @@ class DecodedState:
         self,
         *,
         previous_weights: Mapping[str, Mapping[str, WeightDecision]] | None = None,
+        previous_admission: Mapping[str, AdmissionDecision] | None = None,
         now: float = 0.0,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool."""
@@ -122,5 +124,6 @@ class DecodedState:
             registered=registered,
             telemetry=telemetry,
             previous_weights=previous_weights or {},
+            previous_admission=previous_admission or {},
             now=now,
         )
