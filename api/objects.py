@@ -63,7 +63,8 @@ def _parse_if_match(value: str | None) -> int | str | None:
     if text == "*":
         return "*"
     text = text.removeprefix("W/").strip('"')
-    if not text.isdigit():
+    # etcd revisions are int64: a longer number is no ETag kvpilot ever sent.
+    if not text.isdigit() or len(text) > 19 or int(text) >= 2**63:
         raise ApiError(
             400,
             f"If-Match {value!r} is not a kvpilot ETag: send the ETag header of a GET, "
