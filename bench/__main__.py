@@ -59,7 +59,8 @@ def _routing(args: argparse.Namespace) -> int:
 
 
 def _scenarios(args: argparse.Namespace) -> int:
-    from bench.suite import SUITE_POLICIES, default_suite, run_suite
+    from bench.scenarios import SUITE_POLICIES, default_suite
+    from bench.suite import run_suite
 
     config = default_suite(short=args.short)
     if args.out is not None:
