@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -28,8 +28,24 @@ from pydantic.json_schema import models_json_schema
 
 from api.auth import AuthConfig, Principal, require
 from api.preview import preview, snapshot_json
-from controlplane.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFoundError
+from controlplane.election import leader_key
+from controlplane.etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdUnavailable,
+    KeyValue,
+    LeaseNotFoundError,
+)
 from controlplane.reconcile import Reconciler
+from controlplane.rollouts import (
+    COMMANDS,
+    LEADER_JOB,
+    allowed,
+    command_key,
+    rollout_states,
+    state_key,
+    summary,
+)
 from controlplane.store import (
     AlreadyExists,
     InvalidName,
@@ -40,6 +56,7 @@ from controlplane.store import (
     StoredObject,
     UnknownKind,
     decode_json,
+    encode_json,
 )
 from policies import (
     KIND_PATHS,
@@ -50,8 +67,10 @@ from policies import (
     PolicyObject,
     PolicyState,
     Pool,
+    Rollout,
     parse_object,
 )
+from policies.rollout import reference_errors
 from policies.validate import field_errors, field_path
 from xdsserver.status import ConnectionRegistry
 
@@ -100,6 +119,9 @@ class ApiContext:
     envoy_records: Callable[[], list[dict[str, Any]]] | None = None
     """The Envoy status records every replica publishes to etcd
     (`controlplane.envoystatus`): with them /v1/status lists the Envoys of all replicas."""
+    items: Callable[[], Mapping[str, KeyValue]] | None = None
+    """The daemon's etcd mirror (relative key -> value): rollout progress and data-plane
+    signals are read from it."""
 
 
 class WeightChange(BaseModel):
@@ -225,6 +247,18 @@ async def _current_objects(
     return objects, registered
 
 
+async def _check_references(store: Store, obj: PolicyObject) -> None:
+    """A Rollout must name a policy, route, tier and pools that exist (422 otherwise); other
+    kinds may refer to objects created later, and compile reports what is missing."""
+    if not isinstance(obj, Rollout):
+        return
+    objects, _ = await _current_objects(store)
+    objects[(obj.kind, obj.metadata.name)] = obj
+    errors = reference_errors(obj, PolicyState.from_objects(objects.values()))
+    if errors:
+        raise PolicyError(errors)
+
+
 async def _dry_run(
     store: Store, kind: str, name: str, replacement: PolicyObject | None
 ) -> dict[str, Any]:
@@ -285,6 +319,7 @@ def create_app(context: ApiContext) -> FastAPI:
     for kind, path in KIND_PATHS.items():
         _add_object_routes(app, context, kind, path)
     _add_endpoint_routes(app, context)
+    _add_rollout_routes(app, context)
     _add_status_routes(app, context)
     _install_openapi(app)
     return app
@@ -390,6 +425,7 @@ def _add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) 
 
     async def create_object(request: Request, _: Admin, dry_run: DryRun = False) -> JSONResponse:
         obj = _parse_for_kind(await _json_body(request), kind)
+        await _check_references(store, obj)
         name = obj.metadata.name
         if dry_run:
             if await store.get(kind, name) is not None:
@@ -417,6 +453,7 @@ def _add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) 
                     )
                 ]
             )
+        await _check_references(store, obj)
         expected = await _expected_revision(store, kind, name, if_match)
         if dry_run:
             if expected is not None:
@@ -710,6 +747,9 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
             "ready": reconciler.ready,
             "envoys": _envoys(context),
             "invalidObjects": [dataclasses.asdict(e) for e in reconciler.errors.values()],
+            "replica": context.replica_id,
+            "rolloutDriver": _rollout_driver(context),
+            "rollouts": _rollout_summaries(context),
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
             "lastBuild": {
                 "revision": build.revision,
@@ -721,6 +761,82 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "fleets": build.fleets,
             },
         }
+
+
+def _rollout_driver(context: ApiContext) -> str | None:
+    """The replica that holds the rollouts leader key now."""
+    if context.items is None:
+        return None
+    kv = context.items().get(leader_key(LEADER_JOB))
+    body = decode_json(kv) if kv is not None else None
+    replica = body.get("replica") if body else None
+    return replica if isinstance(replica, str) else None
+
+
+def _rollout_summaries(context: ApiContext) -> list[dict[str, Any]]:
+    if context.items is None:
+        return []
+    items = context.items()
+    return [summary(items, rollout, state) for rollout, state in rollout_states(items).values()]
+
+
+def _add_rollout_routes(app: FastAPI, context: ApiContext) -> None:
+    store = context.store
+    tags: list[str | Any] = ["rollouts"]
+
+    async def rollout_and_state(name: str) -> tuple[Rollout, dict[str, Any] | None, int]:
+        stored = await store.get("Rollout", name)
+        if stored is None:
+            raise ApiError(404, f"Rollout {name!r} does not exist")
+        try:
+            rollout = _parse_for_kind(stored.body, "Rollout")
+        except PolicyError as error:
+            raise ApiError(409, f"Rollout {name!r} in etcd is invalid ({error}); fix it") from None
+        assert isinstance(rollout, Rollout)
+        kv = await store.client.get(store.keys.absolute(state_key(name)))
+        state = decode_json(kv) if kv is not None else None
+        if state is not None and state.get("object") != stored.created_revision:
+            state = None
+        return rollout, state, stored.created_revision
+
+    @app.get(
+        "/v1/rollouts/{name}/status",
+        tags=tags,
+        operation_id="rollout_status",
+        summary="A rollout's phase, step, weights, live verdict and its recorded history",
+    )
+    async def rollout_status(name: ObjectName, _: Reader) -> dict[str, Any]:
+        rollout, state, _created = await rollout_and_state(name)
+        items = context.items() if context.items is not None else {}
+        return {**summary(items, rollout, state), "history": (state or {}).get("history", [])}
+
+    @app.post(
+        "/v1/rollouts/{name}/{command}",
+        tags=tags,
+        operation_id="rollout_command",
+        summary="pause, resume, abort (back to the start weights) or promote (to the last "
+        "step at once); the driving replica applies it within a tick",
+        status_code=202,
+        responses={404: {"description": "No such rollout."}, 409: {"description": "Not now."}},
+    )
+    async def rollout_command(
+        name: ObjectName,
+        command: Annotated[str, Path(description="pause, resume, abort or promote.")],
+        principal: Admin,
+    ) -> JSONResponse:
+        if command not in COMMANDS:
+            raise ApiError(404, f"unknown rollout command {command!r}; use {', '.join(COMMANDS)}")
+        _rollout, state, _created = await rollout_and_state(name)
+        phase = (state or {}).get("phase")
+        problem = allowed(command, phase)
+        if problem is not None or state is None:
+            raise ApiError(409, problem or f"Rollout {name!r} has not started yet; retry shortly")
+        await store.client.put(
+            store.keys.absolute(command_key(name)),
+            encode_json({"command": command, "at": time.time(), "by": principal.name}),
+        )
+        log.info("rollout %s: %s requested by %s", name, command, principal.name)
+        return JSONResponse({"rollout": name, "command": command, "phase": phase}, status_code=202)
 
 
 def _envoys(context: ApiContext) -> list[dict[str, Any]]:

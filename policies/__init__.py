@@ -9,6 +9,7 @@ from policies.models import (
     Fleet,
     PolicyObject,
     Pool,
+    Rollout,
     RoutingPolicy,
 )
 from policies.plan import DEFAULT_FLEET, Diagnostic, FleetPlan, RoutingPlan
@@ -28,6 +29,7 @@ __all__ = [
     "PolicyObject",
     "PolicyState",
     "Pool",
+    "Rollout",
     "RoutingPlan",
     "RoutingPolicy",
     "cluster_name",
