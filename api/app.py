@@ -38,7 +38,6 @@ from controlplane.etcd import (
 )
 from controlplane.reconcile import Reconciler
 from controlplane.rollouts import (
-    COMMANDS,
     LEADER_JOB,
     allowed,
     command_key,
@@ -70,7 +69,7 @@ from policies import (
     Rollout,
     parse_object,
 )
-from policies.rollout import reference_errors
+from policies.rollout import COMMANDS, reference_errors
 from policies.validate import field_errors, field_path
 from xdsserver.status import ConnectionRegistry
 

@@ -18,8 +18,8 @@ from typing import Any, TextIO
 import yaml
 
 from controlplane.client import DEFAULT_SERVER, ClientError, KvpilotClient, kind_name
-from controlplane.rollouts import COMMANDS, TERMINAL
 from policies import PolicyError, PolicyObject, PolicyState, decode_documents, parse_object
+from policies.rollout import COMMANDS, TERMINAL
 
 
 class CliError(Exception):

@@ -39,6 +39,9 @@ from controlplane.signals import collect
 from controlplane.store import STATUS, Keys, decode_json, encode_json
 from policies import PolicyError, PolicyState, Rollout, RoutingPolicy, parse_object
 from policies.rollout import (
+    COMMANDS,
+    PHASES,
+    TERMINAL,
     PoolSignals,
     Verdict,
     evaluate,
@@ -52,8 +55,6 @@ log = logging.getLogger(__name__)
 ROLLOUT_STATE_PREFIX = f"{STATUS}/rollouts/"
 ROLLOUT_COMMAND_PREFIX = f"{STATUS}/rollout-commands/"
 LEADER_JOB = "rollouts"
-COMMANDS = ("pause", "resume", "abort", "promote")
-TERMINAL = ("Succeeded", "RolledBack", "Aborted", "Failed")
 HISTORY_LIMIT = 200
 
 
@@ -193,8 +194,6 @@ def rollout_states(
 class RolloutCollector(Collector):
     """Prometheus gauges of every rollout's phase and step, read from the etcd mirror."""
 
-    PHASES = ("Pending", "Progressing", "Paused", *TERMINAL)
-
     def __init__(self, items: Any) -> None:
         self._items = items
 
@@ -214,7 +213,7 @@ class RolloutCollector(Collector):
         )
         for name, (rollout, state) in rollout_states(self._items()).items():
             current = (state or {}).get("phase") or "Pending"
-            for value in self.PHASES:
+            for value in PHASES:
                 phase.add_metric([name, value], 1.0 if value == current else 0.0)
             if state:
                 index = min(int(state.get("step", 0)), len(rollout.spec.steps) - 1)

@@ -30,6 +30,12 @@ BUCKET_BOUNDS: tuple[float, ...] = tuple(0.0005 * 1.2**k for k in range(80))
 """Upper bounds of the latency buckets, in seconds: 0.5 ms to about 1,000 s, each 20% wider
 than the one before. A value above the last bound counts in an overflow bucket."""
 
+COMMANDS = ("pause", "resume", "abort", "promote")
+"""What a person can ask of a running rollout (REST ``POST /v1/rollouts/{name}/{command}``)."""
+PHASES = ("Pending", "Progressing", "Paused", "Succeeded", "RolledBack", "Aborted", "Failed")
+"""A rollout's phases; the last four are final."""
+TERMINAL = PHASES[3:]
+
 ERROR_RATE_SLACK = 0.01
 """An errorRate ``maxRatio`` allows this much on top of the stable rate times the ratio, so a
 stable pool with no errors at all does not turn one canary error into a failure."""

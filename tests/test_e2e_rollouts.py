@@ -409,7 +409,9 @@ def test_another_replica_resumes_when_the_driver_is_killed(
         traffic.stop()
     status = rig.status("resume")
     print(f"took over {took_over:.2f}s after SIGKILL (lease TTL {LEASE_TTL}s)")
-    assert took_over <= LEASE_TTL + 1.0
+    # The lease expires at most a TTL after the last keepalive; etcd checks expiry every
+    # 0.5 s and the survivor polls every TTL / 8.
+    assert took_over <= LEASE_TTL + 2.0
     assert status["phase"] == "Succeeded", status
     steps = step_events(status)
     assert [e["step"] for e in steps] == [0, 1, 2, 3]
