@@ -4,6 +4,10 @@ untouched), the verdict arithmetic, and what a watched route's listener asks Env
 from __future__ import annotations
 
 import copy
+import http.server
+import json
+import threading
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,8 +15,11 @@ import pytest
 from api_harness import Harness, policy, pool, running_api
 
 from controlplane.cli import render_rollout
+from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
-from policies import PolicyState, compile_plan, parse_object
+from controlplane.rollouts import RolloutController
+from controlplane.store import Keys
+from policies import PolicyState, Rollout, compile_plan, parse_object
 from policies.models import AnalysisRule
 from policies.rollout import BUCKET_BOUNDS, PoolSignals, evaluate, quantile
 from xdsserver.translate.listeners import SIGNALS_CLUSTER, translate_listener
@@ -223,3 +230,58 @@ def test_status_draws_a_bar_for_the_current_step() -> None:
     )
     assert ">> step 0: chat=95% next=5% [" + "#" * 15 + "-" * 15 + "]" in text
     assert "canary 3 requests" in text and "errorRate: waiting" in text
+
+
+async def test_query_rules_read_prometheus_with_the_pools_filled_in() -> None:
+    # No Prometheus server here: a stand-in that answers its HTTP query API.
+    seen: list[str] = []
+
+    class PrometheusApi(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["query"][0]
+            seen.append(query)
+            value = "0.25" if "next" in query else "not a number"
+            body = {
+                "status": "success",
+                "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, value]}]},
+            }
+            payload = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PrometheusApi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        body = rollout(
+            analysis={
+                "prometheus": {"url": f"http://127.0.0.1:{server.server_port}"},
+                "rules": [
+                    {"query": 'sum(rate(errors{pool="{canary}"}[{interval}]))', "max": 0.1},
+                    {"query": 'sum(rate(errors{pool="{stable}"}[{interval}]))', "max": 0.1},
+                ],
+            }
+        )
+        parsed = parse_object(body)
+        assert isinstance(parsed, Rollout)
+        controller = RolloutController(EtcdClient(["127.0.0.1:1"]), Keys("/x"), dict, "replica-a")
+        state = {"startWeights": {"chat": 100, "next": 0}, "stepStartedAt": 100.0}
+        values = await controller._queries(parsed, state, now=130.0)
+    finally:
+        server.shutdown()
+    assert seen == ['sum(rate(errors{pool="next"}[30s]))', 'sum(rate(errors{pool="chat"}[30s]))']
+    assert values == {0: 0.25, 1: None}
+    verdict = evaluate(
+        parsed.spec.analysis.rules,
+        min_sample=1,
+        canary=PoolSignals(),
+        stable=PoolSignals(),
+        stable_weight=90,
+        queried=values,
+    )
+    assert [r.outcome for r in verdict.results] == ["fail", "waiting"]
