@@ -2,6 +2,7 @@
 
     python -m bench [routing] [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
+    python -m bench rollout [--short] [--out DIR] [--state-dir DIR]
 
 `routing` (the default) replays LLM workloads (multi-turn chat, shared documents) through a
 real Envoy configured by kvpilot under several routing policies and writes a Markdown report,
@@ -9,6 +10,10 @@ a JSON file, every request's measurements and PNG plots under ``bench/results/``
 the report's path. Policies: round_robin, least_request, affinity, affinity_telemetry, orca,
 docs_round_robin, docs_prefix; and on request affinity_125 and affinity_200, bounded-load
 sensitivity checks.
+
+`rollout` replays multi-turn chat at 70% load against a bad canary twice: under a blind 90/10
+split and under a kvpilot Rollout that watches the data plane; `make bench` runs it after
+`routing`.
 """
 
 from __future__ import annotations
@@ -59,6 +64,16 @@ def _controlplane(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollout(args: argparse.Namespace) -> int:
+    from bench.rollout import default_rollout_config, run_rollout_bench
+
+    config = default_rollout_config(short=args.short)
+    if args.out is not None:
+        config = replace(config, out_dir=args.out)
+    print(f"\nreport: {run_rollout_bench(config, state_dir=args.state_dir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
@@ -79,9 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     controlplane.add_argument("--short", action="store_true", help="a smoke run (seconds)")
     controlplane.add_argument("--out", type=Path, default=None, help="output directory")
     controlplane.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    rollout = sub.add_parser("rollout", help="a bad canary: progressive rollout vs blind split")
+    rollout.add_argument("--short", action="store_true", help="a smoke run")
+    rollout.add_argument("--out", type=Path, default=None, help="output directory")
+    rollout.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     args = parser.parse_args(argv)
     if args.command == "controlplane":
         return _controlplane(args)
+    if args.command == "rollout":
+        return _rollout(args)
     return _routing(args)
 
 
