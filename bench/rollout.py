@@ -40,8 +40,8 @@ from controlplane.launchers import LocalStack, free_port, local_stack
 MODEL = "sim-model"
 CANARY_FAILURE = {"status": 500, "fraction": 0.2}
 STEPS = (10, 25, 50, 100)
-STEP_SECONDS = 15.0
-MIN_SAMPLE = 30
+STEP_SECONDS = 10.0
+MIN_SAMPLE = 10
 
 
 def _say(text: str = "") -> None:
@@ -271,7 +271,7 @@ def run_arm(rig: Rig, workload: Workload, config: BenchConfig, arm: str) -> dict
 
 def default_rollout_config(short: bool = False) -> BenchConfig:
     base = default_config(short=short)
-    workload = replace(base.workload, duration=30.0 if short else 60.0)
+    workload = replace(base.workload, duration=30.0 if short else 150.0)
     return replace(base, workload=workload, target_load=0.7, plots=False)
 
 

@@ -117,7 +117,7 @@ def judge(
 ) -> Verdict:
     """The current step's verdict on the numbers in etcd now."""
     start = state.get("startWeights") or {}
-    step = int(state.get("step", 0))
+    step = min(int(state.get("step", 0)), len(rollout.spec.steps) - 1)
     weights = rollout.spec.step_weights(step)
     canaries = canary_pools(rollout, start)
     pools = step_signals(items, rollout, state)
@@ -361,7 +361,17 @@ class RolloutController:
             return
         if phase != "Progressing":
             return
-        step = int(state["step"])
+        if read.policy is None:
+            await self._finish(
+                rollout,
+                read,
+                "Failed",
+                None,
+                now,
+                f"RoutingPolicy {rollout.spec.target.policy!r} is gone or invalid",
+            )
+            return
+        step = min(int(state["step"]), len(rollout.spec.steps) - 1)
         spec = rollout.spec.steps[step]
         queried = await self._queries(rollout, state, now)
         verdict = judge(self.items(), rollout, state, queried)
@@ -545,7 +555,12 @@ class RolloutController:
         if verdict is not None:
             self._close_step(state, verdict)
             self._event(state, now, "verdict", step=state["step"], **verdict.as_json())
-        event = {"RolledBack": "rollback", "Aborted": "abort", "Succeeded": "succeeded"}[phase]
+        event = {
+            "RolledBack": "rollback",
+            "Aborted": "abort",
+            "Succeeded": "succeeded",
+            "Failed": "failed",
+        }[phase]
         self._event(state, now, event, weights=weights, message=message)
         state.update(phase=phase, message=message, finishedAt=now, driver=self.replica_id)
         if await self._commit(
