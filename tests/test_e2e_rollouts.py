@@ -9,9 +9,9 @@ through etcd; in the healthy-canary and takeover tests across two kvpilot replic
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import itertools
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -24,6 +24,7 @@ from conftest import ADMIN_TOKEN
 from routing_harness import chat, envoy_hosts, pool
 from util import wait_until
 
+from controlplane.cli import main
 from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
 from policies.compile import listener_name
 
@@ -424,22 +425,12 @@ def test_another_replica_resumes_when_the_driver_is_killed(
     assert seen_shares <= {0, *STEPS}, seen_shares
 
 
-def cli(kvpilot: KvpilotProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "controlplane.cli",
-            "--server",
-            kvpilot.api_url,
-            "--token",
-            ADMIN_TOKEN,
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+def cli(kvpilot: KvpilotProcess, *args: str) -> tuple[int, str]:
+    """Run `kvpilot ...` (its parser and commands, in this process) against a replica."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["--server", kvpilot.api_url, "--token", ADMIN_TOKEN, *args])
+    return code, out.getvalue()
 
 
 def test_pause_resume_promote_and_abort_from_cli_and_rest(
@@ -453,8 +444,8 @@ def test_pause_resume_promote_and_abort_from_cli_and_rest(
         rig.wait_phase("manual", ["Progressing"])
         wait_until(lambda: rig.tier_weights() == {"stable": 95, "canary": 5}, 10)
 
-        result = cli(kvpilot, "rollout", "pause", "manual")
-        assert result.returncode == 0, result.stderr
+        code, _ = cli(kvpilot, "rollout", "pause", "manual")
+        assert code == 0
         rig.wait_phase("manual", ["Paused"], timeout=10)
         assert rig.api.post("/v1/rollouts/manual/pause").status_code == 409
 
@@ -468,8 +459,8 @@ def test_pause_resume_promote_and_abort_from_cli_and_rest(
         assert [e["step"] for e in step_events(status)] == [0]
         assert status["step"] == 3
 
-        result = cli(kvpilot, "rollout", "status", "manual")
-        assert result.returncode == 0 and "Succeeded" in result.stdout, result
+        code, text = cli(kvpilot, "rollout", "status", "manual")
+        assert code == 0 and "Succeeded" in text, text
 
         # A second rollout back to the stable pool, aborted over REST: back to its start.
         assert rig.api.delete("/v1/rollouts/manual").status_code == 204
@@ -477,8 +468,8 @@ def test_pause_resume_promote_and_abort_from_cli_and_rest(
         back["spec"]["stable"], back["spec"]["canary"] = "canary", "stable"
         create(rig, back)
         wait_until(lambda: rig.tier_weights() == {"stable": 5, "canary": 95}, 10)
-        result = cli(kvpilot, "rollout", "abort", "back")
-        assert result.returncode == 0, result.stderr
+        code, _ = cli(kvpilot, "rollout", "abort", "back")
+        assert code == 0
         rig.wait_phase("back", ["Aborted"], timeout=10)
         assert rig.tier_weights() == {"stable": 0, "canary": 100}
         assert rig.api.post("/v1/rollouts/back/resume").status_code == 409
