@@ -30,11 +30,11 @@ from typing import Any
 
 import httpx
 
+from api.client import KvpilotClient
 from bench.backend import BackendProcess
 from bench.loadgen import RequestResult, replay
 from bench.routing import BenchConfig, calibrate, default_config, percentile
 from bench.workload import Workload
-from controlplane.client import KvpilotClient
 from controlplane.launchers import LocalStack, free_port, local_stack
 
 MODEL = "sim-model"

@@ -24,7 +24,7 @@ from conftest import ADMIN_TOKEN
 from routing_harness import chat, envoy_hosts, pool
 from util import wait_until
 
-from controlplane.cli import main
+from commands.cli import main
 from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
 from policies.compile import listener_name
 

@@ -15,8 +15,9 @@ from util import poll
 
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
+from controlplane.mirror import StateMirror
 from controlplane.rollouts import RolloutController, state_key
-from controlplane.store import StateMirror, Store, decode_json
+from controlplane.store import Store, decode_json
 
 pytestmark = pytest.mark.e2e
 

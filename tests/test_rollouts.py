@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from api_harness import Harness, policy, pool, running_api
 
-from controlplane.cli import render_rollout
+from commands.cli import render_rollout
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.rollouts import RolloutController

@@ -21,18 +21,19 @@ import grpc
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from api.app import ApiContext, create_app
+from api import ApiContext, create_app
 from api.auth import AuthConfig
 from controlplane.asgi import UvicornServer
 from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
+from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
 from controlplane.rollouts import RolloutController
 from controlplane.rollouts import register_metrics as register_rollout_metrics
 from controlplane.signals import PlanResolver, SignalPublisher
-from controlplane.store import DEFAULT_PREFIX, StateChange, StateMirror, Store
+from controlplane.store import DEFAULT_PREFIX, Store
 from policies import DEFAULT_FLEET
 from xdsserver.server import AdsServer
 from xdsserver.signals import AccessLogServer, SignalBook
@@ -262,7 +263,6 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             connections=connections,
             auth=auth,
             metrics_registry=registry,
-            etcd=client,
             replica_id=config.replica_id,
             envoy_records=lambda: envoy_records(mirror.items),
             items=lambda: mirror.items,
