@@ -10,7 +10,19 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.context import Admin, ApiContext, ApiError, Reader, dump, etag, json_body, parse_for_kind
+from api.context import (
+    Admin,
+    ApiContext,
+    ApiError,
+    EndpointId,
+    PoolName,
+    Reader,
+    dump,
+    etag,
+    json_body,
+    parse_for_kind,
+    read,
+)
 from controlplane.etcd import LeaseNotFoundError
 from controlplane.store import StoredObject
 from policies import Endpoint, PolicyError, Pool
@@ -47,19 +59,24 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         operation_id="list_endpoints",
         summary="Endpoints registered to a pool (not its static ones)",
     )
-    async def list_endpoints(pool: str, _: Reader) -> dict[str, Any]:
-        registrations, revision = await store.endpoints(pool)
+    async def list_endpoints(pool: PoolName, _: Reader) -> JSONResponse:
+        (registrations, revision), headers = await read(
+            context,
+            lambda: store.endpoints(pool),
+            lambda items: (store.endpoints_from(items, pool), context.mirror.revision),  # type: ignore[union-attr]
+        )
         items = [
             {
                 "id": registration.endpoint_id,
                 "endpoint": registration.body,
                 "revision": registration.revision,
                 "lease": registration.lease or None,
-                "ttlSeconds": await store.lease_ttl(registration.lease),
+                # A lease's time left is etcd's to tell; not known from the mirror.
+                "ttlSeconds": None if headers else await store.lease_ttl(registration.lease),
             }
             for registration in registrations
         ]
-        return {"items": items, "revision": revision}
+        return JSONResponse({"items": items, "revision": revision}, headers=headers)
 
     @app.put(
         "/v1/pools/{pool}/endpoints/{endpoint_id}",
@@ -69,8 +86,8 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         openapi_extra=endpoint_doc,
     )
     async def register_endpoint(
-        pool: str,
-        endpoint_id: str,
+        pool: PoolName,
+        endpoint_id: EndpointId,
         request: Request,
         _: Admin,
         ttl: Annotated[
@@ -103,7 +120,7 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         summary="Remove a registered endpoint",
         status_code=204,
     )
-    async def deregister_endpoint(pool: str, endpoint_id: str, _: Admin) -> Response:
+    async def deregister_endpoint(pool: PoolName, endpoint_id: EndpointId, _: Admin) -> Response:
         if not await store.delete_endpoint(pool, endpoint_id):
             raise ApiError(404, f"endpoint {endpoint_id!r} is not registered to pool {pool!r}")
         log.info("deregistered endpoint %s/%s", pool, endpoint_id)
@@ -114,16 +131,30 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         tags=tags,
         operation_id="set_endpoint_weight",
         summary="Change one endpoint's weight (registered, or static as address:port)",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/WeightChange"}}
+                },
+            }
+        },
     )
     async def set_weight(
-        pool: str, endpoint_id: str, change: WeightChange, _: Admin
+        pool: PoolName, endpoint_id: EndpointId, request: Request, _: Admin
     ) -> dict[str, Any]:
+        try:
+            change = WeightChange.model_validate(await json_body(request))
+        except ValidationError as error:
+            raise PolicyError(field_errors(error)) from None
         registration = await store.get_endpoint(pool, endpoint_id)
         if registration is not None:
             current = registration.body
             if current is None:
                 raise ApiError(
-                    500, f"the registration of {endpoint_id!r} is not JSON; re-register it"
+                    409,
+                    f"the registration of {endpoint_id!r} in pool {pool!r} is not a JSON object; "
+                    "register it again (PUT) or DELETE it",
                 )
             try:
                 endpoint = Endpoint.model_validate({**current, "weight": change.weight})

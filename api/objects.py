@@ -12,10 +12,21 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, Path, Query, Request, Response
+from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from api.context import Admin, ApiContext, ApiError, Reader, dump, etag, json_body, parse_for_kind
+from api.context import (
+    Admin,
+    ApiContext,
+    ApiError,
+    ObjectName,
+    Reader,
+    dump,
+    etag,
+    json_body,
+    parse_for_kind,
+    read,
+)
 from api.preview import preview
 from controlplane.decode import DecodedState
 from controlplane.store import ENDPOINTS, OBJECTS, Store, StoredObject
@@ -43,9 +54,6 @@ IfMatch = Annotated[
         "if the object changed since.",
     ),
 ]
-
-
-ObjectName = Annotated[str, Path(description="Object name.")]
 
 
 def _parse_if_match(value: str | None) -> int | str | None:
@@ -120,15 +128,27 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
     }
     tags: list[str | Any] = [path]
 
-    async def list_objects(_: Reader) -> dict[str, Any]:
-        objects, revision = await store.list(kind)
-        return {"items": [obj.body for obj in objects], "revision": revision}
+    async def list_objects(_: Reader) -> JSONResponse:
+        (objects, revision), headers = await read(
+            context,
+            lambda: store.list(kind),
+            lambda items: (store.list_from(items, kind), context.mirror.revision),  # type: ignore[union-attr]
+        )
+        return JSONResponse(
+            {"items": [obj.body for obj in objects], "revision": revision}, headers=headers
+        )
 
     async def get_object(name: ObjectName, _: Reader) -> JSONResponse:
-        stored = await store.get(kind, name)
+        stored, headers = await read(
+            context,
+            lambda: store.get(kind, name),
+            lambda items: store.get_from(items, kind, name),
+        )
         if stored is None:
-            raise ApiError(404, f"{kind} {name!r} does not exist")
-        return _object_response(stored)
+            raise ApiError(404, f"{kind} {name!r} does not exist", headers)
+        response = _object_response(stored)
+        response.headers.update(headers)
+        return response
 
     async def create_object(request: Request, _: Admin, dry_run: DryRun = False) -> JSONResponse:
         obj = parse_for_kind(await json_body(request), kind)

@@ -31,18 +31,18 @@ ObjectName = Annotated[str, Path(description="Rollout name.")]
 
 def rollout_driver(context: ApiContext) -> str | None:
     """The replica that holds the rollouts leader key now."""
-    if context.items is None:
+    if context.mirror is None:
         return None
-    kv = context.items().get(leader_key(LEADER_JOB))
+    kv = context.mirror.items.get(leader_key(LEADER_JOB))
     body = decode_json(kv) if kv is not None else None
     replica = body.get("replica") if body else None
     return replica if isinstance(replica, str) else None
 
 
 def rollout_summaries(context: ApiContext) -> list[dict[str, Any]]:
-    if context.items is None:
+    if context.mirror is None:
         return []
-    items = context.items()
+    items = context.mirror.items
     return [summary(items, rollout, state) for rollout, state in rollout_states(items).values()]
 
 
@@ -73,7 +73,7 @@ def add_rollout_routes(app: FastAPI, context: ApiContext) -> None:
     )
     async def rollout_status(name: ObjectName, _: Reader) -> dict[str, Any]:
         rollout, state, _created = await rollout_and_state(name)
-        items = context.items() if context.items is not None else {}
+        items = context.mirror.items if context.mirror is not None else {}
         return {**summary(items, rollout, state), "history": (state or {}).get("history", [])}
 
     @app.post(

@@ -20,7 +20,8 @@ replicas also take:
 - `POST /admin/slow {"factor": 4}`: every engine step takes 4x longer (1 recovers);
 - `POST /admin/die`: the replica aborts its requests and stops listening (the others go on);
 - `POST /admin/reset`: drop the unreferenced prefix cache and zero the engine's counters
-  (`{"cache": "keep"}` zeroes the counters only, after warming the cache).
+  (`{"cache": "keep"}` zeroes the counters only, after warming the cache; `{"kv_blocks": N}`
+  gives an idle replica an empty KV cache of N blocks).
 
 Run it:  python -m bench.backend --replicas 3 --host 127.0.0.1 --ports 0 --id-prefix be
          [--simulate [--sim-config '{"time_scale": 2.0, "orca": true}']]
@@ -299,9 +300,16 @@ def build_app(replica: Replica) -> Starlette:
             body = await request.json()
         except ValueError:
             body = {}
-        drop_cache = not isinstance(body, dict) or body.get("cache", "drop") != "keep"
+        if not isinstance(body, dict):
+            body = {}
+        drop_cache = body.get("cache", "drop") != "keep"
+        kv_blocks = body.get("kv_blocks")
+        if kv_blocks is not None and (not isinstance(kv_blocks, int) or kv_blocks < 1):
+            return JSONResponse(
+                {"error": "kv_blocks must be a positive integer"}, 400, headers=headers
+            )
         try:
-            result = engine_of(request).reset(drop_cache=drop_cache)
+            result = engine_of(request).reset(drop_cache=drop_cache, kv_blocks=kv_blocks)
         except EngineError as exc:
             return JSONResponse({"error": str(exc)}, exc.status, headers=headers)
         replica.requests.clear()
@@ -531,10 +539,18 @@ class BackendProcess(Launcher):
         """Make one simulated replica abort its requests and stop listening."""
         self._admin(replica_id, "/admin/die", {})
 
-    def reset(self, replica_id: str | None = None, *, keep_cache: bool = False) -> None:
+    def reset(
+        self,
+        replica_id: str | None = None,
+        *,
+        keep_cache: bool = False,
+        kv_blocks: int | None = None,
+    ) -> None:
         """Drop the prefix cache (unless `keep_cache`) and zero the counters of one simulated
-        replica, or all."""
-        body = {"cache": "keep"} if keep_cache else {}
+        replica, or all; `kv_blocks` resizes their (idle) KV cache."""
+        body: dict[str, Any] = {"cache": "keep"} if keep_cache else {}
+        if kv_blocks is not None:
+            body["kv_blocks"] = kv_blocks
         for info in [self.replica(replica_id)] if replica_id else self.replicas:
             self._admin(info.id, "/admin/reset", body)
 

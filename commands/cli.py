@@ -70,7 +70,7 @@ def load_files(paths: Sequence[Path]) -> list[PolicyObject]:
     problems: list[str] = []
     for file in _files(paths):
         try:
-            documents = decode_documents(file.read_text(), source=str(file))
+            documents = decode_documents(file.read_bytes(), source=str(file))
         except PolicyError as error:
             problems.append(str(error))
             continue
@@ -162,6 +162,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         types = {t.get("type"): t for t in envoy.get("types", {}).values()}
         nacks = [
             f"{name}: {t['last_nack']['message']}"
+            + (" (resolved)" if t["last_nack"].get("resolved") else "")
             for name, t in sorted(types.items())
             if t.get("last_nack")
         ]

@@ -265,7 +265,7 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             metrics_registry=registry,
             replica_id=config.replica_id,
             envoy_records=lambda: envoy_records(mirror.items),
-            items=lambda: mirror.items,
+            mirror=mirror,
         )
     )
     api = UvicornServer(

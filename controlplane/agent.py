@@ -41,8 +41,8 @@ from controlplane.etcd import EtcdClient, EtcdError, LeaseKeeper
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies.telemetry import (
     METRIC_MAPS,
+    Counters,
     MetricMap,
-    PrefixCounters,
     TelemetryRecord,
     extract,
     metric_map_for,
@@ -72,7 +72,7 @@ class Target:
     """Batch capacity when the server does not export it (vLLM ``--max-num-seqs``)."""
 
     # Scrape state.
-    counters: PrefixCounters | None = field(default=None, repr=False)
+    counters: Counters | None = field(default=None, repr=False)
     last_written: TelemetryRecord | None = field(default=None, repr=False)
     failures: int = field(default=0, repr=False)
     registered: bool = field(default=False, repr=False)

@@ -11,12 +11,19 @@ records) are not policy state and decode to nothing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from controlplane.store import ENDPOINTS, OBJECTS, TELEMETRY
-from policies import PATH_KINDS, Endpoint, PolicyError, PolicyObject, PolicyState, parse_object
+from policies import (
+    PATH_KINDS,
+    Endpoint,
+    PolicyError,
+    PolicyObject,
+    PolicyState,
+    jsondoc,
+    parse_object,
+)
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision
 
@@ -36,7 +43,7 @@ def decode(key: str, value: bytes) -> Decoded | None:
     section, group, name = parts
     try:
         if section == OBJECTS:
-            obj = parse_object(json.loads(value), source=key)
+            obj = parse_object(jsondoc.loads(value), source=key)
             if PATH_KINDS.get(group) != obj.kind or obj.metadata.name != name:
                 raise PolicyError(
                     [],

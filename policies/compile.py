@@ -340,6 +340,18 @@ def _compile_route(
         rate_limit=route.rate_limit,
         host_rewrite=uses_hostname,
         tiers=len(route.tiers),
+        served_models=tuple(
+            sorted(
+                set(route.match.models)
+                or {
+                    model
+                    for tier in route.tiers
+                    for target in tier.pools
+                    if (pool := state.pools.get(target.pool)) is not None
+                    for model in pool.spec.models
+                }
+            )
+        ),
     )
     if not providers:
         return [_cluster(name, route, spec, endpoints)], plan_route

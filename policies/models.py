@@ -62,14 +62,23 @@ Duration = Annotated[
 """Seconds in Python; ``"5s"``/``"250ms"`` strings or plain seconds on the wire."""
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$"
+NAME_RULE = (
+    "lowercase letters, digits, '-' and '.', at most 63 characters, "
+    "starting and ending with a letter or digit"
+)
 Name = Annotated[
     str,
     Field(
         pattern=NAME_PATTERN,
-        description="Lowercase letters, digits, '-' and '.', at most 63 characters, "
-        "starting and ending with a letter or digit.",
+        description=NAME_RULE[0].upper() + NAME_RULE[1:] + ".",
     ),
 ]
+ENDPOINT_ID_PATTERN = r"^[A-Za-z0-9\[]([-A-Za-z0-9._:\[\]]{0,258}[A-Za-z0-9\]])?$"
+"""A registered endpoint's id: a name, or ``address:port`` (``Endpoint.key``, what agents use)."""
+ENDPOINT_ID_RULE = (
+    "letters, digits, '-', '.', '_', ':', '[' and ']', at most 260 characters: "
+    "a name, or address:port"
+)
 HeaderName = Annotated[str, Field(pattern=r"^[a-z0-9!#$%&'*+.^_`|~-]+$", max_length=128)]
 
 

@@ -93,6 +93,9 @@ class PlanRoute:
     host_rewrite: bool
     """Rewrite the Host header to the chosen endpoint's hostname (providers, hostRewrite)."""
     tiers: int
+    served_models: tuple[str, ...] = ()
+    """What a client may ask this route for (sorted): its ``match.models``, or without them
+    the ``models`` of its pools. Listed by ``GET /v1/models``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,11 @@ class PlanVirtualHost:
     def routes_by_model(self) -> bool:
         """True when some route selects requests by model name."""
         return any(route.models for route in self.routes)
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """Every model a route of this virtual host serves, sorted."""
+        return tuple(sorted({model for route in self.routes for model in route.served_models}))
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,3 +162,29 @@ def test_apply_refuses_invalid_files_before_writing_anything(
         capsys, "--server", server, "--token", ADMIN_TOKEN, "get", "pools", "-o", "json"
     )
     assert json.loads(out)["items"] == []
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("latin1.yaml", b"kind: Pool\nmetadata: {name: caf\xe9}\n", "not UTF-8"),
+        ("deep.json", b"[" * 100_000 + b"]" * 100_000, "nested"),
+        ("deep.yaml", b"a: " + b"[" * 100_000 + b"]" * 100_000, "nested"),
+    ],
+)
+@pytest.mark.parametrize("command", ["translate", "apply"])
+def test_files_kvpilot_cannot_read_are_one_clear_error_and_exit_1(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    command: str,
+    name: str,
+    content: bytes,
+    expected: str,
+) -> None:
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    server = ["--server", f"http://127.0.0.1:{free_port()}"] if command == "apply" else []
+    code, out, err = run(capsys, *server, command, "-f", str(bad))
+    assert code == 1
+    assert str(bad) in err and expected in err, err
+    assert "Traceback" not in err and out == ""

@@ -297,6 +297,19 @@ def test_the_model_field_or_header_selects_the_pool(rig: Rig, backends: Any) -> 
         ("header overrides body", {"x-model": "qwen-7b"}, body(chat("llama-3")), "qwen-0"),
         ("header overrides body", {"x-model": "llama-3"}, body(chat("qwen-7b")), "llama-0"),
         ("2 MB prompt", json_utf8, body(long_prompt), "qwen-0"),
+        # Media types are case-insensitive and parameters come in any spacing (Spring sends
+        # the fourth): one matcher in Envoy takes them all.
+        *[
+            (ct, {"content-type": ct}, body(chat("qwen-7b")), "qwen-0")
+            for ct in (
+                "application/json;charset=utf-8",
+                "application/json; charset=UTF-8",
+                "application/json;charset=UTF-8",
+                "Application/JSON",
+                "application/json ; charset=utf-8",
+                'APPLICATION/JSON;  Charset="utf-8"',
+            )
+        ],
     ]
     with httpx.Client(timeout=30) as client:
         for name, headers, content, expected in cases:

@@ -35,6 +35,10 @@ class Nack:
     """Envoy's error_detail message: why it rejected the configuration."""
     at: float
     """Wall-clock time (seconds since the epoch)."""
+    resolved_at: float | None = None
+    """When the Envoy first ACKed a response sent after the rejected one (None: it has not)."""
+    resolved_by: str = ""
+    """The version that ACK accepted."""
 
 
 @dataclass
@@ -90,6 +94,9 @@ class ConnectionStatus:
                     "nonce": nack.nonce,
                     "message": nack.message,
                     "at": nack.at,
+                    "resolved": None
+                    if nack.resolved_at is None
+                    else {"version": nack.resolved_by, "at": nack.resolved_at},
                 },
             }
         return {
@@ -229,7 +236,12 @@ class ConnectionRegistry:
         self._notify("sent", status)
 
     def acked(self, status: ConnectionStatus, type_url: str, *, version: str) -> None:
-        status.type(type_url).version_acked = version
+        t = status.type(type_url)
+        t.version_acked = version
+        if t.last_nack is not None and t.last_nack.resolved_at is None:
+            # Envoys answer in order: this ACK is for a response sent after the rejected one.
+            t.last_nack.resolved_at = self._clock()
+            t.last_nack.resolved_by = version
         self._metrics.acks.labels(type=short_name(type_url)).inc()
         self._notify("acked", status)
 

@@ -21,6 +21,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.type.matcher.v3 import regex_pb2 as regex_matcher_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from policies.plan import PlanListener
@@ -141,10 +142,17 @@ def upstream_signal_log(log_name: str) -> accesslog_pb2.AccessLog:
     )
 
 
+JSON_CONTENT_TYPE = r"(?i)application/json[ \t]*(;.*)?"
+"""Every spelling of a JSON body's media type: type and subtype are case-insensitive and
+parameters (``charset=UTF-8``) come after ``;`` with any spacing (RFC 9110, 8.3.1). Matched by
+RE2 against the whole header value."""
+
+
 def _model_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
     """Copy the OpenAI ``model`` body field to dynamic metadata; the filter then clears the
-    route cache so routes can match on it. Without the charset variant and empty content
-    types, many clients' requests would skip the filter (design.md)."""
+    route cache so routes can match on it. A request whose content type the filter does not
+    take skips it and misses its model route: hence one matcher for every spelling of JSON,
+    and no content type at all (design.md)."""
     rule = json_to_metadata_pb2.JsonToMetadata.Rule(
         selectors=[json_to_metadata_pb2.JsonToMetadata.Selector(key=MODEL_METADATA_KEY)],
         on_present=json_to_metadata_pb2.JsonToMetadata.KeyValuePair(
@@ -156,7 +164,7 @@ def _model_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
     return json_to_metadata_pb2.JsonToMetadata(
         request_rules=json_to_metadata_pb2.JsonToMetadata.MatchRules(
             rules=[rule],
-            allow_content_types=["application/json", "application/json; charset=utf-8"],
+            allow_content_types_regex=regex_matcher_pb2.RegexMatcher(regex=JSON_CONTENT_TYPE),
             allow_empty_content_type=True,
         )
     )

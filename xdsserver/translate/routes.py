@@ -57,19 +57,47 @@ UNKNOWN_MODEL_BODY = json.dumps(
 )
 
 
+MODELS_PATH = "/v1/models"
+_DIRECT_BODY_DEFAULT_LIMIT = 4096
+"""Envoy refuses direct-response bodies over this unless the route configuration raises it."""
+
+
+def models_list_body(models: Iterable[str]) -> str:
+    """OpenAI's ``GET /v1/models`` answer for the models a virtual host serves. ``created`` is
+    0: the models' age is not known to kvpilot, and a stable body keeps the config's hash."""
+    return json.dumps(
+        {
+            "object": "list",
+            "data": [
+                {"id": model, "object": "model", "created": 0, "owned_by": "kvpilot"}
+                for model in models
+            ],
+        }
+    )
+
+
 def translate_route_configuration(listener: PlanListener) -> route_pb2.RouteConfiguration:
     """One virtual host per RoutingPolicy on this listener."""
-    return route_pb2.RouteConfiguration(
+    config = route_pb2.RouteConfiguration(
         name=listener.name,
         virtual_hosts=[
             _virtual_host(vhost, listener.max_request_body_bytes)
             for vhost in listener.virtual_hosts
         ],
     )
+    largest = max(
+        (len(models_list_body(vhost.served_models)) for vhost in listener.virtual_hosts),
+        default=0,
+    )
+    if largest > _DIRECT_BODY_DEFAULT_LIMIT:
+        config.max_direct_response_body_size_bytes.value = largest
+    return config
 
 
 def _virtual_host(vhost: PlanVirtualHost, body_limit: int) -> route_components_pb2.VirtualHost:
-    routes: list[route_components_pb2.Route] = []
+    # OpenAI clients and chat UIs list models first: Envoy answers from config, before any
+    # route could send the request to a replica.
+    routes: list[route_components_pb2.Route] = [_models_list_route(vhost.served_models)]
     for route in vhost.routes:
         routes.extend(_routes(route, vhost.model_header, body_limit))
     if vhost.routes_by_model:
@@ -342,11 +370,34 @@ def _token_bucket(limit: RateLimit) -> token_bucket_pb2.TokenBucket:
 
 def _unknown_model_route() -> route_components_pb2.Route:
     """Requests for a model no route serves get OpenAI's 404, not an empty 503."""
+    return _json_direct_response(
+        "unknown-model",
+        route_components_pb2.RouteMatch(prefix="/"),
+        status=404,
+        body=UNKNOWN_MODEL_BODY,
+    )
+
+
+def _models_list_route(models: tuple[str, ...]) -> route_components_pb2.Route:
+    match = route_components_pb2.RouteMatch(
+        path=MODELS_PATH,
+        headers=[
+            route_components_pb2.HeaderMatcher(
+                name=":method", string_match=string_pb2.StringMatcher(exact="GET")
+            )
+        ],
+    )
+    return _json_direct_response("models", match, status=200, body=models_list_body(models))
+
+
+def _json_direct_response(
+    name: str, match: route_components_pb2.RouteMatch, *, status: int, body: str
+) -> route_components_pb2.Route:
     return route_components_pb2.Route(
-        name="unknown-model",
-        match=route_components_pb2.RouteMatch(prefix="/"),
+        name=name,
+        match=match,
         direct_response=route_components_pb2.DirectResponseAction(
-            status=404, body=base_pb2.DataSource(inline_string=UNKNOWN_MODEL_BODY)
+            status=status, body=base_pb2.DataSource(inline_string=body)
         ),
         response_headers_to_add=[
             base_pb2.HeaderValueOption(
