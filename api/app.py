@@ -23,6 +23,7 @@ from api.context import PATH_RULES, ApiContext, ApiError, FleetName, Reader, unp
 from api.endpoints import WeightChange, add_endpoint_routes
 from api.objects import add_object_routes
 from api.preview import snapshot_json
+from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
 from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
 from controlplane.store import (
     AlreadyExists,
@@ -63,6 +64,7 @@ def create_app(context: ApiContext) -> FastAPI:
     for kind, path in KIND_PATHS.items():
         add_object_routes(app, context, kind, path)
     add_endpoint_routes(app, context)
+    add_rollout_routes(app, context)
     _add_status_routes(app, context)
     _install_openapi(app)
     return app
@@ -207,6 +209,9 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
             "ready": reconciler.ready,
             "envoys": _envoys(context),
             "invalidObjects": [dataclasses.asdict(e) for e in reconciler.errors.values()],
+            "replica": context.replica_id,
+            "rolloutDriver": rollout_driver(context),
+            "rollouts": rollout_summaries(context),
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
             "lastBuild": {
                 "revision": build.revision,

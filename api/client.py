@@ -183,6 +183,20 @@ class KvpilotClient:
         ).json()
         return result
 
+    # -- rollouts ----------------------------------------------------------------------------
+
+    def rollout_status(self, name: str) -> dict[str, Any]:
+        """A rollout's phase, step, weights, live verdict and history."""
+        result: dict[str, Any] = self._request("GET", f"/v1/rollouts/{name}/status").json()
+        return result
+
+    def rollout_command(self, name: str, command: str) -> dict[str, Any]:
+        """Ask the driving replica to pause, resume, abort or promote a rollout."""
+        result: dict[str, Any] = self._request(
+            "POST", f"/v1/rollouts/{name}/{command}", ok=(202,)
+        ).json()
+        return result
+
     # -- status ------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:

@@ -30,7 +30,8 @@ from api.context import (
 from api.preview import preview
 from controlplane.decode import DecodedState
 from controlplane.store import ENDPOINTS, OBJECTS, Store, StoredObject
-from policies import FieldError, PolicyError, PolicyObject
+from policies import FieldError, PolicyError, PolicyObject, Rollout
+from policies.rollout import reference_errors
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,18 @@ def _parse_if_match(value: str | None) -> int | str | None:
 
 def _object_response(stored: StoredObject, status: int = 200) -> JSONResponse:
     return JSONResponse(stored.body, status_code=status, headers={"ETag": etag(stored.revision)})
+
+
+async def _check_references(store: Store, obj: PolicyObject) -> None:
+    """A Rollout must name a policy, route, tier and pools that exist (422 otherwise); other
+    kinds may refer to objects created later, and compile reports what is missing."""
+    if not isinstance(obj, Rollout):
+        return
+    state = DecodedState.from_values(await store.values((OBJECTS,)))
+    state.objects[store.keys.object(obj.kind, obj.metadata.name)] = obj
+    errors = reference_errors(obj, state.policy_state())
+    if errors:
+        raise PolicyError(errors)
 
 
 async def _dry_run(
@@ -140,6 +153,7 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
 
     async def create_object(request: Request, _: Admin, dry_run: DryRun = False) -> JSONResponse:
         obj = parse_for_kind(await json_body(request), kind)
+        await _check_references(store, obj)
         name = obj.metadata.name
         if dry_run:
             if await store.get(kind, name) is not None:
@@ -167,6 +181,7 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
                     )
                 ]
             )
+        await _check_references(store, obj)
         expected = await _expected_revision(store, kind, name, if_match)
         if dry_run:
             if expected is not None:

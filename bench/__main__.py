@@ -5,6 +5,7 @@
     python -m bench routing [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
     python -m bench classes [--short] [--out DIR] [--state-dir DIR]
+    python -m bench rollout [--short] [--out DIR] [--state-dir DIR]
 
 `scenarios` (the default) runs every routing policy side by side, at the same time, on its
 own simulated fleet behind one real Envoy, in the scenarios where live telemetry has to pay
@@ -19,6 +20,10 @@ the report's path. Policies: round_robin, least_request, affinity, affinity_tele
 docs_round_robin, docs_prefix; and on request affinity_125 and affinity_200, bounded-load
 sensitivity checks. `classes` overloads 8 replicas with batch work on top of interactive chat
 and compares round robin, affinity alone and affinity with service classes.
+
+`rollout` replays multi-turn chat at 70% load against a bad canary twice: under a blind 90/10
+split and under a kvpilot Rollout that watches the data plane; `make bench` runs it after
+the scenarios.
 """
 
 from __future__ import annotations
@@ -110,6 +115,15 @@ def _classes(args: argparse.Namespace) -> int:
     report = run_classes(config, state_dir=args.state_dir)
     print(f"\nreport: {report}")
     print(f"json:   {report.with_suffix('.json')}")
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from bench.rollout import default_rollout_config, run_rollout_bench
+
+    config = default_rollout_config(short=args.short)
+    if args.out is not None:
+        config = replace(config, out_dir=args.out)
+    print(f"\nreport: {run_rollout_bench(config, state_dir=args.state_dir)}")
     return 0
 
 
@@ -146,9 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     classes.add_argument("--short", action="store_true", help="a smoke run (about a minute)")
     classes.add_argument("--out", type=Path, default=None, help="output directory")
     classes.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    rollout = sub.add_parser("rollout", help="a bad canary: progressive rollout vs blind split")
+    rollout.add_argument("--short", action="store_true", help="a smoke run")
+    rollout.add_argument("--out", type=Path, default=None, help="output directory")
+    rollout.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     args = parser.parse_args(argv)
     if args.command == "controlplane":
         return _controlplane(args)
+    if args.command == "rollout":
+        return _rollout(args)
     if args.command == "routing":
         return _routing(args)
     if args.command == "classes":

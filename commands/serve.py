@@ -30,9 +30,13 @@ from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
+from controlplane.rollouts import RolloutController
+from controlplane.rollouts import register_metrics as register_rollout_metrics
+from controlplane.signals import PlanResolver, SignalPublisher
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies import DEFAULT_FLEET
 from xdsserver.server import AdsServer
+from xdsserver.signals import AccessLogServer, SignalBook
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 
@@ -58,6 +62,8 @@ class ServeConfig:
     node_fleets: dict[str, str] = field(default_factory=dict)
     """Envoy node id -> fleet, overriding the node's own node.cluster."""
     replica_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{uuid.uuid4().hex[:6]}")
+    rollout_lease_ttl: int = 10
+    """Seconds the replica driving rollouts may be silent before another takes over."""
 
 
 def _host_port(value: str, default_port: int) -> tuple[str, int]:
@@ -134,6 +140,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(env KVPILOT_NODE_FLEETS, comma-separated)",
     )
     parser.add_argument(
+        "--rollout-lease-ttl",
+        type=int,
+        default=int(env("KVPILOT_ROLLOUT_LEASE_TTL", "10")),
+        help="seconds after which another replica takes over driving rollouts when the "
+        "driving one stops answering (env KVPILOT_ROLLOUT_LEASE_TTL, default 10)",
+    )
+    parser.add_argument(
         "--log-level",
         default=env("KVPILOT_LOG_LEVEL", "info"),
         help="debug, info, warning or error",
@@ -168,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_wait=args.max_wait,
         default_fleet=args.default_fleet,
         node_fleets=_node_fleets(args.node_fleet),
+        rollout_lease_ttl=args.rollout_lease_ttl,
     )
 
 
@@ -192,6 +206,12 @@ def run(args: argparse.Namespace) -> int:
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+async def _drive_rollouts(mirror: StateMirror, controller: RolloutController) -> None:
+    """Drive rollouts once the mirror holds etcd's state (decisions read it)."""
+    await mirror.wait_synced()
+    await controller.run()
 
 
 async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) -> None:
@@ -231,6 +251,9 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     )
     ads = AdsServer(cache, connections)
     ads.add_to(grpc_server)
+    signals = SignalBook(PlanResolver(lambda: reconciler.plan))
+    AccessLogServer(signals).add_to(grpc_server)
+    register_rollout_metrics(registry, lambda: mirror.items)
     xds_port = grpc_server.add_insecure_port(f"{config.xds_host}:{config.xds_port}")
 
     app = create_app(
@@ -261,8 +284,19 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     publisher = asyncio.create_task(
         StatusPublisher(store, connections, config.replica_id).run(), name="envoy-status"
     )
+    rollouts = RolloutController(
+        client,
+        store.keys,
+        lambda: mirror.items,
+        config.replica_id,
+        lease_ttl=config.rollout_lease_ttl,
+    )
     tasks = [
         asyncio.create_task(mirror.run(), name="etcd-watch"),
+        asyncio.create_task(
+            SignalPublisher(store, signals, config.replica_id).run(), name="signals"
+        ),
+        asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(api.serve(), name="rest-api"),
         publisher,

@@ -10,6 +10,7 @@ from policies.models import (
     Fleet,
     PolicyObject,
     Pool,
+    Rollout,
     RoutingPolicy,
     kind_named,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "PolicyObject",
     "PolicyState",
     "Pool",
+    "Rollout",
     "RoutingPlan",
     "RoutingPolicy",
     "cluster_name",

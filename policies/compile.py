@@ -34,6 +34,7 @@ from policies.models import (
     PolicyObject,
     Pool,
     PoolSpec,
+    Rollout,
     Route,
     RoutingPolicy,
     Tier,
@@ -78,16 +79,27 @@ class PolicyState:
     """``RoutingPlan.admission`` of the previous compile, for hysteresis."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
+    rollouts: Mapping[str, Rollout] = field(default_factory=dict)
+    """Rollouts: their routes' listeners report every upstream attempt to kvpilot."""
 
     @classmethod
     def from_objects(cls, objects: Iterable[PolicyObject], **live: Any) -> PolicyState:
         """File validated objects by kind (a later object replaces an earlier one of the same
         kind and name); ``live`` gives the other fields (registered endpoints, telemetry...)."""
-        by_kind: dict[type[PolicyObject], dict[str, Any]] = {Pool: {}, RoutingPolicy: {}, Fleet: {}}
+        by_kind: dict[type[PolicyObject], dict[str, Any]] = {
+            Pool: {},
+            RoutingPolicy: {},
+            Fleet: {},
+            Rollout: {},
+        }
         for obj in objects:
             by_kind[type(obj)][obj.metadata.name] = obj
         return cls(
-            pools=by_kind[Pool], policies=by_kind[RoutingPolicy], fleets=by_kind[Fleet], **live
+            pools=by_kind[Pool],
+            policies=by_kind[RoutingPolicy],
+            fleets=by_kind[Fleet],
+            rollouts=by_kind[Rollout],
+            **live,
         )
 
 
@@ -465,6 +477,15 @@ def _compile_route(
     return [aggregate, *clusters], plan_route
 
 
+def rollout_clusters(state: PolicyState) -> set[str]:
+    """Clusters of the routes that a Rollout analyses with data-plane metrics."""
+    return {
+        cluster_name(rollout.spec.target.policy, rollout.spec.target.route)
+        for rollout in state.rollouts.values()
+        if any(rule.metric is not None for rule in rollout.spec.analysis.rules)
+    }
+
+
 def fleet_names(state: PolicyState) -> list[str]:
     """Every fleet that gets its own config: named by a policy or a Fleet object, plus default."""
     names = {DEFAULT_FLEET, *state.fleets}
@@ -504,6 +525,7 @@ def compile_plan(state: PolicyState) -> RoutingPlan:
             ),
         )
 
+    watched = rollout_clusters(state)
     fleets = []
     for fleet in fleet_names(state):
         fleet_object = state.fleets.get(fleet)
@@ -530,6 +552,9 @@ def compile_plan(state: PolicyState) -> RoutingPlan:
                     max_request_body_bytes=settings.max_request_body_bytes,
                     access_log=settings.access_log,
                     drain_timeout=settings.drain_timeout,
+                    upstream_signals=any(
+                        route.cluster in watched for vhost in vhosts for route in vhost.routes
+                    ),
                 )
             )
         fleets.append(

@@ -170,6 +170,10 @@ class PlanListener:
     max_request_body_bytes: int
     access_log: bool
     drain_timeout: float
+    upstream_signals: bool = False
+    """Report every upstream attempt (pool host, status, time to first byte) to kvpilot over
+    Envoy's gRPC access log service: some route here is under a Rollout that reads the
+    data plane."""
 
     @property
     def routes_by_model(self) -> bool:

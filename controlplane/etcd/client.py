@@ -392,6 +392,32 @@ class EtcdClient:
             raise ConflictError(key, _txn_actual_revision(response), expect_mod_revision)
         return response
 
+    async def transact(
+        self,
+        compares: Sequence[tuple[bytes, int]],
+        *,
+        puts: Sequence[tuple[bytes, bytes]] = (),
+        deletes: Sequence[bytes] = (),
+    ) -> int | None:
+        """Write ``puts`` and delete ``deletes`` atomically, only if every ``(key,
+        mod_revision)`` of ``compares`` holds (0: the key must not exist). Returns the new
+        revision, or None when a comparison failed and nothing was written. Not retried once
+        sent: it may have been applied."""
+        txn = rpc.TxnRequest(
+            compare=[_mod_revision_equals(key, revision) for key, revision in compares],
+            success=[
+                *(rpc.RequestOp(request_put=rpc.PutRequest(key=k, value=v)) for k, v in puts),
+                *(
+                    rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k))
+                    for k in deletes
+                ),
+            ],
+        )
+        response = await self._call(
+            lambda c, t: c.kv.Txn(txn, timeout=t), what="transaction", idempotent=False
+        )
+        return int(response.header.revision) if response.succeeded else None
+
     async def delete_prefix(self, prefix: bytes) -> int:
         """Delete every key under ``prefix``; returns how many were deleted."""
         request = rpc.DeleteRangeRequest(key=prefix, range_end=prefix_range_end(prefix))

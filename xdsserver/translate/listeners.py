@@ -7,9 +7,12 @@ from typing import Any
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import (
     base_pb2,
+    config_source_pb2,
+    grpc_service_pb2,
     substitution_format_string_pb2,
 )
 from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
@@ -28,6 +31,10 @@ MODEL_METADATA_NAMESPACE = "envoy.lb"
 """Where json_to_metadata puts the body's ``model`` field (design.md: namespace envoy.lb)."""
 MODEL_METADATA_KEY = "model"
 LOCAL_RATELIMIT = "envoy.filters.http.local_ratelimit"
+SIGNALS_CLUSTER = "kvpilot_signals"
+"""The bootstrap cluster that reaches kvpilot's access log service (deploy/envoy/)."""
+SIGNALS_FLUSH_INTERVAL = 0.25
+"""Seconds Envoy buffers access log entries before sending them (its default is 1 s)."""
 LUA = "envoy.filters.http.lua"
 SERVICE_CLASS = "kvpilot.service_class"
 """A second local rate limit filter, for service classes: class budgets with tenant shares,
@@ -99,9 +106,10 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
     if listener.prefix_hashing:
         # No code at the listener; routes with prompt-prefix affinity bring theirs.
         filters.append(hcm_pb2.HttpFilter(name=LUA, typed_config=pack(lua_pb2.Lua())))
-    filters.append(
-        hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router_pb2.Router()))
-    )
+    router = router_pb2.Router()
+    if listener.upstream_signals:
+        router.upstream_log.append(upstream_signal_log(listener.name))
+    filters.append(hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router)))
     manager = hcm_pb2.HttpConnectionManager(
         stat_prefix=listener.name,
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
@@ -133,6 +141,32 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
             value=min(listener.max_request_body_bytes, 2**32 - 1)
         ),
         filter_chains=[http_filter_chain(manager)],
+    )
+
+
+def upstream_signal_log(log_name: str) -> accesslog_pb2.AccessLog:
+    """The router's upstream log to kvpilot's access log service (``xdsserver.signals``).
+
+    An upstream log, not the listener's: it has one entry per attempt, so a canary's 500 that
+    a retry hid from the client still counts against the canary, and its timings are the
+    attempt's own. The bootstraps define the ``kvpilot_signals`` cluster.
+    """
+    return accesslog_pb2.AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        typed_config=pack(
+            als_pb2.HttpGrpcAccessLogConfig(
+                common_config=als_pb2.CommonGrpcAccessLogConfig(
+                    log_name=log_name,
+                    transport_api_version=config_source_pb2.V3,
+                    grpc_service=grpc_service_pb2.GrpcService(
+                        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(
+                            cluster_name=SIGNALS_CLUSTER
+                        )
+                    ),
+                    buffer_flush_interval=duration(SIGNALS_FLUSH_INTERVAL),
+                )
+            )
+        ),
     )
 
 
