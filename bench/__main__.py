@@ -115,6 +115,7 @@ def _classes(args: argparse.Namespace) -> int:
     report = run_classes(config, state_dir=args.state_dir)
     print(f"\nreport: {report}")
     print(f"json:   {report.with_suffix('.json')}")
+    return 0
 
 
 def _rollout(args: argparse.Namespace) -> int:
