@@ -30,14 +30,16 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controlplane.etcd import KeyValue
 from controlplane.store import KIND_PATH, StateChange
+from controlplane.telemetryhistory import TelemetryHistory
 from policies import (
     Endpoint,
+    EndpointHealth,
     FleetPlan,
     PolicyError,
     PolicyObject,
@@ -46,6 +48,7 @@ from policies import (
     compile_plan,
     parse_object,
 )
+from policies.compile import pool_endpoints
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision
 from xdsserver import resources
@@ -152,6 +155,13 @@ class ReconcileMetrics:
             ["pool"],
             **kwargs,
         )
+        self.pool_endpoints = Gauge(
+            "kvpilot_pool_endpoints",
+            "Endpoints of each pool (static and registered), by the health kvpilot sends to "
+            "Envoy: healthy, degraded, draining or unhealthy.",
+            ["pool", "health"],
+            **kwargs,
+        )
 
 
 class Reconciler:
@@ -177,6 +187,10 @@ class Reconciler:
         self.metrics = metrics or ReconcileMetrics(CollectorRegistry())
         self.errors: dict[str, ObjectError] = {}
         self.plan: RoutingPlan | None = None
+        self.state: PolicyState | None = None
+        """The state the last plan was compiled from (objects, endpoints, telemetry)."""
+        self.telemetry_history = TelemetryHistory()
+        """The last few telemetry records of each endpoint, for the console."""
         self.last_build = BuildInfo()
         self._objects: dict[str, PolicyObject] = {}
         self._endpoints: dict[str, Endpoint] = {}
@@ -311,7 +325,9 @@ class Reconciler:
             self.cache.delete_snapshot(stale)
         self._report(plan)
         self._track_weights(state, plan)
+        self._count_endpoints(state, plan)
         self.plan = plan
+        self.state = state
         elapsed = time.perf_counter() - started
         self.last_build = BuildInfo(
             revision=revision,
@@ -426,6 +442,7 @@ class Reconciler:
         if kv is None:
             self._telemetry.pop(key, None)
             self.errors.pop(key, None)
+            self.telemetry_history.forget(pool, endpoint_id)
             with contextlib.suppress(KeyError):  # never had a valid record
                 self.metrics.telemetry_age.remove(pool, endpoint_id)
             return
@@ -439,6 +456,7 @@ class Reconciler:
                 partial(self._telemetry_age, key)
             )
         self._telemetry[key] = record
+        self.telemetry_history.add(pool, endpoint_id, record)
         self.errors.pop(key, None)
 
     def _telemetry_age(self, key: str) -> float:
@@ -506,6 +524,27 @@ class Reconciler:
         self._weights = plan.weights
         # A little after the deadline, so the record is stale by then on any rounding.
         self._next_stale_at = next_stale + 0.05
+
+    def _count_endpoints(self, state: PolicyState, plan: RoutingPlan) -> None:
+        """Set ``kvpilot_pool_endpoints``: every pool's endpoints by the health sent to Envoy
+        (telemetry may have marked some degraded). Every health has a series, zeros included,
+        so an alert on "no healthy endpoint" sees a 0, not a missing series."""
+        for name, pool in state.pools.items():
+            counts = dict.fromkeys(get_args(EndpointHealth), 0)
+            decisions = plan.weights.get(name, {})
+            for endpoint in pool_endpoints(pool, state.registered.get(name, {})):
+                decision = decisions.get(endpoint.key)
+                health = (
+                    "degraded" if decision is not None and decision.degraded else endpoint.health
+                )
+                counts[health] += 1
+            for health, count in counts.items():
+                self.metrics.pool_endpoints.labels(name, health).set(count)
+        gone = set(self.state.pools) - set(state.pools) if self.state is not None else set()
+        for name in gone:
+            for health in get_args(EndpointHealth):
+                with contextlib.suppress(KeyError):
+                    self.metrics.pool_endpoints.remove(name, health)
 
     def _report(self, plan: RoutingPlan) -> None:
         previous = set(self.plan.diagnostics) if self.plan is not None else set()
