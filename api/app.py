@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from api.auth import AuthConfig, Principal, require
+from api.console import add_console_routes
 from api.preview import preview, snapshot_json
 from controlplane.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFoundError
 from controlplane.reconcile import Reconciler
@@ -45,6 +46,7 @@ from policies import (
     KIND_PATHS,
     KINDS,
     Endpoint,
+    EndpointHealth,
     FieldError,
     PolicyError,
     PolicyObject,
@@ -100,6 +102,10 @@ class ApiContext:
     envoy_records: Callable[[], list[dict[str, Any]]] | None = None
     """The Envoy status records every replica publishes to etcd
     (`controlplane.envoystatus`): with them /v1/status lists the Envoys of all replicas."""
+    etcd_embedded: bool = False
+    """True when `kvpilot serve` started its own etcd (no --etcd-endpoints)."""
+    etcd_watching: Callable[[], bool] | None = None
+    """Whether the daemon's etcd watch is established now."""
 
 
 class WeightChange(BaseModel):
@@ -108,6 +114,17 @@ class WeightChange(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weight: int = Field(ge=1, le=10_000, description="Relative weight within the pool, 1-10000.")
+
+
+class HealthChange(BaseModel):
+    """A new health for one endpoint, as sent to Envoy over EDS."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    health: EndpointHealth = Field(
+        description="'draining' or 'unhealthy' take the endpoint out of rotation, 'degraded' "
+        "keeps it as a last resort, 'healthy' puts it back."
+    )
 
 
 class ApiError(Exception):
@@ -286,6 +303,7 @@ def create_app(context: ApiContext) -> FastAPI:
         _add_object_routes(app, context, kind, path)
     _add_endpoint_routes(app, context)
     _add_status_routes(app, context)
+    add_console_routes(app, context.store, context.reconciler)
     _install_openapi(app)
     return app
 
@@ -597,86 +615,101 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
     async def set_weight(
         pool: str, endpoint_id: str, change: WeightChange, _: Admin
     ) -> dict[str, Any]:
-        key = store.keys.absolute(store.keys.endpoint(pool, endpoint_id))
-        kv = await store.client.get(key)
-        if kv is not None:
-            current = decode_json(kv)
-            if current is None:
-                raise ApiError(
-                    500, f"the registration of {endpoint_id!r} is not JSON; re-register it"
-                )
-            try:
-                endpoint = Endpoint.model_validate({**current, "weight": change.weight})
-            except ValidationError as error:
-                raise PolicyError(field_errors(error)) from None
-            try:
-                revision, _lease = await store.put_endpoint(
-                    pool, endpoint_id, _dump(endpoint), lease=kv.lease or None
-                )
-            except LeaseNotFoundError:
-                raise ApiError(
-                    404, f"the registration of {endpoint_id!r} expired while it was being changed"
-                ) from None
-            log.info("endpoint %s/%s weight -> %d", pool, endpoint_id, change.weight)
-            return {
-                "pool": pool,
-                "id": endpoint_id,
-                "source": "registered",
-                "weight": change.weight,
-                "revision": revision,
-            }
-        for _attempt in range(WEIGHT_CAS_ATTEMPTS):
-            stored = await store.get("Pool", pool)
-            if stored is None:
-                raise ApiError(
-                    404,
-                    f"endpoint {endpoint_id!r} is not registered and pool {pool!r} does not exist",
-                )
-            try:
-                pool_obj = _parse_for_kind(stored.body, "Pool")
-            except PolicyError as error:
-                raise ApiError(
-                    409, f"pool {pool!r} in etcd is invalid ({error}); fix it first"
-                ) from None
-            assert isinstance(pool_obj, Pool)
-            endpoints = pool_obj.spec.endpoints
-            if not any(endpoint.key == endpoint_id for endpoint in endpoints):
-                raise ApiError(
-                    404,
-                    f"pool {pool!r} has no endpoint {endpoint_id!r}: registered endpoints go by "
-                    "their id, static ones by address:port",
-                )
-            updated = pool_obj.model_copy(
-                update={
-                    "spec": pool_obj.spec.model_copy(
-                        update={
-                            "endpoints": [
-                                e.model_copy(update={"weight": change.weight})
-                                if e.key == endpoint_id
-                                else e
-                                for e in endpoints
-                            ]
-                        }
-                    )
-                }
+        return await _update_endpoint(store, pool, endpoint_id, {"weight": change.weight})
+
+    @app.put(
+        "/v1/pools/{pool}/endpoints/{endpoint_id}/health",
+        tags=tags,
+        operation_id="set_endpoint_health",
+        summary="Drain an endpoint (health: draining), take it out (unhealthy) or put it back "
+        "(healthy); registered, or static as address:port",
+    )
+    async def set_health(
+        pool: str, endpoint_id: str, change: HealthChange, _: Admin
+    ) -> dict[str, Any]:
+        return await _update_endpoint(store, pool, endpoint_id, {"health": change.health})
+
+
+async def _update_endpoint(
+    store: Store, pool: str, endpoint_id: str, changes: dict[str, Any]
+) -> dict[str, Any]:
+    """Change fields of one endpoint: its registration if it is registered, otherwise its
+    static entry in the Pool (compare-and-swap, retried when others edit the Pool)."""
+    what = ", ".join(f"{field} -> {value}" for field, value in changes.items())
+    key = store.keys.absolute(store.keys.endpoint(pool, endpoint_id))
+    kv = await store.client.get(key)
+    if kv is not None:
+        current = decode_json(kv)
+        if current is None:
+            raise ApiError(500, f"the registration of {endpoint_id!r} is not JSON; re-register it")
+        try:
+            endpoint = Endpoint.model_validate({**current, **changes})
+        except ValidationError as error:
+            raise PolicyError(field_errors(error)) from None
+        try:
+            revision, _lease = await store.put_endpoint(
+                pool, endpoint_id, _dump(endpoint), lease=kv.lease or None
             )
-            try:
-                written = await store.replace(
-                    "Pool", pool, _dump(updated), expect_revision=stored.revision
+        except LeaseNotFoundError:
+            raise ApiError(
+                404, f"the registration of {endpoint_id!r} expired while it was being changed"
+            ) from None
+        log.info("endpoint %s/%s %s", pool, endpoint_id, what)
+        return {
+            "pool": pool,
+            "id": endpoint_id,
+            "source": "registered",
+            **changes,
+            "revision": revision,
+        }
+    for _attempt in range(WEIGHT_CAS_ATTEMPTS):
+        stored = await store.get("Pool", pool)
+        if stored is None:
+            raise ApiError(
+                404,
+                f"endpoint {endpoint_id!r} is not registered and pool {pool!r} does not exist",
+            )
+        try:
+            pool_obj = _parse_for_kind(stored.body, "Pool")
+        except PolicyError as error:
+            raise ApiError(
+                409, f"pool {pool!r} in etcd is invalid ({error}); fix it first"
+            ) from None
+        assert isinstance(pool_obj, Pool)
+        endpoints = pool_obj.spec.endpoints
+        if not any(endpoint.key == endpoint_id for endpoint in endpoints):
+            raise ApiError(
+                404,
+                f"pool {pool!r} has no endpoint {endpoint_id!r}: registered endpoints go by "
+                "their id, static ones by address:port",
+            )
+        updated = pool_obj.model_copy(
+            update={
+                "spec": pool_obj.spec.model_copy(
+                    update={
+                        "endpoints": [
+                            e.model_copy(update=changes) if e.key == endpoint_id else e
+                            for e in endpoints
+                        ]
+                    }
                 )
-            except (RevisionMismatch, NotFound):
-                continue
-            log.info("pool %s static endpoint %s weight -> %d", pool, endpoint_id, change.weight)
-            return {
-                "pool": pool,
-                "id": endpoint_id,
-                "source": "static",
-                "weight": change.weight,
-                "revision": written.revision,
             }
-        raise ApiError(
-            409, f"pool {pool!r} kept changing under {WEIGHT_CAS_ATTEMPTS} attempts; retry"
         )
+        try:
+            written = await store.replace(
+                "Pool", pool, _dump(updated), expect_revision=stored.revision
+            )
+        except (RevisionMismatch, NotFound):
+            continue
+        log.info("pool %s static endpoint %s %s", pool, endpoint_id, what)
+        return {
+            "pool": pool,
+            "id": endpoint_id,
+            "source": "static",
+            **changes,
+            "revision": written.revision,
+        }
+    raise ApiError(409, f"pool {pool!r} kept changing under {WEIGHT_CAS_ATTEMPTS} attempts; retry")
 
 
 def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
@@ -708,6 +741,12 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
         build = reconciler.last_build
         return {
             "ready": reconciler.ready,
+            "replica": context.replica_id,
+            "etcd": {
+                "endpoints": context.etcd.endpoints if context.etcd is not None else [],
+                "embedded": context.etcd_embedded,
+                "watching": context.etcd_watching() if context.etcd_watching else None,
+            },
             "envoys": _envoys(context),
             "invalidObjects": [dataclasses.asdict(e) for e in reconciler.errors.values()],
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
