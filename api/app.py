@@ -28,7 +28,7 @@ from pydantic.json_schema import models_json_schema
 
 from api.auth import AuthConfig, Principal, require
 from api.console import add_console_routes
-from api.preview import preview, snapshot_json
+from api.preview import preview, resource_changes, snapshot_json
 from controlplane.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFoundError
 from controlplane.reconcile import Reconciler
 from controlplane.store import (
@@ -730,6 +730,68 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
         served = fleet if own else reconciler.cache.default_fleet
         return {"fleet": fleet, "servedFrom": served, **snapshot_json(snapshot)}
 
+    @app.post(
+        "/v1/preview",
+        tags=tags,
+        operation_id="preview",
+        summary="What applying these objects would change in the Envoy resources of every "
+        "fleet (nothing is written)",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {"objects": {"type": "array", "items": {}}},
+                        }
+                    }
+                },
+            }
+        },
+    )
+    async def preview_apply(request: Request, _: Reader) -> dict[str, Any]:
+        data = await _json_body(request)
+        items = data.get("objects") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise ApiError(400, 'send {"objects": [...]}: the objects you would apply')
+        errors: list[FieldError] = []
+        proposed: list[PolicyObject] = []
+        for index, item in enumerate(items):
+            try:
+                proposed.append(parse_object(item))
+            except PolicyError as error:
+                errors.extend(
+                    FieldError(f"objects[{index}].{e.path}".rstrip("."), e.message)
+                    for e in error.errors
+                )
+        if errors:
+            raise PolicyError(errors)
+        objects, registered = await _current_objects(context.store)
+        before = preview(PolicyState.from_objects(objects.values(), registered=registered))
+        outcomes = []
+        for obj in proposed:
+            key = (obj.kind, obj.metadata.name)
+            current = objects.get(key)
+            outcomes.append(
+                {
+                    "kind": obj.kind,
+                    "name": obj.metadata.name,
+                    "outcome": "created"
+                    if current is None
+                    else "unchanged"
+                    if _dump(current) == _dump(obj)
+                    else "configured",
+                }
+            )
+            objects[key] = obj
+        after = preview(PolicyState.from_objects(objects.values(), registered=registered))
+        return {
+            "objects": outcomes,
+            "diagnostics": after["diagnostics"],
+            "changes": resource_changes(before["fleets"], after["fleets"]),
+        }
+
     @app.get(
         "/v1/status",
         tags=tags,
@@ -758,6 +820,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "fastPath": build.path != "full",
                 "path": build.path,
                 "fleets": build.fleets,
+                "defaultFleet": reconciler.cache.default_fleet,
             },
         }
 

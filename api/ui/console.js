@@ -508,7 +508,7 @@ function renderFleets(status) {
     .sort()
     .map((fleet) => {
       const members = envoys.filter((e) => e.fleet === fleet);
-      const versions = served[fleet] || served.default || {};
+      const versions = served[fleet] || served[(status.lastBuild || {}).defaultFleet] || {};
       const synced = members.filter((e) => TYPES.every(([, url]) => !e.types[url] || e.types[url].version_acked === versions[url])).length;
       return `<tr><td>${esc(fleet)}</td><td class="num">${members.length}</td><td class="${synced === members.length ? "sync-ok" : "sync-wait"}">${synced}/${members.length} in sync</td>${TYPES.map(([, url]) => `<td class="version">${shortVersion(versions[url])}</td>`).join("")}</tr>`;
     })
@@ -523,7 +523,7 @@ function renderFleets(status) {
         const lastAck = Math.max(0, ...types.map((t) => t.acked_at || 0));
         const nacks = types.filter((t) => t.last_nack).sort((a, b) => b.last_nack.at - a.last_nack.at);
         const nack = nacks[0];
-        const versions = served[envoy.fleet] || served.default || {};
+        const versions = served[envoy.fleet] || served[(status.lastBuild || {}).defaultFleet] || {};
         const current = nack && nack.version_acked !== nack.version_sent;
         const nackHtml = nack
           ? `<div class="nack" data-nack>${esc(nack.type)} ${current ? "rejected" : "rejected earlier"} (${since(nack.last_nack.at)}): ${esc(nack.last_nack.message)}</div>`
