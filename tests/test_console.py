@@ -243,9 +243,15 @@ def test_console_loads_every_view_against_a_live_kvpilot(browser: Any, console: 
         assert "in sync" in page.inner_text("#fleets")
         shoot(page, "fleets")
 
+        with console.api() as api:
+            port = console.ports[2]
+            path = f"/v1/pools/chat/endpoints/127.0.0.1:{port}/weight"
+            assert api.put(path, json={"weight": 150}).status_code == 200
         page.click('a[data-tab="changes"]')
-        page.wait_for_selector("article.change", timeout=10_000)
-        assert "Pool/chat" in page.inner_text("#changes")
+        latest = page.locator("article.change").first
+        latest.wait_for(timeout=10_000)
+        assert "Pool/chat" in latest.inner_text() and "updated" in latest.inner_text()
+        assert "+    weight: 150" in latest.locator("pre").inner_text()
         shoot(page, "changes")
 
         page.click('a[data-tab="rollouts"]')
