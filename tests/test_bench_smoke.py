@@ -23,7 +23,9 @@ def test_short_routing_benchmark_writes_a_well_formed_report(tmp_path: Path) -> 
         cwd=repo_root(),
         capture_output=True,
         text=True,
-        timeout=180,
+        # The run is bounded by its workload; on a 2-core machine shared with other test runs
+        # it was seen to take 3.5 minutes of wall time for 45 s of CPU.
+        timeout=420,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reports = list(out.glob("routing-*.md"))
