@@ -16,6 +16,7 @@ from controlplane.launchers import repo_root
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(480)
 def test_short_routing_benchmark_writes_a_well_formed_report(tmp_path: Path) -> None:
     out = tmp_path / "results"
     done = subprocess.run(
