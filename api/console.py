@@ -32,9 +32,9 @@ from fastapi.staticfiles import StaticFiles
 from api.auth import Principal, require
 from controlplane.etcd import CompactedError, KeyValue
 from controlplane.reconcile import Reconciler
-from controlplane.store import KIND_PATH, Store, decode_json
+from controlplane.store import Store, decode_json
 from controlplane.telemetryhistory import TelemetryHistory
-from policies import Endpoint, PolicyState, RoutingPlan
+from policies import KIND_PATHS, Endpoint, PolicyState, RoutingPlan
 from policies.compile import is_external, pool_endpoints
 from policies.weights import WeightDecision
 
@@ -180,7 +180,7 @@ class ChangeLog:
         cache_key = (kv.key, kv.mod_revision)
         if cache_key in self._previous:
             return self._previous[cache_key]
-        previous = await self.store.client.get(kv.key, revision=kv.mod_revision - 1)
+        previous = await self.store.version_before(kv)
         if len(self._previous) >= self.cache_size:
             self._previous.pop(next(iter(self._previous)))
         self._previous[cache_key] = previous
@@ -188,8 +188,8 @@ class ChangeLog:
 
     async def changes(self, limit: int) -> dict[str, Any]:
         """The newest ``limit`` object revisions, each with its diff, newest first."""
-        kinds = {path: kind for kind, path in KIND_PATH.items()}
-        kvs, revision = await self.store.client.get_prefix(self.store.keys.absolute("objects/"))
+        kinds = {path: kind for kind, path in KIND_PATHS.items()}
+        kvs, revision = await self.store.object_heads()
         entries: list[dict[str, Any]] = []
         truncated = False
         for current in kvs:

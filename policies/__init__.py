@@ -5,12 +5,14 @@ from policies.models import (
     API_VERSION,
     KIND_PATHS,
     KINDS,
+    PATH_KINDS,
     Endpoint,
     EndpointHealth,
     Fleet,
     PolicyObject,
     Pool,
     RoutingPolicy,
+    kind_named,
 )
 from policies.plan import DEFAULT_FLEET, Diagnostic, FleetPlan, RoutingPlan
 from policies.validate import FieldError, PolicyError, decode_documents, load_objects, parse_object
@@ -20,6 +22,7 @@ __all__ = [
     "DEFAULT_FLEET",
     "KINDS",
     "KIND_PATHS",
+    "PATH_KINDS",
     "Diagnostic",
     "Endpoint",
     "EndpointHealth",
@@ -35,6 +38,7 @@ __all__ = [
     "cluster_name",
     "compile_plan",
     "decode_documents",
+    "kind_named",
     "listener_name",
     "load_objects",
     "parse_object",

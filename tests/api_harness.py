@@ -12,11 +12,12 @@ import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from api.app import ApiContext, create_app
+from api import ApiContext, create_app
 from api.auth import AuthConfig
 from controlplane.etcd import EtcdClient
+from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
-from controlplane.store import StateChange, StateMirror, Store
+from controlplane.store import Store
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 
@@ -75,7 +76,6 @@ async def running_api(
             connections=ConnectionRegistry(registry=registry),
             auth=auth or auth_config(),
             metrics_registry=registry,
-            etcd=client,
         )
     )
     try:

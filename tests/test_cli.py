@@ -16,7 +16,7 @@ import yaml
 from api_harness import ADMIN_TOKEN, READ_TOKEN, running_api
 from util import wait_until
 
-from controlplane.cli import main
+from commands.cli import main
 from controlplane.launchers import EmbeddedEtcd, free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "policies" / "examples"
@@ -238,7 +238,7 @@ def test_status_watch_redraws_until_interrupted(server: str) -> None:
     import sys
 
     process = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli", "--server", server, "--token", READ_TOKEN,
+        [sys.executable, "-m", "commands.cli", "--server", server, "--token", READ_TOKEN,
          "status", "--watch", "--interval", "0.2"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -22,7 +22,7 @@ def test_serve_prints_and_reports_the_embedded_etcd_address(tmp_path: Path) -> N
     api_port = free_port()
     stdout = tmp_path / "serve.out"
     process = ManagedProcess(
-        [sys.executable, "-m", "controlplane.cli", "serve", "--state-dir", str(tmp_path),
+        [sys.executable, "-m", "commands.cli", "serve", "--state-dir", str(tmp_path),
          "--api-address", f"127.0.0.1:{api_port}", "--xds-address", f"127.0.0.1:{free_port()}"],
         tmp_path / "serve.log",
         stdout_path=stdout,

@@ -21,7 +21,7 @@ import grpc
 import uvicorn
 from prometheus_client import CollectorRegistry, Gauge
 
-from api.app import ApiContext, create_app
+from api import ApiContext, create_app
 from api.auth import AuthConfig
 from controlplane.asgi import UvicornServer
 from controlplane.envoystatus import StatusPublisher
@@ -29,8 +29,9 @@ from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.logs import setup_logging
+from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
-from controlplane.store import DEFAULT_PREFIX, StateChange, StateMirror, Store
+from controlplane.store import DEFAULT_PREFIX, Store
 from policies import DEFAULT_FLEET
 from xdsserver.server import AdsServer
 from xdsserver.snapshot import SnapshotCache
@@ -252,7 +253,6 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             connections=connections,
             auth=auth,
             metrics_registry=registry,
-            etcd=client,
             replica_id=config.replica_id,
             envoy_records=lambda: envoy_records(mirror.items),
             etcd_embedded=config.etcd_embedded,

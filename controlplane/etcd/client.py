@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import functools
-import inspect
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -31,6 +29,21 @@ from typing import Any, TypeVar
 
 import grpc
 from aetcd import rpc
+
+from controlplane.etcd.lease import LeaseKeeper
+from controlplane.etcd.types import (
+    CompactedError,
+    ConflictError,
+    EtcdError,
+    EtcdStatus,
+    EtcdUnavailable,
+    EventType,
+    KeyValue,
+    LeaseNotFoundError,
+    WatchBatch,
+    WatchEvent,
+    prefix_range_end,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,142 +70,6 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 _REQUIRE_LEADER = (("hasleader", "true"),)
 
 _RANGE_PAGE_SIZE = 1000
-
-
-class EtcdError(Exception):
-    """Base class for etcd failures; the message says what to do about it."""
-
-
-class EtcdUnavailable(EtcdError):
-    """No etcd endpoint could be reached within the call's timeout."""
-
-
-class ConflictError(EtcdError):
-    """A conditional write failed because the key's ``mod_revision`` was not the expected one."""
-
-    def __init__(
-        self, key: bytes, actual_mod_revision: int, expected_mod_revision: int | None = None
-    ) -> None:
-        self.key = key
-        self.actual_mod_revision = actual_mod_revision
-        self.expected_mod_revision = expected_mod_revision
-        super().__init__(self._sentence())
-
-    def _sentence(self) -> str:
-        name = self.key.decode(errors="backslashreplace")
-        if self.expected_mod_revision == 0:
-            return (
-                f"{name} already exists (mod_revision {self.actual_mod_revision}); "
-                "read it and update it instead of creating it"
-            )
-        if self.actual_mod_revision == 0:
-            return (
-                f"{name} does not exist (expected mod_revision {self.expected_mod_revision}); "
-                "it was deleted, create it again if you still want it"
-            )
-        return (
-            f"{name} changed: expected mod_revision {self.expected_mod_revision}, "
-            f"it is now {self.actual_mod_revision}; re-read it and retry"
-        )
-
-
-class CompactedError(EtcdError):
-    """The requested revision has been compacted; the caller must re-list and watch anew."""
-
-    def __init__(self, compact_revision: int, requested_revision: int | None = None) -> None:
-        self.compact_revision = compact_revision
-        self.requested_revision = requested_revision
-        wanted = f" revision {requested_revision}" if requested_revision is not None else ""
-        super().__init__(
-            f"etcd history{wanted} was compacted (compact revision {compact_revision}); "
-            "re-list the keys and watch from the list's revision"
-        )
-
-
-class LeaseNotFoundError(EtcdError):
-    """A write referred to a lease that has expired or was revoked."""
-
-
-class EventType(enum.Enum):
-    PUT = "PUT"
-    DELETE = "DELETE"
-
-
-@dataclass(frozen=True, slots=True)
-class KeyValue:
-    key: bytes
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-    @classmethod
-    def from_pb(cls, kv: Any) -> KeyValue:
-        return cls(
-            key=kv.key,
-            value=kv.value,
-            create_revision=kv.create_revision,
-            mod_revision=kv.mod_revision,
-            version=kv.version,
-            lease=kv.lease,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class WatchEvent:
-    """One change. For ``DELETE``, ``kv.value == b""`` and ``kv.mod_revision`` is the delete's."""
-
-    type: EventType
-    kv: KeyValue
-
-
-class WatchBatch(list[WatchEvent]):
-    """The events of one etcd ``WatchResponse``; a list, plus where the watch stands.
-
-    ``revision``: every change up to and including this revision has been delivered, so a
-    watch resumed after a disconnect starts at ``revision + 1``. ``header_revision``: etcd's
-    current revision when it sent the response. A batch may be empty: the first batch of
-    every watch (the watch is established) and etcd's progress notifications.
-    """
-
-    __slots__ = ("header_revision", "revision")
-
-    def __init__(self, events: Sequence[WatchEvent], revision: int, header_revision: int) -> None:
-        super().__init__(events)
-        self.revision = revision
-        self.header_revision = header_revision
-
-    def __repr__(self) -> str:
-        return f"WatchBatch({list.__repr__(self)}, revision={self.revision})"
-
-
-@dataclass(frozen=True, slots=True)
-class EtcdStatus:
-    """What readiness checks need from the member the client talks to."""
-
-    endpoint: str
-    version: str
-    revision: int
-    member_id: int
-    leader: int
-    raft_term: int
-    db_size: int
-
-    @property
-    def has_leader(self) -> bool:
-        return self.leader != 0
-
-
-def prefix_range_end(prefix: bytes) -> bytes:
-    """The etcd ``range_end`` that selects every key starting with ``prefix``."""
-    end = bytearray(prefix)
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return bytes(end)
-        end.pop()
-    return b"\x00"  # empty prefix, or all 0xff: every key
 
 
 def _normalize_endpoint(endpoint: str) -> tuple[str, bool]:
@@ -674,93 +551,6 @@ class EtcdClient:
         self._rotate(conn)
         detail = err.details() if err is not None else "stream closed"
         return EtcdUnavailable(f"the watch on {prefix!r} broke ({detail}); resume it")
-
-
-class LeaseKeeper:
-    """Keeps one lease alive in a background task; see ``EtcdClient.keepalive_forever``."""
-
-    def __init__(
-        self,
-        client: EtcdClient,
-        ttl: int,
-        *,
-        lease_id: int | None = None,
-        on_regrant: Callable[[int], Awaitable[None] | None] | None = None,
-        revoke_on_exit: bool = True,
-    ) -> None:
-        if ttl < 1:
-            raise ValueError("lease TTL must be at least 1 second")
-        self._client = client
-        self.ttl = ttl
-        self.lease_id = lease_id or 0
-        self._on_regrant = on_regrant
-        self._revoke_on_exit = revoke_on_exit
-        self._task: asyncio.Task[None] | None = None
-        self.regrants = 0
-        """How many times the lease was lost and granted anew."""
-        self.last_error: str | None = None
-        """The last failure to refresh the lease, ``None`` after a success."""
-
-    async def __aenter__(self) -> LeaseKeeper:
-        if not self.lease_id:
-            self.lease_id = await self._client.grant_lease(self.ttl)
-        self._task = asyncio.create_task(self._run(), name=f"lease-keepalive-{self.lease_id:x}")
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._revoke_on_exit and self.lease_id:
-            try:
-                await self._client.revoke_lease(self.lease_id)
-            except EtcdError as err:
-                log.warning("could not revoke lease %x on exit: %s", self.lease_id, err)
-
-    async def _run(self) -> None:
-        interval = max(self.ttl / 3, 0.2)
-        wait = interval
-        owner_behind = False  # on_regrant has not yet succeeded for the current lease
-        while True:
-            await asyncio.sleep(wait)
-            try:
-                remaining = await self._client.keepalive_once(self.lease_id)
-                if remaining <= 0:
-                    old = self.lease_id
-                    self.lease_id = await self._client.grant_lease(self.ttl)
-                    self.regrants += 1
-                    owner_behind = True
-                    log.warning("lease %x was lost; granted %x", old, self.lease_id)
-                if owner_behind:
-                    # Retried until it succeeds: the owner's keys must land on the new lease.
-                    await self._call_on_regrant()
-                    owner_behind = False
-                self.last_error = None
-                wait = interval
-            except EtcdError as err:
-                self.last_error = str(err)
-                log.warning("lease %x keepalive failed: %s", self.lease_id, err)
-                wait = min(interval, 1.0)
-
-    async def _call_on_regrant(self) -> None:
-        if self._on_regrant is None:
-            return
-        try:
-            result = self._on_regrant(self.lease_id)
-            if inspect.isawaitable(result):
-                await result
-        except EtcdError:
-            raise
-        except Exception:
-            # A bug in the callback is not fixed by calling it again.
-            log.exception("on_regrant callback failed for lease %x", self.lease_id)
 
 
 def _mod_revision_equals(key: bytes, revision: int) -> Any:
