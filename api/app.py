@@ -19,9 +19,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from api.console import add_console_routes
 from api.context import PATH_RULES, ApiContext, ApiError, FleetName, Reader, unprocessable
 from api.endpoints import WeightChange, add_endpoint_routes
-from api.objects import add_object_routes
+from api.objects import add_object_routes, add_preview_route
 from api.preview import snapshot_json
 from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
 from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
@@ -63,9 +64,11 @@ def create_app(context: ApiContext) -> FastAPI:
     _add_health_routes(app, context)
     for kind, path in KIND_PATHS.items():
         add_object_routes(app, context, kind, path)
+    add_preview_route(app, context)
     add_endpoint_routes(app, context)
     add_rollout_routes(app, context)
     _add_status_routes(app, context)
+    add_console_routes(app, context.store, context.reconciler)
     _install_openapi(app)
     return app
 
@@ -207,9 +210,14 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
         build = reconciler.last_build
         return {
             "ready": reconciler.ready,
+            "replica": context.replica_id,
+            "etcd": {
+                "endpoints": list(context.store.etcd_endpoints),
+                "embedded": context.etcd_embedded,
+                "watching": context.etcd_watching() if context.etcd_watching else None,
+            },
             "envoys": _envoys(context),
             "invalidObjects": [dataclasses.asdict(e) for e in reconciler.errors.values()],
-            "replica": context.replica_id,
             "rolloutDriver": rollout_driver(context),
             "rollouts": rollout_summaries(context),
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
@@ -221,6 +229,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "fastPath": build.path != "full",
                 "path": build.path,
                 "fleets": build.fleets,
+                "defaultFleet": reconciler.cache.default_fleet,
             },
         }
 

@@ -80,6 +80,10 @@ class ApiContext:
     mirror: StateMirror | None = None
     """The daemon's watched copy of etcd: reads are answered from it, marked stale, while etcd
     cannot be reached."""
+    etcd_embedded: bool = False
+    """True when `kvpilot serve` started its own etcd (no --etcd-endpoints)."""
+    etcd_watching: Callable[[], bool] | None = None
+    """Whether the daemon's etcd watch is established now."""
 
 
 class ApiError(Exception):

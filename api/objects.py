@@ -27,10 +27,10 @@ from api.context import (
     parse_for_kind,
     read,
 )
-from api.preview import preview
+from api.preview import preview, resource_changes
 from controlplane.decode import DecodedState
 from controlplane.store import ENDPOINTS, OBJECTS, Store, StoredObject
-from policies import FieldError, PolicyError, PolicyObject, Rollout
+from policies import FieldError, PolicyError, PolicyObject, Rollout, parse_object
 from policies.rollout import reference_errors
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,70 @@ async def _dry_run(
     else:
         state.objects[key] = replacement
     return {"dryRun": True, **preview(state.policy_state())}
+
+
+def add_preview_route(app: FastAPI, context: ApiContext) -> None:
+    """``POST /v1/preview``: what applying a set of objects would change, in Envoy terms."""
+    store = context.store
+
+    @app.post(
+        "/v1/preview",
+        tags=["status"],
+        operation_id="preview",
+        summary="What applying these objects would change in the Envoy resources of every "
+        "fleet (nothing is written)",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {"objects": {"type": "array", "items": {}}},
+                        }
+                    }
+                },
+            }
+        },
+    )
+    async def preview_apply(request: Request, _: Reader) -> dict[str, Any]:
+        data = await json_body(request)
+        items = data.get("objects") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise ApiError(400, 'send {"objects": [...]}: the objects you would apply')
+        errors: list[FieldError] = []
+        proposed: list[PolicyObject] = []
+        for index, item in enumerate(items):
+            try:
+                proposed.append(parse_object(item))
+            except PolicyError as error:
+                errors.extend(
+                    FieldError(f"objects[{index}].{e.path}".rstrip("."), e.message)
+                    for e in error.errors
+                )
+        if errors:
+            raise PolicyError(errors)
+        state = DecodedState.from_values(await store.values((OBJECTS, ENDPOINTS)))
+        before = preview(state.policy_state())
+        outcomes = []
+        for obj in proposed:
+            key = store.keys.object(obj.kind, obj.metadata.name)
+            current = state.objects.get(key)
+            outcome = (
+                "created"
+                if current is None
+                else "unchanged"
+                if dump(current) == dump(obj)
+                else "configured"
+            )
+            outcomes.append({"kind": obj.kind, "name": obj.metadata.name, "outcome": outcome})
+            state.objects[key] = obj
+        after = preview(state.policy_state())
+        return {
+            "objects": outcomes,
+            "diagnostics": after["diagnostics"],
+            "changes": resource_changes(before["fleets"], after["fleets"]),
+        }
 
 
 async def _expected_revision(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 import uvicorn
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from api import ApiContext, create_app
 from api.auth import AuthConfig
@@ -28,6 +28,7 @@ from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
+from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
 from controlplane.rollouts import RolloutController
@@ -61,6 +62,8 @@ class ServeConfig:
     default_fleet: str = DEFAULT_FLEET
     node_fleets: dict[str, str] = field(default_factory=dict)
     """Envoy node id -> fleet, overriding the node's own node.cluster."""
+    etcd_embedded: bool = False
+    """True when `run` started an embedded etcd for this daemon."""
     replica_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{uuid.uuid4().hex[:6]}")
     rollout_lease_ttl: int = 10
     """Seconds the replica driving rollouts may be silent before another takes over."""
@@ -187,10 +190,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `kvpilot serve`."""
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level)
     config = config_from_args(args)
     embedded: EmbeddedEtcd | None = None
     if not config.etcd_endpoints:
@@ -200,6 +200,13 @@ def run(args: argparse.Namespace) -> int:
         )
         embedded.start()
         config.etcd_endpoints = [embedded.endpoint]
+        config.etcd_embedded = True
+        # Printed, not only logged: `kvpilot agent --etcd-endpoints` needs this address.
+        print(
+            f"embedded etcd at {embedded.endpoint} (point agents at it with "
+            f"--etcd-endpoints {embedded.endpoint})",
+            flush=True,
+        )
     try:
         asyncio.run(serve(config))
     finally:
@@ -240,6 +247,12 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         reconciler.on_change(change, mirror.items)
 
     mirror = StateMirror(client, config.prefix, on_change)
+    Gauge(
+        "kvpilot_etcd_watch_connected",
+        "1 while this replica's etcd watch is established; 0 while etcd is unreachable (Envoys "
+        "keep the last snapshot meanwhile).",
+        registry=registry,
+    ).set_function(lambda: float(mirror.connected))
 
     grpc_server = grpc.aio.server(
         options=[
@@ -266,6 +279,8 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             replica_id=config.replica_id,
             envoy_records=lambda: envoy_records(mirror.items),
             mirror=mirror,
+            etcd_embedded=config.etcd_embedded,
+            etcd_watching=lambda: mirror.connected,
         )
     )
     api = UvicornServer(
@@ -309,7 +324,9 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     )
     log.info("ADS (gRPC, SotW and Delta) listening on %s:%d", config.xds_host, xds_port)
     log.info(
-        "REST API listening on http://%s:%d (OpenAPI at /docs)", config.api_host, config.api_port
+        "REST API listening on http://%s:%d (console at /ui, OpenAPI at /docs)",
+        config.api_host,
+        config.api_port,
     )
     if started is not None:
         started.set()

@@ -38,6 +38,7 @@ import httpx
 import yaml
 
 from controlplane.etcd import EtcdClient, EtcdError, LeaseKeeper
+from controlplane.logs import setup_logging
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies.telemetry import (
     METRIC_MAPS,
@@ -417,10 +418,7 @@ async def run_agent(config: AgentConfig) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `kvpilot agent`."""
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level)
     try:
         config = config_from_args(args)
     except (ValueError, KeyError, OSError) as error:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -38,8 +38,10 @@ from controlplane.decode import DecodedState, DecodeError
 from controlplane.etcd import KeyValue
 from controlplane.mirror import StateChange
 from controlplane.store import ENDPOINTS, STATUS, TELEMETRY
-from policies import PolicyState, RoutingPlan, compile_plan
+from controlplane.telemetryhistory import TelemetryHistory
+from policies import EndpointHealth, PolicyState, RoutingPlan, compile_plan
 from policies.admission import AdmissionDecision
+from policies.compile import pool_endpoints
 from policies.models import TELEMETRY_MAX_AGE
 from policies.weights import WeightDecision
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
@@ -154,6 +156,13 @@ class ReconcileMetrics:
             ["route", "direction"],
             **kwargs,
         )
+        self.pool_endpoints = Gauge(
+            "kvpilot_pool_endpoints",
+            "Endpoints of each pool (static and registered), by the health kvpilot sends to "
+            "Envoy: healthy, degraded, draining or unhealthy.",
+            ["pool", "health"],
+            **kwargs,
+        )
 
 
 class Reconciler:
@@ -179,6 +188,10 @@ class Reconciler:
         self.metrics = metrics or ReconcileMetrics(CollectorRegistry())
         self.errors: dict[str, ObjectError] = {}
         self.plan: RoutingPlan | None = None
+        self.state: PolicyState | None = None
+        """The state the last plan was compiled from (objects, endpoints, telemetry)."""
+        self.telemetry_history = TelemetryHistory()
+        """The last few telemetry records of each endpoint, for the console."""
         self.last_build = BuildInfo()
         self._decoded = DecodedState()
         self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
@@ -320,7 +333,9 @@ class Reconciler:
         self._report(plan)
         self._track_weights(state, plan)
         self._track_admission(plan)
+        self._count_endpoints(state, plan)
         self.plan = plan
+        self.state = state
         elapsed = time.perf_counter() - started
         self.last_build = BuildInfo(
             revision=revision,
@@ -350,10 +365,14 @@ class Reconciler:
         self.errors.pop(key, None)
         if key.startswith(TELEMETRY_PREFIX) and key.count("/") == 2:
             _, pool, endpoint_id = key.split("/")
-            if key not in self._decoded.telemetry:
+            record = self._decoded.telemetry.get(key)
+            if record is None:
+                self.telemetry_history.forget(pool, endpoint_id)
                 with contextlib.suppress(KeyError):  # never had a valid record
                     self.metrics.telemetry_age.remove(pool, endpoint_id)
-            elif not was_telemetry:
+                return
+            self.telemetry_history.add(pool, endpoint_id, record)
+            if not was_telemetry:
                 self.metrics.telemetry_age.labels(pool, endpoint_id).set_function(
                     partial(self._telemetry_age, key)
                 )
@@ -440,6 +459,27 @@ class Reconciler:
         self._next_admission_at = (
             min((d.next_step_at for d in plan.admission.values()), default=math.inf) + 0.05
         )
+
+    def _count_endpoints(self, state: PolicyState, plan: RoutingPlan) -> None:
+        """Set ``kvpilot_pool_endpoints``: every pool's endpoints by the health sent to Envoy
+        (telemetry may have marked some degraded). Every health has a series, zeros included,
+        so an alert on "no healthy endpoint" sees a 0, not a missing series."""
+        for name, pool in state.pools.items():
+            counts = dict.fromkeys(get_args(EndpointHealth), 0)
+            decisions = plan.weights.get(name, {})
+            for endpoint in pool_endpoints(pool, state.registered.get(name, {})):
+                decision = decisions.get(endpoint.key)
+                health = (
+                    "degraded" if decision is not None and decision.degraded else endpoint.health
+                )
+                counts[health] += 1
+            for health, count in counts.items():
+                self.metrics.pool_endpoints.labels(name, health).set(count)
+        gone = set(self.state.pools) - set(state.pools) if self.state is not None else set()
+        for name in gone:
+            for health in get_args(EndpointHealth):
+                with contextlib.suppress(KeyError):
+                    self.metrics.pool_endpoints.remove(name, health)
 
     def _report(self, plan: RoutingPlan) -> None:
         previous = set(self.plan.diagnostics) if self.plan is not None else set()

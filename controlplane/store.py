@@ -342,6 +342,23 @@ class Store:
                 continue
         raise Contended(f"{kind} {name!r} kept changing under {attempts} attempts; retry")
 
+    async def object_heads(self) -> tuple[Sequence[KeyValue], int]:
+        """Every object's current key and value (for walking its history back with
+        `version_before`), and the revision they were read at."""
+        return await self.client.get_prefix(self.keys.absolute(f"{OBJECTS}/"))
+
+    async def version_before(self, kv: KeyValue) -> KeyValue | None:
+        """What the key held before `kv` was written: None when `kv` created it (etcd keeps
+        every revision until compaction); ``CompactedError`` when etcd no longer has it."""
+        if kv.version <= 1:
+            return None
+        return await self.client.get(kv.key, revision=kv.mod_revision - 1)
+
+    @property
+    def etcd_endpoints(self) -> Sequence[str]:
+        """The etcd endpoints this store talks to."""
+        return self.client.endpoints
+
     async def values(self, sections: Sequence[str]) -> dict[str, bytes]:
         """Relative key -> value of every key under `sections` (``objects``, ``endpoints``,
         ...), for a consumer that decodes them (``controlplane.decode``)."""

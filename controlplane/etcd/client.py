@@ -272,8 +272,10 @@ class EtcdClient:
 
     # -- KV ---------------------------------------------------------------------------------
 
-    async def get(self, key: bytes) -> KeyValue | None:
-        request = rpc.RangeRequest(key=key)
+    async def get(self, key: bytes, *, revision: int = 0) -> KeyValue | None:
+        """The key's value now, or as it was at ``revision`` (``CompactedError`` if etcd has
+        compacted that far)."""
+        request = rpc.RangeRequest(key=key, revision=revision)
         response = await self._call(
             lambda c, t: c.kv.Range(request, timeout=t), what=f"get {key!r}"
         )
