@@ -709,6 +709,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
         return {
             "ready": reconciler.ready,
             "envoys": _envoys(context),
+            "refusedEnvoys": context.connections.as_dict()["refused"],
             "invalidObjects": [dataclasses.asdict(e) for e in reconciler.errors.values()],
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
             "lastBuild": {

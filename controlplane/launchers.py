@@ -40,6 +40,8 @@ from typing import IO, Any, Literal, Self
 import httpx
 import yaml
 
+from xdsserver.identity import TlsFiles
+
 __all__ = [
     "EmbeddedEnvoy",
     "EmbeddedEtcd",
@@ -500,6 +502,23 @@ class EmbeddedEtcd(_Launcher):
 # --------------------------------------------------------------------------- Envoy
 
 _XDS_CLUSTER = "kvpilot_xds"
+XDS_TLS_DIR = "/etc/envoy/xds-tls"
+"""Where the shipped bootstrap's SDS files expect the Envoy's certificate, key and CA."""
+XDS_TLS_SDS_DIR = "/etc/envoy/xds-tls-sds"
+"""Where the shipped bootstrap expects the SDS files of deploy/envoy/xds-tls/."""
+
+
+def _replace_paths(value: Any, paths: Mapping[str, str]) -> Any:
+    """`value` with every string that starts with one of `paths` re-rooted (longest first)."""
+    if isinstance(value, dict):
+        return {k: _replace_paths(v, paths) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_paths(v, paths) for v in value]
+    if isinstance(value, str):
+        for old in sorted(paths, key=len, reverse=True):
+            if value == old or value.startswith(old + "/"):
+                return paths[old] + value[len(old) :]
+    return value
 
 
 def render_bootstrap(
@@ -509,13 +528,22 @@ def render_bootstrap(
     xds_port: int,
     admin_port: int,
     admin_address: str = "127.0.0.1",
+    xds_tls_paths: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Load a bootstrap and point its `kvpilot_xds` cluster and admin listener at given ports."""
+    """Load a bootstrap and point its `kvpilot_xds` cluster and admin listener at given ports.
+
+    `xds_tls_paths` re-roots the xDS TLS file paths (`XDS_TLS_DIR`, `XDS_TLS_SDS_DIR`); without
+    it the xDS cluster's TLS is removed, for a kvpilot run with --xds-insecure-plaintext.
+    """
     config: dict[str, Any] = yaml.safe_load(template.read_text())
     clusters = config.get("static_resources", {}).get("clusters", [])
     xds = next((c for c in clusters if c.get("name") == _XDS_CLUSTER), None)
     if xds is None:
         raise LauncherError(f"{template} has no static cluster named {_XDS_CLUSTER!r}")
+    if xds_tls_paths is None:
+        xds.pop("transport_socket", None)
+    elif "transport_socket" in xds:
+        xds["transport_socket"] = _replace_paths(xds["transport_socket"], xds_tls_paths)
     xds["load_assignment"] = {
         "cluster_name": _XDS_CLUSTER,
         "endpoints": [
@@ -559,8 +587,12 @@ class EmbeddedEnvoy(_Launcher):
         bootstrap: Path | None = None,
         log_level: str = "warning",
         extra_args: Sequence[str] = (),
+        xds_tls_dir: Path | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.xds_tls_dir = xds_tls_dir
+        """Holds this Envoy's `tls.crt`, `tls.key` and `ca.crt` for ADS over mutual TLS; None
+        connects in plaintext (kvpilot then needs --xds-insecure-plaintext)."""
         self.xds_address = xds_address
         self.xds_port = xds_port
         self.node_id = node_id
@@ -595,11 +627,20 @@ class EmbeddedEnvoy(_Launcher):
                 f"Envoy bootstrap template {self.template} not found: deploy/ ships with the "
                 "source checkout, not the wheel; pass bootstrap=PATH or run from a checkout"
             )
+        paths: dict[str, str] | None = None
+        if self.xds_tls_dir is not None:
+            sds_dir = self.state_dir / "xds-tls-sds"
+            paths = {XDS_TLS_DIR: str(self.xds_tls_dir), XDS_TLS_SDS_DIR: str(sds_dir)}
+            sds_dir.mkdir(parents=True, exist_ok=True)
+            for source in sorted((self.template.parent / "xds-tls").glob("*.yaml")):
+                sds = _replace_paths(yaml.safe_load(source.read_text()), paths)
+                (sds_dir / source.name).write_text(yaml.safe_dump(sds, sort_keys=False))
         config = render_bootstrap(
             self.template,
             xds_address=self.xds_address,
             xds_port=self.xds_port,
             admin_port=self.admin_port or 0,
+            xds_tls_paths=paths,
         )
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.bootstrap_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -734,8 +775,14 @@ class KvpilotProcess(_Launcher):
         env: Mapping[str, str] | None = None,
         insecure_no_auth: bool = False,
         extra_args: Sequence[str] = (),
+        xds_tls: TlsFiles | None = None,
+        xds_identity_fleets: Sequence[str] = (),
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.xds_tls = xds_tls
+        """ADS over mutual TLS with these files; None serves plaintext ADS
+        (--xds-insecure-plaintext), which local runs and most tests use."""
+        self.xds_identity_fleets = list(xds_identity_fleets)
         self.etcd_endpoints = list(etcd_endpoints)
         self.prefix = prefix
         self.host = host
@@ -772,6 +819,19 @@ class KvpilotProcess(_Launcher):
         ]
         if self.insecure_no_auth:
             argv.append("--insecure-no-auth")
+        if self.xds_tls is None:
+            argv.append("--xds-insecure-plaintext")
+        else:
+            argv += [
+                "--xds-cert",
+                str(self.xds_tls.cert),
+                "--xds-key",
+                str(self.xds_tls.key),
+                "--xds-client-ca",
+                str(self.xds_tls.client_ca),
+            ]
+            for binding in self.xds_identity_fleets:
+                argv += ["--xds-identity-fleet", binding]
         return argv
 
     def _ready(self) -> bool:

@@ -31,6 +31,7 @@ from controlplane.launchers import EmbeddedEtcd
 from controlplane.reconcile import ReconcileMetrics, Reconciler
 from controlplane.store import DEFAULT_PREFIX, StateChange, StateMirror, Store
 from policies import DEFAULT_FLEET
+from xdsserver.identity import FleetBinding, TlsFiles
 from xdsserver.server import AdsServer
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
@@ -56,6 +57,12 @@ class ServeConfig:
     default_fleet: str = DEFAULT_FLEET
     node_fleets: dict[str, str] = field(default_factory=dict)
     """Envoy node id -> fleet, overriding the node's own node.cluster."""
+    xds_tls: TlsFiles | None = None
+    """ADS over mutual TLS: server certificate, key and the CA that signs Envoys' certificates."""
+    xds_identity_fleets: list[str] = field(default_factory=list)
+    """``IDENTITY=FLEET`` bindings: which fleets an Envoy's certificate identity may receive."""
+    xds_insecure_plaintext: bool = False
+    """Serve ADS without TLS (any process that reaches the port gets any fleet's config)."""
     replica_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{uuid.uuid4().hex[:6]}")
 
 
@@ -108,6 +115,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the REST API without authentication (logs a warning)",
     )
     parser.add_argument(
+        "--xds-cert",
+        default=env("KVPILOT_XDS_CERT"),
+        help="PEM certificate of the ADS server (env KVPILOT_XDS_CERT); re-read when it changes",
+    )
+    parser.add_argument(
+        "--xds-key",
+        default=env("KVPILOT_XDS_KEY"),
+        help="PEM private key of the ADS server (env KVPILOT_XDS_KEY)",
+    )
+    parser.add_argument(
+        "--xds-client-ca",
+        default=env("KVPILOT_XDS_CLIENT_CA"),
+        help="PEM CA bundle that signs Envoys' client certificates (env KVPILOT_XDS_CLIENT_CA)",
+    )
+    parser.add_argument(
+        "--xds-identity-fleet",
+        action="append",
+        default=[e for e in env("KVPILOT_XDS_IDENTITY_FLEETS", "").split(",") if e],
+        metavar="IDENTITY=FLEET",
+        help="an Envoy whose client certificate has the SAN IDENTITY (a SPIFFE ID or DNS name) "
+        "may receive FLEET ('*': every fleet); repeatable (env KVPILOT_XDS_IDENTITY_FLEETS, "
+        "comma-separated). A node claiming any other fleet is refused",
+    )
+    parser.add_argument(
+        "--xds-insecure-plaintext",
+        action="store_true",
+        help="serve ADS without TLS: anyone who reaches the port can read any fleet's config "
+        "(logs a warning; for a trusted machine only)",
+    )
+    parser.add_argument(
         "--quiet-period",
         type=float,
         default=0.02,
@@ -149,10 +186,47 @@ def _node_fleets(values: list[str]) -> dict[str, str]:
     return out
 
 
+def _xds_tls(args: argparse.Namespace) -> TlsFiles | None:
+    files = (args.xds_cert, args.xds_key, args.xds_client_ca)
+    if args.xds_insecure_plaintext:
+        if any(files):
+            raise SystemExit(
+                "--xds-insecure-plaintext and --xds-cert/--xds-key/--xds-client-ca "
+                "exclude each other: choose one"
+            )
+        return None
+    if not all(files):
+        raise SystemExit(
+            "ADS needs mutual TLS: pass --xds-cert, --xds-key and --xds-client-ca (and bind "
+            "certificate identities to fleets with --xds-identity-fleet), or run with "
+            "--xds-insecure-plaintext on a trusted machine"
+        )
+    return TlsFiles(Path(args.xds_cert), Path(args.xds_key), Path(args.xds_client_ca))
+
+
+def check_xds(config: ServeConfig) -> None:
+    """Refuse to start with ADS settings that cannot work; the message says what to pass."""
+    if config.xds_tls is None:
+        return
+    if not config.xds_identity_fleets:
+        raise SystemExit(
+            "ADS over mutual TLS refuses every Envoy until an identity is bound to a fleet: pass "
+            "--xds-identity-fleet SAN=FLEET (for example spiffe://example.org/fleet/edge=edge)"
+        )
+    try:
+        config.xds_tls.check()
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Turn parsed flags into a ServeConfig."""
     xds_host, xds_port = _host_port(args.xds_address, 18000)
     api_host, api_port = _host_port(args.api_address, 8080)
+    try:
+        FleetBinding.parse(args.xds_identity_fleet)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     return ServeConfig(
         etcd_endpoints=[e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
         prefix=args.etcd_prefix,
@@ -167,6 +241,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_wait=args.max_wait,
         default_fleet=args.default_fleet,
         node_fleets=_node_fleets(args.node_fleet),
+        xds_tls=_xds_tls(args),
+        xds_identity_fleets=list(args.xds_identity_fleet),
+        xds_insecure_plaintext=args.xds_insecure_plaintext,
     )
 
 
@@ -177,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     config = config_from_args(args)
+    check_xds(config)
     embedded: EmbeddedEtcd | None = None
     if not config.etcd_endpoints:
         embedded = EmbeddedEtcd(config.state_dir / "etcd")
@@ -228,9 +306,21 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ]
     )
-    ads = AdsServer(cache, connections)
+    xds_address = f"{config.xds_host}:{config.xds_port}"
+    if config.xds_tls is not None:
+        ads = AdsServer(cache, connections, binding=FleetBinding.parse(config.xds_identity_fleets))
+        xds_port = grpc_server.add_secure_port(xds_address, config.xds_tls.server_credentials())
+    elif config.xds_insecure_plaintext:
+        log.warning(
+            "ADS is PLAINTEXT without client certificates (--xds-insecure-plaintext): any process "
+            "that reaches %s can claim any fleet and read its routes and backend addresses",
+            xds_address,
+        )
+        ads = AdsServer(cache, connections)
+        xds_port = grpc_server.add_insecure_port(xds_address)
+    else:
+        raise ValueError("ServeConfig needs xds_tls or xds_insecure_plaintext=True")
     ads.add_to(grpc_server)
-    xds_port = grpc_server.add_insecure_port(f"{config.xds_host}:{config.xds_port}")
 
     app = create_app(
         ApiContext(
@@ -272,7 +362,12 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         ",".join(config.etcd_endpoints),
         config.prefix,
     )
-    log.info("ADS (gRPC, SotW and Delta) listening on %s:%d", config.xds_host, xds_port)
+    log.info(
+        "ADS (gRPC, SotW and Delta, %s) listening on %s:%d",
+        "mutual TLS" if config.xds_tls is not None else "plaintext",
+        config.xds_host,
+        xds_port,
+    )
     log.info(
         "REST API listening on http://%s:%d (OpenAPI at /docs)", config.api_host, config.api_port
     )
