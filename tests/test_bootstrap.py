@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pki import Ca, CertDir
 
-from controlplane.launchers import EmbeddedEnvoy, LauncherError, find_binary, free_port, repo_root
+from controlplane.launchers import EmbeddedEnvoy, LauncherError, find_binary, free_port
 
 BOOTSTRAPS = ["bootstrap.yaml", "bootstrap-delta.yaml"]
 
