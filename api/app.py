@@ -14,23 +14,26 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import prometheus_client
 from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from api.auth import AuthConfig, Principal, require
+from api.auth import AuthConfig, AuthMetrics, Principal, WriteRateLimit, require
 from api.preview import preview, snapshot_json
+from controlplane.audit import AuditLog
 from controlplane.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFoundError
 from controlplane.reconcile import Reconciler
 from controlplane.store import (
+    Actor,
     AlreadyExists,
     InvalidName,
     InvalidValue,
@@ -100,6 +103,12 @@ class ApiContext:
     envoy_records: Callable[[], list[dict[str, Any]]] | None = None
     """The Envoy status records every replica publishes to etcd
     (`controlplane.envoystatus`): with them /v1/status lists the Envoys of all replicas."""
+    audit: AuditLog | None = None
+    """Where /v1/audit reads from; the store's ``on_write`` writes to it."""
+    write_limit: WriteRateLimit | None = None
+    """Per-token write rate limit; None: unlimited."""
+    cors_origins: Sequence[str] = ()
+    """Browser origins allowed to call the API; empty: CORS stays closed."""
 
 
 class WeightChange(BaseModel):
@@ -275,6 +284,22 @@ def create_app(context: ApiContext) -> FastAPI:
         description="Routing policy for fleets of Envoys in front of LLM inference backends.",
     )
     app.state.auth = context.auth
+    app.state.write_limit = context.write_limit
+    app.state.auth_metrics = AuthMetrics(
+        context.metrics_registry
+        if context.metrics_registry is not None
+        else prometheus_client.CollectorRegistry()
+    )
+    if context.cors_origins:
+        # Bearer tokens travel in a header, not cookies: no credentials mode is needed.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(context.cors_origins),
+            allow_methods=["GET", "POST", "PUT", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "If-Match"],
+            expose_headers=["ETag"],
+            max_age=600,
+        )
     if not context.auth.enabled:
         log.warning(
             "REST API authentication is DISABLED (--insecure-no-auth): anyone who can reach "
@@ -286,6 +311,7 @@ def create_app(context: ApiContext) -> FastAPI:
         _add_object_routes(app, context, kind, path)
     _add_endpoint_routes(app, context)
     _add_status_routes(app, context)
+    _add_audit_routes(app, context)
     _install_openapi(app)
     return app
 
@@ -388,21 +414,25 @@ def _add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) 
             raise ApiError(404, f"{kind} {name!r} does not exist")
         return _object_response(stored)
 
-    async def create_object(request: Request, _: Admin, dry_run: DryRun = False) -> JSONResponse:
+    async def create_object(
+        request: Request, principal: Admin, dry_run: DryRun = False
+    ) -> JSONResponse:
         obj = _parse_for_kind(await _json_body(request), kind)
         name = obj.metadata.name
         if dry_run:
             if await store.get(kind, name) is not None:
                 raise ApiError(409, f"{kind} {name!r} already exists; PUT replaces it")
             return JSONResponse(await _dry_run(store, kind, name, obj))
-        stored = await store.create(kind, name, _dump(obj))
+        stored = await store.create(
+            kind, name, _dump(obj), actor=Actor(principal.name, f"create_{path}")
+        )
         log.info("created %s %r at revision %d", kind, name, stored.revision)
         return _object_response(stored, 201)
 
     async def replace_object(
         name: ObjectName,
         request: Request,
-        _: Admin,
+        principal: Admin,
         if_match: IfMatch = None,
         dry_run: DryRun = False,
     ) -> JSONResponse:
@@ -426,7 +456,13 @@ def _add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) 
                         412, f"{kind} {name!r} is not at revision {expected}; fetch it again"
                     )
             return JSONResponse(await _dry_run(store, kind, name, obj))
-        stored = await store.replace(kind, name, _dump(obj), expect_revision=expected)
+        stored = await store.replace(
+            kind,
+            name,
+            _dump(obj),
+            expect_revision=expected,
+            actor=Actor(principal.name, f"replace_{path}"),
+        )
         created = stored.created_revision == stored.revision
         log.info(
             "%s %s %r at revision %d",
@@ -438,7 +474,7 @@ def _add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) 
         return _object_response(stored, 201 if created else 200)
 
     async def delete_object(
-        name: ObjectName, _: Admin, if_match: IfMatch = None, dry_run: DryRun = False
+        name: ObjectName, principal: Admin, if_match: IfMatch = None, dry_run: DryRun = False
     ) -> Response:
         expected = await _expected_revision(store, kind, name, if_match)
         if dry_run:
@@ -450,7 +486,9 @@ def _add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) 
                     412, f"{kind} {name!r} is not at revision {expected}; fetch it again"
                 )
             return JSONResponse(await _dry_run(store, kind, name, None))
-        if not await store.delete(kind, name, expect_revision=expected):
+        if not await store.delete(
+            kind, name, expect_revision=expected, actor=Actor(principal.name, f"delete_{path}")
+        ):
             raise ApiError(404, f"{kind} {name!r} does not exist")
         log.info("deleted %s %r", kind, name)
         return Response(status_code=204)
@@ -551,7 +589,7 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         pool: str,
         endpoint_id: str,
         request: Request,
-        _: Admin,
+        principal: Admin,
         ttl: Annotated[
             int | None,
             Query(ge=1, le=365 * 24 * 3600, description="Lease TTL in seconds; none = forever."),
@@ -562,7 +600,9 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         except ValidationError as error:
             raise PolicyError(field_errors(error)) from None
         body = _dump(endpoint)
-        revision, lease = await store.put_endpoint(pool, endpoint_id, body, ttl=ttl)
+        revision, lease = await store.put_endpoint(
+            pool, endpoint_id, body, ttl=ttl, actor=Actor(principal.name, "register_endpoint")
+        )
         log.info("registered endpoint %s/%s (lease %s)", pool, endpoint_id, lease)
         return JSONResponse(
             {
@@ -582,8 +622,10 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         summary="Remove a registered endpoint",
         status_code=204,
     )
-    async def deregister_endpoint(pool: str, endpoint_id: str, _: Admin) -> Response:
-        if not await store.delete_endpoint(pool, endpoint_id):
+    async def deregister_endpoint(pool: str, endpoint_id: str, principal: Admin) -> Response:
+        if not await store.delete_endpoint(
+            pool, endpoint_id, actor=Actor(principal.name, "deregister_endpoint")
+        ):
             raise ApiError(404, f"endpoint {endpoint_id!r} is not registered to pool {pool!r}")
         log.info("deregistered endpoint %s/%s", pool, endpoint_id)
         return Response(status_code=204)
@@ -595,8 +637,9 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         summary="Change one endpoint's weight (registered, or static as address:port)",
     )
     async def set_weight(
-        pool: str, endpoint_id: str, change: WeightChange, _: Admin
+        pool: str, endpoint_id: str, change: WeightChange, principal: Admin
     ) -> dict[str, Any]:
+        actor = Actor(principal.name, "set_endpoint_weight")
         key = store.keys.absolute(store.keys.endpoint(pool, endpoint_id))
         kv = await store.client.get(key)
         if kv is not None:
@@ -611,7 +654,7 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
                 raise PolicyError(field_errors(error)) from None
             try:
                 revision, _lease = await store.put_endpoint(
-                    pool, endpoint_id, _dump(endpoint), lease=kv.lease or None
+                    pool, endpoint_id, _dump(endpoint), lease=kv.lease or None, actor=actor
                 )
             except LeaseNotFoundError:
                 raise ApiError(
@@ -662,7 +705,7 @@ def _add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
             )
             try:
                 written = await store.replace(
-                    "Pool", pool, _dump(updated), expect_revision=stored.revision
+                    "Pool", pool, _dump(updated), expect_revision=stored.revision, actor=actor
                 )
             except (RevisionMismatch, NotFound):
                 continue
@@ -722,6 +765,22 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "fleets": build.fleets,
             },
         }
+
+
+def _add_audit_routes(app: FastAPI, context: ApiContext) -> None:
+    @app.get(
+        "/v1/audit",
+        tags=["audit"],
+        operation_id="audit",
+        summary="Accepted writes, newest first: who (token name), when, what, revisions, diff",
+    )
+    async def audit(
+        _: Reader,
+        limit: Annotated[int, Query(ge=1, le=1000, description="Entries to return.")] = 100,
+    ) -> dict[str, Any]:
+        if context.audit is None:
+            raise ApiError(404, "this kvpilot keeps no audit log")
+        return {"items": await context.audit.entries(limit=limit)}
 
 
 def _envoys(context: ApiContext) -> list[dict[str, Any]]:

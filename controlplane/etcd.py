@@ -439,6 +439,21 @@ class EtcdClient:
     ) -> KeyValue:
         """Like ``put``, but returns the written ``KeyValue`` (its create revision and version
         come from the same atomic write, not from a second read)."""
+        kv, _ = await self.put_with_previous(
+            key, value, lease=lease, expect_mod_revision=expect_mod_revision
+        )
+        return kv
+
+    async def put_with_previous(
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        lease: int = 0,
+        expect_mod_revision: int | None = None,
+    ) -> tuple[KeyValue, KeyValue | None]:
+        """Like ``put_kv``, plus the value the write replaced (None if the key was new), read
+        by etcd in the same write: what an audit record needs."""
         put = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
         if expect_mod_revision is None:
             response = await self._call(lambda c, t: c.kv.Put(put, timeout=t), what=f"put {key!r}")
@@ -450,7 +465,7 @@ class EtcdClient:
             put_response = response.responses[0].response_put
         revision = int(response.header.revision)
         prev = put_response.prev_kv if put_response.HasField("prev_kv") else None
-        return KeyValue(
+        written = KeyValue(
             key=key,
             value=value,
             create_revision=int(prev.create_revision) if prev is not None else revision,
@@ -458,20 +473,32 @@ class EtcdClient:
             version=int(prev.version) + 1 if prev is not None else 1,
             lease=lease,
         )
+        return written, KeyValue.from_pb(prev) if prev is not None else None
 
     async def delete(self, key: bytes, *, expect_mod_revision: int | None = None) -> bool:
         """Delete ``key``; True if it existed. With ``expect_mod_revision``, ``ConflictError``
         unless the key's ``mod_revision`` matches."""
-        delete = rpc.DeleteRangeRequest(key=key)
+        deleted, _ = await self.delete_with_previous(key, expect_mod_revision=expect_mod_revision)
+        return deleted is not None
+
+    async def delete_with_previous(
+        self, key: bytes, *, expect_mod_revision: int | None = None
+    ) -> tuple[KeyValue | None, int]:
+        """Like ``delete``; returns the deleted value (None if there was none) and the revision
+        of the delete."""
+        delete = rpc.DeleteRangeRequest(key=key, prev_kv=True)
         if expect_mod_revision is None:
             response = await self._call(
                 lambda c, t: c.kv.DeleteRange(delete, timeout=t), what=f"delete {key!r}"
             )
-            return bool(response.deleted)
-        response = await self._compare_and(
-            key, expect_mod_revision, rpc.RequestOp(request_delete_range=delete), what="delete"
-        )
-        return bool(response.responses[0].response_delete_range.deleted)
+            deleted = response
+        else:
+            response = await self._compare_and(
+                key, expect_mod_revision, rpc.RequestOp(request_delete_range=delete), what="delete"
+            )
+            deleted = response.responses[0].response_delete_range
+        previous = KeyValue.from_pb(deleted.prev_kvs[0]) if deleted.prev_kvs else None
+        return previous, int(response.header.revision)
 
     async def _compare_and(
         self, key: bytes, expect_mod_revision: int, operation: Any, *, what: str
@@ -496,6 +523,46 @@ class EtcdClient:
         request = rpc.DeleteRangeRequest(key=prefix, range_end=prefix_range_end(prefix))
         response = await self._call(
             lambda c, t: c.kv.DeleteRange(request, timeout=t), what=f"delete prefix {prefix!r}"
+        )
+        return int(response.deleted)
+
+    async def count_prefix(self, prefix: bytes) -> int:
+        """How many keys are under ``prefix`` (etcd counts; nothing is transferred)."""
+        request = rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix), count_only=True)
+        response = await self._call(
+            lambda c, t: c.kv.Range(request, timeout=t), what=f"count {prefix!r}"
+        )
+        return int(response.count)
+
+    async def first_keys(self, prefix: bytes, limit: int) -> list[bytes]:
+        """The ``limit`` smallest keys under ``prefix``, without their values."""
+        request = rpc.RangeRequest(
+            key=prefix, range_end=prefix_range_end(prefix), keys_only=True, limit=limit
+        )
+        response = await self._call(
+            lambda c, t: c.kv.Range(request, timeout=t), what=f"list keys {prefix!r}"
+        )
+        return [kv.key for kv in response.kvs]
+
+    async def last_values(self, prefix: bytes, limit: int) -> list[KeyValue]:
+        """The ``limit`` largest keys under ``prefix`` with their values, largest first."""
+        request = rpc.RangeRequest(
+            key=prefix,
+            range_end=prefix_range_end(prefix),
+            limit=limit,
+            sort_order=rpc.RangeRequest.DESCEND,
+            sort_target=rpc.RangeRequest.KEY,
+        )
+        response = await self._call(
+            lambda c, t: c.kv.Range(request, timeout=t), what=f"list {prefix!r}"
+        )
+        return [KeyValue.from_pb(kv) for kv in response.kvs]
+
+    async def delete_range(self, start: bytes, end: bytes) -> int:
+        """Delete every key in ``[start, end)``; returns how many were deleted."""
+        request = rpc.DeleteRangeRequest(key=start, range_end=end)
+        response = await self._call(
+            lambda c, t: c.kv.DeleteRange(request, timeout=t), what=f"delete {start!r}..{end!r}"
         )
         return int(response.deleted)
 

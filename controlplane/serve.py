@@ -22,8 +22,9 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from api.app import ApiContext, create_app
-from api.auth import AuthConfig
+from api.auth import AuthConfig, TokenReloader, WriteRateLimit
 from controlplane.asgi import UvicornServer
+from controlplane.audit import DEFAULT_RETENTION, AuditLog
 from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdClient
@@ -63,6 +64,14 @@ class ServeConfig:
     """``IDENTITY=FLEET`` bindings: which fleets an Envoy's certificate identity may receive."""
     xds_insecure_plaintext: bool = False
     """Serve ADS without TLS (any process that reaches the port gets any fleet's config)."""
+    audit_retention: int = DEFAULT_RETENTION
+    """Audit entries kept in etcd; older ones are deleted."""
+    write_rate: float = 20.0
+    """REST writes per second per token (a token bucket)."""
+    write_burst: int = 100
+    """Writes a token may make at once before the rate applies."""
+    cors_origins: list[str] = field(default_factory=list)
+    """Browser origins allowed to call the REST API; empty keeps CORS closed."""
     replica_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{uuid.uuid4().hex[:6]}")
 
 
@@ -143,6 +152,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve ADS without TLS: anyone who reaches the port can read any fleet's config "
         "(logs a warning; for a trusted machine only)",
+    )
+    parser.add_argument(
+        "--audit-retention",
+        type=int,
+        default=int(env("KVPILOT_AUDIT_RETENTION", str(DEFAULT_RETENTION))),
+        help=f"audit log entries kept in etcd (env KVPILOT_AUDIT_RETENTION; default "
+        f"{DEFAULT_RETENTION})",
+    )
+    parser.add_argument(
+        "--write-rate-limit",
+        type=float,
+        default=float(env("KVPILOT_WRITE_RATE_LIMIT", "20")),
+        help="REST writes per second allowed to each token, beyond its burst; more get 429 "
+        "(env KVPILOT_WRITE_RATE_LIMIT; default 20)",
+    )
+    parser.add_argument(
+        "--write-burst",
+        type=int,
+        default=int(env("KVPILOT_WRITE_BURST", "100")),
+        help="REST writes a token may make at once (env KVPILOT_WRITE_BURST; default 100)",
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[e for e in env("KVPILOT_CORS_ORIGINS", "").split(",") if e],
+        metavar="ORIGIN",
+        help="a browser origin (https://console.example.com) allowed to call the REST API; "
+        "repeatable (env KVPILOT_CORS_ORIGINS, comma-separated). None: CORS stays closed",
     )
     parser.add_argument(
         "--quiet-period",
@@ -244,6 +281,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         xds_tls=_xds_tls(args),
         xds_identity_fleets=list(args.xds_identity_fleet),
         xds_insecure_plaintext=args.xds_insecure_plaintext,
+        audit_retention=args.audit_retention,
+        write_rate=args.write_rate_limit,
+        write_burst=args.write_burst,
+        cors_origins=list(args.cors_origin),
     )
 
 
@@ -289,7 +330,8 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     )
     client = EtcdClient(config.etcd_endpoints)
     await client.connect()
-    store = Store(client, config.prefix)
+    audit = AuditLog(client, config.prefix, retention=config.audit_retention)
+    store = Store(client, config.prefix, on_write=audit.record)
 
     mirror: StateMirror
 
@@ -332,6 +374,9 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             etcd=client,
             replica_id=config.replica_id,
             envoy_records=lambda: envoy_records(mirror.items),
+            audit=audit,
+            write_limit=WriteRateLimit(config.write_rate, config.write_burst),
+            cors_origins=config.cors_origins,
         )
     )
     api = UvicornServer(
@@ -345,6 +390,11 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    reloader: TokenReloader | None = None
+    if config.tokens_file is not None and auth.enabled:
+        reloader = TokenReloader(auth, config.tokens_file, os.environ)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, reloader.reload)
 
     await grpc_server.start()
     publisher = asyncio.create_task(
@@ -356,6 +406,8 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         asyncio.create_task(api.serve(), name="rest-api"),
         publisher,
     ]
+    if reloader is not None:
+        tasks.append(asyncio.create_task(reloader.watch(), name="tokens-reload"))
     log.info(
         "kvpilot replica %s: etcd %s, prefix %s",
         config.replica_id,

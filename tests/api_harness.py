@@ -13,7 +13,8 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from api.app import ApiContext, create_app
-from api.auth import AuthConfig
+from api.auth import AuthConfig, WriteRateLimit
+from controlplane.audit import AuditLog
 from controlplane.etcd import EtcdClient
 from controlplane.reconcile import ReconcileMetrics, Reconciler
 from controlplane.store import StateChange, StateMirror, Store
@@ -51,13 +52,20 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def running_api(
-    etcd_endpoint: str, prefix: str, *, auth: AuthConfig | None = None
+    etcd_endpoint: str,
+    prefix: str,
+    *,
+    auth: AuthConfig | None = None,
+    write_limit: WriteRateLimit | None = None,
+    cors_origins: tuple[str, ...] = (),
 ) -> AsyncIterator[Harness]:
-    """Store, mirror, reconciler and app over one etcd prefix; stopped on exit."""
+    """Store (with its audit log), mirror, reconciler and app over one etcd prefix; stopped on
+    exit."""
     client = EtcdClient([etcd_endpoint])
     await client.connect()
     registry = CollectorRegistry()
-    store = Store(client, prefix)
+    audit = AuditLog(client, prefix)
+    store = Store(client, prefix, on_write=audit.record)
     reconciler = Reconciler(
         SnapshotCache(), quiet_period=0.005, max_wait=0.05, metrics=ReconcileMetrics(registry)
     )
@@ -76,6 +84,9 @@ async def running_api(
             auth=auth or auth_config(),
             metrics_registry=registry,
             etcd=client,
+            audit=audit,
+            write_limit=write_limit,
+            cors_origins=cors_origins,
         )
     )
     try:
