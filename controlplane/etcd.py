@@ -13,19 +13,30 @@ Failure model, in one place:
   (gRPC could not connect), so a retry cannot turn a successful create into a conflict.
 - ``ConflictError``: a compare-and-swap failed; carries the key's actual ``mod_revision``.
 - ``CompactedError``: a watch asked for history etcd has already compacted; re-list.
+- ``EtcdAccessDenied``: etcd refused who we are (a TLS handshake it rejected, a wrong user or
+  password, a role without permission for the key). Retrying cannot help; the message says
+  which setting to check.
+
+Security (``EtcdSecurity``): TLS with a CA bundle and a client certificate, and etcd's
+user/password authentication. With a user, the client asks etcd for an auth token once per
+channel and sends it with every call (a gRPC interceptor adds the ``token`` metadata, which
+is where etcd looks for it); an expired token is renewed and the call retried once.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import enum
 import functools
 import inspect
 import logging
+import os
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -111,6 +122,177 @@ class CompactedError(EtcdError):
 
 class LeaseNotFoundError(EtcdError):
     """A write referred to a lease that has expired or was revoked."""
+
+
+class EtcdAccessDenied(EtcdError):
+    """etcd refused our identity or our permission; the message names what to check."""
+
+
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """How to prove who we are to etcd: TLS files and/or a user and password.
+
+    The password never appears in ``repr`` or in an error message.
+    """
+
+    ca: Path | None = None
+    """CA bundle that signs etcd's server certificate (``--etcd-cacert``)."""
+    cert: Path | None = None
+    """Client certificate for etcd's ``--client-cert-auth`` (``--etcd-cert``)."""
+    key: Path | None = None
+    """Private key of ``cert`` (``--etcd-key``)."""
+    user: str | None = None
+    """etcd user (``--etcd-user``); its password comes from the environment or a file."""
+    password: str | None = field(default=None, repr=False)
+
+    @property
+    def tls(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """TLS credentials from the files; a file that cannot be read is a clear error."""
+
+        def read(path: Path | None, what: str) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                data = path.read_bytes()
+            except OSError as error:
+                raise EtcdAccessDenied(
+                    f"cannot read the etcd {what} {path}: {error.strerror}"
+                ) from None
+            if b"-----BEGIN" not in data:
+                raise EtcdAccessDenied(f"the etcd {what} {path} is not PEM")
+            return data
+
+        if (self.cert is None) != (self.key is None):
+            raise EtcdAccessDenied("--etcd-cert and --etcd-key go together: give both or neither")
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca, "CA (--etcd-cacert)"),
+            private_key=read(self.key, "client key (--etcd-key)"),
+            certificate_chain=read(self.cert, "client certificate (--etcd-cert)"),
+        )
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """The etcd security flags `kvpilot serve` and `kvpilot agent` share, each with an
+        environment variable."""
+        env = os.environ.get
+        parser.add_argument(
+            "--etcd-cacert",
+            default=env("KVPILOT_ETCD_CACERT"),
+            help="CA bundle of etcd's server certificate; turns on TLS (env KVPILOT_ETCD_CACERT)",
+        )
+        parser.add_argument(
+            "--etcd-cert",
+            default=env("KVPILOT_ETCD_CERT"),
+            help="client certificate for etcd (env KVPILOT_ETCD_CERT)",
+        )
+        parser.add_argument(
+            "--etcd-key",
+            default=env("KVPILOT_ETCD_KEY"),
+            help="private key of --etcd-cert (env KVPILOT_ETCD_KEY)",
+        )
+        parser.add_argument(
+            "--etcd-user",
+            default=env("KVPILOT_ETCD_USER"),
+            help="etcd user; its password comes from KVPILOT_ETCD_PASSWORD or "
+            "--etcd-password-file, never from a flag (env KVPILOT_ETCD_USER)",
+        )
+        parser.add_argument(
+            "--etcd-password-file",
+            default=env("KVPILOT_ETCD_PASSWORD_FILE"),
+            help="file holding the etcd user's password (env KVPILOT_ETCD_PASSWORD_FILE)",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> EtcdSecurity:
+        """Read the flags (and the password) into an EtcdSecurity; SystemExit with a sentence
+        on a combination that cannot work."""
+        password = env.get("KVPILOT_ETCD_PASSWORD") or None
+        if args.etcd_password_file:
+            try:
+                password = Path(args.etcd_password_file).read_text().rstrip("\r\n")
+            except OSError as error:
+                raise SystemExit(
+                    f"cannot read the etcd password file {args.etcd_password_file}: "
+                    f"{error.strerror}"
+                ) from None
+        user = args.etcd_user or None
+        if user is not None and ":" in user:
+            raise SystemExit(
+                "--etcd-user takes the user name only; pass the password through "
+                "KVPILOT_ETCD_PASSWORD or --etcd-password-file so it stays out of process lists"
+            )
+        if user is not None and not password:
+            raise SystemExit(
+                f"etcd user {user!r} needs a password: set KVPILOT_ETCD_PASSWORD or pass "
+                "--etcd-password-file"
+            )
+        if bool(args.etcd_cert) != bool(args.etcd_key):
+            raise SystemExit("--etcd-cert and --etcd-key go together: give both or neither")
+        return cls(
+            ca=Path(args.etcd_cacert) if args.etcd_cacert else None,
+            cert=Path(args.etcd_cert) if args.etcd_cert else None,
+            key=Path(args.etcd_key) if args.etcd_key else None,
+            user=user,
+            password=password if user is not None else None,
+        )
+
+
+_INTERCEPTORS = (
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+)
+
+
+class _AuthToken(*_INTERCEPTORS):  # type: ignore[misc]  # grpc ships no type information
+    """Adds etcd's auth token (``token`` metadata) to every call on a channel."""
+
+    def __init__(self) -> None:
+        self.value: str | None = None
+
+    def _details(self, details: Any) -> Any:
+        if self.value is None:
+            return details
+        metadata = [*(details.metadata or ()), ("token", self.value)]
+        return details._replace(metadata=grpc.aio.Metadata(*metadata))
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_stream(
+        self, continuation: Any, details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+
+def _is_bad_token(err: grpc.aio.AioRpcError) -> bool:
+    """etcd's answer to an expired or unknown auth token (renew it and retry)."""
+    details = err.details() or ""
+    return "invalid auth token" in details or "auth token is expired" in details
+
+
+def _access_problem(err: grpc.aio.AioRpcError) -> str | None:
+    """What an error says about our credentials, or None if it is not about them."""
+    details = err.details() or ""
+    lowered = details.lower()
+    if err.code() == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in lowered:
+        return "etcd denied the operation to this user (check its role's key permissions)"
+    if "authentication failed" in lowered:
+        return "etcd rejected the user name or password (check --etcd-user and the password)"
+    if "user name is empty" in lowered or "user name not found" in lowered:
+        return "etcd has authentication enabled: pass --etcd-user and the password"
+    if any(word in lowered for word in ("handshake", "certificate", "ssl", "tls")):
+        return (
+            "the TLS handshake with etcd failed (check --etcd-cacert, --etcd-cert and "
+            "--etcd-key, and that the endpoints speak TLS)"
+        )
+    return None
 
 
 class EventType(enum.Enum):
@@ -228,6 +410,8 @@ class _Conn:
     watch: Any
     lease: Any
     maintenance: Any
+    auth: Any
+    token: _AuthToken
 
 
 class EtcdClient:
@@ -237,13 +421,20 @@ class EtcdClient:
     current one is unreachable.
     """
 
-    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 5.0,
+        security: EtcdSecurity | None = None,
+    ) -> None:
         if isinstance(endpoints, str):
             endpoints = [endpoints]
         if not endpoints:
             raise ValueError("EtcdClient needs at least one endpoint")
         self._targets = [_normalize_endpoint(e) for e in endpoints]
         self.timeout = timeout
+        self.security = security or EtcdSecurity()
         self._conns: list[_Conn] = []
         self._current = 0
         self._closed = False
@@ -261,13 +452,20 @@ class EtcdClient:
         if self._conns:
             return
         self._closed = False
+        credentials = self.security.channel_credentials() if self.security.tls else None
         for target, tls in self._targets:
-            if tls:
+            token = _AuthToken()
+            if tls or credentials is not None:
                 channel = grpc.aio.secure_channel(
-                    target, grpc.ssl_channel_credentials(), options=_CHANNEL_OPTIONS
+                    target,
+                    credentials or grpc.ssl_channel_credentials(),
+                    options=_CHANNEL_OPTIONS,
+                    interceptors=[token],
                 )
             else:
-                channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                channel = grpc.aio.insecure_channel(
+                    target, options=_CHANNEL_OPTIONS, interceptors=[token]
+                )
             self._conns.append(
                 _Conn(
                     endpoint=target,
@@ -276,6 +474,8 @@ class EtcdClient:
                     watch=rpc.WatchStub(channel),
                     lease=rpc.LeaseStub(channel),
                     maintenance=rpc.MaintenanceStub(channel),
+                    auth=rpc.AuthStub(channel),
+                    token=token,
                 )
             )
 
@@ -330,6 +530,7 @@ class EtcdClient:
         deadline = loop.time() + (self.timeout if budget is None else budget)
         delay = 0.05
         tried_in_round = 0
+        renewed = False
         last: grpc.aio.AioRpcError | None = None
         while True:
             conn = await self._conn()
@@ -341,9 +542,22 @@ class EtcdClient:
                 # A black-holed endpoint must not eat the whole budget.
                 per_attempt = min(remaining, max(self.timeout / len(self._conns), 0.5))
             try:
+                if self.security.user is not None and conn.token.value is None:
+                    await self._authenticate(conn, per_attempt)
                 return await attempt(conn, per_attempt)
             except grpc.aio.AioRpcError as err:
                 code = err.code()
+                if _is_bad_token(err) and not renewed:
+                    # The token expired (etcd's simple tokens live 5 minutes idle): renew it
+                    # once. The request was refused, so even a write is safe to repeat.
+                    conn.token.value = None
+                    renewed = True
+                    continue
+                problem = _access_problem(err)
+                if problem is not None:
+                    raise EtcdAccessDenied(
+                        f"{problem}; {what} at {conn.endpoint} failed: {err.details()}"
+                    ) from None
                 retryable = code == grpc.StatusCode.UNAVAILABLE or (
                     code == grpc.StatusCode.DEADLINE_EXCEEDED and per_attempt < remaining
                 )
@@ -367,7 +581,23 @@ class EtcdClient:
                     await asyncio.sleep(min(delay * (0.5 + random.random()), left))
                     delay = min(delay * 2, 1.0)
 
-    def _unavailable(self, what: str, err: grpc.aio.AioRpcError | None) -> EtcdUnavailable:
+    async def _authenticate(self, conn: _Conn, seconds: float) -> None:
+        """Get an auth token for ``conn`` with the configured user and password."""
+        request = rpc.AuthenticateRequest(
+            name=self.security.user or "", password=self.security.password or ""
+        )
+        response = await conn.auth.Authenticate(request, timeout=seconds)
+        conn.token.value = str(response.token)
+
+    async def check_access(self) -> None:
+        """Ask etcd for its status: raises ``EtcdAccessDenied`` when etcd refuses our TLS
+        certificate or credentials (worth stopping for at start), ``EtcdUnavailable`` when
+        it cannot be reached (worth waiting for)."""
+        await self.status()
+
+    def _unavailable(self, what: str, err: grpc.aio.AioRpcError | None) -> EtcdError:
+        if err is not None and (problem := _access_problem(err)) is not None:
+            return EtcdAccessDenied(f"{problem}; {what} failed: {err.details()}")
         detail = f": {err.details()}" if err is not None else ""
         return EtcdUnavailable(
             f"cannot reach etcd at {', '.join(self.endpoints)} for {what} within "

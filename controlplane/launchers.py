@@ -27,6 +27,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -40,6 +41,7 @@ from typing import IO, Any, Literal, Self
 import httpx
 import yaml
 
+from controlplane.etcd import EtcdSecurity
 from xdsserver.identity import TlsFiles
 
 __all__ = [
@@ -340,10 +342,15 @@ class ManagedProcess:
             time.sleep(_POLL_INTERVAL)
 
 
-def _http_get(url: str) -> httpx.Response | None:
-    """GET with a short timeout; None when nothing answers."""
+def _http_get(url: str, tls: TlsFiles | None = None) -> httpx.Response | None:
+    """GET with a short timeout; None when nothing answers. With `tls`, the server is checked
+    against `tls.client_ca` and `tls.cert`/`tls.key` are presented as the client certificate."""
     try:
-        return httpx.get(url, timeout=_HTTP_TIMEOUT)
+        if tls is None:
+            return httpx.get(url, timeout=_HTTP_TIMEOUT)
+        context = ssl.create_default_context(cafile=str(tls.client_ca))
+        context.load_cert_chain(str(tls.cert), str(tls.key))
+        return httpx.get(url, timeout=_HTTP_TIMEOUT, verify=context)
     except httpx.HTTPError:
         return None
 
@@ -415,9 +422,14 @@ class EmbeddedEtcd(_Launcher):
         peer_port: int | None = None,
         name: str = "kvpilot",
         extra_args: Sequence[str] = (),
+        tls: TlsFiles | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.host = host
+        self.tls = tls
+        """Serve clients over TLS with this certificate and require client certificates signed
+        by `tls.client_ca` (etcd's --client-cert-auth). The launcher's own health check
+        presents `tls.cert`, so issue it for both server and client use."""
         self.name = name
         self.extra_args = list(extra_args)
         self._auto_ports = client_port is None or peer_port is None
@@ -436,8 +448,9 @@ class EmbeddedEtcd(_Launcher):
 
     @property
     def client_url(self) -> str:
-        """`http://host:port` of the client API."""
-        return f"http://{self.host}:{self.client_port}"
+        """`http://host:port` (`https://` with TLS) of the client API."""
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -462,11 +475,25 @@ class EmbeddedEtcd(_Launcher):
             f"{self.name}={self.peer_url}",
             "--initial-cluster-state",
             "new",
+            *self._tls_args(),
             *self.extra_args,
         ]
 
+    def _tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        return [
+            "--cert-file",
+            str(self.tls.cert),
+            "--key-file",
+            str(self.tls.key),
+            "--trusted-ca-file",
+            str(self.tls.client_ca),
+            "--client-cert-auth",
+        ]
+
     def _healthy(self) -> bool:
-        response = _http_get(f"{self.client_url}/health")
+        response = _http_get(f"{self.client_url}/health", self.tls)
         if response is None or response.status_code != 200:
             return False
         try:
@@ -777,8 +804,11 @@ class KvpilotProcess(_Launcher):
         extra_args: Sequence[str] = (),
         xds_tls: TlsFiles | None = None,
         xds_identity_fleets: Sequence[str] = (),
+        etcd_security: EtcdSecurity | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.etcd_security = etcd_security
+        """etcd TLS files and user; the password goes to the child in KVPILOT_ETCD_PASSWORD."""
         self.xds_tls = xds_tls
         """ADS over mutual TLS with these files; None serves plaintext ADS
         (--xds-insecure-plaintext), which local runs and most tests use."""
@@ -819,6 +849,16 @@ class KvpilotProcess(_Launcher):
         ]
         if self.insecure_no_auth:
             argv.append("--insecure-no-auth")
+        security = self.etcd_security
+        if security is not None:
+            for flag, value in (
+                ("--etcd-cacert", security.ca),
+                ("--etcd-cert", security.cert),
+                ("--etcd-key", security.key),
+                ("--etcd-user", security.user),
+            ):
+                if value is not None:
+                    argv += [flag, str(value)]
         if self.xds_tls is None:
             argv.append("--xds-insecure-plaintext")
         else:
@@ -844,6 +884,8 @@ class KvpilotProcess(_Launcher):
             return self
         self.state_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env}
+        if self.etcd_security is not None and self.etcd_security.password is not None:
+            env["KVPILOT_ETCD_PASSWORD"] = self.etcd_security.password
         self._process = ManagedProcess(self._argv(), self.log_path, env=env, cwd=repo_root())
         self._process.spawn()
         self._process.wait_for(self._ready, timeout, "GET /readyz answers 200")

@@ -27,7 +27,7 @@ from controlplane.asgi import UvicornServer
 from controlplane.audit import DEFAULT_RETENTION, AuditLog
 from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
-from controlplane.etcd import EtcdClient
+from controlplane.etcd import EtcdAccessDenied, EtcdClient, EtcdSecurity, EtcdUnavailable
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.reconcile import ReconcileMetrics, Reconciler
 from controlplane.store import DEFAULT_PREFIX, StateChange, StateMirror, Store
@@ -45,6 +45,8 @@ class ServeConfig:
     """Everything the daemon needs (`kvpilot serve` builds it from its flags)."""
 
     etcd_endpoints: list[str] = field(default_factory=list)
+    etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
+    """TLS files and user/password for etcd."""
     prefix: str = DEFAULT_PREFIX
     xds_host: str = "0.0.0.0"
     xds_port: int = 18000
@@ -96,6 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=env("KVPILOT_ETCD_PREFIX", DEFAULT_PREFIX),
         help="etcd key prefix (env KVPILOT_ETCD_PREFIX)",
     )
+    EtcdSecurity.add_arguments(parser)
     parser.add_argument(
         "--xds-address",
         default=env("KVPILOT_XDS_ADDRESS", "0.0.0.0:18000"),
@@ -266,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise SystemExit(str(error)) from None
     return ServeConfig(
         etcd_endpoints=[e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
+        etcd_security=EtcdSecurity.from_args(args, os.environ),
         prefix=args.etcd_prefix,
         xds_host=xds_host,
         xds_port=xds_port,
@@ -306,6 +310,9 @@ def run(args: argparse.Namespace) -> int:
         config.etcd_endpoints = [embedded.endpoint]
     try:
         asyncio.run(serve(config))
+    except EtcdAccessDenied as error:
+        log.error("%s", error)
+        return 2
     finally:
         if embedded is not None:
             embedded.stop()
@@ -328,8 +335,17 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         max_wait=config.max_wait,
         metrics=ReconcileMetrics(registry),
     )
-    client = EtcdClient(config.etcd_endpoints)
+    client = EtcdClient(config.etcd_endpoints, security=config.etcd_security)
     await client.connect()
+    try:
+        # A certificate or password etcd refuses will not start working by waiting: stop now,
+        # saying which setting to check. An etcd that is down may come up: keep going.
+        await client.check_access()
+    except EtcdAccessDenied:
+        await client.close()
+        raise
+    except EtcdUnavailable as error:
+        log.warning("%s; serving starts and keeps trying", error)
     audit = AuditLog(client, config.prefix, retention=config.audit_retention)
     store = Store(client, config.prefix, on_write=audit.record)
 
