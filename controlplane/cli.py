@@ -177,6 +177,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     out.write(f"Envoys connected: {len(envoys)}\n")
     _table(rows, out)
+    for refused in status.get("refusedEnvoys", []):
+        out.write(
+            f"refused: {refused.get('node_id')} ({refused.get('count')}x, last "
+            f"{_when(refused.get('at'))}): {refused.get('message')}\n"
+        )
     build = status.get("lastBuild", {})
     out.write(
         f"\nLast build: revision {build.get('revision')} at {_when(build.get('at'))} "
