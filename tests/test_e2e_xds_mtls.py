@@ -8,6 +8,8 @@ from SDS files; a rotated certificate file keeps the stream working.
 from __future__ import annotations
 
 import re
+import socket
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import grpc
 import httpx
 import pytest
 from conftest import ADMIN_TOKEN
+from cryptography import x509
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from pki import Ca, CertDir
@@ -82,7 +85,14 @@ def mtls(
             },
         }
         assert api.put(f"/v1/routingpolicies/{fleet}", json=policy).is_success
-    yield {"ca": ca, "root": root, "kvpilot": kvpilot, "api": api, "ports": ports}
+    yield {
+        "ca": ca,
+        "root": root,
+        "server": server,
+        "kvpilot": kvpilot,
+        "api": api,
+        "ports": ports,
+    }
 
 
 def test_fleet_comes_from_the_certificate_and_a_rotated_certificate_keeps_working(
@@ -147,7 +157,23 @@ def test_fleet_comes_from_the_certificate_and_a_rotated_certificate_keeps_workin
     assert listeners(claims_b) == set()
 
 
-def test_a_client_without_a_certificate_cannot_connect(mtls: dict[str, Any]) -> None:
+def server_serial(port: int, ca: Path, client: CertDir) -> int:
+    """The serial of the certificate kvpilot's ADS port presents in a new handshake."""
+    context = ssl.create_default_context(cafile=str(ca))
+    context.load_cert_chain(str(client.cert), str(client.key))
+    context.set_alpn_protocols(["h2"])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as sock,
+        context.wrap_socket(sock, server_hostname="127.0.0.1") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return int(x509.load_der_x509_certificate(der).serial_number)
+
+
+def test_a_client_without_a_certificate_cannot_connect_and_the_server_cert_rotates(
+    mtls: dict[str, Any],
+) -> None:
     kvpilot, ca = mtls["kvpilot"], mtls["ca"]
 
     def discover(credentials: grpc.ChannelCredentials) -> Any:
@@ -185,6 +211,18 @@ def test_a_client_without_a_certificate_cannot_connect(mtls: dict[str, Any]) -> 
         f"{kvpilot.api_url}/v1/status", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
     ).json()
     assert "no-cert" not in {r["node_id"] for r in connected["refusedEnvoys"]}
+
+    # kvpilot's own certificate rotates too: the next handshake presents the new one.
+    client = CertDir(mtls["root"] / "probe", good, ca.cert)
+    server: CertDir = mtls["server"]
+    renewed = ca.issue("kvpilot", dns=("kvpilot",), ips=("127.0.0.1",))
+    assert server_serial(kvpilot.xds_port, server.ca, client) != renewed.serial
+    server.write(renewed, ca.cert)
+    wait_until(
+        lambda: server_serial(kvpilot.xds_port, server.ca, client) == renewed.serial,
+        10,
+        message="kvpilot to present its renewed ADS certificate",
+    )
 
 
 def test_serve_refuses_to_start_without_tls_or_the_plaintext_flag(tmp_path: Path) -> None:
