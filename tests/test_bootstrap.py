@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pki import Ca, CertDir
 
 from controlplane.launchers import EmbeddedEnvoy, LauncherError, find_binary, free_port
+from controlplane.pki import Ca, CertDir
 
 BOOTSTRAPS = ["bootstrap.yaml", "bootstrap-delta.yaml"]
 

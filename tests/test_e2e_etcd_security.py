@@ -21,7 +21,6 @@ import grpc
 import httpx
 import pytest
 from aetcd import rpc
-from pki import Ca, CertDir
 from util import wait_until
 
 from controlplane.etcd import (
@@ -31,6 +30,7 @@ from controlplane.etcd import (
     prefix_range_end,
 )
 from controlplane.launchers import EmbeddedEtcd, KvpilotProcess, repo_root
+from controlplane.pki import Ca, CertDir
 from controlplane.store import Store
 from xdsserver.identity import TlsFiles
 

@@ -21,10 +21,10 @@ from conftest import ADMIN_TOKEN
 from cryptography import x509
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
-from pki import Ca, CertDir
 from util import wait_until
 
 from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
+from controlplane.pki import Ca, CertDir
 from xdsserver.identity import TlsFiles
 from xdsserver.resources import LISTENER
 

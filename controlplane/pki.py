@@ -1,6 +1,7 @@
-"""Throwaway certificate authorities and certificates, made at test time (no key is committed).
+"""Throwaway certificate authorities and certificates, made at run time: the local stack's
+mutual TLS (`make demo`, the benchmarks) and the tests use them; no key is ever committed.
 
-`Ca.issue` gives a leaf certificate with the SANs a test needs (SPIFFE URIs, DNS names,
+`Ca.issue` gives a leaf certificate with the SANs a caller needs (SPIFFE URIs, DNS names,
 127.0.0.1); `CertDir` lays certificate files out as a Kubernetes Secret volume does
 (`tls.crt -> ..data/tls.crt`, `..data -> ..<version>`), so rotating swaps one symlink
 atomically, which is what Envoy's `watched_directory` and kvpilot's file watch expect.
