@@ -90,8 +90,10 @@ def test_compose_services_agree() -> None:
     assert {XDS_TLS_DIR, XDS_TLS_SDS_DIR} <= set(mounted)
 
 
-def test_kubernetes_kvpilot_and_envoy_agree() -> None:
+def test_kubernetes_kvpilot_and_envoy_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     [kvpilot] = containers("kvpilot")
+    # The container's env supplies the etcd password from a Secret.
+    monkeypatch.setenv("KVPILOT_ETCD_PASSWORD", "from-the-secret")
     config = serve.config_from_args(parse_serve(kvpilot["args"]))
     ports = {p["name"]: p["containerPort"] for p in kvpilot["ports"]}
     assert ports["xds"] == config.xds_port == xds_port_of_bootstrap()
@@ -117,6 +119,10 @@ def test_kubernetes_kvpilot_and_envoy_agree() -> None:
     kvpilot_mounts = {m["mountPath"] for m in kvpilot["volumeMounts"]}
     assert config.xds_tls is not None
     assert {str(config.xds_tls.cert.parent), str(config.xds_tls.client_ca.parent)} <= kvpilot_mounts
+    etcd_tls = config.etcd_security
+    assert etcd_tls.ca is not None and etcd_tls.cert is not None and etcd_tls.user
+    assert {str(etcd_tls.ca.parent), str(etcd_tls.cert.parent)} <= kvpilot_mounts
+    assert "KVPILOT_ETCD_PASSWORD" in {e["name"] for e in kvpilot["env"]}
     assert {XDS_TLS_DIR, XDS_TLS_SDS_DIR} <= set(mounts)
     sds_files = {
         f.partition("=")[0] for f in generators[mounts_config(envoy, XDS_TLS_SDS_DIR)]["files"]
