@@ -117,7 +117,16 @@ def test_fleet_comes_from_the_certificate_and_a_rotated_certificate_keeps_workin
         found = [r for r in status["refusedEnvoys"] if r["node_id"] == claims_b.node_id]
         return found[0] if found else None
 
+    # An Envoy without a certificate (plaintext xDS cluster) does not get past the handshake.
+    no_cert = envoy_factory(xds_port=kvpilot.xds_port, fleet="fleet-a")
     refusal = wait_until(refused, 30, message="the fleet-B claim to show as refused")
+    wait_until(
+        lambda: int(no_cert.stats().get("cluster.kvpilot_xds.upstream_cx_total", 0)) >= 2,
+        30,
+        message="the Envoy without a certificate to have tried (and retried) to connect",
+    )
+    assert no_cert.stats()["control_plane.connected_state"] == 0
+    assert listeners(no_cert) == set()
     assert refusal["reason"] == "fleet_mismatch"
     assert refusal["identity"] == FLEET_A_ID
     assert "fleet-b" in refusal["message"] and FLEET_A_ID in refusal["message"]
@@ -126,7 +135,7 @@ def test_fleet_comes_from_the_certificate_and_a_rotated_certificate_keeps_workin
     assert listeners(claims_b) == set()
     status = api.get("/v1/status").json()
     connected = {e["node_id"]: e for e in status["envoys"]}
-    assert claims_b.node_id not in connected
+    assert claims_b.node_id not in connected and no_cert.node_id not in connected
     assert connected[envoy_a.node_id]["identity"] == FLEET_A_ID
 
     # A rotated certificate (new files swapped in) is loaded, and the stream keeps working:
