@@ -4,6 +4,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY api api
 COPY bench bench
+COPY commands commands
 COPY controlplane controlplane
 COPY policies policies
 COPY xdsserver xdsserver

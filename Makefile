@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m controlplane.demo $(DEMO_ARGS)
+	$(BIN)/python -m commands.demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

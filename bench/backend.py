@@ -40,7 +40,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import httpx
@@ -51,7 +50,7 @@ from starlette.routing import Route
 
 from bench.simulator import Engine, EngineError, SimConfig, completion_response
 from controlplane.asgi import ServerGroup, UvicornServer, read_announcement
-from controlplane.launchers import LauncherError, ManagedProcess
+from controlplane.launchers import Launcher, LauncherError, ManagedProcess
 
 DEFAULT_MODEL = "sim-model"
 
@@ -404,12 +403,14 @@ class ReplicaInfo:
         return f"http://{self.host}:{self.port}"
 
 
-class BackendProcess:
+class BackendProcess(Launcher):
     """`python -m bench.backend` as a child process, for tests and the demo.
 
-    Uses the launchers' process handling: own process group, killed with its parent,
-    stopped at interpreter exit.
+    A launcher like those of etcd and Envoy: own process group, killed with its parent,
+    stopped at interpreter exit; `kill()` SIGKILLs every replica at once, as a crash would.
     """
+
+    _process: ManagedProcess
 
     def __init__(
         self,
@@ -469,21 +470,6 @@ class BackendProcess:
         self._process.wait_for(self._read_announcement, timeout, "the replicas listen")
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout`. Idempotent."""
-        self._process.stop(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL every replica at once, as a crash would."""
-        self._process.kill()
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
-    def log_tail(self, lines: int = 40) -> str:
-        return self._process.log_tail(lines)
-
     def replica(self, replica_id: str) -> ReplicaInfo:
         """The replica with this id."""
         for info in self.replicas:
@@ -520,17 +506,6 @@ class BackendProcess:
         body = {"cache": "keep"} if keep_cache else {}
         for info in [self.replica(replica_id)] if replica_id else self.replicas:
             self._admin(info.id, "/admin/reset", body)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 if __name__ == "__main__":

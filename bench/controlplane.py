@@ -121,14 +121,14 @@ class AckLogKvpilot(KvpilotProcess):
 
     def _argv(self) -> list[str]:
         argv = super()._argv()
-        argv[argv.index("controlplane.cli")] = "bench.controlplane"
+        argv[argv.index("commands.cli")] = "bench.controlplane"
         return [*argv, "--ack-log", str(self.ack_log)]
 
 
 def _serve_with_ack_log(argv: list[str]) -> int:
     """Child process: `kvpilot serve`, plus one line per ACK: monotonic time, node, type,
     version. Line-buffered so the benchmark sees each ACK as it happens."""
-    import controlplane.serve as serve_module
+    import commands.serve as serve_module
     from xdsserver.resources import short_name
     from xdsserver.status import ConnectionRegistry, ConnectionStatus
 

@@ -20,21 +20,20 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from api.client import KvpilotClient
 from bench.backend import BackendProcess
 from bench.loadgen import RunResult, parse_metrics, replay
 from bench.report import WorkloadGroup, write_report
 from bench.simulator import SimConfig
 from bench.workload import Workload, WorkloadConfig, cache_blind_cost, generate, oracle_hit_rate
-from controlplane.client import KvpilotClient
 from controlplane.launchers import (
     EmbeddedEnvoy,
     KvpilotProcess,
@@ -42,6 +41,7 @@ from controlplane.launchers import (
     free_port,
     local_stack,
     repo_root,
+    wait_until,
 )
 
 MODEL = "sim-model"
@@ -290,7 +290,7 @@ def start_agent(
     argv = [
         sys.executable,
         "-m",
-        "controlplane.cli",
+        "commands.cli",
         "agent",
         "--etcd-endpoints",
         etcd_endpoint,
@@ -418,15 +418,6 @@ def _telemetry_fresh(stack: Stack) -> bool:
     except httpx.HTTPError:
         return False
     return len(weights) >= len(stack.backends.replicas)
-
-
-def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def _probe(stack: Stack) -> bool:
@@ -560,18 +551,20 @@ def run_policy(
 ) -> dict[str, Any]:
     _say(f"\n== {policy.title}: apply RoutingPolicy/{POLICY_NAME} {json.dumps(policy.route)}")
     stack.put(_policy_body(stack, policy))
-    _wait(lambda: _policy_live(stack, policy), 60, f"Envoy to serve {policy.key}")
-    _wait(lambda: _probe(stack), 30, "a request through Envoy")
-    _wait(lambda: _idle(stack), 60, "the replicas to go idle")
+    wait_until(lambda: _policy_live(stack, policy), 60, f"Envoy to serve {policy.key}")
+    wait_until(lambda: _probe(stack), 30, "a request through Envoy")
+    wait_until(lambda: _idle(stack), 60, "the replicas to go idle")
     telemetry = policy.route.get("balancing") == "telemetry"
     if telemetry:
-        _wait(lambda: _telemetry_fresh(stack), 30, "kvpilot to weigh the replicas by telemetry")
+        wait_until(
+            lambda: _telemetry_fresh(stack), 30, "kvpilot to weigh the replicas by telemetry"
+        )
     before = _telemetry_metrics(stack)
     stack.backends.reset()
     system_prompts = workload.system_prompts()
     if config.warm_system_prompts and system_prompts:
         asyncio.run(_warm(stack, system_prompts))
-        _wait(lambda: _idle(stack), 60, "the replicas to go idle after warming")
+        wait_until(lambda: _idle(stack), 60, "the replicas to go idle after warming")
         stack.backends.reset(keep_cache=True)
     _say(
         "   Envoy serves it; replica caches reset"

@@ -1,12 +1,12 @@
-"""The kvpilot daemon and its tools.
+"""The daemon's edges: etcd, decode, reconcile, the telemetry agent and local processes.
 
-- ``etcd``: a typed asyncio etcd v3 client; ``store``: the key layout, the object store and
-  the watched ``StateMirror``;
-- ``reconcile``: etcd state -> compile -> translate -> snapshots, debounced, with the EDS
-  fast path;
-- ``serve``: ``kvpilot serve``; ``agent``: ``kvpilot agent`` (telemetry and registration);
+- ``etcd``: a typed asyncio etcd v3 client; ``store``: the key layout and the store every etcd
+  access goes through; ``mirror``: the daemon's watched view of everything under the prefix;
+- ``decode``: etcd values -> policy objects, for the reconciler and the API's dry run alike;
+- ``reconcile``: decoded state -> compile -> snapshots, debounced (the snapshot building
+  itself is ``xdsserver.incremental``);
+- ``agent``: ``kvpilot agent`` (telemetry and registration);
 - ``envoystatus``: each replica's Envoy connections, published to etcd;
-- ``cli`` and ``client``: the ``kvpilot`` command and its REST client;
-- ``launchers``: local etcd, Envoy and kvpilot processes; ``demo``: ``make demo``;
+- ``launchers``: local etcd, Envoy and kvpilot processes, one module each;
 - ``asgi``: uvicorn servers that leave signal handling to their process.
 """

@@ -152,7 +152,7 @@ class Agent:
                     httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=64))
                 )
             self._lease = await stack.enter_async_context(
-                LeaseKeeper(self.store.client, self.config.ttl, on_regrant=self._rewrite)
+                self.store.keep_lease(self.config.ttl, on_regrant=self._rewrite)
             )
             log.info(
                 "agent: %d backend(s), lease %x (ttl %ds), every %gs",

@@ -90,9 +90,7 @@ class StatusPublisher:
         """Publish until cancelled; on exit the lease is revoked and the records vanish."""
         remove = self.connections.add_listener(self._on_event)
         try:
-            async with self.store.client.keepalive_forever(
-                self.ttl, on_regrant=self._republish_all
-            ) as keeper:
+            async with self.store.keep_lease(self.ttl, on_regrant=self._republish_all) as keeper:
                 self._lease = keeper.lease_id
                 while True:
                     await self._wake.wait()

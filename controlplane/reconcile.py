@@ -1,12 +1,10 @@
 """From etcd state to Envoy snapshots: decode, compile, translate, publish.
 
 The reconciler is told which keys changed (by ``StateMirror``) and rebuilds after a quiet
-period, never waiting longer than a maximum from the first change (debounce). Every rebuild
-compiles the whole plan (at scale the larger share of a partial rebuild), then translates and
-serializes only what the change needs: when a fleet's new plan differs from the last one only
-in the endpoints of some clusters (registrations, weights, health, telemetry), only those
-ClusterLoadAssignments (the EDS fast path); when its clusters are unchanged, only its
-listeners and route configurations (the routes path); otherwise everything.
+period, never waiting longer than a maximum from the first change (debounce). It decodes the
+changed keys (``controlplane.decode``), compiles the whole plan (at scale the larger share of
+a partial rebuild), and builds each fleet's snapshot from the one it serves now with only what
+changed (``xdsserver.incremental``: the EDS fast path, the routes path, or everything).
 
 A value in etcd that is not a valid object (written with etcdctl, or by an older kvpilot) is
 skipped with a logged error visible in status; the last valid version of that object keeps
@@ -23,47 +21,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from controlplane.decode import DecodedState, DecodeError
 from controlplane.etcd import KeyValue
-from controlplane.store import KIND_PATH, StateChange
-from policies import (
-    Endpoint,
-    FleetPlan,
-    PolicyError,
-    PolicyObject,
-    PolicyState,
-    RoutingPlan,
-    compile_plan,
-    parse_object,
-)
-from policies.telemetry import TelemetryRecord
+from controlplane.mirror import StateChange
+from controlplane.store import ENDPOINTS, STATUS, TELEMETRY
+from policies import PolicyState, RoutingPlan, compile_plan
+from policies.models import TELEMETRY_MAX_AGE
 from policies.weights import WeightDecision
-from xdsserver import resources
-from xdsserver.snapshot import Snapshot, SnapshotCache
-from xdsserver.translate import (
-    translate,
-    translate_endpoints,
-    translate_listeners,
-    translate_routes,
-)
+from xdsserver.incremental import BUILD_PATHS, build_snapshot
+from xdsserver.snapshot import SnapshotCache
 
 log = logging.getLogger(__name__)
 
-PATH_KIND = {path: kind for kind, path in KIND_PATH.items()}
-ENDPOINT_PREFIXES = ("endpoints/", "telemetry/")
+ENDPOINT_PREFIXES = (f"{ENDPOINTS}/", f"{TELEMETRY}/")
 """Keys whose changes count as endpoint changes in the pushes metric."""
-TELEMETRY_PREFIX = "telemetry/"
-STATUS_PREFIX = "status/"
+TELEMETRY_PREFIX = f"{TELEMETRY}/"
+STATUS_PREFIX = f"{STATUS}/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +57,6 @@ class ObjectError:
     message: str
     revision: int
     serving_previous: bool
-
-
-BUILD_PATHS = ("fast", "routes", "full")
-"""How a rebuild made a fleet's snapshot, cheapest first: ``fast`` translates only changed
-ClusterLoadAssignments, ``routes`` only listeners and route configurations, ``full`` all."""
 
 
 @dataclass(slots=True)
@@ -178,9 +156,7 @@ class Reconciler:
         self.errors: dict[str, ObjectError] = {}
         self.plan: RoutingPlan | None = None
         self.last_build = BuildInfo()
-        self._objects: dict[str, PolicyObject] = {}
-        self._endpoints: dict[str, Endpoint] = {}
-        self._telemetry: dict[str, TelemetryRecord] = {}
+        self._decoded = DecodedState()
         self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
         self._next_stale_at = math.inf
         self._last_telemetry_build = -math.inf
@@ -278,7 +254,10 @@ class Reconciler:
         from publishing to the cache."""
         started = time.perf_counter()
         keys = (
-            set(items) | set(self._objects) | set(self._endpoints) | set(self._telemetry)
+            set(items)
+            | set(self._decoded.objects)
+            | set(self._decoded.endpoints)
+            | set(self._decoded.telemetry)
             if full_resync or changed is None
             else changed
         )
@@ -291,15 +270,16 @@ class Reconciler:
                 cause = "endpoints"
         for key in keys:
             self._apply(key, items.get(key))
-        state = self._state()
+        state = self._decoded.policy_state(previous_weights=self._weights, now=self.clock())
         plan = compile_plan(state)
         fleets: dict[str, dict[str, str]] = {}
         pushed = 0
         path = BUILD_PATHS[0]
         for fleet_plan in plan.fleets:
-            snapshot, fleet_path = self._partial(fleet_plan)
-            if snapshot is None:
-                snapshot = Snapshot.from_messages(translate(fleet_plan).by_type())
+            old = self.plan.fleet(fleet_plan.fleet) if self.plan is not None else None
+            own = fleet_plan.fleet in self.cache.fleets()
+            before = self.cache.snapshot_for(fleet_plan.fleet) if own else None
+            snapshot, fleet_path = build_snapshot(fleet_plan, old, before)
             path = max(path, fleet_path, key=BUILD_PATHS.index)
             if self.cache.set_snapshot(fleet_plan.fleet, snapshot):
                 pushed += 1
@@ -330,123 +310,31 @@ class Reconciler:
             path,
         )
 
-    def _partial(self, fleet: FleetPlan) -> tuple[Snapshot | None, str]:
-        """The cheapest way to this fleet's new snapshot from the one it is served now: the
-        snapshot and its path, or (None, "full") when everything must be translated. A partial
-        path applies only when every part of the plan other than the one it translates is
-        equal to the last plan's, so a field added to FleetPlan later cannot go stale."""
-        old = self.plan.fleet(fleet.fleet) if self.plan is not None else None
-        before = self.cache.snapshot_for(fleet.fleet)
-        if old is None or before is None or fleet.fleet not in self.cache.fleets():
-            return None, "full"
-        if replace(fleet, clusters=old.clusters) == old:
-            snapshot = self._endpoints_only(fleet, old, before)
-            if snapshot is not None:
-                return snapshot, "fast"
-        if replace(fleet, listeners=old.listeners) == old:
-            return self._routes_only(fleet, before), "routes"
-        return None, "full"
-
-    def _endpoints_only(
-        self, fleet: FleetPlan, old: FleetPlan, before: Snapshot
-    ) -> Snapshot | None:
-        """The fast path, for a plan that differs from `old` in its clusters alone: when only
-        the endpoints of EDS clusters changed (registrations, weights, health, telemetry),
-        translate and serialize just those ClusterLoadAssignments and reuse everything else.
-        None when anything else changed."""
-        previous = {cluster.name: cluster for cluster in old.clusters}
-        if list(previous) != [cluster.name for cluster in fleet.clusters]:
-            return None
-        changed = [cluster for cluster in fleet.clusters if previous[cluster.name] != cluster]
-        for cluster in changed:
-            if (
-                cluster.kind != "eds"
-                or replace(previous[cluster.name], endpoints=cluster.endpoints) != cluster
-            ):
-                return None
-        if not changed:
-            return before
-        return before.with_messages(
-            resources.ENDPOINT,
-            [translate_endpoints(cluster) for cluster in changed],
-            replace_all=False,
-        )
-
-    def _routes_only(self, fleet: FleetPlan, before: Snapshot) -> Snapshot:
-        """The routes path, for a plan whose clusters are what they were (a timeout, a match, a
-        rate limit changed): translate LDS and RDS and reuse every Cluster and
-        ClusterLoadAssignment, which dominate at scale."""
-        return before.with_messages(
-            resources.LISTENER, translate_listeners(fleet), replace_all=True
-        ).with_messages(resources.ROUTE, translate_routes(fleet), replace_all=True)
-
     def _apply(self, key: str, kv: KeyValue | None) -> None:
-        parts = key.split("/")
-        if parts[0] == "objects" and len(parts) == 3:
-            self._apply_object(key, parts[1], kv)
-        elif parts[0] == "endpoints" and len(parts) == 3:
-            self._apply_endpoint(key, kv)
-        elif parts[0] == "telemetry" and len(parts) == 3:
-            self._apply_telemetry(key, kv)
-
-    def _apply_object(self, key: str, path: str, kv: KeyValue | None) -> None:
-        if kv is None:
-            self._objects.pop(key, None)
-            self.errors.pop(key, None)
-            return
+        was_telemetry = key in self._decoded.telemetry
         try:
-            obj = parse_object(json.loads(kv.value), source=key)
-            name = key.rsplit("/", 1)[1]
-            if PATH_KIND.get(path) != obj.kind or obj.metadata.name != name:
-                raise PolicyError(
-                    [],
-                    f"{key}: holds {obj.kind} {obj.metadata.name!r}, not a {PATH_KIND.get(path)} named {name!r}",
+            self._decoded.apply(key, kv.value if kv is not None else None)
+        except DecodeError as error:
+            assert kv is not None  # a deletion always applies
+            self._reject(key, kv, str(error))
+            return
+        self.errors.pop(key, None)
+        if key.startswith(TELEMETRY_PREFIX) and key.count("/") == 2:
+            _, pool, endpoint_id = key.split("/")
+            if key not in self._decoded.telemetry:
+                with contextlib.suppress(KeyError):  # never had a valid record
+                    self.metrics.telemetry_age.remove(pool, endpoint_id)
+            elif not was_telemetry:
+                self.metrics.telemetry_age.labels(pool, endpoint_id).set_function(
+                    partial(self._telemetry_age, key)
                 )
-        except (ValueError, PolicyError) as error:
-            self._reject(key, kv, str(error))
-            return
-        self._objects[key] = obj
-        self.errors.pop(key, None)
-
-    def _apply_endpoint(self, key: str, kv: KeyValue | None) -> None:
-        if kv is None:
-            self._endpoints.pop(key, None)
-            self.errors.pop(key, None)
-            return
-        try:
-            endpoint = Endpoint.model_validate_json(kv.value)
-        except ValueError as error:
-            self._reject(key, kv, str(error))
-            return
-        self._endpoints[key] = endpoint
-        self.errors.pop(key, None)
-
-    def _apply_telemetry(self, key: str, kv: KeyValue | None) -> None:
-        _, pool, endpoint_id = key.split("/")
-        if kv is None:
-            self._telemetry.pop(key, None)
-            self.errors.pop(key, None)
-            with contextlib.suppress(KeyError):  # never had a valid record
-                self.metrics.telemetry_age.remove(pool, endpoint_id)
-            return
-        try:
-            record = TelemetryRecord.model_validate_json(kv.value)
-        except ValueError as error:
-            self._reject(key, kv, str(error))
-            return
-        if key not in self._telemetry:
-            self.metrics.telemetry_age.labels(pool, endpoint_id).set_function(
-                partial(self._telemetry_age, key)
-            )
-        self._telemetry[key] = record
-        self.errors.pop(key, None)
 
     def _telemetry_age(self, key: str) -> float:
-        record = self._telemetry.get(key)
+        record = self._decoded.telemetry.get(key)
         return max(0.0, self.clock() - record.at) if record is not None else math.nan
 
     def _reject(self, key: str, kv: KeyValue, message: str) -> None:
-        serving = key in self._objects or key in self._endpoints or key in self._telemetry
+        serving = self._decoded.holds(key)
         known = self.errors.get(key)
         if known is None or known.revision != kv.mod_revision:
             log.error(
@@ -458,23 +346,6 @@ class Reconciler:
             )
         self.errors[key] = ObjectError(key, message, kv.mod_revision, serving)
 
-    def _state(self) -> PolicyState:
-        registered: dict[str, dict[str, Endpoint]] = {}
-        for key, endpoint in self._endpoints.items():
-            _, pool, endpoint_id = key.split("/")
-            registered.setdefault(pool, {})[endpoint_id] = endpoint
-        telemetry: dict[str, dict[str, TelemetryRecord]] = {}
-        for key, record in self._telemetry.items():
-            _, pool, endpoint_id = key.split("/")
-            telemetry.setdefault(pool, {})[endpoint_id] = record
-        return PolicyState.from_objects(
-            self._objects.values(),
-            registered=registered,
-            telemetry=telemetry,
-            previous_weights=self._weights,
-            now=self.clock(),
-        )
-
     def _track_weights(self, state: PolicyState, plan: RoutingPlan) -> None:
         """Keep telemetry decisions for hysteresis, count changes, and schedule the rebuild
         that returns the first fresh record to neutral when it goes stale."""
@@ -482,7 +353,7 @@ class Reconciler:
         for pool, decisions in plan.weights.items():
             before = self._weights.get(pool, {})
             spec = state.pools[pool].spec.telemetry if pool in state.pools else None
-            max_age = spec.max_age if spec is not None else 10.0
+            max_age = spec.max_age if spec is not None else TELEMETRY_MAX_AGE
             for endpoint_id, decision in decisions.items():
                 old = before.get(endpoint_id)
                 if old is None or old.weight != decision.weight:

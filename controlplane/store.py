@@ -1,5 +1,5 @@
-"""kvpilot's data in etcd: the key layout, an object store for the REST API, and the daemon's
-watched mirror of everything under the prefix.
+"""kvpilot's data in etcd: the key layout, and the store every etcd access goes through (the
+daemon's watched mirror of it is ``controlplane.mirror``).
 
 Key layout
 ----------
@@ -34,39 +34,30 @@ writes that carry an expected revision fail with ``RevisionMismatch`` if someone
 first.
 
 The store does not validate object bodies; the ``policies`` package does, and the daemon
-skips (and reports) what does not validate. ``StateMirror`` therefore keeps every key, even one
-holding garbage, and leaves decoding to the consumer (``decode_json``).
+skips (and reports) what does not validate (``controlplane.decode``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import json
 import logging
-import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 from controlplane.etcd import (
-    CompactedError,
     ConflictError,
     EtcdClient,
     EtcdError,
-    EventType,
+    EtcdStatus,
     KeyValue,
-    WatchBatch,
+    LeaseKeeper,
 )
-from policies import KIND_PATHS
+from policies import KIND_PATHS, kind_named
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/kvpilot"
-
-KIND_PATH: Mapping[str, str] = MappingProxyType(KIND_PATHS)
-"""Object kind -> its key segment under ``objects/`` (``policies.KIND_PATHS``)."""
 
 OBJECTS = "objects"
 ENDPOINTS = "endpoints"
@@ -121,6 +112,22 @@ class UnknownKind(StoreError, ValueError):
 
 class InvalidValue(StoreError):
     """A stored value is not a JSON object (written by something other than kvpilot)."""
+
+
+class Contended(StoreError):
+    """A read-modify-write lost the race to other writers on every attempt."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A registered endpoint as stored."""
+
+    endpoint_id: str
+    body: dict[str, Any] | None
+    """The registration, or None when its value is not a JSON object."""
+    revision: int
+    lease: int
+    """Its lease id; 0 for a registration without a TTL."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,10 +199,8 @@ def _normalize_prefix(prefix: str) -> str:
 class Keys:
     """Key construction and parsing for one prefix; relative keys omit ``{prefix}/``."""
 
-    def __init__(self, prefix: str = DEFAULT_PREFIX, kinds: Mapping[str, str] = KIND_PATH) -> None:
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = _normalize_prefix(prefix)
-        self.kinds = dict(kinds)
-        self._kind_by_path = {path: kind for kind, path in self.kinds.items()}
 
     @property
     def root(self) -> bytes:
@@ -204,16 +209,15 @@ class Keys:
 
     def kind_path(self, kind: str) -> str:
         """``"Pool"`` or ``"pools"`` -> ``"pools"``."""
-        if kind in self.kinds:
-            return self.kinds[kind]
-        if kind in self._kind_by_path:
-            return kind
-        known = ", ".join(sorted(self.kinds))
-        raise UnknownKind(f"unknown kind {kind!r}; known kinds: {known}")
+        return KIND_PATHS[self.kind_name(kind)]
 
     def kind_name(self, kind: str) -> str:
-        """``"pools"`` or ``"Pool"`` -> ``"Pool"``."""
-        return self._kind_by_path[self.kind_path(kind)]
+        """``"pools"`` or ``"Pool"`` -> ``"Pool"`` (``policies.kind_named``)."""
+        found = kind_named(kind)
+        if found is None:
+            known = ", ".join(sorted(KIND_PATHS))
+            raise UnknownKind(f"unknown kind {kind!r}; known kinds: {known}")
+        return found
 
     def absolute(self, relative: str) -> bytes:
         return f"{self.prefix}/{relative}".encode()
@@ -226,6 +230,9 @@ class Keys:
 
     def objects(self, kind: str) -> str:
         return f"{OBJECTS}/{self.kind_path(kind)}/"
+
+    def endpoints(self, pool: str) -> str:
+        return f"{ENDPOINTS}/{_segment(pool, 'pool')}/"
 
     def endpoint(self, pool: str, endpoint_id: str) -> str:
         return f"{ENDPOINTS}/{_segment(pool, 'pool')}/{_segment(endpoint_id, 'endpoint id')}"
@@ -243,15 +250,10 @@ class Store:
     """CRUD over kvpilot's keys, with revisions for optimistic concurrency."""
 
     def __init__(
-        self,
-        client: EtcdClient,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        kinds: Mapping[str, str] = KIND_PATH,
-        on_write: OnWrite | None = None,
+        self, client: EtcdClient, prefix: str = DEFAULT_PREFIX, *, on_write: OnWrite | None = None
     ) -> None:
         self.client = client
-        self.keys = Keys(prefix, kinds)
+        self.keys = Keys(prefix)
         self.on_write = on_write
         """Called after each write made with an ``actor`` (the audit log)."""
 
@@ -357,6 +359,39 @@ class Store:
         await self._written(actor, "delete", kind, name, before, None, revision)
         return True
 
+    async def update(
+        self,
+        kind: str,
+        name: str,
+        edit: Callable[[StoredObject | None], Mapping[str, Any]],
+        *,
+        attempts: int = 10,
+        actor: Actor | None = None,
+    ) -> StoredObject:
+        """Read-modify-write with compare-and-swap: `edit` gets the object as it is now (None
+        when it does not exist; it raises to give up) and returns the new body, which is
+        written only if nobody wrote in between; otherwise read and edit again, up to
+        `attempts` times, then ``Contended``."""
+        kind = self.keys.kind_name(kind)
+        for _attempt in range(attempts):
+            current = await self.get(kind, name)
+            body = edit(current)
+            expected = current.revision if current is not None else 0
+            try:
+                return await self.replace(kind, name, body, expect_revision=expected, actor=actor)
+            except (RevisionMismatch, NotFound, AlreadyExists):
+                continue
+        raise Contended(f"{kind} {name!r} kept changing under {attempts} attempts; retry")
+
+    async def values(self, sections: Sequence[str]) -> dict[str, bytes]:
+        """Relative key -> value of every key under `sections` (``objects``, ``endpoints``,
+        ...), for a consumer that decodes them (``controlplane.decode``)."""
+        found: dict[str, bytes] = {}
+        for section in sections:
+            kvs, _ = await self.client.get_prefix(self.keys.absolute(f"{section}/"))
+            found.update((self.keys.relative(kv.key), kv.value) for kv in kvs)
+        return found
+
     def _conflict(self, kind: str, name: str, err: ConflictError) -> StoreError | ConflictError:
         expected = err.expected_mod_revision
         if expected == 0:
@@ -414,6 +449,38 @@ class Store:
         )
         return kv.mod_revision, lease
 
+    async def endpoints(self, pool: str) -> tuple[Sequence[Registration], int]:
+        """The endpoints registered to `pool`, by id, and the revision of that read."""
+        kvs, revision = await self.client.get_prefix(self.keys.absolute(self.keys.endpoints(pool)))
+        return [self._registration(kv) for kv in kvs], revision
+
+    async def get_endpoint(self, pool: str, endpoint_id: str) -> Registration | None:
+        """One registered endpoint, or None."""
+        kv = await self.client.get(self.keys.absolute(self.keys.endpoint(pool, endpoint_id)))
+        return self._registration(kv) if kv is not None else None
+
+    def _registration(self, kv: KeyValue) -> Registration:
+        endpoint_id = self.keys.relative(kv.key).rsplit("/", 1)[-1]
+        return Registration(endpoint_id, decode_json(kv), kv.mod_revision, kv.lease)
+
+    async def lease_ttl(self, lease: int) -> int | None:
+        """Seconds left on a lease; None for no lease (0)."""
+        if not lease:
+            return None
+        return await self.client.lease_time_to_live(lease)
+
+    def keep_lease(
+        self, ttl: int, *, on_regrant: Callable[[int], Awaitable[None] | None] | None = None
+    ) -> LeaseKeeper:
+        """A lease kept alive while the returned context manager is entered (an agent's
+        registrations and telemetry, a replica's Envoy status records live under one); see
+        ``EtcdClient.keepalive_forever``."""
+        return self.client.keepalive_forever(ttl, on_regrant=on_regrant)
+
+    async def status(self) -> EtcdStatus:
+        """The etcd member's status: an answer means etcd is reachable."""
+        return await self.client.status()
+
     async def delete_endpoint(
         self, pool: str, endpoint_id: str, *, actor: Actor | None = None
     ) -> bool:
@@ -458,162 +525,4 @@ class Store:
     async def delete_envoy_status(self, replica_id: str, node_id: str) -> bool:
         return await self.client.delete(
             self.keys.absolute(self.keys.envoy_status(replica_id, node_id))
-        )
-
-
-@dataclass(frozen=True)
-class StateChange:
-    """What one applied watch batch (or re-list) changed."""
-
-    revision: int
-    """The mirror's revision after the change."""
-    changed: frozenset[str]
-    """Relative keys (``"endpoints/p/e1"``) that were put or deleted."""
-    full_resync: bool
-    """True after a (re-)list: the whole state was replaced, rebuild everything."""
-
-    @property
-    def sections(self) -> frozenset[str]:
-        """The top-level sections touched (``objects``, ``endpoints``, ...): when only
-        ``endpoints`` and ``telemetry`` changed, the consumer can take the EDS-only fast path."""
-        return frozenset(key.split("/", 1)[0] for key in self.changed)
-
-
-OnChange = Callable[[StateChange], Awaitable[None] | None]
-
-
-class StateMirror:
-    """The daemon's view of etcd, kept current by a watch.
-
-    Loads everything under the prefix, then follows the watch. On disconnect it keeps the last
-    state, reconnects with capped, jittered exponential backoff and resumes from the last
-    revision + 1; if that revision was compacted (or etcd's history went backwards, as after a
-    restore), it re-lists and replaces the state wholesale. ``on_change`` runs after every
-    batch that changed something, with the changed keys and the revision.
-    """
-
-    def __init__(
-        self,
-        client: EtcdClient,
-        prefix: str = DEFAULT_PREFIX,
-        on_change: OnChange | None = None,
-        *,
-        backoff_initial: float = 0.1,
-        backoff_max: float = 5.0,
-    ) -> None:
-        self._client = client
-        self._keys = Keys(prefix)
-        self._on_change = on_change
-        self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
-        self._items: dict[str, KeyValue] = {}
-        self._synced = asyncio.Event()
-        self.revision = 0
-        """Every change up to this revision is reflected in ``items``."""
-        self.connected = False
-        """True while the watch is established."""
-        self.last_error: str | None = None
-        """Why the mirror last lost etcd (kept after recovery, for status pages)."""
-        self.resyncs = 0
-        """How many full (re-)lists have been applied, the initial load included."""
-
-    @property
-    def items(self) -> Mapping[str, KeyValue]:
-        """Relative key (``"objects/pools/a"``) -> its current ``KeyValue``. Read-only view."""
-        return MappingProxyType(self._items)
-
-    @property
-    def synced(self) -> bool:
-        return self._synced.is_set()
-
-    async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        """Wait for the first full load; ``TimeoutError`` if it does not happen in time."""
-        await asyncio.wait_for(self._synced.wait(), timeout)
-
-    async def run(self) -> None:
-        """Mirror etcd until cancelled."""
-        backoff = self._backoff_initial
-        need_list = True
-        while True:
-            try:
-                if need_list:
-                    await self._relist()
-                    need_list = False
-                async for batch in self._client.watch_prefix(
-                    self._keys.root, start_revision=self.revision + 1
-                ):
-                    if batch.header_revision < self.revision:
-                        # etcd has less history than we have seen: restored or replaced.
-                        raise _HistoryWentBack(batch.header_revision, self.revision)
-                    self.connected = True
-                    backoff = self._backoff_initial
-                    await self._apply(batch)
-                raise EtcdError("the watch ended without an error")
-            except (CompactedError, _HistoryWentBack) as err:
-                self.connected = False
-                self.last_error = str(err)
-                log.warning("etcd watch cannot resume at %d: %s; re-listing", self.revision, err)
-                need_list = True
-            except EtcdError as err:
-                self.connected = False
-                self.last_error = str(err)
-                delay = backoff * random.uniform(0.5, 1.5)
-                log.warning(
-                    "etcd: %s; retrying in %.1fs (serving revision %d)", err, delay, self.revision
-                )
-                await asyncio.sleep(delay)
-                backoff = min(backoff * 2, self._backoff_max)
-
-    async def _relist(self) -> None:
-        kvs, revision = await self._client.get_prefix(self._keys.root)
-        fresh = {self._keys.relative(kv.key): kv for kv in kvs}
-        old = self._items
-        changed = frozenset(
-            key
-            for key in old.keys() | fresh.keys()
-            if (a := old.get(key)) is None
-            or (b := fresh.get(key)) is None
-            or a.mod_revision != b.mod_revision
-        )
-        self._items = fresh
-        self.revision = revision
-        self.resyncs += 1
-        self._synced.set()
-        log.info("loaded %d keys under %s at revision %d", len(fresh), self._keys.prefix, revision)
-        await self._notify(StateChange(revision, changed, full_resync=True))
-
-    async def _apply(self, batch: WatchBatch) -> None:
-        if not batch:  # watch established, or a progress notification
-            self.revision = max(self.revision, batch.revision)
-            return
-        changed: set[str] = set()
-        for event in batch:
-            key = self._keys.relative(event.kv.key)
-            if event.type is EventType.DELETE:
-                self._items.pop(key, None)
-            else:
-                self._items[key] = event.kv
-            changed.add(key)
-        self.revision = max(self.revision, batch.revision)
-        await self._notify(StateChange(self.revision, frozenset(changed), full_resync=False))
-
-    async def _notify(self, change: StateChange) -> None:
-        if self._on_change is None:
-            return
-        try:
-            result = self._on_change(change)
-            if inspect.isawaitable(result):
-                await result
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            # The state is applied either way; one failing consumer must not stop the mirror.
-            log.exception("on_change failed at revision %d", change.revision)
-
-
-class _HistoryWentBack(EtcdError):
-    def __init__(self, etcd_revision: int, seen: int) -> None:
-        super().__init__(
-            f"etcd is at revision {etcd_revision} but revision {seen} was already seen "
-            "(was etcd restored from a backup or replaced?)"
         )

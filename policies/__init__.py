@@ -5,11 +5,13 @@ from policies.models import (
     API_VERSION,
     KIND_PATHS,
     KINDS,
+    PATH_KINDS,
     Endpoint,
     Fleet,
     PolicyObject,
     Pool,
     RoutingPolicy,
+    kind_named,
 )
 from policies.plan import DEFAULT_FLEET, Diagnostic, FleetPlan, RoutingPlan
 from policies.validate import FieldError, PolicyError, decode_documents, load_objects, parse_object
@@ -19,6 +21,7 @@ __all__ = [
     "DEFAULT_FLEET",
     "KINDS",
     "KIND_PATHS",
+    "PATH_KINDS",
     "Diagnostic",
     "Endpoint",
     "FieldError",
@@ -33,6 +36,7 @@ __all__ = [
     "cluster_name",
     "compile_plan",
     "decode_documents",
+    "kind_named",
     "listener_name",
     "load_objects",
     "parse_object",

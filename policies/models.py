@@ -219,6 +219,10 @@ class AuthHeader(Model):
 TelemetryFormat = Literal["vllm", "sglang", "tgi", "custom"]
 
 
+TELEMETRY_MAX_AGE = 10.0
+"""Seconds after which a telemetry record counts as unknown, unless a pool sets its own."""
+
+
 class TelemetrySource(Model):
     """Where the pool's live load signal comes from."""
 
@@ -226,7 +230,7 @@ class TelemetrySource(Model):
     path: str = Field("/metrics", description="Prometheus endpoint path. Default: /metrics.")
     interval: Duration = Field(1.0, description="Scrape interval. Default: 1s.")
     max_age: Duration = Field(
-        10.0,
+        TELEMETRY_MAX_AGE,
         description="Telemetry older than this counts as unknown and gives a neutral weight. "
         "Default: 10s.",
     )
@@ -612,6 +616,23 @@ KIND_PATHS: dict[str, str] = {
     "Fleet": "fleets",
 }
 """Each kind's plural: its REST path segment (``/v1/pools``) and its etcd key segment."""
+
+PATH_KINDS: dict[str, str] = {path: kind for kind, path in KIND_PATHS.items()}
+"""The inverse of ``KIND_PATHS``: a plural (``pools``) -> its kind (``Pool``)."""
+
+_KIND_ALIASES = {
+    **{kind.lower(): kind for kind in KIND_PATHS},
+    **PATH_KINDS,
+    "policy": "RoutingPolicy",
+    "policies": "RoutingPolicy",
+    "rp": "RoutingPolicy",
+}
+
+
+def kind_named(text: str) -> str | None:
+    """The kind a user means: ``Pool``, ``pool`` or ``pools`` -> ``Pool``; also ``rp`` and
+    ``policy`` for RoutingPolicy. None when `text` names no kind."""
+    return text if text in KIND_PATHS else _KIND_ALIASES.get(text.lower())
 
 
 def is_ip(address: str) -> bool:

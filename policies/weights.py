@@ -66,7 +66,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from policies.models import Endpoint
+from policies.models import TELEMETRY_MAX_AGE, Endpoint
 from policies.telemetry import TelemetryRecord
 
 
@@ -74,7 +74,7 @@ from policies.telemetry import TelemetryRecord
 class WeightParams:
     """Knobs of the weight function; the defaults suit a pool of similar LLM replicas."""
 
-    max_age: float = 10.0
+    max_age: float = TELEMETRY_MAX_AGE
     """Telemetry older than this (seconds) is ignored: neutral weight."""
     queue_ref: float = 8.0
     """Queued requests per unit of capacity below which the queue signal stays partial."""

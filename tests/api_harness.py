@@ -12,12 +12,13 @@ import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from api.app import ApiContext, create_app
+from api import ApiContext, create_app
 from api.auth import AuthConfig, WriteRateLimit
 from controlplane.audit import AuditLog
 from controlplane.etcd import EtcdClient
+from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
-from controlplane.store import StateChange, StateMirror, Store
+from controlplane.store import Store
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 
@@ -83,7 +84,6 @@ async def running_api(
             connections=ConnectionRegistry(registry=registry),
             auth=auth or auth_config(),
             metrics_registry=registry,
-            etcd=client,
             audit=audit,
             write_limit=write_limit,
             cors_origins=cors_origins,

@@ -12,7 +12,7 @@ import pytest
 from api_harness import ADMIN, ADMIN_TOKEN, READ, READ_TOKEN, Harness, pool, running_api
 from fastapi.routing import APIRoute
 
-from api.app import ApiContext, create_app
+from api import ApiContext, create_app
 from api.auth import AuthConfig, AuthConfigError
 from controlplane.launchers import EmbeddedEtcd
 

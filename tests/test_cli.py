@@ -16,7 +16,7 @@ import yaml
 from api_harness import ADMIN_TOKEN, READ_TOKEN, running_api
 from util import wait_until
 
-from controlplane.cli import main
+from commands.cli import main
 from controlplane.launchers import EmbeddedEtcd, free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "policies" / "examples"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from controlplane import serve
+from commands import serve
 from controlplane.launchers import XDS_TLS_DIR, XDS_TLS_SDS_DIR, repo_root
 
 DEPLOY = repo_root() / "deploy"

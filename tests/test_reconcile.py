@@ -11,8 +11,7 @@ import pytest
 from controlplane.etcd import KeyValue
 from controlplane.launchers import repo_root
 from controlplane.reconcile import Reconciler
-from controlplane.store import KIND_PATH
-from policies import load_objects
+from policies import KIND_PATHS, load_objects
 from xdsserver import resources
 from xdsserver.snapshot import Snapshot, SnapshotCache
 from xdsserver.translate import translate
@@ -42,7 +41,7 @@ def built() -> tuple[Reconciler, Items]:
     items = Items()
     for obj in load_objects(EXAMPLE):
         body = obj.model_dump(mode="json", by_alias=True, exclude_none=True)
-        items.put(f"objects/{KIND_PATH[obj.kind]}/{obj.metadata.name}", body)
+        items.put(f"objects/{KIND_PATHS[obj.kind]}/{obj.metadata.name}", body)
     reconciler = Reconciler(SnapshotCache())
     reconciler.rebuild(items)
     assert reconciler.last_build.path == "full"

@@ -2,7 +2,9 @@
 
 - ``translate``: plan to CDS/EDS/LDS/RDS protos (pure);
 - ``snapshot``: immutable, content-versioned snapshots, serialized once, cached per fleet;
-- ``server``: the ADS gRPC server;
+- ``incremental``: a fleet's next snapshot from the one served now, with only what changed;
+- ``server``: the ADS gRPC server; ``sotw`` and ``delta``: its two protocol variants over
+  ``stream``, what they share;
 - ``status``: what every connected Envoy has, and why it rejected something;
 - ``static``: a fleet's resources as a static bootstrap, for ``envoy --mode validate``.
 """

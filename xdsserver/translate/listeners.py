@@ -9,7 +9,7 @@ from envoy.config.core.v3 import (
     base_pb2,
     substitution_format_string_pb2,
 )
-from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
@@ -21,7 +21,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from policies.plan import PlanListener
-from xdsserver.translate.protos import ads_source, duration, pack, socket_address
+from xdsserver.translate.protos import ads_source, duration, http_filter_chain, pack, socket_address
 
 MODEL_METADATA_NAMESPACE = "envoy.lb"
 """Where json_to_metadata puts the body's ``model`` field (design.md: namespace envoy.lb)."""
@@ -103,16 +103,7 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
         per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(
             value=min(listener.max_request_body_bytes, 2**32 - 1)
         ),
-        filter_chains=[
-            listener_components_pb2.FilterChain(
-                filters=[
-                    listener_components_pb2.Filter(
-                        name="envoy.filters.network.http_connection_manager",
-                        typed_config=pack(manager),
-                    )
-                ]
-            )
-        ],
+        filter_chains=[http_filter_chain(manager)],
     )
 
 

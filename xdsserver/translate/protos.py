@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from envoy.config.core.v3 import address_pb2, config_source_pb2
+from envoy.config.listener.v3 import listener_components_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2,
+)
 from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 
@@ -39,4 +43,18 @@ def socket_address(address: str, port: int) -> address_pb2.Address:
     """An IP (or, for DNS clusters, host name) and port."""
     return address_pb2.Address(
         socket_address=address_pb2.SocketAddress(address=address, port_value=port)
+    )
+
+
+def http_filter_chain(
+    manager: http_connection_manager_pb2.HttpConnectionManager,
+) -> listener_components_pb2.FilterChain:
+    """A listener's filter chain that hands every connection to `manager`."""
+    return listener_components_pb2.FilterChain(
+        filters=[
+            listener_components_pb2.Filter(
+                name="envoy.filters.network.http_connection_manager",
+                typed_config=pack(manager),
+            )
+        ]
     )

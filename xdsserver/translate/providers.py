@@ -10,7 +10,7 @@ from envoy.config.core.v3 import (
 )
 from envoy.config.core.v3 import extension_pb2 as core_extension_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
-from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.credential_injector.v3 import credential_injector_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
@@ -23,7 +23,7 @@ from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from policies.plan import PlanCluster
 from xdsserver.translate.clusters import INTERNAL_SUFFIX, cluster_base, translate_endpoints
 from xdsserver.translate.listeners import local_replies
-from xdsserver.translate.protos import duration, pack
+from xdsserver.translate.protos import duration, http_filter_chain, pack
 
 
 def provider_cluster(cluster: PlanCluster, trusted_ca_file: str) -> cluster_pb2.Cluster:
@@ -90,16 +90,7 @@ def credential_listener(cluster: PlanCluster, secrets_dir: str) -> listener_pb2.
     )
     listener = listener_pb2.Listener(
         name=internal_name(cluster.name),
-        filter_chains=[
-            listener_components_pb2.FilterChain(
-                filters=[
-                    listener_components_pb2.Filter(
-                        name="envoy.filters.network.http_connection_manager",
-                        typed_config=pack(manager),
-                    )
-                ]
-            )
-        ],
+        filter_chains=[http_filter_chain(manager)],
     )
     listener.internal_listener.SetInParent()
     return listener

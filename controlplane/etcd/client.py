@@ -25,23 +25,35 @@ is where etcd looks for it); an expired token is renewed and the call retried on
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import enum
 import functools
-import inspect
 import logging
-import os
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 from aetcd import rpc
+
+from controlplane.etcd.lease import LeaseKeeper
+from controlplane.etcd.security import AuthToken, EtcdSecurity, access_problem, is_bad_token
+from controlplane.etcd.types import (
+    CompactedError,
+    ConflictError,
+    EtcdAccessDenied,
+    EtcdError,
+    EtcdStatus,
+    EtcdUnavailable,
+    EventType,
+    KeyValue,
+    LeaseNotFoundError,
+    WatchBatch,
+    WatchEvent,
+    prefix_range_end,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,313 +80,6 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 _REQUIRE_LEADER = (("hasleader", "true"),)
 
 _RANGE_PAGE_SIZE = 1000
-
-
-class EtcdError(Exception):
-    """Base class for etcd failures; the message says what to do about it."""
-
-
-class EtcdUnavailable(EtcdError):
-    """No etcd endpoint could be reached within the call's timeout."""
-
-
-class ConflictError(EtcdError):
-    """A conditional write failed because the key's ``mod_revision`` was not the expected one."""
-
-    def __init__(
-        self, key: bytes, actual_mod_revision: int, expected_mod_revision: int | None = None
-    ) -> None:
-        self.key = key
-        self.actual_mod_revision = actual_mod_revision
-        self.expected_mod_revision = expected_mod_revision
-        super().__init__(self._sentence())
-
-    def _sentence(self) -> str:
-        name = self.key.decode(errors="backslashreplace")
-        if self.expected_mod_revision == 0:
-            return (
-                f"{name} already exists (mod_revision {self.actual_mod_revision}); "
-                "read it and update it instead of creating it"
-            )
-        if self.actual_mod_revision == 0:
-            return (
-                f"{name} does not exist (expected mod_revision {self.expected_mod_revision}); "
-                "it was deleted, create it again if you still want it"
-            )
-        return (
-            f"{name} changed: expected mod_revision {self.expected_mod_revision}, "
-            f"it is now {self.actual_mod_revision}; re-read it and retry"
-        )
-
-
-class CompactedError(EtcdError):
-    """The requested revision has been compacted; the caller must re-list and watch anew."""
-
-    def __init__(self, compact_revision: int, requested_revision: int | None = None) -> None:
-        self.compact_revision = compact_revision
-        self.requested_revision = requested_revision
-        wanted = f" revision {requested_revision}" if requested_revision is not None else ""
-        super().__init__(
-            f"etcd history{wanted} was compacted (compact revision {compact_revision}); "
-            "re-list the keys and watch from the list's revision"
-        )
-
-
-class LeaseNotFoundError(EtcdError):
-    """A write referred to a lease that has expired or was revoked."""
-
-
-class EtcdAccessDenied(EtcdError):
-    """etcd refused our identity or our permission; the message names what to check."""
-
-
-@dataclass(frozen=True)
-class EtcdSecurity:
-    """How to prove who we are to etcd: TLS files and/or a user and password.
-
-    The password never appears in ``repr`` or in an error message.
-    """
-
-    ca: Path | None = None
-    """CA bundle that signs etcd's server certificate (``--etcd-cacert``)."""
-    cert: Path | None = None
-    """Client certificate for etcd's ``--client-cert-auth`` (``--etcd-cert``)."""
-    key: Path | None = None
-    """Private key of ``cert`` (``--etcd-key``)."""
-    user: str | None = None
-    """etcd user (``--etcd-user``); its password comes from the environment or a file."""
-    password: str | None = field(default=None, repr=False)
-
-    @property
-    def tls(self) -> bool:
-        return self.ca is not None or self.cert is not None
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        """TLS credentials from the files; a file that cannot be read is a clear error."""
-
-        def read(path: Path | None, what: str) -> bytes | None:
-            if path is None:
-                return None
-            try:
-                data = path.read_bytes()
-            except OSError as error:
-                raise EtcdAccessDenied(
-                    f"cannot read the etcd {what} {path}: {error.strerror}"
-                ) from None
-            if b"-----BEGIN" not in data:
-                raise EtcdAccessDenied(f"the etcd {what} {path} is not PEM")
-            return data
-
-        if (self.cert is None) != (self.key is None):
-            raise EtcdAccessDenied("--etcd-cert and --etcd-key go together: give both or neither")
-        return grpc.ssl_channel_credentials(
-            root_certificates=read(self.ca, "CA (--etcd-cacert)"),
-            private_key=read(self.key, "client key (--etcd-key)"),
-            certificate_chain=read(self.cert, "client certificate (--etcd-cert)"),
-        )
-
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """The etcd security flags `kvpilot serve` and `kvpilot agent` share, each with an
-        environment variable."""
-        env = os.environ.get
-        parser.add_argument(
-            "--etcd-cacert",
-            default=env("KVPILOT_ETCD_CACERT"),
-            help="CA bundle of etcd's server certificate; turns on TLS (env KVPILOT_ETCD_CACERT)",
-        )
-        parser.add_argument(
-            "--etcd-cert",
-            default=env("KVPILOT_ETCD_CERT"),
-            help="client certificate for etcd (env KVPILOT_ETCD_CERT)",
-        )
-        parser.add_argument(
-            "--etcd-key",
-            default=env("KVPILOT_ETCD_KEY"),
-            help="private key of --etcd-cert (env KVPILOT_ETCD_KEY)",
-        )
-        parser.add_argument(
-            "--etcd-user",
-            default=env("KVPILOT_ETCD_USER"),
-            help="etcd user; its password comes from KVPILOT_ETCD_PASSWORD or "
-            "--etcd-password-file, never from a flag (env KVPILOT_ETCD_USER)",
-        )
-        parser.add_argument(
-            "--etcd-password-file",
-            default=env("KVPILOT_ETCD_PASSWORD_FILE"),
-            help="file holding the etcd user's password (env KVPILOT_ETCD_PASSWORD_FILE)",
-        )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> EtcdSecurity:
-        """Read the flags (and the password) into an EtcdSecurity; SystemExit with a sentence
-        on a combination that cannot work."""
-        password = env.get("KVPILOT_ETCD_PASSWORD") or None
-        if args.etcd_password_file:
-            try:
-                password = Path(args.etcd_password_file).read_text().rstrip("\r\n")
-            except OSError as error:
-                raise SystemExit(
-                    f"cannot read the etcd password file {args.etcd_password_file}: "
-                    f"{error.strerror}"
-                ) from None
-        user = args.etcd_user or None
-        if user is not None and ":" in user:
-            raise SystemExit(
-                "--etcd-user takes the user name only; pass the password through "
-                "KVPILOT_ETCD_PASSWORD or --etcd-password-file so it stays out of process lists"
-            )
-        if user is not None and not password:
-            raise SystemExit(
-                f"etcd user {user!r} needs a password: set KVPILOT_ETCD_PASSWORD or pass "
-                "--etcd-password-file"
-            )
-        if bool(args.etcd_cert) != bool(args.etcd_key):
-            raise SystemExit("--etcd-cert and --etcd-key go together: give both or neither")
-        return cls(
-            ca=Path(args.etcd_cacert) if args.etcd_cacert else None,
-            cert=Path(args.etcd_cert) if args.etcd_cert else None,
-            key=Path(args.etcd_key) if args.etcd_key else None,
-            user=user,
-            password=password if user is not None else None,
-        )
-
-
-_INTERCEPTORS = (
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-)
-
-
-class _AuthToken(*_INTERCEPTORS):  # type: ignore[misc]  # grpc ships no type information
-    """Adds etcd's auth token (``token`` metadata) to every call on a channel."""
-
-    def __init__(self) -> None:
-        self.value: str | None = None
-
-    def _details(self, details: Any) -> Any:
-        if self.value is None:
-            return details
-        metadata = [*(details.metadata or ()), ("token", self.value)]
-        return details._replace(metadata=grpc.aio.Metadata(*metadata))
-
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
-
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
-
-    async def intercept_stream_stream(
-        self, continuation: Any, details: Any, request_iterator: Any
-    ) -> Any:
-        return await continuation(self._details(details), request_iterator)
-
-
-def _is_bad_token(err: grpc.aio.AioRpcError) -> bool:
-    """etcd's answer to an expired or unknown auth token (renew it and retry)."""
-    details = err.details() or ""
-    return "invalid auth token" in details or "auth token is expired" in details
-
-
-def _access_problem(err: grpc.aio.AioRpcError) -> str | None:
-    """What an error says about our credentials, or None if it is not about them."""
-    details = err.details() or ""
-    lowered = details.lower()
-    if err.code() == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in lowered:
-        return "etcd denied the operation to this user (check its role's key permissions)"
-    if "authentication failed" in lowered:
-        return "etcd rejected the user name or password (check --etcd-user and the password)"
-    if "user name is empty" in lowered or "user name not found" in lowered:
-        return "etcd has authentication enabled: pass --etcd-user and the password"
-    if any(word in lowered for word in ("handshake", "certificate", "ssl", "tls")):
-        return (
-            "the TLS handshake with etcd failed (check --etcd-cacert, --etcd-cert and "
-            "--etcd-key, and that the endpoints speak TLS)"
-        )
-    return None
-
-
-class EventType(enum.Enum):
-    PUT = "PUT"
-    DELETE = "DELETE"
-
-
-@dataclass(frozen=True, slots=True)
-class KeyValue:
-    key: bytes
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-    @classmethod
-    def from_pb(cls, kv: Any) -> KeyValue:
-        return cls(
-            key=kv.key,
-            value=kv.value,
-            create_revision=kv.create_revision,
-            mod_revision=kv.mod_revision,
-            version=kv.version,
-            lease=kv.lease,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class WatchEvent:
-    """One change. For ``DELETE``, ``kv.value == b""`` and ``kv.mod_revision`` is the delete's."""
-
-    type: EventType
-    kv: KeyValue
-
-
-class WatchBatch(list[WatchEvent]):
-    """The events of one etcd ``WatchResponse``; a list, plus where the watch stands.
-
-    ``revision``: every change up to and including this revision has been delivered, so a
-    watch resumed after a disconnect starts at ``revision + 1``. ``header_revision``: etcd's
-    current revision when it sent the response. A batch may be empty: the first batch of
-    every watch (the watch is established) and etcd's progress notifications.
-    """
-
-    __slots__ = ("header_revision", "revision")
-
-    def __init__(self, events: Sequence[WatchEvent], revision: int, header_revision: int) -> None:
-        super().__init__(events)
-        self.revision = revision
-        self.header_revision = header_revision
-
-    def __repr__(self) -> str:
-        return f"WatchBatch({list.__repr__(self)}, revision={self.revision})"
-
-
-@dataclass(frozen=True, slots=True)
-class EtcdStatus:
-    """What readiness checks need from the member the client talks to."""
-
-    endpoint: str
-    version: str
-    revision: int
-    member_id: int
-    leader: int
-    raft_term: int
-    db_size: int
-
-    @property
-    def has_leader(self) -> bool:
-        return self.leader != 0
-
-
-def prefix_range_end(prefix: bytes) -> bytes:
-    """The etcd ``range_end`` that selects every key starting with ``prefix``."""
-    end = bytearray(prefix)
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return bytes(end)
-        end.pop()
-    return b"\x00"  # empty prefix, or all 0xff: every key
 
 
 def _normalize_endpoint(endpoint: str) -> tuple[str, bool]:
@@ -411,7 +116,7 @@ class _Conn:
     lease: Any
     maintenance: Any
     auth: Any
-    token: _AuthToken
+    token: AuthToken
 
 
 class EtcdClient:
@@ -454,7 +159,7 @@ class EtcdClient:
         self._closed = False
         credentials = self.security.channel_credentials() if self.security.tls else None
         for target, tls in self._targets:
-            token = _AuthToken()
+            token = AuthToken()
             if tls or credentials is not None:
                 channel = grpc.aio.secure_channel(
                     target,
@@ -547,13 +252,13 @@ class EtcdClient:
                 return await attempt(conn, per_attempt)
             except grpc.aio.AioRpcError as err:
                 code = err.code()
-                if _is_bad_token(err) and not renewed:
+                if is_bad_token(err) and not renewed:
                     # The token expired (etcd's simple tokens live 5 minutes idle): renew it
                     # once. The request was refused, so even a write is safe to repeat.
                     conn.token.value = None
                     renewed = True
                     continue
-                problem = _access_problem(err)
+                problem = access_problem(err)
                 if problem is not None:
                     raise EtcdAccessDenied(
                         f"{problem}; {what} at {conn.endpoint} failed: {err.details()}"
@@ -596,7 +301,7 @@ class EtcdClient:
         await self.status()
 
     def _unavailable(self, what: str, err: grpc.aio.AioRpcError | None) -> EtcdError:
-        if err is not None and (problem := _access_problem(err)) is not None:
+        if err is not None and (problem := access_problem(err)) is not None:
             return EtcdAccessDenied(f"{problem}; {what} failed: {err.details()}")
         detail = f": {err.details()}" if err is not None else ""
         return EtcdUnavailable(
@@ -969,93 +674,6 @@ class EtcdClient:
         self._rotate(conn)
         detail = err.details() if err is not None else "stream closed"
         return EtcdUnavailable(f"the watch on {prefix!r} broke ({detail}); resume it")
-
-
-class LeaseKeeper:
-    """Keeps one lease alive in a background task; see ``EtcdClient.keepalive_forever``."""
-
-    def __init__(
-        self,
-        client: EtcdClient,
-        ttl: int,
-        *,
-        lease_id: int | None = None,
-        on_regrant: Callable[[int], Awaitable[None] | None] | None = None,
-        revoke_on_exit: bool = True,
-    ) -> None:
-        if ttl < 1:
-            raise ValueError("lease TTL must be at least 1 second")
-        self._client = client
-        self.ttl = ttl
-        self.lease_id = lease_id or 0
-        self._on_regrant = on_regrant
-        self._revoke_on_exit = revoke_on_exit
-        self._task: asyncio.Task[None] | None = None
-        self.regrants = 0
-        """How many times the lease was lost and granted anew."""
-        self.last_error: str | None = None
-        """The last failure to refresh the lease, ``None`` after a success."""
-
-    async def __aenter__(self) -> LeaseKeeper:
-        if not self.lease_id:
-            self.lease_id = await self._client.grant_lease(self.ttl)
-        self._task = asyncio.create_task(self._run(), name=f"lease-keepalive-{self.lease_id:x}")
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._revoke_on_exit and self.lease_id:
-            try:
-                await self._client.revoke_lease(self.lease_id)
-            except EtcdError as err:
-                log.warning("could not revoke lease %x on exit: %s", self.lease_id, err)
-
-    async def _run(self) -> None:
-        interval = max(self.ttl / 3, 0.2)
-        wait = interval
-        owner_behind = False  # on_regrant has not yet succeeded for the current lease
-        while True:
-            await asyncio.sleep(wait)
-            try:
-                remaining = await self._client.keepalive_once(self.lease_id)
-                if remaining <= 0:
-                    old = self.lease_id
-                    self.lease_id = await self._client.grant_lease(self.ttl)
-                    self.regrants += 1
-                    owner_behind = True
-                    log.warning("lease %x was lost; granted %x", old, self.lease_id)
-                if owner_behind:
-                    # Retried until it succeeds: the owner's keys must land on the new lease.
-                    await self._call_on_regrant()
-                    owner_behind = False
-                self.last_error = None
-                wait = interval
-            except EtcdError as err:
-                self.last_error = str(err)
-                log.warning("lease %x keepalive failed: %s", self.lease_id, err)
-                wait = min(interval, 1.0)
-
-    async def _call_on_regrant(self) -> None:
-        if self._on_regrant is None:
-            return
-        try:
-            result = self._on_regrant(self.lease_id)
-            if inspect.isawaitable(result):
-                await result
-        except EtcdError:
-            raise
-        except Exception:
-            # A bug in the callback is not fixed by calling it again.
-            log.exception("on_regrant callback failed for lease %x", self.lease_id)
 
 
 def _mod_revision_equals(key: bytes, revision: int) -> Any:

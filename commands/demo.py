@@ -6,7 +6,7 @@ REST API -> etcd -> kvpilot -> ADS -> Envoy -> model replicas. It starts an embe
 which replica answered; then changes one endpoint's weight and removes another through the API
 and shows the traffic follow. Everything it started is stopped at the end (or on Ctrl-C).
 
-    python -m controlplane.demo [--keep] [--requests N]
+    python -m commands.demo [--keep] [--requests N]
 
 With ``--keep`` (or ``KVPILOT_DEMO_KEEP=1``) it stays up and prints curl lines to try.
 """
@@ -20,15 +20,22 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from api.client import KvpilotClient
 from bench.backend import BackendProcess
-from controlplane.client import KvpilotClient
-from controlplane.launchers import EmbeddedEnvoy, LocalStack, free_port, local_stack, repo_root
+from controlplane.launchers import (
+    EmbeddedEnvoy,
+    LocalStack,
+    free_port,
+    local_stack,
+    repo_root,
+    wait_until,
+)
 from policies import load_objects
 
 EXAMPLE = repo_root() / "policies" / "examples" / "demo.yaml"
@@ -36,15 +43,6 @@ EXAMPLE = repo_root() / "policies" / "examples" / "demo.yaml"
 
 def _say(text: str = "") -> None:
     print(text, flush=True)
-
-
-def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def send(url: str, count: int) -> collections.Counter[str]:
@@ -126,7 +124,7 @@ def run(keep: bool, requests: int, state_dir: Path) -> int:
         for body in _policy_documents(ports, listener_port):
             client.apply(body)
             _say(f"   {body['kind']}/{body['metadata']['name']} applied")
-        _wait(
+        wait_until(
             lambda: all(_served_weight(envoy, port) == 100 for port in ports),
             30,
             "Envoy to receive the policy",
@@ -138,14 +136,18 @@ def run(keep: bool, requests: int, state_dir: Path) -> int:
         first, _, last = backends.replicas
         _say(f"\n3. set the weight of {first.id} (127.0.0.1:{first.port}) to 800 through the API")
         client.set_weight("demo-pool", f"127.0.0.1:{first.port}", 800)
-        _wait(lambda: _served_weight(envoy, first.port) == 800, 30, "the new weight to reach Envoy")
+        wait_until(
+            lambda: _served_weight(envoy, first.port) == 800, 30, "the new weight to reach Envoy"
+        )
         _say(table("", send(url, requests), replicas))
 
         _say(f"\n4. remove {last.id} (127.0.0.1:{last.port}) from the pool through the API")
         pool = client.get("Pool", "demo-pool")
         pool["spec"]["endpoints"] = [e for e in pool["spec"]["endpoints"] if e["port"] != last.port]
         client.apply(pool)
-        _wait(lambda: _served_weight(envoy, last.port) is None, 30, "the endpoint to leave Envoy")
+        wait_until(
+            lambda: _served_weight(envoy, last.port) is None, 30, "the endpoint to leave Envoy"
+        )
         final = send(url, requests)
         _say(table("", final, replicas))
         if final.get(last.id):

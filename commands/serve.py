@@ -21,7 +21,7 @@ import grpc
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from api.app import ApiContext, create_app
+from api import ApiContext, create_app
 from api.auth import AuthConfig, TokenReloader, WriteRateLimit
 from controlplane.asgi import UvicornServer
 from controlplane.audit import DEFAULT_RETENTION, AuditLog
@@ -29,8 +29,9 @@ from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdAccessDenied, EtcdClient, EtcdSecurity, EtcdUnavailable
 from controlplane.launchers import EmbeddedEtcd
+from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
-from controlplane.store import DEFAULT_PREFIX, StateChange, StateMirror, Store
+from controlplane.store import DEFAULT_PREFIX, Store
 from policies import DEFAULT_FLEET
 from xdsserver.identity import FleetBinding, TlsFiles
 from xdsserver.server import AdsServer
@@ -387,7 +388,6 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             connections=connections,
             auth=auth,
             metrics_registry=registry,
-            etcd=client,
             replica_id=config.replica_id,
             envoy_records=lambda: envoy_records(mirror.items),
             audit=audit,

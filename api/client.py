@@ -7,17 +7,9 @@ from typing import Any, Literal
 
 import httpx
 
-from policies import KIND_PATHS, KINDS, PolicyError, parse_object
+from policies import KIND_PATHS, KINDS, PolicyError, kind_named, parse_object
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
-
-_KIND_ALIASES = {
-    **{kind.lower(): kind for kind in KIND_PATHS},
-    **{path: kind for kind, path in KIND_PATHS.items()},
-    "policy": "RoutingPolicy",
-    "policies": "RoutingPolicy",
-    "rp": "RoutingPolicy",
-}
 
 Outcome = Literal["created", "configured", "unchanged"]
 
@@ -33,9 +25,7 @@ class ClientError(Exception):
 
 def kind_name(kind: str) -> str:
     """``pool``, ``pools``, ``Pool`` -> ``Pool``; also ``rp``/``policy`` for RoutingPolicy."""
-    if kind in KIND_PATHS:
-        return kind
-    found = _KIND_ALIASES.get(kind.lower())
+    found = kind_named(kind)
     if found is None:
         known = ", ".join(sorted({k.lower() for k in KIND_PATHS} | set(KIND_PATHS.values())))
         raise ClientError(f"unknown kind {kind!r}; use one of {known}")

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from controlplane.client import DEFAULT_SERVER, ClientError, KvpilotClient, kind_name
+from api.client import DEFAULT_SERVER, ClientError, KvpilotClient, kind_name
 from policies import PolicyError, PolicyObject, PolicyState, decode_documents, parse_object
 
 
@@ -257,7 +257,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from controlplane import serve
+    from commands import serve
 
     result = serve.run(args)
     return int(result or 0)
@@ -270,7 +270,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_serve(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     parser = add_parser("serve", help="run the control plane (etcd watch, ADS server, REST API)")
-    from controlplane import serve
+    from commands import serve
 
     serve.add_arguments(parser)
     parser.set_defaults(func=cmd_serve)

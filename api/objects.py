@@ -1,0 +1,249 @@
+"""CRUD on policy objects, one set of routes per kind, with revisions as ETags.
+
+Every object lives in etcd under its kind and name; its etcd ``mod_revision`` is its ETag, and
+writes that carry ``If-Match`` fail with 412 instead of silently overwriting someone else's
+change. Bodies are validated with ``policies.parse_object`` before anything is written: an
+invalid body gets 422 with the field path of every problem, and etcd is left untouched. With
+``dryRun`` a change is validated and previewed (the Envoy resources it would produce) instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, Path, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from api.context import Admin, ApiContext, ApiError, Reader, dump, etag, json_body, parse_for_kind
+from api.preview import preview
+from controlplane.decode import DecodedState
+from controlplane.store import ENDPOINTS, OBJECTS, Actor, Store, StoredObject
+from policies import FieldError, PolicyError, PolicyObject
+
+log = logging.getLogger(__name__)
+
+
+DryRun = Annotated[
+    bool,
+    Query(
+        alias="dryRun",
+        description="Validate and return the Envoy resources the change would produce, "
+        "without writing anything.",
+    ),
+]
+
+
+IfMatch = Annotated[
+    str | None,
+    Header(
+        alias="If-Match",
+        description='The ETag (revision) you read, for example "42": the write fails with 412 '
+        "if the object changed since.",
+    ),
+]
+
+
+ObjectName = Annotated[str, Path(description="Object name.")]
+
+
+def _parse_if_match(value: str | None) -> int | str | None:
+    """``"42"``, ``W/"42"`` or ``42`` -> 42; ``*`` -> "*"; absent -> None."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text == "*":
+        return "*"
+    text = text.removeprefix("W/").strip('"')
+    if not text.isdigit():
+        raise ApiError(
+            400,
+            f"If-Match {value!r} is not a kvpilot ETag: send the ETag header of a GET, "
+            'for example If-Match: "42"',
+        )
+    return int(text)
+
+
+def _object_response(stored: StoredObject, status: int = 200) -> JSONResponse:
+    return JSONResponse(stored.body, status_code=status, headers={"ETag": etag(stored.revision)})
+
+
+async def _dry_run(
+    store: Store, kind: str, name: str, replacement: PolicyObject | None
+) -> dict[str, Any]:
+    """The resources every fleet would get with `replacement` (None: a deletion) in place of
+    the object, over the valid objects and registered endpoints in etcd now, decoded as the
+    daemon decodes them."""
+    state = DecodedState.from_values(await store.values((OBJECTS, ENDPOINTS)))
+    key = store.keys.object(kind, name)
+    if replacement is None:
+        state.objects.pop(key, None)
+    else:
+        state.objects[key] = replacement
+    return {"dryRun": True, **preview(state.policy_state())}
+
+
+async def _expected_revision(
+    store: Store, kind: str, name: str, if_match: str | None
+) -> int | None:
+    expected = _parse_if_match(if_match)
+    if expected != "*":
+        return expected if isinstance(expected, int) else None
+    current = await store.get(kind, name)
+    if current is None:
+        raise ApiError(412, f"{kind} {name!r} does not exist, and If-Match: * needs it to")
+    return current.revision
+
+
+def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -> None:
+    store = context.store
+    base = f"/v1/{path}"
+    schema_ref = {"$ref": f"#/components/schemas/{kind}"}
+    body_doc = {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": schema_ref}},
+        }
+    }
+    tags: list[str | Any] = [path]
+
+    async def list_objects(_: Reader) -> dict[str, Any]:
+        objects, revision = await store.list(kind)
+        return {"items": [obj.body for obj in objects], "revision": revision}
+
+    async def get_object(name: ObjectName, _: Reader) -> JSONResponse:
+        stored = await store.get(kind, name)
+        if stored is None:
+            raise ApiError(404, f"{kind} {name!r} does not exist")
+        return _object_response(stored)
+
+    async def create_object(
+        request: Request, principal: Admin, dry_run: DryRun = False
+    ) -> JSONResponse:
+        obj = parse_for_kind(await json_body(request), kind)
+        name = obj.metadata.name
+        if dry_run:
+            if await store.get(kind, name) is not None:
+                raise ApiError(409, f"{kind} {name!r} already exists; PUT replaces it")
+            return JSONResponse(await _dry_run(store, kind, name, obj))
+        stored = await store.create(
+            kind, name, dump(obj), actor=Actor(principal.name, f"create_{path}")
+        )
+        log.info("created %s %r at revision %d", kind, name, stored.revision)
+        return _object_response(stored, 201)
+
+    async def replace_object(
+        name: ObjectName,
+        request: Request,
+        principal: Admin,
+        if_match: IfMatch = None,
+        dry_run: DryRun = False,
+    ) -> JSONResponse:
+        obj = parse_for_kind(await json_body(request), kind)
+        if obj.metadata.name != name:
+            raise PolicyError(
+                [
+                    FieldError(
+                        "metadata.name",
+                        f"the body names {obj.metadata.name!r} but the path names {name!r}; "
+                        "rename with DELETE and POST",
+                    )
+                ]
+            )
+        expected = await _expected_revision(store, kind, name, if_match)
+        if dry_run:
+            if expected is not None:
+                current = await store.get(kind, name)
+                if current is None or current.revision != expected:
+                    raise ApiError(
+                        412, f"{kind} {name!r} is not at revision {expected}; fetch it again"
+                    )
+            return JSONResponse(await _dry_run(store, kind, name, obj))
+        stored = await store.replace(
+            kind,
+            name,
+            dump(obj),
+            expect_revision=expected,
+            actor=Actor(principal.name, f"replace_{path}"),
+        )
+        created = stored.created_revision == stored.revision
+        log.info(
+            "%s %s %r at revision %d",
+            "created" if created else "replaced",
+            kind,
+            name,
+            stored.revision,
+        )
+        return _object_response(stored, 201 if created else 200)
+
+    async def delete_object(
+        name: ObjectName, principal: Admin, if_match: IfMatch = None, dry_run: DryRun = False
+    ) -> Response:
+        expected = await _expected_revision(store, kind, name, if_match)
+        if dry_run:
+            current = await store.get(kind, name)
+            if current is None:
+                raise ApiError(404, f"{kind} {name!r} does not exist")
+            if expected is not None and current.revision != expected:
+                raise ApiError(
+                    412, f"{kind} {name!r} is not at revision {expected}; fetch it again"
+                )
+            return JSONResponse(await _dry_run(store, kind, name, None))
+        if not await store.delete(
+            kind, name, expect_revision=expected, actor=Actor(principal.name, f"delete_{path}")
+        ):
+            raise ApiError(404, f"{kind} {name!r} does not exist")
+        log.info("deleted %s %r", kind, name)
+        return Response(status_code=204)
+
+    app.add_api_route(
+        base,
+        list_objects,
+        methods=["GET"],
+        tags=tags,
+        operation_id=f"list_{path}",
+        summary=f"List {kind} objects",
+    )
+    app.add_api_route(
+        f"{base}/{{name}}",
+        get_object,
+        methods=["GET"],
+        tags=tags,
+        operation_id=f"get_{path}",
+        summary=f"Read one {kind} (ETag: its revision)",
+        responses={404: {"description": "No such object."}},
+    )
+    app.add_api_route(
+        base,
+        create_object,
+        methods=["POST"],
+        tags=tags,
+        operation_id=f"create_{path}",
+        summary=f"Create a {kind}",
+        status_code=201,
+        openapi_extra=body_doc,
+        responses={409: {"description": "It exists."}, 422: {"description": "Invalid body."}},
+    )
+    app.add_api_route(
+        f"{base}/{{name}}",
+        replace_object,
+        methods=["PUT"],
+        tags=tags,
+        operation_id=f"replace_{path}",
+        summary=f"Create or replace a {kind}",
+        openapi_extra=body_doc,
+        responses={412: {"description": "If-Match failed."}, 422: {"description": "Invalid body."}},
+    )
+    app.add_api_route(
+        f"{base}/{{name}}",
+        delete_object,
+        methods=["DELETE"],
+        tags=tags,
+        operation_id=f"delete_{path}",
+        summary=f"Delete a {kind}",
+        status_code=204,
+        responses={
+            404: {"description": "No such object."},
+            412: {"description": "If-Match failed."},
+        },
+    )

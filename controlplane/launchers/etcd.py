@@ -1,0 +1,139 @@
+"""A single-member etcd on free loopback ports, for `kvpilot serve`'s embedded default,
+the demo and the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Self
+
+from controlplane.launchers.process import (
+    Launcher,
+    LauncherError,
+    ManagedProcess,
+    find_binary,
+    free_port,
+    http_get,
+    port_in_use,
+)
+from xdsserver.identity import TlsFiles
+
+
+class EmbeddedEtcd(Launcher):
+    """A single-member etcd for local use and tests, with its data and log under `state_dir`.
+
+    Ports are fixed at construction (picked free when not given) and kept across
+    `stop()`/`kill()` and `start()`, so clients can reconnect to a restarted etcd.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        name: str = "kvpilot",
+        extra_args: Sequence[str] = (),
+        tls: TlsFiles | None = None,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.tls = tls
+        """Serve clients over TLS with this certificate and require client certificates signed
+        by `tls.client_ca` (etcd's --client-cert-auth). The launcher's own health check
+        presents `tls.cert`, so issue it for both server and client use."""
+        self.host = host
+        self.name = name
+        self.extra_args = list(extra_args)
+        self._auto_ports = client_port is None or peer_port is None
+        self.client_port = client_port if client_port is not None else free_port(host)
+        self.peer_port = peer_port if peer_port is not None else free_port(host)
+        self.data_dir = self.state_dir / "etcd-data"
+        self.log_path = self.state_dir / "etcd.log"
+        """etcd's stdout and stderr."""
+        self._process = None
+        self._started_once = False
+
+    @property
+    def endpoint(self) -> str:
+        """`host:port` of the client API, as gRPC clients (aetcd) want it."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        """`http://host:port` (`https://` with TLS) of the client API."""
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    def _argv(self) -> list[str]:
+        return [
+            str(find_binary("etcd")),
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.client_url,
+            "--advertise-client-urls",
+            self.client_url,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            f"{self.name}={self.peer_url}",
+            "--initial-cluster-state",
+            "new",
+            *self._tls_args(),
+            *self.extra_args,
+        ]
+
+    def _tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        return [
+            "--cert-file",
+            str(self.tls.cert),
+            "--key-file",
+            str(self.tls.key),
+            "--trusted-ca-file",
+            str(self.tls.client_ca),
+            "--client-cert-auth",
+        ]
+
+    def _healthy(self) -> bool:
+        response = http_get(f"{self.client_url}/health", self.tls)
+        if response is None or response.status_code != 200:
+            return False
+        try:
+            return bool(response.json().get("health") == "true")
+        except ValueError:
+            return False
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Start etcd and wait until `GET /health` says `{"health": "true"}`."""
+        if self.running():
+            return self
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        attempts = 3 if self._auto_ports and not self._started_once else 1
+        for attempt in range(attempts):
+            self._process = ManagedProcess(self._argv(), self.log_path)
+            log_size = self.log_path.stat().st_size if self.log_path.exists() else 0
+            self._process.spawn()
+            try:
+                self._process.wait_for(self._healthy, timeout, "etcd reports healthy")
+            except LauncherError:
+                new_log = self.log_path.read_bytes()[log_size:].decode(errors="replace")
+                if attempt + 1 < attempts and port_in_use(new_log):
+                    # Another process took a port between free_port() and etcd's bind.
+                    self.client_port = free_port(self.host)
+                    self.peer_port = free_port(self.host)
+                    continue
+                raise
+            break
+        self._started_once = True
+        return self

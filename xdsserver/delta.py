@@ -1,0 +1,182 @@
+"""Incremental (Delta) ADS: responses carry only the resources that changed and the names
+removed (xds_protocol, "Incremental xDS")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from envoy.service.discovery.v3 import discovery_pb2
+
+from xdsserver.resources import CLUSTER, PUSH_ORDER, REMOVE_ORDER, WILDCARD_TYPES, Resource
+from xdsserver.snapshot import Snapshot
+from xdsserver.status import ConnectionRegistry, ConnectionStatus
+from xdsserver.stream import ANSWER_NEXT_REQUEST, WILDCARD, Push, Stream, in_order
+
+
+@dataclass(slots=True)
+class _DeltaType:
+    type_url: str
+    wildcard: bool = False
+    names: set[str] = field(default_factory=set)
+    ordered: tuple[str, ...] = ()
+    """``names`` sorted, refreshed when the subscription changes."""
+    sent: dict[str, str] = field(default_factory=dict)
+    """Name → version the Envoy has (from initial_resource_versions and what was sent)."""
+    nonce: str = ""
+    nonce_version: str = ""
+    """system_version_info of the latest response."""
+    dirty: bool = True
+    seen_version: str = ""
+    resuming: bool = False
+    """The Envoy came with initial_resource_versions and nothing was sent since."""
+
+
+@dataclass(slots=True)
+class _DeltaChange:
+    st: _DeltaType
+    version: str
+    updates: list[Resource]
+    removals: list[str]
+
+
+class DeltaStream(Stream):
+    def __init__(self, conn: ConnectionStatus, status: ConnectionRegistry) -> None:
+        super().__init__(conn, status)
+        self.types: dict[str, _DeltaType] = {}
+
+    def handle(self, request: Any) -> None:
+        type_url = self.request_type(request)
+        if type_url is None:
+            return
+        st = self.types.get(type_url)
+        first = st is None
+        subscribe = [str(n) for n in request.resource_names_subscribe]
+        unsubscribe = [str(n) for n in request.resource_names_unsubscribe]
+        if st is None:
+            st = self.types[type_url] = _DeltaType(type_url)
+            # Reconnect: the Envoy already has these; send only what differs.
+            st.sent = {str(k): str(v) for k, v in request.initial_resource_versions.items()}
+            st.resuming = bool(st.sent)
+            # Legacy wildcard: a first request naming nothing subscribes to everything.
+            st.wildcard = not subscribe and type_url in WILDCARD_TYPES
+        # Subscription changes apply even on a stale nonce (protocol: "the server must process
+        # subscription changes in every request").
+        for name in subscribe:
+            if name == WILDCARD:
+                st.wildcard = True
+                continue
+            st.names.add(name)
+            if not (first and name in request.initial_resource_versions):
+                st.sent.pop(name, None)  # a (re)subscription is always answered
+        for name in unsubscribe:
+            if name == WILDCARD:
+                st.wildcard = False
+                st.sent = {n: v for n, v in st.sent.items() if n in st.names}
+                continue
+            st.names.discard(name)
+            if not st.wildcard:
+                st.sent.pop(name, None)  # the Envoy dropped it itself
+        if first or subscribe or unsubscribe:
+            st.dirty = True
+            st.ordered = tuple(sorted(st.names))
+            self.status.subscribed(self.conn, type_url, st.names, wildcard=st.wildcard)
+        nonce = str(request.response_nonce)
+        if not nonce:
+            return
+        if nonce != st.nonce:
+            self.log_stale(type_url)
+        elif request.HasField("error_detail"):
+            # The Envoy keeps what it had; `sent` already holds the rejected versions, so
+            # nothing is resent until the snapshot changes.
+            self.record_nack(type_url, st.nonce_version, request)
+        else:
+            self.status.acked(self.conn, type_url, version=st.nonce_version)
+
+    def _evaluate(self, st: _DeltaType, snapshot: Snapshot) -> _DeltaChange | None:
+        version = snapshot.version(st.type_url)
+        if not version:
+            return None
+        if not st.dirty and version == st.seen_version:
+            return None
+        st.dirty, st.seen_version = False, version
+        resources = snapshot.resources(st.type_url)
+        candidates: Iterable[Resource]
+        if st.wildcard:
+            candidates = resources.values()
+        else:
+            candidates = [resources[n] for n in st.ordered if n in resources]
+            # Names the Envoy reported having but is not subscribed to are not ours to manage.
+            for name in [n for n in st.sent if n not in st.names]:
+                del st.sent[name]
+        updates = [r for r in candidates if st.sent.get(r.name) != r.version]
+        removals = sorted(n for n in st.sent if n not in resources)
+        if not updates and not removals:
+            if st.resuming:
+                # A reconnect that needs nothing: the Envoy holds this version already.
+                self.status.resumed(self.conn, st.type_url, version=version)
+                return None
+            if not (st.wildcard and not st.nonce):
+                return None
+            # A new wildcard subscription to an empty set still gets an (empty) answer, or the
+            # Envoy would wait out its initial_fetch_timeout before it counts as initialized.
+        return _DeltaChange(st, version, updates, removals)
+
+    def plan(self, snapshot: Snapshot | None) -> list[Push]:
+        if snapshot is None:
+            return []
+        changes = []
+        for type_url in in_order(self.types, PUSH_ORDER):
+            change = self._evaluate(self.types[type_url], snapshot)
+            if change is None:
+                continue
+            changes.append(change)
+            follower = self.types.get(ANSWER_NEXT_REQUEST.get(type_url, ""))
+            if type_url == CLUSTER and follower is not None:
+                # A rebuilt or added cluster warms until its ClusterLoadAssignment arrives, and
+                # in Delta Envoy does not re-subscribe a name it already watches: resend the
+                # assignment each one reads (its EDS service name, shared by affinity twins).
+                for r in change.updates:
+                    service = r.message.eds_cluster_config.service_name or r.name
+                    if follower.sent.pop(service, None) is not None:
+                        follower.dirty = True
+        if len(changes) <= 1:
+            return [self._commit(c.st, c.version, c.updates, c.removals) for c in changes]
+        # Make-before-break: every add and update (CDS → EDS → LDS → RDS), then removals
+        # referrer first (LDS → RDS → CDS → EDS).
+        # (A change with neither updates nor removals is the empty answer to a new wildcard
+        # subscription: it goes out too.)
+        pushes = [
+            self._commit(c.st, c.version, c.updates, [])
+            for c in changes
+            if c.updates or not c.removals
+        ]
+        by_type = {c.st.type_url: c for c in changes if c.removals}
+        for type_url in in_order(by_type, REMOVE_ORDER):
+            c = by_type[type_url]
+            pushes.append(self._commit(c.st, c.version, [], c.removals))
+        return pushes
+
+    def _commit(
+        self, st: _DeltaType, version: str, updates: list[Resource], removals: list[str]
+    ) -> Push:
+        nonce = self.next_nonce()
+        st.nonce, st.nonce_version, st.resuming = nonce, version, False
+        response = discovery_pb2.DeltaDiscoveryResponse(
+            system_version_info=version,
+            type_url=st.type_url,
+            nonce=nonce,
+            removed_resources=removals,
+        )
+        response.resources.extend(
+            [
+                discovery_pb2.Resource(name=r.name, version=r.version, resource=r.body)
+                for r in updates
+            ]
+        )
+        for r in updates:
+            st.sent[r.name] = r.version
+        for name in removals:
+            st.sent.pop(name, None)
+        return Push(st.type_url, version, nonce, response)

@@ -1,0 +1,205 @@
+"""State of the world ADS: every response carries all of a type's resources the Envoy
+subscribed to (xds_protocol, "Basic Protocol Overview")."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from envoy.service.discovery.v3 import discovery_pb2
+
+from xdsserver.resources import PUSH_ORDER, REMOVE_ORDER, WILDCARD_TYPES, Resource, content_version
+from xdsserver.snapshot import Snapshot
+from xdsserver.status import ConnectionRegistry, ConnectionStatus
+from xdsserver.stream import ANSWER_NEXT_REQUEST, LEADER, WILDCARD, Push, Stream, in_order
+
+
+@dataclass(slots=True)
+class _SotwType:
+    type_url: str
+    wildcard: bool = False
+    names: frozenset[str] = frozenset()
+    ordered: tuple[str, ...] = ()
+    """``names`` sorted, kept with them: every evaluation walks them in this order."""
+    nonce: str = ""
+    """Nonce of the latest response: requests carrying another one are stale."""
+    sent: dict[str, Resource] | None = None
+    """What the latest response held (None: nothing sent on this stream yet)."""
+    sent_version: str = ""
+    client_version: str = ""
+    """version_info of the first request: what the Envoy had before this stream."""
+    respond: bool = True
+    """Answer at the next evaluation even if nothing changed."""
+    respond_to_next_request: bool = False
+    hold_version: str | None = None
+    """After a NACK: the snapshot version rejected; nothing is sent until it changes."""
+    dirty: bool = True
+    seen_version: str = ""
+    partial: bool = False
+    """The next response carries only the resources that changed since the last one."""
+
+
+class SotwStream(Stream):
+    def __init__(self, conn: ConnectionStatus, status: ConnectionRegistry) -> None:
+        super().__init__(conn, status)
+        self.types: dict[str, _SotwType] = {}
+
+    def handle(self, request: Any) -> None:
+        type_url = self.request_type(request)
+        if type_url is None:
+            return
+        st = self.types.get(type_url)
+        if st is None:
+            st = self.types[type_url] = _SotwType(type_url, client_version=request.version_info)
+        nonce = str(request.response_nonce)
+        if nonce and nonce != st.nonce:
+            # Stale: the Envoy has not seen our latest response yet and will send another request
+            # after it has; acting on this one could resend or undo config.
+            self.log_stale(type_url)
+            return
+        names = [str(n) for n in request.resource_names]
+        wildcard = WILDCARD in names or (not names and type_url in WILDCARD_TYPES)
+        subscription = frozenset(n for n in names if n != WILDCARD)
+        if (wildcard, subscription) != (st.wildcard, st.names):
+            changed = st.sent is not None
+            st.wildcard, st.names, st.ordered = wildcard, subscription, tuple(sorted(subscription))
+            st.dirty = True
+            # A new subscription is answered with everything it names (full set).
+            st.respond = st.respond or changed
+            self.status.subscribed(self.conn, type_url, subscription, wildcard=wildcard)
+        if request.HasField("error_detail"):
+            # Never answer a NACK with the same config (endless loop). The Envoy keeps its last
+            # good version; the next different snapshot flows normally.
+            self.record_nack(type_url, st.sent_version, request)
+            st.hold_version = st.seen_version
+            return
+        if nonce:
+            self.status.acked(self.conn, type_url, version=str(request.version_info))
+        if st.respond_to_next_request:
+            st.respond_to_next_request = False
+            st.respond = True
+
+    def _evaluate(self, st: _SotwType, snapshot: Snapshot) -> dict[str, Resource] | None:
+        """The resources to send for one type, or None if the Envoy is up to date."""
+        version = snapshot.version(st.type_url)
+        if not version:
+            return None  # the type is absent: the Envoy waits, as it would for a slow server
+        if not st.dirty and not st.respond and version == st.seen_version:
+            return None
+        st.dirty = False
+        st.seen_version = version
+        if st.hold_version is not None and not st.respond:
+            # The rejected version is not pushed again; a request that must be answered (new
+            # names, a rebuilt cluster warming) still is.
+            if version == st.hold_version:
+                return None
+            st.hold_version = None
+        resources = snapshot.resources(st.type_url)
+        if st.wildcard:
+            items = dict(resources)
+        else:
+            # EDS and RDS are named: send what was asked for and exists; names that do not
+            # exist yet stay in st.names and go out when they appear.
+            items = {n: resources[n] for n in st.ordered if n in resources}
+        if st.sent is None:
+            if st.client_version == version and (st.wildcard or self._leader_resumed(st)):
+                # Reconnect (maybe to another replica): content-hash versions say the Envoy
+                # already has exactly this set, and for a named type the names it asks for.
+                st.sent, st.sent_version, st.respond = items, version, False
+                self.status.resumed(self.conn, st.type_url, version=version)
+                return None
+            if not items and not st.wildcard:
+                st.respond = False
+                return None
+        elif not st.respond and _same(items, st.sent):
+            return None
+        # A push of a named type (EDS, RDS) carries only what changed: in SotW only CDS and LDS
+        # responses must hold the full set, and Envoy keeps the named resources a response
+        # leaves out. An answer to a request (new names, a re-created cluster warming) holds
+        # everything asked for.
+        # A re-request still owed after an earlier leader push is answered by this one.
+        st.partial = (
+            not st.wildcard
+            and not st.respond
+            and not st.respond_to_next_request
+            and st.sent is not None
+        )
+        st.respond = False
+        return items
+
+    def _leader_resumed(self, st: _SotwType) -> bool:
+        """Whether the Envoy kept its clusters (listeners) on this stream without a push: only
+        then do its EDS (RDS) names and version still describe what it has. A cluster that is
+        pushed, even in this same round, warms until its ClusterLoadAssignment is answered."""
+        leader = self.types.get(LEADER.get(st.type_url, ""))
+        return leader is not None and leader.sent is not None and not leader.nonce
+
+    def plan(self, snapshot: Snapshot | None) -> list[Push]:
+        if snapshot is None:
+            return []
+        changes: list[tuple[_SotwType, dict[str, Resource]]] = []
+        for type_url in in_order(self.types, PUSH_ORDER):
+            st = self.types[type_url]
+            items = self._evaluate(st, snapshot)
+            if items is not None:
+                changes.append((st, items))
+        # A follower pushed in the round of its leader holds its whole named set: the leader's
+        # rebuilt clusters (listeners) warm until theirs arrive, and Envoy's re-request for
+        # them will carry a nonce that is stale by then.
+        pushed = {st.type_url for st, _ in changes}
+        for st, _ in changes:
+            if LEADER.get(st.type_url) in pushed:
+                st.partial = False
+        # Make-before-break: when a full-set type (CDS/LDS) drops names in a round that also
+        # changes other types, first send the union (old kept), then the final set after the
+        # rest, so nothing the new routes still reference disappears first.
+        first: list[tuple[_SotwType, dict[str, Resource], str]] = []
+        last: list[tuple[_SotwType, dict[str, Resource], str]] = []
+        for st, items in changes:
+            final_version = snapshot.version(st.type_url)
+            dropped = (st.sent.keys() - items.keys()) if st.sent else set()
+            if len(changes) > 1 and st.wildcard and dropped and st.sent is not None:
+                union = {n: st.sent[n] for n in dropped} | items
+                first.append((st, union, content_version((n, r.version) for n, r in union.items())))
+                last.append((st, items, final_version))
+            else:
+                first.append((st, items, final_version))
+        rank = {t: i for i, t in enumerate(REMOVE_ORDER)}
+        last.sort(key=lambda c: rank.get(c[0].type_url, len(rank)))
+        pushes = []
+        for i, (st, items, version) in enumerate(first + last):
+            pushes.append(self._commit(st, items, version, makes=i < len(first)))
+        return pushes
+
+    def _commit(
+        self, st: _SotwType, items: dict[str, Resource], version: str, *, makes: bool
+    ) -> Push:
+        nonce = self.next_nonce()
+        body = items
+        if st.partial and st.sent is not None:
+            sent = st.sent
+            body = {
+                n: r
+                for n, r in items.items()
+                if n not in sent or (sent[n] is not r and sent[n].version != r.version)
+            }
+            st.partial = False
+        st.nonce, st.sent, st.sent_version = nonce, items, version
+        follower = ANSWER_NEXT_REQUEST.get(st.type_url)
+        if follower is not None and makes:
+            self.types.setdefault(follower, _SotwType(follower)).respond_to_next_request = True
+        # This response carries the whole named set (never partial while a re-request is owed
+        # or in a round that pushed its leader), so that re-request is answered already.
+        st.respond_to_next_request = False
+        response = discovery_pb2.DiscoveryResponse(
+            version_info=version, type_url=st.type_url, nonce=nonce
+        )
+        response.resources.extend([r.body for r in body.values()])
+        return Push(st.type_url, version, nonce, response)
+
+
+def _same(items: Mapping[str, Resource], sent: Mapping[str, Resource]) -> bool:
+    if items.keys() != sent.keys():
+        return False
+    return all(sent[n] is r or sent[n].version == r.version for n, r in items.items())
