@@ -230,6 +230,13 @@ class KvpilotClient:
         result: dict[str, Any] = self._request("GET", "/v1/endpoints").json()
         return result
 
+    def audit(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest audit entries, newest first."""
+        items: list[dict[str, Any]] = self._request(
+            "GET", "/v1/audit", params={"limit": limit}
+        ).json()["items"]
+        return items
+
     def fleet_config(self, fleet: str) -> dict[str, Any]:
         result: dict[str, Any] = self._request("GET", f"/v1/fleets/{fleet}/config").json()
         return result

@@ -24,7 +24,7 @@ from api.context import (
     read,
 )
 from controlplane.etcd import LeaseNotFoundError
-from controlplane.store import Store, StoredObject
+from controlplane.store import Actor, Store, StoredObject
 from policies import Endpoint, EndpointHealth, PolicyError, Pool
 from policies.validate import field_errors
 
@@ -100,7 +100,7 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         pool: PoolName,
         endpoint_id: EndpointId,
         request: Request,
-        _: Admin,
+        principal: Admin,
         ttl: Annotated[
             int | None,
             Query(ge=1, le=365 * 24 * 3600, description="Lease TTL in seconds; none = forever."),
@@ -111,7 +111,9 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         except ValidationError as error:
             raise PolicyError(field_errors(error)) from None
         body = dump(endpoint)
-        revision, lease = await store.put_endpoint(pool, endpoint_id, body, ttl=ttl)
+        revision, lease = await store.put_endpoint(
+            pool, endpoint_id, body, ttl=ttl, actor=Actor(principal.name, "register_endpoint")
+        )
         log.info("registered endpoint %s/%s (lease %s)", pool, endpoint_id, lease)
         return JSONResponse(
             {
@@ -131,8 +133,12 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         summary="Remove a registered endpoint",
         status_code=204,
     )
-    async def deregister_endpoint(pool: PoolName, endpoint_id: EndpointId, _: Admin) -> Response:
-        if not await store.delete_endpoint(pool, endpoint_id):
+    async def deregister_endpoint(
+        pool: PoolName, endpoint_id: EndpointId, principal: Admin
+    ) -> Response:
+        if not await store.delete_endpoint(
+            pool, endpoint_id, actor=Actor(principal.name, "deregister_endpoint")
+        ):
             raise ApiError(404, f"endpoint {endpoint_id!r} is not registered to pool {pool!r}")
         log.info("deregistered endpoint %s/%s", pool, endpoint_id)
         return Response(status_code=204)
@@ -152,13 +158,14 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         },
     )
     async def set_weight(
-        pool: PoolName, endpoint_id: EndpointId, request: Request, _: Admin
+        pool: PoolName, endpoint_id: EndpointId, request: Request, principal: Admin
     ) -> dict[str, Any]:
         try:
             change = WeightChange.model_validate(await json_body(request))
         except ValidationError as error:
             raise PolicyError(field_errors(error)) from None
-        return await _update_endpoint(store, pool, endpoint_id, {"weight": change.weight})
+        actor = Actor(principal.name, "set_endpoint_weight")
+        return await _update_endpoint(store, pool, endpoint_id, {"weight": change.weight}, actor)
 
     @app.put(
         "/v1/pools/{pool}/endpoints/{endpoint_id}/health",
@@ -176,17 +183,18 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         },
     )
     async def set_health(
-        pool: PoolName, endpoint_id: EndpointId, request: Request, _: Admin
+        pool: PoolName, endpoint_id: EndpointId, request: Request, principal: Admin
     ) -> dict[str, Any]:
         try:
             change = HealthChange.model_validate(await json_body(request))
         except ValidationError as error:
             raise PolicyError(field_errors(error)) from None
-        return await _update_endpoint(store, pool, endpoint_id, {"health": change.health})
+        actor = Actor(principal.name, "set_endpoint_health")
+        return await _update_endpoint(store, pool, endpoint_id, {"health": change.health}, actor)
 
 
 async def _update_endpoint(
-    store: Store, pool: str, endpoint_id: str, changes: dict[str, Any]
+    store: Store, pool: str, endpoint_id: str, changes: dict[str, Any], actor: Actor
 ) -> dict[str, Any]:
     """Change fields of one endpoint: its registration if it is registered (keeping its
     lease), otherwise its static entry in the Pool (compare-and-swap, retried when others
@@ -207,7 +215,7 @@ async def _update_endpoint(
             raise PolicyError(field_errors(error)) from None
         try:
             revision, _lease = await store.put_endpoint(
-                pool, endpoint_id, dump(endpoint), lease=registration.lease or None
+                pool, endpoint_id, dump(endpoint), lease=registration.lease or None, actor=actor
             )
         except LeaseNotFoundError:
             raise ApiError(
@@ -256,7 +264,7 @@ async def _update_endpoint(
         )
         return dump(updated)
 
-    written = await store.update("Pool", pool, edit, attempts=WEIGHT_CAS_ATTEMPTS)
+    written = await store.update("Pool", pool, edit, attempts=WEIGHT_CAS_ATTEMPTS, actor=actor)
     log.info("pool %s static endpoint %s %s", pool, endpoint_id, what)
     return {
         "pool": pool,

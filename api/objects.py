@@ -29,7 +29,7 @@ from api.context import (
 )
 from api.preview import preview, resource_changes
 from controlplane.decode import DecodedState
-from controlplane.store import ENDPOINTS, OBJECTS, Store, StoredObject
+from controlplane.store import ENDPOINTS, OBJECTS, Actor, Store, StoredObject
 from policies import FieldError, PolicyError, PolicyObject, Rollout, parse_object
 from policies.rollout import reference_errors
 
@@ -215,7 +215,9 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
         response.headers.update(headers)
         return response
 
-    async def create_object(request: Request, _: Admin, dry_run: DryRun = False) -> JSONResponse:
+    async def create_object(
+        request: Request, principal: Admin, dry_run: DryRun = False
+    ) -> JSONResponse:
         obj = parse_for_kind(await json_body(request), kind)
         await _check_references(store, obj)
         name = obj.metadata.name
@@ -223,14 +225,16 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
             if await store.get(kind, name) is not None:
                 raise ApiError(409, f"{kind} {name!r} already exists; PUT replaces it")
             return JSONResponse(await _dry_run(store, kind, name, obj))
-        stored = await store.create(kind, name, dump(obj))
+        stored = await store.create(
+            kind, name, dump(obj), actor=Actor(principal.name, f"create_{path}")
+        )
         log.info("created %s %r at revision %d", kind, name, stored.revision)
         return _object_response(stored, 201)
 
     async def replace_object(
         name: ObjectName,
         request: Request,
-        _: Admin,
+        principal: Admin,
         if_match: IfMatch = None,
         dry_run: DryRun = False,
     ) -> JSONResponse:
@@ -255,7 +259,13 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
                         412, f"{kind} {name!r} is not at revision {expected}; fetch it again"
                     )
             return JSONResponse(await _dry_run(store, kind, name, obj))
-        stored = await store.replace(kind, name, dump(obj), expect_revision=expected)
+        stored = await store.replace(
+            kind,
+            name,
+            dump(obj),
+            expect_revision=expected,
+            actor=Actor(principal.name, f"replace_{path}"),
+        )
         created = stored.created_revision == stored.revision
         log.info(
             "%s %s %r at revision %d",
@@ -267,7 +277,7 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
         return _object_response(stored, 201 if created else 200)
 
     async def delete_object(
-        name: ObjectName, _: Admin, if_match: IfMatch = None, dry_run: DryRun = False
+        name: ObjectName, principal: Admin, if_match: IfMatch = None, dry_run: DryRun = False
     ) -> Response:
         expected = await _expected_revision(store, kind, name, if_match)
         if dry_run:
@@ -279,7 +289,9 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
                     412, f"{kind} {name!r} is not at revision {expected}; fetch it again"
                 )
             return JSONResponse(await _dry_run(store, kind, name, None))
-        if not await store.delete(kind, name, expect_revision=expected):
+        if not await store.delete(
+            kind, name, expect_revision=expected, actor=Actor(principal.name, f"delete_{path}")
+        ):
             raise ApiError(404, f"{kind} {name!r} does not exist")
         log.info("deleted %s %r", kind, name)
         return Response(status_code=204)

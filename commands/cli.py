@@ -378,6 +378,11 @@ def _print_status(status: dict[str, Any], output: str, out: TextIO) -> None:
         )
     out.write(f"Envoys connected: {len(envoys)}\n")
     _table(rows, out)
+    for refused in status.get("refusedEnvoys", []):
+        out.write(
+            f"refused: {refused.get('node_id')} ({refused.get('count')}x, last "
+            f"{_when(refused.get('at'))}): {refused.get('message')}\n"
+        )
     build = status.get("lastBuild", {})
     out.write(
         f"\nLast build: revision {build.get('revision')} at {_when(build.get('at'))} "
@@ -518,6 +523,40 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             if not args.watch or status.get("phase") in TERMINAL:
                 return 0
             time.sleep(args.interval)
+
+
+def _change(op: dict[str, Any]) -> str:
+    if op.get("op") == "add":
+        return f"{op.get('path')} = {json.dumps(op.get('value'))}"
+    if op.get("op") == "remove":
+        return f"{op.get('path')} removed (was {json.dumps(op.get('old'))})"
+    return f"{op.get('path')}: {json.dumps(op.get('old'))} -> {json.dumps(op.get('value'))}"
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        entries = client.audit(args.limit)
+    out = sys.stdout
+    if args.output == "json":
+        _dump(entries, "json", out)
+        return 0
+    rows = [["WHEN", "WHO", "ACTION", "OBJECT", "REVISION", "CHANGES"]]
+    for entry in entries:
+        obj = entry.get("object", {})
+        where = f"{obj.get('pool')}/" if obj.get("pool") else ""
+        diff = entry.get("diff", [])
+        rows.append(
+            [
+                _when(entry.get("at")),
+                str(entry.get("actor", "")),
+                str(entry.get("action", "")),
+                f"{obj.get('kind')}/{where}{obj.get('name')}",
+                f"{entry.get('revisionBefore') or '-'} -> {entry.get('revisionAfter')}",
+                "; ".join(_change(op) for op in diff)[:100] or "-",
+            ]
+        )
+    _table(rows, out)
+    return 0
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
@@ -666,6 +705,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rollout.add_argument("-o", "--output", choices=["text", "json"], default="text")
     rollout.set_defaults(func=cmd_rollout)
+    audit = add_parser("audit", help="who changed what: the newest audit entries")
+    audit.add_argument("--limit", type=int, default=50, help="entries to show (default 50)")
+    audit.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    audit.set_defaults(func=cmd_audit)
 
     translate = add_parser(
         "translate", help="print the Envoy resources for policy files (offline: no server)"

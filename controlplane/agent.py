@@ -37,7 +37,14 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
-from controlplane.etcd import EtcdClient, EtcdError, LeaseKeeper
+from controlplane.etcd import (
+    EtcdAccessDenied,
+    EtcdClient,
+    EtcdError,
+    EtcdSecurity,
+    EtcdUnavailable,
+    LeaseKeeper,
+)
 from controlplane.logs import setup_logging
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies.telemetry import (
@@ -110,6 +117,8 @@ class AgentConfig:
     refresh: float = 3.0
     register: bool = False
     unregister_after: int = 3
+    etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
+    """TLS files and user for etcd; an agent's user needs read-write on its pools' keys only."""
 
 
 def _signals(record: TelemetryRecord) -> dict[str, Any]:
@@ -274,6 +283,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=env("KVPILOT_ETCD_PREFIX", DEFAULT_PREFIX),
         help="etcd key prefix (env KVPILOT_ETCD_PREFIX)",
     )
+    EtcdSecurity.add_arguments(parser)
     parser.add_argument("--pool", default=env("KVPILOT_POOL"), help="pool of the backends")
     parser.add_argument(
         "--backend",
@@ -395,13 +405,21 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         refresh=args.refresh,
         register=args.register,
         unregister_after=args.unregister_after,
+        etcd_security=EtcdSecurity.from_args(args, os.environ),
     )
 
 
 async def run_agent(config: AgentConfig) -> None:
     """Run until SIGINT/SIGTERM (or cancellation); revoke the lease on the way out."""
-    client = EtcdClient(config.etcd_endpoints)
+    client = EtcdClient(config.etcd_endpoints, security=config.etcd_security)
     await client.connect()
+    try:
+        await client.check_access()
+    except EtcdAccessDenied:
+        await client.close()
+        raise
+    except EtcdUnavailable as error:
+        log.warning("%s; the agent starts and keeps trying", error)
     agent = Agent(Store(client, config.prefix), config)
     task = asyncio.create_task(agent.run(), name="agent")
     loop = asyncio.get_running_loop()
@@ -424,7 +442,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, OSError) as error:
         log.error("%s", error)
         return 2
-    asyncio.run(run_agent(config))
+    try:
+        asyncio.run(run_agent(config))
+    except EtcdAccessDenied as error:
+        log.error("%s", error)
+        return 2
     return 0
 
 

@@ -145,6 +145,17 @@ def test_apply_get_set_weight_delete_and_status(
     assert code == 1
     assert "does not exist" in err
 
+    # Every write above is in the audit log, newest first, under the admin token's name.
+    code, out, err = run(capsys, "audit")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["WHEN", "WHO", "ACTION", "OBJECT", "REVISION", "CHANGES"]
+    assert "delete" in lines[1] and "Pool/demo-pool" in lines[1]
+    weight = next(line for line in lines if "/spec/endpoints/0/weight: 100 -> 700" in line)
+    assert " ops " in weight and " replace " in weight
+    code, out, _ = run(capsys, "audit", "-o", "json", "--limit", "2")
+    assert [e["action"] for e in json.loads(out)] == ["delete", "replace"]
+
 
 @pytest.mark.e2e
 def test_apply_refuses_invalid_files_before_writing_anything(

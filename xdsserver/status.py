@@ -25,6 +25,9 @@ Mode = Literal["sotw", "delta"]
 Event = Literal["connected", "disconnected", "subscribed", "sent", "acked", "nacked"]
 Listener = Callable[[Event, "ConnectionStatus"], None]
 
+MAX_REFUSALS = 100
+"""Refused Envoys kept for the status page (most recent first)."""
+
 
 @dataclass
 class Nack:
@@ -75,6 +78,8 @@ class ConnectionStatus:
     connected_since: float
     """Wall-clock time (seconds since the epoch)."""
     types: dict[str, TypeStatus] = field(default_factory=dict)
+    identity: str = ""
+    """The client certificate's identity (its first SAN) when ADS runs with mutual TLS."""
 
     def type(self, type_url: str) -> TypeStatus:
         status = self.types.get(type_url)
@@ -113,8 +118,39 @@ class ConnectionStatus:
             "fleet": self.fleet,
             "peer": self.peer,
             "mode": self.mode,
+            "identity": self.identity,
             "connected_since": self.connected_since,
             "types": types,
+        }
+
+
+@dataclass
+class Refusal:
+    """An Envoy that was refused config: what it claimed, who its certificate says it is, why."""
+
+    node_id: str
+    fleet: str
+    """The fleet the node claimed (or was mapped to by node id)."""
+    identity: str
+    peer: str
+    reason: str
+    """``no_certificate``, ``unbound_identity`` or ``fleet_mismatch``."""
+    message: str
+    at: float
+    """Wall-clock time of the latest refusal (seconds since the epoch)."""
+    count: int = 1
+    """Refusals of this node, claim and identity so far (Envoy retries with backoff)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "fleet": self.fleet,
+            "identity": self.identity,
+            "peer": self.peer,
+            "reason": self.reason,
+            "message": self.message,
+            "at": self.at,
+            "count": self.count,
         }
 
 
@@ -136,6 +172,12 @@ class _Metrics:
             "kvpilot_xds_nacks_total",
             "xDS responses rejected by Envoys.",
             ["type", "fleet"],
+            registry=registry,
+        )
+        self.refused = Counter(
+            "kvpilot_xds_refused_total",
+            "ADS streams refused because the client certificate does not allow the claimed fleet.",
+            ["reason"],
             registry=registry,
         )
         self.push_seconds = Histogram(
@@ -186,6 +228,7 @@ class ConnectionRegistry:
         self._connections: dict[int, ConnectionStatus] = {}
         self._listeners: list[Listener] = []
         self._next_id = 0
+        self._refusals: dict[tuple[str, str, str], Refusal] = {}
 
     # Reading -------------------------------------------------------------------------------
 
@@ -197,9 +240,17 @@ class ConnectionRegistry:
         """Copies of the open streams of one Envoy (usually one)."""
         return [copy.deepcopy(c) for c in self._connections.values() if c.node_id == node_id]
 
+    def refusals(self) -> list[Refusal]:
+        """Copies of the recent refusals, newest first."""
+        ordered = sorted(self._refusals.values(), key=lambda r: r.at, reverse=True)
+        return [copy.copy(r) for r in ordered]
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly view for the REST status endpoint."""
-        return {"connections": [c.as_dict() for c in self._connections.values()]}
+        return {
+            "connections": [c.as_dict() for c in self._connections.values()],
+            "refused": [r.as_dict() for r in self.refusals()],
+        }
 
     def unacked_seconds(self) -> dict[str, float]:
         """Fleet -> the longest any of its streams has waited for an ACK now (0 if none)."""
@@ -230,7 +281,9 @@ class ConnectionRegistry:
 
     # Reporting (called by the ADS server) ----------------------------------------------------
 
-    def open(self, *, node_id: str, fleet: str, peer: str, mode: Mode) -> ConnectionStatus:
+    def open(
+        self, *, node_id: str, fleet: str, peer: str, mode: Mode, identity: str = ""
+    ) -> ConnectionStatus:
         self._next_id += 1
         status = ConnectionStatus(
             stream_id=self._next_id,
@@ -239,11 +292,27 @@ class ConnectionRegistry:
             peer=peer,
             mode=mode,
             connected_since=self._clock(),
+            identity=identity,
         )
         self._connections[status.stream_id] = status
         self._metrics.streams.labels(mode=mode).inc()
         self._notify("connected", status)
         return status
+
+    def refused(
+        self, *, node_id: str, fleet: str, identity: str, peer: str, reason: str, message: str
+    ) -> None:
+        """An Envoy was refused (it got nothing). Repeats of one node, claim and identity
+        update one record; the oldest records go when more than `MAX_REFUSALS` are kept."""
+        self._metrics.refused.labels(reason=reason).inc()
+        key = (node_id, fleet, identity)
+        known = self._refusals.pop(key, None)
+        count = known.count + 1 if known is not None else 1
+        self._refusals[key] = Refusal(
+            node_id, fleet, identity, peer, reason, message, self._clock(), count
+        )
+        while len(self._refusals) > MAX_REFUSALS:
+            del self._refusals[next(iter(self._refusals))]
 
     def close(self, status: ConnectionStatus) -> None:
         if self._connections.pop(status.stream_id, None) is None:
