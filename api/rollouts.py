@@ -20,7 +20,7 @@ from controlplane.rollouts import (
     state_key,
     summary,
 )
-from controlplane.store import decode_json, encode_json
+from controlplane.store import Actor, decode_json
 from policies import PolicyError, Rollout
 from policies.rollout import COMMANDS
 
@@ -59,8 +59,7 @@ def add_rollout_routes(app: FastAPI, context: ApiContext) -> None:
         except PolicyError as error:
             raise ApiError(409, f"Rollout {name!r} in etcd is invalid ({error}); fix it") from None
         assert isinstance(rollout, Rollout)
-        kv = await store.client.get(store.keys.absolute(state_key(name)))
-        state = decode_json(kv) if kv is not None else None
+        state = await store.get_record(state_key(name))
         if state is not None and state.get("object") != stored.created_revision:
             state = None
         return rollout, state, stored.created_revision
@@ -97,9 +96,12 @@ def add_rollout_routes(app: FastAPI, context: ApiContext) -> None:
         problem = allowed(command, phase)
         if problem is not None or state is None:
             raise ApiError(409, problem or f"Rollout {name!r} has not started yet; retry shortly")
-        await store.client.put(
-            store.keys.absolute(command_key(name)),
-            encode_json({"command": command, "at": time.time(), "by": principal.name}),
+        await store.put_record(
+            command_key(name),
+            {"command": command, "at": time.time(), "by": principal.name},
+            kind="RolloutCommand",
+            name=name,
+            actor=Actor(principal.name, "rollout_command"),
         )
         log.info("rollout %s: %s requested by %s", name, command, principal.name)
         return JSONResponse({"rollout": name, "command": command, "phase": phase}, status_code=202)

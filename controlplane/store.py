@@ -149,7 +149,8 @@ class WriteRecord:
 
     actor: Actor
     action: str
-    """``create``, ``replace``, ``delete``, ``register`` or ``deregister``."""
+    """``create``, ``replace``, ``update`` (a status record), ``delete``, ``register`` or
+    ``deregister``."""
     kind: str
     """The object kind, or ``Endpoint`` for a registration."""
     name: str
@@ -581,6 +582,30 @@ class Store:
         kv, _, _ = await self._put_leased(
             self.keys.envoy_status(replica_id, node_id), body, None, lease
         )
+        return kv.mod_revision
+
+    # -- status records read and written by key (rollout progress and commands) ------------
+
+    async def get_record(self, relative: str) -> dict[str, Any] | None:
+        """The JSON record at ``relative`` (a key under the prefix), or None."""
+        kv = await self.client.get(self.keys.absolute(relative))
+        return decode_json(kv) if kv is not None else None
+
+    async def put_record(
+        self,
+        relative: str,
+        body: Mapping[str, Any],
+        *,
+        kind: str,
+        name: str,
+        actor: Actor | None = None,
+    ) -> int:
+        """Write the JSON record at ``relative``; with an ``actor`` the write is audited as
+        an ``update`` of ``kind``/``name`` (a rollout command, for example)."""
+        kv, before = await self.client.put_with_previous(
+            self.keys.absolute(relative), encode_json(body), expect_mod_revision=None
+        )
+        await self._written(actor, "update", kind, name, before, body, kv.mod_revision)
         return kv.mod_revision
 
     async def delete_envoy_status(self, replica_id: str, node_id: str) -> bool:

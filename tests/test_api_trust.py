@@ -18,6 +18,7 @@ from api_harness import ADMIN_TOKEN, READ, Harness, auth_config, policy, pool, r
 from api.auth import AuthConfig, TokenReloader, WriteRateLimit
 from controlplane.audit import AuditLog, diff
 from controlplane.launchers import EmbeddedEtcd
+from controlplane.rollouts import state_key
 from controlplane.store import Actor, Store
 
 WRITE_METHODS = {"post", "put", "delete", "patch"}
@@ -52,7 +53,6 @@ WRITES: dict[str, Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]] = {
     "register_endpoint": lambda h: h.put("/v1/pools/a/endpoints/e1", json=_endpoint()),
     "set_endpoint_weight": lambda h: h.put("/v1/pools/a/endpoints/e1/weight", json={"weight": 7}),
     "deregister_endpoint": lambda h: h.delete("/v1/pools/a/endpoints/e1"),
-    "delete_routingpolicies": lambda h: h.delete("/v1/routingpolicies/m"),
     "create_fleets": lambda h: h.post(
         "/v1/fleets", json={"kind": "Fleet", "metadata": {"name": "f"}, "spec": {}}
     ),
@@ -61,8 +61,37 @@ WRITES: dict[str, Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]] = {
         json={"kind": "Fleet", "metadata": {"name": "f"}, "spec": {"maxRequestBodyBytes": 1024}},
     ),
     "delete_fleets": lambda h: h.delete("/v1/fleets/f"),
+    "set_endpoint_health": lambda h: h.put(
+        "/v1/pools/a/endpoints/127.0.0.1:8003/health", json={"health": "draining"}
+    ),
+    "create_rollouts": lambda h: h.post("/v1/rollouts", json=_rollout()),
+    "replace_rollouts": lambda h: h.put(
+        "/v1/rollouts/r",
+        json=_rollout(steps=[{"weight": 20, "minDuration": "30s"}, {"weight": 100}]),
+    ),
+    "rollout_command": lambda h: h.post("/v1/rollouts/r/pause"),
+    "delete_rollouts": lambda h: h.delete("/v1/rollouts/r"),
+    "delete_routingpolicies": lambda h: h.delete("/v1/routingpolicies/m"),
     "delete_pools": lambda h: h.delete("/v1/pools/a"),
 }
+READ_ONLY_POSTS = {"preview"}
+"""POST routes that write nothing (a dry run), so they leave no audit entry."""
+
+
+def _rollout(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "Rollout",
+        "metadata": {"name": "r"},
+        "spec": {
+            "target": {"policy": "m", "route": "all"},
+            "stable": "a",
+            "canary": "b",
+            "steps": [{"weight": 10, "minDuration": "30s"}, {"weight": 100}],
+            "analysis": {"rules": [{"metric": "errorRate", "max": 0.02}]},
+            **spec,
+        },
+    }
 
 
 async def test_every_write_route_leaves_an_audit_entry_with_token_and_diff(api: Harness) -> None:
@@ -72,10 +101,22 @@ async def test_every_write_route_leaves_an_audit_entry_with_token_and_diff(api: 
         for item in schema["paths"].values()
         for method, operation in item.items()
         if method in WRITE_METHODS
-    }
+    } - READ_ONLY_POSTS
     assert write_routes == set(WRITES), "a write route is missing from WRITES (or gone)"
+    # A second pool for the rollout's canary, and the driving replica's record that the
+    # rollout started (no controller runs here), so a command can be given.
+    assert (await api.http.post("/v1/pools", json=pool("b", 8005))).is_success
     previous_revision = 0
     for operation, call in WRITES.items():
+        if operation == "rollout_command":
+            stored = await api.store.get("Rollout", "r")
+            assert stored is not None
+            await api.store.put_record(
+                state_key("r"),
+                {"phase": "Progressing", "object": stored.created_revision, "step": 0},
+                kind="Rollout",
+                name="r",
+            )
         response = await call(api.http)
         assert response.is_success, (operation, response.text)
         entry = await newest_audit(api)
