@@ -35,7 +35,7 @@ from controlplane.decode import DecodedState, DecodeError
 from controlplane.etcd import KeyValue
 from controlplane.mirror import StateChange
 from controlplane.store import ENDPOINTS, STATUS, TELEMETRY
-from policies import PolicyState, RoutingPlan, compile_plan
+from policies import PolicyState, RouteMemo, RoutingPlan, compile_plan
 from policies.models import TELEMETRY_MAX_AGE
 from policies.weights import WeightDecision
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
@@ -157,6 +157,9 @@ class Reconciler:
         self.plan: RoutingPlan | None = None
         self.last_build = BuildInfo()
         self._decoded = DecodedState()
+        self._memo = RouteMemo()
+        self._applied: dict[str, bytes] = {}
+        """The value each present key was last decoded from."""
         self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
         self._next_stale_at = math.inf
         self._last_telemetry_build = -math.inf
@@ -269,9 +272,19 @@ class Reconciler:
             elif _all_under(changed, ENDPOINT_PREFIXES):
                 cause = "endpoints"
         for key in keys:
-            self._apply(key, items.get(key))
+            kv = items.get(key)
+            value = kv.value if kv is not None else None
+            if key in self._applied and self._applied[key] == value:
+                # A resync re-reads every key: the same bytes decode to the same object, so
+                # keep it (compilation reuses what it built from unchanged objects).
+                continue
+            self._apply(key, kv)
+            if value is None:
+                self._applied.pop(key, None)
+            else:
+                self._applied[key] = value
         state = self._decoded.policy_state(previous_weights=self._weights, now=self.clock())
-        plan = compile_plan(state)
+        plan = compile_plan(state, self._memo)
         fleets: dict[str, dict[str, str]] = {}
         pushed = 0
         path = BUILD_PATHS[0]

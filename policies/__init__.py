@@ -1,6 +1,6 @@
 """Policy objects, their validation, and compilation to a routing plan (no I/O)."""
 
-from policies.compile import PolicyState, cluster_name, compile_plan, listener_name
+from policies.compile import PolicyState, RouteMemo, cluster_name, compile_plan, listener_name
 from policies.models import (
     API_VERSION,
     KIND_PATHS,
@@ -31,6 +31,7 @@ __all__ = [
     "PolicyObject",
     "PolicyState",
     "Pool",
+    "RouteMemo",
     "RoutingPlan",
     "RoutingPolicy",
     "cluster_name",
