@@ -2,6 +2,7 @@
 
     python -m bench [routing] [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
+        [--baseline REF [--rounds N] [--only scale]]
 
 `routing` (the default) replays LLM workloads (multi-turn chat, shared documents) through a
 real Envoy configured by kvpilot under several routing policies and writes a Markdown report,
@@ -14,6 +15,7 @@ sensitivity checks.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -55,7 +57,16 @@ def _controlplane(args: argparse.Namespace) -> int:
     config = controlplane_config(short=args.short)
     if args.out is not None:
         config = replace(config, out_dir=args.out)
-    print(f"\njson: {run_controlplane(config, state_dir=args.state_dir)}")
+    if args.baseline:
+        from bench.scale import markdown, translation_side_by_side
+
+        side_by_side = translation_side_by_side(args.baseline, config.endpoints, args.rounds)
+        out_dir = config.out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "controlplane-scale.json").write_text(json.dumps(side_by_side, indent=2))
+        print(markdown(side_by_side))
+    if args.only != "scale":
+        print(f"\njson: {run_controlplane(config, state_dir=args.state_dir)}")
     return 0
 
 
@@ -79,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     controlplane.add_argument("--short", action="store_true", help="a smoke run (seconds)")
     controlplane.add_argument("--out", type=Path, default=None, help="output directory")
     controlplane.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    controlplane.add_argument(
+        "--baseline",
+        default="",
+        help="git ref to compare rebuild times with, side by side in this run (e.g. main)",
+    )
+    controlplane.add_argument("--rounds", type=int, default=3, help="baseline rounds (3)")
+    controlplane.add_argument(
+        "--only", choices=["all", "scale"], default="all", help="scale: the comparison alone"
+    )
     args = parser.parse_args(argv)
     if args.command == "controlplane":
         return _controlplane(args)
