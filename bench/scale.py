@@ -12,17 +12,28 @@ report gives each side's median over the rounds and their ratio.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from controlplane.agent import AgentConfig
+from controlplane.etcd import EtcdClient, EtcdError
 from controlplane.launchers import repo_root
+from controlplane.store import Store
+from policies.telemetry import TelemetryRecord
 
 MEASURES = ("full_rebuild_ms", "fast_path_ms", "routes_path_ms")
 """What `translation_bench` reports, in process: a full rebuild, one endpoint changed (EDS
@@ -102,3 +113,199 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {labels[measure]} | {row['baseline']} | {row['new']} | {row['speedup']}x |"
         )
     return "\n".join([*lines, ""])
+
+
+# -- telemetry at scale ----------------------------------------------------------------------
+
+
+@dataclass
+class _Replica:
+    """One simulated backend's load: a level it hovers around, and what its agent wrote."""
+
+    pool: str
+    endpoint_id: str
+    level: float
+    written: TelemetryRecord | None = None
+    exact: TelemetryRecord | None = None
+    """What an agent writing on any change (the baseline rule) would have written last."""
+
+
+def _record(replica: _Replica, rng: random.Random, now: float) -> TelemetryRecord:
+    """A scrape: the replica's level with a few percent of noise on every signal."""
+    level = replica.level
+
+    def noisy(value: float) -> float:
+        return max(0.0, round(value * rng.uniform(0.96, 1.04), 3))
+
+    return TelemetryRecord(
+        at=now,
+        waiting=round(noisy(level * 40)),
+        running=round(noisy(8 + level * 24)),
+        max_running=32,
+        kv_cache=min(1.0, noisy(0.2 + 0.6 * level)),
+        pending_tokens=noisy(level * 20_000),
+        format="vllm",
+    )
+
+
+def telemetry_at_scale(
+    etcd_endpoint: str,
+    prefix: str,
+    endpoints: list[tuple[str, str]],
+    kvpilot_pid: int,
+    metrics_url: str,
+    *,
+    seconds: float,
+    shift: float = 0.01,
+    seed: int = 1,
+) -> dict[str, Any]:
+    """`endpoints` (pool, endpoint id) scraped every second for `seconds`, their agents'
+    writes made to etcd as the agent decides them (``WriteBand``, ``--refresh``).
+
+    Every second each replica's signals wiggle by a few percent and `shift` of the replicas
+    move to a new load level. Reported: etcd writes per second under the agent's rule, and
+    what the baseline rule (write on any change, refresh 3 s) would have written; kvpilot's
+    CPU (user + system time of the daemon over the run, in cores); and fleet snapshot pushes
+    caused by telemetry per second, also per 1,000 endpoints."""
+    return asyncio.run(
+        _telemetry_at_scale(
+            etcd_endpoint,
+            prefix,
+            endpoints,
+            kvpilot_pid,
+            metrics_url,
+            seconds=seconds,
+            shift=shift,
+            seed=seed,
+        )
+    )
+
+
+async def _telemetry_at_scale(
+    etcd_endpoint: str,
+    prefix: str,
+    endpoints: list[tuple[str, str]],
+    kvpilot_pid: int,
+    metrics_url: str,
+    *,
+    seconds: float,
+    shift: float,
+    seed: int,
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    agent = AgentConfig([], [])
+    replicas = [_Replica(pool, endpoint_id, rng.random()) for pool, endpoint_id in endpoints]
+    writes = exact_writes = failed = 0
+    async with EtcdClient([etcd_endpoint]) as client:
+        store = Store(client, prefix)
+        # One lease for all, as an agent holds one for its backends.
+        lease = await client.grant_lease(int(seconds) + 60)
+        gate = asyncio.Semaphore(32)
+
+        async def write(batch: list[tuple[_Replica, TelemetryRecord]]) -> None:
+            nonlocal failed
+            async with gate:
+                try:
+                    await store.put_telemetry_many(
+                        [(r.pool, r.endpoint_id, json.loads(t.to_json())) for r, t in batch],
+                        lease=lease,
+                    )
+                except EtcdError:
+                    failed += len(batch)
+
+        pushes_before = await _telemetry_pushes(metrics_url)
+        cpu_before = _cpu_seconds(kvpilot_pid)
+        started = time.monotonic()
+        tick = 0
+        while time.monotonic() - started < seconds:
+            tick_started = time.monotonic()
+            now = time.time()
+            batch = []
+            for replica in replicas:
+                if rng.random() < shift:
+                    replica.level = rng.random()
+                record = _record(replica, rng, now)
+                last = replica.written
+                if (
+                    last is None
+                    or agent.band.moved(last, record)
+                    or record.at - last.at >= agent.refresh
+                ):
+                    replica.written = record
+                    batch.append((replica, record))
+                exact = replica.exact
+                if (
+                    exact is None
+                    or exact.model_dump(exclude={"at"}) != record.model_dump(exclude={"at"})
+                    or record.at - exact.at >= BASELINE_REFRESH
+                ):
+                    replica.exact = record
+                    exact_writes += 1
+            writes += len(batch)
+            # One agent per AGENT_BACKENDS replicas, each writing its round in one batch.
+            await asyncio.gather(
+                *(
+                    write(batch[i : i + AGENT_BACKENDS])
+                    for i in range(0, len(batch), AGENT_BACKENDS)
+                )
+            )
+            tick += 1
+            await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - tick_started)))
+        elapsed = time.monotonic() - started
+        cpu = _cpu_seconds(kvpilot_pid) - cpu_before
+        pushes = await _telemetry_pushes(metrics_url) - pushes_before
+    per_second = pushes / elapsed
+    return {
+        "endpoints": len(replicas),
+        "seconds": round(elapsed, 1),
+        "ticks": tick,
+        "etcd_writes_per_s": round(writes / elapsed),
+        "baseline_rule_writes_per_s": round(exact_writes / elapsed),
+        "failed_writes": failed,
+        "kvpilot_cpu_cores": round(cpu / elapsed, 2),
+        "telemetry_pushes_per_s": round(per_second, 2),
+        "pushes_per_s_per_1000_endpoints": round(per_second * 1000 / len(replicas), 3),
+    }
+
+
+AGENT_BACKENDS = 8
+"""Backends per simulated agent (one agent per 8-GPU node): each agent writes its round's
+records in one transaction."""
+BASELINE_REFRESH = 3.0
+"""The agent's refresh before the write band: an unchanged record every 3 s."""
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process, seconds (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _telemetry_pushes(metrics_url: str) -> float:
+    """kvpilot's count of fleet snapshots pushed because of telemetry."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        text = (await http.get(metrics_url)).text
+    for line in text.splitlines():
+        if line.startswith('kvpilot_snapshot_pushes_total{cause="telemetry"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def telemetry_markdown(results: dict[str, Any]) -> str:
+    r = results
+    return "\n".join(
+        [
+            f"Telemetry at scale: {r['endpoints']} endpoints scraped every second for "
+            f"{r['seconds']} s (simulated agents writing to etcd, kvpilot serving):",
+            "",
+            "| measure | value |",
+            "|---|---:|",
+            f"| etcd writes/s, agent's write band | {r['etcd_writes_per_s']} |",
+            f"| etcd writes/s the baseline rule would make (any change, 3 s refresh) | "
+            f"{r['baseline_rule_writes_per_s']} |",
+            f"| kvpilot CPU, cores | {r['kvpilot_cpu_cores']} |",
+            f"| snapshot pushes/s caused by telemetry | {r['telemetry_pushes_per_s']} |",
+            f"| per 1,000 endpoints | {r['pushes_per_s_per_1000_endpoints']} |",
+            "",
+        ]
+    )

@@ -226,7 +226,7 @@ def _route_diagnostics(
                             path,
                         )
                     )
-            if not pool_endpoints(pool, state.registered.get(target.pool, {})):
+            if not pool.spec.endpoints and not state.registered.get(target.pool):
                 out.append(
                     Diagnostic(
                         "warning",

@@ -120,9 +120,10 @@ class Endpoint(Model):
         "endpoint out of rotation; 'degraded' keeps it as a last resort. Default: healthy.",
     )
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """Stable identity of the endpoint within its pool: ``address:port``."""
+        """Stable identity of the endpoint within its pool: ``address:port``. Worked out once
+        per parsed endpoint: validation, compile and telemetry weights all ask for it."""
         return f"{self.address}:{self.port}"
 
 
