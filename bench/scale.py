@@ -128,6 +128,10 @@ class _Replica:
     written: TelemetryRecord | None = None
     exact: TelemetryRecord | None = None
     """What an agent writing on any change (the baseline rule) would have written last."""
+    written_round: int = 0
+    exact_round: int = 0
+    """Rounds (simulated seconds) of those writes: the refresh counts in simulated time, so a
+    round that takes longer than a second to simulate does not turn into refresh writes."""
 
 
 def _record(replica: _Replica, rng: random.Random, now: float) -> TelemetryRecord:
@@ -228,7 +232,7 @@ async def _telemetry_at_scale(
         pushes_before = await _telemetry_pushes(metrics_url)
         cpu_before = _cpu_seconds(kvpilot_pid)
         started = time.monotonic()
-        tick = 0
+        tick = 1
         while time.monotonic() - started < seconds:
             tick_started = time.monotonic()
             now = time.time()
@@ -241,17 +245,17 @@ async def _telemetry_at_scale(
                 if (
                     last is None
                     or agent.band.moved(last, record)
-                    or record.at - last.at >= agent.refresh
+                    or tick - replica.written_round >= agent.refresh
                 ):
-                    replica.written = record
+                    replica.written, replica.written_round = record, tick
                     batch.append((replica, record))
                 exact = replica.exact
                 if (
                     exact is None
                     or _signals(exact) != _signals(record)
-                    or record.at - exact.at >= BASELINE_REFRESH
+                    or tick - replica.exact_round >= BASELINE_REFRESH
                 ):
-                    replica.exact = record
+                    replica.exact, replica.exact_round = record, tick
                     exact_writes += 1
             writes += len(batch)
             # One agent per AGENT_BACKENDS replicas, each writing its round in one batch.
@@ -269,6 +273,7 @@ async def _telemetry_at_scale(
     # A round stands for one second of the agents' world. On a loaded machine a round can take
     # longer than a second to simulate; rates per round are then the conservative reading
     # (kvpilot had more than a second for each round's writes and may have rebuilt more often).
+    tick -= 1
     per_round = max(tick, 1)
     return {
         "endpoints": len(replicas),
