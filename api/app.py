@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import prometheus_client
@@ -19,11 +19,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from api.context import ApiContext, ApiError, Reader, unprocessable
-from api.endpoints import add_endpoint_routes
-from api.objects import add_object_routes
+from api.console import add_console_routes
+from api.context import PATH_RULES, ApiContext, ApiError, FleetName, Reader, unprocessable
+from api.endpoints import WeightChange, add_endpoint_routes
+from api.objects import add_object_routes, add_preview_route
 from api.preview import snapshot_json
-from controlplane.etcd import EtcdError, EtcdUnavailable
+from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
+from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
 from controlplane.store import (
     AlreadyExists,
     Contended,
@@ -32,6 +34,7 @@ from controlplane.store import (
     NotFound,
     RevisionMismatch,
     UnknownKind,
+    ValueTooLarge,
 )
 from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError
 from policies.validate import field_path
@@ -61,10 +64,32 @@ def create_app(context: ApiContext) -> FastAPI:
     _add_health_routes(app, context)
     for kind, path in KIND_PATHS.items():
         add_object_routes(app, context, kind, path)
+    add_preview_route(app, context)
     add_endpoint_routes(app, context)
+    add_rollout_routes(app, context)
     _add_status_routes(app, context)
+    add_console_routes(app, context.store, context.reconciler)
     _install_openapi(app)
     return app
+
+
+def _validation_message(item: Mapping[str, Any]) -> str:
+    """FastAPI's message, or for a path parameter the rule it breaks, in words."""
+    loc = tuple(item.get("loc", ()))
+    if len(loc) == 2 and loc[0] == "path" and loc[1] in PATH_RULES:
+        return f"{item.get('input')!r} is not a valid {loc[1]}: use {PATH_RULES[loc[1]]}"
+    return str(item.get("msg", "invalid"))
+
+
+def _check_after_unknown_outcome(request: Request) -> str:
+    """Where a client reads back what an unconfirmed write did."""
+    path = request.url.path.removesuffix("/weight")
+    parts = path.strip("/").split("/")
+    if len(parts) == 5 and parts[3] == "endpoints":
+        return "/" + "/".join(parts[:4])  # the pool's registered endpoints
+    if request.method == "POST":
+        return f"{path}/<name>"
+    return path
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -73,7 +98,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
-        return detail(exc.status, exc.message)
+        return detail(exc.status, exc.message, exc.headers)
+
+    async def outcome_unknown(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("write with unknown outcome: %s %s: %s", request.method, request.url, exc)
+        check = _check_after_unknown_outcome(request)
+        return detail(
+            503,
+            f"the outcome of this write is unknown: {exc}. Check before retrying: GET {check} "
+            "and compare its ETag (revision) with the one you wrote against; etcd may still "
+            "apply the write when it recovers.",
+        )
 
     async def policy_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, PolicyError)
@@ -82,7 +117,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def request_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = [
-            FieldError(field_path(item.get("loc", ())), str(item.get("msg", "invalid")))
+            FieldError(field_path(item.get("loc", ())), _validation_message(item))
             for item in exc.errors()
         ]
         return unprocessable(errors)
@@ -105,8 +140,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(NotFound, status_for(412))
     app.add_exception_handler(InvalidName, status_for(400))
     app.add_exception_handler(UnknownKind, status_for(404))
-    app.add_exception_handler(InvalidValue, status_for(500))
+    # Garbage in etcd (written by another tool): the client can fix it by replacing the object.
+    app.add_exception_handler(InvalidValue, status_for(409))
+    app.add_exception_handler(ValueTooLarge, status_for(413))
     app.add_exception_handler(Contended, status_for(409))
+    app.add_exception_handler(EtcdOutcomeUnknown, outcome_unknown)
     app.add_exception_handler(EtcdUnavailable, status_for(503))
     app.add_exception_handler(EtcdError, etcd_error)
 
@@ -153,7 +191,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
         operation_id="fleet_config",
         summary="The Envoy resources served to a fleet now, with per-type versions",
     )
-    async def fleet_config(fleet: str, _: Reader) -> dict[str, Any]:
+    async def fleet_config(fleet: FleetName, _: Reader) -> dict[str, Any]:
         snapshot = reconciler.cache.snapshot_for(fleet)
         if snapshot is None:
             raise ApiError(404, f"no configuration is served to fleet {fleet!r} yet")
@@ -172,8 +210,16 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
         build = reconciler.last_build
         return {
             "ready": reconciler.ready,
+            "replica": context.replica_id,
+            "etcd": {
+                "endpoints": list(context.store.etcd_endpoints),
+                "embedded": context.etcd_embedded,
+                "watching": context.etcd_watching() if context.etcd_watching else None,
+            },
             "envoys": _envoys(context),
             "invalidObjects": [dataclasses.asdict(e) for e in reconciler.errors.values()],
+            "rolloutDriver": rollout_driver(context),
+            "rollouts": rollout_summaries(context),
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
             "lastBuild": {
                 "revision": build.revision,
@@ -183,6 +229,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "fastPath": build.path != "full",
                 "path": build.path,
                 "fleets": build.fleets,
+                "defaultFleet": reconciler.cache.default_fleet,
             },
         }
 
@@ -209,7 +256,7 @@ def _install_openapi(app: FastAPI) -> None:
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
         models: list[tuple[type[BaseModel], Any]] = [
-            (model, "validation") for model in (*KINDS.values(), Endpoint)
+            (model, "validation") for model in (*KINDS.values(), Endpoint, WeightChange)
         ]
         _, definitions = models_json_schema(models, ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {}).setdefault("schemas", {})

@@ -1,5 +1,5 @@
-"""Endpoint registration (optionally under a lease) and weight changes, for registered and
-static endpoints alike."""
+"""Endpoint registration (optionally under a lease), and weight and health changes (drain),
+for registered and static endpoints alike."""
 
 from __future__ import annotations
 
@@ -10,10 +10,22 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.context import Admin, ApiContext, ApiError, Reader, dump, etag, json_body, parse_for_kind
+from api.context import (
+    Admin,
+    ApiContext,
+    ApiError,
+    EndpointId,
+    PoolName,
+    Reader,
+    dump,
+    etag,
+    json_body,
+    parse_for_kind,
+    read,
+)
 from controlplane.etcd import LeaseNotFoundError
-from controlplane.store import StoredObject
-from policies import Endpoint, PolicyError, Pool
+from controlplane.store import Store, StoredObject
+from policies import Endpoint, EndpointHealth, PolicyError, Pool
 from policies.validate import field_errors
 
 log = logging.getLogger(__name__)
@@ -21,6 +33,17 @@ log = logging.getLogger(__name__)
 
 WEIGHT_CAS_ATTEMPTS = 10
 """Compare-and-swap attempts when a weight change rewrites a Pool that others also edit."""
+
+
+class HealthChange(BaseModel):
+    """A new health for one endpoint, as sent to Envoy over EDS."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    health: EndpointHealth = Field(
+        description="'draining' or 'unhealthy' take the endpoint out of rotation, 'degraded' "
+        "keeps it as a last resort, 'healthy' puts it back."
+    )
 
 
 class WeightChange(BaseModel):
@@ -47,19 +70,24 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         operation_id="list_endpoints",
         summary="Endpoints registered to a pool (not its static ones)",
     )
-    async def list_endpoints(pool: str, _: Reader) -> dict[str, Any]:
-        registrations, revision = await store.endpoints(pool)
+    async def list_endpoints(pool: PoolName, _: Reader) -> JSONResponse:
+        (registrations, revision), headers = await read(
+            context,
+            lambda: store.endpoints(pool),
+            lambda items: (store.endpoints_from(items, pool), context.mirror.revision),  # type: ignore[union-attr]
+        )
         items = [
             {
                 "id": registration.endpoint_id,
                 "endpoint": registration.body,
                 "revision": registration.revision,
                 "lease": registration.lease or None,
-                "ttlSeconds": await store.lease_ttl(registration.lease),
+                # A lease's time left is etcd's to tell; not known from the mirror.
+                "ttlSeconds": None if headers else await store.lease_ttl(registration.lease),
             }
             for registration in registrations
         ]
-        return {"items": items, "revision": revision}
+        return JSONResponse({"items": items, "revision": revision}, headers=headers)
 
     @app.put(
         "/v1/pools/{pool}/endpoints/{endpoint_id}",
@@ -69,8 +97,8 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         openapi_extra=endpoint_doc,
     )
     async def register_endpoint(
-        pool: str,
-        endpoint_id: str,
+        pool: PoolName,
+        endpoint_id: EndpointId,
         request: Request,
         _: Admin,
         ttl: Annotated[
@@ -103,7 +131,7 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         summary="Remove a registered endpoint",
         status_code=204,
     )
-    async def deregister_endpoint(pool: str, endpoint_id: str, _: Admin) -> Response:
+    async def deregister_endpoint(pool: PoolName, endpoint_id: EndpointId, _: Admin) -> Response:
         if not await store.delete_endpoint(pool, endpoint_id):
             raise ApiError(404, f"endpoint {endpoint_id!r} is not registered to pool {pool!r}")
         log.info("deregistered endpoint %s/%s", pool, endpoint_id)
@@ -114,80 +142,126 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         tags=tags,
         operation_id="set_endpoint_weight",
         summary="Change one endpoint's weight (registered, or static as address:port)",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/WeightChange"}}
+                },
+            }
+        },
     )
     async def set_weight(
-        pool: str, endpoint_id: str, change: WeightChange, _: Admin
+        pool: PoolName, endpoint_id: EndpointId, request: Request, _: Admin
     ) -> dict[str, Any]:
-        registration = await store.get_endpoint(pool, endpoint_id)
-        if registration is not None:
-            current = registration.body
-            if current is None:
-                raise ApiError(
-                    500, f"the registration of {endpoint_id!r} is not JSON; re-register it"
-                )
-            try:
-                endpoint = Endpoint.model_validate({**current, "weight": change.weight})
-            except ValidationError as error:
-                raise PolicyError(field_errors(error)) from None
-            try:
-                revision, _lease = await store.put_endpoint(
-                    pool, endpoint_id, dump(endpoint), lease=registration.lease or None
-                )
-            except LeaseNotFoundError:
-                raise ApiError(
-                    404, f"the registration of {endpoint_id!r} expired while it was being changed"
-                ) from None
-            log.info("endpoint %s/%s weight -> %d", pool, endpoint_id, change.weight)
-            return {
-                "pool": pool,
-                "id": endpoint_id,
-                "source": "registered",
-                "weight": change.weight,
-                "revision": revision,
+        try:
+            change = WeightChange.model_validate(await json_body(request))
+        except ValidationError as error:
+            raise PolicyError(field_errors(error)) from None
+        return await _update_endpoint(store, pool, endpoint_id, {"weight": change.weight})
+
+    @app.put(
+        "/v1/pools/{pool}/endpoints/{endpoint_id}/health",
+        tags=tags,
+        operation_id="set_endpoint_health",
+        summary="Drain an endpoint (health: draining), take it out (unhealthy) or put it back "
+        "(healthy); registered, or static as address:port",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/HealthChange"}}
+                },
             }
+        },
+    )
+    async def set_health(
+        pool: PoolName, endpoint_id: EndpointId, request: Request, _: Admin
+    ) -> dict[str, Any]:
+        try:
+            change = HealthChange.model_validate(await json_body(request))
+        except ValidationError as error:
+            raise PolicyError(field_errors(error)) from None
+        return await _update_endpoint(store, pool, endpoint_id, {"health": change.health})
 
-        def reweigh(stored: StoredObject | None) -> dict[str, Any]:
-            if stored is None:
-                raise ApiError(
-                    404,
-                    f"endpoint {endpoint_id!r} is not registered and pool {pool!r} does not exist",
-                )
-            try:
-                pool_obj = parse_for_kind(stored.body, "Pool")
-            except PolicyError as error:
-                raise ApiError(
-                    409, f"pool {pool!r} in etcd is invalid ({error}); fix it first"
-                ) from None
-            assert isinstance(pool_obj, Pool)
-            endpoints = pool_obj.spec.endpoints
-            if not any(endpoint.key == endpoint_id for endpoint in endpoints):
-                raise ApiError(
-                    404,
-                    f"pool {pool!r} has no endpoint {endpoint_id!r}: registered endpoints go by "
-                    "their id, static ones by address:port",
-                )
-            updated = pool_obj.model_copy(
-                update={
-                    "spec": pool_obj.spec.model_copy(
-                        update={
-                            "endpoints": [
-                                e.model_copy(update={"weight": change.weight})
-                                if e.key == endpoint_id
-                                else e
-                                for e in endpoints
-                            ]
-                        }
-                    )
-                }
+
+async def _update_endpoint(
+    store: Store, pool: str, endpoint_id: str, changes: dict[str, Any]
+) -> dict[str, Any]:
+    """Change fields of one endpoint: its registration if it is registered (keeping its
+    lease), otherwise its static entry in the Pool (compare-and-swap, retried when others
+    edit the Pool)."""
+    what = ", ".join(f"{field} -> {value}" for field, value in changes.items())
+    registration = await store.get_endpoint(pool, endpoint_id)
+    if registration is not None:
+        current = registration.body
+        if current is None:
+            raise ApiError(
+                409,
+                f"the registration of {endpoint_id!r} in pool {pool!r} is not a JSON object; "
+                "register it again (PUT) or DELETE it",
             )
-            return dump(updated)
-
-        written = await store.update("Pool", pool, reweigh, attempts=WEIGHT_CAS_ATTEMPTS)
-        log.info("pool %s static endpoint %s weight -> %d", pool, endpoint_id, change.weight)
+        try:
+            endpoint = Endpoint.model_validate({**current, **changes})
+        except ValidationError as error:
+            raise PolicyError(field_errors(error)) from None
+        try:
+            revision, _lease = await store.put_endpoint(
+                pool, endpoint_id, dump(endpoint), lease=registration.lease or None
+            )
+        except LeaseNotFoundError:
+            raise ApiError(
+                404, f"the registration of {endpoint_id!r} expired while it was being changed"
+            ) from None
+        log.info("endpoint %s/%s %s", pool, endpoint_id, what)
         return {
             "pool": pool,
             "id": endpoint_id,
-            "source": "static",
-            "weight": change.weight,
-            "revision": written.revision,
+            "source": "registered",
+            **changes,
+            "revision": revision,
         }
+
+    def edit(stored: StoredObject | None) -> dict[str, Any]:
+        if stored is None:
+            raise ApiError(
+                404,
+                f"endpoint {endpoint_id!r} is not registered and pool {pool!r} does not exist",
+            )
+        try:
+            pool_obj = parse_for_kind(stored.body, "Pool")
+        except PolicyError as error:
+            raise ApiError(
+                409, f"pool {pool!r} in etcd is invalid ({error}); fix it first"
+            ) from None
+        assert isinstance(pool_obj, Pool)
+        endpoints = pool_obj.spec.endpoints
+        if not any(endpoint.key == endpoint_id for endpoint in endpoints):
+            raise ApiError(
+                404,
+                f"pool {pool!r} has no endpoint {endpoint_id!r}: registered endpoints go by "
+                "their id, static ones by address:port",
+            )
+        updated = pool_obj.model_copy(
+            update={
+                "spec": pool_obj.spec.model_copy(
+                    update={
+                        "endpoints": [
+                            e.model_copy(update=changes) if e.key == endpoint_id else e
+                            for e in endpoints
+                        ]
+                    }
+                )
+            }
+        )
+        return dump(updated)
+
+    written = await store.update("Pool", pool, edit, attempts=WEIGHT_CAS_ATTEMPTS)
+    log.info("pool %s static endpoint %s %s", pool, endpoint_id, what)
+    return {
+        "pool": pool,
+        "id": endpoint_id,
+        "source": "static",
+        **changes,
+        "revision": written.revision,
+    }

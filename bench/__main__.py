@@ -1,15 +1,30 @@
 """`make bench` / `python -m bench`: kvpilot's benchmarks behind one entry point.
 
-    python -m bench [routing] [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
+    python -m bench [scenarios] [--short] [--out DIR] [--seeds 1,2,3] [--scenarios a,b]
+                    [--policies a,b] [--state-dir DIR]
+    python -m bench routing [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
         [--baseline REF [--rounds N] [--only scale]]
+    python -m bench classes [--short] [--out DIR] [--state-dir DIR]
+    python -m bench rollout [--short] [--out DIR] [--state-dir DIR]
 
-`routing` (the default) replays LLM workloads (multi-turn chat, shared documents) through a
+`scenarios` (the default) runs every routing policy side by side, at the same time, on its
+own simulated fleet behind one real Envoy, in the scenarios where live telemetry has to pay
+off (homogeneous chat, chat + Zipf-popular documents, overload, a heterogeneous fleet, a
+replica slowed mid-run, bursty arrivals), over several seeds; it writes
+``bench/results/scenarios-*.md`` with the median and spread of every number and the targets.
+
+`routing` replays LLM workloads (multi-turn chat, shared documents) through a
 real Envoy configured by kvpilot under several routing policies and writes a Markdown report,
 a JSON file, every request's measurements and PNG plots under ``bench/results/``; it prints
 the report's path. Policies: round_robin, least_request, affinity, affinity_telemetry, orca,
 docs_round_robin, docs_prefix; and on request affinity_125 and affinity_200, bounded-load
-sensitivity checks.
+sensitivity checks. `classes` overloads 8 replicas with batch work on top of interactive chat
+and compares round robin, affinity alone and affinity with service classes.
+
+`rollout` replays multi-turn chat at 70% load against a bad canary twice: under a blind 90/10
+split and under a kvpilot Rollout that watches the data plane; `make bench` runs it after
+the scenarios.
 """
 
 from __future__ import annotations
@@ -50,6 +65,37 @@ def _routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scenarios(args: argparse.Namespace) -> int:
+    from bench.scenarios import SUITE_POLICIES, default_suite
+    from bench.suite import run_suite
+
+    config = default_suite(short=args.short)
+    if args.out is not None:
+        config = replace(config, out_dir=args.out)
+    if args.seeds:
+        config = replace(config, seeds=tuple(int(s) for s in args.seeds.split(",") if s.strip()))
+    if args.scenarios:
+        wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+        known = {s.key: s for s in default_suite().scenarios}
+        unknown = sorted(set(wanted) - set(known))
+        if unknown:
+            print(f"unknown scenarios {unknown}; known: {list(known)}")
+            return 2
+        short = {s.key: s for s in config.scenarios}
+        config = replace(config, scenarios=tuple(short.get(k, known[k]) for k in wanted))
+    if args.policies:
+        wanted = [p.strip() for p in args.policies.split(",") if p.strip()]
+        unknown = sorted(set(wanted) - {p.key for p in SUITE_POLICIES})
+        if unknown:
+            print(f"unknown policies {unknown}; known: {[p.key for p in SUITE_POLICIES]}")
+            return 2
+        config = replace(config, policies=tuple(wanted))
+    report = run_suite(config, state_dir=args.state_dir)
+    print(f"\nreport: {report}")
+    print(f"json:   {report.with_suffix('.json')}")
+    return 0
+
+
 def _controlplane(args: argparse.Namespace) -> int:
     from bench.controlplane import default_config as controlplane_config
     from bench.controlplane import run_controlplane
@@ -70,6 +116,29 @@ def _controlplane(args: argparse.Namespace) -> int:
     return 0
 
 
+def _classes(args: argparse.Namespace) -> int:
+    from bench.classes import default_config as classes_config
+    from bench.classes import run_classes
+
+    config = classes_config(short=args.short)
+    if args.out is not None:
+        config = replace(config, out_dir=args.out)
+    report = run_classes(config, state_dir=args.state_dir)
+    print(f"\nreport: {report}")
+    print(f"json:   {report.with_suffix('.json')}")
+    return 0
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from bench.rollout import default_rollout_config, run_rollout_bench
+
+    config = default_rollout_config(short=args.short)
+    if args.out is not None:
+        config = replace(config, out_dir=args.out)
+    print(f"\nreport: {run_rollout_bench(config, state_dir=args.state_dir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
@@ -77,15 +146,22 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command")
-    routing = sub.add_parser("routing", help="routing policies through Envoy (default)")
-    for p in (parser, routing):
-        p.add_argument("--short", action="store_true", help="a smoke run of under a minute")
+    scenarios = sub.add_parser(
+        "scenarios", help="every policy side by side, per scenario (default)"
+    )
+    for p in (parser, scenarios):
+        p.add_argument("--seeds", default="", help="comma list of seeds (1,2,3)")
+        p.add_argument("--scenarios", default="", help="comma list of scenarios")
+    routing = sub.add_parser("routing", help="one workload, policy after policy, with plots")
+    for p in (parser, scenarios, routing):
+        p.add_argument("--short", action="store_true", help="a smoke run")
         p.add_argument("--out", type=Path, default=None, help="output directory (bench/results)")
         p.add_argument("--policies", default="", help="comma list of policies to run")
+        p.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    for p in (parser, routing):
         p.add_argument("--workload", choices=["multiturn", "docs", "mix"], default=None)
         p.add_argument("--arrival", choices=["poisson", "bursty"], default=None)
         p.add_argument("--no-plots", action="store_true")
-        p.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     controlplane = sub.add_parser("controlplane", help="ADS: change-to-ACK latency, scale, memory")
     controlplane.add_argument("--short", action="store_true", help="a smoke run (seconds)")
     controlplane.add_argument("--out", type=Path, default=None, help="output directory")
@@ -99,10 +175,26 @@ def main(argv: list[str] | None = None) -> int:
     controlplane.add_argument(
         "--only", choices=["all", "scale"], default="all", help="scale: the comparison alone"
     )
+    classes = sub.add_parser(
+        "classes", help="service classes: interactive chat while batch overloads the fleet"
+    )
+    classes.add_argument("--short", action="store_true", help="a smoke run (about a minute)")
+    classes.add_argument("--out", type=Path, default=None, help="output directory")
+    classes.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    rollout = sub.add_parser("rollout", help="a bad canary: progressive rollout vs blind split")
+    rollout.add_argument("--short", action="store_true", help="a smoke run")
+    rollout.add_argument("--out", type=Path, default=None, help="output directory")
+    rollout.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     args = parser.parse_args(argv)
     if args.command == "controlplane":
         return _controlplane(args)
-    return _routing(args)
+    if args.command == "rollout":
+        return _rollout(args)
+    if args.command == "routing":
+        return _routing(args)
+    if args.command == "classes":
+        return _classes(args)
+    return _scenarios(args)
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ def calibrate(config: BenchConfig, base: WorkloadConfig) -> tuple[Workload, dict
     """`base` at the arrival rate that offers `target_load` of cache-blind capacity.
 
     The rate is the session rate of a chat workload, the document request rate of a
-    document workload. The load grows with the rate in steps (each new session adds its
+    document workload; a mix scales both and keeps their ratio. The load grows with the rate in steps (each new session adds its
     cost), so the rate is searched for rather than set in one step.
     """
     replicas, duration = config.replicas, base.duration
@@ -208,6 +208,9 @@ def calibrate(config: BenchConfig, base: WorkloadConfig) -> tuple[Workload, dict
     def at(rate: float) -> tuple[Workload, float]:
         if base.kind == "docs":
             workload = generate(replace(base, doc_rate=rate))
+        elif base.kind == "mix":
+            ratio = base.doc_rate / base.session_rate
+            workload = generate(replace(base, session_rate=rate, doc_rate=rate * ratio))
         else:
             workload = generate(replace(base, session_rate=rate))
         warm = workload.system_prompts() if config.warm_system_prompts else []
@@ -276,17 +279,30 @@ def start_stack(state_dir: Path, config: BenchConfig) -> Iterator[Stack]:
                 simulator=config.sim,
             ).start()
         )
-        agent = start_agent(state_dir / "agent", local.etcd.endpoint, backends, config)
+        agent = start_agent(
+            state_dir / "agent",
+            local.etcd.endpoint,
+            [replica.url for replica in backends.replicas],
+            pool=POOL,
+            interval=config.agent_interval * config.sim.time_scale,
+            max_running=config.sim.max_batch,
+        )
         stack.callback(agent.stop)
         yield Stack(local.kvpilot, local.envoy, backends, agent, local.admin_token, free_port())
 
 
 def start_agent(
-    state_dir: Path, etcd_endpoint: str, backends: BackendProcess, config: BenchConfig
+    state_dir: Path,
+    etcd_endpoint: str,
+    urls: list[str],
+    *,
+    pool: str,
+    interval: float,
+    max_running: int,
 ) -> ManagedProcess:
-    """One `kvpilot agent` for every replica, writing their telemetry to etcd (no
-    registration: the pool lists its endpoints statically)."""
-    interval = config.agent_interval * config.sim.time_scale
+    """One `kvpilot agent` for the replicas at `urls`, writing their telemetry to etcd every
+    `interval` wall-clock seconds under `pool` (no registration: the pool lists its endpoints
+    statically)."""
     argv = [
         sys.executable,
         "-m",
@@ -295,18 +311,18 @@ def start_agent(
         "--etcd-endpoints",
         etcd_endpoint,
         "--pool",
-        POOL,
+        pool,
         "--interval",
         f"{interval:g}",
         "--refresh",
         f"{3 * interval:g}",
         "--max-running",
-        str(config.sim.max_batch),
+        str(max_running),
         "--log-level",
         "warning",
     ]
-    for replica in backends.replicas:
-        argv += ["--backend", replica.url]
+    for url in urls:
+        argv += ["--backend", url]
     agent = ManagedProcess(argv, state_dir / "agent.log", cwd=repo_root())
     agent.spawn()
     return agent

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
+import functools
 import json
 import random
 import time
@@ -41,6 +43,28 @@ TTFT_BUCKETS: tuple[float, ...] = (
 )
 # fmt: on
 """vLLM's `vllm:time_to_first_token_seconds` bucket bounds."""
+TPOT_BUCKETS: tuple[float, ...] = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+"""vLLM's `vllm:time_per_output_token_seconds` bucket bounds."""
 
 _WORDS = (
     "the of and to in is it that was for on are with as at be by this have from or one had "
@@ -126,9 +150,12 @@ class SimSequence:
     hit_tokens: int = 0
     allocation: Allocation | None = None
     first_token_at: float | None = None
+    finished_at: float | None = None
     finished: bool = False
     error: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the sequence is finished or aborted."""
 
 
 class Histogram:
@@ -139,9 +166,9 @@ class Histogram:
         self.counts = [0] * (len(self.bounds) + 1)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
 
     def lines(self, name: str, labels: str) -> list[str]:
         out = []
@@ -152,6 +179,10 @@ class Histogram:
             out.append(f'{name}_bucket{{{labels},le="{le}"}} {total}')
         out += [f"{name}_sum{{{labels}}} {self.sum}", f"{name}_count{{{labels}}} {total}"]
         return out
+
+
+MAX_LAG = 0.25
+"""Wall-clock seconds an engine may fall behind its step schedule and still catch up."""
 
 
 class Engine:
@@ -176,6 +207,7 @@ class Engine:
         self.finished = 0
         self.busy_seconds = 0.0
         self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
         self.started_at = time.monotonic()
 
     # ------------------------------------------------------------------ requests
@@ -215,33 +247,51 @@ class Engine:
         seq.finished = True
         seq.error = reason
         seq.changed.set()
+        seq.done.set()
 
     def abort_all(self, reason: str) -> None:
         for seq in [*self.waiting, *self.running]:
             self.abort(seq, reason)
 
-    def reset(self, drop_cache: bool = True) -> dict[str, int]:
+    def reset(self, drop_cache: bool = True, kv_blocks: int | None = None) -> dict[str, int]:
         """Drop the unreferenced prefix cache (unless `drop_cache` is False) and zero the
-        counters: between benchmark runs, and after warming a fresh cache."""
-        dropped = self.cache.drop_unreferenced() if drop_cache else 0
+        counters: between benchmark runs, and after warming a fresh cache. `kv_blocks` gives
+        the replica a KV cache of that size instead (an empty one; only while idle), for
+        fleets of unequal replicas."""
+        if kv_blocks is not None and kv_blocks != self.cache.capacity:
+            if self.running or self.waiting:
+                raise EngineError(409, "the KV cache can change size only while idle")
+            dropped = self.cache.cached
+            self.cache = KVCache(kv_blocks, self.config.block_size)
+        else:
+            dropped = self.cache.drop_unreferenced() if drop_cache else 0
         self._zero_counters()
-        return {"dropped_blocks": dropped}
+        return {"dropped_blocks": dropped, "kv_blocks": self.cache.capacity}
 
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> None:
-        """Step until cancelled; sleeps on an event while idle, never spins."""
+        """Step until cancelled; sleeps on an event while idle, never spins.
+
+        Steps end on a schedule (the previous step's end plus this step's time), not a sleep
+        after the Python work: on a busy machine the event loop wakes late, and sleeping the
+        full step time again would add every delay to the simulated GPU's time. A late step
+        is followed by shorter sleeps until the schedule is met, up to ``MAX_LAG`` behind.
+        """
         config = self.config
+        due: float | None = None
         while True:
             if not self.running and not self.waiting:
                 self._wake.clear()
                 await self._wake.wait()
+                due = None
             self._admit()
             if not self.running:
                 # The head does not fit even in an empty batch: impossible after submit()'s
                 # check unless the cache is pinned by nothing; wait for more room.
                 self._wake.clear()
                 await self._wake.wait()
+                due = None
                 continue
             budget = config.max_batched_tokens
             decoding = [s for s in self.running if s.prefill_left == 0]
@@ -261,13 +311,22 @@ class Engine:
                 + config.decode_per_seq * len(decoding)
                 + config.prefill_per_token * prefill_tokens
             ) * self.slow_factor
-            await asyncio.sleep(step * config.time_scale)
+            started = time.monotonic()
+            if due is None or due < started - MAX_LAG:
+                due = started
+            due += step * config.time_scale
+            await asyncio.sleep(max(0.0, due - started))
             self.busy_seconds += step
             now = time.monotonic()
+            decoded = 0
             for seq in decoding:
                 if not seq.finished:
                     seq.generated += 1
+                    decoded += 1
                     seq.changed.set()
+            if decoded:
+                # vLLM observes each output token after the first: the step it took.
+                self.tpot.observe(step, decoded)
             for seq, take in chunks:
                 if seq.finished:
                     continue
@@ -282,9 +341,11 @@ class Engine:
                 self.running.remove(seq)
                 self._release(seq)
                 seq.finished = True
+                seq.finished_at = now
                 self.finished += 1
                 self.generation_tokens += seq.generated
                 seq.changed.set()
+                seq.done.set()
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_batch:
@@ -379,6 +440,9 @@ class Engine:
             "# HELP vllm:time_to_first_token_seconds Time to first token, simulated seconds.",
             "# TYPE vllm:time_to_first_token_seconds histogram",
             *self.ttft.lines("vllm:time_to_first_token_seconds", labels),
+            "# HELP vllm:time_per_output_token_seconds Time per output token, simulated seconds.",
+            "# TYPE vllm:time_per_output_token_seconds histogram",
+            *self.tpot.lines("vllm:time_per_output_token_seconds", labels),
         ]
         return lines
 
@@ -386,12 +450,24 @@ class Engine:
 # --------------------------------------------------------------------------- HTTP
 
 
+@functools.lru_cache(maxsize=16384)
+def _part_tokens(part: str) -> tuple[int, ...]:
+    return tuple(tokenize(part))
+
+
 def _prompt_tokens(kind: str, payload: dict[str, Any]) -> list[int]:
     if kind == "chat":
         messages = payload.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise EngineError(400, "messages must be a list of objects")
-        return tokenize(render_chat(messages))
+        # tokenize(a + " " + b) == tokenize(a) + tokenize(b): tokenizing the rendered chat part
+        # by part lets every turn reuse the parts (system prompt, history) seen before, which
+        # keeps the simulator's CPU per request small when prompts grow to thousands of tokens.
+        parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
+        tokens: list[int] = []
+        for part in [*parts, "<|assistant|>"]:
+            tokens += _part_tokens(part)
+        return tokens
     prompt = payload.get("prompt")
     if isinstance(prompt, list):
         prompt = " ".join(str(p) for p in prompt)
@@ -427,6 +503,17 @@ async def completion_response(
             "total_tokens": len(prompt) + seq.generated,
             "prompt_tokens_details": {"cached_tokens": seq.hit_tokens},
         }
+
+    def engine_timing() -> dict[str, float | None]:
+        """The request as the engine saw it, in simulated seconds from its arrival at the
+        replica: what a routing policy changes (queueing, prefill, batch), without the HTTP
+        path of the load generator, which a busy machine slows for every policy alike."""
+        scale = engine.config.time_scale
+
+        def since_arrival(at: float | None) -> float | None:
+            return None if at is None else (at - seq.arrival) / scale
+
+        return {"ttft": since_arrival(seq.first_token_at), "e2e": since_arrival(seq.finished_at)}
 
     if not payload.get("stream"):
         try:
@@ -488,8 +575,10 @@ async def completion_response(
                     yield chunk(piece if sent == 0 else " " + piece, None, sent == 0)
                     sent = seq.generated
                     if not seq.finished:
-                        # Coalesce the next tokens: one chunk per interval, not per token.
-                        await asyncio.sleep(engine.config.stream_interval)
+                        # Coalesce the next tokens: one chunk per interval, not per token,
+                        # but the last one as soon as the sequence ends (exact latency).
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(seq.done.wait(), engine.config.stream_interval)
                         continue
                 if seq.finished:
                     break
@@ -505,6 +594,7 @@ async def completion_response(
                     "choices": [],
                     "usage": usage(),
                     "backend": backend_id,
+                    "engine_timing": engine_timing(),
                 }
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"

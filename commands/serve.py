@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 import uvicorn
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from api import ApiContext, create_app
 from api.auth import AuthConfig
@@ -28,11 +28,16 @@ from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
+from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
+from controlplane.rollouts import RolloutController
+from controlplane.rollouts import register_metrics as register_rollout_metrics
+from controlplane.signals import PlanResolver, SignalPublisher
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies import DEFAULT_FLEET
 from xdsserver.server import AdsServer
+from xdsserver.signals import AccessLogServer, SignalBook
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 
@@ -57,7 +62,11 @@ class ServeConfig:
     default_fleet: str = DEFAULT_FLEET
     node_fleets: dict[str, str] = field(default_factory=dict)
     """Envoy node id -> fleet, overriding the node's own node.cluster."""
+    etcd_embedded: bool = False
+    """True when `run` started an embedded etcd for this daemon."""
     replica_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{uuid.uuid4().hex[:6]}")
+    rollout_lease_ttl: int = 10
+    """Seconds the replica driving rollouts may be silent before another takes over."""
 
 
 def _host_port(value: str, default_port: int) -> tuple[str, int]:
@@ -134,6 +143,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(env KVPILOT_NODE_FLEETS, comma-separated)",
     )
     parser.add_argument(
+        "--rollout-lease-ttl",
+        type=int,
+        default=int(env("KVPILOT_ROLLOUT_LEASE_TTL", "10")),
+        help="seconds after which another replica takes over driving rollouts when the "
+        "driving one stops answering (env KVPILOT_ROLLOUT_LEASE_TTL, default 10)",
+    )
+    parser.add_argument(
         "--log-level",
         default=env("KVPILOT_LOG_LEVEL", "info"),
         help="debug, info, warning or error",
@@ -168,15 +184,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_wait=args.max_wait,
         default_fleet=args.default_fleet,
         node_fleets=_node_fleets(args.node_fleet),
+        rollout_lease_ttl=args.rollout_lease_ttl,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `kvpilot serve`."""
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level)
     config = config_from_args(args)
     embedded: EmbeddedEtcd | None = None
     if not config.etcd_endpoints:
@@ -186,12 +200,25 @@ def run(args: argparse.Namespace) -> int:
         )
         embedded.start()
         config.etcd_endpoints = [embedded.endpoint]
+        config.etcd_embedded = True
+        # Printed, not only logged: `kvpilot agent --etcd-endpoints` needs this address.
+        print(
+            f"embedded etcd at {embedded.endpoint} (point agents at it with "
+            f"--etcd-endpoints {embedded.endpoint})",
+            flush=True,
+        )
     try:
         asyncio.run(serve(config))
     finally:
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+async def _drive_rollouts(mirror: StateMirror, controller: RolloutController) -> None:
+    """Drive rollouts once the mirror holds etcd's state (decisions read it)."""
+    await mirror.wait_synced()
+    await controller.run()
 
 
 async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) -> None:
@@ -220,6 +247,12 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         reconciler.on_change(change, mirror.items)
 
     mirror = StateMirror(client, config.prefix, on_change)
+    Gauge(
+        "kvpilot_etcd_watch_connected",
+        "1 while this replica's etcd watch is established; 0 while etcd is unreachable (Envoys "
+        "keep the last snapshot meanwhile).",
+        registry=registry,
+    ).set_function(lambda: float(mirror.connected))
 
     grpc_server = grpc.aio.server(
         options=[
@@ -231,6 +264,9 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     )
     ads = AdsServer(cache, connections)
     ads.add_to(grpc_server)
+    signals = SignalBook(PlanResolver(lambda: reconciler.plan))
+    AccessLogServer(signals).add_to(grpc_server)
+    register_rollout_metrics(registry, lambda: mirror.items)
     xds_port = grpc_server.add_insecure_port(f"{config.xds_host}:{config.xds_port}")
 
     app = create_app(
@@ -242,6 +278,9 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             metrics_registry=registry,
             replica_id=config.replica_id,
             envoy_records=lambda: envoy_records(mirror.items),
+            mirror=mirror,
+            etcd_embedded=config.etcd_embedded,
+            etcd_watching=lambda: mirror.connected,
         )
     )
     api = UvicornServer(
@@ -260,8 +299,19 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     publisher = asyncio.create_task(
         StatusPublisher(store, connections, config.replica_id).run(), name="envoy-status"
     )
+    rollouts = RolloutController(
+        client,
+        store.keys,
+        lambda: mirror.items,
+        config.replica_id,
+        lease_ttl=config.rollout_lease_ttl,
+    )
     tasks = [
         asyncio.create_task(mirror.run(), name="etcd-watch"),
+        asyncio.create_task(
+            SignalPublisher(store, signals, config.replica_id).run(), name="signals"
+        ),
+        asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(api.serve(), name="rest-api"),
         publisher,
@@ -274,7 +324,9 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     )
     log.info("ADS (gRPC, SotW and Delta) listening on %s:%d", config.xds_host, xds_port)
     log.info(
-        "REST API listening on http://%s:%d (OpenAPI at /docs)", config.api_host, config.api_port
+        "REST API listening on http://%s:%d (console at /ui, OpenAPI at /docs)",
+        config.api_host,
+        config.api_port,
     )
     if started is not None:
         started.set()

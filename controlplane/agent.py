@@ -40,11 +40,12 @@ import httpx
 import yaml
 
 from controlplane.etcd import EtcdClient, EtcdError, LeaseKeeper
+from controlplane.logs import setup_logging
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies.telemetry import (
     METRIC_MAPS,
+    Counters,
     MetricMap,
-    PrefixCounters,
     TelemetryRecord,
     WriteBand,
     extract,
@@ -75,7 +76,7 @@ class Target:
     """Batch capacity when the server does not export it (vLLM ``--max-num-seqs``)."""
 
     # Scrape state.
-    counters: PrefixCounters | None = field(default=None, repr=False)
+    counters: Counters | None = field(default=None, repr=False)
     last_written: TelemetryRecord | None = field(default=None, repr=False)
     failures: int = field(default=0, repr=False)
     registered: bool = field(default=False, repr=False)
@@ -436,10 +437,7 @@ async def run_agent(config: AgentConfig) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `kvpilot agent`."""
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level)
     try:
         config = config_from_args(args)
     except (ValueError, KeyError, OSError) as error:

@@ -11,14 +11,22 @@ records) are not policy state and decode to nothing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Generic, TypeVar
 
 from controlplane.store import ENDPOINTS, OBJECTS, TELEMETRY
-from policies import PATH_KINDS, Endpoint, PolicyError, PolicyObject, PolicyState, parse_object
+from policies import (
+    PATH_KINDS,
+    Endpoint,
+    PolicyError,
+    PolicyObject,
+    PolicyState,
+    jsondoc,
+    parse_object,
+)
+from policies.admission import AdmissionDecision
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision
 
@@ -39,7 +47,7 @@ def decode(key: str, value: bytes) -> Decoded | None:
     section, group, name = parts
     try:
         if section == OBJECTS:
-            obj = parse_object(json.loads(value), source=key)
+            obj = parse_object(jsondoc.loads(value), source=key)
             if PATH_KINDS.get(group) != obj.kind or obj.metadata.name != name:
                 raise PolicyError(
                     [],
@@ -138,6 +146,7 @@ class DecodedState:
         self,
         *,
         previous_weights: Mapping[str, Mapping[str, WeightDecision]] | None = None,
+        previous_admission: Mapping[str, AdmissionDecision] | None = None,
         now: float = 0.0,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
@@ -147,5 +156,6 @@ class DecodedState:
             registered=self._registered.frozen(),
             telemetry=self._telemetry_by_pool.frozen(),
             previous_weights=previous_weights or {},
+            previous_admission=previous_admission or {},
             now=now,
         )

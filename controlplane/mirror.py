@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -76,6 +77,8 @@ class StateMirror:
         """Why the mirror last lost etcd (kept after recovery, for status pages)."""
         self.resyncs = 0
         """How many full (re-)lists have been applied, the initial load included."""
+        self._lost_at: float | None = None
+        """``time.monotonic()`` when the watch broke, until it is back."""
 
     @property
     def items(self) -> Mapping[str, KeyValue]:
@@ -85,6 +88,22 @@ class StateMirror:
     @property
     def synced(self) -> bool:
         return self._synced.is_set()
+
+    @property
+    def lost(self) -> bool:
+        """The watch on etcd broke and is not back: the mirror may lag etcd."""
+        return self._lost_at is not None
+
+    @property
+    def age(self) -> float:
+        """Seconds since the watch broke (0 while it has not): how long the mirror may have
+        been missing changes."""
+        return 0.0 if self._lost_at is None else time.monotonic() - self._lost_at
+
+    def _lost(self) -> None:
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
+        self.connected = False
 
     async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Wait for the first full load; ``TimeoutError`` if it does not happen in time."""
@@ -106,16 +125,17 @@ class StateMirror:
                         # etcd has less history than we have seen: restored or replaced.
                         raise _HistoryWentBack(batch.header_revision, self.revision)
                     self.connected = True
+                    self._lost_at = None
                     backoff = self._backoff_initial
                     await self._apply(batch)
                 raise EtcdError("the watch ended without an error")
             except (CompactedError, _HistoryWentBack) as err:
-                self.connected = False
+                self._lost()
                 self.last_error = str(err)
                 log.warning("etcd watch cannot resume at %d: %s; re-listing", self.revision, err)
                 need_list = True
             except EtcdError as err:
-                self.connected = False
+                self._lost()
                 self.last_error = str(err)
                 delay = backoff * random.uniform(0.5, 1.5)
                 log.warning(

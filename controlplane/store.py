@@ -36,9 +36,10 @@ skips (and reports) what does not validate (``controlplane.decode``).
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ from controlplane.etcd import (
     KeyValue,
     LeaseKeeper,
 )
-from policies import KIND_PATHS, kind_named
+from policies import KIND_PATHS, jsondoc, kind_named
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,10 @@ class UnknownKind(StoreError, ValueError):
     """The kind has no key path."""
 
 
+class ValueTooLarge(StoreError):
+    """A value is larger than etcd accepts in one request."""
+
+
 class InvalidValue(StoreError):
     """A stored value is not a JSON object (written by something other than kvpilot)."""
 
@@ -138,17 +143,29 @@ class StoredObject:
 
 
 def decode_json(kv: KeyValue | bytes) -> dict[str, Any] | None:
-    """The value as a JSON object, or ``None`` if it is not one."""
+    """The value as a JSON object, or ``None`` if it is not one (or is nested too deeply)."""
     raw = kv if isinstance(kv, bytes) else kv.value
     try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        value = jsondoc.loads(raw)
+    except jsondoc.JsonError:
         return None
     return value if isinstance(value, dict) else None
 
 
+MAX_VALUE_BYTES = 1_500_000
+"""Largest value written: etcd refuses requests over --max-request-bytes (1.5 MiB by default,
+key and framing included)."""
+
+
 def encode_json(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact JSON; ``ValueTooLarge`` over `MAX_VALUE_BYTES`."""
+    value = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(value) > MAX_VALUE_BYTES:
+        raise ValueTooLarge(
+            f"the object is {len(value):,} bytes stored, over the {MAX_VALUE_BYTES:,} bytes etcd "
+            "accepts in one value; split it"
+        )
+    return value
 
 
 def _segment(value: str, what: str) -> str:
@@ -259,6 +276,20 @@ class Store:
             return None
         return self._decode(kind, name, kv)
 
+    def get_from(self, items: Mapping[str, KeyValue], kind: str, name: str) -> StoredObject | None:
+        """`get`, answered from a `StateMirror`'s items instead of etcd."""
+        kind = self.keys.kind_name(kind)
+        kv = items.get(self.keys.object(kind, name))
+        return None if kv is None else self._decode(kind, name, kv)
+
+    def list_from(self, items: Mapping[str, KeyValue], kind: str) -> list[StoredObject]:
+        """`list`'s objects, answered from a `StateMirror`'s items instead of etcd."""
+        kind = self.keys.kind_name(kind)
+        prefix = self.keys.objects(kind)
+        return self._decode_all(
+            kind, [kv for key, kv in sorted(items.items()) if key.startswith(prefix)]
+        )
+
     async def list(self, kind: str) -> tuple[list[StoredObject], int]:
         """All objects of a kind, sorted by name, and the revision of that snapshot.
 
@@ -266,14 +297,17 @@ class Store:
         """
         kind = self.keys.kind_name(kind)
         kvs, revision = await self.client.get_prefix(self.keys.absolute(self.keys.objects(kind)))
-        objects: list[StoredObject] = []
+        return self._decode_all(kind, kvs), revision
+
+    def _decode_all(self, kind: str, kvs: Iterable[KeyValue]) -> builtins.list[StoredObject]:
+        objects: builtins.list[StoredObject] = []
         for kv in kvs:
             name = self.keys.relative(kv.key).rsplit("/", 1)[-1]
             try:
                 objects.append(self._decode(kind, name, kv))
             except InvalidValue as err:
                 log.warning("%s", err)
-        return objects, revision
+        return objects
 
     async def delete(self, kind: str, name: str, *, expect_revision: int | None = None) -> bool:
         """Delete an object; False if it did not exist. With ``expect_revision``:
@@ -308,6 +342,23 @@ class Store:
                 continue
         raise Contended(f"{kind} {name!r} kept changing under {attempts} attempts; retry")
 
+    async def object_heads(self) -> tuple[Sequence[KeyValue], int]:
+        """Every object's current key and value (for walking its history back with
+        `version_before`), and the revision they were read at."""
+        return await self.client.get_prefix(self.keys.absolute(f"{OBJECTS}/"))
+
+    async def version_before(self, kv: KeyValue) -> KeyValue | None:
+        """What the key held before `kv` was written: None when `kv` created it (etcd keeps
+        every revision until compaction); ``CompactedError`` when etcd no longer has it."""
+        if kv.version <= 1:
+            return None
+        return await self.client.get(kv.key, revision=kv.mod_revision - 1)
+
+    @property
+    def etcd_endpoints(self) -> Sequence[str]:
+        """The etcd endpoints this store talks to."""
+        return self.client.endpoints
+
     async def values(self, sections: Sequence[str]) -> dict[str, bytes]:
         """Relative key -> value of every key under `sections` (``objects``, ``endpoints``,
         ...), for a consumer that decodes them (``controlplane.decode``)."""
@@ -332,8 +383,9 @@ class Store:
         body = decode_json(kv)
         if body is None:
             raise InvalidValue(
-                f"{kind} {name!r} at {kv.key.decode(errors='backslashreplace')} is not a JSON "
-                "object (written by another tool?); replace or delete it"
+                f"{kind} {name!r}: the value at etcd key {kv.key.decode(errors='backslashreplace')} "
+                "is not a JSON object kvpilot can read (written by another tool?); replace it "
+                "with PUT or remove it with DELETE"
             )
         return StoredObject(kind, name, body, kv.mod_revision, kv.create_revision)
 
@@ -376,6 +428,15 @@ class Store:
         """One registered endpoint, or None."""
         kv = await self.client.get(self.keys.absolute(self.keys.endpoint(pool, endpoint_id)))
         return self._registration(kv) if kv is not None else None
+
+    def endpoints_from(
+        self, items: Mapping[str, KeyValue], pool: str
+    ) -> builtins.list[Registration]:
+        """`endpoints`, answered from a `StateMirror`'s items instead of etcd."""
+        prefix = self.keys.endpoints(pool)
+        return [
+            self._registration(kv) for key, kv in sorted(items.items()) if key.startswith(prefix)
+        ]
 
     def _registration(self, kv: KeyValue) -> Registration:
         endpoint_id = self.keys.relative(kv.key).rsplit("/", 1)[-1]

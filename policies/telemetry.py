@@ -44,6 +44,12 @@ class TelemetryRecord(BaseModel):
     prefix_hit_rate: float | None = Field(
         None, ge=0, le=1, description="Prefix-cache hit rate since the previous scrape, 0 to 1."
     )
+    time_per_output_token: float | None = Field(
+        None,
+        gt=0,
+        description="Mean seconds between output tokens since the previous scrape: the "
+        "replica's speed, which the weight function compares across a pool.",
+    )
     format: str = Field("", description="Metric map the record was read with.")
 
     def to_json(self) -> str:
@@ -71,6 +77,10 @@ class MetricMap:
     prefix_queries: tuple[str, ...] = ()
     """Counter of prefix-cache lookups; with ``prefix_hits`` gives the hit rate between scrapes."""
     prefix_hits: tuple[str, ...] = ()
+    token_seconds: tuple[str, ...] = ()
+    """Sum of a time-per-output-token histogram; with ``token_count`` gives the mean time per
+    output token between scrapes."""
+    token_count: tuple[str, ...] = ()
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> MetricMap:
@@ -103,6 +113,15 @@ VLLM = MetricMap(
     prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     prefix_hit_rate=("vllm:gpu_prefix_cache_hit_rate",),
+    # vLLM V1 renamed the histogram; V0 and early V1 use the first name.
+    token_seconds=(
+        "vllm:time_per_output_token_seconds_sum",
+        "vllm:inter_token_latency_seconds_sum",
+    ),
+    token_count=(
+        "vllm:time_per_output_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+    ),
 )
 SGLANG = MetricMap(
     waiting=("sglang:num_queue_reqs",),
@@ -146,11 +165,24 @@ def _first(samples: Samples, names: Iterable[str]) -> list[float] | None:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefixCounters:
-    """Prefix-cache counters of the previous scrape, to turn totals into a rate."""
+class Counters:
+    """Counters of the previous scrape, to turn totals into rates between scrapes."""
 
-    queries: float
-    hits: float
+    queries: float | None = None
+    """Prefix-cache lookups."""
+    hits: float | None = None
+    """Prefix-cache hits."""
+    token_seconds: float | None = None
+    """Sum of the time-per-output-token histogram."""
+    token_count: float | None = None
+    """Output tokens observed by that histogram."""
+
+
+def _delta(now: float | None, before: float | None) -> float | None:
+    """How much a counter grew; None when unknown or when it went back (a restart)."""
+    if now is None or before is None or now < before:
+        return None
+    return now - before
 
 
 def extract(
@@ -158,11 +190,11 @@ def extract(
     metric_map: MetricMap,
     *,
     at: float,
-    previous: PrefixCounters | None = None,
+    previous: Counters | None = None,
     format: str = "",
     max_running: float | None = None,
-) -> tuple[TelemetryRecord, PrefixCounters | None]:
-    """Read a record out of one scrape. Returns the record and the prefix counters to pass as
+) -> tuple[TelemetryRecord, Counters]:
+    """Read a record out of one scrape. Returns the record and the counters to pass as
     ``previous`` next time. ``max_running`` is the batch capacity when the server does not
     export it (vLLM's ``--max-num-seqs``)."""
     values: dict[str, Any] = {"at": at, "format": format}
@@ -181,17 +213,26 @@ def extract(
         values["max_running"] = max_running
     if values.get("max_running") == 0:
         del values["max_running"]
-    counters = None
-    queries = _first(samples, metric_map.prefix_queries)
-    hits = _first(samples, metric_map.prefix_hits)
-    if queries is not None and hits is not None:
-        counters = PrefixCounters(sum(queries), sum(hits))
-        if previous is not None:
-            asked = counters.queries - previous.queries
-            found_hits = counters.hits - previous.hits
-            # A counter that went back means the server restarted: no rate this time.
-            if asked > 0 and found_hits >= 0:
-                values["prefix_hit_rate"] = min(1.0, found_hits / asked)
+
+    def total(names: Iterable[str]) -> float | None:
+        found = _first(samples, names)
+        return sum(found) if found is not None else None
+
+    counters = Counters(
+        queries=total(metric_map.prefix_queries),
+        hits=total(metric_map.prefix_hits),
+        token_seconds=total(metric_map.token_seconds),
+        token_count=total(metric_map.token_count),
+    )
+    if previous is not None:
+        asked = _delta(counters.queries, previous.queries)
+        found_hits = _delta(counters.hits, previous.hits)
+        if asked and found_hits is not None:
+            values["prefix_hit_rate"] = min(1.0, found_hits / asked)
+        seconds = _delta(counters.token_seconds, previous.token_seconds)
+        tokens = _delta(counters.token_count, previous.token_count)
+        if tokens and seconds:
+            values["time_per_output_token"] = seconds / tokens
     return TelemetryRecord.model_validate(values), counters
 
 
@@ -213,8 +254,8 @@ __all__ = [
     "SGLANG",
     "TGI",
     "VLLM",
+    "Counters",
     "MetricMap",
-    "PrefixCounters",
     "Samples",
     "TelemetryRecord",
     "extract",

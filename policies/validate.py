@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +10,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from policies.models import API_VERSION, KINDS, PolicyObject
+from policies import jsondoc
+from policies.models import API_VERSION, KINDS, PolicyObject, Rollout
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,20 +79,52 @@ def parse_object(data: Any, *, source: str = "") -> PolicyObject:
             source,
         )
     try:
-        return KINDS[kind].model_validate(data)
+        obj = KINDS[kind].model_validate(data)
     except ValidationError as error:
         raise PolicyError(field_errors(error), source) from None
+    if isinstance(obj, Rollout) and (problems := obj.spec.problems()):
+        raise PolicyError(
+            [FieldError(f"spec.{path}", message) for path, message in problems], source
+        )
+    return obj
 
 
-def decode_documents(text: str, *, source: str = "") -> list[Any]:
-    """Decode JSON or (multi-document) YAML text; empty documents are skipped."""
+def decode_documents(text: str | bytes, *, source: str = "") -> list[Any]:
+    """Decode JSON or (multi-document) YAML; empty documents are skipped. Bytes must be UTF-8:
+    anything else is a `PolicyError` that says so, as is nesting deeper than
+    `jsondoc.MAX_DEPTH`."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise PolicyError(
+                [
+                    FieldError(
+                        "",
+                        f"not UTF-8 text (byte {error.start} is {text[error.start]:#04x}); "
+                        "save the file as UTF-8",
+                    )
+                ],
+                source,
+            ) from None
     try:
         if text.lstrip().startswith(("{", "[")):
-            decoded = json.loads(text)
+            decoded = jsondoc.loads(text)
             return decoded if isinstance(decoded, list) else [decoded]
-        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except jsondoc.JsonError as error:
+        raise PolicyError([FieldError("", f"not valid JSON: {error}")], source) from None
+    except yaml.YAMLError as error:
         raise PolicyError([FieldError("", f"not valid YAML or JSON: {error}")], source) from None
+    except RecursionError:
+        raise PolicyError(
+            [FieldError("", "not valid YAML: it is nested too deeply")], source
+        ) from None
+    if any(jsondoc.depth_exceeds(doc, jsondoc.MAX_DEPTH) for doc in documents):
+        raise PolicyError(
+            [FieldError("", f"it is nested more than {jsondoc.MAX_DEPTH} levels deep")], source
+        )
+    return documents
 
 
 def load_objects(path: Path) -> list[PolicyObject]:
@@ -104,6 +136,6 @@ def load_objects(path: Path) -> list[PolicyObject]:
     )
     objects: list[PolicyObject] = []
     for file in files:
-        for index, document in enumerate(decode_documents(file.read_text(), source=str(file))):
+        for index, document in enumerate(decode_documents(file.read_bytes(), source=str(file))):
             objects.append(parse_object(document, source=f"{file} (document {index + 1})"))
     return objects

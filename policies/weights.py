@@ -4,10 +4,34 @@ Which routes use it
 -------------------
 Only routes with ``balancing: telemetry``. Every other mode keeps the static weights of the
 pool (round robin, least request and random have their own notion of balance, and ``orca``
-lets Envoy weigh hosts itself from per-response load reports). A telemetry route with
-session affinity uses the same weights for its consistent-hash cluster (both clusters read one
-ClusterLoadAssignment), quantized more coarsely, because every weight change moves part of
-the hash ring and loses KV-cache locality.
+lets Envoy weigh hosts itself from per-response load reports). Pools behind session affinity
+get capacity weights (below); the others get load weights (the formula).
+
+Pools behind session affinity: capacity, not load
+-------------------------------------------------
+On a consistent-hash cluster an endpoint's weight is its share of the ring, and every weight
+change moves sessions to replicas that do not hold their KV cache. Load weights there pay with
+cache locality for noise: a replica busy for a second loses sessions, which prefill from
+scratch elsewhere and make that replica busy in turn. So load, the fast signal, is left to
+Envoy's bounded load (per request, in every Envoy, with no control-plane delay), and telemetry
+sets only what changes slowly: how fast each replica is.
+
+- Speed: each record's mean time per output token (TPOT) against the pool's median TPOT;
+  ``speed_e = median_j tpot_j / tpot_e``. A replica at half speed, or slowed by a noisy
+  neighbour, takes longer per token whatever its load; a busy replica only a little longer.
+- Capacity factor, on a ladder of levels (``capacity_levels``: 1, 0.7, 0.5, 0.35, 0.25). It
+  falls only after ``capacity_confirm`` consecutive records put the replica below
+  ``capacity_band`` times its level, straight to the level nearest their mean speed; it rises
+  one level at a time after as many records above ``1 / capacity_band`` times its level, so
+  sessions come back to a recovered replica gradually instead of in one spike.
+- ``weight_e = static_weight_e * factor_e``. Bounded load takes the weight into account too
+  (a host's share of in-flight requests is capped in proportion to its weight), so a slow
+  replica gets both fewer sessions and a smaller share of the spill.
+- Never DEGRADED for load: degrading a ring-hash host moves all its sessions at once (evict);
+  bounded load instead spills only the requests the host cannot take (spill).
+
+Telemetry without a TPOT (an idle replica, a server that does not export it) is no evidence:
+the factor stays where it is. Stale telemetry gives the static weight, as below.
 
 The formula
 -----------
@@ -38,8 +62,7 @@ For each endpoint ``e`` of a pool with fresh telemetry (younger than ``max_age``
    so when the whole pool is equally busy, weights do not move at all.
 
 4. Quantized with hysteresis: the factor moves only when ``factor_e`` is more than ``band``
-   away from the endpoint's current factor, and then to the nearest multiple of ``step``
-   (coarser ``affinity_step``/``affinity_band`` for affinity pools). Noise within the band
+   away from the endpoint's current factor, and then to the nearest multiple of ``step``. Noise within the band
    changes nothing, so no push and no ring churn.
 
 5. ``weight_e = max(1, round(static_weight_e * factor_e))``.
@@ -47,13 +70,11 @@ For each endpoint ``e`` of a pool with fresh telemetry (younger than ``max_age``
 An endpoint without telemetry, or whose telemetry is older than ``max_age``, gets factor 1:
 its static weight, neutral, never zero.
 
-Degraded
---------
+Degraded (pools without session affinity)
+-----------------------------------------
 A replica is saturated when ``waiting / c >= queue_saturated`` or ``kv_cache >=
 kv_saturated``; a saturated healthy replica is reported to Envoy as DEGRADED. Envoy then sends
-it traffic only when the healthy hosts lack capacity, so new work goes elsewhere; in an
-affinity cluster its sessions move to their ring neighbours and bounded load keeps that spill
-from overloading them. It stays degraded until it drops below both recovery bounds
+it traffic only when the healthy hosts lack capacity, so new work goes elsewhere. It stays degraded until it drops below both recovery bounds
 (``recover_queue`` times the queue bound, ``recover_kv`` KV-cache use: hysteresis again). At
 most ``max_degraded_fraction`` of a pool's endpoints (the most loaded first) are degraded at
 once, so a busy pool never degrades itself into panic mode.
@@ -63,6 +84,7 @@ Static health (unhealthy, draining) always wins over telemetry.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -89,10 +111,6 @@ class WeightParams:
     """Quantization step of the factor."""
     band: float = 0.15
     """Hysteresis: the factor moves only when the new value is further than this away."""
-    affinity_step: float = 0.25
-    """Quantization step for pools behind session affinity (ring churn costs cache hits)."""
-    affinity_band: float = 0.3
-    """Hysteresis band for pools behind session affinity."""
     queue_saturated: float = 32.0
     """Queued requests per unit of capacity at which a replica is marked degraded."""
     kv_saturated: float = 0.97
@@ -103,6 +121,14 @@ class WeightParams:
     """... and below this KV-cache use."""
     max_degraded_fraction: float = 0.5
     """At most this share of a pool's endpoints is degraded at once."""
+    capacity_levels: tuple[float, ...] = (1.0, 0.7, 0.5, 0.35, 0.25)
+    """Capacity factors a pool behind session affinity may take, largest first (about 1.4x
+    apart: a coarse ladder, so noise never moves the hash ring)."""
+    capacity_band: float = 0.8
+    """A replica counts as slower than its level below this share of it (and as faster above
+    its inverse)."""
+    capacity_confirm: int = 2
+    """Consecutive records that must agree before the capacity factor moves."""
 
 
 SIGNAL_WEIGHTS = {"queue": 1.0, "running": 0.5, "kv": 0.5, "tokens": 0.5}
@@ -123,6 +149,13 @@ class WeightDecision:
     """Load score in [0, 1]; ``None`` when telemetry is missing or stale."""
     age: float | None = None
     """Seconds since the telemetry was scraped; ``None`` when there is none."""
+    speed: float | None = None
+    """Capacity weights: the last record's speed relative to the pool (1 = the median)."""
+    seen_at: float | None = None
+    """Capacity weights: ``at`` of the last record counted, so a record counts once however
+    often the pool is recompiled."""
+    streak: int = 0
+    """Capacity weights: consecutive records below (negative) or above (positive) the band."""
 
     @property
     def neutral(self) -> bool:
@@ -160,9 +193,9 @@ def pool_weights(
     """
     params = params or WeightParams()
     previous = previous or {}
-    step, band = (
-        (params.affinity_step, params.affinity_band) if affinity else (params.step, params.band)
-    )
+    if affinity:
+        return capacity_weights(endpoints, telemetry, now=now, previous=previous, params=params)
+    step, band = params.step, params.band
     static = {endpoint.key: endpoint for endpoint in endpoints}
     if not static:
         return {}
@@ -233,6 +266,74 @@ def pool_weights(
     return out
 
 
+def capacity_weights(
+    endpoints: Sequence[Endpoint],
+    telemetry: Mapping[str, TelemetryRecord],
+    *,
+    now: float,
+    previous: Mapping[str, WeightDecision],
+    params: WeightParams,
+) -> dict[str, WeightDecision]:
+    """Weights for a pool behind session affinity: static weight times a capacity factor
+    learned from speed (see the module docstring). Keyed and called like `pool_weights`."""
+    fresh: dict[str, TelemetryRecord] = {}
+    ages: dict[str, float] = {}
+    for endpoint in endpoints:
+        record = telemetry.get(endpoint.key)
+        if record is not None:
+            ages[endpoint.key] = max(0.0, now - record.at)
+            if ages[endpoint.key] <= params.max_age:
+                fresh[endpoint.key] = record
+    tpots = {
+        key: record.time_per_output_token
+        for key, record in fresh.items()
+        if record.time_per_output_token is not None
+    }
+    reference = statistics.median(tpots.values()) if len(tpots) >= 2 else None
+    levels = sorted(params.capacity_levels, reverse=True)
+    out: dict[str, WeightDecision] = {}
+    for endpoint in endpoints:
+        key = endpoint.key
+        record = fresh.get(key)
+        if record is None:
+            out[key] = WeightDecision(weight=endpoint.weight, factor=1.0, age=ages.get(key))
+            continue
+        before = previous.get(key)
+        factor = before.factor if before is not None and not before.neutral else 1.0
+        speed = before.speed if before is not None else None
+        streak = before.streak if before is not None else 0
+        seen_at = before.seen_at if before is not None else None
+        tpot = tpots.get(key)
+        if reference is not None and tpot is not None and record.at != seen_at:
+            last, speed, seen_at = speed, reference / tpot, record.at
+            if speed < factor * params.capacity_band:
+                streak = min(streak, 0) - 1
+            elif speed * params.capacity_band > factor and factor < levels[0]:
+                streak = max(streak, 0) + 1
+            else:
+                streak = 0
+            if streak <= -params.capacity_confirm:
+                # Straight to the level nearest the evidence (log scale): one ring change.
+                evidence = speed if last is None else (speed + last) / 2
+                lower = [level for level in levels if level < factor] or [factor]
+                factor = min(lower, key=lambda level: abs(math.log(level / evidence)))
+                streak = 0
+            elif streak >= params.capacity_confirm:
+                # Up one level at a time: sessions return to a recovered replica gradually.
+                factor = min((level for level in levels if level > factor), default=factor)
+                streak = 0
+        out[key] = WeightDecision(
+            weight=max(1, round(endpoint.weight * factor)),
+            factor=factor,
+            load=0.0,
+            age=ages[key],
+            speed=None if speed is None else round(speed, 4),
+            seen_at=seen_at,
+            streak=streak,
+        )
+    return out
+
+
 def _saturated(
     fresh: Mapping[str, TelemetryRecord],
     caps: Mapping[str, float],
@@ -257,4 +358,4 @@ def _saturated(
     return set(ranked[:allowed])
 
 
-__all__ = ["SIGNAL_WEIGHTS", "WeightDecision", "WeightParams", "pool_weights"]
+__all__ = ["SIGNAL_WEIGHTS", "WeightDecision", "WeightParams", "capacity_weights", "pool_weights"]

@@ -52,7 +52,12 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def running_api(
-    etcd_endpoint: str, prefix: str, *, auth: AuthConfig | None = None
+    etcd_endpoint: str,
+    prefix: str,
+    *,
+    auth: AuthConfig | None = None,
+    quiet_period: float = 0.005,
+    max_wait: float = 0.05,
 ) -> AsyncIterator[Harness]:
     """Store, mirror, reconciler and app over one etcd prefix; stopped on exit."""
     client = EtcdClient([etcd_endpoint])
@@ -60,7 +65,10 @@ async def running_api(
     registry = CollectorRegistry()
     store = Store(client, prefix)
     reconciler = Reconciler(
-        SnapshotCache(), quiet_period=0.005, max_wait=0.05, metrics=ReconcileMetrics(registry)
+        SnapshotCache(),
+        quiet_period=quiet_period,
+        max_wait=max_wait,
+        metrics=ReconcileMetrics(registry),
     )
     mirror: StateMirror
 
@@ -76,6 +84,7 @@ async def running_api(
             connections=ConnectionRegistry(registry=registry),
             auth=auth or auth_config(),
             metrics_registry=registry,
+            mirror=mirror,
         )
     )
     try:

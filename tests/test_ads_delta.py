@@ -14,6 +14,7 @@ from xdsclient import (
     make_messages,
     names_of,
     unpack,
+    wait_until,
 )
 
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
@@ -97,9 +98,10 @@ async def test_nack_is_recorded_and_not_answered(ads: RunningServer) -> None:
         assert nack.version == rejected.system_version_info
         assert ads.status.find("envoy-2")[0].types[CLUSTER].last_nack is None
         assert ads.metric("kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1
-        # The next different snapshot flows: only what changed since the rejected one.
+        # The next different snapshot flows, with what changed since the version the Envoy
+        # runs: b again (the Envoy kept what it had), and c.
         ads.cache.set_snapshot("default", snap({"a": [1], "b": [2], "c": [3]}))
-        assert names_of(await recv(s)) == ["c"]
+        assert sorted(names_of(await recv(s))) == ["b", "c"]
 
 
 async def test_subscription_on_a_stale_nonce_is_applied(ads: RunningServer) -> None:
@@ -114,7 +116,8 @@ async def test_subscription_on_a_stale_nonce_is_applied(ads: RunningServer) -> N
         assert names_of(await recv(s)) == ["b"]
         [conn] = ads.status.connections()
         assert conn.types[ENDPOINT].resource_names == ["a", "b"]
-        assert conn.types[ENDPOINT].version_acked == ""  # a stale nonce is no ACK
+        # Envoys answer in order: the older nonce accepts the older response, not the newer.
+        assert conn.types[ENDPOINT].version_acked == old.system_version_info
 
 
 async def test_deleted_resources_go_in_removed_resources(ads: RunningServer) -> None:
@@ -306,3 +309,29 @@ async def test_an_empty_wildcard_answer_is_sent_alongside_other_changes(
         )
         got = {response.type_url: response for response in [await recv(s), await recv(s)]}
         assert names_of(got[CLUSTER]) == [] and names_of(got[LISTENER]) == ["ingress"]
+
+
+async def test_a_nack_of_the_earlier_response_of_a_round_is_counted(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(CLUSTER)
+        await s.ack(await recv(s))
+        await s.send(ROUTE, ["ingress-routes"])
+        await s.ack(await recv(s))
+        # Cluster a is replaced by b: updates first (CDS, RDS), the removal of a after.
+        ads.cache.set_snapshot("default", snap({"b": [2]}))
+        added, routes, removed = [await recv(s) for _ in range(3)]
+        assert names_of(added) == ["b"] and list(removed.removed_resources) == ["a"]
+        # Envoy answers in order; the NACK of the first carries a nonce that is not the latest.
+        await s.nack(added, "cluster b: bad")
+        await s.ack(routes)
+        await s.ack(removed)
+        await wait_until(
+            lambda: ads.metric("kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1
+        )
+        [conn] = ads.status.find("envoy-1")
+        nack = conn.types[CLUSTER].last_nack
+        assert nack is not None and nack.version == added.system_version_info
+        # What the Envoy runs lacks b: the next version carries it again, with what changed.
+        ads.cache.set_snapshot("default", snap({"b": [2], "c": [3]}))
+        assert sorted(names_of(await recv(s, CLUSTER))) == ["b", "c"]

@@ -39,8 +39,8 @@ def metric(ads: RunningServer, name: str, **labels: str) -> float:
     return ads.metric(name, **labels)
 
 
-async def recv(s: SotwStream, type_url: str | None = None) -> Any:
-    response = await (s.recv_type(type_url) if type_url else s.recv())
+async def recv(s: SotwStream, type_url: str | None = None, *, within: float = 5.0) -> Any:
+    response = await (s.recv_type(type_url, within) if type_url else s.recv(within))
     names = names_of(response)
     assert len(names) == len(set(names)), f"duplicate names in {names}"  # rule 8
     assert response.nonce
@@ -400,3 +400,80 @@ async def test_status_listener_sees_connect_nack_and_disconnect(ads: RunningServ
         await wait_until(lambda: ("nacked", "envoy-1") in events)
     await wait_until(lambda: ("disconnected", "envoy-1") in events)
     assert events[0] == ("connected", "envoy-1")
+
+
+def two_listeners(clusters: dict[str, list[int]], bad_port: int | None) -> Snapshot:
+    """`snap(clusters)`, plus a second listener "bad" on `bad_port` when one is given."""
+    messages = make_messages(clusters)
+    if bad_port is not None:
+        messages[LISTENER].append(make_listener("bad", "ingress-routes", port=bad_port))
+    return Snapshot.from_messages(messages)
+
+
+async def answer_all(s: SotwStream, rejected: set[str], *, within: float = 0.5) -> list[Any]:
+    """Answer every response until the stream goes quiet, like Envoy: NACK the LDS versions in
+    `rejected`, ACK the rest. Returns the responses, in order."""
+    seen = []
+    while True:
+        try:
+            response = await recv(s, within=within)
+        except TimeoutError:
+            return seen
+        seen.append(response)
+        if response.type_url == LISTENER and response.version_info in rejected:
+            await s.nack(response, "cannot bind: address in use")
+        else:
+            await s.ack(response)
+
+
+async def test_a_rejected_listener_version_is_not_sent_again_when_the_change_is_undone(
+    ads: RunningServer,
+) -> None:
+    good = two_listeners({"a": [1]}, None)
+    ads.cache.set_snapshot("default", good)
+    async with ads.sotw("envoy-1") as s:
+        await s.send(CLUSTER)
+        await s.ack(await recv(s))
+        await s.send(LISTENER)
+        await s.ack(await recv(s))
+        # A policy adds a cluster and a listener the Envoy cannot bind: it NACKs the listener.
+        bad = two_listeners({"a": [1], "b": [2]}, 10_001)
+        ads.cache.set_snapshot("default", bad)
+        await answer_all(s, {bad.version(LISTENER)})
+        # The policy is deleted. The make-before-break round starts from what the Envoy runs,
+        # so the rejected listener set does not come back inside a union.
+        ads.cache.set_snapshot("default", good)
+        again = await answer_all(s, {bad.version(LISTENER)})
+        assert [r.version_info for r in again if r.type_url == LISTENER] == [good.version(LISTENER)]
+        assert metric(ads, "kvpilot_xds_nacks_total", type="LDS", fleet="default") == 1
+        [conn] = ads.status.find("envoy-1")
+        assert conn.types[LISTENER].version_acked == good.version(LISTENER)
+
+
+async def test_a_nack_of_the_earlier_response_of_a_round_is_counted_and_then_resolved(
+    ads: RunningServer,
+) -> None:
+    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}, route_to="b"))
+    async with ads.sotw("envoy-1") as s:
+        await join(s, ["a", "b"], ["ingress-routes"])
+        ads.cache.set_snapshot("default", snap({"a": [3]}, route_to="a"))
+        union, eds, rds, final = [await recv(s) for _ in range(4)]
+        assert (union.type_url, final.type_url) == (CLUSTER, CLUSTER)
+        # Envoy answers in order: the union's NACK carries a nonce that is no longer the latest.
+        await s.nack(union, "cluster b: bad")
+        for response in (eds, rds, final):
+            await s.ack(response)
+        await wait_until(
+            lambda: metric(ads, "kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1
+        )
+        await wait_until(
+            lambda: ads.status.find("envoy-1")[0].types[CLUSTER].version_acked == final.version_info
+        )
+        [conn] = ads.status.find("envoy-1")
+        nack = conn.types[CLUSTER].last_nack
+        assert nack is not None and nack.version == union.version_info
+        # The Envoy runs a later version now: the NACK shows as resolved, with when.
+        assert nack.resolved_at is not None and nack.resolved_by == final.version_info
+        [view] = ads.status.as_dict()["connections"]
+        resolved = view["types"][CLUSTER]["last_nack"]["resolved"]
+        assert resolved == {"version": final.version_info, "at": nack.resolved_at}

@@ -132,7 +132,9 @@ async def test_invalid_bodies_get_422_with_field_paths_and_leave_etcd_untouched(
     ):
         assert response.status_code == 422, response.text
         detail = response.json()["detail"]
-        assert loc in [error["loc"] for error in detail], detail
+        # A PUT of a bad name fails on its path, by the same rule.
+        locs = [error["loc"] for error in detail]
+        assert loc in locs or (loc == "metadata.name" and locs == ["path.name"]), detail
         assert all(error["msg"] for error in detail)
     assert await api.raw(f"objects/{path}/{name}") is None
     kvs, _ = await api.client.get_prefix(f"{api.prefix}/".encode())
@@ -337,7 +339,7 @@ async def test_set_weight_out_of_range_is_a_422(api: Harness) -> None:
         "/v1/pools/chat/endpoints/127.0.0.1:8001/weight", json={"weight": 0}
     )
     assert response.status_code == 422
-    assert response.json()["detail"][0]["loc"] == "body.weight"
+    assert response.json()["detail"][0]["loc"] == "weight"
 
 
 async def test_concurrent_static_weight_changes_are_both_kept(api: Harness) -> None:
@@ -431,3 +433,110 @@ async def test_openapi_documents_the_object_bodies(api: Harness) -> None:
     body = schema["paths"]["/v1/pools"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"] == {"$ref": "#/components/schemas/Pool"}
     assert "PoolSpec" in schema["components"]["schemas"]
+
+
+# Hostile input: every answer is a 4xx sentence, never a 5xx, and etcd is left untouched ------
+
+
+def nested(depth: int) -> bytes:
+    return b'{"spec": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize("depth", [100, 10_000])
+async def test_a_deeply_nested_body_is_a_4xx(api: Harness, depth: int) -> None:
+    for method, url in (
+        ("POST", "/v1/pools"),
+        ("PUT", "/v1/pools/chat"),
+        ("PUT", "/v1/pools/chat/endpoints/e1"),
+        ("PUT", "/v1/pools/chat/endpoints/e1/weight"),
+    ):
+        response = await api.http.request(method, url, content=nested(depth))
+        assert response.status_code in (400, 422), (url, response.text)
+        assert "nested" in str(response.json()["detail"]) or response.status_code == 422
+    assert await api.raw("objects/pools/chat") is None
+
+
+async def test_a_body_over_the_limit_is_a_413_that_names_the_limit(api: Harness) -> None:
+    from api.context import MAX_BODY_BYTES
+
+    huge = pool("chat", *range(1, 2))
+    huge["spec"]["models"] = [f"model-{i:07d}" for i in range(MAX_BODY_BYTES // 16)]
+    for method, url in (("POST", "/v1/pools"), ("PUT", "/v1/pools/chat")):
+        response = await api.http.request(method, url, json=huge)
+        assert response.status_code == 413, response.text
+        assert f"{MAX_BODY_BYTES:,}" in response.json()["detail"]
+    # Without a Content-Length (chunked), the reader stops at the limit too.
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(MAX_BODY_BYTES // 65_536 + 2):
+            yield b" " * 65_536
+
+    response = await api.http.post("/v1/pools", content=chunks())
+    assert response.status_code == 413
+    assert await api.raw("objects/pools/chat") is None
+
+
+async def test_duplicate_keys_in_a_body_are_a_400(api: Harness) -> None:
+    response = await api.http.post(
+        "/v1/pools", content=b'{"kind": "Pool", "kind": "Fleet", "metadata": {"name": "x"}}'
+    )
+    assert response.status_code == 400
+    assert "'kind'" in response.json()["detail"]
+
+
+async def test_a_stored_value_that_is_not_json_is_a_clear_409_naming_the_key(
+    api: Harness,
+) -> None:
+    key = f"{api.prefix}/objects/pools/chat"
+    for garbage in (b"\xff not json", b"[" * 5000 + b"]" * 5000):
+        await api.client.put(key.encode(), garbage)
+        response = await api.http.get("/v1/pools/chat")
+        assert response.status_code == 409, response.text
+        detail = response.json()["detail"]
+        assert key in detail and "DELETE" in detail
+    # It can be replaced, and then reads back.
+    assert (await api.http.put("/v1/pools/chat", json=pool("chat"))).status_code in (200, 201)
+    assert (await api.http.get("/v1/pools/chat")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "url"),
+    [
+        ("PUT", "/v1/pools/bad%20pool/endpoints/e1"),
+        ("PUT", f"/v1/pools/{'p' * 300}/endpoints/e1"),
+        ("PUT", "/v1/pools/chat/endpoints/e%20one"),
+        ("PUT", f"/v1/pools/chat/endpoints/{'e' * 300}"),
+        ("PUT", "/v1/pools/UPPER/endpoints/e1/weight"),
+        ("DELETE", "/v1/pools/bad%20pool/endpoints/e1"),
+        ("GET", "/v1/pools/bad%20pool/endpoints"),
+        ("GET", "/v1/pools/Bad"),
+        ("DELETE", f"/v1/routingpolicies/{'r' * 64}"),
+        ("GET", "/v1/fleets/%E2%9C%93/config"),
+    ],
+)
+async def test_path_parameters_follow_the_name_rules(api: Harness, method: str, url: str) -> None:
+    response = await api.http.request(
+        method, url, json={"address": "10.0.0.1", "port": 8000, "weight": 2}
+    )
+    assert response.status_code == 422, response.text
+    [error] = response.json()["detail"]
+    assert error["loc"].startswith("path.") and "is not a valid" in error["msg"], error
+    kvs, _ = await api.client.get_prefix(f"{api.prefix}/".encode())
+    assert [kv.key for kv in kvs if b"/endpoints/" in kv.key or b"/objects/" in kv.key] == []
+
+
+async def test_an_endpoint_id_may_be_an_address_and_port(api: Harness) -> None:
+    for endpoint_id in ("127.0.0.1:8000", "[::1]:8000", "replica-a"):
+        response = await api.http.put(
+            f"/v1/pools/chat/endpoints/{endpoint_id}", json={"address": "10.0.0.1", "port": 8000}
+        )
+        assert response.status_code == 200, (endpoint_id, response.text)
+
+
+async def test_an_if_match_beyond_etcd_revisions_is_a_400(api: Harness) -> None:
+    assert (await api.http.post("/v1/pools", json=pool("chat"))).status_code == 201
+    for method in ("PUT", "DELETE"):
+        response = await api.http.request(
+            method, "/v1/pools/chat", json=pool("chat"), headers={"If-Match": '"' + "9" * 400 + '"'}
+        )
+        assert response.status_code == 400, response.text

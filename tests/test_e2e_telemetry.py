@@ -48,14 +48,17 @@ def pool(name: str, ports: list[int], *, max_age: str = "10s") -> dict[str, Any]
     }
 
 
-def policy(listener_port: int, balancing: str) -> dict[str, Any]:
+def policy(listener_port: int, balancing: str, *, affinity: bool = False) -> dict[str, Any]:
+    route: dict[str, Any] = {"name": "all", "balancing": balancing, "tiers": [["sim"]]}
+    if affinity:
+        route["sessionAffinity"] = {}
     return {
         "apiVersion": "kvpilot.io/v1",
         "kind": "RoutingPolicy",
         "metadata": {"name": "web"},
         "spec": {
             "listener": {"port": listener_port, "address": "127.0.0.1"},
-            "routes": [{"name": "all", "balancing": balancing, "tiers": [["sim"]]}],
+            "routes": [route],
         },
     }
 
@@ -94,17 +97,19 @@ class Setup:
         self.url = f"http://127.0.0.1:{listener_port}/v1/chat/completions"
         self.store = store
 
-    def weights(self) -> dict[int, int]:
-        return endpoint_weights(self.envoy, CLUSTER)
+    def weights(self, cluster: str = CLUSTER) -> dict[int, int]:
+        return endpoint_weights(self.envoy, cluster)
 
-    async def wait_weights(self, expected: dict[int, int], within: float, what: str) -> float:
+    async def wait_weights(
+        self, expected: dict[int, int], within: float, what: str, cluster: str = CLUSTER
+    ) -> float:
         """Wait until Envoy has `expected`; return how long it took."""
         started = time.monotonic()
 
         seen: list[dict[int, int]] = [{}]
 
         async def reached() -> bool:
-            seen[0] = await asyncio.to_thread(self.weights)
+            seen[0] = await asyncio.to_thread(self.weights, cluster)
             return seen[0] == expected
 
         try:
@@ -130,7 +135,9 @@ async def make_setup(
     await client.connect()
     started: list[MetricsBackend] = []
 
-    async def make(balancing: str, *, max_age: str = "10s", static: bool = True) -> Setup:
+    async def make(
+        balancing: str, *, max_age: str = "10s", static: bool = True, affinity: bool = False
+    ) -> Setup:
         backends = [MetricsBackend(f"be-{i}").start() for i in range(3)]
         started.extend(backends)
         kvpilot = await asyncio.to_thread(kvpilot_factory, etcd_prefix)
@@ -141,7 +148,8 @@ async def make_setup(
             response = await api.put("/v1/pools/sim", json=pool("sim", ports, max_age=max_age))
             assert response.status_code in (200, 201), response.text
             response = await api.put(
-                "/v1/routingpolicies/web", json=policy(listener_port, balancing)
+                "/v1/routingpolicies/web",
+                json=policy(listener_port, balancing, affinity=affinity),
             )
             assert response.status_code in (200, 201), response.text
         return Setup(kvpilot, envoy, backends, listener_port, Store(client, etcd_prefix))
@@ -192,6 +200,57 @@ async def test_a_long_queue_lowers_the_weight_in_envoy_and_traffic_moves_away(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_on_an_affinity_route_a_slow_replica_gets_less_of_the_ring_and_a_queue_nothing(
+    make_setup: Callable[..., Any],
+) -> None:
+    setup: Setup = await make_setup("telemetry", affinity=True)
+    ports, ring = setup.ports, CLUSTER + "/affinity"
+    await setup.wait_weights(dict.fromkeys(ports, 100), 30, "static weights first", ring)
+    # Two records in a row (a fall needs two): the first replica is 3x slower per output
+    # token and has by far the longest queue. Load weights would drop it to the floor (10)
+    # and mark it DEGRADED, moving all its sessions; capacity weights give it the ring share
+    # of its speed (35) and leave the queue to bounded load.
+    now = time.time()
+    held = f'endpoint="127.0.0.1:{ports[0]}",pool="sim"'
+    for at in (now - 5, now):
+        for port in ports:
+            slow = port == ports[0]
+            await setup.put(
+                port, at=at, waiting=40 if slow else 0, time_per_output_token=0.09 if slow else 0.03
+            )
+        if at < now:
+            # Each record must reach a compile of its own (a burst of writes is debounced
+            # into one): kvpilot reports the age of the record it holds.
+            await poll(
+                lambda: asyncio.to_thread(
+                    lambda: (
+                        metric(setup.kvpilot.api_url, "kvpilot_telemetry_age_seconds", held) >= 4.5
+                    )
+                ),
+                15,
+                "kvpilot to hold the first record",
+            )
+    await setup.wait_weights({ports[0]: 35, ports[1]: 100, ports[2]: 100}, 15, "slower", ring)
+    assert "degraded" not in health_flags(setup.envoy, ring)[ports[0]]
+
+    def new_sessions(count: int) -> collections.Counter[str]:
+        counts: collections.Counter[str] = collections.Counter()
+        with httpx.Client(timeout=10) as client:
+            for index in range(count):
+                response = client.post(
+                    setup.url,
+                    json={"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"x-session-id": f"session-{index}"},
+                )
+                counts[response.headers.get("x-backend-id", str(response.status_code))] += 1
+        return counts
+
+    counts = await asyncio.to_thread(new_sessions, 120)
+    # The slow replica holds 35/235 of the ring: about 18 of 120 sessions, not 40.
+    assert counts[setup.backends[0].id] <= 30, counts
+    assert sum(counts.values()) == 120, counts
 
 
 async def test_stale_telemetry_falls_back_to_the_static_weight(

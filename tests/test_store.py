@@ -184,7 +184,7 @@ async def test_garbage_value_is_reported_not_hidden(
 ) -> None:
     await store.create("Pool", "good", pool("good"))
     await client.put(f"{etcd_prefix}/objects/pools/bad".encode(), b"not json")
-    with pytest.raises(InvalidValue, match="replace or delete it"):
+    with pytest.raises(InvalidValue, match="replace it with PUT or remove it with DELETE"):
         await store.get("Pool", "bad")
     objects, _ = await store.list("Pool")
     assert [o.name for o in objects] == ["good"]

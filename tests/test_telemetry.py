@@ -8,8 +8,8 @@ from policies.telemetry import (
     SGLANG,
     TGI,
     VLLM,
+    Counters,
     MetricMap,
-    PrefixCounters,
     TelemetryRecord,
     WriteBand,
     extract,
@@ -121,7 +121,7 @@ def test_builtin_maps(text: str, metric_map: MetricMap, expected: dict[str, floa
 def test_prefix_hit_rate_comes_from_counter_deltas_between_scrapes() -> None:
     first, counters = extract(parse_samples(VLLM_V1), VLLM, at=1.0)
     assert first.prefix_hit_rate is None  # one sample of a counter is not a rate
-    assert counters == PrefixCounters(queries=1000.0, hits=250.0)
+    assert counters == Counters(queries=1000.0, hits=250.0)
     later = VLLM_V1.replace("} 1000.0", "} 1400.0").replace("} 250.0", "} 550.0")
     second, _ = extract(parse_samples(later), VLLM, at=2.0, previous=counters)
     assert second.prefix_hit_rate == pytest.approx(300 / 400)
@@ -199,3 +199,20 @@ def test_the_write_band_lets_noise_through_only_on_refresh() -> None:
     # A short queue counts every request.
     short = TelemetryRecord(at=0, waiting=0)
     assert band.moved(short, short.model_copy(update={"waiting": 1}))
+
+
+def test_time_per_output_token_is_the_mean_between_scrapes() -> None:
+    def scrape(seconds: float, tokens: float) -> str:
+        return (
+            "# TYPE vllm:time_per_output_token_seconds histogram\n"
+            f'vllm:time_per_output_token_seconds_bucket{{le="+Inf"}} {tokens}\n'
+            f"vllm:time_per_output_token_seconds_sum {seconds}\n"
+            f"vllm:time_per_output_token_seconds_count {tokens}\n"
+        )
+
+    first, counters = extract(parse_samples(scrape(10.0, 500)), VLLM, at=1.0)
+    assert first.time_per_output_token is None  # totals since start say nothing about now
+    second, counters = extract(parse_samples(scrape(16.0, 600)), VLLM, at=2.0, previous=counters)
+    assert second.time_per_output_token == pytest.approx(0.06)
+    idle, _ = extract(parse_samples(scrape(16.0, 600)), VLLM, at=3.0, previous=counters)
+    assert idle.time_per_output_token is None  # no token generated: no evidence

@@ -1,8 +1,9 @@
 """The weight function, case by case: each row is one behaviour, read the ids.
 
 Pools have three endpoints a, b, c of static weight 100 unless a case says otherwise; the
-default ``WeightParams`` apply (queue_ref 8, step 0.1, band 0.15, affinity step 0.25 and band
-0.3, degraded at 32 queued or 97% KV cache). ``now`` is 1000.
+default ``WeightParams`` apply (queue_ref 8, step 0.1, band 0.15, degraded at 32 queued or 97%
+KV cache; capacity levels 1, 0.7, 0.5, 0.35, 0.25, band 0.8, two records to confirm). ``now``
+is 1000.
 """
 
 from __future__ import annotations
@@ -92,19 +93,13 @@ CASES = [
         previous={"a": prev(0.6)},
     ),
     Case(
-        "affinity pools quantize coarser: 0.55 -> 0.5 (step 0.25)",
-        {"a": fresh(waiting=4), "b": fresh(waiting=0), "c": fresh(waiting=0)},
-        {"a": 50, "b": 100, "c": 100},
-        affinity=True,
-    ),
-    Case(
-        "affinity pools have a wider band: 2 queued moves nothing (0.78 is within 0.3)",
-        {"a": fresh(waiting=2), "b": fresh(waiting=0), "c": fresh(waiting=0)},
+        "affinity pools ignore load: 40 queued moves nothing and degrades nothing",
+        {"a": fresh(waiting=40), "b": fresh(waiting=0), "c": fresh(waiting=0)},
         {"a": 100, "b": 100, "c": 100},
         affinity=True,
     ),
     Case(
-        "without affinity, the same 2 queued gives 0.8",
+        "without affinity, 2 queued gives 0.8",
         {"a": fresh(waiting=2), "b": fresh(waiting=0), "c": fresh(waiting=0)},
         {"a": 80, "b": 100, "c": 100},
     ),
@@ -314,8 +309,84 @@ def test_compile_carries_hysteresis_through_previous_weights() -> None:
     assert _cluster_weights(fresh_start, "r/live")[8001] == (70, "healthy")
 
 
-def test_compile_quantizes_coarsely_when_the_telemetry_route_has_affinity() -> None:
+def test_compile_gives_capacity_weights_when_the_telemetry_route_has_affinity() -> None:
     from policies.compile import compile_plan
 
-    plan = compile_plan(_state(NOW, {8001: 4, 8002: 0, 8003: 0}, affinity=True))
-    assert _cluster_weights(plan, "r/live")[8001] == (50, "healthy")
+    plan = compile_plan(_state(NOW, {8001: 40, 8002: 0, 8003: 0}, affinity=True))
+    assert _cluster_weights(plan, "r/live")[8001] == (100, "healthy")
+
+
+# --------------------------------------------------------------------------- capacity weights
+
+CAPACITY_ENDPOINTS = [Endpoint(address="10.0.0.1", port=9000 + i) for i in range(4)]
+"""Four replicas; the first is the one whose speed changes."""
+
+
+def _rounds(tpots: list[float], others: float = 0.03) -> list[int]:
+    """Feed one record per round (replica 0's TPOT, the others at `others`); replica 0's
+    weight after each round."""
+    previous: dict[str, WeightDecision] = {}
+    weights = []
+    for index, tpot in enumerate(tpots):
+        at = NOW + index
+        telemetry = {
+            e.key: TelemetryRecord(at=at, time_per_output_token=tpot if i == 0 else others)
+            for i, e in enumerate(CAPACITY_ENDPOINTS)
+        }
+        previous = pool_weights(
+            CAPACITY_ENDPOINTS, telemetry, now=at, previous=previous, affinity=True
+        )
+        weights.append(previous[CAPACITY_ENDPOINTS[0].key].weight)
+    return weights
+
+
+@pytest.mark.parametrize(
+    ("tpots", "weights"),
+    [
+        pytest.param([0.03] * 5, [100] * 5, id="equal speeds: static weights"),
+        pytest.param(
+            [0.036, 0.02, 0.036, 0.02, 0.036], [100] * 5, id="noise within the band moves nothing"
+        ),
+        pytest.param([0.09, 0.03, 0.09, 0.03], [100] * 4, id="one slow record is not evidence"),
+        pytest.param(
+            [0.09, 0.09, 0.09],
+            [100, 35, 35],
+            id="3x slower twice in a row: straight to the nearest level, one ring change",
+        ),
+        pytest.param([0.06, 0.06, 0.06], [100, 50, 50], id="half speed: half the weight"),
+        pytest.param(
+            [0.09, 0.09, *[0.03] * 8],
+            [100, 35, 35, 50, 50, 70, 70, 100, 100, 100],
+            id="recovered: back up one level per two records, no jump",
+        ),
+    ],
+)
+def test_capacity_weights_follow_speed(tpots: list[float], weights: list[int]) -> None:
+    assert _rounds(tpots) == weights
+
+
+def test_a_record_counts_once_however_often_the_pool_is_recompiled() -> None:
+    slow = {
+        e.key: TelemetryRecord(at=NOW, time_per_output_token=0.09 if i == 0 else 0.03)
+        for i, e in enumerate(CAPACITY_ENDPOINTS)
+    }
+    decisions: dict[str, WeightDecision] = {}
+    for _ in range(5):
+        decisions = pool_weights(
+            CAPACITY_ENDPOINTS, slow, now=NOW, previous=decisions, affinity=True
+        )
+    assert decisions[CAPACITY_ENDPOINTS[0].key].weight == 100
+    assert decisions[CAPACITY_ENDPOINTS[0].key].streak == -1
+
+
+def test_records_without_tpot_keep_the_learned_capacity() -> None:
+    assert _rounds([0.09, 0.09])[-1] == 35
+    idle = {e.key: TelemetryRecord(at=NOW + 5) for e in CAPACITY_ENDPOINTS}
+    slow = {
+        e.key: WeightDecision(weight=35, factor=0.35, load=0.0, seen_at=NOW + 1)
+        if i == 0
+        else WeightDecision(weight=100, factor=1.0, load=0.0)
+        for i, e in enumerate(CAPACITY_ENDPOINTS)
+    }
+    decisions = pool_weights(CAPACITY_ENDPOINTS, idle, now=NOW + 5, previous=slow, affinity=True)
+    assert decisions[CAPACITY_ENDPOINTS[0].key].weight == 35

@@ -9,7 +9,15 @@ from typing import Any
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from xdsserver.resources import CLUSTER, PUSH_ORDER, REMOVE_ORDER, WILDCARD_TYPES, Resource
+from xdsserver.acceptance import Acceptance, Sent
+from xdsserver.resources import (
+    CLUSTER,
+    PUSH_ORDER,
+    REMOVE_ORDER,
+    WILDCARD_TYPES,
+    Resource,
+    content_version,
+)
 from xdsserver.snapshot import Snapshot
 from xdsserver.status import ConnectionRegistry, ConnectionStatus
 from xdsserver.stream import ANSWER_NEXT_REQUEST, WILDCARD, Push, Stream, in_order
@@ -23,14 +31,15 @@ class _DeltaType:
     ordered: tuple[str, ...] = ()
     """``names`` sorted, refreshed when the subscription changes."""
     sent: dict[str, str] = field(default_factory=dict)
-    """Name → version the Envoy has (from initial_resource_versions and what was sent)."""
+    """Name → version the Envoy has or was sent (from initial_resource_versions and what was
+    sent; after a NACK, what it accepted)."""
     nonce: str = ""
-    nonce_version: str = ""
-    """system_version_info of the latest response."""
     dirty: bool = True
     seen_version: str = ""
     resuming: bool = False
     """The Envoy came with initial_resource_versions and nothing was sent since."""
+    acceptance: Acceptance[str] = field(default_factory=Acceptance)
+    """Name → version the Envoy runs (ACKed, or reported on reconnect); rejected versions."""
 
 
 @dataclass(slots=True)
@@ -58,6 +67,7 @@ class DeltaStream(Stream):
             st = self.types[type_url] = _DeltaType(type_url)
             # Reconnect: the Envoy already has these; send only what differs.
             st.sent = {str(k): str(v) for k, v in request.initial_resource_versions.items()}
+            st.acceptance = Acceptance(st.sent)
             st.resuming = bool(st.sent)
             # Legacy wildcard: a first request naming nothing subscribes to everything.
             st.wildcard = not subscribe and type_url in WILDCARD_TYPES
@@ -78,6 +88,7 @@ class DeltaStream(Stream):
             st.names.discard(name)
             if not st.wildcard:
                 st.sent.pop(name, None)  # the Envoy dropped it itself
+                st.acceptance.accepted.pop(name, None)
         if first or subscribe or unsubscribe:
             st.dirty = True
             st.ordered = tuple(sorted(st.names))
@@ -85,14 +96,22 @@ class DeltaStream(Stream):
         nonce = str(request.response_nonce)
         if not nonce:
             return
-        if nonce != st.nonce:
-            self.log_stale(type_url)
-        elif request.HasField("error_detail"):
-            # The Envoy keeps what it had; `sent` already holds the rejected versions, so
-            # nothing is resent until the snapshot changes.
-            self.record_nack(type_url, st.nonce_version, request)
-        else:
-            self.status.acked(self.conn, type_url, version=st.nonce_version)
+        answer = self.settle(st.acceptance, type_url, nonce, request)
+        if answer is None:
+            if nonce != st.nonce:
+                self.log_stale(type_url)
+            return
+        if answer.nacked:
+            # The Envoy keeps what it had. The rejected version is held (not sent again); the
+            # names it changed go back to what the Envoy runs, so the next version still
+            # holding them carries them again.
+            accepted = st.acceptance.accepted
+            for name, version in answer.sent.updates.items():
+                if st.sent.get(name) == version:
+                    _restore(st.sent, name, accepted.get(name))
+            for name in answer.sent.removals:
+                if name not in st.sent:
+                    _restore(st.sent, name, accepted.get(name))
 
     def _evaluate(self, st: _DeltaType, snapshot: Snapshot) -> _DeltaChange | None:
         version = snapshot.version(st.type_url)
@@ -100,7 +119,10 @@ class DeltaStream(Stream):
             return None
         if not st.dirty and version == st.seen_version:
             return None
+        held = not st.dirty and st.acceptance.rejected(version)
         st.dirty, st.seen_version = False, version
+        if held:
+            return None  # the Envoy rejected this version; a (re)subscription is still answered
         resources = snapshot.resources(st.type_url)
         candidates: Iterable[Resource]
         if st.wildcard:
@@ -147,22 +169,36 @@ class DeltaStream(Stream):
         # referrer first (LDS → RDS → CDS → EDS).
         # (A change with neither updates nor removals is the empty answer to a new wildcard
         # subscription: it goes out too.)
-        pushes = [
-            self._commit(c.st, c.version, c.updates, [])
-            for c in changes
-            if c.updates or not c.removals
-        ]
+        # An updates push that removals follow is labelled with the set the Envoy holds after
+        # it (old names kept), as a SotW union is: a NACK of it then rejects that set, not the
+        # snapshot version the removals push carries. Once that set was rejected, the type's
+        # updates go out with its removals instead.
+        pushes = []
+        merged: set[str] = set()
+        for c in changes:
+            if not c.updates and c.removals:
+                continue
+            version = c.version
+            if c.removals:
+                version = content_version(
+                    {**c.st.sent, **{r.name: r.version for r in c.updates}}.items()
+                )
+                if c.st.acceptance.rejected(version):
+                    merged.add(c.st.type_url)
+                    continue
+            pushes.append(self._commit(c.st, version, c.updates, []))
         by_type = {c.st.type_url: c for c in changes if c.removals}
         for type_url in in_order(by_type, REMOVE_ORDER):
             c = by_type[type_url]
-            pushes.append(self._commit(c.st, c.version, [], c.removals))
+            updates = c.updates if type_url in merged else []
+            pushes.append(self._commit(c.st, c.version, updates, c.removals))
         return pushes
 
     def _commit(
         self, st: _DeltaType, version: str, updates: list[Resource], removals: list[str]
     ) -> Push:
         nonce = self.next_nonce()
-        st.nonce, st.nonce_version, st.resuming = nonce, version, False
+        st.nonce, st.resuming = nonce, False
         response = discovery_pb2.DeltaDiscoveryResponse(
             system_version_info=version,
             type_url=st.type_url,
@@ -179,4 +215,14 @@ class DeltaStream(Stream):
             st.sent[r.name] = r.version
         for name in removals:
             st.sent.pop(name, None)
+        st.acceptance.sent(
+            nonce, Sent(version, {r.name: r.version for r in updates}, tuple(removals))
+        )
         return Push(st.type_url, version, nonce, response)
+
+
+def _restore(sent: dict[str, str], name: str, version: str | None) -> None:
+    if version is None:
+        sent.pop(name, None)
+    else:
+        sent[name] = version

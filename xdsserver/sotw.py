@@ -4,11 +4,12 @@ subscribed to (xds_protocol, "Basic Protocol Overview")."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from envoy.service.discovery.v3 import discovery_pb2
 
+from xdsserver.acceptance import Acceptance, Sent
 from xdsserver.resources import PUSH_ORDER, REMOVE_ORDER, WILDCARD_TYPES, Resource, content_version
 from xdsserver.snapshot import Snapshot
 from xdsserver.status import ConnectionRegistry, ConnectionStatus
@@ -32,8 +33,8 @@ class _SotwType:
     respond: bool = True
     """Answer at the next evaluation even if nothing changed."""
     respond_to_next_request: bool = False
-    hold_version: str | None = None
-    """After a NACK: the snapshot version rejected; nothing is sent until it changes."""
+    acceptance: Acceptance[Resource] = field(default_factory=Acceptance)
+    """What the Envoy runs: unions and partial pushes start from it; rejected versions held."""
     dirty: bool = True
     seen_version: str = ""
     partial: bool = False
@@ -53,6 +54,9 @@ class SotwStream(Stream):
         if st is None:
             st = self.types[type_url] = _SotwType(type_url, client_version=request.version_info)
         nonce = str(request.response_nonce)
+        if nonce:
+            # Counted even on a stale nonce: it answers an earlier response of this stream.
+            self.settle(st.acceptance, type_url, nonce, request)
         if nonce and nonce != st.nonce:
             # Stale: the Envoy has not seen our latest response yet and will send another request
             # after it has; acting on this one could resend or undo config.
@@ -69,13 +73,9 @@ class SotwStream(Stream):
             st.respond = st.respond or changed
             self.status.subscribed(self.conn, type_url, subscription, wildcard=wildcard)
         if request.HasField("error_detail"):
-            # Never answer a NACK with the same config (endless loop). The Envoy keeps its last
-            # good version; the next different snapshot flows normally.
-            self.record_nack(type_url, st.sent_version, request)
-            st.hold_version = st.seen_version
+            # Never answer a NACK with the same config (endless loop): settle() recorded the
+            # version as rejected; the next different snapshot flows normally.
             return
-        if nonce:
-            self.status.acked(self.conn, type_url, version=str(request.version_info))
         if st.respond_to_next_request:
             st.respond_to_next_request = False
             st.respond = True
@@ -89,12 +89,10 @@ class SotwStream(Stream):
             return None
         st.dirty = False
         st.seen_version = version
-        if st.hold_version is not None and not st.respond:
-            # The rejected version is not pushed again; a request that must be answered (new
+        if not st.respond and st.acceptance.rejected(version):
+            # A rejected version is not pushed again; a request that must be answered (new
             # names, a rebuilt cluster warming) still is.
-            if version == st.hold_version:
-                return None
-            st.hold_version = None
+            return None
         resources = snapshot.resources(st.type_url)
         if st.wildcard:
             items = dict(resources)
@@ -107,6 +105,7 @@ class SotwStream(Stream):
                 # Reconnect (maybe to another replica): content-hash versions say the Envoy
                 # already has exactly this set, and for a named type the names it asks for.
                 st.sent, st.sent_version, st.respond = items, version, False
+                st.acceptance.accepted = dict(items)
                 self.status.resumed(self.conn, st.type_url, version=version)
                 return None
             if not items and not st.wildcard:
@@ -151,17 +150,20 @@ class SotwStream(Stream):
         for st, _ in changes:
             if LEADER.get(st.type_url) in pushed:
                 st.partial = False
-        # Make-before-break: when a full-set type (CDS/LDS) drops names in a round that also
-        # changes other types, first send the union (old kept), then the final set after the
-        # rest, so nothing the new routes still reference disappears first.
+        # Make-before-break: when a full-set type (CDS/LDS) drops names the Envoy runs in a
+        # round that also changes other types, first send the union (old kept), then the final
+        # set after the rest, so nothing the new routes still reference disappears first. The
+        # old side is what the Envoy accepted: what was merely sent may be what it rejected.
         first: list[tuple[_SotwType, dict[str, Resource], str]] = []
         last: list[tuple[_SotwType, dict[str, Resource], str]] = []
         for st, items in changes:
             final_version = snapshot.version(st.type_url)
-            dropped = (st.sent.keys() - items.keys()) if st.sent else set()
-            if len(changes) > 1 and st.wildcard and dropped and st.sent is not None:
-                union = {n: st.sent[n] for n in dropped} | items
-                first.append((st, union, content_version((n, r.version) for n, r in union.items())))
+            accepted = st.acceptance.accepted
+            dropped = accepted.keys() - items.keys() if len(changes) > 1 and st.wildcard else ()
+            union = {n: accepted[n] for n in dropped} | items
+            union_version = content_version((n, r.version) for n, r in union.items())
+            if dropped and not st.acceptance.rejected(union_version):
+                first.append((st, union, union_version))
                 last.append((st, items, final_version))
             else:
                 first.append((st, items, final_version))
@@ -177,14 +179,12 @@ class SotwStream(Stream):
     ) -> Push:
         nonce = self.next_nonce()
         body = items
-        if st.partial and st.sent is not None:
-            sent = st.sent
-            body = {
-                n: r
-                for n, r in items.items()
-                if n not in sent or (sent[n] is not r and sent[n].version != r.version)
-            }
+        if st.partial:
+            # Only what the Envoy does not run yet: a response it rejected left it without.
+            accepted = st.acceptance.accepted
+            body = {n: r for n, r in items.items() if not _same_resource(accepted.get(n), r)}
             st.partial = False
+        st.acceptance.sent(nonce, Sent(version, body, replace=st.wildcard))
         st.nonce, st.sent, st.sent_version = nonce, items, version
         follower = ANSWER_NEXT_REQUEST.get(st.type_url)
         if follower is not None and makes:
@@ -202,4 +202,8 @@ class SotwStream(Stream):
 def _same(items: Mapping[str, Resource], sent: Mapping[str, Resource]) -> bool:
     if items.keys() != sent.keys():
         return False
-    return all(sent[n] is r or sent[n].version == r.version for n, r in items.items())
+    return all(_same_resource(sent[n], r) for n, r in items.items())
+
+
+def _same_resource(old: Resource | None, new: Resource) -> bool:
+    return old is not None and (old is new or old.version == new.version)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from xdsserver.resources import short_name
 
@@ -35,6 +37,10 @@ class Nack:
     """Envoy's error_detail message: why it rejected the configuration."""
     at: float
     """Wall-clock time (seconds since the epoch)."""
+    resolved_at: float | None = None
+    """When the Envoy first ACKed a response sent after the rejected one (None: it has not)."""
+    resolved_by: str = ""
+    """The version that ACK accepted."""
 
 
 @dataclass
@@ -47,6 +53,10 @@ class TypeStatus:
     """The version the Envoy last accepted; after a NACK it keeps running this one."""
     nonce: str = ""
     """Nonce of the last response sent."""
+    acked_at: float | None = None
+    """Wall-clock time of the last ACK (or of a resume at the version it holds)."""
+    unacked_since: float | None = None
+    """Wall-clock time since which the version sent has not been ACKed; None when in sync."""
     last_nack: Nack | None = None
     wildcard: bool = False
     resource_names: list[str] = field(default_factory=list)
@@ -81,6 +91,8 @@ class ConnectionStatus:
                 "version_sent": t.version_sent,
                 "version_acked": t.version_acked,
                 "nonce": t.nonce,
+                "acked_at": t.acked_at,
+                "unacked_since": t.unacked_since,
                 "wildcard": t.wildcard,
                 "resource_names": list(t.resource_names),
                 "last_nack": None
@@ -90,6 +102,9 @@ class ConnectionStatus:
                     "nonce": nack.nonce,
                     "message": nack.message,
                     "at": nack.at,
+                    "resolved": None
+                    if nack.resolved_at is None
+                    else {"version": nack.resolved_by, "at": nack.resolved_at},
                 },
             }
         return {
@@ -131,6 +146,26 @@ class _Metrics:
         )
 
 
+class _SyncCollector(Collector):
+    """``kvpilot_xds_unacked_seconds``: per fleet, how long the longest-waiting Envoy of this
+    replica has gone without ACKing the version it was sent (0 when all are in sync). Computed
+    at scrape time, so an Envoy stuck on a NACK shows a growing age, not a stale one."""
+
+    def __init__(self, registry: ConnectionRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvpilot_xds_unacked_seconds",
+            "Per fleet, the longest time an Envoy connected to this replica has gone without "
+            "ACKing the configuration it was sent (0 when every Envoy is in sync).",
+            labels=["fleet"],
+        )
+        for fleet, seconds in sorted(self._registry.unacked_seconds().items()):
+            family.add_metric([fleet], seconds)
+        yield family
+
+
 class ConnectionRegistry:
     """Status of every open ADS stream, and the xDS metrics.
 
@@ -144,7 +179,9 @@ class ConnectionRegistry:
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._metrics = _Metrics(registry if registry is not None else REGISTRY)
+        target = registry if registry is not None else REGISTRY
+        self._metrics = _Metrics(target)
+        target.register(_SyncCollector(self))
         self._clock = clock
         self._connections: dict[int, ConnectionStatus] = {}
         self._listeners: list[Listener] = []
@@ -163,6 +200,19 @@ class ConnectionRegistry:
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly view for the REST status endpoint."""
         return {"connections": [c.as_dict() for c in self._connections.values()]}
+
+    def unacked_seconds(self) -> dict[str, float]:
+        """Fleet -> the longest any of its streams has waited for an ACK now (0 if none)."""
+        now = self._clock()
+        out: dict[str, float] = {}
+        for connection in self._connections.values():
+            waiting = [
+                now - t.unacked_since
+                for t in connection.types.values()
+                if t.unacked_since is not None
+            ]
+            out[connection.fleet] = max([out.get(connection.fleet, 0.0), *waiting])
+        return out
 
     def add_listener(self, listener: Listener) -> Callable[[], None]:
         """Call `listener(event, status)` on every change; returns a function that removes it.
@@ -223,13 +273,25 @@ class ConnectionRegistry:
         t = status.type(type_url)
         t.version_sent = version
         t.nonce = nonce
+        if version == t.version_acked:
+            t.unacked_since = None
+        elif t.unacked_since is None:
+            t.unacked_since = self._clock()
         self._metrics.pushes.labels(type=short_name(type_url)).inc()
         if changed_at is not None:
             self._metrics.push_seconds.observe(max(0.0, time.monotonic() - changed_at))
         self._notify("sent", status)
 
     def acked(self, status: ConnectionStatus, type_url: str, *, version: str) -> None:
-        status.type(type_url).version_acked = version
+        t = status.type(type_url)
+        t.version_acked = version
+        if t.last_nack is not None and t.last_nack.resolved_at is None:
+            # Envoys answer in order: this ACK is for a response sent after the rejected one.
+            t.last_nack.resolved_at = self._clock()
+            t.last_nack.resolved_by = version
+        t.acked_at = self._clock()
+        if version == t.version_sent:
+            t.unacked_since = None
         self._metrics.acks.labels(type=short_name(type_url)).inc()
         self._notify("acked", status)
 
@@ -240,6 +302,9 @@ class ConnectionRegistry:
         if t.version_acked == version:
             return
         t.version_acked = version
+        t.acked_at = self._clock()
+        if version == t.version_sent:
+            t.unacked_since = None
         self._notify("acked", status)
 
     def nacked(

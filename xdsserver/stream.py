@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from xdsserver.acceptance import Acceptance, Answer
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, short_name
 from xdsserver.snapshot import Snapshot
 from xdsserver.status import ConnectionRegistry, ConnectionStatus
@@ -71,6 +72,20 @@ class Stream:
 
     def log_stale(self, type_url: str) -> None:
         log.debug("xDS stale nonce node=%s type=%s", self.conn.node_id, short_name(type_url))
+
+    def settle(
+        self, acceptance: Acceptance[Any], type_url: str, nonce: str, request: Any
+    ) -> Answer[Any] | None:
+        """Apply the ACK or NACK a request carries for the response sent with `nonce`, and
+        report it; None if that response was answered already (or never sent here)."""
+        answer = acceptance.answer(nonce, nacked=request.HasField("error_detail"))
+        if answer is None:
+            return None
+        if answer.nacked:
+            self.record_nack(type_url, answer.sent.version, request)
+        else:
+            self.status.acked(self.conn, type_url, version=answer.sent.version)
+        return answer
 
     def record_nack(self, type_url: str, version: str, request: Any) -> None:
         message = str(request.error_detail.message)

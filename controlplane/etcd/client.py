@@ -11,6 +11,9 @@ Failure model, in one place:
   the next endpoint on ``UNAVAILABLE`` and retry with a short backoff until the timeout runs
   out. Conditional writes are retried only when the request provably never left the client
   (gRPC could not connect), so a retry cannot turn a successful create into a conflict.
+- ``EtcdOutcomeUnknown`` (an ``EtcdUnavailable``): a write reached etcd, or may have, and was
+  not confirmed in time (etcd frozen, a leader election, a partition). It may be applied later
+  or not at all, as etcd's own clients warn: read the key back before retrying.
 - ``ConflictError``: a compare-and-swap failed; carries the key's actual ``mod_revision``.
 - ``CompactedError``: a watch asked for history etcd has already compacted; re-list.
 """
@@ -35,6 +38,7 @@ from controlplane.etcd.types import (
     CompactedError,
     ConflictError,
     EtcdError,
+    EtcdOutcomeUnknown,
     EtcdStatus,
     EtcdUnavailable,
     EventType,
@@ -204,19 +208,25 @@ class EtcdClient:
         *,
         what: str,
         idempotent: bool = True,
+        write: bool = False,
         budget: float | None = None,
     ) -> T:
-        """Run ``attempt(conn, seconds_left)``, rotating endpoints on UNAVAILABLE until the timeout."""
+        """Run ``attempt(conn, seconds_left)``, rotating endpoints on UNAVAILABLE until the timeout.
+
+        A ``write`` that may have reached etcd and was not confirmed ends in
+        ``EtcdOutcomeUnknown`` rather than a plain ``EtcdUnavailable``.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.timeout if budget is None else budget)
         delay = 0.05
         tried_in_round = 0
         last: grpc.aio.AioRpcError | None = None
+        maybe_applied = False
         while True:
             conn = await self._conn()
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise self._unavailable(what, last)
+                raise self._unavailable(what, last, maybe_applied=maybe_applied)
             per_attempt = remaining
             if idempotent and len(self._conns) > 1:
                 # A black-holed endpoint must not eat the whole budget.
@@ -225,15 +235,16 @@ class EtcdClient:
                 return await attempt(conn, per_attempt)
             except grpc.aio.AioRpcError as err:
                 code = err.code()
+                maybe_applied = maybe_applied or (write and not _never_sent(err))
                 retryable = code == grpc.StatusCode.UNAVAILABLE or (
                     code == grpc.StatusCode.DEADLINE_EXCEEDED and per_attempt < remaining
                 )
                 if not retryable:
                     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        raise self._unavailable(what, err) from None
+                        raise self._unavailable(what, err, maybe_applied=maybe_applied) from None
                     raise _translate(err, what) from None
                 if not idempotent and not _never_sent(err):
-                    raise EtcdUnavailable(
+                    raise EtcdOutcomeUnknown(
                         f"etcd at {conn.endpoint} failed during {what} ({err.details()}); "
                         "the write may or may not have been applied: re-read before retrying"
                     ) from None
@@ -244,12 +255,20 @@ class EtcdClient:
                     tried_in_round = 0
                     left = deadline - loop.time()
                     if left <= 0:
-                        raise self._unavailable(what, last) from None
+                        raise self._unavailable(what, last, maybe_applied=maybe_applied) from None
                     await asyncio.sleep(min(delay * (0.5 + random.random()), left))
                     delay = min(delay * 2, 1.0)
 
-    def _unavailable(self, what: str, err: grpc.aio.AioRpcError | None) -> EtcdUnavailable:
+    def _unavailable(
+        self, what: str, err: grpc.aio.AioRpcError | None, *, maybe_applied: bool = False
+    ) -> EtcdUnavailable:
         detail = f": {err.details()}" if err is not None else ""
+        if maybe_applied:
+            return EtcdOutcomeUnknown(
+                f"etcd at {', '.join(self.endpoints)} did not confirm {what} within "
+                f"{self.timeout:g}s{detail}; the write may or may not have been applied "
+                "(it can still be, once etcd recovers): re-read before retrying"
+            )
         return EtcdUnavailable(
             f"cannot reach etcd at {', '.join(self.endpoints)} for {what} within "
             f"{self.timeout:g}s{detail}; check that etcd is running and the endpoints are right"
@@ -257,8 +276,10 @@ class EtcdClient:
 
     # -- KV ---------------------------------------------------------------------------------
 
-    async def get(self, key: bytes) -> KeyValue | None:
-        request = rpc.RangeRequest(key=key)
+    async def get(self, key: bytes, *, revision: int = 0) -> KeyValue | None:
+        """The key's value now, or as it was at ``revision`` (``CompactedError`` if etcd has
+        compacted that far)."""
+        request = rpc.RangeRequest(key=key, revision=revision)
         response = await self._call(
             lambda c, t: c.kv.Range(request, timeout=t), what=f"get {key!r}"
         )
@@ -322,7 +343,9 @@ class EtcdClient:
         come from the same atomic write, not from a second read)."""
         put = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
         if expect_mod_revision is None:
-            response = await self._call(lambda c, t: c.kv.Put(put, timeout=t), what=f"put {key!r}")
+            response = await self._call(
+                lambda c, t: c.kv.Put(put, timeout=t), what=f"put {key!r}", write=True
+            )
             put_response = response
         else:
             response = await self._compare_and(
@@ -369,7 +392,7 @@ class EtcdClient:
         delete = rpc.DeleteRangeRequest(key=key)
         if expect_mod_revision is None:
             response = await self._call(
-                lambda c, t: c.kv.DeleteRange(delete, timeout=t), what=f"delete {key!r}"
+                lambda c, t: c.kv.DeleteRange(delete, timeout=t), what=f"delete {key!r}", write=True
             )
             return bool(response.deleted)
         response = await self._compare_and(
@@ -389,17 +412,48 @@ class EtcdClient:
             failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key))],
         )
         response = await self._call(
-            lambda c, t: c.kv.Txn(txn, timeout=t), what=f"{what} {key!r}", idempotent=False
+            lambda c, t: c.kv.Txn(txn, timeout=t),
+            what=f"{what} {key!r}",
+            idempotent=False,
+            write=True,
         )
         if not response.succeeded:
             raise ConflictError(key, _txn_actual_revision(response), expect_mod_revision)
         return response
 
+    async def transact(
+        self,
+        compares: Sequence[tuple[bytes, int]],
+        *,
+        puts: Sequence[tuple[bytes, bytes]] = (),
+        deletes: Sequence[bytes] = (),
+    ) -> int | None:
+        """Write ``puts`` and delete ``deletes`` atomically, only if every ``(key,
+        mod_revision)`` of ``compares`` holds (0: the key must not exist). Returns the new
+        revision, or None when a comparison failed and nothing was written. Not retried once
+        sent: it may have been applied."""
+        txn = rpc.TxnRequest(
+            compare=[_mod_revision_equals(key, revision) for key, revision in compares],
+            success=[
+                *(rpc.RequestOp(request_put=rpc.PutRequest(key=k, value=v)) for k, v in puts),
+                *(
+                    rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k))
+                    for k in deletes
+                ),
+            ],
+        )
+        response = await self._call(
+            lambda c, t: c.kv.Txn(txn, timeout=t), what="transaction", idempotent=False
+        )
+        return int(response.header.revision) if response.succeeded else None
+
     async def delete_prefix(self, prefix: bytes) -> int:
         """Delete every key under ``prefix``; returns how many were deleted."""
         request = rpc.DeleteRangeRequest(key=prefix, range_end=prefix_range_end(prefix))
         response = await self._call(
-            lambda c, t: c.kv.DeleteRange(request, timeout=t), what=f"delete prefix {prefix!r}"
+            lambda c, t: c.kv.DeleteRange(request, timeout=t),
+            what=f"delete prefix {prefix!r}",
+            write=True,
         )
         return int(response.deleted)
 

@@ -17,6 +17,10 @@ class EtcdUnavailable(EtcdError):
     """No etcd endpoint could be reached within the call's timeout."""
 
 
+class EtcdOutcomeUnknown(EtcdUnavailable):
+    """A write was sent and not confirmed: it may or may not have been applied."""
+
+
 class ConflictError(EtcdError):
     """A conditional write failed because the key's ``mod_revision`` was not the expected one."""
 

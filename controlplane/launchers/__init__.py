@@ -4,7 +4,7 @@ handling they share (process groups, parent-death signal, readiness polling).
 """
 
 from controlplane.launchers.envoy import EmbeddedEnvoy, render_bootstrap
-from controlplane.launchers.etcd import EmbeddedEtcd
+from controlplane.launchers.etcd import EmbeddedEtcd, EmbeddedEtcdCluster
 from controlplane.launchers.kvpilot import KvpilotProcess
 from controlplane.launchers.process import (
     Launcher,
@@ -20,6 +20,7 @@ from controlplane.launchers.stack import LocalStack, local_stack
 __all__ = [
     "EmbeddedEnvoy",
     "EmbeddedEtcd",
+    "EmbeddedEtcdCluster",
     "KvpilotProcess",
     "Launcher",
     "LauncherError",

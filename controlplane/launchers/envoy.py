@@ -21,6 +21,24 @@ from controlplane.launchers.process import (
 )
 
 _XDS_CLUSTER = "kvpilot_xds"
+_SIGNALS_CLUSTER = "kvpilot_signals"
+
+
+def _point(cluster: dict[str, Any], address: str, port: int) -> None:
+    cluster["load_assignment"] = {
+        "cluster_name": cluster["name"],
+        "endpoints": [
+            {
+                "lb_endpoints": [
+                    {
+                        "endpoint": {
+                            "address": {"socket_address": {"address": address, "port_value": port}}
+                        }
+                    }
+                ]
+            }
+        ],
+    }
 
 
 def render_bootstrap(
@@ -30,29 +48,20 @@ def render_bootstrap(
     xds_port: int,
     admin_port: int,
     admin_address: str = "127.0.0.1",
+    signals_port: int | None = None,
 ) -> dict[str, Any]:
-    """Load a bootstrap and point its `kvpilot_xds` cluster and admin listener at given ports."""
+    """Load a bootstrap and point its `kvpilot_xds` cluster, its `kvpilot_signals` cluster (the
+    access log service; `signals_port`, default the xDS port) and its admin listener at given
+    ports."""
     config: dict[str, Any] = yaml.safe_load(template.read_text())
     clusters = config.get("static_resources", {}).get("clusters", [])
     xds = next((c for c in clusters if c.get("name") == _XDS_CLUSTER), None)
     if xds is None:
         raise LauncherError(f"{template} has no static cluster named {_XDS_CLUSTER!r}")
-    xds["load_assignment"] = {
-        "cluster_name": _XDS_CLUSTER,
-        "endpoints": [
-            {
-                "lb_endpoints": [
-                    {
-                        "endpoint": {
-                            "address": {
-                                "socket_address": {"address": xds_address, "port_value": xds_port}
-                            }
-                        }
-                    }
-                ]
-            }
-        ],
-    }
+    _point(xds, xds_address, xds_port)
+    signals = next((c for c in clusters if c.get("name") == _SIGNALS_CLUSTER), None)
+    if signals is not None:
+        _point(signals, xds_address, signals_port or xds_port)
     config.setdefault("admin", {})["address"] = {
         "socket_address": {"address": admin_address, "port_value": admin_port}
     }
@@ -80,10 +89,13 @@ class EmbeddedEnvoy(Launcher):
         bootstrap: Path | None = None,
         log_level: str = "warning",
         extra_args: Sequence[str] = (),
+        signals_port: int | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.xds_address = xds_address
         self.xds_port = xds_port
+        self.signals_port = signals_port
+        """kvpilot gRPC port that access logs go to; default the xDS port."""
         self.node_id = node_id
         self.fleet = fleet
         self.delta = delta
@@ -121,6 +133,7 @@ class EmbeddedEnvoy(Launcher):
             xds_address=self.xds_address,
             xds_port=self.xds_port,
             admin_port=self.admin_port or 0,
+            signals_port=self.signals_port,
         )
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.bootstrap_path.write_text(yaml.safe_dump(config, sort_keys=False))

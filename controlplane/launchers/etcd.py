@@ -3,6 +3,7 @@ the demo and the tests."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
@@ -116,3 +117,70 @@ class EmbeddedEtcd(Launcher):
             break
         self._started_once = True
         return self
+
+
+class EmbeddedEtcdCluster:
+    """Several etcd members on one host, for trying what production's cluster does when
+    members die: `members[i].kill()` and `.start()` again (same data, same ports).
+
+    Members start together: each reports healthy only once the cluster has a leader.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        size: int = 3,
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        names = [f"member-{i}" for i in range(size)]
+        ports = [(free_port(host), free_port(host)) for _ in names]
+        initial = ",".join(
+            f"{name}=http://{host}:{peer}" for name, (_, peer) in zip(names, ports, strict=True)
+        )
+        token = f"kvpilot-{secrets.token_hex(4)}"
+        self.members = [
+            EmbeddedEtcd(
+                Path(state_dir) / name,
+                host=host,
+                client_port=client,
+                peer_port=peer,
+                name=name,
+                # etcd takes the last of a repeated flag: these replace the single-member ones.
+                extra_args=[
+                    "--initial-cluster",
+                    initial,
+                    "--initial-cluster-token",
+                    token,
+                    *extra_args,
+                ],
+            )
+            for name, (client, peer) in zip(names, ports, strict=True)
+        ]
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Every member's `host:port`, as `EtcdClient` and `kvpilot serve --etcd-endpoints` take them."""
+        return [member.endpoint for member in self.members]
+
+    def start(self, timeout: float = 60.0) -> Self:
+        """Start every member that is not running, together, and wait until all are healthy.
+
+        Spawned from this thread: a child's parent-death signal fires when the thread that
+        forked it ends, so members must not be started from short-lived threads.
+        """
+        starting = [member for member in self.members if not member.running()]
+        for member in starting:
+            member.state_dir.mkdir(parents=True, exist_ok=True)
+            member._process = ManagedProcess(member._argv(), member.log_path)
+            member._process.spawn()
+            member._started_once = True
+        for member in starting:
+            assert member._process is not None
+            member._process.wait_for(member._healthy, timeout, "etcd reports healthy")
+        return self
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()

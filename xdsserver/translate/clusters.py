@@ -78,6 +78,18 @@ def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[clu
                 cluster.affinity.hash_balance_factor
             )
         out.append(twin)
+    for name, queue in cluster.queues:
+        # A queued service class: with http1 each request in flight holds a connection of
+        # its own, so a connection limit is a concurrency limit, and a request that finds
+        # none free waits in Envoy's connection pool, up to max_pending_requests; past that
+        # Envoy answers 503 at once. (max_requests would refuse instead of queueing.)
+        held = cluster_pb2.Cluster()
+        held.CopyFrom(base)
+        held.name = name
+        thresholds = held.circuit_breakers.thresholds[0]
+        thresholds.max_connections.value = queue.concurrency
+        thresholds.max_pending_requests.value = queue.size
+        out.append(held)
     return out
 
 
