@@ -4,6 +4,7 @@
                     [--policies a,b] [--state-dir DIR]
     python -m bench routing [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
+        [--baseline REF [--rounds N] [--only scale]]
     python -m bench classes [--short] [--out DIR] [--state-dir DIR]
     python -m bench rollout [--short] [--out DIR] [--state-dir DIR]
 
@@ -29,6 +30,7 @@ the scenarios.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -101,7 +103,16 @@ def _controlplane(args: argparse.Namespace) -> int:
     config = controlplane_config(short=args.short)
     if args.out is not None:
         config = replace(config, out_dir=args.out)
-    print(f"\njson: {run_controlplane(config, state_dir=args.state_dir)}")
+    if args.baseline:
+        from bench.scale import markdown, translation_side_by_side
+
+        side_by_side = translation_side_by_side(args.baseline, config.endpoints, args.rounds)
+        out_dir = config.out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "controlplane-scale.json").write_text(json.dumps(side_by_side, indent=2))
+        print(markdown(side_by_side))
+    if args.only != "scale":
+        print(f"\njson: {run_controlplane(config, state_dir=args.state_dir)}")
     return 0
 
 
@@ -155,6 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     controlplane.add_argument("--short", action="store_true", help="a smoke run (seconds)")
     controlplane.add_argument("--out", type=Path, default=None, help="output directory")
     controlplane.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    controlplane.add_argument(
+        "--baseline",
+        default="",
+        help="git ref to compare rebuild times with, side by side in this run (e.g. main)",
+    )
+    controlplane.add_argument("--rounds", type=int, default=3, help="baseline rounds (3)")
+    controlplane.add_argument(
+        "--only", choices=["all", "scale"], default="all", help="scale: the comparison alone"
+    )
     classes = sub.add_parser(
         "classes", help="service classes: interactive chat while batch overloads the fleet"
     )

@@ -39,7 +39,7 @@ from controlplane.etcd import KeyValue
 from controlplane.mirror import StateChange
 from controlplane.store import ENDPOINTS, STATUS, TELEMETRY
 from controlplane.telemetryhistory import TelemetryHistory
-from policies import EndpointHealth, PolicyState, RoutingPlan, compile_plan
+from policies import EndpointHealth, PolicyState, RouteMemo, RoutingPlan, compile_plan
 from policies.admission import AdmissionDecision
 from policies.compile import pool_endpoints
 from policies.models import TELEMETRY_MAX_AGE
@@ -194,6 +194,9 @@ class Reconciler:
         """The last few telemetry records of each endpoint, for the console."""
         self.last_build = BuildInfo()
         self._decoded = DecodedState()
+        self._memo = RouteMemo()
+        self._applied: dict[str, bytes] = {}
+        """The value each present key was last decoded from."""
         self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
         self._admission: Mapping[str, AdmissionDecision] = {}
         self._next_stale_at = math.inf
@@ -308,11 +311,21 @@ class Reconciler:
             elif _all_under(changed, ENDPOINT_PREFIXES):
                 cause = "endpoints"
         for key in keys:
-            self._apply(key, items.get(key))
+            kv = items.get(key)
+            value = kv.value if kv is not None else None
+            if key in self._applied and self._applied[key] == value:
+                # A resync re-reads every key: the same bytes decode to the same object, so
+                # keep it (compilation reuses what it built from unchanged objects).
+                continue
+            self._apply(key, kv)
+            if value is None:
+                self._applied.pop(key, None)
+            else:
+                self._applied[key] = value
         state = self._decoded.policy_state(
             previous_weights=self._weights, previous_admission=self._admission, now=self.clock()
         )
-        plan = compile_plan(state)
+        plan = compile_plan(state, self._memo)
         fleets: dict[str, dict[str, str]] = {}
         pushed = 0
         path = BUILD_PATHS[0]

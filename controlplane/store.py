@@ -572,6 +572,19 @@ class Store:
         )
         return kv.mod_revision, lease
 
+    async def put_telemetry_many(
+        self, records: Sequence[tuple[str, str, Mapping[str, Any]]], *, lease: int
+    ) -> int:
+        """Record several endpoints' telemetry ((pool, endpoint id, body) each) under one
+        ``lease``, batched into few etcd transactions; returns the last revision."""
+        return await self.client.put_many(
+            [
+                (self.keys.absolute(self.keys.telemetry(pool, endpoint_id)), encode_json(body))
+                for pool, endpoint_id, body in records
+            ],
+            lease=lease,
+        )
+
     async def delete_telemetry(self, pool: str, endpoint_id: str) -> bool:
         return await self.client.delete(self.keys.absolute(self.keys.telemetry(pool, endpoint_id)))
 

@@ -1,6 +1,6 @@
 """Policy objects, their validation, and compilation to a routing plan (no I/O)."""
 
-from policies.compile import PolicyState, cluster_name, compile_plan, listener_name
+from policies.compile import PolicyState, RouteMemo, cluster_name, compile_plan, listener_name
 from policies.models import (
     API_VERSION,
     KIND_PATHS,
@@ -35,6 +35,7 @@ __all__ = [
     "PolicyState",
     "Pool",
     "Rollout",
+    "RouteMemo",
     "RoutingPlan",
     "RoutingPolicy",
     "cluster_name",

@@ -268,24 +268,29 @@ def _tier_endpoints(
         if endpoints:
             members.append((target.weight, pool, endpoints))
     out: list[PlanEndpoint] = []
+    single = len(members) == 1
     for pool_weight, pool, endpoints in members:
         total = sum(weight for _, weight, _ in endpoints)
+        name = pool.metadata.name
+        hostname = pool.spec.host_rewrite or ""
         for endpoint, endpoint_weight, health in endpoints:
-            if len(members) == 1:
+            if single:
                 weight = endpoint_weight
             else:
                 weight = max(1, round(endpoint_weight * pool_weight * SPLIT_SCALE / total))
+            locality = endpoint.locality
+            # Positional: this runs once per endpoint and route.
             out.append(
                 PlanEndpoint(
-                    pool=pool.metadata.name,
-                    address=endpoint.address,
-                    port=endpoint.port,
-                    weight=weight,
-                    priority=priority,
-                    health=health,
-                    region=endpoint.locality.region if endpoint.locality else "",
-                    zone=endpoint.locality.zone if endpoint.locality else "",
-                    hostname=pool.spec.host_rewrite or "",
+                    name,
+                    endpoint.address,
+                    endpoint.port,
+                    weight,
+                    priority,
+                    health,
+                    locality.region if locality else "",
+                    locality.zone if locality else "",
+                    hostname,
                 )
             )
     return out
@@ -329,7 +334,7 @@ def _route_diagnostics(
                             path,
                         )
                     )
-            if not pool_endpoints(pool, state.registered.get(target.pool, {})):
+            if not pool.spec.endpoints and not state.registered.get(target.pool):
                 out.append(
                     Diagnostic(
                         "warning",
@@ -498,23 +503,32 @@ def _applies(policy: RoutingPolicy, fleet: str) -> bool:
     return "*" in policy.spec.fleets or fleet in policy.spec.fleets
 
 
-def compile_plan(state: PolicyState) -> RoutingPlan:
-    """Build the routing plan for every fleet. Pure: the same state gives the same plan."""
+def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPlan:
+    """Build the routing plan for every fleet. Pure: the same state gives the same plan, with
+    or without `memo` (which only saves recompiling routes whose inputs did not change)."""
     diagnostics: list[Diagnostic] = []
     compiled: dict[str, tuple[list[PlanCluster], PlanVirtualHost]] = {}
     weights = telemetry_weights(state)
+    memo = memo if memo is not None else RouteMemo()
+    entries: dict[str, _MemoEntry] = {}
     admission = admission_decisions(state)
     for policy_name in sorted(state.policies):
         policy = state.policies[policy_name]
         policy_clusters = []
         routes = []
         for index, route in enumerate(policy.spec.routes):
-            diagnostics.extend(_route_diagnostics(policy, index, route, state))
-            route_clusters, plan_route = _compile_route(
-                policy, route, state, weights, admission.get(cluster_name(policy_name, route.name))
+            entry = memo.route(
+                policy,
+                index,
+                route,
+                state,
+                weights,
+                admission.get(cluster_name(policy_name, route.name)),
             )
-            policy_clusters.extend(route_clusters)
-            routes.append(plan_route)
+            entries[cluster_name(policy_name, route.name)] = entry
+            diagnostics.extend(entry.diagnostics)
+            policy_clusters.extend(entry.clusters)
+            routes.append(entry.route)
         compiled[policy_name] = (
             policy_clusters,
             PlanVirtualHost(
@@ -566,12 +580,77 @@ def compile_plan(state: PolicyState) -> RoutingPlan:
                 trusted_ca_file=settings.trusted_ca_file,
             )
         )
+    memo.keep(entries)
     return RoutingPlan(
         fleets=tuple(fleets),
         diagnostics=_dedupe(diagnostics),
         weights=weights,
         admission=admission,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _MemoEntry:
+    inputs: tuple[object, ...]
+    diagnostics: list[Diagnostic]
+    clusters: list[PlanCluster]
+    route: PlanRoute
+
+
+class RouteMemo:
+    """What `compile_plan` built for each route last time, and the objects it read to build it.
+
+    A route is compiled again only when it changed, or when one of its other inputs is not the
+    very object it was last time: for each pool it names the pool, its registered endpoints and its
+    telemetry weights. Callers that keep unchanged objects (the reconciler's decoded state
+    replaces a pool's endpoint mapping only when one of them changes) pay for what changed, not
+    for the fleet; an endpoint change recompiles the routes of its pool alone, and the plan's
+    other clusters stay the same objects, which translation compares by identity first. Inputs
+    are held, so an identity is never that of a collected object.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _MemoEntry] = {}
+
+    def route(
+        self,
+        policy: RoutingPolicy,
+        index: int,
+        route: Route,
+        state: PolicyState,
+        weights: Mapping[str, Mapping[str, WeightDecision]],
+        admission: AdmissionDecision | None = None,
+    ) -> _MemoEntry:
+        """The compiled route, reused when its inputs are unchanged."""
+        route_weights = weights if route.balancing == "telemetry" else {}
+        names = [target.pool for tier in route.tiers for target in tier.pools]
+        inputs = (
+            (route, policy.spec.service_classes, admission),
+            index,
+            *(state.pools.get(name) for name in names),
+            *(state.registered.get(name) for name in names),
+            *(route_weights.get(name) for name in names),
+        )
+        name = cluster_name(policy.metadata.name, route.name)
+        entry = self._entries.get(name)
+        if (
+            entry is not None
+            and len(entry.inputs) == len(inputs)
+            # The route, its policy's service classes and its admission are small, and
+            # a policy edit makes them all new objects: compare them by value; the rest is large
+            # and compared by identity.
+            and entry.inputs[0] == inputs[0]
+            and all(a is b for a, b in zip(entry.inputs[1:], inputs[1:], strict=True))
+        ):
+            return entry
+        clusters, plan_route = _compile_route(policy, route, state, weights, admission)
+        return _MemoEntry(
+            inputs, _route_diagnostics(policy, index, route, state), clusters, plan_route
+        )
+
+    def keep(self, entries: dict[str, _MemoEntry]) -> None:
+        """Remember exactly this compile's routes (dropping the ones that are gone)."""
+        self._entries = entries
 
 
 def _merge_listener(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from policies.admission import AdmissionDecision
 from policies.models import (
@@ -35,9 +35,12 @@ DEFAULT_FLEET = "default"
 """The fleet whose config an Envoy gets when its node.cluster has no config of its own."""
 
 
-@dataclass(frozen=True, slots=True)
-class PlanEndpoint:
-    """One upstream host in one priority of a cluster."""
+class PlanEndpoint(NamedTuple):
+    """One upstream host in one priority of a cluster.
+
+    A named tuple rather than a frozen dataclass: a fleet has one per endpoint and route, and a
+    tuple is built several times faster (a frozen dataclass sets each field through
+    ``object.__setattr__``), which at 10,000 endpoints is a good part of a compile."""
 
     pool: str
     address: str

@@ -123,6 +123,10 @@ class _Conn:
     token: AuthToken
 
 
+MAX_TXN_OPS = 128
+"""etcd's default ``--max-txn-ops``: the most operations one transaction may hold."""
+
+
 class EtcdClient:
     """An etcd v3 client. Use as ``async with EtcdClient(["127.0.0.1:2379"]) as client``.
 
@@ -432,6 +436,29 @@ class EtcdClient:
             lease=lease,
         )
         return written, KeyValue.from_pb(prev) if prev is not None else None
+
+    async def put_many(self, items: Sequence[tuple[bytes, bytes]], *, lease: int = 0) -> int:
+        """Write every (key, value) unconditionally, ``MAX_TXN_OPS`` to a transaction; returns
+        the last revision. One revision and one round trip per transaction instead of per key:
+        what lets many agents' telemetry reach etcd at a rate etcd and the watchers keep up
+        with. Idempotent, so retried like a plain put."""
+        revision = 0
+        for start in range(0, len(items), MAX_TXN_OPS):
+            chunk = items[start : start + MAX_TXN_OPS]
+            txn = rpc.TxnRequest(
+                success=[
+                    rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
+                    for key, value in chunk
+                ]
+            )
+            revision = await self._put_txn(txn, len(chunk))
+        return revision
+
+    async def _put_txn(self, txn: Any, count: int) -> int:
+        response = await self._call(
+            lambda c, t: c.kv.Txn(txn, timeout=t), what=f"put of {count} keys"
+        )
+        return int(response.header.revision)
 
     async def delete(self, key: bytes, *, expect_mod_revision: int | None = None) -> bool:
         """Delete ``key``; True if it existed. With ``expect_mod_revision``, ``ConflictError``
