@@ -28,6 +28,7 @@ test: lint typecheck
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
+	test -n "$(BENCH_ARGS)" || $(BIN)/python -m bench rollout
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -9,20 +9,24 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import prometheus_client
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from api.auth import AuthMetrics
+from api.console import add_console_routes
 from api.context import PATH_RULES, ApiContext, ApiError, FleetName, Reader, unprocessable
 from api.endpoints import WeightChange, add_endpoint_routes
-from api.objects import add_object_routes
+from api.objects import add_object_routes, add_preview_route
 from api.preview import snapshot_json
+from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
 from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
 from controlplane.store import (
     AlreadyExists,
@@ -53,6 +57,22 @@ def create_app(context: ApiContext) -> FastAPI:
         description="Routing policy for fleets of Envoys in front of LLM inference backends.",
     )
     app.state.auth = context.auth
+    app.state.write_limit = context.write_limit
+    app.state.auth_metrics = AuthMetrics(
+        context.metrics_registry
+        if context.metrics_registry is not None
+        else prometheus_client.CollectorRegistry()
+    )
+    if context.cors_origins:
+        # Bearer tokens travel in a header, not cookies: no credentials mode is needed.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(context.cors_origins),
+            allow_methods=["GET", "POST", "PUT", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "If-Match"],
+            expose_headers=["ETag"],
+            max_age=600,
+        )
     if not context.auth.enabled:
         log.warning(
             "REST API authentication is DISABLED (--insecure-no-auth): anyone who can reach "
@@ -62,8 +82,12 @@ def create_app(context: ApiContext) -> FastAPI:
     _add_health_routes(app, context)
     for kind, path in KIND_PATHS.items():
         add_object_routes(app, context, kind, path)
+    add_preview_route(app, context)
     add_endpoint_routes(app, context)
+    add_rollout_routes(app, context)
     _add_status_routes(app, context)
+    add_console_routes(app, context.store, context.reconciler)
+    _add_audit_routes(app, context)
     _install_openapi(app)
     return app
 
@@ -205,8 +229,17 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
         build = reconciler.last_build
         return {
             "ready": reconciler.ready,
+            "replica": context.replica_id,
+            "etcd": {
+                "endpoints": list(context.store.etcd_endpoints),
+                "embedded": context.etcd_embedded,
+                "watching": context.etcd_watching() if context.etcd_watching else None,
+            },
             "envoys": _envoys(context),
+            "refusedEnvoys": context.connections.as_dict()["refused"],
             "invalidObjects": [dataclasses.asdict(e) for e in reconciler.errors.values()],
+            "rolloutDriver": rollout_driver(context),
+            "rollouts": rollout_summaries(context),
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
             "lastBuild": {
                 "revision": build.revision,
@@ -216,8 +249,25 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "fastPath": build.path != "full",
                 "path": build.path,
                 "fleets": build.fleets,
+                "defaultFleet": reconciler.cache.default_fleet,
             },
         }
+
+
+def _add_audit_routes(app: FastAPI, context: ApiContext) -> None:
+    @app.get(
+        "/v1/audit",
+        tags=["audit"],
+        operation_id="audit",
+        summary="Accepted writes, newest first: who (token name), when, what, revisions, diff",
+    )
+    async def audit(
+        _: Reader,
+        limit: Annotated[int, Query(ge=1, le=1000, description="Entries to return.")] = 100,
+    ) -> dict[str, Any]:
+        if context.audit is None:
+            raise ApiError(404, "this kvpilot keeps no audit log")
+        return {"items": await context.audit.entries(limit=limit)}
 
 
 def _envoys(context: ApiContext) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
@@ -12,6 +13,14 @@ from policies import KIND_PATHS, KINDS, PolicyError, kind_named, parse_object
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 
 Outcome = Literal["created", "configured", "unchanged"]
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What `KvpilotClient.apply` did, and the object's revision afterwards."""
+
+    outcome: Outcome
+    revision: int | None
 
 
 class ClientError(Exception):
@@ -123,6 +132,12 @@ class KvpilotClient:
         self, body: Mapping[str, Any], *, revision: int | None = None, dry_run: bool = False
     ) -> dict[str, Any]:
         """Create or replace; with ``revision``, only if the object is still at it."""
+        result, _ = self._put(body, revision=revision, dry_run=dry_run)
+        return result
+
+    def _put(
+        self, body: Mapping[str, Any], *, revision: int | None = None, dry_run: bool = False
+    ) -> tuple[dict[str, Any], int | None]:
         kind, name = _identity(body)
         headers = {"If-Match": f'"{revision}"'} if revision is not None else {}
         params = {"dryRun": "true"} if dry_run else {}
@@ -135,9 +150,9 @@ class KvpilotClient:
             params=params,
         )
         result: dict[str, Any] = response.json()
-        return result
+        return result, _revision(response)
 
-    def apply(self, body: Mapping[str, Any]) -> Outcome:
+    def apply(self, body: Mapping[str, Any]) -> Applied:
         """Make the stored object equal ``body``: created, configured (changed) or unchanged."""
         kind, name = _identity(body)
         try:
@@ -145,12 +160,19 @@ class KvpilotClient:
         except ClientError as error:
             if error.status != 404:
                 raise
-            self.put(body)
-            return "created"
+            _, written = self._put(body)
+            return Applied("created", written)
         if _normalized(body) == current:
-            return "unchanged"
-        self.put(body, revision=revision)
-        return "configured"
+            return Applied("unchanged", revision)
+        _, written = self._put(body, revision=revision)
+        return Applied("configured", written)
+
+    def preview(self, objects: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """What applying ``objects`` would change in every fleet's Envoy resources."""
+        result: dict[str, Any] = self._request(
+            "POST", "/v1/preview", json={"objects": [dict(obj) for obj in objects]}
+        ).json()
+        return result
 
     def delete(self, kind: str, name: str, *, revision: int | None = None) -> None:
         headers = {"If-Match": f'"{revision}"'} if revision is not None else {}
@@ -183,11 +205,37 @@ class KvpilotClient:
         ).json()
         return result
 
+    # -- rollouts ----------------------------------------------------------------------------
+
+    def rollout_status(self, name: str) -> dict[str, Any]:
+        """A rollout's phase, step, weights, live verdict and history."""
+        result: dict[str, Any] = self._request("GET", f"/v1/rollouts/{name}/status").json()
+        return result
+
+    def rollout_command(self, name: str, command: str) -> dict[str, Any]:
+        """Ask the driving replica to pause, resume, abort or promote a rollout."""
+        result: dict[str, Any] = self._request(
+            "POST", f"/v1/rollouts/{name}/{command}", ok=(202,)
+        ).json()
+        return result
+
     # -- status ------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         result: dict[str, Any] = self._request("GET", "/v1/status").json()
         return result
+
+    def endpoints_view(self) -> dict[str, Any]:
+        """Every pool's endpoints with effective weight, health and telemetry."""
+        result: dict[str, Any] = self._request("GET", "/v1/endpoints").json()
+        return result
+
+    def audit(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest audit entries, newest first."""
+        items: list[dict[str, Any]] = self._request(
+            "GET", "/v1/audit", params={"limit": limit}
+        ).json()["items"]
+        return items
 
     def fleet_config(self, fleet: str) -> dict[str, Any]:
         result: dict[str, Any] = self._request("GET", f"/v1/fleets/{fleet}/config").json()

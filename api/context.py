@@ -9,7 +9,7 @@ the rules of ``metadata.name``). A 5xx means etcd (or kvpilot) is broken, and sa
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
@@ -17,7 +17,8 @@ import prometheus_client
 from fastapi import Depends, Path, Request
 from fastapi.responses import JSONResponse
 
-from api.auth import AuthConfig, Principal, require
+from api.auth import AuthConfig, Principal, WriteRateLimit, require
+from controlplane.audit import AuditLog
 from controlplane.etcd import EtcdOutcomeUnknown, EtcdUnavailable, KeyValue
 from controlplane.mirror import StateMirror
 from controlplane.reconcile import Reconciler
@@ -80,6 +81,16 @@ class ApiContext:
     mirror: StateMirror | None = None
     """The daemon's watched copy of etcd: reads are answered from it, marked stale, while etcd
     cannot be reached."""
+    etcd_embedded: bool = False
+    """True when `kvpilot serve` started its own etcd (no --etcd-endpoints)."""
+    etcd_watching: Callable[[], bool] | None = None
+    """Whether the daemon's etcd watch is established now."""
+    audit: AuditLog | None = None
+    """Where /v1/audit reads from; the store's ``on_write`` writes to it."""
+    write_limit: WriteRateLimit | None = None
+    """Per-token write rate limit; None: unlimited."""
+    cors_origins: Sequence[str] = ()
+    """Browser origins allowed to call the API; empty: CORS stays closed."""
 
 
 class ApiError(Exception):

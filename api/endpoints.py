@@ -1,5 +1,5 @@
-"""Endpoint registration (optionally under a lease) and weight changes, for registered and
-static endpoints alike."""
+"""Endpoint registration (optionally under a lease), and weight and health changes (drain),
+for registered and static endpoints alike."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from api.context import (
     read,
 )
 from controlplane.etcd import LeaseNotFoundError
-from controlplane.store import StoredObject
-from policies import Endpoint, PolicyError, Pool
+from controlplane.store import Actor, Store, StoredObject
+from policies import Endpoint, EndpointHealth, PolicyError, Pool
 from policies.validate import field_errors
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 
 WEIGHT_CAS_ATTEMPTS = 10
 """Compare-and-swap attempts when a weight change rewrites a Pool that others also edit."""
+
+
+class HealthChange(BaseModel):
+    """A new health for one endpoint, as sent to Envoy over EDS."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    health: EndpointHealth = Field(
+        description="'draining' or 'unhealthy' take the endpoint out of rotation, 'degraded' "
+        "keeps it as a last resort, 'healthy' puts it back."
+    )
 
 
 class WeightChange(BaseModel):
@@ -89,7 +100,7 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         pool: PoolName,
         endpoint_id: EndpointId,
         request: Request,
-        _: Admin,
+        principal: Admin,
         ttl: Annotated[
             int | None,
             Query(ge=1, le=365 * 24 * 3600, description="Lease TTL in seconds; none = forever."),
@@ -100,7 +111,9 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         except ValidationError as error:
             raise PolicyError(field_errors(error)) from None
         body = dump(endpoint)
-        revision, lease = await store.put_endpoint(pool, endpoint_id, body, ttl=ttl)
+        revision, lease = await store.put_endpoint(
+            pool, endpoint_id, body, ttl=ttl, actor=Actor(principal.name, "register_endpoint")
+        )
         log.info("registered endpoint %s/%s (lease %s)", pool, endpoint_id, lease)
         return JSONResponse(
             {
@@ -120,8 +133,12 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         summary="Remove a registered endpoint",
         status_code=204,
     )
-    async def deregister_endpoint(pool: PoolName, endpoint_id: EndpointId, _: Admin) -> Response:
-        if not await store.delete_endpoint(pool, endpoint_id):
+    async def deregister_endpoint(
+        pool: PoolName, endpoint_id: EndpointId, principal: Admin
+    ) -> Response:
+        if not await store.delete_endpoint(
+            pool, endpoint_id, actor=Actor(principal.name, "deregister_endpoint")
+        ):
             raise ApiError(404, f"endpoint {endpoint_id!r} is not registered to pool {pool!r}")
         log.info("deregistered endpoint %s/%s", pool, endpoint_id)
         return Response(status_code=204)
@@ -141,84 +158,118 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         },
     )
     async def set_weight(
-        pool: PoolName, endpoint_id: EndpointId, request: Request, _: Admin
+        pool: PoolName, endpoint_id: EndpointId, request: Request, principal: Admin
     ) -> dict[str, Any]:
         try:
             change = WeightChange.model_validate(await json_body(request))
         except ValidationError as error:
             raise PolicyError(field_errors(error)) from None
-        registration = await store.get_endpoint(pool, endpoint_id)
-        if registration is not None:
-            current = registration.body
-            if current is None:
-                raise ApiError(
-                    409,
-                    f"the registration of {endpoint_id!r} in pool {pool!r} is not a JSON object; "
-                    "register it again (PUT) or DELETE it",
-                )
-            try:
-                endpoint = Endpoint.model_validate({**current, "weight": change.weight})
-            except ValidationError as error:
-                raise PolicyError(field_errors(error)) from None
-            try:
-                revision, _lease = await store.put_endpoint(
-                    pool, endpoint_id, dump(endpoint), lease=registration.lease or None
-                )
-            except LeaseNotFoundError:
-                raise ApiError(
-                    404, f"the registration of {endpoint_id!r} expired while it was being changed"
-                ) from None
-            log.info("endpoint %s/%s weight -> %d", pool, endpoint_id, change.weight)
-            return {
-                "pool": pool,
-                "id": endpoint_id,
-                "source": "registered",
-                "weight": change.weight,
-                "revision": revision,
+        actor = Actor(principal.name, "set_endpoint_weight")
+        return await _update_endpoint(store, pool, endpoint_id, {"weight": change.weight}, actor)
+
+    @app.put(
+        "/v1/pools/{pool}/endpoints/{endpoint_id}/health",
+        tags=tags,
+        operation_id="set_endpoint_health",
+        summary="Drain an endpoint (health: draining), take it out (unhealthy) or put it back "
+        "(healthy); registered, or static as address:port",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/HealthChange"}}
+                },
             }
+        },
+    )
+    async def set_health(
+        pool: PoolName, endpoint_id: EndpointId, request: Request, principal: Admin
+    ) -> dict[str, Any]:
+        try:
+            change = HealthChange.model_validate(await json_body(request))
+        except ValidationError as error:
+            raise PolicyError(field_errors(error)) from None
+        actor = Actor(principal.name, "set_endpoint_health")
+        return await _update_endpoint(store, pool, endpoint_id, {"health": change.health}, actor)
 
-        def reweigh(stored: StoredObject | None) -> dict[str, Any]:
-            if stored is None:
-                raise ApiError(
-                    404,
-                    f"endpoint {endpoint_id!r} is not registered and pool {pool!r} does not exist",
-                )
-            try:
-                pool_obj = parse_for_kind(stored.body, "Pool")
-            except PolicyError as error:
-                raise ApiError(
-                    409, f"pool {pool!r} in etcd is invalid ({error}); fix it first"
-                ) from None
-            assert isinstance(pool_obj, Pool)
-            endpoints = pool_obj.spec.endpoints
-            if not any(endpoint.key == endpoint_id for endpoint in endpoints):
-                raise ApiError(
-                    404,
-                    f"pool {pool!r} has no endpoint {endpoint_id!r}: registered endpoints go by "
-                    "their id, static ones by address:port",
-                )
-            updated = pool_obj.model_copy(
-                update={
-                    "spec": pool_obj.spec.model_copy(
-                        update={
-                            "endpoints": [
-                                e.model_copy(update={"weight": change.weight})
-                                if e.key == endpoint_id
-                                else e
-                                for e in endpoints
-                            ]
-                        }
-                    )
-                }
+
+async def _update_endpoint(
+    store: Store, pool: str, endpoint_id: str, changes: dict[str, Any], actor: Actor
+) -> dict[str, Any]:
+    """Change fields of one endpoint: its registration if it is registered (keeping its
+    lease), otherwise its static entry in the Pool (compare-and-swap, retried when others
+    edit the Pool)."""
+    what = ", ".join(f"{field} -> {value}" for field, value in changes.items())
+    registration = await store.get_endpoint(pool, endpoint_id)
+    if registration is not None:
+        current = registration.body
+        if current is None:
+            raise ApiError(
+                409,
+                f"the registration of {endpoint_id!r} in pool {pool!r} is not a JSON object; "
+                "register it again (PUT) or DELETE it",
             )
-            return dump(updated)
-
-        written = await store.update("Pool", pool, reweigh, attempts=WEIGHT_CAS_ATTEMPTS)
-        log.info("pool %s static endpoint %s weight -> %d", pool, endpoint_id, change.weight)
+        try:
+            endpoint = Endpoint.model_validate({**current, **changes})
+        except ValidationError as error:
+            raise PolicyError(field_errors(error)) from None
+        try:
+            revision, _lease = await store.put_endpoint(
+                pool, endpoint_id, dump(endpoint), lease=registration.lease or None, actor=actor
+            )
+        except LeaseNotFoundError:
+            raise ApiError(
+                404, f"the registration of {endpoint_id!r} expired while it was being changed"
+            ) from None
+        log.info("endpoint %s/%s %s", pool, endpoint_id, what)
         return {
             "pool": pool,
             "id": endpoint_id,
-            "source": "static",
-            "weight": change.weight,
-            "revision": written.revision,
+            "source": "registered",
+            **changes,
+            "revision": revision,
         }
+
+    def edit(stored: StoredObject | None) -> dict[str, Any]:
+        if stored is None:
+            raise ApiError(
+                404,
+                f"endpoint {endpoint_id!r} is not registered and pool {pool!r} does not exist",
+            )
+        try:
+            pool_obj = parse_for_kind(stored.body, "Pool")
+        except PolicyError as error:
+            raise ApiError(
+                409, f"pool {pool!r} in etcd is invalid ({error}); fix it first"
+            ) from None
+        assert isinstance(pool_obj, Pool)
+        endpoints = pool_obj.spec.endpoints
+        if not any(endpoint.key == endpoint_id for endpoint in endpoints):
+            raise ApiError(
+                404,
+                f"pool {pool!r} has no endpoint {endpoint_id!r}: registered endpoints go by "
+                "their id, static ones by address:port",
+            )
+        updated = pool_obj.model_copy(
+            update={
+                "spec": pool_obj.spec.model_copy(
+                    update={
+                        "endpoints": [
+                            e.model_copy(update=changes) if e.key == endpoint_id else e
+                            for e in endpoints
+                        ]
+                    }
+                )
+            }
+        )
+        return dump(updated)
+
+    written = await store.update("Pool", pool, edit, attempts=WEIGHT_CAS_ATTEMPTS, actor=actor)
+    log.info("pool %s static endpoint %s %s", pool, endpoint_id, what)
+    return {
+        "pool": pool,
+        "id": endpoint_id,
+        "source": "static",
+        **changes,
+        "revision": written.revision,
+    }

@@ -27,10 +27,11 @@ from api.context import (
     parse_for_kind,
     read,
 )
-from api.preview import preview
+from api.preview import preview, resource_changes
 from controlplane.decode import DecodedState
-from controlplane.store import ENDPOINTS, OBJECTS, Store, StoredObject
-from policies import FieldError, PolicyError, PolicyObject
+from controlplane.store import ENDPOINTS, OBJECTS, Actor, Store, StoredObject
+from policies import FieldError, PolicyError, PolicyObject, Rollout, parse_object
+from policies.rollout import reference_errors
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ def _parse_if_match(value: str | None) -> int | str | None:
     if text == "*":
         return "*"
     text = text.removeprefix("W/").strip('"')
-    if not text.isdigit():
+    # etcd revisions are int64: a longer number is no ETag kvpilot ever sent.
+    if not text.isdigit() or len(text) > 19 or int(text) >= 2**63:
         raise ApiError(
             400,
             f"If-Match {value!r} is not a kvpilot ETag: send the ETag header of a GET, "
@@ -74,6 +76,18 @@ def _parse_if_match(value: str | None) -> int | str | None:
 
 def _object_response(stored: StoredObject, status: int = 200) -> JSONResponse:
     return JSONResponse(stored.body, status_code=status, headers={"ETag": etag(stored.revision)})
+
+
+async def _check_references(store: Store, obj: PolicyObject) -> None:
+    """A Rollout must name a policy, route, tier and pools that exist (422 otherwise); other
+    kinds may refer to objects created later, and compile reports what is missing."""
+    if not isinstance(obj, Rollout):
+        return
+    state = DecodedState.from_values(await store.values((OBJECTS,)))
+    state.objects[store.keys.object(obj.kind, obj.metadata.name)] = obj
+    errors = reference_errors(obj, state.policy_state())
+    if errors:
+        raise PolicyError(errors)
 
 
 async def _dry_run(
@@ -89,6 +103,70 @@ async def _dry_run(
     else:
         state.objects[key] = replacement
     return {"dryRun": True, **preview(state.policy_state())}
+
+
+def add_preview_route(app: FastAPI, context: ApiContext) -> None:
+    """``POST /v1/preview``: what applying a set of objects would change, in Envoy terms."""
+    store = context.store
+
+    @app.post(
+        "/v1/preview",
+        tags=["status"],
+        operation_id="preview",
+        summary="What applying these objects would change in the Envoy resources of every "
+        "fleet (nothing is written)",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {"objects": {"type": "array", "items": {}}},
+                        }
+                    }
+                },
+            }
+        },
+    )
+    async def preview_apply(request: Request, _: Reader) -> dict[str, Any]:
+        data = await json_body(request)
+        items = data.get("objects") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise ApiError(400, 'send {"objects": [...]}: the objects you would apply')
+        errors: list[FieldError] = []
+        proposed: list[PolicyObject] = []
+        for index, item in enumerate(items):
+            try:
+                proposed.append(parse_object(item))
+            except PolicyError as error:
+                errors.extend(
+                    FieldError(f"objects[{index}].{e.path}".rstrip("."), e.message)
+                    for e in error.errors
+                )
+        if errors:
+            raise PolicyError(errors)
+        state = DecodedState.from_values(await store.values((OBJECTS, ENDPOINTS)))
+        before = preview(state.policy_state())
+        outcomes = []
+        for obj in proposed:
+            key = store.keys.object(obj.kind, obj.metadata.name)
+            current = state.objects.get(key)
+            outcome = (
+                "created"
+                if current is None
+                else "unchanged"
+                if dump(current) == dump(obj)
+                else "configured"
+            )
+            outcomes.append({"kind": obj.kind, "name": obj.metadata.name, "outcome": outcome})
+            state.objects[key] = obj
+        after = preview(state.policy_state())
+        return {
+            "objects": outcomes,
+            "diagnostics": after["diagnostics"],
+            "changes": resource_changes(before["fleets"], after["fleets"]),
+        }
 
 
 async def _expected_revision(
@@ -137,21 +215,26 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
         response.headers.update(headers)
         return response
 
-    async def create_object(request: Request, _: Admin, dry_run: DryRun = False) -> JSONResponse:
+    async def create_object(
+        request: Request, principal: Admin, dry_run: DryRun = False
+    ) -> JSONResponse:
         obj = parse_for_kind(await json_body(request), kind)
+        await _check_references(store, obj)
         name = obj.metadata.name
         if dry_run:
             if await store.get(kind, name) is not None:
                 raise ApiError(409, f"{kind} {name!r} already exists; PUT replaces it")
             return JSONResponse(await _dry_run(store, kind, name, obj))
-        stored = await store.create(kind, name, dump(obj))
+        stored = await store.create(
+            kind, name, dump(obj), actor=Actor(principal.name, f"create_{path}")
+        )
         log.info("created %s %r at revision %d", kind, name, stored.revision)
         return _object_response(stored, 201)
 
     async def replace_object(
         name: ObjectName,
         request: Request,
-        _: Admin,
+        principal: Admin,
         if_match: IfMatch = None,
         dry_run: DryRun = False,
     ) -> JSONResponse:
@@ -166,6 +249,7 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
                     )
                 ]
             )
+        await _check_references(store, obj)
         expected = await _expected_revision(store, kind, name, if_match)
         if dry_run:
             if expected is not None:
@@ -175,7 +259,13 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
                         412, f"{kind} {name!r} is not at revision {expected}; fetch it again"
                     )
             return JSONResponse(await _dry_run(store, kind, name, obj))
-        stored = await store.replace(kind, name, dump(obj), expect_revision=expected)
+        stored = await store.replace(
+            kind,
+            name,
+            dump(obj),
+            expect_revision=expected,
+            actor=Actor(principal.name, f"replace_{path}"),
+        )
         created = stored.created_revision == stored.revision
         log.info(
             "%s %s %r at revision %d",
@@ -187,7 +277,7 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
         return _object_response(stored, 201 if created else 200)
 
     async def delete_object(
-        name: ObjectName, _: Admin, if_match: IfMatch = None, dry_run: DryRun = False
+        name: ObjectName, principal: Admin, if_match: IfMatch = None, dry_run: DryRun = False
     ) -> Response:
         expected = await _expected_revision(store, kind, name, if_match)
         if dry_run:
@@ -199,7 +289,9 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
                     412, f"{kind} {name!r} is not at revision {expected}; fetch it again"
                 )
             return JSONResponse(await _dry_run(store, kind, name, None))
-        if not await store.delete(kind, name, expect_revision=expected):
+        if not await store.delete(
+            kind, name, expect_revision=expected, actor=Actor(principal.name, f"delete_{path}")
+        ):
             raise ApiError(404, f"{kind} {name!r} does not exist")
         log.info("deleted %s %r", kind, name)
         return Response(status_code=204)

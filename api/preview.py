@@ -59,6 +59,38 @@ def preview(state: PolicyState, *, fleet: str | None = None) -> dict[str, Any]:
     return plan_json(compile_plan(state), fleet=fleet)
 
 
+def _resource_name(key: str, resource: dict[str, Any]) -> str:
+    # A ClusterLoadAssignment is named by its clusterName; the other three by name.
+    return str(resource.get("clusterName" if key == "endpoints" else "name", ""))
+
+
+def resource_changes(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    """What differs between two ``plan_json(...)["fleets"]``: one entry per added, removed or
+    changed resource, ``{fleet, type, name, change, before, after}``, in fleet, then
+    make-before-break type order, then name order."""
+    changes = []
+    for fleet in sorted(before.keys() | after.keys()):
+        for key in RESOURCE_KEYS:
+            old = {_resource_name(key, r): r for r in before.get(fleet, {}).get(key, [])}
+            new = {_resource_name(key, r): r for r in after.get(fleet, {}).get(key, [])}
+            for name in sorted(old.keys() | new.keys()):
+                was, now = old.get(name), new.get(name)
+                if was == now:
+                    continue
+                change = "added" if was is None else "removed" if now is None else "changed"
+                changes.append(
+                    {
+                        "fleet": fleet,
+                        "type": key,
+                        "name": name,
+                        "change": change,
+                        "before": was,
+                        "after": now,
+                    }
+                )
+    return changes
+
+
 def snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
     """A served snapshot: each type's version and resources (with their own versions)."""
     out: dict[str, Any] = {"versions": {}}

@@ -4,6 +4,9 @@
                     [--policies a,b] [--state-dir DIR]
     python -m bench routing [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
+        [--baseline REF [--rounds N] [--only scale]]
+    python -m bench classes [--short] [--out DIR] [--state-dir DIR]
+    python -m bench rollout [--short] [--out DIR] [--state-dir DIR]
 
 `scenarios` (the default) runs every routing policy side by side, at the same time, on its
 own simulated fleet behind one real Envoy, in the scenarios where live telemetry has to pay
@@ -16,12 +19,18 @@ real Envoy configured by kvpilot under several routing policies and writes a Mar
 a JSON file, every request's measurements and PNG plots under ``bench/results/``; it prints
 the report's path. Policies: round_robin, least_request, affinity, affinity_telemetry, orca,
 docs_round_robin, docs_prefix; and on request affinity_125 and affinity_200, bounded-load
-sensitivity checks.
+sensitivity checks. `classes` overloads 8 replicas with batch work on top of interactive chat
+and compares round robin, affinity alone and affinity with service classes.
+
+`rollout` replays multi-turn chat at 70% load against a bad canary twice: under a blind 90/10
+split and under a kvpilot Rollout that watches the data plane; `make bench` runs it after
+the scenarios.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -57,7 +66,8 @@ def _routing(args: argparse.Namespace) -> int:
 
 
 def _scenarios(args: argparse.Namespace) -> int:
-    from bench.suite import SUITE_POLICIES, default_suite, run_suite
+    from bench.scenarios import SUITE_POLICIES, default_suite
+    from bench.suite import run_suite
 
     config = default_suite(short=args.short)
     if args.out is not None:
@@ -93,7 +103,39 @@ def _controlplane(args: argparse.Namespace) -> int:
     config = controlplane_config(short=args.short)
     if args.out is not None:
         config = replace(config, out_dir=args.out)
-    print(f"\njson: {run_controlplane(config, state_dir=args.state_dir)}")
+    if args.baseline:
+        from bench.scale import markdown, translation_side_by_side
+
+        side_by_side = translation_side_by_side(args.baseline, config.endpoints, args.rounds)
+        out_dir = config.out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "controlplane-scale.json").write_text(json.dumps(side_by_side, indent=2))
+        print(markdown(side_by_side))
+    if args.only != "scale":
+        print(f"\njson: {run_controlplane(config, state_dir=args.state_dir)}")
+    return 0
+
+
+def _classes(args: argparse.Namespace) -> int:
+    from bench.classes import default_config as classes_config
+    from bench.classes import run_classes
+
+    config = classes_config(short=args.short)
+    if args.out is not None:
+        config = replace(config, out_dir=args.out)
+    report = run_classes(config, state_dir=args.state_dir)
+    print(f"\nreport: {report}")
+    print(f"json:   {report.with_suffix('.json')}")
+    return 0
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from bench.rollout import default_rollout_config, run_rollout_bench
+
+    config = default_rollout_config(short=args.short)
+    if args.out is not None:
+        config = replace(config, out_dir=args.out)
+    print(f"\nreport: {run_rollout_bench(config, state_dir=args.state_dir)}")
     return 0
 
 
@@ -124,11 +166,34 @@ def main(argv: list[str] | None = None) -> int:
     controlplane.add_argument("--short", action="store_true", help="a smoke run (seconds)")
     controlplane.add_argument("--out", type=Path, default=None, help="output directory")
     controlplane.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    controlplane.add_argument(
+        "--baseline",
+        default="",
+        help="git ref to compare rebuild times with, side by side in this run (e.g. main)",
+    )
+    controlplane.add_argument("--rounds", type=int, default=3, help="baseline rounds (3)")
+    controlplane.add_argument(
+        "--only", choices=["all", "scale"], default="all", help="scale: the comparison alone"
+    )
+    classes = sub.add_parser(
+        "classes", help="service classes: interactive chat while batch overloads the fleet"
+    )
+    classes.add_argument("--short", action="store_true", help="a smoke run (about a minute)")
+    classes.add_argument("--out", type=Path, default=None, help="output directory")
+    classes.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    rollout = sub.add_parser("rollout", help="a bad canary: progressive rollout vs blind split")
+    rollout.add_argument("--short", action="store_true", help="a smoke run")
+    rollout.add_argument("--out", type=Path, default=None, help="output directory")
+    rollout.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     args = parser.parse_args(argv)
     if args.command == "controlplane":
         return _controlplane(args)
+    if args.command == "rollout":
+        return _rollout(args)
     if args.command == "routing":
         return _routing(args)
+    if args.command == "classes":
+        return _classes(args)
     return _scenarios(args)
 
 

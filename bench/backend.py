@@ -9,7 +9,8 @@ field), so tests behind Envoy can assert which replica answered. It serves:
 - `GET /metrics`: Prometheus text with request counters and vLLM-style gauges
   (`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`);
 - `POST /admin/fail {"status": 503}`: answer every inference request with that status
-  (`{"status": 0}` recovers; 429 works too).
+  (`{"status": 0}` recovers; 429 works too); `"fraction": 0.2` fails every fifth only;
+- `POST /admin/slow {"delay": 0.05}`: wait that many seconds before every answer.
 
 With `--simulate` each replica runs a `bench.simulator.Engine` instead of answering at once:
 continuous batching, a prefix-cached KV cache, simulated prefill and decode times, vLLM's
@@ -65,7 +66,14 @@ class Replica:
     healthy: bool = True
     """`GET /health` answers 503 when False."""
     fail_status: int | None = None
-    """When set, every inference request is answered with this HTTP status."""
+    """When set, inference requests are answered with this HTTP status."""
+    fail_fraction: float = 1.0
+    """Share of inference requests that ``fail_status`` answers, spread evenly (0.2: every
+    fifth)."""
+    delay: float = 0.0
+    """Seconds every inference request waits before its answer (`/admin/slow {"delay": s}`)."""
+    inference: int = 0
+    """Inference requests received (the even spread of failures counts them)."""
     running: int = 0
     """Requests being answered right now (the `vllm:num_requests_running` gauge)."""
     waiting: int = 0
@@ -184,7 +192,12 @@ def build_app(replica: Replica) -> Starlette:
     async def completions(request: Request) -> Response:
         path = request.url.path
         kind = "chat" if path.endswith("/chat/completions") else "text"
-        if replica.fail_status is not None:
+        replica.inference += 1
+        if replica.delay:
+            await asyncio.sleep(replica.delay)
+        if replica.fail_status is not None and int(replica.inference * replica.fail_fraction) > int(
+            (replica.inference - 1) * replica.fail_fraction
+        ):
             return error(replica.fail_status, f"{replica.id} is set to fail", path)
         try:
             payload = await request.json()
@@ -228,13 +241,24 @@ def build_app(replica: Replica) -> Starlette:
 
     async def admin_fail(request: Request) -> Response:
         try:
-            status = int((await request.json())["status"])
-        except (ValueError, KeyError, TypeError):
-            return JSONResponse({"error": 'expected {"status": <int>}'}, 400, headers=headers)
+            body = await request.json()
+            status = int(body["status"])
+            fraction = float(body.get("fraction", 1.0))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return JSONResponse(
+                {"error": 'expected {"status": <int>, "fraction": <0-1, default 1>}'},
+                400,
+                headers=headers,
+            )
         if status != 0 and not 100 <= status <= 599:
             return JSONResponse({"error": "status must be 0 or 100-599"}, 400, headers=headers)
+        if not 0 < fraction <= 1:
+            return JSONResponse({"error": "fraction must be in (0, 1]"}, 400, headers=headers)
         replica.fail_status = status or None
-        return JSONResponse({"id": replica.id, "fail_status": status}, headers=headers)
+        replica.fail_fraction = fraction
+        return JSONResponse(
+            {"id": replica.id, "fail_status": status, "fraction": fraction}, headers=headers
+        )
 
     async def admin_health(request: Request) -> Response:
         try:
@@ -253,8 +277,15 @@ def build_app(replica: Replica) -> Starlette:
 
     async def admin_slow(request: Request) -> Response:
         try:
+            body = await request.json()
+            if isinstance(body, dict) and "delay" in body:
+                delay = float(body["delay"])
+                if not 0 <= delay <= 60:
+                    raise ValueError
+                replica.delay = delay
+                return JSONResponse({"id": replica.id, "delay": delay}, headers=headers)
             engine = engine_of(request)
-            factor = float((await request.json())["factor"])
+            factor = float(body["factor"])
         except EngineError as exc:
             return JSONResponse({"error": str(exc)}, exc.status, headers=headers)
         except (ValueError, KeyError, TypeError):

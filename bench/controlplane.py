@@ -68,22 +68,33 @@ class BenchConfig:
     endpoints: int = 10_000
     big_envoys: int = 10
     changes: int = 20
+    telemetry_seconds: float = 30.0
     out_dir: Path = RESULTS_DIR
 
 
 def default_config(*, short: bool = False) -> BenchConfig:
     if short:
-        return BenchConfig(envoys=(1, 3), streams=100, endpoints=1000, big_envoys=3, changes=8)
+        return BenchConfig(
+            envoys=(1, 3),
+            streams=100,
+            endpoints=1000,
+            big_envoys=3,
+            changes=8,
+            telemetry_seconds=4.0,
+        )
     return BenchConfig()
 
 
 # -- the configuration under test -----------------------------------------------------------
 
 
-def pools_and_policy(endpoints: int, listener_port: int) -> list[tuple[str, dict[str, Any]]]:
+def pools_and_policy(
+    endpoints: int, listener_port: int, *, balancing: str = ""
+) -> list[tuple[str, dict[str, Any]]]:
     """REST path -> body: `endpoints` static endpoints spread over pools of at most 500, and one
-    policy with a route (so a cluster) per pool. Nothing listens on the endpoints: no traffic is
-    sent, and without health checks Envoy takes them as they are."""
+    policy with a route (so a cluster) per pool, balanced by `balancing` (the default when
+    empty). Nothing listens on the endpoints: no traffic is sent, and without health checks
+    Envoy takes them as they are."""
     per_pool = 500
     count = max(1, -(-endpoints // per_pool))
     objects: list[tuple[str, dict[str, Any]]] = []
@@ -99,7 +110,14 @@ def pools_and_policy(endpoints: int, listener_port: int) -> list[tuple[str, dict
         }
         name = f"p{p}"
         objects.append((f"/v1/pools/{name}", _envelope("Pool", name, spec)))
-        routes.append({"name": f"r{p}", "match": {"models": [f"model-{p}"]}, "tiers": [[name]]})
+        route: dict[str, Any] = {
+            "name": f"r{p}",
+            "match": {"models": [f"model-{p}"]},
+            "tiers": [[name]],
+        }
+        if balancing:
+            route["balancing"] = balancing
+        routes.append(route)
     spec = {"listener": {"address": "127.0.0.1", "port": listener_port}, "routes": routes}
     objects.append((f"/v1/routingpolicies/{POLICY}", _envelope("RoutingPolicy", POLICY, spec)))
     return objects
@@ -437,8 +455,32 @@ class Bench:
         )
         self.results["envoys"].append({"clients": f"{label}, route change", **rds, "rss_mib": rss})
         print(f"  {label}: EDS {eds} RDS {rds}", flush=True)
+        self.results["telemetry"] = self.telemetry(listener_port)
+        print(f"  telemetry: {self.results['telemetry']}", flush=True)
         self.results["memory_mib"]["end"] = rss_mib(self.kvpilot.pid)
         return self.results
+
+    def telemetry(self, listener_port: int) -> dict[str, Any]:
+        """Every route telemetry-balanced, every endpoint reporting each second."""
+        from bench.scale import telemetry_at_scale
+
+        assert self.api is not None and self.kvpilot is not None and self.kvpilot.pid
+        objects = pools_and_policy(self.config.endpoints, listener_port, balancing="telemetry")
+        path, body = objects[-1]
+        self.api.put(path, json=body).raise_for_status()
+        endpoints = [
+            (pool_body["metadata"]["name"], f"{e['address']}:{e['port']}")
+            for _, pool_body in objects[:-1]
+            for e in pool_body["spec"]["endpoints"]
+        ]
+        return telemetry_at_scale(
+            self.etcd.endpoint,
+            "/bench",
+            endpoints,
+            self.kvpilot.pid,
+            f"{self.kvpilot.api_url}/metrics",
+            seconds=self.config.telemetry_seconds,
+        )
 
 
 # -- translation at scale, in process -------------------------------------------------------------
@@ -572,6 +614,10 @@ def markdown(results: dict[str, Any]) -> str:
         "kvpilot RSS MiB: " + ", ".join(f"{k} {v}" for k, v in results["memory_mib"].items()),
         "",
     ]
+    if "telemetry" in results:
+        from bench.scale import telemetry_markdown
+
+        lines.append(telemetry_markdown(results["telemetry"]))
     return "\n".join(lines)
 
 

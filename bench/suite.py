@@ -29,14 +29,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import multiprocessing
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,185 +47,25 @@ from bench.backend import BackendProcess, ReplicaInfo
 from bench.loadgen import RunResult, parse_metrics, replay
 from bench.routing import (
     MODEL,
-    PREFIX_HASH_CHARS,
     BenchConfig,
     calibrate,
     percentile,
     start_agent,
     summarize,
 )
+from bench.scenarios import (
+    SCENARIOS,
+    SUITE_POLICIES,
+    Scenario,
+    SlowEvent,
+    SuiteConfig,
+    SuitePolicy,
+    default_suite,
+)
 from bench.simulator import SimConfig
-from bench.workload import Workload, WorkloadConfig, oracle_hit_rate
+from bench.suite_report import write_suite_report
+from bench.workload import Workload, oracle_hit_rate
 from controlplane.launchers import ManagedProcess, free_port, local_stack
-
-
-@dataclass(frozen=True)
-class SlowEvent:
-    """One replica's engine runs ``factor`` times slower from ``start`` to ``end`` (simulated
-    seconds into the run)."""
-
-    replica: int
-    factor: float
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class Scenario:
-    key: str
-    title: str
-    workload: WorkloadConfig
-    load: float = 0.75
-    """Offered load, as a share of the fleet's estimated cache-blind capacity."""
-    slow: tuple[float, ...] = ()
-    """Per replica (by index), how many times slower its engine steps run; missing = 1."""
-    kv: tuple[float, ...] = ()
-    """Per replica, its share of the standard KV cache; missing = 1."""
-    event: SlowEvent | None = None
-
-    def slow_of(self, index: int) -> float:
-        return self.slow[index] if index < len(self.slow) else 1.0
-
-    def kv_of(self, index: int) -> float:
-        return self.kv[index] if index < len(self.kv) else 1.0
-
-    def capacity(self, replicas: int) -> float:
-        """The fleet's speed in standard replicas (a half-speed replica counts 0.5)."""
-        return sum(1.0 / self.slow_of(i) for i in range(replicas))
-
-
-@dataclass(frozen=True)
-class SuitePolicy:
-    key: str
-    title: str
-    route: dict[str, Any]
-    default: bool = True
-
-
-AFFINITY = {
-    "header": "x-session-id",
-    "hashBalanceFactor": 150,
-    "prefixHashChars": PREFIX_HASH_CHARS,
-}
-"""Session affinity, and prompt-prefix affinity for requests without a session (documents)."""
-
-RECOMMENDED = "kvpilot"
-"""The README's recommended LLM route: the policy the targets are checked on."""
-
-SUITE_POLICIES: tuple[SuitePolicy, ...] = (
-    SuitePolicy("round_robin", "round robin", {"balancing": "round_robin"}),
-    SuitePolicy(
-        "affinity",
-        "affinity + bounded load",
-        {"balancing": "least_request", "sessionAffinity": AFFINITY},
-    ),
-    # An A/A control: the same policy again, on its own replicas. Its distance from
-    # "affinity" is what noise alone does within one run.
-    SuitePolicy(
-        "affinity_copy",
-        "affinity + bounded load (second copy, A/A)",
-        {"balancing": "least_request", "sessionAffinity": AFFINITY},
-        False,
-    ),
-    SuitePolicy(
-        RECOMMENDED,
-        "kvpilot: affinity + telemetry",
-        {"balancing": "telemetry", "sessionAffinity": AFFINITY},
-    ),
-    SuitePolicy("least_request", "least request", {"balancing": "least_request"}, False),
-    SuitePolicy("orca", "ORCA weighted round robin", {"balancing": "orca"}, False),
-)
-
-
-def _chat(**overrides: Any) -> WorkloadConfig:
-    base = WorkloadConfig(
-        kind="multiturn",
-        duration=20.0,
-        system_prompts=(1000, 2000, 3000, 4000),
-        question_median=100,
-        answer_median=200,
-        length_cap=600,
-        mean_turns=5.0,
-        max_turns=8,
-        think_mean=3.0,
-    )
-    return replace(base, **overrides)
-
-
-SCENARIOS: tuple[Scenario, ...] = (
-    Scenario("chat", "homogeneous chat at 75%", _chat()),
-    Scenario(
-        "mix",
-        "chat + shared documents (Zipf popularity) at 75%",
-        _chat(
-            kind="mix",
-            session_rate=1.0,
-            doc_rate=1.5,
-            documents=(2000, 3000, 4000, 5000, 2500, 3500, 4500, 6000),
-            doc_popularity=1.0,
-        ),
-    ),
-    Scenario("overload", "chat at 110% (overload)", _chat(), load=1.10),
-    Scenario(
-        "hetero",
-        "heterogeneous: 2 replicas at half speed, 1 with half the KV cache",
-        _chat(),
-        slow=(2.0, 2.0),
-        kv=(1.0, 1.0, 0.5),
-    ),
-    Scenario(
-        "slowdown",
-        "one replica 3x slower from 4 s to 14 s, then recovered",
-        _chat(),
-        event=SlowEvent(replica=0, factor=3.0, start=4.0, end=14.0),
-    ),
-    Scenario("bursty", "chat at 75%, bursty arrivals", _chat(arrival="bursty")),
-)
-
-
-@dataclass(frozen=True)
-class SuiteConfig:
-    replicas: int = 8
-    sim: SimConfig = field(default_factory=SimConfig)
-    scenarios: tuple[Scenario, ...] = SCENARIOS
-    policies: tuple[str, ...] = tuple(p.key for p in SUITE_POLICIES if p.default)
-    seeds: tuple[int, ...] = (1, 2, 3)
-    slo_ttft: float = 1.0
-    """Goodput counts requests whose first token came within this many simulated seconds."""
-    agent_interval: float = 1.0
-    """Simulated seconds between the telemetry agent's scrapes."""
-    deadline: float = 300.0
-    """Wall-clock limit of one run (all policies at once)."""
-    out_dir: Path = Path("bench/results")
-
-
-SUITE_TIME_SCALE = 0.5
-"""Wall-clock seconds per simulated second: engine steps of 10 ms and more in wall time, so
-several fleets of simulated engines keep their schedule on a shared 2-core machine."""
-
-
-def default_suite(short: bool = False) -> SuiteConfig:
-    """`make bench`'s suite, or with `short` a smoke run: one seed of a short heterogeneous
-    scenario on 4 replicas per policy."""
-    from bench.routing import default_config
-
-    # One chunk per second of wall time per stream is enough for the suite's numbers (the
-    # first token and the end are sent at once) and keeps the CPU of several fleets low.
-    sim = replace(default_config().sim, stream_interval=1.0, time_scale=SUITE_TIME_SCALE)
-    if not short:
-        return SuiteConfig(sim=sim)
-    scenarios = tuple(
-        replace(
-            s,
-            workload=replace(
-                s.workload, duration=6.0, max_turns=3, think_mean=1.0, answer_median=60
-            ),
-        )
-        for s in SCENARIOS
-        if s.key == "hetero"
-    )
-    return SuiteConfig(replicas=4, sim=sim, scenarios=scenarios, seeds=(1,), deadline=90.0)
-
 
 # --------------------------------------------------------------------------- the stack
 
@@ -563,7 +402,6 @@ def measure(
 
 def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
     """Run every scenario with every seed; returns the Markdown report's path."""
-    from bench.suite_report import write_suite_report
 
     policies = [p for p in SUITE_POLICIES if p.key in config.policies]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -727,38 +565,4 @@ def _line(m: dict[str, Any]) -> str:
     return text
 
 
-def median_spread(values: Sequence[float | None]) -> tuple[float, float, float] | None:
-    """(median, min, max) of the values that exist; None when none do."""
-    present = [v for v in values if v is not None]
-    if not present:
-        return None
-    return statistics.median(present), min(present), max(present)
-
-
-def iter_runs(results: dict[str, dict[str, list[dict[str, Any]]]]) -> Iterator[tuple[str, str]]:
-    for scenario, by_policy in results.items():
-        for policy in by_policy:
-            yield scenario, policy
-
-
-def config_dict(config: SuiteConfig) -> dict[str, Any]:
-    return {
-        "replicas": config.replicas,
-        "sim": asdict(config.sim),
-        "seeds": list(config.seeds),
-        "slo_ttft": config.slo_ttft,
-        "agent_interval": config.agent_interval,
-        "scenarios": [asdict(s) for s in config.scenarios],
-        "policies": list(config.policies),
-    }
-
-
 __all__ = ["SCENARIOS", "SUITE_POLICIES", "Scenario", "SuiteConfig", "default_suite", "run_suite"]
-
-
-def _json_default(value: Any) -> Any:
-    return str(value)
-
-
-def dump(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, default=_json_default))

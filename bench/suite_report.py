@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.suite import RECOMMENDED, SuiteConfig, SuitePolicy, config_dict, dump, median_spread
+from bench.scenarios import RECOMMENDED, SuiteConfig, SuitePolicy, config_dict, dump, median_spread
 
 Runs = list[dict[str, Any]]
 """One policy's measurements in one scenario, one per seed (in seed order)."""
@@ -322,8 +322,8 @@ def rerender(report_json: Path, slo_ttft: float | None = None) -> Path:
     """Write a run's report again from its JSON and requests files (with another goodput
     objective if given): for reading a finished run in another way without running it again.
     Recomputes the request-level numbers; the replicas' counters come from the JSON."""
+    from bench.scenarios import SCENARIOS, SUITE_POLICIES
     from bench.simulator import SimConfig
-    from bench.suite import SCENARIOS, SUITE_POLICIES
 
     data = json.loads(report_json.read_text())
     requests = json.loads(report_json.with_name(report_json.stem + "-requests.json").read_text())

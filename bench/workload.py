@@ -89,9 +89,15 @@ class Session:
     """Simulated seconds from the workload start."""
     turns: tuple[Turn, ...]
     send_session_id: bool
+    extra_headers: tuple[tuple[str, str], ...] = ()
+    """Headers sent with every request of the session besides the session id (a tenant, a
+    service class)."""
 
     def headers(self) -> dict[str, str]:
-        return {SESSION_HEADER: self.id} if self.send_session_id else {}
+        headers = dict(self.extra_headers)
+        if self.send_session_id:
+            headers[SESSION_HEADER] = self.id
+        return headers
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,7 @@ def run(keep: bool, requests: int, state_dir: Path) -> int:
                 f"  curl -s -H 'authorization: Bearer {token}' {kvpilot.api_url}/v1/fleets/default/config"
             )
             _say(f"  curl -s {envoy.admin_url}/clusters")
+            _say(f"  the console: {kvpilot.api_url}/ui/ (sign in with the token {token})")
             with contextlib.suppress(KeyboardInterrupt):
                 while True:
                     time.sleep(3600)

@@ -19,20 +19,27 @@ from pathlib import Path
 
 import grpc
 import uvicorn
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from api import ApiContext, create_app
-from api.auth import AuthConfig
+from api.auth import AuthConfig, TokenReloader, WriteRateLimit
 from controlplane.asgi import UvicornServer
+from controlplane.audit import DEFAULT_RETENTION, AuditLog
 from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
-from controlplane.etcd import EtcdClient
+from controlplane.etcd import EtcdAccessDenied, EtcdClient, EtcdSecurity, EtcdUnavailable
 from controlplane.launchers import EmbeddedEtcd
+from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
+from controlplane.rollouts import RolloutController
+from controlplane.rollouts import register_metrics as register_rollout_metrics
+from controlplane.signals import PlanResolver, SignalPublisher
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies import DEFAULT_FLEET
+from xdsserver.identity import FleetBinding, TlsFiles
 from xdsserver.server import AdsServer
+from xdsserver.signals import AccessLogServer, SignalBook
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 
@@ -44,6 +51,8 @@ class ServeConfig:
     """Everything the daemon needs (`kvpilot serve` builds it from its flags)."""
 
     etcd_endpoints: list[str] = field(default_factory=list)
+    etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
+    """TLS files and user/password for etcd."""
     prefix: str = DEFAULT_PREFIX
     xds_host: str = "0.0.0.0"
     xds_port: int = 18000
@@ -57,7 +66,25 @@ class ServeConfig:
     default_fleet: str = DEFAULT_FLEET
     node_fleets: dict[str, str] = field(default_factory=dict)
     """Envoy node id -> fleet, overriding the node's own node.cluster."""
+    etcd_embedded: bool = False
+    """True when `run` started an embedded etcd for this daemon."""
+    xds_tls: TlsFiles | None = None
+    """ADS over mutual TLS: server certificate, key and the CA that signs Envoys' certificates."""
+    xds_identity_fleets: list[str] = field(default_factory=list)
+    """``IDENTITY=FLEET`` bindings: which fleets an Envoy's certificate identity may receive."""
+    xds_insecure_plaintext: bool = False
+    """Serve ADS without TLS (any process that reaches the port gets any fleet's config)."""
+    audit_retention: int = DEFAULT_RETENTION
+    """Audit entries kept in etcd; older ones are deleted."""
+    write_rate: float = 20.0
+    """REST writes per second per token (a token bucket)."""
+    write_burst: int = 100
+    """Writes a token may make at once before the rate applies."""
+    cors_origins: list[str] = field(default_factory=list)
+    """Browser origins allowed to call the REST API; empty keeps CORS closed."""
     replica_id: str = field(default_factory=lambda: f"{os.uname().nodename}-{uuid.uuid4().hex[:6]}")
+    rollout_lease_ttl: int = 10
+    """Seconds the replica driving rollouts may be silent before another takes over."""
 
 
 def _host_port(value: str, default_port: int) -> tuple[str, int]:
@@ -81,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=env("KVPILOT_ETCD_PREFIX", DEFAULT_PREFIX),
         help="etcd key prefix (env KVPILOT_ETCD_PREFIX)",
     )
+    EtcdSecurity.add_arguments(parser)
     parser.add_argument(
         "--xds-address",
         default=env("KVPILOT_XDS_ADDRESS", "0.0.0.0:18000"),
@@ -109,6 +137,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the REST API without authentication (logs a warning)",
     )
     parser.add_argument(
+        "--xds-cert",
+        default=env("KVPILOT_XDS_CERT"),
+        help="PEM certificate of the ADS server (env KVPILOT_XDS_CERT); re-read when it changes",
+    )
+    parser.add_argument(
+        "--xds-key",
+        default=env("KVPILOT_XDS_KEY"),
+        help="PEM private key of the ADS server (env KVPILOT_XDS_KEY)",
+    )
+    parser.add_argument(
+        "--xds-client-ca",
+        default=env("KVPILOT_XDS_CLIENT_CA"),
+        help="PEM CA bundle that signs Envoys' client certificates (env KVPILOT_XDS_CLIENT_CA)",
+    )
+    parser.add_argument(
+        "--xds-identity-fleet",
+        action="append",
+        default=[e for e in env("KVPILOT_XDS_IDENTITY_FLEETS", "").split(",") if e],
+        metavar="IDENTITY=FLEET",
+        help="an Envoy whose client certificate has the SAN IDENTITY (a SPIFFE ID or DNS name) "
+        "may receive FLEET ('*': every fleet); repeatable (env KVPILOT_XDS_IDENTITY_FLEETS, "
+        "comma-separated). A node claiming any other fleet is refused",
+    )
+    parser.add_argument(
+        "--xds-insecure-plaintext",
+        action="store_true",
+        help="serve ADS without TLS: anyone who reaches the port can read any fleet's config "
+        "(logs a warning; for a trusted machine only)",
+    )
+    parser.add_argument(
+        "--audit-retention",
+        type=int,
+        default=int(env("KVPILOT_AUDIT_RETENTION", str(DEFAULT_RETENTION))),
+        help=f"audit log entries kept in etcd (env KVPILOT_AUDIT_RETENTION; default "
+        f"{DEFAULT_RETENTION})",
+    )
+    parser.add_argument(
+        "--write-rate-limit",
+        type=float,
+        default=float(env("KVPILOT_WRITE_RATE_LIMIT", "20")),
+        help="REST writes per second allowed to each token, beyond its burst; more get 429 "
+        "(env KVPILOT_WRITE_RATE_LIMIT; default 20)",
+    )
+    parser.add_argument(
+        "--write-burst",
+        type=int,
+        default=int(env("KVPILOT_WRITE_BURST", "100")),
+        help="REST writes a token may make at once (env KVPILOT_WRITE_BURST; default 100)",
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[e for e in env("KVPILOT_CORS_ORIGINS", "").split(",") if e],
+        metavar="ORIGIN",
+        help="a browser origin (https://console.example.com) allowed to call the REST API; "
+        "repeatable (env KVPILOT_CORS_ORIGINS, comma-separated). None: CORS stays closed",
+    )
+    parser.add_argument(
         "--quiet-period",
         type=float,
         default=0.02,
@@ -134,6 +220,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(env KVPILOT_NODE_FLEETS, comma-separated)",
     )
     parser.add_argument(
+        "--rollout-lease-ttl",
+        type=int,
+        default=int(env("KVPILOT_ROLLOUT_LEASE_TTL", "10")),
+        help="seconds after which another replica takes over driving rollouts when the "
+        "driving one stops answering (env KVPILOT_ROLLOUT_LEASE_TTL, default 10)",
+    )
+    parser.add_argument(
         "--log-level",
         default=env("KVPILOT_LOG_LEVEL", "info"),
         help="debug, info, warning or error",
@@ -150,12 +243,50 @@ def _node_fleets(values: list[str]) -> dict[str, str]:
     return out
 
 
+def _xds_tls(args: argparse.Namespace) -> TlsFiles | None:
+    files = (args.xds_cert, args.xds_key, args.xds_client_ca)
+    if args.xds_insecure_plaintext:
+        if any(files):
+            raise SystemExit(
+                "--xds-insecure-plaintext and --xds-cert/--xds-key/--xds-client-ca "
+                "exclude each other: choose one"
+            )
+        return None
+    if not all(files):
+        raise SystemExit(
+            "ADS needs mutual TLS: pass --xds-cert, --xds-key and --xds-client-ca (and bind "
+            "certificate identities to fleets with --xds-identity-fleet), or run with "
+            "--xds-insecure-plaintext on a trusted machine"
+        )
+    return TlsFiles(Path(args.xds_cert), Path(args.xds_key), Path(args.xds_client_ca))
+
+
+def check_xds(config: ServeConfig) -> None:
+    """Refuse to start with ADS settings that cannot work; the message says what to pass."""
+    if config.xds_tls is None:
+        return
+    if not config.xds_identity_fleets:
+        raise SystemExit(
+            "ADS over mutual TLS refuses every Envoy until an identity is bound to a fleet: pass "
+            "--xds-identity-fleet SAN=FLEET (for example spiffe://example.org/fleet/edge=edge)"
+        )
+    try:
+        config.xds_tls.check()
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Turn parsed flags into a ServeConfig."""
     xds_host, xds_port = _host_port(args.xds_address, 18000)
     api_host, api_port = _host_port(args.api_address, 8080)
+    try:
+        FleetBinding.parse(args.xds_identity_fleet)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     return ServeConfig(
         etcd_endpoints=[e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
+        etcd_security=EtcdSecurity.from_args(args, os.environ),
         prefix=args.etcd_prefix,
         xds_host=xds_host,
         xds_port=xds_port,
@@ -168,16 +299,22 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_wait=args.max_wait,
         default_fleet=args.default_fleet,
         node_fleets=_node_fleets(args.node_fleet),
+        rollout_lease_ttl=args.rollout_lease_ttl,
+        xds_tls=_xds_tls(args),
+        xds_identity_fleets=list(args.xds_identity_fleet),
+        xds_insecure_plaintext=args.xds_insecure_plaintext,
+        audit_retention=args.audit_retention,
+        write_rate=args.write_rate_limit,
+        write_burst=args.write_burst,
+        cors_origins=list(args.cors_origin),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `kvpilot serve`."""
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level)
     config = config_from_args(args)
+    check_xds(config)
     embedded: EmbeddedEtcd | None = None
     if not config.etcd_endpoints:
         embedded = EmbeddedEtcd(config.state_dir / "etcd")
@@ -186,12 +323,28 @@ def run(args: argparse.Namespace) -> int:
         )
         embedded.start()
         config.etcd_endpoints = [embedded.endpoint]
+        config.etcd_embedded = True
+        # Printed, not only logged: `kvpilot agent --etcd-endpoints` needs this address.
+        print(
+            f"embedded etcd at {embedded.endpoint} (point agents at it with "
+            f"--etcd-endpoints {embedded.endpoint})",
+            flush=True,
+        )
     try:
         asyncio.run(serve(config))
+    except EtcdAccessDenied as error:
+        log.error("%s", error)
+        return 2
     finally:
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+async def _drive_rollouts(mirror: StateMirror, controller: RolloutController) -> None:
+    """Drive rollouts once the mirror holds etcd's state (decisions read it)."""
+    await mirror.wait_synced()
+    await controller.run()
 
 
 async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) -> None:
@@ -210,9 +363,19 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         max_wait=config.max_wait,
         metrics=ReconcileMetrics(registry),
     )
-    client = EtcdClient(config.etcd_endpoints)
+    client = EtcdClient(config.etcd_endpoints, security=config.etcd_security)
     await client.connect()
-    store = Store(client, config.prefix)
+    try:
+        # A certificate or password etcd refuses will not start working by waiting: stop now,
+        # saying which setting to check. An etcd that is down may come up: keep going.
+        await client.check_access()
+    except EtcdAccessDenied:
+        await client.close()
+        raise
+    except EtcdUnavailable as error:
+        log.warning("%s; serving starts and keeps trying", error)
+    audit = AuditLog(client, config.prefix, retention=config.audit_retention)
+    store = Store(client, config.prefix, on_write=audit.record)
 
     mirror: StateMirror
 
@@ -220,6 +383,12 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         reconciler.on_change(change, mirror.items)
 
     mirror = StateMirror(client, config.prefix, on_change)
+    Gauge(
+        "kvpilot_etcd_watch_connected",
+        "1 while this replica's etcd watch is established; 0 while etcd is unreachable (Envoys "
+        "keep the last snapshot meanwhile).",
+        registry=registry,
+    ).set_function(lambda: float(mirror.connected))
 
     grpc_server = grpc.aio.server(
         options=[
@@ -229,9 +398,24 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ]
     )
-    ads = AdsServer(cache, connections)
+    xds_address = f"{config.xds_host}:{config.xds_port}"
+    if config.xds_tls is not None:
+        ads = AdsServer(cache, connections, binding=FleetBinding.parse(config.xds_identity_fleets))
+        xds_port = grpc_server.add_secure_port(xds_address, config.xds_tls.server_credentials())
+    elif config.xds_insecure_plaintext:
+        log.warning(
+            "ADS is PLAINTEXT without client certificates (--xds-insecure-plaintext): any process "
+            "that reaches %s can claim any fleet and read its routes and backend addresses",
+            xds_address,
+        )
+        ads = AdsServer(cache, connections)
+        xds_port = grpc_server.add_insecure_port(xds_address)
+    else:
+        raise ValueError("ServeConfig needs xds_tls or xds_insecure_plaintext=True")
     ads.add_to(grpc_server)
-    xds_port = grpc_server.add_insecure_port(f"{config.xds_host}:{config.xds_port}")
+    signals = SignalBook(PlanResolver(lambda: reconciler.plan))
+    AccessLogServer(signals).add_to(grpc_server)
+    register_rollout_metrics(registry, lambda: mirror.items)
 
     app = create_app(
         ApiContext(
@@ -243,6 +427,11 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             replica_id=config.replica_id,
             envoy_records=lambda: envoy_records(mirror.items),
             mirror=mirror,
+            etcd_embedded=config.etcd_embedded,
+            etcd_watching=lambda: mirror.connected,
+            audit=audit,
+            write_limit=WriteRateLimit(config.write_rate, config.write_burst),
+            cors_origins=config.cors_origins,
         )
     )
     api = UvicornServer(
@@ -256,26 +445,51 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    reloader: TokenReloader | None = None
+    if config.tokens_file is not None and auth.enabled:
+        reloader = TokenReloader(auth, config.tokens_file, os.environ)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, reloader.reload)
 
     await grpc_server.start()
     publisher = asyncio.create_task(
         StatusPublisher(store, connections, config.replica_id).run(), name="envoy-status"
     )
+    rollouts = RolloutController(
+        client,
+        store.keys,
+        lambda: mirror.items,
+        config.replica_id,
+        lease_ttl=config.rollout_lease_ttl,
+    )
     tasks = [
         asyncio.create_task(mirror.run(), name="etcd-watch"),
+        asyncio.create_task(
+            SignalPublisher(store, signals, config.replica_id).run(), name="signals"
+        ),
+        asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(api.serve(), name="rest-api"),
         publisher,
     ]
+    if reloader is not None:
+        tasks.append(asyncio.create_task(reloader.watch(), name="tokens-reload"))
     log.info(
         "kvpilot replica %s: etcd %s, prefix %s",
         config.replica_id,
         ",".join(config.etcd_endpoints),
         config.prefix,
     )
-    log.info("ADS (gRPC, SotW and Delta) listening on %s:%d", config.xds_host, xds_port)
     log.info(
-        "REST API listening on http://%s:%d (OpenAPI at /docs)", config.api_host, config.api_port
+        "ADS (gRPC, SotW and Delta, %s) listening on %s:%d",
+        "mutual TLS" if config.xds_tls is not None else "plaintext",
+        config.xds_host,
+        xds_port,
+    )
+    log.info(
+        "REST API listening on http://%s:%d (console at /ui, OpenAPI at /docs)",
+        config.api_host,
+        config.api_port,
     )
     if started is not None:
         started.set()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Generic, TypeVar
 
 from controlplane.store import ENDPOINTS, OBJECTS, TELEMETRY
 from policies import (
@@ -24,10 +26,12 @@ from policies import (
     jsondoc,
     parse_object,
 )
+from policies.admission import AdmissionDecision
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision
 
 Decoded = PolicyObject | Endpoint | TelemetryRecord
+_V = TypeVar("_V", Endpoint, TelemetryRecord)
 
 
 class DecodeError(ValueError):
@@ -64,6 +68,36 @@ def _pool_and_id(key: str) -> tuple[str, str]:
     return pool, endpoint_id
 
 
+class _ByPool(Generic[_V]):
+    """Entries of one section filed by pool, with a frozen copy of each pool's entries that is
+    made again only after that pool changed. Compilation reuses what it built for a pool whose
+    mapping is the same object as last time, so a change costs what it touches, not the fleet."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, dict[str, _V]] = {}
+        self._frozen: dict[str, Mapping[str, _V]] = {}
+
+    def put(self, key: str, value: _V) -> None:
+        pool, endpoint_id = _pool_and_id(key)
+        self._live.setdefault(pool, {})[endpoint_id] = value
+        self._frozen.pop(pool, None)
+
+    def remove(self, key: str) -> None:
+        pool, endpoint_id = _pool_and_id(key)
+        entries = self._live.get(pool, {})
+        entries.pop(endpoint_id, None)
+        if not entries:
+            self._live.pop(pool, None)
+        self._frozen.pop(pool, None)
+
+    def frozen(self) -> dict[str, Mapping[str, _V]]:
+        """Pool -> endpoint id -> entry; a pool's mapping is the same object until it changes."""
+        for pool, entries in self._live.items():
+            if pool not in self._frozen:
+                self._frozen[pool] = MappingProxyType(dict(entries))
+        return dict(self._frozen)
+
+
 @dataclass
 class DecodedState:
     """The valid objects, registered endpoints and telemetry records among etcd's keys, by
@@ -72,6 +106,8 @@ class DecodedState:
     objects: dict[str, PolicyObject] = field(default_factory=dict)
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
     telemetry: dict[str, TelemetryRecord] = field(default_factory=dict)
+    _registered: _ByPool[Endpoint] = field(default_factory=_ByPool, repr=False)
+    _telemetry_by_pool: _ByPool[TelemetryRecord] = field(default_factory=_ByPool, repr=False)
 
     @classmethod
     def from_values(cls, values: Mapping[str, bytes]) -> DecodedState:
@@ -93,12 +129,16 @@ class DecodedState:
         key's last valid value then stays."""
         decoded = decode(key, value) if value is not None else None
         self.objects.pop(key, None)
-        self.endpoints.pop(key, None)
-        self.telemetry.pop(key, None)
+        if self.endpoints.pop(key, None) is not None:
+            self._registered.remove(key)
+        if self.telemetry.pop(key, None) is not None:
+            self._telemetry_by_pool.remove(key)
         if isinstance(decoded, Endpoint):
             self.endpoints[key] = decoded
+            self._registered.put(key, decoded)
         elif isinstance(decoded, TelemetryRecord):
             self.telemetry[key] = decoded
+            self._telemetry_by_pool.put(key, decoded)
         elif decoded is not None:
             self.objects[key] = decoded
 
@@ -106,21 +146,16 @@ class DecodedState:
         self,
         *,
         previous_weights: Mapping[str, Mapping[str, WeightDecision]] | None = None,
+        previous_admission: Mapping[str, AdmissionDecision] | None = None,
         now: float = 0.0,
     ) -> PolicyState:
-        """What compilation takes: the objects, endpoints by pool and telemetry by pool."""
-        registered: dict[str, dict[str, Endpoint]] = {}
-        for key, endpoint in self.endpoints.items():
-            pool, endpoint_id = _pool_and_id(key)
-            registered.setdefault(pool, {})[endpoint_id] = endpoint
-        telemetry: dict[str, dict[str, TelemetryRecord]] = {}
-        for key, record in self.telemetry.items():
-            pool, endpoint_id = _pool_and_id(key)
-            telemetry.setdefault(pool, {})[endpoint_id] = record
+        """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
+        per-pool mappings are shared with this state and must not be changed."""
         return PolicyState.from_objects(
             self.objects.values(),
-            registered=registered,
-            telemetry=telemetry,
+            registered=self._registered.frozen(),
+            telemetry=self._telemetry_by_pool.frozen(),
             previous_weights=previous_weights or {},
+            previous_admission=previous_admission or {},
             now=now,
         )

@@ -11,7 +11,10 @@ skipped with a logged error visible in status; the last valid version of that ob
 serving.
 
 Telemetry: records under ``telemetry/{pool}/{endpoint_id}`` feed the weight function
-(``policies.weights``) through compile; its previous decisions are kept here for hysteresis.
+(``policies.weights``) and admission per service class (``policies.admission``) through
+compile; their previous decisions are kept here for hysteresis. Admission changes only route
+entries, so they take the routes path (RDS), and a rebuild is scheduled for the moment the
+admission level would take its next step, so it moves even when telemetry stays the same.
 Rebuilds caused only by telemetry are capped at one per ``min_push_interval``, and a rebuild
 is also scheduled when fresh telemetry is about to pass its ``max_age`` (an agent that stopped
 writing but whose lease lives on), so weights fall back to neutral without any etcd change.
@@ -27,7 +30,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -35,7 +38,10 @@ from controlplane.decode import DecodedState, DecodeError
 from controlplane.etcd import KeyValue
 from controlplane.mirror import StateChange
 from controlplane.store import ENDPOINTS, STATUS, TELEMETRY
-from policies import PolicyState, RoutingPlan, compile_plan
+from controlplane.telemetryhistory import TelemetryHistory
+from policies import EndpointHealth, PolicyState, RouteMemo, RoutingPlan, compile_plan
+from policies.admission import AdmissionDecision
+from policies.compile import pool_endpoints
 from policies.models import TELEMETRY_MAX_AGE
 from policies.weights import WeightDecision
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
@@ -130,6 +136,33 @@ class ReconcileMetrics:
             ["pool"],
             **kwargs,
         )
+        self.admission_pressure = Gauge(
+            "kvpilot_admission_pressure",
+            "Pressure of a route's first-tier pool from telemetry (1 = saturated), for routes "
+            "with service classes; NaN without fresh telemetry.",
+            ["route"],
+            **kwargs,
+        )
+        self.admission_admitted = Gauge(
+            "kvpilot_admission_admitted_ratio",
+            "Share of a service class's requests that Envoy admits on a route (the rest are "
+            "shed or diverted).",
+            ["route", "service_class"],
+            **kwargs,
+        )
+        self.admission_changes = Counter(
+            "kvpilot_admission_changes",
+            "Admission level changes of a route, by direction: restrict or readmit.",
+            ["route", "direction"],
+            **kwargs,
+        )
+        self.pool_endpoints = Gauge(
+            "kvpilot_pool_endpoints",
+            "Endpoints of each pool (static and registered), by the health kvpilot sends to "
+            "Envoy: healthy, degraded, draining or unhealthy.",
+            ["pool", "health"],
+            **kwargs,
+        )
 
 
 class Reconciler:
@@ -155,10 +188,19 @@ class Reconciler:
         self.metrics = metrics or ReconcileMetrics(CollectorRegistry())
         self.errors: dict[str, ObjectError] = {}
         self.plan: RoutingPlan | None = None
+        self.state: PolicyState | None = None
+        """The state the last plan was compiled from (objects, endpoints, telemetry)."""
+        self.telemetry_history = TelemetryHistory()
+        """The last few telemetry records of each endpoint, for the console."""
         self.last_build = BuildInfo()
         self._decoded = DecodedState()
+        self._memo = RouteMemo()
+        self._applied: dict[str, bytes] = {}
+        """The value each present key was last decoded from."""
         self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
+        self._admission: Mapping[str, AdmissionDecision] = {}
         self._next_stale_at = math.inf
+        self._next_admission_at = math.inf
         self._last_telemetry_build = -math.inf
         self._items: Mapping[str, KeyValue] = {}
         self._pending: set[str] = set()
@@ -192,17 +234,17 @@ class Reconciler:
         return not self._pending_full and _all_under(self._pending, TELEMETRY_PREFIX)
 
     async def _wait_dirty(self) -> None:
-        """Wait for a change, or until fresh telemetry goes stale (then weights must return to
-        neutral although nothing in etcd changed)."""
+        """Wait for a change, until fresh telemetry goes stale (then weights must return to
+        neutral although nothing in etcd changed), or until admission takes its next step."""
         while not self._dirty.is_set():
-            delay = self._next_stale_at - self.clock()
+            delay = min(self._next_stale_at, self._next_admission_at) - self.clock()
             if math.isinf(delay):
                 await self._dirty.wait()
                 return
             try:
                 await asyncio.wait_for(self._dirty.wait(), max(delay, 0.0))
             except TimeoutError:
-                self._next_stale_at = math.inf
+                self._next_stale_at = self._next_admission_at = math.inf
                 self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
 
     @property
@@ -269,9 +311,21 @@ class Reconciler:
             elif _all_under(changed, ENDPOINT_PREFIXES):
                 cause = "endpoints"
         for key in keys:
-            self._apply(key, items.get(key))
-        state = self._decoded.policy_state(previous_weights=self._weights, now=self.clock())
-        plan = compile_plan(state)
+            kv = items.get(key)
+            value = kv.value if kv is not None else None
+            if key in self._applied and self._applied[key] == value:
+                # A resync re-reads every key: the same bytes decode to the same object, so
+                # keep it (compilation reuses what it built from unchanged objects).
+                continue
+            self._apply(key, kv)
+            if value is None:
+                self._applied.pop(key, None)
+            else:
+                self._applied[key] = value
+        state = self._decoded.policy_state(
+            previous_weights=self._weights, previous_admission=self._admission, now=self.clock()
+        )
+        plan = compile_plan(state, self._memo)
         fleets: dict[str, dict[str, str]] = {}
         pushed = 0
         path = BUILD_PATHS[0]
@@ -291,7 +345,10 @@ class Reconciler:
             self.cache.delete_snapshot(stale)
         self._report(plan)
         self._track_weights(state, plan)
+        self._track_admission(plan)
+        self._count_endpoints(state, plan)
         self.plan = plan
+        self.state = state
         elapsed = time.perf_counter() - started
         self.last_build = BuildInfo(
             revision=revision,
@@ -321,10 +378,14 @@ class Reconciler:
         self.errors.pop(key, None)
         if key.startswith(TELEMETRY_PREFIX) and key.count("/") == 2:
             _, pool, endpoint_id = key.split("/")
-            if key not in self._decoded.telemetry:
+            record = self._decoded.telemetry.get(key)
+            if record is None:
+                self.telemetry_history.forget(pool, endpoint_id)
                 with contextlib.suppress(KeyError):  # never had a valid record
                     self.metrics.telemetry_age.remove(pool, endpoint_id)
-            elif not was_telemetry:
+                return
+            self.telemetry_history.add(pool, endpoint_id, record)
+            if not was_telemetry:
                 self.metrics.telemetry_age.labels(pool, endpoint_id).set_function(
                     partial(self._telemetry_age, key)
                 )
@@ -377,6 +438,61 @@ class Reconciler:
         self._weights = plan.weights
         # A little after the deadline, so the record is stale by then on any rounding.
         self._next_stale_at = next_stale + 0.05
+
+    def _track_admission(self, plan: RoutingPlan) -> None:
+        """Keep admission decisions for hysteresis, export them, and schedule the rebuild at
+        which the level would take its next step."""
+        metrics = self.metrics
+        for route, decision in plan.admission.items():
+            before = self._admission.get(route)
+            metrics.admission_pressure.labels(route).set(
+                math.nan if decision.pressure is None else decision.pressure
+            )
+            for service_class, share in (decision.admitted or {}).items():
+                metrics.admission_admitted.labels(route, service_class).set(share)
+            if before is not None and before.level != decision.level:
+                direction = "restrict" if decision.level > before.level else "readmit"
+                metrics.admission_changes.labels(route, direction).inc()
+                log.info(
+                    "admission on %s: level %d -> %d at pressure %s; admitted %s",
+                    route,
+                    before.level,
+                    decision.level,
+                    decision.pressure,
+                    dict(decision.admitted or {}),
+                )
+        for route, decision in self._admission.items():
+            if route not in plan.admission:
+                metrics.admission_pressure.remove(route)
+                for service_class in decision.admitted or {}:
+                    with contextlib.suppress(KeyError):
+                        metrics.admission_admitted.remove(route, service_class)
+        self._admission = plan.admission
+        # A little after the step is due, so the interval has passed on any rounding.
+        self._next_admission_at = (
+            min((d.next_step_at for d in plan.admission.values()), default=math.inf) + 0.05
+        )
+
+    def _count_endpoints(self, state: PolicyState, plan: RoutingPlan) -> None:
+        """Set ``kvpilot_pool_endpoints``: every pool's endpoints by the health sent to Envoy
+        (telemetry may have marked some degraded). Every health has a series, zeros included,
+        so an alert on "no healthy endpoint" sees a 0, not a missing series."""
+        for name, pool in state.pools.items():
+            counts = dict.fromkeys(get_args(EndpointHealth), 0)
+            decisions = plan.weights.get(name, {})
+            for endpoint in pool_endpoints(pool, state.registered.get(name, {})):
+                decision = decisions.get(endpoint.key)
+                health = (
+                    "degraded" if decision is not None and decision.degraded else endpoint.health
+                )
+                counts[health] += 1
+            for health, count in counts.items():
+                self.metrics.pool_endpoints.labels(name, health).set(count)
+        gone = set(self.state.pools) - set(state.pools) if self.state is not None else set()
+        for name in gone:
+            for health in get_args(EndpointHealth):
+                with contextlib.suppress(KeyError):
+                    self.metrics.pool_endpoints.remove(name, health)
 
     def _report(self, plan: RoutingPlan) -> None:
         previous = set(self.plan.diagnostics) if self.plan is not None else set()

@@ -23,6 +23,9 @@ key                                            value
 ``{prefix}/status/envoys/{replica}/{node_id}`` an Envoy's connection status as seen by one
                                                control-plane replica, under that replica's
                                                lease (gone when the replica is)
+``{prefix}-audit/{revision}-{random}``         one audit entry (``controlplane.audit``);
+                                               beside the prefix, not under it, so the
+                                               daemon's mirror never loads the log
 =============================================  =============================================
 
 Names (object names, pools, endpoint ids, replica and node ids) are single key segments: no
@@ -132,6 +135,34 @@ class Registration:
     """Its lease id; 0 for a registration without a TTL."""
 
 
+@dataclass(frozen=True, slots=True)
+class Actor:
+    """Who asks for a write: the API token's name (never its value) and the REST operation."""
+
+    name: str
+    operation: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteRecord:
+    """One write etcd applied on an actor's behalf, with the value it replaced."""
+
+    actor: Actor
+    action: str
+    """``create``, ``replace``, ``update`` (a status record), ``delete``, ``register`` or
+    ``deregister``."""
+    kind: str
+    """The object kind, or ``Endpoint`` for a registration."""
+    name: str
+    pool: str | None
+    before: KeyValue | None
+    after: Mapping[str, Any] | None
+    revision: int
+
+
+OnWrite = Callable[[WriteRecord], Awaitable[Any]]
+
+
 @dataclass(frozen=True)
 class StoredObject:
     kind: str
@@ -236,13 +267,35 @@ class Keys:
 class Store:
     """CRUD over kvpilot's keys, with revisions for optimistic concurrency."""
 
-    def __init__(self, client: EtcdClient, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(
+        self, client: EtcdClient, prefix: str = DEFAULT_PREFIX, *, on_write: OnWrite | None = None
+    ) -> None:
         self.client = client
         self.keys = Keys(prefix)
+        self.on_write = on_write
+        """Called after each write made with an ``actor`` (the audit log)."""
+
+    async def _written(
+        self,
+        actor: Actor | None,
+        action: str,
+        kind: str,
+        name: str,
+        before: KeyValue | None,
+        after: Mapping[str, Any] | None,
+        revision: int,
+        pool: str | None = None,
+    ) -> None:
+        if actor is not None and self.on_write is not None:
+            await self.on_write(
+                WriteRecord(actor, action, kind, name, pool, before, after, revision)
+            )
 
     # -- declarative objects -----------------------------------------------------------------
 
-    async def create(self, kind: str, name: str, body: Mapping[str, Any]) -> StoredObject:
+    async def create(
+        self, kind: str, name: str, body: Mapping[str, Any], *, actor: Actor | None = None
+    ) -> StoredObject:
         """Create an object; ``AlreadyExists`` if one with that name exists."""
         kind = self.keys.kind_name(kind)
         key = self.keys.absolute(self.keys.object(kind, name))
@@ -250,10 +303,17 @@ class Store:
             revision = await self.client.put(key, encode_json(body), expect_mod_revision=0)
         except ConflictError as err:
             raise AlreadyExists(kind, name, key, err.actual_mod_revision) from None
+        await self._written(actor, "create", kind, name, None, body, revision)
         return StoredObject(kind, name, dict(body), revision, revision)
 
     async def replace(
-        self, kind: str, name: str, body: Mapping[str, Any], *, expect_revision: int | None
+        self,
+        kind: str,
+        name: str,
+        body: Mapping[str, Any],
+        *,
+        expect_revision: int | None,
+        actor: Actor | None = None,
     ) -> StoredObject:
         """Write an object. ``expect_revision=None`` creates or overwrites unconditionally;
         ``N`` writes only if the object is at revision ``N`` (``RevisionMismatch`` otherwise,
@@ -261,11 +321,13 @@ class Store:
         kind = self.keys.kind_name(kind)
         key = self.keys.absolute(self.keys.object(kind, name))
         try:
-            kv = await self.client.put_kv(
+            kv, before = await self.client.put_with_previous(
                 key, encode_json(body), expect_mod_revision=expect_revision
             )
         except ConflictError as err:
             raise self._conflict(kind, name, err) from None
+        action = "replace" if before is not None else "create"
+        await self._written(actor, action, kind, name, before, body, kv.mod_revision)
         return StoredObject(kind, name, dict(body), kv.mod_revision, kv.create_revision)
 
     async def get(self, kind: str, name: str) -> StoredObject | None:
@@ -309,15 +371,28 @@ class Store:
                 log.warning("%s", err)
         return objects
 
-    async def delete(self, kind: str, name: str, *, expect_revision: int | None = None) -> bool:
+    async def delete(
+        self,
+        kind: str,
+        name: str,
+        *,
+        expect_revision: int | None = None,
+        actor: Actor | None = None,
+    ) -> bool:
         """Delete an object; False if it did not exist. With ``expect_revision``:
         ``RevisionMismatch`` if it moved on, ``NotFound`` if it is already gone."""
         kind = self.keys.kind_name(kind)
         key = self.keys.absolute(self.keys.object(kind, name))
         try:
-            return await self.client.delete(key, expect_mod_revision=expect_revision)
+            before, revision = await self.client.delete_with_previous(
+                key, expect_mod_revision=expect_revision
+            )
         except ConflictError as err:
             raise self._conflict(kind, name, err) from None
+        if before is None:
+            return False
+        await self._written(actor, "delete", kind, name, before, None, revision)
+        return True
 
     async def update(
         self,
@@ -326,6 +401,7 @@ class Store:
         edit: Callable[[StoredObject | None], Mapping[str, Any]],
         *,
         attempts: int = 10,
+        actor: Actor | None = None,
     ) -> StoredObject:
         """Read-modify-write with compare-and-swap: `edit` gets the object as it is now (None
         when it does not exist; it raises to give up) and returns the new body, which is
@@ -337,10 +413,27 @@ class Store:
             body = edit(current)
             expected = current.revision if current is not None else 0
             try:
-                return await self.replace(kind, name, body, expect_revision=expected)
+                return await self.replace(kind, name, body, expect_revision=expected, actor=actor)
             except (RevisionMismatch, NotFound, AlreadyExists):
                 continue
         raise Contended(f"{kind} {name!r} kept changing under {attempts} attempts; retry")
+
+    async def object_heads(self) -> tuple[Sequence[KeyValue], int]:
+        """Every object's current key and value (for walking its history back with
+        `version_before`), and the revision they were read at."""
+        return await self.client.get_prefix(self.keys.absolute(f"{OBJECTS}/"))
+
+    async def version_before(self, kv: KeyValue) -> KeyValue | None:
+        """What the key held before `kv` was written: None when `kv` created it (etcd keeps
+        every revision until compaction); ``CompactedError`` when etcd no longer has it."""
+        if kv.version <= 1:
+            return None
+        return await self.client.get(kv.key, revision=kv.mod_revision - 1)
+
+    @property
+    def etcd_endpoints(self) -> Sequence[str]:
+        """The etcd endpoints this store talks to."""
+        return self.client.endpoints
 
     async def values(self, sections: Sequence[str]) -> dict[str, bytes]:
         """Relative key -> value of every key under `sections` (``objects``, ``endpoints``,
@@ -376,15 +469,15 @@ class Store:
 
     async def _put_leased(
         self, relative: str, body: Mapping[str, Any], ttl: int | None, lease: int | None
-    ) -> tuple[int, int | None]:
+    ) -> tuple[KeyValue, KeyValue | None, int | None]:
         if ttl is not None and lease is not None:
             raise ValueError("give either ttl (grant a new lease) or lease (reuse one), not both")
         if ttl is not None:
             lease = await self.client.grant_lease(ttl)
-        revision = await self.client.put(
+        kv, before = await self.client.put_with_previous(
             self.keys.absolute(relative), encode_json(body), lease=lease or 0
         )
-        return revision, lease
+        return kv, before, lease
 
     async def put_endpoint(
         self,
@@ -394,13 +487,20 @@ class Store:
         *,
         ttl: int | None = None,
         lease: int | None = None,
+        actor: Actor | None = None,
     ) -> tuple[int, int | None]:
         """Register an endpoint; returns (revision, lease id or None).
 
         ``ttl`` grants a new lease so the registration disappears unless it is kept alive;
         ``lease`` attaches to an existing one (an agent registering several endpoints).
         """
-        return await self._put_leased(self.keys.endpoint(pool, endpoint_id), body, ttl, lease)
+        kv, before, lease = await self._put_leased(
+            self.keys.endpoint(pool, endpoint_id), body, ttl, lease
+        )
+        await self._written(
+            actor, "register", "Endpoint", endpoint_id, before, body, kv.mod_revision, pool
+        )
+        return kv.mod_revision, lease
 
     async def endpoints(self, pool: str) -> tuple[Sequence[Registration], int]:
         """The endpoints registered to `pool`, by id, and the revision of that read."""
@@ -443,8 +543,18 @@ class Store:
         """The etcd member's status: an answer means etcd is reachable."""
         return await self.client.status()
 
-    async def delete_endpoint(self, pool: str, endpoint_id: str) -> bool:
-        return await self.client.delete(self.keys.absolute(self.keys.endpoint(pool, endpoint_id)))
+    async def delete_endpoint(
+        self, pool: str, endpoint_id: str, *, actor: Actor | None = None
+    ) -> bool:
+        before, revision = await self.client.delete_with_previous(
+            self.keys.absolute(self.keys.endpoint(pool, endpoint_id))
+        )
+        if before is None:
+            return False
+        await self._written(
+            actor, "deregister", "Endpoint", endpoint_id, before, None, revision, pool
+        )
+        return True
 
     async def put_telemetry(
         self,
@@ -457,7 +567,23 @@ class Store:
     ) -> tuple[int, int | None]:
         """Record an endpoint's telemetry, normally under the reporting agent's ``lease``, so
         a silent agent's numbers expire instead of steering traffic forever."""
-        return await self._put_leased(self.keys.telemetry(pool, endpoint_id), body, ttl, lease)
+        kv, _, lease = await self._put_leased(
+            self.keys.telemetry(pool, endpoint_id), body, ttl, lease
+        )
+        return kv.mod_revision, lease
+
+    async def put_telemetry_many(
+        self, records: Sequence[tuple[str, str, Mapping[str, Any]]], *, lease: int
+    ) -> int:
+        """Record several endpoints' telemetry ((pool, endpoint id, body) each) under one
+        ``lease``, batched into few etcd transactions; returns the last revision."""
+        return await self.client.put_many(
+            [
+                (self.keys.absolute(self.keys.telemetry(pool, endpoint_id)), encode_json(body))
+                for pool, endpoint_id, body in records
+            ],
+            lease=lease,
+        )
 
     async def delete_telemetry(self, pool: str, endpoint_id: str) -> bool:
         return await self.client.delete(self.keys.absolute(self.keys.telemetry(pool, endpoint_id)))
@@ -466,10 +592,34 @@ class Store:
         self, replica_id: str, node_id: str, body: Mapping[str, Any], *, lease: int
     ) -> int:
         """Record an Envoy's connection status under the control-plane replica's lease."""
-        revision, _ = await self._put_leased(
+        kv, _, _ = await self._put_leased(
             self.keys.envoy_status(replica_id, node_id), body, None, lease
         )
-        return revision
+        return kv.mod_revision
+
+    # -- status records read and written by key (rollout progress and commands) ------------
+
+    async def get_record(self, relative: str) -> dict[str, Any] | None:
+        """The JSON record at ``relative`` (a key under the prefix), or None."""
+        kv = await self.client.get(self.keys.absolute(relative))
+        return decode_json(kv) if kv is not None else None
+
+    async def put_record(
+        self,
+        relative: str,
+        body: Mapping[str, Any],
+        *,
+        kind: str,
+        name: str,
+        actor: Actor | None = None,
+    ) -> int:
+        """Write the JSON record at ``relative``; with an ``actor`` the write is audited as
+        an ``update`` of ``kind``/``name`` (a rollout command, for example)."""
+        kv, before = await self.client.put_with_previous(
+            self.keys.absolute(relative), encode_json(body), expect_mod_revision=None
+        )
+        await self._written(actor, "update", kind, name, before, body, kv.mod_revision)
+        return kv.mod_revision
 
     async def delete_envoy_status(self, replica_id: str, node_id: str) -> bool:
         return await self.client.delete(

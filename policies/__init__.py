@@ -1,15 +1,17 @@
 """Policy objects, their validation, and compilation to a routing plan (no I/O)."""
 
-from policies.compile import PolicyState, cluster_name, compile_plan, listener_name
+from policies.compile import PolicyState, RouteMemo, cluster_name, compile_plan, listener_name
 from policies.models import (
     API_VERSION,
     KIND_PATHS,
     KINDS,
     PATH_KINDS,
     Endpoint,
+    EndpointHealth,
     Fleet,
     PolicyObject,
     Pool,
+    Rollout,
     RoutingPolicy,
     kind_named,
 )
@@ -24,6 +26,7 @@ __all__ = [
     "PATH_KINDS",
     "Diagnostic",
     "Endpoint",
+    "EndpointHealth",
     "FieldError",
     "Fleet",
     "FleetPlan",
@@ -31,6 +34,8 @@ __all__ = [
     "PolicyObject",
     "PolicyState",
     "Pool",
+    "Rollout",
+    "RouteMemo",
     "RoutingPlan",
     "RoutingPolicy",
     "cluster_name",

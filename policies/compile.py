@@ -14,21 +14,27 @@ Design choices, each forced by what Envoy does:
   else still ships.
 - Routes with ``balancing: telemetry`` take their endpoint weights and DEGRADED health from
   live telemetry (``policies.weights``); every other route keeps the static weights.
+- Routes of a policy with service classes take each class's admitted share from the pressure
+  of their first tier's replicas (``policies.admission``); it becomes route entries (RDS).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from policies.admission import AdmissionDecision, decide, pool_pressure
 from policies.models import (
+    ClassQueue,
     Endpoint,
     Fleet,
     FleetSpec,
     PolicyObject,
     Pool,
     PoolSpec,
+    Rollout,
     Route,
     RoutingPolicy,
     Tier,
@@ -37,6 +43,7 @@ from policies.plan import (
     DEFAULT_FLEET,
     Diagnostic,
     FleetPlan,
+    PlanClass,
     PlanCluster,
     PlanEndpoint,
     PlanListener,
@@ -49,6 +56,8 @@ from policies.weights import WeightDecision, WeightParams, pool_weights
 
 LOCAL_SUFFIX = "/local"
 """Suffix of the replicas' cluster of a route whose aggregate cluster also has providers."""
+QUEUE_INFIX = "/queue/"
+"""Between a route's cluster name and a class name: the cluster that queues that class."""
 SPLIT_SCALE = 100
 """Resolution of a split: a pool's endpoints share ``pool weight x SPLIT_SCALE`` weight units."""
 
@@ -66,24 +75,42 @@ class PolicyState:
     """Latest telemetry: pool name -> endpoint id (``address:port``) -> record."""
     previous_weights: Mapping[str, Mapping[str, WeightDecision]] = field(default_factory=dict)
     """``RoutingPlan.weights`` of the previous compile, for hysteresis."""
+    previous_admission: Mapping[str, AdmissionDecision] = field(default_factory=dict)
+    """``RoutingPlan.admission`` of the previous compile, for hysteresis."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
+    rollouts: Mapping[str, Rollout] = field(default_factory=dict)
+    """Rollouts: their routes' listeners report every upstream attempt to kvpilot."""
 
     @classmethod
     def from_objects(cls, objects: Iterable[PolicyObject], **live: Any) -> PolicyState:
         """File validated objects by kind (a later object replaces an earlier one of the same
         kind and name); ``live`` gives the other fields (registered endpoints, telemetry...)."""
-        by_kind: dict[type[PolicyObject], dict[str, Any]] = {Pool: {}, RoutingPolicy: {}, Fleet: {}}
+        by_kind: dict[type[PolicyObject], dict[str, Any]] = {
+            Pool: {},
+            RoutingPolicy: {},
+            Fleet: {},
+            Rollout: {},
+        }
         for obj in objects:
             by_kind[type(obj)][obj.metadata.name] = obj
         return cls(
-            pools=by_kind[Pool], policies=by_kind[RoutingPolicy], fleets=by_kind[Fleet], **live
+            pools=by_kind[Pool],
+            policies=by_kind[RoutingPolicy],
+            fleets=by_kind[Fleet],
+            rollouts=by_kind[Rollout],
+            **live,
         )
 
 
 def cluster_name(policy: str, route: str) -> str:
     """The Envoy cluster of one route."""
     return f"{policy}/{route}"
+
+
+def queue_cluster_name(route_cluster: str, service_class: str) -> str:
+    """The cluster whose circuit breakers queue one class of one route."""
+    return f"{route_cluster}{QUEUE_INFIX}{service_class}"
 
 
 def listener_name(port: int) -> str:
@@ -136,6 +163,87 @@ def telemetry_weights(state: PolicyState) -> dict[str, dict[str, WeightDecision]
     return out
 
 
+DEFAULT_MAX_AGE = 10.0
+"""Telemetry age limit of a pool without a ``telemetry`` section (TelemetrySource's default)."""
+
+
+def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
+    """Admission for every route of every policy with service classes: route cluster name
+    (``policy/route``) -> decision, from the pressure of the route's first-tier replicas."""
+    out: dict[str, AdmissionDecision] = {}
+    for policy_name in sorted(state.policies):
+        spec = state.policies[policy_name].spec
+        classes = spec.service_classes
+        if classes is None:
+            continue
+        for route in spec.routes:
+            endpoints: list[Endpoint] = []
+            telemetry: dict[str, TelemetryRecord] = {}
+            max_age = DEFAULT_MAX_AGE
+            for target in route.tiers[0].pools:
+                pool = state.pools.get(target.pool)
+                if pool is None or is_external(pool) or target.weight == 0:
+                    continue
+                endpoints.extend(pool_endpoints(pool, state.registered.get(target.pool, {})))
+                telemetry.update(state.telemetry.get(target.pool, {}))
+                if pool.spec.telemetry is not None:
+                    max_age = min(max_age, pool.spec.telemetry.max_age)
+            pressure = pool_pressure(
+                endpoints, telemetry, now=state.now, max_age=max_age, saturation=classes.saturation
+            )
+            name = cluster_name(policy_name, route.name)
+            out[name] = decide(
+                state.previous_admission.get(name),
+                pressure,
+                classes.classes,
+                now=state.now,
+                saturation=classes.saturation,
+            )
+    return out
+
+
+def _plan_classes(
+    policy: RoutingPolicy, route: Route, admission: AdmissionDecision | None
+) -> tuple[PlanClass, ...]:
+    """The route's classes in the order Envoy tries them: those with a match, most important
+    first, then the route's fallback class (its serviceClass, else the policy's default)."""
+    classes = policy.spec.service_classes
+    if classes is None:
+        return ()
+    decision = admission or AdmissionDecision()
+
+    def plan_class(index: int, *, fallback: bool) -> PlanClass:
+        service_class = classes.classes[index]
+        match = service_class.match
+        divert = service_class.divert_to
+        action = service_class.when_saturated
+        if divert == route.name:
+            # A route cannot divert to itself: this class is what it takes in.
+            action, divert = "admit", None
+        target = cluster_name(policy.metadata.name, divert) if divert else ""
+        if action == "queue":
+            target = queue_cluster_name(
+                cluster_name(policy.metadata.name, route.name), service_class.name
+            )
+        return PlanClass(
+            name=service_class.name,
+            headers=()
+            if fallback or match is None
+            else tuple((h.name, h.value) for h in match.headers),
+            tenants=() if fallback or match is None else tuple(match.tenants),
+            action=action,
+            admitted=decision.share(service_class.name) if action != "admit" else 1.0,
+            retry_after=max(1, math.ceil(service_class.retry_after)),
+            target_cluster=target,
+            budget=service_class.budget,
+        )
+
+    names = classes.names()
+    matched = [plan_class(i, fallback=False) for i, c in enumerate(classes.classes) if c.match]
+    fallback = plan_class(names.index(route.service_class or classes.default), fallback=True)
+    return (*matched, fallback)
+
+
 def _tier_endpoints(
     tier: Tier,
     priority: int,
@@ -160,24 +268,29 @@ def _tier_endpoints(
         if endpoints:
             members.append((target.weight, pool, endpoints))
     out: list[PlanEndpoint] = []
+    single = len(members) == 1
     for pool_weight, pool, endpoints in members:
         total = sum(weight for _, weight, _ in endpoints)
+        name = pool.metadata.name
+        hostname = pool.spec.host_rewrite or ""
         for endpoint, endpoint_weight, health in endpoints:
-            if len(members) == 1:
+            if single:
                 weight = endpoint_weight
             else:
                 weight = max(1, round(endpoint_weight * pool_weight * SPLIT_SCALE / total))
+            locality = endpoint.locality
+            # Positional: this runs once per endpoint and route.
             out.append(
                 PlanEndpoint(
-                    pool=pool.metadata.name,
-                    address=endpoint.address,
-                    port=endpoint.port,
-                    weight=weight,
-                    priority=priority,
-                    health=health,
-                    region=endpoint.locality.region if endpoint.locality else "",
-                    zone=endpoint.locality.zone if endpoint.locality else "",
-                    hostname=pool.spec.host_rewrite or "",
+                    name,
+                    endpoint.address,
+                    endpoint.port,
+                    weight,
+                    priority,
+                    health,
+                    locality.region if locality else "",
+                    locality.zone if locality else "",
+                    hostname,
                 )
             )
     return out
@@ -221,7 +334,7 @@ def _route_diagnostics(
                             path,
                         )
                     )
-            if not pool_endpoints(pool, state.registered.get(target.pool, {})):
+            if not pool.spec.endpoints and not state.registered.get(target.pool):
                 out.append(
                     Diagnostic(
                         "warning",
@@ -287,6 +400,7 @@ def _compile_route(
     route: Route,
     state: PolicyState,
     weights: Mapping[str, Mapping[str, WeightDecision]],
+    admission: AdmissionDecision | None = None,
 ) -> tuple[list[PlanCluster], PlanRoute]:
     """The clusters of one route and its route entry.
 
@@ -340,14 +454,25 @@ def _compile_route(
                 }
             )
         ),
+        classes=_plan_classes(policy, route, admission),
+        tenant_header=policy.spec.service_classes.tenant_header
+        if policy.spec.service_classes is not None
+        else "",
+    )
+    classes = policy.spec.service_classes
+    queues = tuple(
+        (queue_cluster_name(name, c.name), c.queue or ClassQueue())
+        for c in (classes.queued if classes is not None else [])
     )
     if not providers:
-        return [_cluster(name, route, spec, endpoints)], plan_route
+        return [_cluster(name, route, spec, endpoints, queues=queues)], plan_route
     members: list[str] = []
     clusters: list[PlanCluster] = []
     if local:
         local_name = name + LOCAL_SUFFIX
-        clusters.append(_cluster(local_name, route, spec, endpoints, eds_service=name))
+        clusters.append(
+            _cluster(local_name, route, spec, endpoints, eds_service=name, queues=queues)
+        )
         members.append(local_name)
     for pool in providers:
         provider = _provider_cluster(f"{name}/provider/{pool.metadata.name}", route, pool, state)
@@ -355,6 +480,15 @@ def _compile_route(
         members.append(provider.name)
     aggregate = _cluster(name, route, spec, (), kind="aggregate", members=tuple(members))
     return [aggregate, *clusters], plan_route
+
+
+def rollout_clusters(state: PolicyState) -> set[str]:
+    """Clusters of the routes that a Rollout analyses with data-plane metrics."""
+    return {
+        cluster_name(rollout.spec.target.policy, rollout.spec.target.route)
+        for rollout in state.rollouts.values()
+        if any(rule.metric is not None for rule in rollout.spec.analysis.rules)
+    }
 
 
 def fleet_names(state: PolicyState) -> list[str]:
@@ -369,20 +503,32 @@ def _applies(policy: RoutingPolicy, fleet: str) -> bool:
     return "*" in policy.spec.fleets or fleet in policy.spec.fleets
 
 
-def compile_plan(state: PolicyState) -> RoutingPlan:
-    """Build the routing plan for every fleet. Pure: the same state gives the same plan."""
+def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPlan:
+    """Build the routing plan for every fleet. Pure: the same state gives the same plan, with
+    or without `memo` (which only saves recompiling routes whose inputs did not change)."""
     diagnostics: list[Diagnostic] = []
     compiled: dict[str, tuple[list[PlanCluster], PlanVirtualHost]] = {}
     weights = telemetry_weights(state)
+    memo = memo if memo is not None else RouteMemo()
+    entries: dict[str, _MemoEntry] = {}
+    admission = admission_decisions(state)
     for policy_name in sorted(state.policies):
         policy = state.policies[policy_name]
         policy_clusters = []
         routes = []
         for index, route in enumerate(policy.spec.routes):
-            diagnostics.extend(_route_diagnostics(policy, index, route, state))
-            route_clusters, plan_route = _compile_route(policy, route, state, weights)
-            policy_clusters.extend(route_clusters)
-            routes.append(plan_route)
+            entry = memo.route(
+                policy,
+                index,
+                route,
+                state,
+                weights,
+                admission.get(cluster_name(policy_name, route.name)),
+            )
+            entries[cluster_name(policy_name, route.name)] = entry
+            diagnostics.extend(entry.diagnostics)
+            policy_clusters.extend(entry.clusters)
+            routes.append(entry.route)
         compiled[policy_name] = (
             policy_clusters,
             PlanVirtualHost(
@@ -393,6 +539,7 @@ def compile_plan(state: PolicyState) -> RoutingPlan:
             ),
         )
 
+    watched = rollout_clusters(state)
     fleets = []
     for fleet in fleet_names(state):
         fleet_object = state.fleets.get(fleet)
@@ -419,6 +566,9 @@ def compile_plan(state: PolicyState) -> RoutingPlan:
                     max_request_body_bytes=settings.max_request_body_bytes,
                     access_log=settings.access_log,
                     drain_timeout=settings.drain_timeout,
+                    upstream_signals=any(
+                        route.cluster in watched for vhost in vhosts for route in vhost.routes
+                    ),
                 )
             )
         fleets.append(
@@ -430,7 +580,77 @@ def compile_plan(state: PolicyState) -> RoutingPlan:
                 trusted_ca_file=settings.trusted_ca_file,
             )
         )
-    return RoutingPlan(fleets=tuple(fleets), diagnostics=_dedupe(diagnostics), weights=weights)
+    memo.keep(entries)
+    return RoutingPlan(
+        fleets=tuple(fleets),
+        diagnostics=_dedupe(diagnostics),
+        weights=weights,
+        admission=admission,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _MemoEntry:
+    inputs: tuple[object, ...]
+    diagnostics: list[Diagnostic]
+    clusters: list[PlanCluster]
+    route: PlanRoute
+
+
+class RouteMemo:
+    """What `compile_plan` built for each route last time, and the objects it read to build it.
+
+    A route is compiled again only when it changed, or when one of its other inputs is not the
+    very object it was last time: for each pool it names the pool, its registered endpoints and its
+    telemetry weights. Callers that keep unchanged objects (the reconciler's decoded state
+    replaces a pool's endpoint mapping only when one of them changes) pay for what changed, not
+    for the fleet; an endpoint change recompiles the routes of its pool alone, and the plan's
+    other clusters stay the same objects, which translation compares by identity first. Inputs
+    are held, so an identity is never that of a collected object.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _MemoEntry] = {}
+
+    def route(
+        self,
+        policy: RoutingPolicy,
+        index: int,
+        route: Route,
+        state: PolicyState,
+        weights: Mapping[str, Mapping[str, WeightDecision]],
+        admission: AdmissionDecision | None = None,
+    ) -> _MemoEntry:
+        """The compiled route, reused when its inputs are unchanged."""
+        route_weights = weights if route.balancing == "telemetry" else {}
+        names = [target.pool for tier in route.tiers for target in tier.pools]
+        inputs = (
+            (route, policy.spec.service_classes, admission),
+            index,
+            *(state.pools.get(name) for name in names),
+            *(state.registered.get(name) for name in names),
+            *(route_weights.get(name) for name in names),
+        )
+        name = cluster_name(policy.metadata.name, route.name)
+        entry = self._entries.get(name)
+        if (
+            entry is not None
+            and len(entry.inputs) == len(inputs)
+            # The route, its policy's service classes and its admission are small, and
+            # a policy edit makes them all new objects: compare them by value; the rest is large
+            # and compared by identity.
+            and entry.inputs[0] == inputs[0]
+            and all(a is b for a, b in zip(entry.inputs[1:], inputs[1:], strict=True))
+        ):
+            return entry
+        clusters, plan_route = _compile_route(policy, route, state, weights, admission)
+        return _MemoEntry(
+            inputs, _route_diagnostics(policy, index, route, state), clusters, plan_route
+        )
+
+    def keep(self, entries: dict[str, _MemoEntry]) -> None:
+        """Remember exactly this compile's routes (dropping the ones that are gone)."""
+        self._entries = entries
 
 
 def _merge_listener(

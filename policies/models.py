@@ -1,4 +1,4 @@
-"""The declarative objects users edit: Pool, RoutingPolicy and Fleet.
+"""The declarative objects users edit: Pool, RoutingPolicy, Fleet and Rollout.
 
 Each object is a Kubernetes-like envelope (``apiVersion``, ``kind``, ``metadata.name``,
 ``spec``) read from YAML or JSON. Field names are camelCase on the wire and snake_case in
@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 API_VERSION = "kvpilot.io/v1"
 
@@ -129,9 +130,10 @@ class Endpoint(Model):
         "endpoint out of rotation; 'degraded' keeps it as a last resort. Default: healthy.",
     )
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """Stable identity of the endpoint within its pool: ``address:port``."""
+        """Stable identity of the endpoint within its pool: ``address:port``. Worked out once
+        per parsed endpoint: validation, compile and telemetry weights all ask for it."""
         return f"{self.address}:{self.port}"
 
 
@@ -466,6 +468,225 @@ class RateLimit(Model):
     )
 
 
+# --------------------------------------------------------------------------------------------
+# Service classes
+# --------------------------------------------------------------------------------------------
+
+ClassAction = Literal["admit", "shed", "queue", "divert"]
+
+
+class ClassMatch(Model):
+    """Which requests belong to a class. All given conditions must hold."""
+
+    headers: list[HeaderMatch] = Field(
+        default_factory=list,
+        description="Exact header matches, for example x-priority: batch. Default: none.",
+    )
+    tenants: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
+        default_factory=list,
+        description="Values of the tenant header (serviceClasses.tenantHeader) whose requests "
+        "belong to this class. Default: any tenant.",
+    )
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> ClassMatch:
+        if not self.headers and not self.tenants:
+            raise ValueError("a class match needs headers or tenants; leave match out instead")
+        return self
+
+
+class ClassObjective(Model):
+    """What the class is promised while the fleet has room."""
+
+    ttft: Duration = Field(
+        description="Time-to-first-token target (time to first byte for non-streaming "
+        "requests), for example '1s' for interactive chat or '60s' for batch. Requests that "
+        "meet it count as goodput."
+    )
+
+
+class ClassBudget(Model):
+    """A token bucket for the whole class on each Envoy, shared fairly among its tenants."""
+
+    requests: int = Field(ge=1, description="Requests the class may send per unit.")
+    unit: Literal["second", "minute", "hour"] = Field(
+        "second", description="Time unit. Default: second."
+    )
+    burst: int | None = Field(None, ge=1, description="Bucket size. Default: equal to requests.")
+    tenant_share: int = Field(
+        100,
+        ge=1,
+        le=100,
+        description="Largest share of the class budget one tenant (a value of the tenant "
+        "header) may take, in percent. Each tenant gets a bucket of this share of the budget; "
+        "a request spends from its tenant's bucket and from the class bucket. Default: 100.",
+    )
+
+
+class ClassQueue(Model):
+    """Where a queued class waits: in each Envoy, at most ``concurrency`` of its requests at
+    the pool at once and ``size`` more waiting for one of those places (Envoy's circuit
+    breakers on a cluster of the class's own); past that Envoy answers 503 at once."""
+
+    concurrency: int = Field(
+        8,
+        ge=1,
+        le=100_000,
+        description="Requests of the class in flight to the pool at once, per Envoy: a "
+        "connection limit, since with http1 each request holds a connection of its own. Envoy "
+        "lets each worker thread open one connection past the limit, so the bound is at "
+        "least the number of workers. Default: 8.",
+    )
+    size: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="Requests that wait in each Envoy for a place; more overflow with 503. "
+        "Default: 1000.",
+    )
+
+
+class ServiceClass(Model):
+    """A class of traffic with an objective and what to do when the fleet cannot meet it.
+
+    While the route's pool is saturated (``serviceClasses.saturation``), kvpilot restricts the
+    lowest classes first, in steps, and gives them back in the reverse order once the pool
+    has recovered; classes whose action is ``admit`` are never restricted.
+    """
+
+    name: Name = Field(description="Class name, unique within the policy.")
+    match: ClassMatch | None = Field(
+        None,
+        description="Which requests belong to the class. Classes are tried in order; a "
+        "request that matches none takes its route's serviceClass (or defaultClass). "
+        "Default: none (only routes and defaultClass name the class).",
+    )
+    objective: ClassObjective = Field(description="Time-to-first-token target.")
+    when_saturated: ClassAction = Field(
+        "admit",
+        description="What Envoy does with the class's requests while the pool is saturated: "
+        "admit (keep serving, queueing at the replicas), shed (answer 429 with Retry-After, "
+        "in OpenAI's error format), queue (hold them in Envoy, see queue) or divert (send "
+        "them to the route named by divertTo, for example a lower tier or an external "
+        "provider). Default: admit.",
+    )
+    retry_after: Duration = Field(
+        10.0,
+        description="Retry-After sent with shed requests, rounded up to whole seconds. "
+        "Default: 10s.",
+    )
+    divert_to: Name | None = Field(
+        None,
+        description="Route of this policy that takes diverted requests (whenSaturated: "
+        "divert). Default: none.",
+    )
+    queue: ClassQueue | None = Field(
+        None,
+        description="Bounds of the queue in Envoy (whenSaturated: queue). Default: "
+        "concurrency 8, size 1000.",
+    )
+    budget: ClassBudget | None = Field(
+        None, description="Request budget of the class, fair among tenants. Default: none."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ServiceClass:
+        if self.queue is not None and self.when_saturated != "queue":
+            raise ValueError("queue applies only with whenSaturated 'queue'")
+        if self.when_saturated == "divert" and self.divert_to is None:
+            raise ValueError("whenSaturated 'divert' needs divertTo: the route that takes them")
+        if self.divert_to is not None and self.when_saturated != "divert":
+            raise ValueError("divertTo applies only with whenSaturated 'divert'")
+        return self
+
+
+class Saturation(Model):
+    """When a pool counts as saturated, from its live telemetry (``Pool.spec.telemetry``).
+
+    Pressure is the largest of the pool's mean queue, KV-cache use and pending tokens, each
+    divided by its bound here: 1.0 means saturated. kvpilot sheds (or diverts) one more step
+    of the lowest restricted class while pressure is at or above ``high`` and not falling,
+    and gives one step back while it is at or below ``low``: between the two nothing moves.
+    """
+
+    queue: float = Field(
+        4.0,
+        gt=0,
+        description="Mean requests waiting per replica at which the pool is saturated. Default: 4.",
+    )
+    kv_cache: float = Field(
+        0.95, gt=0, le=1, description="Mean KV-cache use that saturates the pool. Default: 0.95."
+    )
+    pending_tokens: float | None = Field(
+        None,
+        gt=0,
+        description="Mean tokens admitted but not yet processed per replica that saturate the "
+        "pool. Default: not used.",
+    )
+    high: float = Field(
+        1.0, gt=0, description="Pressure at which the next step is shed. Default: 1.0."
+    )
+    low: float = Field(
+        0.5, ge=0, description="Pressure at or below which a step is given back. Default: 0.5."
+    )
+    step: int = Field(
+        25,
+        ge=1,
+        le=100,
+        description="Share of a class's requests restricted or given back at a time, in "
+        "percent. Default: 25.",
+    )
+    shed_interval: Duration = Field(
+        1.0, description="Least time between two steps of shedding. Default: 1s."
+    )
+    recover_interval: Duration = Field(
+        3.0,
+        description="Least time between a change and a step given back; longer than "
+        "shedInterval so a recovering pool does not flap. Default: 3s.",
+    )
+
+    @model_validator(mode="after")
+    def _band(self) -> Saturation:
+        if self.low >= self.high:
+            raise ValueError("saturation low must be below high (the hysteresis band)")
+        return self
+
+
+class ServiceClasses(Model):
+    """Classes of service of a policy's routes, most important first."""
+
+    classes: list[ServiceClass] = Field(
+        min_length=1, max_length=8, description="The classes, most important first."
+    )
+    default_class: Name | None = Field(
+        None,
+        description="Class of requests that no class matches and whose route names none. "
+        "Default: the first class.",
+    )
+    tenant_header: HeaderName = Field(
+        "x-tenant-id",
+        description="Header naming the tenant, for class matches by tenant and for tenant "
+        "shares of a class budget. Default: x-tenant-id.",
+    )
+    saturation: Saturation = Field(
+        default_factory=Saturation, description="When the pool counts as saturated."
+    )
+
+    def names(self) -> list[str]:
+        """Class names, most important first."""
+        return [service_class.name for service_class in self.classes]
+
+    @property
+    def queued(self) -> list[ServiceClass]:
+        """The classes that wait in Envoy when restricted."""
+        return [c for c in self.classes if c.when_saturated == "queue"]
+
+    @property
+    def default(self) -> str:
+        """The class of requests that nothing else classifies."""
+        return self.default_class or self.classes[0].name
+
+
 class Route(Model):
     """A set of requests and where they go."""
 
@@ -488,6 +709,11 @@ class Route(Model):
     retries: Retries = Field(default_factory=Retries, description="Retry policy.")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="Time limits.")
     rate_limit: RateLimit | None = Field(None, description="Rate limit. Default: none.")
+    service_class: Name | None = Field(
+        None,
+        description="Class of this route's requests that no class's match claims (see "
+        "serviceClasses). Default: the policy's defaultClass.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Route:
@@ -532,6 +758,11 @@ class RoutingPolicySpec(Model):
         description="Header that overrides the body's 'model' field for routing. Default: x-model.",
     )
     routes: list[Route] = Field(min_length=1, description="Routes, first match wins.")
+    service_classes: ServiceClasses | None = Field(
+        None,
+        description="Classes of service: which requests keep their latency and which are shed "
+        "or diverted first when the pool is saturated. Default: none (one class, never shed).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RoutingPolicySpec:
@@ -539,7 +770,61 @@ class RoutingPolicySpec(Model):
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"route name {name!r} is used twice")
+        errors = self._class_errors(names)
+        if errors:
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError("value_error", message.replace("{", "{{")),
+                        loc=location,
+                        input=None,
+                    )
+                    for location, message in errors
+                ],
+            )
         return self
+
+    def _class_errors(self, routes: list[str]) -> list[tuple[tuple[str | int, ...], str]]:
+        """References between classes and routes, each with the path of the field at fault."""
+        errors: list[tuple[tuple[str | int, ...], str]] = []
+        classes = self.service_classes
+        declared = classes.names() if classes is not None else []
+        for index, route in enumerate(self.routes):
+            if route.service_class is not None and route.service_class not in declared:
+                errors.append(
+                    (
+                        ("routes", index, "serviceClass"),
+                        f"class {route.service_class!r} is not declared in serviceClasses"
+                        + (f" (declared: {', '.join(declared)})" if declared else ""),
+                    )
+                )
+        if classes is None:
+            return errors
+        where: tuple[str | int, ...] = ("serviceClasses",)
+        for index, name in enumerate(declared):
+            if declared.index(name) != index:
+                errors.append(
+                    ((*where, "classes", index, "name"), f"class {name!r} is declared twice")
+                )
+        if classes.default_class is not None and classes.default_class not in declared:
+            errors.append(
+                (
+                    (*where, "defaultClass"),
+                    f"class {classes.default_class!r} is not declared; declared: "
+                    + ", ".join(declared),
+                )
+            )
+        for index, service_class in enumerate(classes.classes):
+            if service_class.divert_to is not None and service_class.divert_to not in routes:
+                errors.append(
+                    (
+                        (*where, "classes", index, "divertTo"),
+                        f"route {service_class.divert_to!r} is not a route of this policy; "
+                        f"routes: {', '.join(routes)}",
+                    )
+                )
+        return errors
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,6 +855,222 @@ class FleetSpec(Model):
         description="PEM bundle of CAs on each Envoy host that TLS pools trust unless they name "
         "their own caFile. Default: /etc/ssl/certs/ca-certificates.crt.",
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Rollout
+# --------------------------------------------------------------------------------------------
+
+
+class RolloutTarget(Model):
+    """The route tier whose pool weights a rollout changes."""
+
+    policy: Name = Field(description="Name of the RoutingPolicy.")
+    route: Name = Field(description="Name of the route within that policy.")
+    tier: int = Field(
+        0, ge=0, le=7, description="Index of the failover tier whose split changes. Default: 0."
+    )
+
+
+class RolloutStep(Model):
+    """One step of weight, held until its minimum duration and requests have passed and the
+    analysis found nothing wrong."""
+
+    weight: int | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="The canary pool's share of the tier, in percent; the stable pool gets the "
+        "rest. Give this or 'weights'.",
+    )
+    weights: dict[Name, Annotated[int, Field(ge=0, le=100)]] | None = Field(
+        None,
+        description="Every pool's share of the tier at this step, in percent, adding up to "
+        "100 (a set of pool weights moving to another). Give this or 'weight'.",
+    )
+    min_duration: Duration = Field(
+        60.0, description="Least time the step is held before the next one. Default: 60s."
+    )
+    min_requests: int = Field(
+        0,
+        ge=0,
+        description="Least requests the canary must have answered during the step before the "
+        "next one. Default: 0.",
+    )
+
+
+RolloutMetric = Literal["errorRate", "ttfb", "latency"]
+"""``errorRate``: 5xx answers over requests; ``ttfb``: time from the request reaching the
+replica to its first response byte (time to first token for a streamed completion);
+``latency``: time to the last response byte."""
+
+
+class AnalysisRule(Model):
+    """A check on the canary's live numbers during every step."""
+
+    name: str = Field(
+        "", max_length=63, description="Label shown in status. Default: the metric's name."
+    )
+    metric: RolloutMetric | None = Field(
+        None,
+        description="A data-plane metric measured by the Envoys themselves, per pool: "
+        "errorRate (5xx answers / requests, 0-1), ttfb (time to first byte, seconds) or "
+        "latency (time to last byte, seconds). Give this or 'query'.",
+    )
+    percentile: float = Field(
+        95.0, gt=0, lt=100, description="Percentile of ttfb or latency. Default: 95."
+    )
+    max: float | None = Field(
+        None,
+        ge=0,
+        description="Fail when the canary's value (or the query's) is above this: a fraction "
+        "for errorRate, seconds for ttfb and latency.",
+    )
+    max_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="Fail when the canary's value is above this multiple of the stable "
+        "pool's, measured over the same step (for errorRate: above the stable rate times this, "
+        "plus 1 percentage point).",
+    )
+    query: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="A PromQL query against analysis.prometheus instead of a data-plane "
+        "metric; its value is compared with 'max'. '{canary}', '{stable}', '{route}' and "
+        "'{interval}' (the step's age, e.g. '30s') are filled in.",
+    )
+
+    @property
+    def label(self) -> str:
+        """The rule's name in status and history."""
+        if self.name:
+            return self.name
+        if self.metric in ("ttfb", "latency"):
+            return f"{self.metric} p{self.percentile:g}"
+        return self.metric or "query"
+
+
+class PrometheusSource(Model):
+    """A Prometheus server that query rules read."""
+
+    url: str = Field(pattern=r"^https?://", description="Base URL, e.g. http://prometheus:9090.")
+    timeout: Duration = Field(5.0, description="Query timeout. Default: 5s.")
+
+
+def _default_rules() -> list[AnalysisRule]:
+    return [AnalysisRule(metric="errorRate", max=0.05)]
+
+
+class Analysis(Model):
+    """How each step's verdict is reached."""
+
+    min_sample: int = Field(
+        50,
+        ge=1,
+        description="Requests the canary (and, for relative rules, the stable pool) must have "
+        "answered during the step before any verdict. Default: 50.",
+    )
+    interval: Duration = Field(1.0, description="How often the rules are evaluated. Default: 1s.")
+    rules: list[AnalysisRule] = Field(
+        default_factory=_default_rules,
+        description="Checks that must all pass. Default: errorRate at most 5%.",
+    )
+    prometheus: PrometheusSource | None = Field(
+        None, description="Prometheus server for query rules. Default: none."
+    )
+
+
+FailureAction = Literal["rollback", "pause"]
+
+
+class RolloutSpec(Model):
+    """Move a route tier's weight between pools step by step, watching the data plane."""
+
+    target: RolloutTarget = Field(description="Which route tier.")
+    stable: Name | None = Field(
+        None, description="The pool weight moves away from (steps with 'weight')."
+    )
+    canary: Name | None = Field(None, description="The pool weight moves to (steps with 'weight').")
+    steps: list[RolloutStep] = Field(
+        min_length=1, max_length=100, description="Steps in order; the last is the end state."
+    )
+    analysis: Analysis = Field(
+        default_factory=Analysis, description="Checks applied at every step."
+    )
+    on_failure: FailureAction = Field(
+        "rollback",
+        description="What a failed check does: rollback (back to the weights the rollout "
+        "started from) or pause (hold the current step for a person). Default: rollback.",
+    )
+
+    def problems(self) -> list[tuple[str, str]]:
+        """Consistency problems between fields, each as (path under spec, sentence)."""
+        out: list[tuple[str, str]] = []
+        uses_weight = False
+        previous: int | None = None
+        for index, step in enumerate(self.steps):
+            path = f"steps[{index}]"
+            if (step.weight is None) == (step.weights is None):
+                out.append((path, "give either 'weight' (the canary's percent) or 'weights'"))
+                continue
+            if step.weight is not None:
+                uses_weight = True
+                if previous is not None and step.weight <= previous:
+                    out.append(
+                        (
+                            f"{path}.weight",
+                            f"steps must raise the canary's weight: {step.weight} does not "
+                            f"come after {previous}",
+                        )
+                    )
+                previous = step.weight
+            elif step.weights is not None and sum(step.weights.values()) != 100:
+                out.append(
+                    (
+                        f"{path}.weights",
+                        f"the weights add up to {sum(step.weights.values())}, not 100",
+                    )
+                )
+        if uses_weight:
+            for field_name in ("stable", "canary"):
+                if getattr(self, field_name) is None:
+                    out.append((field_name, "steps with 'weight' need a stable and a canary pool"))
+            if self.stable is not None and self.stable == self.canary:
+                out.append(("canary", "the canary pool must differ from the stable pool"))
+        for index, rule in enumerate(self.analysis.rules):
+            path = f"analysis.rules[{index}]"
+            if (rule.metric is None) == (rule.query is None):
+                out.append((path, "give either 'metric' or 'query'"))
+            elif rule.query is not None:
+                if rule.max is None:
+                    out.append((f"{path}.max", "a query rule needs 'max'"))
+                if rule.max_ratio is not None:
+                    out.append((f"{path}.maxRatio", "a query rule compares with 'max' only"))
+                if self.analysis.prometheus is None:
+                    out.append((f"{path}.query", "a query rule needs analysis.prometheus.url"))
+            elif rule.max is None and rule.max_ratio is None:
+                out.append((path, "give 'max', 'maxRatio' or both"))
+        return out
+
+    def step_weights(self, index: int) -> dict[str, int]:
+        """Every pool's weight (percent) at step ``index``."""
+        step = self.steps[index]
+        if step.weights is not None:
+            return dict(step.weights)
+        assert step.weight is not None and self.stable and self.canary
+        return {self.stable: 100 - step.weight, self.canary: step.weight}
+
+    def pools(self) -> list[str]:
+        """Every pool the rollout moves weight between, in first-mention order."""
+        names: dict[str, None] = {}
+        for field_name in (self.stable, self.canary):
+            if field_name:
+                names[field_name] = None
+        for step in self.steps:
+            names.update(dict.fromkeys(step.weights or {}))
+        return list(names)
 
 
 # --------------------------------------------------------------------------------------------
@@ -612,17 +1113,26 @@ class Fleet(_Object):
     spec: FleetSpec = Field(default_factory=FleetSpec)
 
 
-PolicyObject = Pool | RoutingPolicy | Fleet
+class Rollout(_Object):
+    """A progressive weight change with automatic analysis and rollback."""
+
+    kind: Literal["Rollout"] = "Rollout"
+    spec: RolloutSpec
+
+
+PolicyObject = Pool | RoutingPolicy | Fleet | Rollout
 KINDS: dict[str, type[PolicyObject]] = {
     "Pool": Pool,
     "RoutingPolicy": RoutingPolicy,
     "Fleet": Fleet,
+    "Rollout": Rollout,
 }
 
 KIND_PATHS: dict[str, str] = {
     "Pool": "pools",
     "RoutingPolicy": "routingpolicies",
     "Fleet": "fleets",
+    "Rollout": "rollouts",
 }
 """Each kind's plural: its REST path segment (``/v1/pools``) and its etcd key segment."""
 
@@ -644,8 +1154,17 @@ def kind_named(text: str) -> str | None:
     return text if text in KIND_PATHS else _KIND_ALIASES.get(text.lower())
 
 
+_IPV4 = re.compile(
+    r"(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+)
+"""The dotted quads `ipaddress` accepts (no leading zeros): a pool of 10,000 endpoints is
+checked in a few milliseconds instead of a few hundred."""
+
+
 def is_ip(address: str) -> bool:
     """True for an IPv4 or IPv6 address, False for a DNS name."""
+    if _IPV4.fullmatch(address):
+        return True
     try:
         ipaddress.ip_address(address)
     except ValueError:

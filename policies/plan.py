@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
+from policies.admission import AdmissionDecision
 from policies.models import (
     TLS,
     AuthHeader,
     Balancing,
     CircuitBreakers,
+    ClassAction,
+    ClassBudget,
+    ClassQueue,
     EndpointHealth,
     HealthCheck,
     OutlierDetection,
@@ -31,9 +35,12 @@ DEFAULT_FLEET = "default"
 """The fleet whose config an Envoy gets when its node.cluster has no config of its own."""
 
 
-@dataclass(frozen=True, slots=True)
-class PlanEndpoint:
-    """One upstream host in one priority of a cluster."""
+class PlanEndpoint(NamedTuple):
+    """One upstream host in one priority of a cluster.
+
+    A named tuple rather than a frozen dataclass: a fleet has one per endpoint and route, and a
+    tuple is built several times faster (a frozen dataclass sets each field through
+    ``object.__setattr__``), which at 10,000 endpoints is a good part of a compile."""
 
     pool: str
     address: str
@@ -75,6 +82,33 @@ class PlanCluster:
     """Name of the ClusterLoadAssignment an ``eds`` cluster reads (default: its own name)."""
     members: tuple[str, ...] = ()
     """Clusters of an ``aggregate``, highest priority first."""
+    queues: tuple[tuple[str, ClassQueue], ...] = ()
+    """Twins of an ``eds`` cluster (same endpoints, same EDS resource) whose circuit breakers
+    hold queued service classes: (twin cluster name, bounds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanClass:
+    """One service class on one route: how Envoy tells its requests and what it admits."""
+
+    name: str
+    headers: tuple[tuple[str, str], ...]
+    """Exact header matches; with ``tenants``, all must hold. Both empty: the route's
+    fallback class, which takes whatever no other class claimed."""
+    tenants: tuple[str, ...]
+    action: ClassAction
+    admitted: float
+    """Share of the class's requests Envoy admits, 0 to 1; the rest are shed or diverted."""
+    retry_after: int
+    """Seconds, for the Retry-After of shed requests."""
+    target_cluster: str = ""
+    """Cluster that takes diverted requests (``action: divert``) or queues them (``queue``)."""
+    budget: ClassBudget | None = None
+
+    @property
+    def sheds(self) -> bool:
+        """True when some of the class's requests are turned away or diverted now."""
+        return self.action != "admit" and self.admitted < 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +130,16 @@ class PlanRoute:
     served_models: tuple[str, ...] = ()
     """What a client may ask this route for (sorted): its ``match.models``, or without them
     the ``models`` of its pools. Listed by ``GET /v1/models``."""
+    classes: tuple[PlanClass, ...] = ()
+    """Service classes in the order Envoy tries them, the route's fallback class last; empty
+    when the policy declares none."""
+    tenant_header: str = ""
+    """Header naming the tenant, for class matches by tenant and class budgets."""
+
+    @property
+    def short_name(self) -> str:
+        """The route's name within its policy (``name`` is ``policy/route``)."""
+        return self.name.rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +173,10 @@ class PlanListener:
     max_request_body_bytes: int
     access_log: bool
     drain_timeout: float
+    upstream_signals: bool = False
+    """Report every upstream attempt (pool host, status, time to first byte) to kvpilot over
+    Envoy's gRPC access log service: some route here is under a Rollout that reads the
+    data plane."""
 
     @property
     def routes_by_model(self) -> bool:
@@ -146,10 +194,19 @@ class PlanListener:
 
     @property
     def rate_limited(self) -> bool:
-        """True when some route on the listener has a rate limit."""
+        """True when some route on the listener has a rate limit or a class budget."""
         return any(
-            route.rate_limit is not None for vhost in self.virtual_hosts for route in vhost.routes
+            route.rate_limit is not None or any(c.budget for c in route.classes)
+            for vhost in self.virtual_hosts
+            for route in vhost.routes
         )
+
+    @property
+    def classified(self) -> bool:
+        """True when some route has service classes. The listener then always carries what
+        shedding needs (the counting filter, the shed reply), whether or not anything is shed
+        now, so that admission changes stay in RDS and never touch the listener."""
+        return any(route.classes for vhost in self.virtual_hosts for route in vhost.routes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +248,9 @@ class RoutingPlan:
     diagnostics: tuple[Diagnostic, ...] = field(default=())
     weights: Mapping[str, Mapping[str, WeightDecision]] = field(default_factory=dict, hash=False)
     """What telemetry decided, for telemetry-balanced pools: pool -> endpoint key -> decision."""
+    admission: Mapping[str, AdmissionDecision] = field(default_factory=dict, hash=False)
+    """What telemetry decided for routes with service classes: route (``policy/route``) ->
+    decision."""
 
     def fleet(self, name: str) -> FleetPlan | None:
         """The plan of fleet ``name``, or None."""

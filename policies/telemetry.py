@@ -262,3 +262,50 @@ __all__ = [
     "metric_map_for",
     "parse_samples",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteBand:
+    """How far a record must move from the one last written before an agent writes it again.
+
+    At 10,000 endpoints scraped every second, writing every wiggle is 10,000 etcd writes and
+    as many reconciler wakeups a second, for changes the weight function's own quantization
+    band throws away. Counts (waiting, running, pending tokens) move when they change by more
+    than ``relative`` of the larger value and by at least their floor, so a short queue still
+    counts every request; fractions (KV-cache use, prefix hit rate) when they move by more than
+    ``fraction``. Capacity and format changes always count.
+    """
+
+    relative: float = 0.1
+    requests: float = 1.0
+    """Floor for waiting and running requests."""
+    tokens: float = 256.0
+    """Floor for pending tokens."""
+    fraction: float = 0.05
+    """Absolute band for KV-cache use and prefix hit rate."""
+
+    def moved(self, last: TelemetryRecord, record: TelemetryRecord) -> bool:
+        """True when `record` differs from `last` beyond the band (the time does not count)."""
+        if (last.max_running, last.format) != (record.max_running, record.format):
+            return True
+        counts = (
+            (last.waiting, record.waiting, self.requests),
+            (last.running, record.running, self.requests),
+            (last.pending_tokens, record.pending_tokens, self.tokens),
+        )
+        for old, new, floor in counts:
+            if (old is None) != (new is None):
+                return True
+            if old is not None and new is not None:
+                change = abs(new - old)
+                if change >= floor and change > self.relative * max(old, new):
+                    return True
+        for old, new in (
+            (last.kv_cache, record.kv_cache),
+            (last.prefix_hit_rate, record.prefix_hit_rate),
+        ):
+            if (old is None) != (new is None):
+                return True
+            if old is not None and new is not None and abs(new - old) > self.fraction:
+                return True
+        return False

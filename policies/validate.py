@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from policies import jsondoc
-from policies.models import API_VERSION, KINDS, PolicyObject
+from policies.models import API_VERSION, KINDS, PolicyObject, Rollout
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +79,14 @@ def parse_object(data: Any, *, source: str = "") -> PolicyObject:
             source,
         )
     try:
-        return KINDS[kind].model_validate(data)
+        obj = KINDS[kind].model_validate(data)
     except ValidationError as error:
         raise PolicyError(field_errors(error), source) from None
+    if isinstance(obj, Rollout) and (problems := obj.spec.problems()):
+        raise PolicyError(
+            [FieldError(f"spec.{path}", message) for path, message in problems], source
+        )
+    return obj
 
 
 def decode_documents(text: str | bytes, *, source: str = "") -> list[Any]:

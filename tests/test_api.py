@@ -531,3 +531,12 @@ async def test_an_endpoint_id_may_be_an_address_and_port(api: Harness) -> None:
             f"/v1/pools/chat/endpoints/{endpoint_id}", json={"address": "10.0.0.1", "port": 8000}
         )
         assert response.status_code == 200, (endpoint_id, response.text)
+
+
+async def test_an_if_match_beyond_etcd_revisions_is_a_400(api: Harness) -> None:
+    assert (await api.http.post("/v1/pools", json=pool("chat"))).status_code == 201
+    for method in ("PUT", "DELETE"):
+        response = await api.http.request(
+            method, "/v1/pools/chat", json=pool("chat"), headers={"If-Match": '"' + "9" * 400 + '"'}
+        )
+        assert response.status_code == 400, response.text

@@ -116,7 +116,7 @@ def test_apply_get_set_weight_delete_and_status(
     code, out, _ = run(capsys, "apply", "-f", str(EXAMPLES / "demo.yaml"))
     assert out.splitlines() == ["pool/demo-pool unchanged", "routingpolicy/demo unchanged"]
 
-    code, out, _ = run(capsys, "get", "pool", "demo-pool")
+    code, out, _ = run(capsys, "get", "pool", "demo-pool", "-o", "yaml")
     assert code == 0
     assert yaml.safe_load(out)["spec"]["models"] == ["demo-model"]
     code, out, _ = run(capsys, "get", "routingpolicies", "-o", "json")
@@ -125,7 +125,7 @@ def test_apply_get_set_weight_delete_and_status(
     code, out, err = run(capsys, "set-weight", "demo-pool", "127.0.0.1:8001", "700")
     assert code == 0, err
     assert "weight 700" in out
-    code, out, _ = run(capsys, "get", "pools")
+    code, out, _ = run(capsys, "get", "pools", "-o", "yaml")
     (pool,) = list(yaml.safe_load_all(out))
     assert [e["weight"] for e in pool["spec"]["endpoints"]] == [700, 100, 100]
     code, out, _ = run(capsys, "apply", "-f", str(EXAMPLES / "demo.yaml"))
@@ -144,6 +144,17 @@ def test_apply_get_set_weight_delete_and_status(
     code, _, err = run(capsys, "get", "pool", "demo-pool")
     assert code == 1
     assert "does not exist" in err
+
+    # Every write above is in the audit log, newest first, under the admin token's name.
+    code, out, err = run(capsys, "audit")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["WHEN", "WHO", "ACTION", "OBJECT", "REVISION", "CHANGES"]
+    assert "delete" in lines[1] and "Pool/demo-pool" in lines[1]
+    weight = next(line for line in lines if "/spec/endpoints/0/weight: 100 -> 700" in line)
+    assert " ops " in weight and " replace " in weight
+    code, out, _ = run(capsys, "audit", "-o", "json", "--limit", "2")
+    assert [e["action"] for e in json.loads(out)] == ["delete", "replace"]
 
 
 @pytest.mark.e2e
@@ -188,3 +199,142 @@ def test_files_kvpilot_cannot_read_are_one_clear_error_and_exit_1(
     assert code == 1
     assert str(bad) in err and expected in err, err
     assert "Traceback" not in err and out == ""
+
+
+# -- output formats, diff, status --watch, apply --wait ------------------------------------------
+
+
+@pytest.mark.e2e
+def test_get_prints_tables_yaml_and_json(
+    server: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPILOT_SERVER", server)
+    monkeypatch.setenv("KVPILOT_TOKEN", READ_TOKEN)
+    assert run(capsys, "--token", ADMIN_TOKEN, "apply", "-f", str(EXAMPLES / "demo.yaml"))[0] == 0
+
+    code, out, err = run(capsys, "get", "pools")
+    assert code == 0, err
+    header, row = out.splitlines()
+    assert header.split() == ["NAME", "MODELS", "ENDPOINTS", "PROTOCOL", "EXTERNAL"]
+    assert row.split() == ["demo-pool", "demo-model", "3", "http1", "no"]
+    code, out, _ = run(capsys, "get", "rp", "demo")
+    assert out.splitlines()[1].split()[:2] == ["demo", "0.0.0.0:10000"]
+    code, out, _ = run(capsys, "get", "pool", "demo-pool", "-o", "yaml")
+    assert yaml.safe_load(out)["metadata"]["name"] == "demo-pool"
+    code, out, _ = run(capsys, "get", "pools", "-o", "json")
+    assert [item["metadata"]["name"] for item in json.loads(out)["items"]] == ["demo-pool"]
+
+    def endpoints_table() -> list[list[str]]:
+        _, out, _ = run(capsys, "get", "endpoints")
+        return [line.split() for line in out.splitlines()]
+
+    rows = wait_until(lambda: len(endpoints_table()) == 4 and endpoints_table(), 10)
+    assert rows[0][:5] == ["POOL", "ENDPOINT", "HEALTH", "WEIGHT", "SENT"]
+    assert rows[1][:5] == ["demo-pool", "127.0.0.1:8001", "healthy", "100", "100"]
+    code, out, _ = run(capsys, "get", "endpoints", "demo-pool", "-o", "json")
+    assert len(json.loads(out)["pools"][0]["endpoints"]) == 3
+
+
+@pytest.mark.e2e
+def test_diff_shows_the_envoy_resources_a_file_would_change_and_writes_nothing(
+    server: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    common = ("--server", server, "--token", ADMIN_TOKEN)
+    demo = EXAMPLES / "demo.yaml"
+    code, out, err = run(capsys, *common, "diff", "-f", str(demo))
+    assert code == 0, err
+    assert "pool/demo-pool would be created" in out
+    assert "+++ fleet default clusters demo/chat (after apply)" in out
+
+    assert run(capsys, *common, "apply", "-f", str(demo))[0] == 0
+    code, out, _ = run(capsys, *common, "diff", "-f", str(demo))
+    assert "pool/demo-pool would be unchanged" in out
+    assert out.rstrip().endswith("no change to any Envoy's configuration")
+
+    documents = list(yaml.safe_load_all(demo.read_text()))
+    documents[0]["spec"]["endpoints"][0]["weight"] = 700
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump_all(documents))
+    code, out, _ = run(capsys, *common, "diff", "-f", str(changed))
+    assert "pool/demo-pool would be configured" in out
+    # In Envoy terms: one ClusterLoadAssignment changes, and only the weight in it.
+    assert "--- fleet default endpoints demo/chat (now)" in out
+    removed = [line for line in out.splitlines() if line.startswith("- ")]
+    added = [line for line in out.splitlines() if line.startswith("+ ")]
+    assert [line.split()[1] for line in removed] == ["loadBalancingWeight:"]
+    assert [line.split()[1:] for line in added] == [["loadBalancingWeight:", "700"]]
+    assert out.rstrip().endswith("Envoy resources: 1 changed")
+    code, out, _ = run(capsys, *common, "get", "pool", "demo-pool", "-o", "json")
+    assert json.loads(out)["spec"]["endpoints"][0]["weight"] == 100
+
+
+@pytest.mark.e2e
+def test_status_watch_redraws_until_interrupted(server: str) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "commands.cli", "--server", server, "--token", READ_TOKEN,
+         "status", "--watch", "--interval", "0.2"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        frames = 0
+        while frames < 3:
+            line = process.stdout.readline()
+            assert line, "status --watch ended early"
+            frames += line.startswith("--- ")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(15) == 0
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.e2e
+def test_apply_wait_shows_progress_until_every_envoy_acks_and_fails_on_a_nack(
+    kvpilot_factory: Any,
+    envoy_factory: Any,
+    etcd_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    from conftest import ADMIN_TOKEN as DAEMON_ADMIN_TOKEN
+
+    kvpilot = kvpilot_factory(etcd_prefix)
+    for index in range(2):
+        envoy_factory(xds_port=kvpilot.xds_port, node_id=f"wait-{index}")
+    common = ("--server", kvpilot.api_url, "--token", DAEMON_ADMIN_TOKEN)
+    wait_until(
+        lambda: len(json.loads(run(capsys, *common, "status", "-o", "json")[1])["envoys"]) == 2,
+        15,
+        message="both Envoys connected",
+    )
+    documents = list(yaml.safe_load_all((EXAMPLES / "demo.yaml").read_text()))
+    documents[1]["spec"]["listener"] = {"address": "127.0.0.1", "port": free_port()}
+    demo = tmp_path / "demo.yaml"
+    demo.write_text(yaml.safe_dump_all(documents))
+    code, out, err = run(capsys, *common, "apply", "-f", str(demo), "--wait")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[:2] == ["pool/demo-pool created", "routingpolicy/demo created"]
+    assert lines[-1].startswith("all 2 Envoys run revision ")
+    assert any(line.startswith("[") and "Envoys ACKed" in line for line in lines)
+
+    # A listener port something else holds: Envoy rejects it, and --wait says so.
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    documents[1]["spec"]["listener"]["port"] = blocker.getsockname()[1]
+    busy = tmp_path / "busy.yaml"
+    busy.write_text(yaml.safe_dump_all(documents))
+    try:
+        code, out, err = run(capsys, *common, "apply", "-f", str(busy), "--wait", "--timeout", "20")
+    finally:
+        blocker.close()
+    assert code == 1
+    assert "rejected the new LDS configuration" in err and "Address already in use" in err

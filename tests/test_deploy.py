@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from commands import serve
-from controlplane.launchers import repo_root
+from controlplane.launchers import XDS_TLS_DIR, XDS_TLS_SDS_DIR, repo_root
 
 DEPLOY = repo_root() / "deploy"
 
@@ -47,6 +47,16 @@ def containers(name: str) -> list[dict[str, Any]]:
     ]
 
 
+def mounts_config(container: dict[str, Any], path: str) -> str:
+    """The name of the ConfigMap mounted at `path` in a Deployment's pod."""
+    [volume_name] = [m["name"] for m in container["volumeMounts"] if m["mountPath"] == path]
+    for doc in kubernetes_documents():
+        for volume in doc.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", []):
+            if volume["name"] == volume_name and "configMap" in volume:
+                return str(volume["configMap"]["name"])
+    raise AssertionError(f"no ConfigMap volume {volume_name!r}")
+
+
 def xds_port_of_bootstrap() -> int:
     bootstrap = yaml.safe_load((DEPLOY / "envoy" / "bootstrap.yaml").read_text())
     [cluster] = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "kvpilot_xds"]
@@ -74,10 +84,16 @@ def test_compose_services_agree() -> None:
     config_path = envoy_args[envoy_args.index("-c") + 1]
     assert (DEPLOY / mounted[config_path]).resolve() == DEPLOY / "envoy" / "bootstrap.yaml"
     assert any(a.startswith("--service-cluster=") for a in envoy_args)
+    assert config.xds_tls is not None and config.xds_identity_fleets
+    kvpilot_mounts = {v.split(":")[1] for v in compose["kvpilot"]["volumes"]}
+    assert str(config.xds_tls.cert.parent) in kvpilot_mounts
+    assert {XDS_TLS_DIR, XDS_TLS_SDS_DIR} <= set(mounted)
 
 
-def test_kubernetes_kvpilot_and_envoy_agree() -> None:
+def test_kubernetes_kvpilot_and_envoy_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     [kvpilot] = containers("kvpilot")
+    # The container's env supplies the etcd password from a Secret.
+    monkeypatch.setenv("KVPILOT_ETCD_PASSWORD", "from-the-secret")
     config = serve.config_from_args(parse_serve(kvpilot["args"]))
     ports = {p["name"]: p["containerPort"] for p in kvpilot["ports"]}
     assert ports["xds"] == config.xds_port == xds_port_of_bootstrap()
@@ -95,9 +111,23 @@ def test_kubernetes_kvpilot_and_envoy_agree() -> None:
     mounts = {m["mountPath"]: m["name"] for m in envoy["volumeMounts"]}
     assert mounts[str(Path(config_path).parent)] == "bootstrap"
     kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
-    [generator] = kustomization["configMapGenerator"]
-    key, _, source = generator["files"][0].partition("=")
+    generators = {g["name"]: g for g in kustomization["configMapGenerator"]}
+    key, _, source = generators["envoy-bootstrap"]["files"][0].partition("=")
     assert key == Path(config_path).name and (DEPLOY / source).is_file()
+    # ADS over mutual TLS: kvpilot's files are mounted where its flags point, and Envoy gets
+    # its certificate and the SDS files where the bootstrap reads them.
+    kvpilot_mounts = {m["mountPath"] for m in kvpilot["volumeMounts"]}
+    assert config.xds_tls is not None
+    assert {str(config.xds_tls.cert.parent), str(config.xds_tls.client_ca.parent)} <= kvpilot_mounts
+    etcd_tls = config.etcd_security
+    assert etcd_tls.ca is not None and etcd_tls.cert is not None and etcd_tls.user
+    assert {str(etcd_tls.ca.parent), str(etcd_tls.cert.parent)} <= kvpilot_mounts
+    assert "KVPILOT_ETCD_PASSWORD" in {e["name"] for e in kvpilot["env"]}
+    assert {XDS_TLS_DIR, XDS_TLS_SDS_DIR} <= set(mounts)
+    sds_files = {
+        f.partition("=")[0] for f in generators[mounts_config(envoy, XDS_TLS_SDS_DIR)]["files"]
+    }
+    assert sds_files == {p.name for p in (DEPLOY / "envoy" / "xds-tls").glob("*.yaml")}
     assert all((DEPLOY / resource).is_file() for resource in kustomization["resources"])
 
 

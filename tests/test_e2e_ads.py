@@ -261,7 +261,8 @@ def applied(envoy: EmbeddedEnvoy) -> dict[str, Any]:
         name: value
         for name, value in envoy.stats().items()
         if name.endswith((".version_text", ".update_success", ".update_rejected"))
-        and not name.startswith("cluster.kvpilot_xds.")
+        # The bootstrap's static clusters re-resolve DNS on their own.
+        and not name.startswith(("cluster.kvpilot_xds.", "cluster.kvpilot_signals."))
     }
     resources = {}
     for config in envoy.config_dump(include_eds=True)["configs"]:

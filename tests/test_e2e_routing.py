@@ -12,13 +12,13 @@ import collections
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from gated_backend import STREAM_CHUNKS, GatedBackend, stream_piece
+from gated_backend import STREAM_CHUNKS, stream_piece
 from routing_harness import (
     ADMIN,
     Rig,
@@ -43,26 +43,6 @@ def rig(etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any) -> Iterator[
     envoy = envoy_factory(xds_port=kvpilot.xds_port, fleet="default")
     with httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10) as api:
         yield Rig(kvpilot, envoy, api, free_port())
-
-
-@pytest.fixture
-def gated(
-    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> Iterator[Callable[..., GatedBackend]]:
-    """Start replicas that hold requests until their gate opens: `gated(n, id_prefix=...)`."""
-    started: list[GatedBackend] = []
-
-    def make(n: int, *, id_prefix: str) -> GatedBackend:
-        backend = GatedBackend(n, id_prefix=id_prefix, state_dir=tmp_path_factory.mktemp(id_prefix))
-        started.append(backend)
-        return backend.start()
-
-    yield make
-    failed = getattr(getattr(request.node, "rep_call", None), "failed", False)
-    for backend in started:
-        if failed:
-            print(f"--- gated backend {backend.id_prefix} log tail ---\n{backend.log_tail()}")
-        backend.stop()
 
 
 def ports_of(process: Any) -> list[int]:

@@ -210,6 +210,20 @@ async def test_endpoint_with_ttl_expires(store: Store) -> None:
     await poll(gone, message="endpoint and telemetry expire with the lease")
 
 
+async def test_telemetry_of_many_endpoints_is_written_in_batches_under_one_lease(
+    store: Store,
+) -> None:
+    lease = await store.client.grant_lease(30)
+    records = [("gpu", f"10.0.0.{i}:8000", {"waiting": i}) for i in range(300)]
+    revision = await store.put_telemetry_many(records, lease=lease)
+    written, _ = await store.client.get_prefix(store.keys.absolute("telemetry/gpu/"))
+    assert len(written) == 300
+    assert {kv.lease for kv in written} == {lease}
+    # 128 puts to a transaction, one revision each: three transactions for 300 records.
+    assert len({kv.mod_revision for kv in written}) == 3
+    assert max(kv.mod_revision for kv in written) == revision
+
+
 async def test_endpoint_without_ttl_stays_until_deleted(store: Store) -> None:
     _, lease = await store.put_endpoint("gpu", "e2", {"address": "10.0.0.2", "port": 8000})
     assert lease is None

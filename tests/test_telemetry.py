@@ -11,6 +11,7 @@ from policies.telemetry import (
     Counters,
     MetricMap,
     TelemetryRecord,
+    WriteBand,
     extract,
     metric_map_for,
     parse_samples,
@@ -179,6 +180,25 @@ def test_record_json_is_compact_and_round_trips() -> None:
     assert TelemetryRecord.model_validate_json(text) == record
     # Fields a newer agent adds are ignored, not an error.
     assert TelemetryRecord.model_validate_json('{"at": 1, "gpu_temp": 80}').at == 1
+
+
+def test_the_write_band_lets_noise_through_only_on_refresh() -> None:
+    band = WriteBand()
+    last = TelemetryRecord(at=0, waiting=40, running=10, kv_cache=0.5, pending_tokens=5000)
+
+    def moved(**change: float | None) -> bool:
+        return band.moved(last, last.model_copy(update=change))
+
+    # Within the band: a few percent on a long queue, a wiggle of the KV cache.
+    assert not moved(waiting=43, running=11, kv_cache=0.53, pending_tokens=5300, at=9)
+    # Beyond it: the queue grows by a quarter, the cache fills, a signal appears or goes.
+    assert moved(waiting=50)
+    assert moved(kv_cache=0.6)
+    assert moved(pending_tokens=None)
+    assert moved(max_running=64)
+    # A short queue counts every request.
+    short = TelemetryRecord(at=0, waiting=0)
+    assert band.moved(short, short.model_copy(update={"waiting": 1}))
 
 
 def test_time_per_output_token_is_the_mean_between_scrapes() -> None:

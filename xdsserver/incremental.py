@@ -63,7 +63,13 @@ def _endpoints_only(fleet: FleetPlan, old: FleetPlan, before: Snapshot) -> Snaps
     previous = {cluster.name: cluster for cluster in old.clusters}
     if list(previous) != [cluster.name for cluster in fleet.clusters]:
         return None
-    changed = [cluster for cluster in fleet.clusters if previous[cluster.name] != cluster]
+    # Compilation keeps the very object of an unchanged route's cluster: identity first, so
+    # an endpoint change does not compare the fleet's endpoints.
+    changed = [
+        cluster
+        for cluster in fleet.clusters
+        if previous[cluster.name] is not cluster and previous[cluster.name] != cluster
+    ]
     for cluster in changed:
         if (
             cluster.kind != "eds"

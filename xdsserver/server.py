@@ -24,6 +24,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from xdsserver.delta import DeltaStream
+from xdsserver.identity import FleetBinding, PeerIdentity
 from xdsserver.resources import short_name
 from xdsserver.snapshot import SnapshotCache, Watch
 from xdsserver.sotw import SotwStream
@@ -34,11 +35,23 @@ log = logging.getLogger(__name__)
 
 
 class AdsServer:
-    """Serves each Envoy its fleet's snapshot from `cache` and reports to `status`."""
+    """Serves each Envoy its fleet's snapshot from `cache` and reports to `status`.
 
-    def __init__(self, cache: SnapshotCache, status: ConnectionRegistry) -> None:
+    With `binding` (ADS over mutual TLS), an Envoy receives a fleet only if its client
+    certificate's identity is bound to it; otherwise the stream is refused (PERMISSION_DENIED),
+    recorded in `status`, and sends nothing.
+    """
+
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        status: ConnectionRegistry,
+        *,
+        binding: FleetBinding | None = None,
+    ) -> None:
         self.cache = cache
         self.status = status
+        self.binding = binding
         self._closing = False
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -89,9 +102,42 @@ class AdsServer:
         node_id = str(node.id)
         fleet = self.cache.fleet_for(node)
         peer = str(context.peer())
+        identity = ""
+        if self.binding is not None:
+            peer_identity = PeerIdentity.from_auth_context(context.auth_context())
+            identity = peer_identity.describe() if peer_identity is not None else ""
+            refusal = self.binding.refusal(peer_identity, fleet)
+            if refusal is not None:
+                reason, message = refusal
+                log.warning(
+                    "xDS refused node=%s fleet=%s identity=%s peer=%s: %s",
+                    node_id,
+                    fleet,
+                    identity,
+                    peer,
+                    message,
+                )
+                self.status.refused(
+                    node_id=node_id,
+                    fleet=fleet,
+                    identity=identity,
+                    peer=peer,
+                    reason=reason,
+                    message=message,
+                )
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
         watch = self.cache.watch(fleet)
-        conn = self.status.open(node_id=node_id, fleet=fleet, peer=peer, mode=mode)
-        log.info("xDS connect node=%s fleet=%s mode=%s peer=%s", node_id, fleet, mode, peer)
+        conn = self.status.open(
+            node_id=node_id, fleet=fleet, peer=peer, mode=mode, identity=identity
+        )
+        log.info(
+            "xDS connect node=%s fleet=%s mode=%s peer=%s identity=%s",
+            node_id,
+            fleet,
+            mode,
+            peer,
+            identity,
+        )
         stream: Stream = (
             SotwStream(conn, self.status) if mode == "sotw" else DeltaStream(conn, self.status)
         )

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from xdsserver.resources import short_name
 
@@ -22,6 +24,9 @@ log = logging.getLogger(__name__)
 Mode = Literal["sotw", "delta"]
 Event = Literal["connected", "disconnected", "subscribed", "sent", "acked", "nacked"]
 Listener = Callable[[Event, "ConnectionStatus"], None]
+
+MAX_REFUSALS = 100
+"""Refused Envoys kept for the status page (most recent first)."""
 
 
 @dataclass
@@ -51,6 +56,10 @@ class TypeStatus:
     """The version the Envoy last accepted; after a NACK it keeps running this one."""
     nonce: str = ""
     """Nonce of the last response sent."""
+    acked_at: float | None = None
+    """Wall-clock time of the last ACK (or of a resume at the version it holds)."""
+    unacked_since: float | None = None
+    """Wall-clock time since which the version sent has not been ACKed; None when in sync."""
     last_nack: Nack | None = None
     wildcard: bool = False
     resource_names: list[str] = field(default_factory=list)
@@ -69,6 +78,8 @@ class ConnectionStatus:
     connected_since: float
     """Wall-clock time (seconds since the epoch)."""
     types: dict[str, TypeStatus] = field(default_factory=dict)
+    identity: str = ""
+    """The client certificate's identity (its first SAN) when ADS runs with mutual TLS."""
 
     def type(self, type_url: str) -> TypeStatus:
         status = self.types.get(type_url)
@@ -85,6 +96,8 @@ class ConnectionStatus:
                 "version_sent": t.version_sent,
                 "version_acked": t.version_acked,
                 "nonce": t.nonce,
+                "acked_at": t.acked_at,
+                "unacked_since": t.unacked_since,
                 "wildcard": t.wildcard,
                 "resource_names": list(t.resource_names),
                 "last_nack": None
@@ -105,8 +118,39 @@ class ConnectionStatus:
             "fleet": self.fleet,
             "peer": self.peer,
             "mode": self.mode,
+            "identity": self.identity,
             "connected_since": self.connected_since,
             "types": types,
+        }
+
+
+@dataclass
+class Refusal:
+    """An Envoy that was refused config: what it claimed, who its certificate says it is, why."""
+
+    node_id: str
+    fleet: str
+    """The fleet the node claimed (or was mapped to by node id)."""
+    identity: str
+    peer: str
+    reason: str
+    """``no_certificate``, ``unbound_identity`` or ``fleet_mismatch``."""
+    message: str
+    at: float
+    """Wall-clock time of the latest refusal (seconds since the epoch)."""
+    count: int = 1
+    """Refusals of this node, claim and identity so far (Envoy retries with backoff)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "fleet": self.fleet,
+            "identity": self.identity,
+            "peer": self.peer,
+            "reason": self.reason,
+            "message": self.message,
+            "at": self.at,
+            "count": self.count,
         }
 
 
@@ -130,12 +174,38 @@ class _Metrics:
             ["type", "fleet"],
             registry=registry,
         )
+        self.refused = Counter(
+            "kvpilot_xds_refused_total",
+            "ADS streams refused because the client certificate does not allow the claimed fleet.",
+            ["reason"],
+            registry=registry,
+        )
         self.push_seconds = Histogram(
             "kvpilot_xds_push_seconds",
             "Time from set_snapshot to the response being sent on a stream.",
             registry=registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
+
+
+class _SyncCollector(Collector):
+    """``kvpilot_xds_unacked_seconds``: per fleet, how long the longest-waiting Envoy of this
+    replica has gone without ACKing the version it was sent (0 when all are in sync). Computed
+    at scrape time, so an Envoy stuck on a NACK shows a growing age, not a stale one."""
+
+    def __init__(self, registry: ConnectionRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvpilot_xds_unacked_seconds",
+            "Per fleet, the longest time an Envoy connected to this replica has gone without "
+            "ACKing the configuration it was sent (0 when every Envoy is in sync).",
+            labels=["fleet"],
+        )
+        for fleet, seconds in sorted(self._registry.unacked_seconds().items()):
+            family.add_metric([fleet], seconds)
+        yield family
 
 
 class ConnectionRegistry:
@@ -151,11 +221,14 @@ class ConnectionRegistry:
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._metrics = _Metrics(registry if registry is not None else REGISTRY)
+        target = registry if registry is not None else REGISTRY
+        self._metrics = _Metrics(target)
+        target.register(_SyncCollector(self))
         self._clock = clock
         self._connections: dict[int, ConnectionStatus] = {}
         self._listeners: list[Listener] = []
         self._next_id = 0
+        self._refusals: dict[tuple[str, str, str], Refusal] = {}
 
     # Reading -------------------------------------------------------------------------------
 
@@ -167,9 +240,30 @@ class ConnectionRegistry:
         """Copies of the open streams of one Envoy (usually one)."""
         return [copy.deepcopy(c) for c in self._connections.values() if c.node_id == node_id]
 
+    def refusals(self) -> list[Refusal]:
+        """Copies of the recent refusals, newest first."""
+        ordered = sorted(self._refusals.values(), key=lambda r: r.at, reverse=True)
+        return [copy.copy(r) for r in ordered]
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly view for the REST status endpoint."""
-        return {"connections": [c.as_dict() for c in self._connections.values()]}
+        return {
+            "connections": [c.as_dict() for c in self._connections.values()],
+            "refused": [r.as_dict() for r in self.refusals()],
+        }
+
+    def unacked_seconds(self) -> dict[str, float]:
+        """Fleet -> the longest any of its streams has waited for an ACK now (0 if none)."""
+        now = self._clock()
+        out: dict[str, float] = {}
+        for connection in self._connections.values():
+            waiting = [
+                now - t.unacked_since
+                for t in connection.types.values()
+                if t.unacked_since is not None
+            ]
+            out[connection.fleet] = max([out.get(connection.fleet, 0.0), *waiting])
+        return out
 
     def add_listener(self, listener: Listener) -> Callable[[], None]:
         """Call `listener(event, status)` on every change; returns a function that removes it.
@@ -187,7 +281,9 @@ class ConnectionRegistry:
 
     # Reporting (called by the ADS server) ----------------------------------------------------
 
-    def open(self, *, node_id: str, fleet: str, peer: str, mode: Mode) -> ConnectionStatus:
+    def open(
+        self, *, node_id: str, fleet: str, peer: str, mode: Mode, identity: str = ""
+    ) -> ConnectionStatus:
         self._next_id += 1
         status = ConnectionStatus(
             stream_id=self._next_id,
@@ -196,11 +292,27 @@ class ConnectionRegistry:
             peer=peer,
             mode=mode,
             connected_since=self._clock(),
+            identity=identity,
         )
         self._connections[status.stream_id] = status
         self._metrics.streams.labels(mode=mode).inc()
         self._notify("connected", status)
         return status
+
+    def refused(
+        self, *, node_id: str, fleet: str, identity: str, peer: str, reason: str, message: str
+    ) -> None:
+        """An Envoy was refused (it got nothing). Repeats of one node, claim and identity
+        update one record; the oldest records go when more than `MAX_REFUSALS` are kept."""
+        self._metrics.refused.labels(reason=reason).inc()
+        key = (node_id, fleet, identity)
+        known = self._refusals.pop(key, None)
+        count = known.count + 1 if known is not None else 1
+        self._refusals[key] = Refusal(
+            node_id, fleet, identity, peer, reason, message, self._clock(), count
+        )
+        while len(self._refusals) > MAX_REFUSALS:
+            del self._refusals[next(iter(self._refusals))]
 
     def close(self, status: ConnectionStatus) -> None:
         if self._connections.pop(status.stream_id, None) is None:
@@ -230,6 +342,10 @@ class ConnectionRegistry:
         t = status.type(type_url)
         t.version_sent = version
         t.nonce = nonce
+        if version == t.version_acked:
+            t.unacked_since = None
+        elif t.unacked_since is None:
+            t.unacked_since = self._clock()
         self._metrics.pushes.labels(type=short_name(type_url)).inc()
         if changed_at is not None:
             self._metrics.push_seconds.observe(max(0.0, time.monotonic() - changed_at))
@@ -242,6 +358,9 @@ class ConnectionRegistry:
             # Envoys answer in order: this ACK is for a response sent after the rejected one.
             t.last_nack.resolved_at = self._clock()
             t.last_nack.resolved_by = version
+        t.acked_at = self._clock()
+        if version == t.version_sent:
+            t.unacked_since = None
         self._metrics.acks.labels(type=short_name(type_url)).inc()
         self._notify("acked", status)
 
@@ -252,6 +371,9 @@ class ConnectionRegistry:
         if t.version_acked == version:
             return
         t.version_acked = version
+        t.acked_at = self._clock()
+        if version == t.version_sent:
+            t.unacked_since = None
         self._notify("acked", status)
 
     def nacked(

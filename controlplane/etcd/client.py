@@ -16,6 +16,14 @@ Failure model, in one place:
   or not at all, as etcd's own clients warn: read the key back before retrying.
 - ``ConflictError``: a compare-and-swap failed; carries the key's actual ``mod_revision``.
 - ``CompactedError``: a watch asked for history etcd has already compacted; re-list.
+- ``EtcdAccessDenied``: etcd refused who we are (a TLS handshake it rejected, a wrong user or
+  password, a role without permission for the key). Retrying cannot help; the message says
+  which setting to check.
+
+Security (``EtcdSecurity``): TLS with a CA bundle and a client certificate, and etcd's
+user/password authentication. With a user, the client asks etcd for an auth token once per
+channel and sends it with every call (a gRPC interceptor adds the ``token`` metadata, which
+is where etcd looks for it); an expired token is renewed and the call retried once.
 """
 
 from __future__ import annotations
@@ -34,9 +42,11 @@ import grpc
 from aetcd import rpc
 
 from controlplane.etcd.lease import LeaseKeeper
+from controlplane.etcd.security import AuthToken, EtcdSecurity, access_problem, is_bad_token
 from controlplane.etcd.types import (
     CompactedError,
     ConflictError,
+    EtcdAccessDenied,
     EtcdError,
     EtcdOutcomeUnknown,
     EtcdStatus,
@@ -109,6 +119,12 @@ class _Conn:
     watch: Any
     lease: Any
     maintenance: Any
+    auth: Any
+    token: AuthToken
+
+
+MAX_TXN_OPS = 128
+"""etcd's default ``--max-txn-ops``: the most operations one transaction may hold."""
 
 
 class EtcdClient:
@@ -118,13 +134,20 @@ class EtcdClient:
     current one is unreachable.
     """
 
-    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 5.0,
+        security: EtcdSecurity | None = None,
+    ) -> None:
         if isinstance(endpoints, str):
             endpoints = [endpoints]
         if not endpoints:
             raise ValueError("EtcdClient needs at least one endpoint")
         self._targets = [_normalize_endpoint(e) for e in endpoints]
         self.timeout = timeout
+        self.security = security or EtcdSecurity()
         self._conns: list[_Conn] = []
         self._current = 0
         self._closed = False
@@ -142,13 +165,20 @@ class EtcdClient:
         if self._conns:
             return
         self._closed = False
+        credentials = self.security.channel_credentials() if self.security.tls else None
         for target, tls in self._targets:
-            if tls:
+            token = AuthToken()
+            if tls or credentials is not None:
                 channel = grpc.aio.secure_channel(
-                    target, grpc.ssl_channel_credentials(), options=_CHANNEL_OPTIONS
+                    target,
+                    credentials or grpc.ssl_channel_credentials(),
+                    options=_CHANNEL_OPTIONS,
+                    interceptors=[token],
                 )
             else:
-                channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                channel = grpc.aio.insecure_channel(
+                    target, options=_CHANNEL_OPTIONS, interceptors=[token]
+                )
             self._conns.append(
                 _Conn(
                     endpoint=target,
@@ -157,6 +187,8 @@ class EtcdClient:
                     watch=rpc.WatchStub(channel),
                     lease=rpc.LeaseStub(channel),
                     maintenance=rpc.MaintenanceStub(channel),
+                    auth=rpc.AuthStub(channel),
+                    token=token,
                 )
             )
 
@@ -216,6 +248,7 @@ class EtcdClient:
         deadline = loop.time() + (self.timeout if budget is None else budget)
         delay = 0.05
         tried_in_round = 0
+        renewed = False
         last: grpc.aio.AioRpcError | None = None
         maybe_applied = False
         while True:
@@ -228,9 +261,22 @@ class EtcdClient:
                 # A black-holed endpoint must not eat the whole budget.
                 per_attempt = min(remaining, max(self.timeout / len(self._conns), 0.5))
             try:
+                if self.security.user is not None and conn.token.value is None:
+                    await self._authenticate(conn, per_attempt)
                 return await attempt(conn, per_attempt)
             except grpc.aio.AioRpcError as err:
                 code = err.code()
+                if is_bad_token(err) and not renewed:
+                    # The token expired (etcd's simple tokens live 5 minutes idle): renew it
+                    # once. The request was refused, so even a write is safe to repeat.
+                    conn.token.value = None
+                    renewed = True
+                    continue
+                problem = access_problem(err)
+                if problem is not None:
+                    raise EtcdAccessDenied(
+                        f"{problem}; {what} at {conn.endpoint} failed: {err.details()}"
+                    ) from None
                 maybe_applied = maybe_applied or (write and not _never_sent(err))
                 retryable = code == grpc.StatusCode.UNAVAILABLE or (
                     code == grpc.StatusCode.DEADLINE_EXCEEDED and per_attempt < remaining
@@ -255,9 +301,25 @@ class EtcdClient:
                     await asyncio.sleep(min(delay * (0.5 + random.random()), left))
                     delay = min(delay * 2, 1.0)
 
+    async def _authenticate(self, conn: _Conn, seconds: float) -> None:
+        """Get an auth token for ``conn`` with the configured user and password."""
+        request = rpc.AuthenticateRequest(
+            name=self.security.user or "", password=self.security.password or ""
+        )
+        response = await conn.auth.Authenticate(request, timeout=seconds)
+        conn.token.value = str(response.token)
+
+    async def check_access(self) -> None:
+        """Ask etcd for its status: raises ``EtcdAccessDenied`` when etcd refuses our TLS
+        certificate or credentials (worth stopping for at start), ``EtcdUnavailable`` when
+        it cannot be reached (worth waiting for)."""
+        await self.status()
+
     def _unavailable(
         self, what: str, err: grpc.aio.AioRpcError | None, *, maybe_applied: bool = False
-    ) -> EtcdUnavailable:
+    ) -> EtcdError:
+        if err is not None and (problem := access_problem(err)) is not None:
+            return EtcdAccessDenied(f"{problem}; {what} failed: {err.details()}")
         detail = f": {err.details()}" if err is not None else ""
         if maybe_applied:
             return EtcdOutcomeUnknown(
@@ -272,8 +334,10 @@ class EtcdClient:
 
     # -- KV ---------------------------------------------------------------------------------
 
-    async def get(self, key: bytes) -> KeyValue | None:
-        request = rpc.RangeRequest(key=key)
+    async def get(self, key: bytes, *, revision: int = 0) -> KeyValue | None:
+        """The key's value now, or as it was at ``revision`` (``CompactedError`` if etcd has
+        compacted that far)."""
+        request = rpc.RangeRequest(key=key, revision=revision)
         response = await self._call(
             lambda c, t: c.kv.Range(request, timeout=t), what=f"get {key!r}"
         )
@@ -335,6 +399,21 @@ class EtcdClient:
     ) -> KeyValue:
         """Like ``put``, but returns the written ``KeyValue`` (its create revision and version
         come from the same atomic write, not from a second read)."""
+        kv, _ = await self.put_with_previous(
+            key, value, lease=lease, expect_mod_revision=expect_mod_revision
+        )
+        return kv
+
+    async def put_with_previous(
+        self,
+        key: bytes,
+        value: bytes,
+        *,
+        lease: int = 0,
+        expect_mod_revision: int | None = None,
+    ) -> tuple[KeyValue, KeyValue | None]:
+        """Like ``put_kv``, plus the value the write replaced (None if the key was new), read
+        by etcd in the same write: what an audit record needs."""
         put = rpc.PutRequest(key=key, value=value, lease=lease, prev_kv=True)
         if expect_mod_revision is None:
             response = await self._call(
@@ -348,7 +427,7 @@ class EtcdClient:
             put_response = response.responses[0].response_put
         revision = int(response.header.revision)
         prev = put_response.prev_kv if put_response.HasField("prev_kv") else None
-        return KeyValue(
+        written = KeyValue(
             key=key,
             value=value,
             create_revision=int(prev.create_revision) if prev is not None else revision,
@@ -356,20 +435,55 @@ class EtcdClient:
             version=int(prev.version) + 1 if prev is not None else 1,
             lease=lease,
         )
+        return written, KeyValue.from_pb(prev) if prev is not None else None
+
+    async def put_many(self, items: Sequence[tuple[bytes, bytes]], *, lease: int = 0) -> int:
+        """Write every (key, value) unconditionally, ``MAX_TXN_OPS`` to a transaction; returns
+        the last revision. One revision and one round trip per transaction instead of per key:
+        what lets many agents' telemetry reach etcd at a rate etcd and the watchers keep up
+        with. Idempotent, so retried like a plain put."""
+        revision = 0
+        for start in range(0, len(items), MAX_TXN_OPS):
+            chunk = items[start : start + MAX_TXN_OPS]
+            txn = rpc.TxnRequest(
+                success=[
+                    rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
+                    for key, value in chunk
+                ]
+            )
+            revision = await self._put_txn(txn, len(chunk))
+        return revision
+
+    async def _put_txn(self, txn: Any, count: int) -> int:
+        response = await self._call(
+            lambda c, t: c.kv.Txn(txn, timeout=t), what=f"put of {count} keys"
+        )
+        return int(response.header.revision)
 
     async def delete(self, key: bytes, *, expect_mod_revision: int | None = None) -> bool:
         """Delete ``key``; True if it existed. With ``expect_mod_revision``, ``ConflictError``
         unless the key's ``mod_revision`` matches."""
-        delete = rpc.DeleteRangeRequest(key=key)
+        deleted, _ = await self.delete_with_previous(key, expect_mod_revision=expect_mod_revision)
+        return deleted is not None
+
+    async def delete_with_previous(
+        self, key: bytes, *, expect_mod_revision: int | None = None
+    ) -> tuple[KeyValue | None, int]:
+        """Like ``delete``; returns the deleted value (None if there was none) and the revision
+        of the delete."""
+        delete = rpc.DeleteRangeRequest(key=key, prev_kv=True)
         if expect_mod_revision is None:
             response = await self._call(
                 lambda c, t: c.kv.DeleteRange(delete, timeout=t), what=f"delete {key!r}", write=True
             )
-            return bool(response.deleted)
-        response = await self._compare_and(
-            key, expect_mod_revision, rpc.RequestOp(request_delete_range=delete), what="delete"
-        )
-        return bool(response.responses[0].response_delete_range.deleted)
+            deleted = response
+        else:
+            response = await self._compare_and(
+                key, expect_mod_revision, rpc.RequestOp(request_delete_range=delete), what="delete"
+            )
+            deleted = response.responses[0].response_delete_range
+        previous = KeyValue.from_pb(deleted.prev_kvs[0]) if deleted.prev_kvs else None
+        return previous, int(response.header.revision)
 
     async def _compare_and(
         self, key: bytes, expect_mod_revision: int, operation: Any, *, what: str
@@ -392,6 +506,32 @@ class EtcdClient:
             raise ConflictError(key, _txn_actual_revision(response), expect_mod_revision)
         return response
 
+    async def transact(
+        self,
+        compares: Sequence[tuple[bytes, int]],
+        *,
+        puts: Sequence[tuple[bytes, bytes]] = (),
+        deletes: Sequence[bytes] = (),
+    ) -> int | None:
+        """Write ``puts`` and delete ``deletes`` atomically, only if every ``(key,
+        mod_revision)`` of ``compares`` holds (0: the key must not exist). Returns the new
+        revision, or None when a comparison failed and nothing was written. Not retried once
+        sent: it may have been applied."""
+        txn = rpc.TxnRequest(
+            compare=[_mod_revision_equals(key, revision) for key, revision in compares],
+            success=[
+                *(rpc.RequestOp(request_put=rpc.PutRequest(key=k, value=v)) for k, v in puts),
+                *(
+                    rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k))
+                    for k in deletes
+                ),
+            ],
+        )
+        response = await self._call(
+            lambda c, t: c.kv.Txn(txn, timeout=t), what="transaction", idempotent=False
+        )
+        return int(response.header.revision) if response.succeeded else None
+
     async def delete_prefix(self, prefix: bytes) -> int:
         """Delete every key under ``prefix``; returns how many were deleted."""
         request = rpc.DeleteRangeRequest(key=prefix, range_end=prefix_range_end(prefix))
@@ -399,6 +539,46 @@ class EtcdClient:
             lambda c, t: c.kv.DeleteRange(request, timeout=t),
             what=f"delete prefix {prefix!r}",
             write=True,
+        )
+        return int(response.deleted)
+
+    async def count_prefix(self, prefix: bytes) -> int:
+        """How many keys are under ``prefix`` (etcd counts; nothing is transferred)."""
+        request = rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix), count_only=True)
+        response = await self._call(
+            lambda c, t: c.kv.Range(request, timeout=t), what=f"count {prefix!r}"
+        )
+        return int(response.count)
+
+    async def first_keys(self, prefix: bytes, limit: int) -> list[bytes]:
+        """The ``limit`` smallest keys under ``prefix``, without their values."""
+        request = rpc.RangeRequest(
+            key=prefix, range_end=prefix_range_end(prefix), keys_only=True, limit=limit
+        )
+        response = await self._call(
+            lambda c, t: c.kv.Range(request, timeout=t), what=f"list keys {prefix!r}"
+        )
+        return [kv.key for kv in response.kvs]
+
+    async def last_values(self, prefix: bytes, limit: int) -> list[KeyValue]:
+        """The ``limit`` largest keys under ``prefix`` with their values, largest first."""
+        request = rpc.RangeRequest(
+            key=prefix,
+            range_end=prefix_range_end(prefix),
+            limit=limit,
+            sort_order=rpc.RangeRequest.DESCEND,
+            sort_target=rpc.RangeRequest.KEY,
+        )
+        response = await self._call(
+            lambda c, t: c.kv.Range(request, timeout=t), what=f"list {prefix!r}"
+        )
+        return [KeyValue.from_pb(kv) for kv in response.kvs]
+
+    async def delete_range(self, start: bytes, end: bytes) -> int:
+        """Delete every key in ``[start, end)``; returns how many were deleted."""
+        request = rpc.DeleteRangeRequest(key=start, range_end=end)
+        response = await self._call(
+            lambda c, t: c.kv.DeleteRange(request, timeout=t), what=f"delete {start!r}..{end!r}"
         )
         return int(response.deleted)
 

@@ -67,6 +67,10 @@ class LeaseNotFoundError(EtcdError):
     """A write referred to a lease that has expired or was revoked."""
 
 
+class EtcdAccessDenied(EtcdError):
+    """etcd refused our identity or our permission; the message names what to check."""
+
+
 class EventType(enum.Enum):
     PUT = "PUT"
     DELETE = "DELETE"

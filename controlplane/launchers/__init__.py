@@ -3,7 +3,12 @@ end-to-end tests, one module for what each launches; `process` holds the child-p
 handling they share (process groups, parent-death signal, readiness polling).
 """
 
-from controlplane.launchers.envoy import EmbeddedEnvoy, render_bootstrap
+from controlplane.launchers.envoy import (
+    XDS_TLS_DIR,
+    XDS_TLS_SDS_DIR,
+    EmbeddedEnvoy,
+    render_bootstrap,
+)
 from controlplane.launchers.etcd import EmbeddedEtcd, EmbeddedEtcdCluster
 from controlplane.launchers.kvpilot import KvpilotProcess
 from controlplane.launchers.process import (
@@ -18,6 +23,8 @@ from controlplane.launchers.process import (
 from controlplane.launchers.stack import LocalStack, local_stack
 
 __all__ = [
+    "XDS_TLS_DIR",
+    "XDS_TLS_SDS_DIR",
     "EmbeddedEnvoy",
     "EmbeddedEtcd",
     "EmbeddedEtcdCluster",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -21,6 +21,43 @@ from controlplane.launchers.process import (
 )
 
 _XDS_CLUSTER = "kvpilot_xds"
+_SIGNALS_CLUSTER = "kvpilot_signals"
+
+
+def _point(cluster: dict[str, Any], address: str, port: int) -> None:
+    cluster["load_assignment"] = {
+        "cluster_name": cluster["name"],
+        "endpoints": [
+            {
+                "lb_endpoints": [
+                    {
+                        "endpoint": {
+                            "address": {"socket_address": {"address": address, "port_value": port}}
+                        }
+                    }
+                ]
+            }
+        ],
+    }
+
+
+XDS_TLS_DIR = "/etc/envoy/xds-tls"
+"""Where the shipped bootstrap's SDS files expect the Envoy's certificate, key and CA."""
+XDS_TLS_SDS_DIR = "/etc/envoy/xds-tls-sds"
+"""Where the shipped bootstrap expects the SDS files of deploy/envoy/xds-tls/."""
+
+
+def _replace_paths(value: Any, paths: Mapping[str, str]) -> Any:
+    """`value` with every string that starts with one of `paths` re-rooted (longest first)."""
+    if isinstance(value, dict):
+        return {k: _replace_paths(v, paths) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_paths(v, paths) for v in value]
+    if isinstance(value, str):
+        for old in sorted(paths, key=len, reverse=True):
+            if value == old or value.startswith(old + "/"):
+                return paths[old] + value[len(old) :]
+    return value
 
 
 def render_bootstrap(
@@ -30,29 +67,34 @@ def render_bootstrap(
     xds_port: int,
     admin_port: int,
     admin_address: str = "127.0.0.1",
+    signals_port: int | None = None,
+    xds_tls_paths: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Load a bootstrap and point its `kvpilot_xds` cluster and admin listener at given ports."""
+    """Load a bootstrap and point its `kvpilot_xds` cluster, its `kvpilot_signals` cluster (the
+    access log service; `signals_port`, default the xDS port) and its admin listener at given
+    ports.
+
+    `xds_tls_paths` re-roots the TLS file paths of both clusters (`XDS_TLS_DIR`,
+    `XDS_TLS_SDS_DIR`); without it their TLS is removed, for a kvpilot run with
+    --xds-insecure-plaintext.
+    """
     config: dict[str, Any] = yaml.safe_load(template.read_text())
     clusters = config.get("static_resources", {}).get("clusters", [])
     xds = next((c for c in clusters if c.get("name") == _XDS_CLUSTER), None)
     if xds is None:
         raise LauncherError(f"{template} has no static cluster named {_XDS_CLUSTER!r}")
-    xds["load_assignment"] = {
-        "cluster_name": _XDS_CLUSTER,
-        "endpoints": [
-            {
-                "lb_endpoints": [
-                    {
-                        "endpoint": {
-                            "address": {
-                                "socket_address": {"address": xds_address, "port_value": xds_port}
-                            }
-                        }
-                    }
-                ]
-            }
-        ],
-    }
+    signals = next((c for c in clusters if c.get("name") == _SIGNALS_CLUSTER), None)
+    # The access log service is served by kvpilot's gRPC server, so it shares the xDS TLS.
+    for cluster in (xds, signals):
+        if cluster is None:
+            continue
+        if xds_tls_paths is None:
+            cluster.pop("transport_socket", None)
+        elif "transport_socket" in cluster:
+            cluster["transport_socket"] = _replace_paths(cluster["transport_socket"], xds_tls_paths)
+    _point(xds, xds_address, xds_port)
+    if signals is not None:
+        _point(signals, xds_address, signals_port or xds_port)
     config.setdefault("admin", {})["address"] = {
         "socket_address": {"address": admin_address, "port_value": admin_port}
     }
@@ -80,10 +122,17 @@ class EmbeddedEnvoy(Launcher):
         bootstrap: Path | None = None,
         log_level: str = "warning",
         extra_args: Sequence[str] = (),
+        signals_port: int | None = None,
+        xds_tls_dir: Path | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.xds_tls_dir = xds_tls_dir
+        """Holds this Envoy's `tls.crt`, `tls.key` and `ca.crt` for ADS over mutual TLS; None
+        connects in plaintext (kvpilot then needs --xds-insecure-plaintext)."""
         self.xds_address = xds_address
         self.xds_port = xds_port
+        self.signals_port = signals_port
+        """kvpilot gRPC port that access logs go to; default the xDS port."""
         self.node_id = node_id
         self.fleet = fleet
         self.delta = delta
@@ -116,11 +165,21 @@ class EmbeddedEnvoy(Launcher):
                 f"Envoy bootstrap template {self.template} not found: deploy/ ships with the "
                 "source checkout, not the wheel; pass bootstrap=PATH or run from a checkout"
             )
+        paths: dict[str, str] | None = None
+        if self.xds_tls_dir is not None:
+            sds_dir = self.state_dir / "xds-tls-sds"
+            paths = {XDS_TLS_DIR: str(self.xds_tls_dir), XDS_TLS_SDS_DIR: str(sds_dir)}
+            sds_dir.mkdir(parents=True, exist_ok=True)
+            for source in sorted((self.template.parent / "xds-tls").glob("*.yaml")):
+                sds = _replace_paths(yaml.safe_load(source.read_text()), paths)
+                (sds_dir / source.name).write_text(yaml.safe_dump(sds, sort_keys=False))
         config = render_bootstrap(
             self.template,
             xds_address=self.xds_address,
             xds_port=self.xds_port,
             admin_port=self.admin_port or 0,
+            signals_port=self.signals_port,
+            xds_tls_paths=paths,
         )
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.bootstrap_path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -17,6 +17,7 @@ from controlplane.launchers.process import (
     http_get,
     port_in_use,
 )
+from xdsserver.identity import TlsFiles
 
 
 class EmbeddedEtcd(Launcher):
@@ -35,8 +36,13 @@ class EmbeddedEtcd(Launcher):
         peer_port: int | None = None,
         name: str = "kvpilot",
         extra_args: Sequence[str] = (),
+        tls: TlsFiles | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.tls = tls
+        """Serve clients over TLS with this certificate and require client certificates signed
+        by `tls.client_ca` (etcd's --client-cert-auth). The launcher's own health check
+        presents `tls.cert`, so issue it for both server and client use."""
         self.host = host
         self.name = name
         self.extra_args = list(extra_args)
@@ -56,8 +62,9 @@ class EmbeddedEtcd(Launcher):
 
     @property
     def client_url(self) -> str:
-        """`http://host:port` of the client API."""
-        return f"http://{self.host}:{self.client_port}"
+        """`http://host:port` (`https://` with TLS) of the client API."""
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -82,11 +89,25 @@ class EmbeddedEtcd(Launcher):
             f"{self.name}={self.peer_url}",
             "--initial-cluster-state",
             "new",
+            *self._tls_args(),
             *self.extra_args,
         ]
 
+    def _tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        return [
+            "--cert-file",
+            str(self.tls.cert),
+            "--key-file",
+            str(self.tls.key),
+            "--trusted-ca-file",
+            str(self.tls.client_ca),
+            "--client-cert-auth",
+        ]
+
     def _healthy(self) -> bool:
-        response = http_get(f"{self.client_url}/health")
+        response = http_get(f"{self.client_url}/health", self.tls)
         if response is None or response.status_code != 200:
             return False
         try:

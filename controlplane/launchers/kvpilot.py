@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
+from controlplane.etcd import EtcdSecurity
 from controlplane.launchers.process import Launcher, ManagedProcess, free_port, http_get, repo_root
+from xdsserver.identity import TlsFiles
 
 
 class KvpilotProcess(Launcher):
@@ -32,8 +34,17 @@ class KvpilotProcess(Launcher):
         env: Mapping[str, str] | None = None,
         insecure_no_auth: bool = False,
         extra_args: Sequence[str] = (),
+        xds_tls: TlsFiles | None = None,
+        xds_identity_fleets: Sequence[str] = (),
+        etcd_security: EtcdSecurity | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.etcd_security = etcd_security
+        """etcd TLS files and user; the password goes to the child in KVPILOT_ETCD_PASSWORD."""
+        self.xds_tls = xds_tls
+        """ADS over mutual TLS with these files; None serves plaintext ADS
+        (--xds-insecure-plaintext), which most end-to-end tests use."""
+        self.xds_identity_fleets = list(xds_identity_fleets)
         self.etcd_endpoints = list(etcd_endpoints)
         self.prefix = prefix
         self.host = host
@@ -70,6 +81,29 @@ class KvpilotProcess(Launcher):
         ]
         if self.insecure_no_auth:
             argv.append("--insecure-no-auth")
+        security = self.etcd_security
+        if security is not None:
+            for flag, value in (
+                ("--etcd-cacert", security.ca),
+                ("--etcd-cert", security.cert),
+                ("--etcd-key", security.key),
+                ("--etcd-user", security.user),
+            ):
+                if value is not None:
+                    argv += [flag, str(value)]
+        if self.xds_tls is None:
+            argv.append("--xds-insecure-plaintext")
+        else:
+            argv += [
+                "--xds-cert",
+                str(self.xds_tls.cert),
+                "--xds-key",
+                str(self.xds_tls.key),
+                "--xds-client-ca",
+                str(self.xds_tls.client_ca),
+            ]
+            for binding in self.xds_identity_fleets:
+                argv += ["--xds-identity-fleet", binding]
         return argv
 
     def _ready(self) -> bool:
@@ -82,6 +116,8 @@ class KvpilotProcess(Launcher):
             return self
         self.state_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env}
+        if self.etcd_security is not None and self.etcd_security.password is not None:
+            env["KVPILOT_ETCD_PASSWORD"] = self.etcd_security.password
         self._process = ManagedProcess(self._argv(), self.log_path, env=env, cwd=repo_root())
         self._process.spawn()
         self._process.wait_for(self._ready, timeout, "GET /readyz answers 200")

@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -36,6 +37,8 @@ from types import TracebackType
 from typing import IO, Literal, Self
 
 import httpx
+
+from xdsserver.identity import TlsFiles
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 POLL_INTERVAL = 0.05
@@ -337,10 +340,15 @@ class ManagedProcess:
             time.sleep(POLL_INTERVAL)
 
 
-def http_get(url: str) -> httpx.Response | None:
-    """GET with a short timeout; None when nothing answers."""
+def http_get(url: str, tls: TlsFiles | None = None) -> httpx.Response | None:
+    """GET with a short timeout; None when nothing answers. With `tls`, the server is checked
+    against `tls.client_ca` and `tls.cert`/`tls.key` are presented as the client certificate."""
     try:
-        return httpx.get(url, timeout=_HTTP_TIMEOUT)
+        if tls is None:
+            return httpx.get(url, timeout=_HTTP_TIMEOUT)
+        context = ssl.create_default_context(cafile=str(tls.client_ca))
+        context.load_cert_chain(str(tls.cert), str(tls.key))
+        return httpx.get(url, timeout=_HTTP_TIMEOUT, verify=context)
     except httpx.HTTPError:
         return None
 

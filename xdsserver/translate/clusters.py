@@ -10,7 +10,7 @@ from envoy.config.core.v3 import (
     protocol_pb2,
 )
 from envoy.config.core.v3 import extension_pb2 as core_extension_pb2
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (
     client_side_weighted_round_robin_pb2 as cswrr_pb2,
@@ -21,13 +21,12 @@ from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from policies.compile import LOCAL_SUFFIX
-from policies.plan import PlanCluster
+from policies.plan import PlanCluster, PlanEndpoint
 from xdsserver.translate.protos import (
     HTTP_PROTOCOL_OPTIONS,
     ads_source,
     duration,
     pack,
-    socket_address,
 )
 
 AFFINITY_SUFFIX = "/affinity"
@@ -79,6 +78,18 @@ def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[clu
                 cluster.affinity.hash_balance_factor
             )
         out.append(twin)
+    for name, queue in cluster.queues:
+        # A queued service class: with http1 each request in flight holds a connection of
+        # its own, so a connection limit is a concurrency limit, and a request that finds
+        # none free waits in Envoy's connection pool, up to max_pending_requests; past that
+        # Envoy answers 503 at once. (max_requests would refuse instead of queueing.)
+        held = cluster_pb2.Cluster()
+        held.CopyFrom(base)
+        held.name = name
+        thresholds = held.circuit_breakers.thresholds[0]
+        thresholds.max_connections.value = queue.concurrency
+        thresholds.max_pending_requests.value = queue.size
+        out.append(held)
     return out
 
 
@@ -250,34 +261,40 @@ def cluster_base(cluster: PlanCluster, name: str, trusted_ca_file: str) -> clust
 
 
 def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignment:
-    """One ClusterLoadAssignment per route: tier k at priority k, grouped by locality."""
-    groups: dict[tuple[int, str, str], list[endpoint_components_pb2.LbEndpoint]] = {}
+    """One ClusterLoadAssignment per route: tier k at priority k, grouped by locality.
+
+    Built in place (``add()`` and field writes rather than nested constructors, one metadata
+    message per pool copied into each endpoint): at 10,000 endpoints this is most of a full
+    rebuild, and in place is several times faster for the same bytes."""
+    groups: dict[tuple[int, str, str], list[PlanEndpoint]] = {}
     for endpoint in cluster.endpoints:
-        groups.setdefault((endpoint.priority, endpoint.region, endpoint.zone), []).append(
-            endpoint_components_pb2.LbEndpoint(
-                endpoint=endpoint_components_pb2.Endpoint(
-                    address=socket_address(endpoint.address, endpoint.port),
-                    hostname=endpoint.hostname,
-                ),
-                health_status=_HEALTH[endpoint.health],
-                load_balancing_weight=wrappers_pb2.UInt32Value(value=endpoint.weight),
-                metadata=base_pb2.Metadata(
-                    filter_metadata={
-                        "kvpilot": struct_pb2.Struct(
-                            fields={"pool": struct_pb2.Value(string_value=endpoint.pool)}
-                        )
-                    }
-                ),
-            )
-        )
-    return endpoint_pb2.ClusterLoadAssignment(
-        cluster_name=cluster.eds_service or cluster.name,
-        endpoints=[
-            endpoint_components_pb2.LocalityLbEndpoints(
-                locality=base_pb2.Locality(region=region, zone=zone),
-                priority=priority,
-                lb_endpoints=lb_endpoints,
-            )
-            for (priority, region, zone), lb_endpoints in sorted(groups.items())
-        ],
+        groups.setdefault((endpoint.priority, endpoint.region, endpoint.zone), []).append(endpoint)
+    out = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster.eds_service or cluster.name)
+    metadata: dict[str, base_pb2.Metadata] = {}
+    for (priority, region, zone), members in sorted(groups.items()):
+        locality = out.endpoints.add(priority=priority)
+        locality.locality.CopyFrom(base_pb2.Locality(region=region, zone=zone))
+        lb_endpoints = locality.lb_endpoints
+        for endpoint in members:
+            pool = metadata.get(endpoint.pool)
+            if pool is None:
+                pool = metadata[endpoint.pool] = _pool_metadata(endpoint.pool)
+            lb_endpoint = lb_endpoints.add(health_status=_HEALTH[endpoint.health])
+            address = lb_endpoint.endpoint.address.socket_address
+            address.address = endpoint.address
+            address.port_value = endpoint.port
+            if endpoint.hostname:
+                lb_endpoint.endpoint.hostname = endpoint.hostname
+            lb_endpoint.load_balancing_weight.SetInParent()
+            lb_endpoint.load_balancing_weight.value = endpoint.weight
+            lb_endpoint.metadata.CopyFrom(pool)
+    return out
+
+
+def _pool_metadata(pool: str) -> base_pb2.Metadata:
+    """``filter_metadata.kvpilot.pool``: which pool an endpoint belongs to (access logs)."""
+    return base_pb2.Metadata(
+        filter_metadata={
+            "kvpilot": struct_pb2.Struct(fields={"pool": struct_pb2.Value(string_value=pool)})
+        }
     )

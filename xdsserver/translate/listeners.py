@@ -7,9 +7,12 @@ from typing import Any
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.core.v3 import (
     base_pb2,
+    config_source_pb2,
+    grpc_service_pb2,
     substitution_format_string_pb2,
 )
 from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
@@ -28,7 +31,28 @@ MODEL_METADATA_NAMESPACE = "envoy.lb"
 """Where json_to_metadata puts the body's ``model`` field (design.md: namespace envoy.lb)."""
 MODEL_METADATA_KEY = "model"
 LOCAL_RATELIMIT = "envoy.filters.http.local_ratelimit"
+SIGNALS_CLUSTER = "kvpilot_signals"
+"""The bootstrap cluster that reaches kvpilot's access log service (deploy/envoy/)."""
+SIGNALS_FLUSH_INTERVAL = 0.25
+"""Seconds Envoy buffers access log entries before sending them (its default is 1 s)."""
 LUA = "envoy.filters.http.lua"
+SERVICE_CLASS = "kvpilot.service_class"
+"""A second local rate limit filter, for service classes: class budgets with tenant shares,
+and the counter of shed requests. Apart from routes' own rate limits, so both can apply."""
+SHED_STATUS = 529
+"""The status of Envoy's direct response to a shed request; the local-reply mapper answers
+the client 429 with SHED_BODY instead. A status of its own keeps shed replies apart from
+rate-limit 429s, whose mapper would otherwise take them."""
+SHED_BODY = {
+    "error": {
+        "message": "%LOCAL_REPLY_BODY%",
+        "type": "rate_limit_exceeded",
+        "param": None,
+        "code": "overloaded",
+    }
+}
+"""A shed request's answer in OpenAI's error format: the message names the class and the
+Retry-After, and the code tells it apart from a rate limit."""
 RATE_LIMITED_BODY = {
     "error": {
         "message": "Rate limit reached for this route; retry after the interval in the "
@@ -70,12 +94,22 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
                 typed_config=pack(local_rate_limit_pb2.LocalRateLimit(stat_prefix="rate_limit")),
             )
         )
+    if listener.classified:
+        # Off at the listener; class budgets and shed counters are set per route entry.
+        filters.insert(
+            len(filters) - (1 if listener.rate_limited else 0),
+            hcm_pb2.HttpFilter(
+                name=SERVICE_CLASS,
+                typed_config=pack(local_rate_limit_pb2.LocalRateLimit(stat_prefix="service_class")),
+            ),
+        )
     if listener.prefix_hashing:
         # No code at the listener; routes with prompt-prefix affinity bring theirs.
         filters.append(hcm_pb2.HttpFilter(name=LUA, typed_config=pack(lua_pb2.Lua())))
-    filters.append(
-        hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router_pb2.Router()))
-    )
+    router = router_pb2.Router()
+    if listener.upstream_signals:
+        router.upstream_log.append(upstream_signal_log(listener.name))
+    filters.append(hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router)))
     manager = hcm_pb2.HttpConnectionManager(
         stat_prefix=listener.name,
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
@@ -86,7 +120,9 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
         stream_idle_timeout=duration(0),
         drain_timeout=duration(listener.drain_timeout),
     )
-    manager.local_reply_config.CopyFrom(local_replies(rate_limited=listener.rate_limited))
+    manager.local_reply_config.CopyFrom(
+        local_replies(rate_limited=listener.rate_limited, classified=listener.classified)
+    )
     if listener.access_log:
         manager.access_log.append(
             accesslog_pb2.AccessLog(
@@ -105,6 +141,32 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
             value=min(listener.max_request_body_bytes, 2**32 - 1)
         ),
         filter_chains=[http_filter_chain(manager)],
+    )
+
+
+def upstream_signal_log(log_name: str) -> accesslog_pb2.AccessLog:
+    """The router's upstream log to kvpilot's access log service (``xdsserver.signals``).
+
+    An upstream log, not the listener's: it has one entry per attempt, so a canary's 500 that
+    a retry hid from the client still counts against the canary, and its timings are the
+    attempt's own. The bootstraps define the ``kvpilot_signals`` cluster.
+    """
+    return accesslog_pb2.AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        typed_config=pack(
+            als_pb2.HttpGrpcAccessLogConfig(
+                common_config=als_pb2.CommonGrpcAccessLogConfig(
+                    log_name=log_name,
+                    transport_api_version=config_source_pb2.V3,
+                    grpc_service=grpc_service_pb2.GrpcService(
+                        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(
+                            cluster_name=SIGNALS_CLUSTER
+                        )
+                    ),
+                    buffer_flush_interval=duration(SIGNALS_FLUSH_INTERVAL),
+                )
+            )
+        ),
     )
 
 
@@ -136,20 +198,25 @@ def _model_to_metadata() -> json_to_metadata_pb2.JsonToMetadata:
     )
 
 
-def local_replies(*, rate_limited: bool) -> hcm_pb2.LocalReplyConfig:
+def local_replies(*, rate_limited: bool, classified: bool = False) -> hcm_pb2.LocalReplyConfig:
     """Envoy's own error answers in OpenAI's format, so clients parse them like the model
-    server's: 429s from rate limits (when the listener has any) and 5xx. Mappers see local
-    replies only, so 429s and 5xx that replicas send pass through untouched."""
-    mappers = [
-        _status_mapper(accesslog_pb2.ComparisonFilter.GE, 500, "server_error", UNAVAILABLE_BODY)
-    ]
-    if rate_limited:
-        mappers.insert(
-            0,
+    server's: shed requests of service classes (429), 429s from rate limits and class budgets
+    (when the listener has any) and 5xx. Mappers see local replies only, so 429s and 5xx that
+    replicas send pass through untouched; the first mapper that matches applies."""
+    mappers = []
+    if classified:
+        shed = _status_mapper(accesslog_pb2.ComparisonFilter.EQ, SHED_STATUS, "shed", SHED_BODY)
+        shed.status_code.value = 429
+        mappers.append(shed)
+    if rate_limited or classified:
+        mappers.append(
             _status_mapper(
                 accesslog_pb2.ComparisonFilter.EQ, 429, "rate_limited", RATE_LIMITED_BODY
-            ),
+            )
         )
+    mappers.append(
+        _status_mapper(accesslog_pb2.ComparisonFilter.GE, 500, "server_error", UNAVAILABLE_BODY)
+    )
     return hcm_pb2.LocalReplyConfig(mappers=mappers)
 
 

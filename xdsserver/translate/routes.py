@@ -1,10 +1,12 @@
 """RDS: virtual hosts and route entries; model matching, session and prompt-prefix affinity,
-retries across tiers, rate limits."""
+retries across tiers, rate limits, service classes."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
+from dataclasses import replace
 
 from envoy.config.core.v3 import (
     base_pb2,
@@ -15,19 +17,21 @@ from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
-from envoy.type.matcher.v3 import metadata_pb2, string_pb2
+from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2
 from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
 from envoy.type.v3 import percent_pb2, token_bucket_pb2
 from google.protobuf import wrappers_pb2
 
-from policies.models import RateLimit
-from policies.plan import PlanListener, PlanRoute, PlanVirtualHost
+from policies.models import ClassBudget, RateLimit
+from policies.plan import PlanClass, PlanListener, PlanRoute, PlanVirtualHost
 from xdsserver.translate.clusters import AFFINITY_SUFFIX
 from xdsserver.translate.listeners import (
     LOCAL_RATELIMIT,
     LUA,
     MODEL_METADATA_KEY,
     MODEL_METADATA_NAMESPACE,
+    SERVICE_CLASS,
+    SHED_STATUS,
 )
 from xdsserver.translate.protos import duration, pack
 
@@ -113,8 +117,16 @@ def _routes(
     """Envoy route entries for one plan route.
 
     A route that selects by model gets two entries per model: the override header first, then
-    the body field, which counts only when the override header is absent. With session affinity each of those is preceded by an entry that requires
-    the session header and targets the consistent-hash cluster.
+    the body field, which counts only when the override header is absent. With session
+    affinity each of those is preceded by an entry that requires the session header and
+    targets the consistent-hash cluster.
+
+    With service classes, that set of entries is repeated for each class, the class's header
+    and tenant matches added, in the order of ``route.classes``: Envoy takes the first entry
+    that matches, so a request lands in the first class that claims it and otherwise in the
+    route's fallback class (last, with no class match). A class that is being restricted
+    gets one more entry in front of its set, which matches the restricted share of its
+    requests (a runtime fraction) and sheds or diverts them.
     """
     matches: list[route_components_pb2.RouteMatch] = []
     if route.models:
@@ -123,43 +135,198 @@ def _routes(
             matches.append(_match(route, model=model, unless_header=model_header))
     else:
         matches.append(_match(route))
+    for plan_class in route.classes or (None,):
+        for index, base in enumerate(matches):
+            name = f"{route.name}#{index}"
+            match = base
+            if plan_class is not None:
+                match = _with_class(base, plan_class, route.tenant_header)
+                name += f"@{plan_class.name}" + ("" if _selects(plan_class) else "/fallback")
+                if plan_class.sheds:
+                    yield _restricted_entry(route, plan_class, name, match, body_limit)
+            yield from _entries(route, plan_class, name, match, body_limit)
+
+
+def _entries(
+    route: PlanRoute,
+    plan_class: PlanClass | None,
+    name: str,
+    match: route_components_pb2.RouteMatch,
+    body_limit: int,
+) -> Iterable[route_components_pb2.Route]:
+    """The entries that serve one match: affinity first, then prompt-prefix, then plain."""
     affinity = route.affinity
-    for index, match in enumerate(matches):
-        if affinity is not None:
-            yield _route_entry(
+    entries = []
+    if affinity is not None:
+        entries.append(
+            _route_entry(
                 route,
-                f"{route.name}#{index}/affinity",
+                f"{name}/affinity",
                 _with_header(match, affinity.header),
                 affinity=affinity.header,
                 body_limit=body_limit,
             )
-            if affinity.prefix_hash_chars:
-                yield _route_entry(
+        )
+        if affinity.prefix_hash_chars:
+            entries.append(
+                _route_entry(
                     route,
-                    f"{route.name}#{index}/prefix",
+                    f"{name}/prefix",
                     _with_header(match, PREFIX_KEY_HEADER),
                     affinity=PREFIX_KEY_HEADER,
                     body_limit=body_limit,
                 )
-        entry = _route_entry(
-            route, f"{route.name}#{index}", match, affinity=None, body_limit=body_limit
-        )
-        if affinity is not None and affinity.prefix_hash_chars:
-            # No session header: the Lua filter derives a key from the prompt's first
-            # characters and sets PREFIX_KEY_HEADER; changing headers clears Envoy's route
-            # cache, so the request is matched again and takes the "/prefix" entry above.
-            entry.typed_per_filter_config[LUA].CopyFrom(
-                pack(
-                    lua_pb2.LuaPerRoute(
-                        source_code=base_pb2.DataSource(
-                            inline_string=prefix_key_lua(
-                                affinity.header, affinity.prefix_hash_chars
-                            )
-                        )
+            )
+    entry = _route_entry(route, name, match, affinity=None, body_limit=body_limit)
+    if affinity is not None and affinity.prefix_hash_chars:
+        # No session header: the Lua filter derives a key from the prompt's first
+        # characters and sets PREFIX_KEY_HEADER; changing headers clears Envoy's route
+        # cache, so the request is matched again and takes the "/prefix" entry above.
+        entry.typed_per_filter_config[LUA].CopyFrom(
+            pack(
+                lua_pb2.LuaPerRoute(
+                    source_code=base_pb2.DataSource(
+                        inline_string=prefix_key_lua(affinity.header, affinity.prefix_hash_chars)
                     )
                 )
             )
-        yield entry
+        )
+    entries.append(entry)
+    if plan_class is not None:
+        for out in entries:
+            # Per-class stats from Envoy itself: vhost.<policy>.route.<route>.<class>.upstream_rq_*
+            # counts what the class was admitted and times it (upstream_rq_time).
+            out.stat_prefix = f"{route.short_name}.{plan_class.name}"
+            if plan_class.budget is not None:
+                out.typed_per_filter_config[SERVICE_CLASS].CopyFrom(
+                    pack(_class_budget(plan_class.budget, route.tenant_header, out.stat_prefix))
+                )
+    return entries
+
+
+def _selects(plan_class: PlanClass) -> bool:
+    """True for a class with a match of its own; False for the route's fallback class."""
+    return bool(plan_class.headers or plan_class.tenants)
+
+
+def _with_class(
+    match: route_components_pb2.RouteMatch, plan_class: PlanClass, tenant_header: str
+) -> route_components_pb2.RouteMatch:
+    out = route_components_pb2.RouteMatch()
+    out.CopyFrom(match)
+    for name, value in plan_class.headers:
+        out.headers.append(
+            route_components_pb2.HeaderMatcher(
+                name=name, string_match=string_pb2.StringMatcher(exact=value)
+            )
+        )
+    if len(plan_class.tenants) == 1:
+        tenant = string_pb2.StringMatcher(exact=plan_class.tenants[0])
+        out.headers.append(
+            route_components_pb2.HeaderMatcher(name=tenant_header, string_match=tenant)
+        )
+    elif plan_class.tenants:
+        pattern = "^(" + "|".join(re.escape(t) for t in plan_class.tenants) + ")$"
+        tenants = string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=pattern))
+        out.headers.append(
+            route_components_pb2.HeaderMatcher(name=tenant_header, string_match=tenants)
+        )
+    return out
+
+
+def shed_message(plan_class: PlanClass) -> str:
+    """What a shed request is told (the ``message`` of its OpenAI error)."""
+    return (
+        f"The model fleet is saturated and requests of class {plan_class.name!r} are being "
+        f"shed; retry after {plan_class.retry_after} seconds."
+    )
+
+
+def _restricted_entry(
+    route: PlanRoute,
+    plan_class: PlanClass,
+    name: str,
+    match: route_components_pb2.RouteMatch,
+    body_limit: int,
+) -> route_components_pb2.Route:
+    """The entry that takes the restricted share of a class: a runtime fraction of the
+    class's requests (Envoy draws per request), shed with a 429 or sent to the divert route.
+
+    The fraction's default value is what kvpilot decided and travels in RDS; the runtime key
+    lets an operator override it on one Envoy (admin ``/runtime_modify``) in an emergency.
+    """
+    restricted = route_components_pb2.RouteMatch()
+    restricted.CopyFrom(match)
+    restricted.runtime_fraction.CopyFrom(
+        base_pb2.RuntimeFractionalPercent(
+            default_value=percent_pb2.FractionalPercent(
+                numerator=round((1.0 - plan_class.admitted) * 1_000_000),
+                denominator=percent_pb2.FractionalPercent.MILLION,
+            ),
+            runtime_key=f"kvpilot.admission.{route.name.replace('/', '.')}.{plan_class.name}",
+        )
+    )
+    if plan_class.action in ("divert", "queue"):
+        # Diverted: another route's cluster; queued: this route's cluster twin whose circuit
+        # breakers hold the class in Envoy.
+        elsewhere = replace(
+            route,
+            cluster=plan_class.target_cluster,
+            host_rewrite=route.host_rewrite or plan_class.action == "divert",
+        )
+        verb = "diverted" if plan_class.action == "divert" else "queued"
+        entry = _route_entry(
+            elsewhere,
+            f"{name}/{plan_class.action}",
+            restricted,
+            affinity=None,
+            body_limit=body_limit,
+        )
+        entry.stat_prefix = f"{route.short_name}.{plan_class.name}.{verb}"
+        return entry
+    # Envoy's own status for a shed request; the listener's local-reply mapper turns it into
+    # a 429 with an OpenAI error body, so a shed reply is never mistaken for a rate limit's.
+    entry = route_components_pb2.Route(
+        name=f"{name}/shed",
+        match=restricted,
+        direct_response=route_components_pb2.DirectResponseAction(
+            status=SHED_STATUS, body=base_pb2.DataSource(inline_string=shed_message(plan_class))
+        ),
+        response_headers_to_add=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="retry-after", value=str(plan_class.retry_after)),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ],
+    )
+    # Direct responses leave no route stats; a local rate limit that never enforces counts
+    # them instead: <route>.<class>.shed.http_local_rate_limit.enabled.
+    entry.typed_per_filter_config[SERVICE_CLASS].CopyFrom(
+        pack(_counter(f"{route.short_name}.{plan_class.name}.shed"))
+    )
+    return entry
+
+
+def _counter(stat_prefix: str) -> local_rate_limit_pb2.LocalRateLimit:
+    """A local rate limit that checks every request and enforces on none: a request counter."""
+    return local_rate_limit_pb2.LocalRateLimit(
+        stat_prefix=stat_prefix,
+        token_bucket=token_bucket_pb2.TokenBucket(
+            max_tokens=1,
+            tokens_per_fill=wrappers_pb2.UInt32Value(value=1),
+            fill_interval=duration(3600),
+        ),
+        filter_enabled=base_pb2.RuntimeFractionalPercent(
+            default_value=percent_pb2.FractionalPercent(
+                numerator=100, denominator=percent_pb2.FractionalPercent.HUNDRED
+            )
+        ),
+        filter_enforced=base_pb2.RuntimeFractionalPercent(
+            default_value=percent_pb2.FractionalPercent(
+                numerator=0, denominator=percent_pb2.FractionalPercent.HUNDRED
+            )
+        ),
+    )
 
 
 def _with_header(
@@ -357,6 +524,37 @@ def _rate_limit(limit: RateLimit, stat_name: str) -> local_rate_limit_pb2.LocalR
         # A tenant's request spends only its own bucket; requests without the header share
         # the route's bucket.
         config.always_consume_default_token_bucket.value = False
+    return config
+
+
+def _class_budget(
+    budget: ClassBudget, tenant_header: str, stat_prefix: str
+) -> local_rate_limit_pb2.LocalRateLimit:
+    """A class's budget as a token bucket, and each tenant's share of it as a bucket of its
+    own (dynamic descriptors, as for a route's tenant buckets). A tenant's request spends
+    from its own bucket and from the class's, so no tenant takes more than its share and the
+    tenants together no more than the budget."""
+    limit = RateLimit(
+        requests=budget.requests,
+        unit=budget.unit,
+        burst=budget.burst,
+        tenant_header=tenant_header,
+    )
+    share = RateLimit(
+        requests=max(1, budget.requests * budget.tenant_share // 100),
+        unit=budget.unit,
+        burst=max(1, (budget.burst or budget.requests) * budget.tenant_share // 100),
+    )
+    config = _rate_limit(limit, f"{stat_prefix}.budget")
+    config.stat_prefix = f"{stat_prefix}.budget"
+    del config.descriptors[:]
+    config.descriptors.append(
+        ratelimit_pb2.LocalRateLimitDescriptor(
+            entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=TENANT_DESCRIPTOR, value="")],
+            token_bucket=_token_bucket(share),
+        )
+    )
+    config.always_consume_default_token_bucket.value = True
     return config
 
 

@@ -1,0 +1,297 @@
+"""The operator's console: the read views it needs, and the page itself at ``/ui``.
+
+The page is plain HTML, CSS and JavaScript modules shipped in this package (``api/ui/``): no
+build step, nothing fetched from elsewhere at run time. It signs in with the REST API's own
+tokens and polls the read views below; every action it offers (set a weight, drain an
+endpoint) is an ordinary REST write, so a read token sees everything and changes nothing.
+
+Views:
+
+- ``GET /v1/endpoints``: every pool's endpoints with the weight and health kvpilot sends to
+  Envoy, the telemetry behind them and why (saturated, stale, drained); ``?history=true`` adds
+  each endpoint's last telemetry samples for sparklines, which the page then extends itself.
+- ``GET /v1/history``: recent revisions of the policy objects, newest first, each with a diff
+  against the revision before. Read from etcd's own multi-version store, which keeps every
+  revision until compaction: it sees writes made by any route (the API, etcdctl, a restore)
+  and needs no second write path. etcd records no author or wall time, so entries carry the
+  revision and not who or when; deleted objects leave no key to walk back from.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from fastapi import Depends, FastAPI, Query
+from fastapi.responses import RedirectResponse
+from fastapi.staticfiles import StaticFiles
+
+from api.auth import Principal, require
+from controlplane.etcd import CompactedError, KeyValue
+from controlplane.reconcile import Reconciler
+from controlplane.store import Store, decode_json
+from controlplane.telemetryhistory import TelemetryHistory
+from policies import KIND_PATHS, Endpoint, PolicyState, RoutingPlan
+from policies.compile import is_external, pool_endpoints
+from policies.weights import WeightDecision
+
+UI_DIR = Path(__file__).with_name("ui")
+"""The console's static files."""
+
+HISTORY_DEPTH = 20
+"""Revisions read back per object for ``/v1/history``."""
+
+Reader = Annotated[Principal, Depends(require("read"))]
+
+
+# --------------------------------------------------------------------------------------------
+# Endpoints view (pure)
+# --------------------------------------------------------------------------------------------
+
+
+def _reasons(
+    endpoint: Endpoint, decision: WeightDecision | None, telemetry_balanced: bool, max_age: float
+) -> list[str]:
+    """Why an endpoint gets the weight and health it does, in words for an operator."""
+    reasons = []
+    if endpoint.health != "healthy":
+        reasons.append(f"{endpoint.health}: set on the endpoint")
+    if decision is not None:
+        if decision.degraded:
+            reasons.append("degraded: saturated (queue or KV cache over its bound)")
+        if decision.neutral:
+            if decision.age is None:
+                reasons.append("no telemetry: static weight")
+            else:
+                reasons.append(
+                    f"telemetry stale ({decision.age:.0f}s old, max {max_age:g}s): static weight"
+                )
+        elif decision.factor < 1:
+            reasons.append(
+                f"load {decision.load:.2f}: weight cut to {decision.factor:.0%} of static"
+            )
+    elif telemetry_balanced:
+        reasons.append("no telemetry: static weight")
+    return reasons
+
+
+def endpoints_view(
+    state: PolicyState | None,
+    plan: RoutingPlan | None,
+    history: TelemetryHistory | None = None,
+) -> list[dict[str, Any]]:
+    """Every pool with its endpoints, as the console shows them; pure."""
+    if state is None or plan is None:
+        return []
+    used_by: dict[str, list[str]] = {}
+    balancing: dict[str, set[str]] = {}
+    for policy in state.policies.values():
+        for route in policy.spec.routes:
+            for tier in route.tiers:
+                for target in tier.pools:
+                    used_by.setdefault(target.pool, []).append(
+                        f"{policy.metadata.name}/{route.name}"
+                    )
+                    balancing.setdefault(target.pool, set()).add(route.balancing)
+    pools = []
+    for name in sorted(state.pools):
+        pool = state.pools[name]
+        registered = state.registered.get(name, {})
+        registered_ids = {endpoint.key: endpoint_id for endpoint_id, endpoint in registered.items()}
+        decisions = plan.weights.get(name, {})
+        telemetry = state.telemetry.get(name, {})
+        telemetry_balanced = "telemetry" in balancing.get(name, set())
+        max_age = pool.spec.telemetry.max_age if pool.spec.telemetry else 10.0
+        rows = []
+        for endpoint in pool_endpoints(pool, registered):
+            key = endpoint.key
+            decision = decisions.get(key)
+            record = telemetry.get(registered_ids.get(key, key)) or telemetry.get(key)
+            row: dict[str, Any] = {
+                "id": registered_ids.get(key, key),
+                "address": endpoint.address,
+                "port": endpoint.port,
+                "source": "registered" if key in registered_ids else "static",
+                "weight": endpoint.weight,
+                "effectiveWeight": decision.weight if decision is not None else endpoint.weight,
+                "health": endpoint.health,
+                "effectiveHealth": "degraded"
+                if decision is not None and decision.degraded
+                else endpoint.health,
+                "load": decision.load if decision is not None else None,
+                "reasons": _reasons(endpoint, decision, telemetry_balanced, max_age),
+                "telemetry": record.model_dump(exclude_none=True) if record else None,
+                "telemetryAge": round(state.now - record.at, 3) if record else None,
+            }
+            if history is not None:
+                row["history"] = history.samples(name, registered_ids.get(key, key))
+            rows.append(row)
+        pools.append(
+            {
+                "name": name,
+                "models": list(pool.spec.models),
+                "external": is_external(pool),
+                "balancing": sorted(balancing.get(name, set())),
+                "usedBy": used_by.get(name, []),
+                "telemetryMaxAge": max_age,
+                "endpoints": rows,
+            }
+        )
+    return pools
+
+
+# --------------------------------------------------------------------------------------------
+# Change history (etcd revisions)
+# --------------------------------------------------------------------------------------------
+
+
+def _yaml(body: Mapping[str, Any] | None) -> list[str]:
+    if body is None:
+        return []
+    return yaml.safe_dump(dict(body), sort_keys=False).splitlines(keepends=True)
+
+
+def unified_diff(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> str:
+    """A unified diff of two object bodies as YAML (empty when equal)."""
+    return "".join(difflib.unified_diff(_yaml(before), _yaml(after), "before", "after", n=2))
+
+
+class ChangeLog:
+    """Recent revisions of the policy objects, read back from etcd's history.
+
+    A revision's predecessor never changes once written, so each (key, revision) -> previous
+    value is read from etcd once and then kept (bounded: the oldest go first).
+    """
+
+    def __init__(self, store: Store, *, depth: int = HISTORY_DEPTH, cache_size: int = 20_000):
+        self.store = store
+        self.depth = depth
+        self.cache_size = cache_size
+        self._previous: dict[tuple[bytes, int], KeyValue | None] = {}
+
+    async def _before(self, kv: KeyValue) -> KeyValue | None:
+        """The value ``kv`` replaced; None when ``kv`` created the key. ``CompactedError``
+        when etcd no longer has it."""
+        if kv.version <= 1:
+            return None
+        cache_key = (kv.key, kv.mod_revision)
+        if cache_key in self._previous:
+            return self._previous[cache_key]
+        previous = await self.store.version_before(kv)
+        if len(self._previous) >= self.cache_size:
+            self._previous.pop(next(iter(self._previous)))
+        self._previous[cache_key] = previous
+        return previous
+
+    async def changes(self, limit: int) -> dict[str, Any]:
+        """The newest ``limit`` object revisions, each with its diff, newest first."""
+        kinds = {path: kind for kind, path in KIND_PATHS.items()}
+        kvs, revision = await self.store.object_heads()
+        entries: list[dict[str, Any]] = []
+        truncated = False
+        for current in kvs:
+            parts = self.store.keys.relative(current.key).split("/")
+            if len(parts) != 3:
+                continue
+            kind, name = kinds.get(parts[1], parts[1]), parts[2]
+            kv: KeyValue | None = current
+            for _ in range(self.depth):
+                if kv is None:
+                    break
+                try:
+                    before = await self._before(kv)
+                except CompactedError:
+                    truncated = True
+                    before = None
+                    compacted = True
+                else:
+                    compacted = False
+                body, previous = decode_json(kv), decode_json(before) if before else None
+                entries.append(
+                    {
+                        "revision": kv.mod_revision,
+                        "kind": kind,
+                        "name": name,
+                        "change": "created"
+                        if kv.version <= 1
+                        else "updated (earlier history compacted)"
+                        if compacted
+                        else "updated",
+                        "version": kv.version,
+                        "diff": unified_diff(previous, body),
+                    }
+                )
+                kv = before
+        entries.sort(key=lambda entry: entry["revision"], reverse=True)
+        return {
+            "revision": revision,
+            "items": entries[:limit],
+            "compacted": truncated,
+            "source": "etcd revision history",
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Routes
+# --------------------------------------------------------------------------------------------
+
+
+def add_console_routes(app: FastAPI, store: Store, reconciler: Reconciler) -> None:
+    """The console's read views under /v1, and the page at /ui."""
+    tags: list[str | Any] = ["console"]
+    changelog = ChangeLog(store)
+
+    @app.get(
+        "/v1/endpoints",
+        tags=tags,
+        operation_id="endpoints_view",
+        summary="Every pool's endpoints: static and effective weight and health, the telemetry "
+        "behind them, and why",
+    )
+    async def endpoints(
+        _: Reader,
+        history: Annotated[
+            bool, Query(description="Add each endpoint's recent telemetry samples.")
+        ] = False,
+    ) -> dict[str, Any]:
+        build = reconciler.last_build
+        return {
+            "revision": build.revision,
+            "builtAt": build.at or None,
+            "pools": endpoints_view(
+                reconciler.state,
+                reconciler.plan,
+                reconciler.telemetry_history if history else None,
+            ),
+        }
+
+    @app.get(
+        "/v1/history",
+        tags=tags,
+        operation_id="history",
+        summary="Recent revisions of the policy objects with diffs, newest first (from etcd's "
+        "revision history, kept until compaction)",
+    )
+    async def history(
+        _: Reader,
+        limit: Annotated[int, Query(ge=1, le=500, description="Most entries returned.")] = 100,
+    ) -> dict[str, Any]:
+        return await changelog.changes(limit)
+
+    @app.get(
+        "/v1/whoami",
+        tags=tags,
+        operation_id="whoami",
+        summary="The token's name and role (the console shows actions to admins only)",
+    )
+    async def whoami(principal: Reader) -> dict[str, str]:
+        return {"name": principal.name, "role": principal.role}
+
+    @app.get("/ui", include_in_schema=False)
+    async def ui_root() -> RedirectResponse:
+        return RedirectResponse("/ui/")
+
+    app.mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui")

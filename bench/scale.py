@@ -1,0 +1,341 @@
+"""The control-plane benchmark's scale section: today's code against a baseline, side by side.
+
+    python -m bench controlplane --baseline REF [--only scale]
+
+Machines (and a loaded machine from one minute to the next) differ severalfold, so a speed-up
+is only meaningful against the old code measured in the same run. The baseline is `REF` (a
+commit, branch or tag of this repository) checked out into a temporary detached git worktree;
+each round runs `translation_bench` once from the baseline tree and once from this tree, in
+fresh child processes (so neither warms the other's caches), alternating which goes first. The
+report gives each side's median over the rounds and their ratio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from controlplane.agent import AgentConfig
+from controlplane.etcd import EtcdClient, EtcdError
+from controlplane.launchers import repo_root
+from controlplane.store import Store
+from policies.telemetry import TelemetryRecord
+
+MEASURES = ("full_rebuild_ms", "fast_path_ms", "routes_path_ms")
+"""What `translation_bench` reports, in process: a full rebuild, one endpoint changed (EDS
+fast path), one route timeout changed (routes path)."""
+
+
+@contextlib.contextmanager
+def baseline_tree(ref: str) -> Iterator[Path]:
+    """`ref` checked out in a temporary detached worktree, removed afterwards."""
+    root = repo_root()
+    with tempfile.TemporaryDirectory(prefix="kvp-baseline-") as parent:
+        tree = Path(parent) / "tree"
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", "--quiet", str(tree), ref],
+            cwd=root,
+            check=True,
+        )
+        try:
+            yield tree
+        finally:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=False
+            )
+
+
+def _translation_in(tree: Path, endpoints: int) -> dict[str, Any]:
+    """`translation_bench(endpoints)` of the code in `tree`, in a child process."""
+    code = (
+        "import json, sys; sys.path.insert(0, '.'); "
+        "from bench.controlplane import translation_bench; "
+        f"print(json.dumps(translation_bench({endpoints})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, check=True, capture_output=True, text=True
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def translation_side_by_side(ref: str, endpoints: int, rounds: int = 3) -> dict[str, Any]:
+    """Medians of the baseline's and this tree's in-process rebuild times, and old/new."""
+    samples: dict[str, dict[str, list[float]]] = {
+        side: {m: [] for m in MEASURES} for side in ("baseline", "new")
+    }
+    with baseline_tree(ref) as tree:
+        sides = {"baseline": tree, "new": repo_root()}
+        for index in range(rounds):
+            order = ["baseline", "new"] if index % 2 == 0 else ["new", "baseline"]
+            for side in order:
+                result = _translation_in(sides[side], endpoints)
+                for measure in MEASURES:
+                    samples[side][measure].append(result[measure])
+                print(f"  round {index + 1} {side}: {result}", flush=True)
+    rows = {}
+    for measure in MEASURES:
+        old = statistics.median(samples["baseline"][measure])
+        new = statistics.median(samples["new"][measure])
+        rows[measure] = {"baseline": old, "new": new, "speedup": round(old / new, 1)}
+    return {"baseline": ref, "endpoints": endpoints, "rounds": rounds, "rebuild": rows}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    labels = {
+        "full_rebuild_ms": "full rebuild",
+        "fast_path_ms": "one endpoint changed (EDS fast path)",
+        "routes_path_ms": "one route timeout changed (routes path)",
+    }
+    lines = [
+        f"In process at {results['endpoints']} endpoints, baseline `{results['baseline']}` and "
+        f"this tree alternately, median of {results['rounds']} rounds:",
+        "",
+        "| rebuild | baseline ms | new ms | speed-up |",
+        "|---|---:|---:|---:|",
+    ]
+    for measure, row in results["rebuild"].items():
+        lines.append(
+            f"| {labels[measure]} | {row['baseline']} | {row['new']} | {row['speedup']}x |"
+        )
+    return "\n".join([*lines, ""])
+
+
+# -- telemetry at scale ----------------------------------------------------------------------
+
+
+@dataclass
+class _Replica:
+    """One simulated backend's load: a level it hovers around, and what its agent wrote."""
+
+    pool: str
+    endpoint_id: str
+    level: float
+    written: TelemetryRecord | None = None
+    exact: TelemetryRecord | None = None
+    """What an agent writing on any change (the baseline rule) would have written last."""
+    written_round: int = 0
+    exact_round: int = 0
+    """Rounds (simulated seconds) of those writes: the refresh counts in simulated time, so a
+    round that takes longer than a second to simulate does not turn into refresh writes."""
+
+
+def _record(replica: _Replica, rng: random.Random, now: float) -> TelemetryRecord:
+    """A scrape: the replica's level with a few percent of noise on every signal."""
+    level = replica.level
+
+    def noisy(value: float) -> float:
+        return max(0.0, round(value * rng.uniform(0.96, 1.04), 3))
+
+    # Valid by construction; validating 10,000 records a second would be the simulator's cost.
+    return TelemetryRecord.model_construct(
+        at=now,
+        prefix_hit_rate=None,
+        waiting=round(noisy(level * 40)),
+        running=round(noisy(8 + level * 24)),
+        max_running=32,
+        kv_cache=min(1.0, noisy(0.2 + 0.6 * level)),
+        pending_tokens=noisy(level * 20_000),
+        format="vllm",
+    )
+
+
+def telemetry_at_scale(
+    etcd_endpoint: str,
+    prefix: str,
+    endpoints: list[tuple[str, str]],
+    kvpilot_pid: int,
+    metrics_url: str,
+    *,
+    seconds: float,
+    shift: float = 0.01,
+    seed: int = 1,
+) -> dict[str, Any]:
+    """`endpoints` (pool, endpoint id) scraped every second for `seconds`, their agents'
+    writes made to etcd as the agent decides them (``WriteBand``, ``--refresh``).
+
+    Every second each replica's signals wiggle by a few percent and `shift` of the replicas
+    move to a new load level. Reported: etcd writes per second under the agent's rule, and
+    what the baseline rule (write on any change, refresh 3 s) would have written; kvpilot's
+    CPU (user + system time of the daemon over the run, in cores); and fleet snapshot pushes
+    caused by telemetry per second, also per 1,000 endpoints."""
+    return asyncio.run(
+        _telemetry_at_scale(
+            etcd_endpoint,
+            prefix,
+            endpoints,
+            kvpilot_pid,
+            metrics_url,
+            seconds=seconds,
+            shift=shift,
+            seed=seed,
+        )
+    )
+
+
+async def _telemetry_at_scale(
+    etcd_endpoint: str,
+    prefix: str,
+    endpoints: list[tuple[str, str]],
+    kvpilot_pid: int,
+    metrics_url: str,
+    *,
+    seconds: float,
+    shift: float,
+    seed: int,
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    agent = AgentConfig([], [])
+    replicas = [_Replica(pool, endpoint_id, rng.random()) for pool, endpoint_id in endpoints]
+    writes = exact_writes = failed = 0
+    async with EtcdClient([etcd_endpoint]) as client:
+        store = Store(client, prefix)
+        # One lease for all, as an agent holds one for its backends.
+        lease = await client.grant_lease(int(seconds) + 60)
+        gate = asyncio.Semaphore(32)
+
+        async def write(batch: list[tuple[_Replica, TelemetryRecord]]) -> None:
+            nonlocal failed
+            async with gate:
+                try:
+                    await store.put_telemetry_many(
+                        [(r.pool, r.endpoint_id, json.loads(t.to_json())) for r, t in batch],
+                        lease=lease,
+                    )
+                except EtcdError:
+                    failed += len(batch)
+
+        # Every agent's first round writes everything: before the measurement.
+        now = time.time()
+        first = []
+        for replica in replicas:
+            replica.written = replica.exact = _record(replica, rng, now)
+            first.append((replica, replica.written))
+        await asyncio.gather(
+            *(write(first[i : i + AGENT_BACKENDS]) for i in range(0, len(first), AGENT_BACKENDS))
+        )
+        await asyncio.sleep(2 * agent.interval)
+        pushes_before = await _telemetry_pushes(metrics_url)
+        cpu_before = _cpu_seconds(kvpilot_pid)
+        started = time.monotonic()
+        tick = 1
+        while time.monotonic() - started < seconds:
+            tick_started = time.monotonic()
+            now = time.time()
+            batch = []
+            for replica in replicas:
+                if rng.random() < shift:
+                    replica.level = rng.random()
+                record = _record(replica, rng, now)
+                last = replica.written
+                if (
+                    last is None
+                    or agent.band.moved(last, record)
+                    or tick - replica.written_round >= agent.refresh
+                ):
+                    replica.written, replica.written_round = record, tick
+                    batch.append((replica, record))
+                exact = replica.exact
+                if (
+                    exact is None
+                    or _signals(exact) != _signals(record)
+                    or tick - replica.exact_round >= BASELINE_REFRESH
+                ):
+                    replica.exact, replica.exact_round = record, tick
+                    exact_writes += 1
+            writes += len(batch)
+            # One agent per AGENT_BACKENDS replicas, each writing its round in one batch.
+            await asyncio.gather(
+                *(
+                    write(batch[i : i + AGENT_BACKENDS])
+                    for i in range(0, len(batch), AGENT_BACKENDS)
+                )
+            )
+            tick += 1
+            await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - tick_started)))
+        elapsed = time.monotonic() - started
+        cpu = _cpu_seconds(kvpilot_pid) - cpu_before
+        pushes = await _telemetry_pushes(metrics_url) - pushes_before
+    # A round stands for one second of the agents' world. On a loaded machine a round can take
+    # longer than a second to simulate; rates per round are then the conservative reading
+    # (kvpilot had more than a second for each round's writes and may have rebuilt more often).
+    tick -= 1
+    per_round = max(tick, 1)
+    return {
+        "endpoints": len(replicas),
+        "seconds": round(elapsed, 1),
+        "rounds": tick,
+        "etcd_writes_per_s": round(writes / per_round),
+        "etcd_txns_per_s": round(-(-writes // AGENT_BACKENDS) / per_round),
+        "baseline_rule_writes_per_s": round(exact_writes / per_round),
+        "failed_writes": failed,
+        "kvpilot_cpu_cores": round(cpu / elapsed, 2),
+        "kvpilot_cpu_s_per_round": round(cpu / per_round, 2),
+        "telemetry_pushes_per_s": round(pushes / elapsed, 2),
+        "pushes_per_s_per_1000_endpoints": round(pushes / elapsed * 1000 / len(replicas), 3),
+    }
+
+
+def _signals(record: TelemetryRecord) -> tuple[float | None, ...]:
+    return (record.waiting, record.running, record.kv_cache, record.pending_tokens)
+
+
+AGENT_BACKENDS = 8
+"""Backends per simulated agent (one agent per 8-GPU node): each agent writes its round's
+records in one transaction."""
+BASELINE_REFRESH = 3.0
+"""The agent's refresh before the write band: an unchanged record every 3 s."""
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process, seconds (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _telemetry_pushes(metrics_url: str) -> float:
+    """kvpilot's count of fleet snapshots pushed because of telemetry."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        text = (await http.get(metrics_url)).text
+    for line in text.splitlines():
+        if line.startswith('kvpilot_snapshot_pushes_total{cause="telemetry"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def telemetry_markdown(results: dict[str, Any]) -> str:
+    r = results
+    return "\n".join(
+        [
+            f"Telemetry at scale: {r['endpoints']} endpoints scraped every second, "
+            f"{r['rounds']} rounds in {r['seconds']} s (simulated agents writing to etcd, "
+            "kvpilot serving; rates per simulated second):",
+            "",
+            "| measure | value |",
+            "|---|---:|",
+            f"| etcd writes/s, agent's write band | {r['etcd_writes_per_s']} |",
+            f"| etcd writes/s the baseline rule would make (any change, 3 s refresh) | "
+            f"{r['baseline_rule_writes_per_s']} |",
+            f"| etcd transactions/s (one per agent of {AGENT_BACKENDS} backends) | "
+            f"{r['etcd_txns_per_s']} |",
+            f"| kvpilot CPU, cores (over the run) | {r['kvpilot_cpu_cores']} |",
+            f"| kvpilot CPU seconds per simulated second | {r['kvpilot_cpu_s_per_round']} |",
+            f"| snapshot pushes/s caused by telemetry | {r['telemetry_pushes_per_s']} |",
+            f"| per 1,000 endpoints | {r['pushes_per_s_per_1000_endpoints']} |",
+            "",
+        ]
+    )

@@ -1,0 +1,651 @@
+"""The rollout controller: moves a route tier's weights step by step, watching the data plane.
+
+Exactly one kvpilot replica drives rollouts at a time (``controlplane.election``). Each
+rollout's progress lives in etcd at ``{prefix}/status/rollouts/{name}``: its phase, its step,
+when the step started, the weights it started from, the data-plane counters at the step's start
+and a history of every step, verdict and rollback with its time and numbers. Every change of
+step writes the RoutingPolicy's new weights and this record in one etcd transaction, fenced by
+the leader key, so a replica that takes over after the driver died finds either the old step
+or the new one, never half of each: it resumes from the recorded step, holding it only for what
+is left of its minimum, and no step is applied twice or skipped.
+
+Pause, resume, abort and promote arrive as a command at ``{prefix}/status/rollout-commands/
+{name}`` (the REST API writes it); the driver applies it and deletes it in the same
+transaction as the change it makes.
+
+Phases: ``Progressing`` -> ``Succeeded``; or ``RolledBack`` (a rule failed and ``onFailure``
+is rollback), ``Paused`` (a person paused it, or a rule failed with ``onFailure: pause``),
+``Aborted`` (back to the start weights on request), ``Failed`` (the route or pools it names
+are gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from controlplane.election import LeaderElection, leader_key
+from controlplane.etcd import EtcdClient, EtcdError, KeyValue
+from controlplane.signals import collect
+from controlplane.store import STATUS, Keys, decode_json, encode_json
+from policies import PolicyError, PolicyState, Rollout, RoutingPolicy, parse_object
+from policies.rollout import (
+    COMMANDS,
+    PHASES,
+    TERMINAL,
+    PoolSignals,
+    Verdict,
+    evaluate,
+    merge,
+    reference_errors,
+    target_cluster,
+)
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_STATE_PREFIX = f"{STATUS}/rollouts/"
+ROLLOUT_COMMAND_PREFIX = f"{STATUS}/rollout-commands/"
+LEADER_JOB = "rollouts"
+HISTORY_LIMIT = 200
+
+
+def state_key(name: str) -> str:
+    return f"{ROLLOUT_STATE_PREFIX}{name}"
+
+
+def command_key(name: str) -> str:
+    return f"{ROLLOUT_COMMAND_PREFIX}{name}"
+
+
+def allowed(command: str, phase: str | None) -> str | None:
+    """Why ``command`` cannot apply in ``phase`` (None: it can)."""
+    if phase in TERMINAL:
+        return f"the rollout has ended ({phase}); delete and create it to run it again"
+    if command == "pause" and phase == "Paused":
+        return "the rollout is already paused"
+    if command == "resume" and phase != "Paused":
+        return "only a paused rollout can be resumed"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a rollout's numbers (any replica: status, metrics, the CLI)
+# --------------------------------------------------------------------------------------------
+
+
+def step_signals(
+    items: Mapping[str, KeyValue], rollout: Rollout, state: Mapping[str, Any]
+) -> dict[str, PoolSignals]:
+    """Pool -> the step's numbers so far: every replica's counters minus the step's baseline."""
+    baseline = state.get("baseline") or {}
+    now = collect(items, target_cluster(rollout))
+    per_replica = []
+    for replica, pools in now.items():
+        before = baseline.get(replica, {})
+        per_replica.append(
+            {
+                pool: signals.since(PoolSignals.from_json(before.get(pool, {})))
+                for pool, signals in pools.items()
+            }
+        )
+    return merge(per_replica)
+
+
+def canary_pools(rollout: Rollout, start: Mapping[str, int]) -> list[str]:
+    """The pools weight moves to: the canary, or those the last step gives more than the start."""
+    spec = rollout.spec
+    if spec.canary is not None:
+        return [spec.canary]
+    last = spec.step_weights(len(spec.steps) - 1)
+    return [pool for pool, weight in last.items() if weight > start.get(pool, 0)]
+
+
+def judge(
+    items: Mapping[str, KeyValue],
+    rollout: Rollout,
+    state: Mapping[str, Any],
+    queried: Mapping[int, float | None] | None = None,
+) -> Verdict:
+    """The current step's verdict on the numbers in etcd now."""
+    start = state.get("startWeights") or {}
+    step = min(int(state.get("step", 0)), len(rollout.spec.steps) - 1)
+    weights = rollout.spec.step_weights(step)
+    canaries = canary_pools(rollout, start)
+    pools = step_signals(items, rollout, state)
+    canary = merge([{"c": pools.get(p, PoolSignals())} for p in canaries]).get("c", PoolSignals())
+    stables = [p for p in rollout.spec.pools() if p not in canaries]
+    stable = merge([{"s": pools.get(p, PoolSignals())} for p in stables]).get("s", PoolSignals())
+    return evaluate(
+        rollout.spec.analysis.rules,
+        min_sample=rollout.spec.analysis.min_sample,
+        canary=canary,
+        stable=stable,
+        stable_weight=sum(weights.get(p, 0) for p in stables),
+        queried=queried,
+    )
+
+
+def summary(
+    items: Mapping[str, KeyValue], rollout: Rollout, state: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """What status shows of one rollout: phase, step, weights, and the live verdict."""
+    spec = rollout.spec
+    out: dict[str, Any] = {
+        "name": rollout.metadata.name,
+        "target": spec.target.model_dump(mode="json"),
+        "steps": [spec.step_weights(i) for i in range(len(spec.steps))],
+        "phase": "Pending",
+        "step": None,
+    }
+    if not state:
+        return out
+    step = int(state.get("step", 0))
+    out.update(
+        {
+            "phase": state.get("phase"),
+            "step": step,
+            "weights": spec.step_weights(min(step, len(spec.steps) - 1)),
+            "stepStartedAt": state.get("stepStartedAt"),
+            "minDuration": spec.steps[min(step, len(spec.steps) - 1)].min_duration,
+            "message": state.get("message", ""),
+            "driver": state.get("driver"),
+            "failedRequests": state.get("failedRequests", 0),
+        }
+    )
+    if state.get("phase") in ("Progressing", "Paused"):
+        out["verdict"] = judge(items, rollout, state).as_json()
+    else:
+        out["verdict"] = state.get("verdict")
+    return out
+
+
+def rollout_states(
+    items: Mapping[str, KeyValue],
+) -> dict[str, tuple[Rollout, dict[str, Any] | None]]:
+    """Every valid Rollout object in the mirror with its recorded state, by name."""
+    out: dict[str, tuple[Rollout, dict[str, Any] | None]] = {}
+    for key, kv in items.items():
+        if not key.startswith("objects/rollouts/"):
+            continue
+        body = decode_json(kv)
+        try:
+            rollout = parse_object(body)
+        except PolicyError:
+            continue
+        if not isinstance(rollout, Rollout):
+            continue
+        state_kv = items.get(state_key(rollout.metadata.name))
+        state = decode_json(state_kv) if state_kv is not None else None
+        if state is not None and state.get("object") != kv.create_revision:
+            state = None  # the record of an earlier object of the same name
+        out[rollout.metadata.name] = (rollout, state)
+    return dict(sorted(out.items()))
+
+
+class RolloutCollector(Collector):
+    """Prometheus gauges of every rollout's phase and step, read from the etcd mirror."""
+
+    def __init__(self, items: Any) -> None:
+        self._items = items
+
+    def collect(self) -> Any:
+        phase = GaugeMetricFamily(
+            "kvpilot_rollout_phase",
+            "1 for the phase each rollout is in.",
+            labels=["rollout", "phase"],
+        )
+        step = GaugeMetricFamily(
+            "kvpilot_rollout_step", "Index of each rollout's current step.", labels=["rollout"]
+        )
+        weight = GaugeMetricFamily(
+            "kvpilot_rollout_weight",
+            "Each pool's weight (percent) at the rollout's current step.",
+            labels=["rollout", "pool"],
+        )
+        for name, (rollout, state) in rollout_states(self._items()).items():
+            current = (state or {}).get("phase") or "Pending"
+            for value in PHASES:
+                phase.add_metric([name, value], 1.0 if value == current else 0.0)
+            if state:
+                index = min(int(state.get("step", 0)), len(rollout.spec.steps) - 1)
+                step.add_metric([name], float(index))
+                for pool, w in rollout.spec.step_weights(index).items():
+                    weight.add_metric([name, pool], float(w))
+        yield phase
+        yield step
+        yield weight
+
+
+def register_metrics(registry: CollectorRegistry, items: Any) -> None:
+    registry.register(RolloutCollector(items))
+
+
+# --------------------------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Read:
+    """One rollout's records as read from etcd for a decision."""
+
+    state: dict[str, Any] | None
+    state_revision: int
+    command: str | None
+    command_revision: int
+    policy: RoutingPolicy | None
+    policy_revision: int
+
+
+class RolloutController:
+    """Drives every Rollout while this replica holds the rollouts leader key."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: Keys,
+        items: Any,
+        replica_id: str,
+        *,
+        lease_ttl: int = 10,
+        tick: float = 0.25,
+        clock: Any = time.time,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.items = items
+        """Callable returning the etcd mirror's items (relative key -> KeyValue)."""
+        self.replica_id = replica_id
+        self.tick = tick
+        self.clock = clock
+        self.election = LeaderElection(
+            client, keys.absolute(leader_key(LEADER_JOB)), replica_id, ttl=lease_ttl
+        )
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def leading(self) -> bool:
+        return self.election.leadership is not None
+
+    async def run(self) -> None:
+        """Campaign, and drive rollouts while leader, until cancelled."""
+        async with self.client.keepalive_forever(
+            self.election.ttl, on_regrant=self.election.on_regrant
+        ) as keeper:
+            try:
+                while True:
+                    try:
+                        if not self.leading:
+                            await self.election.campaign(keeper.lease_id)
+                        if self.leading:
+                            await self.drive_all()
+                    except EtcdError as error:
+                        log.warning("rollouts: etcd: %s; retrying", error)
+                    await asyncio.sleep(self.tick if self.leading else self.election.poll_interval)
+            finally:
+                if self._http is not None:
+                    await self._http.aclose()
+                await asyncio.shield(self.election.resign())
+
+    async def drive_all(self) -> None:
+        items = self.items()
+        rollouts = rollout_states(items)
+        for name, (rollout, _) in rollouts.items():
+            created = items[self.keys.object("Rollout", name)].create_revision
+            try:
+                await self.drive(rollout, created)
+            except EtcdError:
+                raise
+            except Exception:
+                log.exception("rollout %s: step failed; retrying", name)
+        # Records of rollouts that were deleted.
+        for key in list(items):
+            if (
+                key.startswith((ROLLOUT_STATE_PREFIX, ROLLOUT_COMMAND_PREFIX))
+                and key.rsplit("/", 1)[1] not in rollouts
+            ):
+                await self.client.transact(
+                    [self.election.leadership.fence] if self.election.leadership else [],
+                    deletes=[self.keys.absolute(key)],
+                )
+
+    async def _read(self, rollout: Rollout, created: int) -> _Read:
+        name = rollout.metadata.name
+        state_kv = await self.client.get(self.keys.absolute(state_key(name)))
+        state = decode_json(state_kv) if state_kv is not None else None
+        state_revision = state_kv.mod_revision if state_kv is not None else 0
+        if state is not None and state.get("object") != created:
+            state = None  # left by an earlier object of the same name: start over
+        command_kv = await self.client.get(self.keys.absolute(command_key(name)))
+        command_body = decode_json(command_kv) if command_kv is not None else None
+        command = command_body.get("command") if command_body else None
+        policy_kv = await self.client.get(
+            self.keys.absolute(self.keys.object("RoutingPolicy", rollout.spec.target.policy))
+        )
+        policy: RoutingPolicy | None = None
+        if policy_kv is not None:
+            try:
+                parsed = parse_object(decode_json(policy_kv))
+            except PolicyError:
+                parsed = None
+            policy = parsed if isinstance(parsed, RoutingPolicy) else None
+        return _Read(
+            state,
+            state_revision,
+            command if command in COMMANDS else None,
+            command_kv.mod_revision if command_kv is not None else 0,
+            policy,
+            policy_kv.mod_revision if policy_kv is not None else 0,
+        )
+
+    async def drive(self, rollout: Rollout, created: int) -> None:
+        """One decision for one rollout."""
+        read = await self._read(rollout, created)
+        state = read.state
+        now = self.clock()
+        if state is None:
+            await self._start(rollout, created, read, now)
+            return
+        phase = state.get("phase")
+        if read.command is not None:
+            await self._command(rollout, read, now)
+            return
+        if phase != "Progressing":
+            return
+        if read.policy is None:
+            await self._finish(
+                rollout,
+                read,
+                "Failed",
+                None,
+                now,
+                f"RoutingPolicy {rollout.spec.target.policy!r} is gone or invalid",
+            )
+            return
+        step = min(int(state["step"]), len(rollout.spec.steps) - 1)
+        spec = rollout.spec.steps[step]
+        queried = await self._queries(rollout, state, now)
+        verdict = judge(self.items(), rollout, state, queried)
+        if verdict.outcome == "fail":
+            await self._fail(rollout, read, verdict, now)
+            return
+        held = now - float(state["stepStartedAt"])
+        if held < spec.min_duration or verdict.canary.requests < spec.min_requests:
+            return
+        if verdict.outcome == "waiting":
+            return
+        if step + 1 < len(rollout.spec.steps):
+            await self._step(rollout, read, step + 1, verdict, now)
+        else:
+            await self._finish(rollout, read, "Succeeded", verdict, now, "every step passed")
+
+    # -- transitions ---------------------------------------------------------------------------
+
+    def _policy_with(
+        self, rollout: Rollout, policy: RoutingPolicy, weights: Mapping[str, int]
+    ) -> dict[str, Any]:
+        """The policy body with the target tier's pools set to ``weights``."""
+        body = policy.model_dump(mode="json", by_alias=True)
+        target = rollout.spec.target
+        for route in body["spec"]["routes"]:
+            if route["name"] != target.route:
+                continue
+            tier = route["tiers"][target.tier]
+            present = {entry["pool"] for entry in tier["pools"]}
+            for entry in tier["pools"]:
+                if entry["pool"] in weights:
+                    entry["weight"] = weights[entry["pool"]]
+            for pool, weight in weights.items():
+                if pool not in present:
+                    tier["pools"].append({"pool": pool, "weight": weight})
+        return body
+
+    def _tier_weights(self, rollout: Rollout, policy: RoutingPolicy) -> dict[str, int]:
+        target = rollout.spec.target
+        route = next(r for r in policy.spec.routes if r.name == target.route)
+        current = {t.pool: t.weight for t in route.tiers[target.tier].pools}
+        return {pool: current.get(pool, 0) for pool in rollout.spec.pools()}
+
+    async def _commit(
+        self,
+        rollout: Rollout,
+        read: _Read,
+        state: dict[str, Any],
+        *,
+        weights: Mapping[str, int] | None = None,
+        consume_command: bool = False,
+    ) -> bool:
+        leadership = self.election.leadership
+        if leadership is None:
+            return False
+        name = rollout.metadata.name
+        compares = [leadership.fence, (self.keys.absolute(state_key(name)), read.state_revision)]
+        puts = [(self.keys.absolute(state_key(name)), encode_json(state))]
+        if weights is not None and read.policy is not None:
+            policy_key = self.keys.absolute(
+                self.keys.object("RoutingPolicy", rollout.spec.target.policy)
+            )
+            compares.append((policy_key, read.policy_revision))
+            puts.append((policy_key, encode_json(self._policy_with(rollout, read.policy, weights))))
+        deletes = []
+        if consume_command:
+            compares.append((self.keys.absolute(command_key(name)), read.command_revision))
+            deletes.append(self.keys.absolute(command_key(name)))
+        revision = await self.client.transact(compares, puts=puts, deletes=deletes)
+        if revision is None:
+            # Someone wrote in between (the policy, a command, another leader): read again.
+            await self.election.still_leader()
+            return False
+        return True
+
+    def _event(self, state: dict[str, Any], now: float, event: str, **fields: Any) -> None:
+        history = state.setdefault("history", [])
+        history.append({"at": round(now, 3), "event": event, "by": self.replica_id, **fields})
+        del history[:-HISTORY_LIMIT]
+
+    async def _start(self, rollout: Rollout, created: int, read: _Read, now: float) -> None:
+        state: dict[str, Any] = {"object": created, "driver": self.replica_id, "history": []}
+        policies = {read.policy.metadata.name: read.policy} if read.policy is not None else {}
+        pools = {}
+        for kv_key, kv in self.items().items():
+            if kv_key.startswith("objects/pools/"):
+                try:
+                    pool = parse_object(decode_json(kv))
+                except PolicyError:
+                    continue
+                pools[pool.metadata.name] = pool
+        errors = reference_errors(
+            rollout,
+            PolicyState.from_objects([*policies.values(), *pools.values()]),
+        )
+        if errors:
+            state.update(phase="Failed", step=0, message="; ".join(map(str, errors)))
+            self._event(state, now, "failed", message=state["message"])
+            await self._commit(rollout, read, state)
+            return
+        assert read.policy is not None
+        start = self._tier_weights(rollout, read.policy)
+        weights = rollout.spec.step_weights(0)
+        state.update(
+            phase="Progressing",
+            step=0,
+            startWeights=start,
+            stepStartedAt=now,
+            baseline=self._baseline(rollout),
+            failedRequests=0,
+            message="",
+        )
+        self._event(state, now, "start", weights=start)
+        self._event(state, now, "step", step=0, weights=weights)
+        if await self._commit(rollout, read, state, weights=weights):
+            log.info("rollout %s: started, step 0 %s", rollout.metadata.name, weights)
+
+    def _baseline(self, rollout: Rollout) -> dict[str, Any]:
+        return {
+            replica: {pool: signals.as_json() for pool, signals in pools.items()}
+            for replica, pools in collect(self.items(), target_cluster(rollout)).items()
+        }
+
+    def _close_step(self, state: dict[str, Any], verdict: Verdict) -> None:
+        state["failedRequests"] = int(state.get("failedRequests", 0)) + verdict.canary.errors
+        state["verdict"] = verdict.as_json()
+
+    async def _step(
+        self, rollout: Rollout, read: _Read, step: int, verdict: Verdict, now: float
+    ) -> None:
+        assert read.state is not None
+        state = dict(read.state)
+        self._close_step(state, verdict)
+        weights = rollout.spec.step_weights(step)
+        self._event(state, now, "verdict", step=step - 1, **verdict.as_json())
+        self._event(state, now, "step", step=step, weights=weights)
+        state.update(
+            step=step, stepStartedAt=now, baseline=self._baseline(rollout), driver=self.replica_id
+        )
+        if await self._commit(rollout, read, state, weights=weights):
+            log.info("rollout %s: step %d %s", rollout.metadata.name, step, weights)
+
+    async def _fail(self, rollout: Rollout, read: _Read, verdict: Verdict, now: float) -> None:
+        assert read.state is not None
+        failed = [r for r in verdict.results if r.outcome == "fail"]
+        message = "; ".join(
+            f"{r.rule}: canary {r.canary:.4g} above {r.limit:.4g}"
+            for r in failed
+            if r.canary is not None and r.limit is not None
+        )
+        if rollout.spec.on_failure == "pause":
+            state = dict(read.state)
+            state.update(
+                phase="Paused", message=f"analysis failed: {message}", verdict=verdict.as_json()
+            )
+            self._event(state, now, "verdict", step=state["step"], **verdict.as_json())
+            self._event(state, now, "paused", reason="analysis")
+            await self._commit(rollout, read, state)
+            return
+        await self._finish(rollout, read, "RolledBack", verdict, now, f"analysis failed: {message}")
+
+    async def _finish(
+        self,
+        rollout: Rollout,
+        read: _Read,
+        phase: str,
+        verdict: Verdict | None,
+        now: float,
+        message: str,
+        *,
+        consume_command: bool = False,
+    ) -> None:
+        assert read.state is not None
+        state = dict(read.state)
+        weights: Mapping[str, int] | None = None
+        if phase in ("RolledBack", "Aborted"):
+            weights = state.get("startWeights") or {}
+        elif phase == "Succeeded" and consume_command:  # promote: straight to the end
+            weights = rollout.spec.step_weights(len(rollout.spec.steps) - 1)
+            state["step"] = len(rollout.spec.steps) - 1
+        if verdict is not None:
+            self._close_step(state, verdict)
+            self._event(state, now, "verdict", step=state["step"], **verdict.as_json())
+        event = {
+            "RolledBack": "rollback",
+            "Aborted": "abort",
+            "Succeeded": "succeeded",
+            "Failed": "failed",
+        }[phase]
+        self._event(state, now, event, weights=weights, message=message)
+        state.update(phase=phase, message=message, finishedAt=now, driver=self.replica_id)
+        if await self._commit(
+            rollout, read, state, weights=weights, consume_command=consume_command
+        ):
+            log.info("rollout %s: %s (%s)", rollout.metadata.name, phase, message)
+
+    async def _command(self, rollout: Rollout, read: _Read, now: float) -> None:
+        assert read.state is not None and read.command is not None
+        command = read.command
+        state = dict(read.state)
+        problem = allowed(command, state.get("phase"))
+        if problem is not None:
+            self._event(state, now, "ignored", command=command, message=problem)
+            await self._commit(rollout, read, state, consume_command=True)
+            return
+        if command in ("abort", "promote"):
+            verdict = (
+                judge(self.items(), rollout, state) if state.get("phase") == "Progressing" else None
+            )
+            await self._finish(
+                rollout,
+                read,
+                "Aborted" if command == "abort" else "Succeeded",
+                verdict,
+                now,
+                f"{command} requested",
+                consume_command=True,
+            )
+            return
+        if command == "pause":
+            state.update(phase="Paused", message="paused on request")
+            self._event(state, now, "paused", reason="request")
+        else:  # resume: the step starts over, with fresh numbers
+            state.update(
+                phase="Progressing",
+                message="",
+                stepStartedAt=now,
+                baseline=self._baseline(rollout),
+            )
+            self._event(state, now, "resumed", step=state["step"])
+        await self._commit(rollout, read, state, consume_command=True)
+
+    async def _queries(
+        self, rollout: Rollout, state: Mapping[str, Any], now: float
+    ) -> dict[int, float | None]:
+        """Values of the query rules from Prometheus (None where it returned nothing)."""
+        source = rollout.spec.analysis.prometheus
+        out: dict[int, float | None] = {}
+        if source is None:
+            return out
+        if self._http is None:
+            self._http = httpx.AsyncClient()
+        start = state.get("startWeights") or {}
+        canaries = canary_pools(rollout, start)
+        stables = [p for p in rollout.spec.pools() if p not in canaries]
+        held = max(1, int(now - float(state.get("stepStartedAt", now))))
+        for index, rule in enumerate(rollout.spec.analysis.rules):
+            if rule.query is None:
+                continue
+            query = (
+                rule.query.replace("{canary}", "|".join(canaries))
+                .replace("{stable}", "|".join(stables))
+                .replace("{route}", rollout.spec.target.route)
+                .replace("{interval}", f"{held}s")
+            )
+            out[index] = await self._prometheus(source.url, query, source.timeout)
+        return out
+
+    async def _prometheus(self, url: str, query: str, seconds: float) -> float | None:
+        assert self._http is not None
+        try:
+            response = await self._http.get(
+                url.rstrip("/") + "/api/v1/query", params={"query": query}, timeout=seconds
+            )
+            data = response.json().get("data", {})
+        except (httpx.HTTPError, ValueError, AttributeError) as error:
+            log.warning("prometheus query %r failed: %s", query, error)
+            return None
+        result = data.get("result")
+        try:
+            if data.get("resultType") == "scalar":
+                return float(result[1])
+            if result:
+                return float(result[0]["value"][1])
+        except (TypeError, ValueError, KeyError, IndexError):
+            return None
+        return None

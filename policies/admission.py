@@ -1,0 +1,178 @@
+"""From live telemetry to admission per service class (pure, no I/O).
+
+Which routes use it
+-------------------
+Routes of a RoutingPolicy with ``serviceClasses``. Their requests are classified in Envoy
+(header and tenant matches, else the route's class); this module decides, from the same
+telemetry records the weight function reads, what share of each class Envoy admits. The
+share travels in the route configuration (RDS), as the runtime fraction of a route entry
+that sheds or diverts the rest, so a change reaches every Envoy of the fleet with the next
+push and neither drains a connection nor rebuilds a cluster.
+
+Pressure
+--------
+For the fresh records (younger than the pool's ``maxAge``) of the replicas in the route's
+first tier, with ``S`` the policy's ``saturation`` bounds::
+
+    pressure = max(mean(waiting) / S.queue, mean(kv_cache) / S.kv_cache,
+                   mean(pending_tokens) / S.pending_tokens)
+
+1.0 means saturated. The mean, not the busiest replica: one hot replica is the weights' and
+bounded load's job; admission acts when the whole pool is short of room. No fresh record at
+all gives no pressure, and everything is admitted (fail open, as stale weights go neutral).
+
+Steps and hysteresis
+--------------------
+The decision is a level: how many steps of ``S.step`` percent are restricted, counted from
+the least important class whose action is not ``admit``, then the next one up. Each round:
+
+- pressure >= ``S.high``, at least ``S.shed_interval`` since the last change, and pressure
+  not down by more than a tenth since that change: one more step (a queue that is already
+  draining needs no more shedding);
+- pressure <= ``S.low`` and at least ``S.recover_interval`` since the last change: one step
+  back;
+- otherwise nothing moves.
+
+The band between ``low`` and ``high`` and the longer recovery interval keep a recovering
+pool from taking a class back, overloading again and shedding it again (flapping).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from policies.models import Endpoint, Saturation, ServiceClass
+from policies.telemetry import TelemetryRecord
+
+FALLING = 0.9
+"""Pressure below this share of its value at the last change counts as falling."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    """What telemetry decided for one route; kept between rounds for hysteresis."""
+
+    level: int = 0
+    """Steps restricted, counted from the least important restricted class."""
+    pressure: float | None = None
+    """Pool pressure this round (1.0 = saturated); ``None`` without fresh telemetry."""
+    changed_at: float = -math.inf
+    """Wall-clock time of the last level change."""
+    pressure_at_change: float = 0.0
+    """Pressure when the level last changed, to tell a draining queue from a growing one."""
+    admitted: Mapping[str, float] | None = None
+    """Share of each class's requests Envoy admits, 0 to 1, by class name."""
+    next_step_at: float = math.inf
+    """When the level would move next if the pressure stayed as it is: the control plane
+    rebuilds then even if no telemetry changes."""
+
+    def share(self, service_class: str) -> float:
+        """Admitted share of one class (1 for a class this decision does not restrict)."""
+        return 1.0 if self.admitted is None else self.admitted.get(service_class, 1.0)
+
+
+def pool_pressure(
+    endpoints: Sequence[Endpoint],
+    telemetry: Mapping[str, TelemetryRecord],
+    *,
+    now: float,
+    max_age: float,
+    saturation: Saturation,
+) -> float | None:
+    """The pressure of the replicas ``endpoints`` (see the module notes); ``telemetry`` is
+    keyed by ``Endpoint.key``. ``None`` when none of them has a fresh record."""
+    fresh = [
+        record
+        for endpoint in endpoints
+        if (record := telemetry.get(endpoint.key)) is not None and now - record.at <= max_age
+    ]
+    if not fresh:
+        return None
+    parts = [
+        statistics.fmean(r.waiting or 0.0 for r in fresh) / saturation.queue,
+        statistics.fmean(r.kv_cache or 0.0 for r in fresh) / saturation.kv_cache,
+    ]
+    if saturation.pending_tokens is not None:
+        parts.append(
+            statistics.fmean(r.pending_tokens or 0.0 for r in fresh) / saturation.pending_tokens
+        )
+    return round(max(parts), 6)
+
+
+def steps_per_class(saturation: Saturation) -> int:
+    """Steps that take one class from fully admitted to fully restricted."""
+    return math.ceil(100 / saturation.step)
+
+
+def decide(
+    previous: AdmissionDecision | None,
+    pressure: float | None,
+    classes: Sequence[ServiceClass],
+    *,
+    now: float,
+    saturation: Saturation,
+) -> AdmissionDecision:
+    """This round's decision for one route, from the last one and the pool's pressure."""
+    before = previous or AdmissionDecision()
+    restricted = [c for c in reversed(classes) if c.when_saturated != "admit"]
+    top = len(restricted) * steps_per_class(saturation)
+    level, changed_at, at_change = before.level, before.changed_at, before.pressure_at_change
+    since = now - changed_at
+    if pressure is None:
+        target = 0
+    elif (
+        pressure >= saturation.high
+        and since >= saturation.shed_interval
+        and pressure >= FALLING * at_change
+    ):
+        target = level + 1
+    elif pressure <= saturation.low and since >= saturation.recover_interval:
+        target = level - 1
+    else:
+        target = level
+    target = max(0, min(top, target))
+    if target != level:
+        level, changed_at, at_change = target, now, pressure or 0.0
+    next_step_at = math.inf
+    if pressure is not None:
+        if pressure >= saturation.high and level < top and pressure >= FALLING * at_change:
+            next_step_at = changed_at + saturation.shed_interval
+        elif pressure <= saturation.low and level > 0:
+            next_step_at = changed_at + saturation.recover_interval
+    return AdmissionDecision(
+        level=level,
+        pressure=pressure,
+        changed_at=changed_at,
+        pressure_at_change=at_change,
+        admitted=admitted_shares(classes, level, saturation),
+        next_step_at=next_step_at,
+    )
+
+
+def admitted_shares(
+    classes: Sequence[ServiceClass], level: int, saturation: Saturation
+) -> dict[str, float]:
+    """The admitted share of every class at ``level``: steps are taken from the least
+    important restricted class first, ``saturation.step`` percent at a time."""
+    per_class = steps_per_class(saturation)
+    remaining = level
+    out = {c.name: 1.0 for c in classes}
+    for service_class in reversed(classes):
+        if service_class.when_saturated == "admit" or remaining <= 0:
+            continue
+        taken = min(remaining, per_class)
+        remaining -= taken
+        out[service_class.name] = round(max(0.0, 1.0 - taken * saturation.step / 100), 6)
+    return out
+
+
+__all__ = [
+    "AdmissionDecision",
+    "admitted_shares",
+    "decide",
+    "pool_pressure",
+    "steps_per_class",
+]

@@ -1,0 +1,62 @@
+"""The service-class benchmark's arithmetic: per-class goodput, shed counts, time to recover
+and the target rows, on hand-made request results (the run itself is `make bench`)."""
+
+from __future__ import annotations
+
+from bench.classes import BATCH, INTERACTIVE, Phase, default_config, summarize, targets
+from bench.loadgen import RequestResult
+
+
+def _ok(session: str, start: float, ttft: float) -> RequestResult:
+    return RequestResult(session, 0, start, status=200, ttft=ttft, latency=ttft + 1)
+
+
+def _shed(session: str, start: float) -> RequestResult:
+    return RequestResult(session, 0, start, status=429, error="HTTP 429")
+
+
+def test_goodput_counts_requests_within_their_class_objective_and_recovery_the_last_miss() -> None:
+    config = default_config()
+    config = type(config)(
+        phases=(Phase("calm", 10, 0.4, 0.1), Phase("overload", 10, 0.6, 0.7), Phase("r", 10, 0, 0)),
+        objectives={INTERACTIVE: 1.0, BATCH: 30.0},
+    )
+    results = [
+        _ok("s7-1", 1.0, 0.2),  # interactive, within 1 s
+        _ok("s7-2", 12.0, 3.0),  # interactive, missed
+        _ok("s7-3", 24.0, 2.0),  # missed after the overload: recovery 4 s
+        _ok("d101-1", 2.0, 20.0),  # batch within 30 s
+        _shed("d101-2", 15.0),
+        _shed("d101-3", 5.0),  # shed in the calm phase
+        RequestResult("d101-4", 0, 16.0, status=503, error="HTTP 503"),
+    ]
+    summary = summarize(results, config)
+    interactive, batch = summary["classes"][INTERACTIVE], summary["classes"][BATCH]
+    assert (interactive["requests"], interactive["met_objective"]) == (3, 1)
+    assert (batch["ok"], batch["shed"], batch["errors"], batch["met_objective"]) == (1, 2, 1, 1)
+    assert summary["goodput_per_s"] == 2 / 30
+    assert summary["recovery_s"] == 4.0
+    assert summary["shed_in_calm_phase"] == 1
+
+
+def test_targets_compare_the_runs_side_by_side() -> None:
+    def run(p99: float, goodput: float, errors: int = 0, calm: int = 0) -> dict[str, object]:
+        return {
+            "classes": {
+                INTERACTIVE: {"ttft_p99": p99},
+                BATCH: {"ok": 10, "requests": 12, "shed": 2, "errors": errors},
+            },
+            "goodput_per_s": goodput,
+            "shed_in_calm_phase": calm,
+        }
+
+    rows = targets({"reference": run(0.2, 5), "affinity": run(2.0, 4.0), "classes": run(0.25, 4.5)})
+    assert [met for _, met, _ in rows] == [True, True, True, True, True]
+    rows = targets(
+        {
+            "reference": run(0.2, 5),
+            "affinity": run(0.5, 4.0),
+            "classes": run(0.4, 3.0, errors=1, calm=2),
+        }
+    )
+    assert [met for _, met, _ in rows] == [False, False, False, False, False]

@@ -1,0 +1,184 @@
+"""The REST views the console reads, and the endpoint health it writes, against a real etcd."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from api_harness import READ, Harness, pool, running_api
+from util import poll
+
+from controlplane.launchers import EmbeddedEtcd
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+async def api(etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Harness]:
+    async with running_api(etcd.endpoint, etcd_prefix) as harness:
+        yield harness
+
+
+def telemetry_policy() -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "RoutingPolicy",
+        "metadata": {"name": "main"},
+        "spec": {
+            "listener": {"port": 10000},
+            "routes": [{"name": "all", "balancing": "telemetry", "tiers": [["chat"]]}],
+        },
+    }
+
+
+async def view(api: Harness, query: str = "") -> dict[str, Any]:
+    response = await api.http.get(f"/v1/endpoints{query}", headers=READ)
+    assert response.status_code == 200, response.text
+    return {e["id"]: e for p in response.json()["pools"] for e in p["endpoints"]}
+
+
+async def test_endpoints_view_shows_weights_health_telemetry_and_why(api: Harness) -> None:
+    await api.http.put("/v1/pools/chat", json=pool("chat", 8001, 8002, 8003))
+    await api.http.put("/v1/routingpolicies/main", json=telemetry_policy())
+    await api.store.put_endpoint("chat", "r1", {"address": "127.0.0.2", "port": 9000})
+    now = time.time()
+    hot = {"at": now, "waiting": 40.0, "running": 30.0, "max_running": 32.0, "kv_cache": 0.99}
+    cold = {"at": now, "waiting": 0.0, "running": 1.0, "max_running": 32.0, "kv_cache": 0.1}
+    await api.store.put_telemetry("chat", "127.0.0.1:8001", hot)
+    await api.store.put_telemetry("chat", "127.0.0.1:8002", cold)
+    await api.store.put_telemetry("chat", "127.0.0.1:8003", {**cold, "at": now - 600})
+
+    async def settled() -> dict[str, Any] | None:
+        rows = await view(api, "?history=true")
+        with_telemetry = [row for row in rows.values() if row["telemetry"]]
+        return rows if len(rows) == 4 and len(with_telemetry) == 3 else None
+
+    rows = await poll(settled, message="the view to hold the telemetry")
+    assert set(rows) == {"127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003", "r1"}
+    assert rows["r1"]["source"] == "registered" and rows["r1"]["address"] == "127.0.0.2"
+    hot_row = rows["127.0.0.1:8001"]
+    assert hot_row["weight"] == 100 and hot_row["effectiveWeight"] < 100
+    assert hot_row["effectiveHealth"] == "degraded" and hot_row["health"] == "healthy"
+    assert any("saturated" in reason for reason in hot_row["reasons"])
+    assert hot_row["telemetry"]["waiting"] == 40.0
+    assert hot_row["history"]["waiting"] == [40.0]
+    assert any("stale" in reason for reason in rows["127.0.0.1:8003"]["reasons"])
+    assert rows["r1"]["reasons"] == ["no telemetry: static weight"]
+    assert "history" not in (await view(api))["r1"]
+
+    metrics = (await api.http.get("/metrics")).text
+    assert 'kvpilot_pool_endpoints{health="degraded",pool="chat"} 1.0' in metrics
+    assert 'kvpilot_pool_endpoints{health="healthy",pool="chat"} 3.0' in metrics
+
+
+@pytest.mark.parametrize("endpoint_id", ["127.0.0.1:8001", "r1"])
+async def test_drain_and_undrain_an_endpoint(api: Harness, endpoint_id: str) -> None:
+    await api.http.put("/v1/pools/chat", json=pool("chat", 8001, 8002))
+    await api.store.put_endpoint("chat", "r1", {"address": "127.0.0.2", "port": 9000}, ttl=60)
+    path = f"/v1/pools/chat/endpoints/{endpoint_id}/health"
+
+    refused = await api.http.put(path, json={"health": "draining"}, headers=READ)
+    assert refused.status_code == 403
+    bad = await api.http.put(path, json={"health": "sleepy"})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == "health"
+
+    drained = await api.http.put(path, json={"health": "draining"})
+    assert drained.status_code == 200, drained.text
+    assert drained.json()["health"] == "draining"
+    rows = await poll(
+        lambda: _health(api, endpoint_id, "draining"), message="the view to show it draining"
+    )
+    assert "draining: set on the endpoint" in rows[endpoint_id]["reasons"]
+    metrics = (await api.http.get("/metrics")).text
+    assert 'kvpilot_pool_endpoints{health="draining",pool="chat"} 1.0' in metrics
+    if endpoint_id == "r1":  # a registration keeps its lease
+        kv = await api.client.get(f"{api.prefix}/endpoints/chat/r1".encode())
+        assert kv is not None and kv.lease
+
+    assert (await api.http.put(path, json={"health": "healthy"})).status_code == 200
+    await poll(lambda: _health(api, endpoint_id, "healthy"), message="back in rotation")
+    missing = await api.http.put(
+        "/v1/pools/chat/endpoints/127.0.0.1:1/health", json={"health": "draining"}
+    )
+    assert missing.status_code == 404
+
+
+async def _health(api: Harness, endpoint_id: str, health: str) -> dict[str, Any] | None:
+    rows = await view(api)
+    return rows if rows.get(endpoint_id, {}).get("effectiveHealth") == health else None
+
+
+async def test_history_lists_revisions_with_diffs_newest_first(api: Harness) -> None:
+    body = pool("chat", 8001)
+    created = await api.http.put("/v1/pools/chat", json=body)
+    body["spec"]["endpoints"][0]["weight"] = 300
+    await api.http.put("/v1/pools/chat", json=body)
+    body["spec"]["models"] = ["m", "m2"]
+    updated = await api.http.put("/v1/pools/chat", json=body)
+
+    response = await api.http.get("/v1/history", headers=READ)
+    assert response.status_code == 200
+    items = response.json()["items"]
+    assert [i["change"] for i in items] == ["updated", "updated", "created"]
+    assert items[0]["revision"] == int(updated.headers["etag"].strip('"'))
+    assert items[-1]["revision"] == int(created.headers["etag"].strip('"'))
+    assert "+  - m2" in items[0]["diff"]
+    assert "-    weight: 100" in items[1]["diff"] and "+    weight: 300" in items[1]["diff"]
+    assert (await api.http.get("/v1/history?limit=1", headers=READ)).json()["items"] == items[:1]
+
+    # Once etcd compacts, what it no longer holds is said, not guessed; what was read before
+    # is kept (a revision's predecessor never changes).
+    other = pool("other", 8001)
+    await api.http.put("/v1/pools/other", json=other)
+    other["spec"]["models"] = ["x"]
+    last = await api.http.put("/v1/pools/other", json=other)
+    await api.client.compact(int(last.headers["etag"].strip('"')))
+    after = (await api.http.get("/v1/history", headers=READ)).json()
+    assert after["compacted"] is True
+    assert [(i["name"], i["change"]) for i in after["items"]] == [
+        ("other", "updated (earlier history compacted)"),
+        ("chat", "updated"),
+        ("chat", "updated"),
+        ("chat", "created"),
+    ]
+
+
+async def test_whoami_and_the_console_page(api: Harness) -> None:
+    assert (await api.http.get("/v1/whoami", headers=READ)).json() == {
+        "name": "viewer",
+        "role": "read",
+    }
+    assert (await api.http.get("/v1/whoami", headers={"Authorization": ""})).status_code == 401
+    page = await api.http.get("/ui/")
+    assert page.status_code == 200 and "kvpilot console" in page.text
+    assert (await api.http.get("/ui")).status_code in (307, 308)
+    script = await api.http.get("/ui/console.js")
+    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+
+
+async def test_preview_lists_the_envoy_resources_a_change_would_touch(api: Harness) -> None:
+    await api.http.put("/v1/pools/chat", json=pool("chat", 8001))
+    await api.http.put("/v1/routingpolicies/main", json=telemetry_policy())
+    changed = pool("chat", 8001)
+    changed["spec"]["endpoints"][0]["weight"] = 700
+    response = await api.http.post("/v1/preview", json={"objects": [changed]}, headers=READ)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["objects"] == [{"kind": "Pool", "name": "chat", "outcome": "configured"}]
+    assert [(c["type"], c["name"], c["change"]) for c in result["changes"]] == [
+        ("endpoints", "main/all", "changed")
+    ]
+    bad = await api.http.post("/v1/preview", json={"objects": [{"kind": "Pool"}]}, headers=READ)
+    assert bad.status_code == 422
+    assert bad.json()["detail"][0]["loc"].startswith("objects[0].")
+    assert (await api.http.post("/v1/preview", json=[], headers=READ)).status_code == 400
+    assert (await api.http.get("/v1/pools/chat")).json()["spec"]["endpoints"][0]["weight"] == 100
+
+
+async def test_status_names_etcd_and_the_default_fleet(api: Harness) -> None:
+    status = (await api.http.get("/v1/status", headers=READ)).json()
+    assert status["etcd"]["endpoints"] == api.client.endpoints
+    assert status["etcd"]["embedded"] is False
+    assert status["lastBuild"]["defaultFleet"] == "default"

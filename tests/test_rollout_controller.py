@@ -1,0 +1,130 @@
+"""The rollout controller against a real etcd, without Envoy: one driver at a time, fenced
+writes, steps held for their minimum, and a rollout whose policy disappears."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from api_harness import policy, pool
+from util import poll
+
+from controlplane.etcd import EtcdClient
+from controlplane.launchers import EmbeddedEtcd
+from controlplane.mirror import StateMirror
+from controlplane.rollouts import RolloutController, state_key
+from controlplane.store import Store, decode_json
+
+pytestmark = pytest.mark.e2e
+
+
+def rollout(min_duration: float = 0.3) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "Rollout",
+        "metadata": {"name": "r"},
+        "spec": {
+            "target": {"policy": "main", "route": "all"},
+            "stable": "chat",
+            "canary": "next",
+            "steps": [{"weight": w, "minDuration": min_duration} for w in (20, 60, 100)],
+            # No rules: every step passes once held for its minimum.
+            "analysis": {"rules": []},
+        },
+    }
+
+
+@contextlib.asynccontextmanager
+async def controller(
+    endpoint: str, prefix: str, replica: str
+) -> AsyncIterator[tuple[RolloutController, Store]]:
+    client = EtcdClient([endpoint])
+    await client.connect()
+    mirror = StateMirror(client, prefix)
+    watch = asyncio.create_task(mirror.run())
+    await mirror.wait_synced(10)
+    store = Store(client, prefix)
+    driver = RolloutController(
+        client, store.keys, lambda: mirror.items, replica, lease_ttl=2, tick=0.05
+    )
+    task = asyncio.create_task(driver.run())
+    try:
+        yield driver, store
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        watch.cancel()
+        await client.close()
+        await asyncio.gather(watch, return_exceptions=True)
+
+
+async def state(store: Store) -> dict[str, Any]:
+    kv = await store.client.get(store.keys.absolute(state_key("r")))
+    return (decode_json(kv) if kv is not None else None) or {}
+
+
+async def test_one_driver_steps_through_holding_each_step(
+    etcd: EmbeddedEtcd, etcd_prefix: str
+) -> None:
+    async with (
+        controller(etcd.endpoint, etcd_prefix, "a") as (a, store),
+        controller(etcd.endpoint, etcd_prefix, "b") as (b, _),
+    ):
+        for body in (pool("chat"), pool("next", 8003), policy("main", ("chat",))):
+            await store.create(body["kind"], body["metadata"]["name"], body)
+        await poll(lambda: a.leading or b.leading, within=10)
+        assert a.leading != b.leading
+        await store.create("Rollout", "r", rollout())
+
+        async def succeeded() -> bool:
+            return (await state(store)).get("phase") == "Succeeded"
+
+        await poll(succeeded, within=20)
+        record = await state(store)
+        steps = [e for e in record["history"] if e["event"] == "step"]
+        assert [e["weights"]["next"] for e in steps] == [20, 60, 100]
+        assert {e["by"] for e in record["history"]} == {"a" if a.leading else "b"}
+        assert all(y["at"] - x["at"] >= 0.3 for x, y in itertools.pairwise(steps))
+        stored = await store.get("RoutingPolicy", "main")
+        assert stored is not None
+        tier = stored.body["spec"]["routes"][0]["tiers"][0]["pools"]
+        assert {t["pool"]: t["weight"] for t in tier} == {"chat": 0, "next": 100}
+
+
+async def test_a_stale_leader_cannot_write_and_a_lost_policy_fails_the_rollout(
+    etcd: EmbeddedEtcd, etcd_prefix: str
+) -> None:
+    async with controller(etcd.endpoint, etcd_prefix, "a") as (a, store):
+        for body in (pool("chat"), pool("next", 8003), policy("main", ("chat",))):
+            await store.create(body["kind"], body["metadata"]["name"], body)
+        await poll(lambda: a.leading, within=10)
+        # Someone else takes the leader key (as a successor would after a lease expiry):
+        # the old leader's fenced writes fail and it steps down.
+        leadership = a.election.leadership
+        assert leadership is not None
+        await store.client.put(leadership.key, b'{"replica": "someone-else"}')
+        await store.create("Rollout", "r", rollout(min_duration=60))
+
+        async def stepped_down() -> bool:
+            return not a.leading
+
+        await poll(stepped_down, within=10)
+        assert await state(store) == {}
+        # The key goes away: "a" takes over and starts the rollout.
+        await store.client.delete(leadership.key)
+
+        async def started() -> bool:
+            return (await state(store)).get("phase") == "Progressing"
+
+        await poll(started, within=10)
+        await store.delete("RoutingPolicy", "main")
+
+        async def failed() -> bool:
+            return (await state(store)).get("phase") == "Failed"
+
+        await poll(failed, within=10)
+        assert "RoutingPolicy 'main' is gone" in (await state(store))["message"]

@@ -1,0 +1,77 @@
+"""`kvpilot serve` on its embedded defaults tells where its etcd is, so agents can be pointed
+at it; and the daemons keep HTTP client chatter out of their INFO logs."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ADMIN_TOKEN
+from util import wait_until
+
+from controlplane.launchers import ManagedProcess, free_port, repo_root
+from controlplane.logs import CHATTY_LOGGERS, setup_logging
+
+
+@pytest.mark.e2e
+def test_serve_prints_and_reports_the_embedded_etcd_address(tmp_path: Path) -> None:
+    api_port = free_port()
+    stdout = tmp_path / "serve.out"
+    process = ManagedProcess(
+        [sys.executable, "-m", "commands.cli", "serve", "--state-dir", str(tmp_path),
+         "--api-address", f"127.0.0.1:{api_port}", "--xds-address", f"127.0.0.1:{free_port()}"],
+        tmp_path / "serve.log",
+        stdout_path=stdout,
+        env={"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "PATH": str(Path(sys.executable).parent)},
+        cwd=repo_root(),
+    )  # fmt: skip
+    process.spawn()
+    try:
+        printed = wait_until(
+            lambda: re.search(
+                r"embedded etcd at (127\.0\.0\.1:\d+) \(point agents at it with "
+                r"--etcd-endpoints \1\)",
+                stdout.read_text() if stdout.exists() else "",
+            ),
+            30,
+            message="serve to print the embedded etcd's address",
+        )
+        address = printed.group(1)
+        headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+        def status() -> dict[str, object] | None:
+            response = httpx.get(f"http://127.0.0.1:{api_port}/v1/status", headers=headers)
+            return response.json() if response.status_code == 200 else None
+
+        reported = wait_until(status, 30, message="/v1/status to answer")
+        assert reported["etcd"] == {"endpoints": [address], "embedded": True, "watching": True}
+        # The address works: an agent could write there.
+        assert httpx.get(f"http://{address}/health", timeout=5).json()["health"] == "true"
+    finally:
+        process.stop(10)
+
+
+def test_http_client_request_logs_are_quiet_at_info_and_shown_at_debug() -> None:
+    root = logging.getLogger()
+    saved = root.level, list(root.handlers)
+    try:
+        root.handlers[:] = []  # basicConfig only configures a root logger without handlers
+        setup_logging("info")
+        assert all(
+            logging.getLogger(n).getEffectiveLevel() == logging.WARNING for n in CHATTY_LOGGERS
+        )
+        assert logging.getLogger("kvpilot").isEnabledFor(logging.INFO)
+        for name in CHATTY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        root.handlers[:] = []
+        setup_logging("debug")
+        assert logging.getLogger("httpx").isEnabledFor(logging.DEBUG)
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+        for name in CHATTY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)

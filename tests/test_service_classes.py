@@ -1,0 +1,226 @@
+"""Service classes: validation with field paths, the admission controller's steps and
+hysteresis, and what a decision becomes in Envoy's route configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controlplane.launchers import find_binary, repo_root
+from policies import PolicyError, PolicyState, compile_plan, load_objects, parse_object
+from policies.admission import AdmissionDecision, decide, pool_pressure
+from policies.models import Endpoint, Saturation, ServiceClass
+from policies.telemetry import TelemetryRecord
+from xdsserver.static import validate_with_envoy
+from xdsserver.translate import translate
+from xdsserver.translate.listeners import SHED_STATUS
+
+EXAMPLE = repo_root() / "policies" / "examples" / "service-classes.yaml"
+
+
+def _policy(classes: dict[str, Any], routes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "kind": "RoutingPolicy",
+        "metadata": {"name": "p"},
+        "spec": {
+            "serviceClasses": classes,
+            "routes": routes or [{"name": "chat", "tiers": [["a"]]}],
+        },
+    }
+
+
+INTERACTIVE = {"name": "interactive", "objective": {"ttft": "1s"}}
+BATCH = {"name": "batch", "objective": {"ttft": "60s"}, "whenSaturated": "shed"}
+
+
+@pytest.mark.parametrize(
+    ("document", "path", "words"),
+    [
+        (
+            _policy(
+                {"classes": [INTERACTIVE]}, [{"name": "r", "tiers": [["a"]], "serviceClass": "x"}]
+            ),
+            "spec.routes[0].serviceClass",
+            "'x' is not declared",
+        ),
+        (
+            _policy({"classes": [INTERACTIVE, INTERACTIVE]}),
+            "spec.serviceClasses.classes[1].name",
+            "declared twice",
+        ),
+        (
+            _policy({"classes": [INTERACTIVE], "defaultClass": "batch"}),
+            "spec.serviceClasses.defaultClass",
+            "'batch' is not declared",
+        ),
+        (
+            _policy({"classes": [{**BATCH, "whenSaturated": "divert", "divertTo": "nowhere"}]}),
+            "spec.serviceClasses.classes[0].divertTo",
+            "'nowhere' is not a route",
+        ),
+        (
+            _policy({"classes": [{**BATCH, "whenSaturated": "divert"}]}),
+            "spec.serviceClasses.classes[0]",
+            "needs divertTo",
+        ),
+        (
+            _policy({"classes": [{**BATCH, "match": {}}]}),
+            "spec.serviceClasses.classes[0].match",
+            "needs headers or tenants",
+        ),
+        (
+            _policy({"classes": [BATCH], "saturation": {"low": 1.0, "high": 1.0}}),
+            "spec.serviceClasses.saturation",
+            "low must be below high",
+        ),
+        (
+            _policy({"classes": [{**BATCH, "whenSaturated": "drop"}]}),
+            "spec.serviceClasses.classes[0].whenSaturated",
+            "'admit', 'shed', 'queue' or 'divert'",
+        ),
+        (
+            _policy({"classes": [{**BATCH, "queue": {"concurrency": 2}}]}),
+            "spec.serviceClasses.classes[0]",
+            "queue applies only with whenSaturated 'queue'",
+        ),
+    ],
+)
+def test_invalid_classes_are_reported_at_their_field(
+    document: dict[str, Any], path: str, words: str
+) -> None:
+    with pytest.raises(PolicyError) as raised:
+        parse_object(document)
+    found = {error.path: error.message for error in raised.value.errors}
+    assert path in found, found
+    assert words in found[path]
+
+
+SATURATION = Saturation(shed_interval=1.0, recover_interval=3.0)
+CLASSES = [
+    ServiceClass.model_validate(INTERACTIVE),
+    ServiceClass.model_validate({**BATCH, "name": "standard"}),
+    ServiceClass.model_validate(BATCH),
+]
+
+
+def _run(pressures: list[float | None], start: AdmissionDecision | None = None) -> list[int]:
+    """Levels after one decision per second with these pressures."""
+    decision, levels = start, []
+    for second, pressure in enumerate(pressures):
+        decision = decide(decision, pressure, CLASSES, now=float(second), saturation=SATURATION)
+        levels.append(decision.level)
+    return levels
+
+
+def test_saturation_restricts_the_lowest_class_first_one_step_a_second() -> None:
+    decision = None
+    for second in range(6):
+        decision = decide(decision, 1.5, CLASSES, now=float(second), saturation=SATURATION)
+    assert decision is not None
+    assert decision.level == 6
+    assert dict(decision.admitted or {}) == {"interactive": 1.0, "standard": 0.5, "batch": 0.0}
+    # Never past the last restricted class; interactive ('admit') is never touched.
+    assert _run([3.0] * 20)[-1] == 8
+
+
+def test_nothing_moves_inside_the_band_and_recovery_is_slower_than_shedding() -> None:
+    # 0.8 is inside the band (0.5, 1.0): however long it lasts, nothing moves.
+    assert _run([1.2, 1.2, *[0.8] * 10]) == [1, 2, *[2] * 10]
+    # Below low: one step back once 3 s have passed since the last change, then every 3 s,
+    # where shedding took a step every second.
+    assert _run([1.2, 1.2, *[0.4] * 8]) == [1, 2, 2, 2, 1, 1, 1, 0, 0, 0]
+
+
+def test_a_queue_that_is_already_draining_is_not_shed_further() -> None:
+    # Pressure still above high but well down since the last step: hold.
+    assert _run([2.0, 2.0, 1.6, 1.5, 1.4]) == [1, 2, 2, 2, 2]
+
+
+def test_without_fresh_telemetry_everything_is_admitted() -> None:
+    levels = _run([2.0, 2.0, 2.0, None])
+    assert levels == [1, 2, 3, 0]
+
+
+def test_pool_pressure_is_the_largest_mean_signal_over_fresh_records() -> None:
+    endpoints = [Endpoint(address="10.0.0.1", port=p) for p in (1, 2, 3)]
+    records = {
+        "10.0.0.1:1": TelemetryRecord(at=100.0, waiting=6, kv_cache=0.5),
+        "10.0.0.1:2": TelemetryRecord(at=100.0, waiting=2, kv_cache=0.5),
+        "10.0.0.1:3": TelemetryRecord(at=50.0, waiting=100),  # stale: left out
+    }
+    pressure = pool_pressure(endpoints, records, now=101.0, max_age=10.0, saturation=SATURATION)
+    assert pressure == 1.0  # mean queue 4 over a bound of 4
+    assert pool_pressure(endpoints, {}, now=101.0, max_age=10.0, saturation=SATURATION) is None
+
+
+def test_a_saturated_pool_becomes_shed_and_divert_entries_that_envoy_accepts(
+    tmp_path: Path,
+) -> None:
+    objects = load_objects(EXAMPLE)
+    busy = {
+        "10.0.6.10:8000": TelemetryRecord(at=0.0, waiting=12),
+        "10.0.6.11:8000": TelemetryRecord(at=0.0, waiting=12),
+    }
+    previous: dict[str, AdmissionDecision] = {}
+    for second in range(6):  # 6 steps: all of batch, then half of background
+        state = PolicyState.from_objects(
+            objects,
+            telemetry={
+                "llama-8b": {k: v.model_copy(update={"at": second}) for k, v in busy.items()}
+            },
+            now=float(second),
+            previous_admission=previous,
+        )
+        plan = compile_plan(state)
+        previous = dict(plan.admission)
+    assert dict(previous["classes/chat"].admitted or {}) == {
+        "interactive": 1.0,
+        "standard": 1.0,
+        "background": 0.5,
+        "batch": 0.0,
+    }
+    resources = translate(plan.fleets[0])
+    entries = {r.name: r for r in resources.routes[0].virtual_hosts[0].routes}
+    shed = entries["classes/chat#0@batch/shed"]
+    assert shed.direct_response.status == SHED_STATUS
+    assert shed.match.runtime_fraction.default_value.numerator == 1_000_000
+    assert [h.header.value for h in shed.response_headers_to_add] == ["30"]
+    assert [h.string_match.safe_regex.regex for h in shed.match.headers][-1] == (
+        "^(nightly\\-etl|evals)$"
+    )
+    queued = entries["classes/chat#0@background/queue"]
+    assert queued.route.cluster == "classes/chat/queue/background"
+    assert queued.match.runtime_fraction.default_value.numerator == 500_000
+    assert queued.stat_prefix == "chat.background.queued"
+    held = {c.name: c for c in resources.clusters}["classes/chat/queue/background"]
+    assert held.eds_cluster_config.service_name == "classes/chat"  # the route's endpoints
+    limits = held.circuit_breakers.thresholds[0]
+    assert (limits.max_connections.value, limits.max_pending_requests.value) == (4, 200)
+    # Standard is not restricted yet: it is more important than background.
+    assert "classes/chat#0@standard/divert" not in entries
+    # Interactive requests, the fallback class, are never restricted.
+    assert not any(
+        name.startswith("classes/chat#0@interactive/") and "shed" in name for name in entries
+    )
+    # The route's own class is admitted on the route that diverted requests go to.
+    assert "classes/spill#0@standard/divert" not in entries
+    ok, output = validate_with_envoy(resources, find_binary("envoy"), tmp_path)
+    assert ok, output
+
+
+def test_admission_changes_only_route_configurations() -> None:
+    """Shedding moves RDS alone: listeners and clusters are byte for byte what they were, so
+    no connection is drained and no cluster rebuilt when a class is restricted."""
+    objects = load_objects(EXAMPLE)
+    calm = translate(compile_plan(PolicyState.from_objects(objects)).fleets[0])
+    busy = PolicyState.from_objects(
+        objects,
+        telemetry={"llama-8b": {"10.0.6.10:8000": TelemetryRecord(at=0.0, waiting=40)}},
+        now=0.0,
+    )
+    shedding = translate(compile_plan(busy).fleets[0])
+    assert shedding.listeners == calm.listeners
+    assert shedding.clusters == calm.clusters
+    assert shedding.routes != calm.routes

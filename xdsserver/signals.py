@@ -1,0 +1,133 @@
+"""Data-plane signals: Envoy's gRPC access log service (ALS), per pool, with no Prometheus.
+
+Why ALS, and not load reports (LRS) or the metrics service:
+
+- A rollout's analysis needs, for each pool of a route, its status codes and its time to first
+  byte (time to first token for a streamed completion), over exactly the time of one step.
+- The pools of a rollout share one Envoy cluster (endpoint weights keep session affinity across
+  the split, README "rollout split"), so the numbers must be per upstream host, then summed per
+  pool.
+- LRS (``envoy.service.load_stats.v3``) reports per host only counts of successful, errored and
+  in-flight requests; it carries no latency at all.
+- The metrics service (``envoy.service.metrics.v3``) pushes Envoy's stats, whose latency
+  histograms (``upstream_rq_time``) and status counters exist per cluster, not per host: the
+  canary and the stable pool would be one number.
+- ALS sends one entry per request with the upstream cluster and host, the response code and
+  the timings of the upstream exchange. Configured as the router's *upstream* log it sends one
+  entry per attempt, so a canary's 500 that a retry hid from the client still counts against
+  the canary, and time to first byte is the attempt's own.
+
+kvpilot turns the upstream log on only on listeners whose routes a Rollout watches
+(``PlanListener.upstream_signals``), so Envoys send nothing for the rest of the traffic. Envoy
+buffers entries and sends them in batches (``SIGNALS_FLUSH_INTERVAL``); parsing one entry costs
+microseconds. Entries are folded into per-pool counters (``policies.rollout.PoolSignals``) as
+they arrive; ``controlplane.signals`` publishes those counters to etcd, where the replica that
+drives rollouts sums them over every replica.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import grpc
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from google.protobuf import duration_pb2
+
+from policies.compile import LOCAL_SUFFIX
+from policies.rollout import PoolSignals
+from xdsserver.translate import AFFINITY_SUFFIX
+
+log = logging.getLogger(__name__)
+
+
+class PoolResolver(Protocol):
+    """Which pool an upstream host of a cluster belongs to (None: not a pool's host)."""
+
+    def __call__(self, cluster: str, address: str, port: int) -> str | None: ...
+
+
+def route_cluster(cluster: str) -> str:
+    """The route cluster an Envoy cluster belongs to (its hash twin, or its replicas part)."""
+    return cluster.removesuffix(AFFINITY_SUFFIX).removesuffix(LOCAL_SUFFIX)
+
+
+def _seconds(value: duration_pb2.Duration) -> float:
+    return value.seconds + value.nanos / 1e9
+
+
+class SignalBook:
+    """Per (route cluster, pool) counters of every upstream attempt this replica was told about."""
+
+    def __init__(self, resolve: PoolResolver) -> None:
+        self.resolve = resolve
+        self.counters: dict[str, dict[str, PoolSignals]] = {}
+        """Cluster -> pool -> counters since this replica started."""
+        self.changed: set[str] = set()
+        """Clusters with attempts since ``take_changed`` was last called."""
+        self.unresolved = 0
+        """Entries whose host belonged to no known pool (the plan moved on, say)."""
+        self.listeners: list[Callable[[], None]] = []
+
+    def observe(self, entry: Any) -> None:
+        """Count one ``HTTPAccessLogEntry``."""
+        common = entry.common_properties
+        cluster = route_cluster(common.upstream_cluster)
+        socket = common.upstream_remote_address.socket_address
+        if not cluster or not socket.address:
+            return  # no upstream: a local reply (no route, rate limited)
+        pool = self.resolve(cluster, socket.address, socket.port_value)
+        if pool is None:
+            self.unresolved += 1
+            return
+        start = (
+            _seconds(common.time_to_first_upstream_tx_byte)
+            if common.HasField("time_to_first_upstream_tx_byte")
+            else 0.0
+        )
+        ttfb = (
+            max(0.0, _seconds(common.time_to_first_upstream_rx_byte) - start)
+            if common.HasField("time_to_first_upstream_rx_byte")
+            else None
+        )
+        latency = (
+            max(0.0, _seconds(common.time_to_last_upstream_rx_byte) - start)
+            if common.HasField("time_to_last_upstream_rx_byte")
+            else None
+        )
+        status = (
+            entry.response.response_code.value if entry.response.HasField("response_code") else 0
+        )
+        self.counters.setdefault(cluster, {}).setdefault(pool, PoolSignals()).observe(
+            status, ttfb, latency
+        )
+        self.changed.add(cluster)
+
+    def take_changed(self) -> set[str]:
+        """Clusters that saw attempts since the last call."""
+        changed, self.changed = self.changed, set()
+        return changed
+
+
+class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    """``envoy.service.accesslog.v3.AccessLogService`` feeding a SignalBook."""
+
+    def __init__(self, book: SignalBook) -> None:
+        self.book = book
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Register the service on a grpc.aio server (beside ADS)."""
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self, server)
+
+    async def StreamAccessLogs(
+        self,
+        request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                self.book.observe(entry)
+            for listener in self.book.listeners:
+                listener()
+        return als_pb2.StreamAccessLogsResponse()
