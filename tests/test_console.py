@@ -255,8 +255,8 @@ def test_console_loads_every_view_against_a_live_kvpilot(browser: Any, console: 
         shoot(page, "changes")
 
         page.click('a[data-tab="rollouts"]')
-        assert "Rollouts" in page.inner_text("#view-rollouts")
-        shoot(page, "rollouts")
+        page.wait_for_selector("#rollouts .empty", timeout=10_000)
+        assert "No rollouts" in page.inner_text("#rollouts")
     finally:
         writer.join()
         page.close()
@@ -387,6 +387,80 @@ def test_a_read_token_cannot_drain(browser: Any, console: Console) -> None:
         assert "healthy" in envoy_hosts(console.envoys[0], "inference/chat")[port]["health_flags"]
     finally:
         page.close()
+
+
+def test_a_rollout_shows_its_steps_and_verdict_and_an_admin_pauses_it_from_the_page(
+    browser: Any, console: Console
+) -> None:
+    # A canary pool (one of the replicas again) and a rollout that holds its first step for
+    # ten minutes: the real `kvpilot serve` drives it to Progressing at 10% canary.
+    port = console.ports[2]
+    canary = pool("chat-canary", [port], models=["sim-model"])
+    body = {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "Rollout",
+        "metadata": {"name": "chat-canary"},
+        "spec": {
+            "target": {"policy": "inference", "route": "chat", "tier": 0},
+            "stable": "chat",
+            "canary": "chat-canary",
+            "steps": [{"weight": 10, "minDuration": 600}, {"weight": 100, "minDuration": 600}],
+            "analysis": {"minSample": 5, "rules": [{"metric": "errorRate", "max": 0.05}]},
+        },
+    }
+    with console.api() as api:
+        assert api.put("/v1/pools/chat-canary", json=canary).status_code in (200, 201)
+        response = api.post("/v1/rollouts", json=body)
+        assert response.status_code == 201, response.text
+    admin = open_console(browser, console.kvpilot.api_url, ADMIN_TOKEN, "rollouts")
+    reader = None
+    try:
+        card = admin.locator('.rollout[data-rollout="chat-canary"]')
+        admin.wait_for_selector(
+            '.rollout[data-rollout="chat-canary"][data-phase="Progressing"]', timeout=20_000
+        )
+        assert card.locator(".step").count() == 2
+        current = card.locator(".step.current")
+        assert current.get_attribute("data-step") == "0"
+        assert "chat 90%" in current.inner_text() and "chat-canary 10%" in current.inner_text()
+        assert current.locator(".held i").count() == 1  # time held against the 10 min minimum
+        numbers, rules = card.locator(".verdict").nth(0), card.locator(".verdict").nth(1)
+        assert "canary" in numbers.inner_text() and "stable" in numbers.inner_text()
+        assert "errorRate" in rules.inner_text()
+        card.locator(".events li").first.wait_for(timeout=10_000)  # the recorded history
+
+        pause = card.locator('[data-command="pause"]')
+        assert pause.get_attribute("aria-disabled") is None
+        pause.click()
+        admin.wait_for_selector(
+            '.rollout[data-rollout="chat-canary"][data-phase="Paused"]', timeout=15_000
+        )
+        assert card.locator("[data-phase-pill]").inner_text() == "Paused"
+        assert card.locator('[data-command="resume"]').get_attribute("aria-disabled") is None
+        shoot(admin, "rollouts")
+
+        reader = open_console(browser, console.kvpilot.api_url, READ_TOKEN, "rollouts")
+        reader.wait_for_selector('.rollout[data-rollout="chat-canary"][data-phase="Paused"]')
+        buttons = reader.locator('.rollout[data-rollout="chat-canary"] [data-command]')
+        assert buttons.count() == 4
+        for index in range(4):
+            assert buttons.nth(index).get_attribute("aria-disabled") == "true"
+        reader.locator('[data-command="resume"]').dispatch_event("click")  # sends nothing
+        with console.api() as api:
+            status = api.get("/v1/rollouts/chat-canary/status").json()
+            assert status["phase"] == "Paused", status
+    finally:
+        admin.close()
+        if reader is not None:
+            reader.close()
+        with console.api() as api:
+            api.post("/v1/rollouts/chat-canary/abort")
+            wait_until(
+                lambda: api.get("/v1/rollouts/chat-canary/status").json()["phase"] == "Aborted",
+                15,
+                message="the rollout to abort back to its start weights",
+            )
+            api.delete("/v1/rollouts/chat-canary")
 
 
 def test_a_thousand_endpoints_render_within_two_seconds(
