@@ -3,24 +3,36 @@
 Writes go through the REST API without pause while the leader is killed (the cluster keeps
 quorum: writes resume once kvpilot has moved to a live member), then a follower (quorum is
 lost: writes fail, reads come from kvpilot's mirror), then both come back.
+
+All along, requests go through a real Envoy fed by that kvpilot: none fails, Envoy's config
+changes only when a weight write through the API was acknowledged (and each such write reaches
+it), and at the end traffic follows the last acknowledged weights.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from conftest import ADMIN_TOKEN, READ_TOKEN
-from routing_harness import pool
+from routing_harness import Rig, answered_by, chat, policy, pool
 from util import wait_until
 
 from controlplane.etcd import EtcdClient, EtcdError
-from controlplane.launchers import EmbeddedEtcd, EmbeddedEtcdCluster, KvpilotProcess
+from controlplane.launchers import (
+    EmbeddedEnvoy,
+    EmbeddedEtcd,
+    EmbeddedEtcdCluster,
+    KvpilotProcess,
+    free_port,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -69,6 +81,87 @@ class Writer:
         return sum(1 for at, _, _ in self.failed if at > moment)
 
 
+class Traffic:
+    """Sends chat requests through Envoy one after another (at most `limit`) and records who
+    answered each, so a test can see failures and where the latest requests landed."""
+
+    def __init__(self, url: str, limit: int = 20_000) -> None:
+        self.url = url
+        self.limit = limit
+        self.results: list[tuple[int, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=15) as client:
+            for _ in range(self.limit):
+                if self._stop.is_set():
+                    return
+                try:
+                    response = client.post(self.url, json=chat())
+                    self.results.append((response.status_code, answered_by(response)))
+                except httpx.HTTPError as error:
+                    self.results.append((0, repr(error)))
+                time.sleep(0.01)
+
+    def failed(self) -> list[tuple[int, str]]:
+        return [result for result in self.results if result[0] != 200]
+
+    def latest_all_on(self, prefix: str, count: int = 20) -> bool:
+        """The last `count` requests (sent after this call) all landed on pool `prefix`."""
+        start = len(self.results)
+        wait_until(lambda: len(self.results) >= start + count, 60, message=f"{count} more requests")
+        return all(replica.startswith(f"{prefix}-") for _, replica in self.results[start:])
+
+
+def applied_versions(envoy: EmbeddedEnvoy) -> dict[str, str]:
+    """Resource -> the xDS version Envoy applied for it (listeners, clusters, routes), or the
+    assignment itself for endpoints. Versions are content hashes: they move only when the
+    config does."""
+    versions: dict[str, str] = {}
+    for config in envoy.config_dump(include_eds=True)["configs"]:
+        for listener in config.get("dynamic_listeners", []):
+            active = listener.get("active_state", {})
+            versions[f"listener {listener['name']}"] = active.get("version_info", "")
+        for cluster in config.get("dynamic_active_clusters", []):
+            versions[f"cluster {cluster['cluster']['name']}"] = cluster["version_info"]
+        for route in config.get("dynamic_route_configs", []):
+            versions[f"route {route['route_config']['name']}"] = route["version_info"]
+        for endpoints in config.get("dynamic_endpoint_configs", []):
+            name = endpoints["endpoint_config"]["cluster_name"]
+            # Envoy keeps no version for an EDS assignment: the assignment stands in for it.
+            versions[f"endpoints {name}"] = json.dumps(endpoints["endpoint_config"], sort_keys=True)
+    return versions
+
+
+def split(listener_port: int, blue: int, green: int) -> dict[str, object]:
+    tier = [{"pool": "blue", "weight": blue}, {"pool": "green", "weight": green}]
+    return policy("chat", listener_port, [{"name": "all", "tiers": [tier]}])
+
+
+def write_weights(api_url: str, listener_port: int, blue: int, green: int) -> None:
+    """PUT the split until the API acknowledges it (it may answer 503 while kvpilot moves
+    to a live member)."""
+    with httpx.Client(base_url=api_url, headers=HEADERS, timeout=15) as api:
+
+        def acked() -> bool:
+            try:
+                body = split(listener_port, blue, green)
+                return api.put("/v1/routingpolicies/chat", json=body).status_code in (200, 201)
+            except httpx.HTTPError:
+                return False
+
+        wait_until(acked, 60, message=f"the write of weights {blue}/{green} to be acknowledged")
+
+
 def leader_of(members: list[EmbeddedEtcd]) -> EmbeddedEtcd:
     async def ask() -> EmbeddedEtcd:
         ids = {}
@@ -98,7 +191,11 @@ def cluster(tmp_path: Path) -> Iterator[EmbeddedEtcdCluster]:
 
 
 def test_leader_then_follower_die_and_return_and_no_acknowledged_write_is_lost(
-    cluster: EmbeddedEtcdCluster, tmp_path: Path, etcd_prefix: str
+    cluster: EmbeddedEtcdCluster,
+    tmp_path: Path,
+    etcd_prefix: str,
+    envoy_factory: Any,
+    backends: Any,
 ) -> None:
     kvpilot = KvpilotProcess(
         tmp_path / "kvpilot",
@@ -106,9 +203,24 @@ def test_leader_then_follower_die_and_return_and_no_acknowledged_write_is_lost(
         prefix=etcd_prefix,
         env={"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "KVPILOT_READ_TOKEN": READ_TOKEN},
     ).start()
+    api = httpx.Client(base_url=kvpilot.api_url, headers=HEADERS, timeout=15)
     try:
-        with Writer(kvpilot.api_url) as writer:
+        blue = backends(1, id_prefix="blue")
+        green = backends(1, id_prefix="green")
+        envoy = envoy_factory(xds_port=kvpilot.xds_port)
+        rig = Rig(kvpilot, envoy, api, free_port())
+        rig.apply(
+            pool("blue", [blue.replicas[0].port]),
+            pool("green", [green.replicas[0].port]),
+            split(rig.listener_port, 100, 0),
+        )
+        # A pool at weight 0 is left out of the cluster: Envoy sees blue alone.
+        rig.wait_ready("chat/all", [blue.replicas[0].port], timeout=60)
+
+        with Traffic(rig.url()) as traffic, Writer(kvpilot.api_url) as writer:
             wait_until(lambda: len(writer.acked) >= 20, 30, message="writes before any failure")
+            assert traffic.latest_all_on("blue")
+            before = applied_versions(envoy)
 
             # 1. The leader dies; two of three members keep quorum and elect a new leader.
             leader = leader_of(cluster.members)
@@ -121,6 +233,16 @@ def test_leader_then_follower_die_and_return_and_no_acknowledged_write_is_lost(
             )
             resumed = min(at for at, _ in writer.acked if at > killed)
             print(f"writes resumed {resumed - killed:.2f}s after the leader was killed")
+            # Pools no route uses are not Envoy config: nothing changed for Envoy yet.
+            assert applied_versions(envoy) == before
+
+            # An acknowledged weight write reaches Envoy and the traffic follows it.
+            write_weights(kvpilot.api_url, rig.listener_port, 0, 100)
+            wait_until(
+                lambda: applied_versions(envoy) != before, 60, message="the new weights in Envoy"
+            )
+            wait_until(lambda: traffic.latest_all_on("green"), 60, message="traffic on green")
+            after_write = applied_versions(envoy)
 
             # 2. A follower dies too: no quorum. Writes fail (none is acknowledged), reads
             # are answered from kvpilot's mirror, marked stale.
@@ -130,15 +252,17 @@ def test_leader_then_follower_die_and_return_and_no_acknowledged_write_is_lost(
             wait_until(
                 lambda: writer.failed_since(lost) >= 2, 60, message="writes to fail without quorum"
             )
-            with httpx.Client(base_url=kvpilot.api_url, headers=HEADERS, timeout=15) as api:
-                stale = wait_until(
-                    lambda: (r := api.get("/v1/pools/p-0")).headers.get("x-kvpilot-stale") and r,
-                    60,
-                    message="a stale read from the mirror",
-                )
+            stale = wait_until(
+                lambda: (r := api.get("/v1/pools/p-0")).headers.get("x-kvpilot-stale") and r,
+                60,
+                message="a stale read from the mirror",
+            )
             assert stale.status_code == 200 and stale.json()["metadata"]["name"] == "p-0"
+            assert applied_versions(envoy) == after_write
+            assert traffic.latest_all_on("green")
 
-            # 3. Both come back with their data: writes resume.
+            # 3. Both come back with their data: writes resume, and Envoy is told nothing new
+            # (kvpilot re-reads the same state).
             restored = time.monotonic()
             cluster.start()
             wait_until(
@@ -146,22 +270,37 @@ def test_leader_then_follower_die_and_return_and_no_acknowledged_write_is_lost(
                 90,
                 message="writes to resume once quorum is back",
             )
+            assert applied_versions(envoy) == after_write
+
+            # The last acknowledged weights win: traffic follows them.
+            write_weights(kvpilot.api_url, rig.listener_port, 100, 0)
+            wait_until(
+                lambda: applied_versions(envoy) != after_write,
+                60,
+                message="the last weights in Envoy",
+            )
+            wait_until(lambda: traffic.latest_all_on("blue"), 60, message="traffic on blue")
+
+        # Not one request through Envoy failed while etcd members died and came back.
+        assert traffic.failed() == [], traffic.failed()[:10]
+        assert len(traffic.results) >= 100
+        print(f"{len(traffic.results)} requests through Envoy, none failed")
 
         # Nothing acknowledged was lost: every pool a write was acknowledged for is there,
         # read through the API from etcd itself (not the mirror).
         acked = {name for _, name in writer.acked}
-        with httpx.Client(base_url=kvpilot.api_url, headers=HEADERS, timeout=15) as api:
-            listed = wait_until(
-                lambda: (
-                    (r := api.get("/v1/pools")).status_code == 200
-                    and "x-kvpilot-stale" not in r.headers
-                    and r
-                ),
-                60,
-                message="a fresh list from etcd",
-            )
+        listed = wait_until(
+            lambda: (
+                (r := api.get("/v1/pools")).status_code == 200
+                and "x-kvpilot-stale" not in r.headers
+                and r
+            ),
+            60,
+            message="a fresh list from etcd",
+        )
         present = {item["metadata"]["name"] for item in listed.json()["items"]}
         assert acked - present == set(), sorted(acked - present)
         assert len(acked) >= 40
     finally:
+        api.close()
         kvpilot.stop()
