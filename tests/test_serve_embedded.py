@@ -23,7 +23,7 @@ def test_serve_prints_and_reports_the_embedded_etcd_address(tmp_path: Path) -> N
     stdout = tmp_path / "serve.out"
     process = ManagedProcess(
         [sys.executable, "-m", "commands.cli", "serve", "--state-dir", str(tmp_path),
-         "--api-address", f"127.0.0.1:{api_port}", "--xds-address", f"127.0.0.1:{free_port()}"],
+         "--api-address", f"127.0.0.1:{api_port}", "--xds-address", f"127.0.0.1:{free_port()}", "--xds-insecure-plaintext"],
         tmp_path / "serve.log",
         stdout_path=stdout,
         env={"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "PATH": str(Path(sys.executable).parent)},
