@@ -146,6 +146,7 @@ async def test_requested_name_is_pushed_when_it_appears(ads: RunningServer) -> N
         response = await recv(s)
         assert names_of(response) == ["a"]
         await s.ack(response, ["a", "later"])
+        await ads.settled("envoy-1", response)
         await s.expect_silence()
         ads.cache.set_snapshot("default", snap({"a": [1], "later": [9]}))
         # A push of a named type carries only what changed; Envoy keeps "a".
@@ -159,6 +160,7 @@ async def test_eds_push_carries_only_the_changed_assignments(ads: RunningServer)
         response = await recv(s)
         assert names_of(response) == ["a", "b", "c"]
         await s.ack(response, ["a", "b", "c"])
+        await ads.settled("envoy-1", response)
         ads.cache.set_snapshot("default", snap({"a": [1], "b": [7], "c": [3]}))
         pushed = await recv(s)
         assert names_of(pushed) == ["b"]

@@ -373,6 +373,19 @@ class RunningServer:
         self.ads.close()
         await self.server.stop(grace)
 
+    async def settled(self, node_id: str, response: Any) -> None:
+        """Wait until the server has processed the ACK of `response` from `node_id`: a test
+        that changes the snapshot right after sending an ACK otherwise races it."""
+
+        def acked() -> bool:
+            return any(
+                c.types.get(response.type_url) is not None
+                and c.types[response.type_url].version_acked == response.version_info
+                for c in self.status.find(node_id)
+            )
+
+        await wait_until(acked)
+
     def sotw(self, node_id: str, cluster: str = "default", **kw: Any) -> SotwStream:
         return SotwStream(self.target, node_id, cluster, **kw)
 
