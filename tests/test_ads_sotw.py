@@ -8,7 +8,8 @@ from typing import Any
 
 import grpc
 import pytest
-from xdsclient import (
+from harness.wait import poll
+from harness.xdsclient import (
     RunningServer,
     SotwStream,
     make_cluster,
@@ -18,7 +19,6 @@ from xdsclient import (
     make_route,
     names_of,
     unpack,
-    wait_until,
 )
 
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
@@ -389,7 +389,7 @@ async def test_push_latency_is_observed_for_snapshot_changes(ads: RunningServer)
         before = metric(ads, "kvpilot_xds_push_seconds_count")
         ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
         await recv(s)
-        await wait_until(lambda: metric(ads, "kvpilot_xds_push_seconds_count") == before + 1)
+        await poll(lambda: metric(ads, "kvpilot_xds_push_seconds_count") == before + 1)
 
 
 async def test_status_listener_sees_connect_nack_and_disconnect(ads: RunningServer) -> None:
@@ -399,8 +399,8 @@ async def test_status_listener_sees_connect_nack_and_disconnect(ads: RunningServ
     async with ads.sotw("envoy-1") as s:
         await s.send(CLUSTER)
         await s.nack(await recv(s), "nope")
-        await wait_until(lambda: ("nacked", "envoy-1") in events)
-    await wait_until(lambda: ("disconnected", "envoy-1") in events)
+        await poll(lambda: ("nacked", "envoy-1") in events)
+    await poll(lambda: ("disconnected", "envoy-1") in events)
     assert events[0] == ("connected", "envoy-1")
 
 
@@ -465,10 +465,8 @@ async def test_a_nack_of_the_earlier_response_of_a_round_is_counted_and_then_res
         await s.nack(union, "cluster b: bad")
         for response in (eds, rds, final):
             await s.ack(response)
-        await wait_until(
-            lambda: metric(ads, "kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1
-        )
-        await wait_until(
+        await poll(lambda: metric(ads, "kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1)
+        await poll(
             lambda: ads.status.find("envoy-1")[0].types[CLUSTER].version_acked == final.version_info
         )
         [conn] = ads.status.find("envoy-1")

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import uvicorn
 import yaml
-from api_harness import ADMIN_TOKEN, READ_TOKEN, running_api
-from util import wait_until
+from harness.api import running_api
+from harness.auth import ADMIN_TOKEN, READ_TOKEN
+from harness.wait import wait_until
 
 from commands.cli import main
 from controlplane.launchers import EmbeddedEtcd, free_port

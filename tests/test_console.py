@@ -21,9 +21,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN, READ_TOKEN
-from routing_harness import answered_by, chat, envoy_hosts, policy, pool
-from util import wait_until
+from harness.auth import ADMIN_TOKEN, READ_TOKEN
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.envoy import envoy_hosts
+from harness.traffic import answered_by
+from harness.wait import wait_until
 
 from bench.backend import BackendProcess
 from controlplane.etcd import EtcdClient
@@ -149,7 +151,7 @@ def console(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Ite
         rig = Console(kvpilot, envoys, backends, listener_port, etcd, prefix)
         with rig.api() as api:
             for obj in (
-                pool("chat", rig.ports, models=["sim-model"]),
+                pool("chat", rig.ports, models=["sim-model"], health_check=FAST_HEALTH_CHECK),
                 policy(
                     "inference",
                     listener_port,
@@ -397,7 +399,7 @@ def test_a_rollout_shows_its_steps_and_verdict_and_an_admin_pauses_it_from_the_p
     # A canary pool (one of the replicas again) and a rollout that holds its first step for
     # ten minutes: the real `kvpilot serve` drives it to Progressing at 10% canary.
     port = console.ports[2]
-    canary = pool("chat-canary", [port], models=["sim-model"])
+    canary = pool("chat-canary", [port], models=["sim-model"], health_check=FAST_HEALTH_CHECK)
     body = {
         "apiVersion": "kvpilot.io/v1",
         "kind": "Rollout",
@@ -469,7 +471,7 @@ def test_a_thousand_endpoints_render_within_two_seconds(
     browser: Any, kvpilot_factory: Any, etcd_prefix: str
 ) -> None:
     kvpilot = kvpilot_factory(etcd_prefix)
-    big = pool("big", [], models=["m"])
+    big = pool("big", [], models=["m"], health_check=FAST_HEALTH_CHECK)
     big["spec"]["endpoints"] = [
         {"address": f"10.{i // 250}.{i % 250}.1", "port": 8000, "weight": 100 + i % 7}
         for i in range(1000)

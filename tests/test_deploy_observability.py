@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import ADMIN_TOKEN
+from harness.auth import ADMIN_TOKEN
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.wait import wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from routing_harness import chat, policy, pool
-from util import wait_until
 
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import free_port, repo_root
@@ -105,7 +105,12 @@ def test_every_metric_in_the_dashboard_and_the_alerts_exists_in_a_live_scrape(
     with httpx.Client(
         base_url=kvpilot.api_url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
     ) as api:
-        assert api.put("/v1/pools/chat", json=pool("chat", ports)).status_code == 201
+        assert (
+            api.put(
+                "/v1/pools/chat", json=pool("chat", ports, health_check=FAST_HEALTH_CHECK)
+            ).status_code
+            == 201
+        )
         assert (
             api.put("/v1/routingpolicies/p", json=policy("p", listener, [route])).status_code == 201
         )

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import ADMIN_TOKEN
-from util import wait_until
+from harness.auth import ADMIN_TOKEN
+from harness.wait import wait_until
 
 from commands.cli import main as kvpilot_cli
 from controlplane.launchers import EmbeddedEnvoy, repo_root

@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from util import wait_until
+from harness.auth import ADMIN_TOKEN
+from harness.wait import wait_until
 
 from controlplane.launchers import free_port
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from util import wait_until
+from harness.auth import ADMIN_TOKEN
+from harness.wait import wait_until
 
 from controlplane.launchers import ManagedProcess, free_port, repo_root
 from controlplane.logs import CHATTY_LOGGERS, setup_logging

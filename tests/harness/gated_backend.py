@@ -16,7 +16,7 @@ Each replica says who it is (`x-backend-id` header, `backend` field). It serves:
 - `POST /admin/gate {"open": bool}`: a closed gate holds requests (streams after
   `STREAM_CHUNKS_BEFORE_GATE` chunks); opening it releases them. The gate starts open.
 
-Run it:  python tests/gated_backend.py --replicas 3 --id-prefix g
+Run it:  python tests/harness/gated_backend.py --replicas 3 --id-prefix g
 It prints `{"replicas": [{"id": "g-0", "port": 12345}, ...]}` once every replica listens.
 """
 
@@ -149,7 +149,7 @@ async def serve(count: int, id_prefix: str, host: str) -> None:
 
 
 class GatedBackend:
-    """`python tests/gated_backend.py` as a child process, with its admin calls."""
+    """`python tests/harness/gated_backend.py` as a child process, with its admin calls."""
 
     def __init__(self, replicas: int, *, id_prefix: str, state_dir: Path) -> None:
         self.id_prefix = id_prefix

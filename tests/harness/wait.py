@@ -1,4 +1,4 @@
-"""Small helpers shared by the tests."""
+"""Waiting on a condition with a deadline: tests never sleep a fixed time."""
 
 from __future__ import annotations
 
@@ -6,20 +6,9 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
-
-if TYPE_CHECKING:
-    from bench.backend import BackendProcess
-    from controlplane.launchers import EmbeddedEnvoy
+from typing import TypeVar
 
 T = TypeVar("T")
-
-EnvoyFactory = Callable[..., "EmbeddedEnvoy"]
-"""What the `envoy_factory` fixture returns: keyword arguments of EmbeddedEnvoy -> started Envoy."""
-
-BackendFactory = Callable[..., "BackendProcess"]
-"""What the `backends` fixture returns: (n, id_prefix=...) -> started BackendProcess."""
 
 
 def wait_until(
@@ -70,32 +59,3 @@ async def poll(
         if loop.time() >= deadline:
             raise AssertionError(f"{message} not met after {within}s; last: {last!r}")
         await asyncio.sleep(0.05)
-
-
-def process_gone(pid: int) -> bool:
-    """True when `pid` no longer runs (a zombie waiting for its reaper counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
-def processes_with_env(name: str, value: str) -> list[int]:
-    """Pids of the running processes whose environment has `name`=`value`.
-
-    Children inherit their parent's environment even when they start their own session, so a
-    marker set on a command finds everything it started, however deep.
-    """
-    marker = f"{name}={value}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if marker in environ.split(b"\0") and not process_gone(int(entry.name)):
-            found.append(int(entry.name))
-    return found
