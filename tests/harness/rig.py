@@ -31,9 +31,15 @@ def api_client(kvpilot: KvpilotProcess) -> httpx.Client:
     return httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
 
 
+APPLY_ORDER = {"Fleet": 0, "Pool": 1}
+"""Kinds applied before the others: a fleet's settings (its secrets directory) must be in
+place before a listener needs them, and a policy's pools before the policy."""
+
+
 def apply(api: httpx.Client, *objects: Mapping[str, Any]) -> None:
-    """Create or replace objects through the REST API, pools first; each must succeed."""
-    for obj in sorted(objects, key=lambda o: o["kind"] != "Pool"):
+    """Create or replace objects through the REST API, fleets and pools first; each must
+    succeed."""
+    for obj in sorted(objects, key=lambda o: APPLY_ORDER.get(o["kind"], len(APPLY_ORDER))):
         path = f"/v1/{KIND_PATHS[obj['kind']]}/{obj['metadata']['name']}"
         response = api.put(path, json=obj)
         assert response.status_code in (200, 201), f"PUT {path}: {response.text}"
@@ -64,7 +70,7 @@ class Rig:
         return f"http://127.0.0.1:{self.listener_port}{path}"
 
     def apply(self, *objects: Mapping[str, Any]) -> None:
-        """Create or replace objects through the REST API, pools first."""
+        """Create or replace objects through the REST API, fleets and pools first."""
         apply(self.api, *objects)
 
     def hosts(self, cluster: str) -> dict[int, dict[str, str]]:
