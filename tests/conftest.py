@@ -10,14 +10,15 @@ fixture picks free ports and its own temporary directory, so pytest-xdist worker
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Protocol, TypeVar
 
 import pytest
 from harness.agent import MetricsBackend
 from harness.auth import TOKEN_ENV
 from harness.gated_backend import GatedBackend
 from harness.rig import BackendFactory, EnvoyFactory, KvpilotFactory, Rig
+from harness.xdsclient import RunningServer
 
 from bench.backend import BackendProcess
 from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
@@ -36,6 +37,23 @@ def _test_failed(request: pytest.FixtureRequest) -> bool:
         getattr(getattr(request.node, f"rep_{when}", None), "failed", False)
         for when in ("setup", "call")
     )
+
+
+class _Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Stoppable)
+
+
+def _stop_all(request: pytest.FixtureRequest, started: list[S], tail: Callable[[S], str]) -> None:
+    """Stop what a factory fixture started; when the test failed, print each one's log tail
+    first (`tail` gives a heading and the tail), so the failure report shows what it did."""
+    failed = _test_failed(request)
+    for item in started:
+        if failed:
+            print(tail(item))
+        item.stop()
 
 
 @pytest.fixture(scope="session")
@@ -86,12 +104,13 @@ def envoy_factory(
         return envoy.start(timeout)
 
     yield make
-    failed = _test_failed(request)
-    for envoy in started:
-        if failed:
-            print(f"--- envoy {envoy.node_id} log tail ({envoy.log_path}) ---")
-            print(envoy.log_tail())
-        envoy.stop()
+    _stop_all(
+        request,
+        started,
+        lambda envoy: (
+            f"--- envoy {envoy.node_id} log tail ({envoy.log_path}) ---\n" + envoy.log_tail()
+        ),
+    )
 
 
 @pytest.fixture
@@ -109,12 +128,14 @@ def backends(
         return process.start()
 
     yield make
-    failed = _test_failed(request)
-    for process in started:
-        if failed:
-            print(f"--- backend {process.id_prefix} log tail ({process.log_path}) ---")
-            print(process.log_tail())
-        process.stop()
+    _stop_all(
+        request,
+        started,
+        lambda process: (
+            f"--- backend {process.id_prefix} log tail ({process.log_path}) ---\n"
+            + process.log_tail()
+        ),
+    )
 
 
 @pytest.fixture
@@ -130,11 +151,11 @@ def gated(
         return backend.start()
 
     yield make
-    failed = _test_failed(request)
-    for backend in started:
-        if failed:
-            print(f"--- gated backend {backend.id_prefix} log tail ---\n{backend.log_tail()}")
-        backend.stop()
+    _stop_all(
+        request,
+        started,
+        lambda backend: f"--- gated backend {backend.id_prefix} log tail ---\n{backend.log_tail()}",
+    )
 
 
 @pytest.fixture
@@ -163,12 +184,11 @@ def kvpilot_factory(
         return process.start()
 
     yield make
-    failed = _test_failed(request)
-    for process in started:
-        if failed:
-            print(f"--- kvpilot log tail ({process.log_path}) ---")
-            print(process.log_tail(80))
-        process.stop()
+    _stop_all(
+        request,
+        started,
+        lambda process: f"--- kvpilot log tail ({process.log_path}) ---\n{process.log_tail(80)}",
+    )
 
 
 @pytest.fixture
@@ -197,3 +217,11 @@ def metrics_backends() -> Iterator[Callable[..., MetricsBackend]]:
     yield make
     for backend in started:
         backend.stop()
+
+
+@pytest.fixture
+async def ads() -> AsyncIterator[RunningServer]:
+    """kvpilot's ADS server alone, on a free port with an empty snapshot cache, for tests that
+    speak xDS to it through `harness.xdsclient`."""
+    async with RunningServer() as server:
+        yield server

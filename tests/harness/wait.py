@@ -11,6 +11,26 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+class _Attempts:
+    """The deadline of one wait and the last thing its predicate gave, for the failure."""
+
+    def __init__(self, within: float, message: str) -> None:
+        self._deadline = time.monotonic() + within
+        self._within = within
+        self._message = message
+
+    def holds(self, value: object) -> bool:
+        """Whether `value` (what the predicate returned, or the exception it raised) ends the
+        wait; once the deadline has passed, the test fails naming the last value."""
+        if value and not isinstance(value, Exception):
+            return True
+        if time.monotonic() >= self._deadline:
+            raise AssertionError(
+                f"{self._message} (after {self._within:.1f}s; last value: {value!r})"
+            )
+        return False
+
+
 def wait_until(
     predicate: Callable[[], T],
     timeout: float = 10.0,
@@ -22,19 +42,14 @@ def wait_until(
     Tests never sleep a fixed time: they poll with a deadline. On timeout this raises
     AssertionError with `message` and the last value (or exception) the predicate gave.
     """
-    deadline = time.monotonic() + timeout
-    last: object = None
+    attempts = _Attempts(timeout, message)
     while True:
         try:
-            value = predicate()
+            value: T | Exception = predicate()
         except Exception as exc:  # the condition may legitimately fail until it holds
-            last = exc
-        else:
-            if value:
-                return value
-            last = value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{message} (after {timeout:.1f}s; last value: {last!r})")
+            value = exc
+        if attempts.holds(value):
+            return value  # type: ignore[return-value]
         time.sleep(interval)
 
 
@@ -43,19 +58,13 @@ async def poll(
 ) -> T:
     """`wait_until` for async tests: poll ``predicate`` (sync or async) on the running loop
     until it is truthy, or fail after ``within`` seconds with the last value it gave."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    last: object = None
+    attempts = _Attempts(within, f"{message} not met")
     while True:
         try:
             result = predicate()
-            value = await result if inspect.isawaitable(result) else result
+            value: T | Exception = await result if inspect.isawaitable(result) else result  # type: ignore[assignment]
         except Exception as exc:  # the condition may legitimately fail until it holds
-            last = exc
-        else:
-            if value:
-                return value
-            last = value
-        if loop.time() >= deadline:
-            raise AssertionError(f"{message} not met after {within}s; last: {last!r}")
+            value = exc
+        if attempts.holds(value):
+            return value  # type: ignore[return-value]
         await asyncio.sleep(0.05)

@@ -340,6 +340,22 @@ def make_messages(
     }
 
 
+def make_snapshot(clusters: dict[str, Iterable[int]], **kw: Any) -> Any:
+    """`make_messages` as a Snapshot."""
+    from xdsserver.snapshot import Snapshot
+
+    return Snapshot.from_messages(make_messages(clusters, **kw))
+
+
+def assert_well_formed(response: Any) -> Any:
+    """`response`, after checking what every ADS response must hold: a nonce, and no
+    resource name twice (xDS rules 1 and 8)."""
+    names = names_of(response)
+    assert len(names) == len(set(names)), f"duplicate names in {names}"
+    assert response.nonce
+    return response
+
+
 class RunningServer:
     """A grpc.aio server with an `AdsServer` on 127.0.0.1 and a free port."""
 
