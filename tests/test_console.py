@@ -7,7 +7,6 @@ screenshot is written to tests/artifacts/console/ (git-ignored) for a person to 
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import shutil
 import socket
@@ -21,10 +20,10 @@ from typing import Any
 
 import httpx
 import pytest
-from harness.auth import ADMIN_TOKEN, READ_TOKEN
-from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.auth import ADMIN, ADMIN_TOKEN, READ_TOKEN, TOKEN_ENV
+from harness.builders import FAST_HEALTH_CHECK, policy, pool
 from harness.envoy import envoy_hosts
-from harness.traffic import answered_by
+from harness.traffic import served_by
 from harness.wait import wait_until
 
 from bench.backend import BackendProcess
@@ -45,7 +44,6 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 ARTIFACTS = Path(__file__).parent / "artifacts" / "console"
-ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 UI_BOUND_S = 2.0
 """The issue's bound for a change to show and for 1,000 endpoints to render."""
 
@@ -141,7 +139,7 @@ def console(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Ite
         tmp_path_factory.mktemp("kvpilot-console"),
         etcd_endpoints=[etcd.endpoint],
         prefix=prefix,
-        env={"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "KVPILOT_READ_TOKEN": READ_TOKEN},
+        env=TOKEN_ENV,
     ).start()
     backends = BackendProcess(3, id_prefix="ui", state_dir=tmp_path_factory.mktemp("ui-be"))
     envoys: list[EmbeddedEnvoy] = []
@@ -317,13 +315,6 @@ def test_nack_shows_envoys_message_on_that_envoy(browser: Any, console: Console)
         blocker.close()
 
 
-def served(rig: Console, count: int) -> collections.Counter[str]:
-    with httpx.Client(timeout=10) as client:
-        return collections.Counter(
-            answered_by(client.post(rig.url(), json=chat())) for _ in range(count)
-        )
-
-
 def test_admin_drains_an_endpoint_from_the_page_and_envoy_stops_sending_it_traffic(
     browser: Any, console: Console
 ) -> None:
@@ -342,7 +333,7 @@ def test_admin_drains_an_endpoint_from_the_page_and_envoy_stops_sending_it_traff
             10,
             message="Envoy to see the endpoint draining",
         )
-        counts = served(console, 30)
+        counts = served_by(console.url(), 30)
         assert drained_id not in counts, counts
         assert sum(counts.values()) == 30 and all(k.startswith("ui") for k in counts), counts
         shoot(page, "endpoints-drained")
