@@ -24,6 +24,7 @@ __all__ = [
     "prefix_range_end",
 ]
 
+
 class EtcdError(Exception):
     """Base class for etcd failures; the message says what to do about it."""
 
