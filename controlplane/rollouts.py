@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from controlplane.election import LeaderElection, leader_key
+from controlplane.election import LeaderElection, heartbeat_key, leader_key
 from controlplane.etcd import EtcdClient, EtcdError, KeyValue
 from controlplane.signals import collect
 from controlplane.store import STATUS, Keys, decode_json, encode_json
@@ -285,12 +285,23 @@ class RolloutController:
                 while True:
                     try:
                         if not self.leading:
-                            await self.election.campaign(keeper.lease_id)
+                            self.election.lease = keeper.lease_id
+                            items = self.items()
+                            await self.election.follow(
+                                items.get(leader_key(LEADER_JOB)),
+                                items.get(heartbeat_key(LEADER_JOB)),
+                            )
+                        if self.leading:
+                            await self.election.beat()
                         if self.leading:
                             await self.drive_all()
                     except EtcdError as error:
                         log.warning("rollouts: etcd: %s; retrying", error)
-                    await asyncio.sleep(self.tick if self.leading else self.election.poll_interval)
+                    await asyncio.sleep(
+                        min(self.tick, self.election.heartbeat_interval)
+                        if self.leading
+                        else self.election.poll_interval
+                    )
             finally:
                 if self._http is not None:
                     await self._http.aclose()
