@@ -414,7 +414,7 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         raise ValueError("ServeConfig needs xds_tls or xds_insecure_plaintext=True")
     ads.add_to(grpc_server)
     signals = SignalBook(PlanResolver(lambda: reconciler.plan))
-    AccessLogServer(signals).add_to(grpc_server)
+    AccessLogServer(signals, fleet_of=cache.served_fleet).add_to(grpc_server)
     register_rollout_metrics(registry, lambda: mirror.items)
 
     app = create_app(

@@ -66,6 +66,15 @@ def command_key(name: str) -> str:
     return f"{ROLLOUT_COMMAND_PREFIX}{name}"
 
 
+def _reach(fleets: list[str] | None) -> dict[str, Any]:
+    """The fields a step event gets when the step reaches only the canary fleets."""
+    return {"fleets": fleets} if fleets else {}
+
+
+def _in(fleets: list[str] | None) -> str:
+    return f" in fleets {', '.join(fleets)}" if fleets else ""
+
+
 def allowed(command: str, phase: str | None) -> str | None:
     """Why ``command`` cannot apply in ``phase`` (None: it can)."""
     if phase in TERMINAL:
@@ -85,9 +94,10 @@ def allowed(command: str, phase: str | None) -> str | None:
 def step_signals(
     items: Mapping[str, KeyValue], rollout: Rollout, state: Mapping[str, Any]
 ) -> dict[str, PoolSignals]:
-    """Pool -> the step's numbers so far: every replica's counters minus the step's baseline."""
+    """Pool -> the step's numbers so far: every replica's counters minus the step's baseline
+    (the canary fleets' alone while the step has reached only them)."""
     baseline = state.get("baseline") or {}
-    now = collect(items, target_cluster(rollout))
+    now = collect(items, target_cluster(rollout), state.get("fleets"))
     per_replica = []
     for replica, pools in now.items():
         before = baseline.get(replica, {})
@@ -159,6 +169,7 @@ def summary(
             "message": state.get("message", ""),
             "driver": state.get("driver"),
             "failedRequests": state.get("failedRequests", 0),
+            "fleets": state.get("fleets"),
         }
     )
     if state.get("phase") in ("Progressing", "Paused"):
@@ -394,7 +405,9 @@ class RolloutController:
             return
         if verdict.outcome == "waiting":
             return
-        if step + 1 < len(rollout.spec.steps):
+        if state.get("fleets"):
+            await self._widen(rollout, read, verdict, now)
+        elif step + 1 < len(rollout.spec.steps):
             await self._step(rollout, read, step + 1, verdict, now)
         else:
             await self._finish(rollout, read, "Succeeded", verdict, now, "every step passed")
@@ -402,9 +415,14 @@ class RolloutController:
     # -- transitions ---------------------------------------------------------------------------
 
     def _policy_with(
-        self, rollout: Rollout, policy: RoutingPolicy, weights: Mapping[str, int]
+        self,
+        rollout: Rollout,
+        policy: RoutingPolicy,
+        weights: Mapping[str, int],
+        canary_weights: Mapping[str, int] | None = None,
     ) -> dict[str, Any]:
-        """The policy body with the target tier's pools set to ``weights``."""
+        """The policy body with the target tier's pools set to ``weights``, and to
+        ``canary_weights`` in the rollout's canary fleets (None: the same in every fleet)."""
         body = policy.model_dump(mode="json", by_alias=True)
         target = rollout.spec.target
         for route in body["spec"]["routes"]:
@@ -415,9 +433,15 @@ class RolloutController:
             for entry in tier["pools"]:
                 if entry["pool"] in weights:
                     entry["weight"] = weights[entry["pool"]]
-            for pool, weight in weights.items():
+            for pool in [*weights, *(canary_weights or {})]:
                 if pool not in present:
-                    tier["pools"].append({"pool": pool, "weight": weight})
+                    tier["pools"].append({"pool": pool, "weight": weights.get(pool, 0)})
+                    present.add(pool)
+            tier["fleetWeights"] = (
+                {}
+                if canary_weights is None
+                else {fleet: dict(canary_weights) for fleet in rollout.spec.fleets}
+            )
         return body
 
     def _tier_weights(self, rollout: Rollout, policy: RoutingPolicy) -> dict[str, int]:
@@ -433,6 +457,7 @@ class RolloutController:
         state: dict[str, Any],
         *,
         weights: Mapping[str, int] | None = None,
+        canary_weights: Mapping[str, int] | None = None,
         consume_command: bool = False,
     ) -> bool:
         leadership = self.election.leadership
@@ -446,7 +471,8 @@ class RolloutController:
                 self.keys.object("RoutingPolicy", rollout.spec.target.policy)
             )
             compares.append((policy_key, read.policy_revision))
-            puts.append((policy_key, encode_json(self._policy_with(rollout, read.policy, weights))))
+            body = self._policy_with(rollout, read.policy, weights, canary_weights)
+            puts.append((policy_key, encode_json(body)))
         deletes = []
         if consume_command:
             compares.append((self.keys.absolute(command_key(name)), read.command_revision))
@@ -465,19 +491,18 @@ class RolloutController:
 
     async def _start(self, rollout: Rollout, created: int, read: _Read, now: float) -> None:
         state: dict[str, Any] = {"object": created, "driver": self.replica_id, "history": []}
-        policies = {read.policy.metadata.name: read.policy} if read.policy is not None else {}
-        pools = {}
+        objects = []
         for kv_key, kv in self.items().items():
-            if kv_key.startswith("objects/pools/"):
+            if kv_key.startswith(
+                tuple(self.keys.objects(kind) for kind in ("Pool", "RoutingPolicy", "Fleet"))
+            ):
                 try:
-                    pool = parse_object(decode_json(kv))
+                    objects.append(parse_object(decode_json(kv)))
                 except PolicyError:
                     continue
-                pools[pool.metadata.name] = pool
-        errors = reference_errors(
-            rollout,
-            PolicyState.from_objects([*policies.values(), *pools.values()]),
-        )
+        if read.policy is not None:
+            objects.append(read.policy)  # as read now, after the mirror's copy
+        errors = reference_errors(rollout, PolicyState.from_objects(objects))
         if errors:
             state.update(phase="Failed", step=0, message="; ".join(map(str, errors)))
             self._event(state, now, "failed", message=state["message"])
@@ -486,24 +511,36 @@ class RolloutController:
         assert read.policy is not None
         start = self._tier_weights(rollout, read.policy)
         weights = rollout.spec.step_weights(0)
+        fleets = list(rollout.spec.fleets) or None
         state.update(
             phase="Progressing",
             step=0,
             startWeights=start,
             stepStartedAt=now,
-            baseline=self._baseline(rollout),
+            fleets=fleets,
+            baseline=self._baseline(rollout, fleets),
             failedRequests=0,
             message="",
         )
         self._event(state, now, "start", weights=start)
-        self._event(state, now, "step", step=0, weights=weights)
-        if await self._commit(rollout, read, state, weights=weights):
-            log.info("rollout %s: started, step 0 %s", rollout.metadata.name, weights)
+        self._event(state, now, "step", step=0, weights=weights, **_reach(fleets))
+        committed = await self._commit(
+            rollout,
+            read,
+            state,
+            weights=start if fleets else weights,
+            canary_weights=weights if fleets else None,
+        )
+        if committed:
+            log.info(
+                "rollout %s: started, step 0 %s%s", rollout.metadata.name, weights, _in(fleets)
+            )
 
-    def _baseline(self, rollout: Rollout) -> dict[str, Any]:
+    def _baseline(self, rollout: Rollout, fleets: list[str] | None) -> dict[str, Any]:
+        counters = collect(self.items(), target_cluster(rollout), fleets)
         return {
             replica: {pool: signals.as_json() for pool, signals in pools.items()}
-            for replica, pools in collect(self.items(), target_cluster(rollout)).items()
+            for replica, pools in counters.items()
         }
 
     def _close_step(self, state: dict[str, Any], verdict: Verdict) -> None:
@@ -517,13 +554,45 @@ class RolloutController:
         state = dict(read.state)
         self._close_step(state, verdict)
         weights = rollout.spec.step_weights(step)
+        fleets = list(rollout.spec.fleets) or None
         self._event(state, now, "verdict", step=step - 1, **verdict.as_json())
-        self._event(state, now, "step", step=step, weights=weights)
+        self._event(state, now, "step", step=step, weights=weights, **_reach(fleets))
         state.update(
-            step=step, stepStartedAt=now, baseline=self._baseline(rollout), driver=self.replica_id
+            step=step,
+            stepStartedAt=now,
+            fleets=fleets,
+            baseline=self._baseline(rollout, fleets),
+            driver=self.replica_id,
+        )
+        committed = await self._commit(
+            rollout,
+            read,
+            state,
+            # With canary fleets, the others keep the step before until this one passes.
+            weights=rollout.spec.step_weights(step - 1) if fleets else weights,
+            canary_weights=weights if fleets else None,
+        )
+        if committed:
+            log.info("rollout %s: step %d %s%s", rollout.metadata.name, step, weights, _in(fleets))
+
+    async def _widen(self, rollout: Rollout, read: _Read, verdict: Verdict, now: float) -> None:
+        """The step passed in its canary fleets: it reaches every fleet, and is held and
+        judged again on all of their traffic."""
+        assert read.state is not None
+        state = dict(read.state)
+        step = int(state["step"])
+        self._close_step(state, verdict)
+        weights = rollout.spec.step_weights(step)
+        self._event(state, now, "verdict", step=step, fleets=state["fleets"], **verdict.as_json())
+        self._event(state, now, "widen", step=step, weights=weights)
+        state.update(
+            stepStartedAt=now,
+            fleets=None,
+            baseline=self._baseline(rollout, None),
+            driver=self.replica_id,
         )
         if await self._commit(rollout, read, state, weights=weights):
-            log.info("rollout %s: step %d %s", rollout.metadata.name, step, weights)
+            log.info("rollout %s: step %d in every fleet", rollout.metadata.name, step)
 
     async def _fail(self, rollout: Rollout, read: _Read, verdict: Verdict, now: float) -> None:
         assert read.state is not None
@@ -573,7 +642,9 @@ class RolloutController:
             "Failed": "failed",
         }[phase]
         self._event(state, now, event, weights=weights, message=message)
-        state.update(phase=phase, message=message, finishedAt=now, driver=self.replica_id)
+        state.update(
+            phase=phase, message=message, finishedAt=now, driver=self.replica_id, fleets=None
+        )
         if await self._commit(
             rollout, read, state, weights=weights, consume_command=consume_command
         ):
@@ -610,7 +681,7 @@ class RolloutController:
                 phase="Progressing",
                 message="",
                 stepStartedAt=now,
-                baseline=self._baseline(rollout),
+                baseline=self._baseline(rollout, state.get("fleets")),
             )
             self._event(state, now, "resumed", step=state["step"])
         await self._commit(rollout, read, state, consume_command=True)
