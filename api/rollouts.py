@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from api.context import Admin, ApiContext, ApiError, Reader, parse_for_kind
 from controlplane.election import leader_key
-from controlplane.rollouts import (
+from controlplane.rolloutstate import (
     LEADER_JOB,
     allowed,
     command_key,

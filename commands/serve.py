@@ -33,7 +33,7 @@ from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
 from controlplane.rollouts import RolloutController
-from controlplane.rollouts import register_metrics as register_rollout_metrics
+from controlplane.rolloutstate import register_metrics as register_rollout_metrics
 from controlplane.signals import PlanResolver, SignalPublisher
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies import DEFAULT_FLEET

@@ -22,7 +22,10 @@ from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
 from policies.compile import listener_name
 from xdsserver.translate import AFFINITY_SUFFIX
 
-LEASE_TTL = 2
+LEASE_TTL = 3
+"""--rollout-lease-ttl of every replica: a standby takes over after 0.6 of it (1.8 s) without
+the driver's heartbeat, which leaves the SIGKILL test 1.2 s for the standby's reaction on a
+loaded machine."""
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 CLUSTER = "chat/chat"
 STEPS = (5, 25, 50, 100)

@@ -18,7 +18,7 @@ from api_harness import ADMIN_TOKEN, READ, Harness, auth_config, policy, pool, r
 from api.auth import AuthConfig, TokenReloader, WriteRateLimit
 from controlplane.audit import AuditLog, diff
 from controlplane.launchers import EmbeddedEtcd
-from controlplane.rollouts import state_key
+from controlplane.rolloutstate import state_key
 from controlplane.store import Actor, Store
 
 WRITE_METHODS = {"post", "put", "delete", "patch"}

@@ -18,7 +18,8 @@ from controlplane.election import leader_key
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.mirror import StateMirror
-from controlplane.rollouts import LEADER_JOB, RolloutController, state_key
+from controlplane.rollouts import RolloutController
+from controlplane.rolloutstate import LEADER_JOB, state_key
 from controlplane.store import Store, decode_json
 
 pytestmark = pytest.mark.e2e
@@ -157,5 +158,6 @@ async def test_a_follower_takes_the_key_from_a_silent_leader_before_its_lease_ru
     finally:
         await client.revoke_lease(lease)
         await client.close()
-    # 0.6 of the 2 s TTL without a heartbeat, plus the follower's start and poll.
-    assert took < 2.0, f"took the key {took:.2f}s after the leader went silent"
+    # It waits for 0.6 of the 2 s TTL without a heartbeat, not for the lease's 60 s (the bound
+    # within the TTL is the SIGKILL test's; here the machine's load must not fail the test).
+    assert 1.2 <= took < 30, f"took the key {took:.2f}s after the leader went silent"
