@@ -235,6 +235,12 @@ def test_status_draws_a_bar_for_the_current_step() -> None:
     )
     assert ">> step 0: chat=95% next=5% [" + "#" * 15 + "-" * 15 + "]" in text
     assert "canary 3 requests" in text and "errorRate: waiting" in text
+    assert "only)" not in text
+    in_blue = render_rollout(
+        {"phase": "Progressing", "steps": [{"chat": 95, "next": 5}], "step": 0, "fleets": ["blue"]},
+        now=105.0,
+    )
+    assert "(fleets blue only)" in in_blue.splitlines()[1]
 
 
 async def test_query_rules_read_prometheus_with_the_pools_filled_in() -> None:
