@@ -10,8 +10,8 @@ to a TTL after the last keep-alive, etcd looks for expired leases only every 500
 shortest lease is 1.5 times its election timeout rounded up (2 s with etcd's defaults), so a
 lease cannot simply be made shorter. So the leader also renews a heartbeat key
 (``{leader key}/heartbeat``, a fenced write) every ``heartbeat_interval``, and a follower that
-sees neither key change for ``silence_limit`` deletes the leader key (only the revision it
-saw) and campaigns at once: a follower takes over within ``silence_limit`` plus its poll
+sees neither key change for ``silence_limit`` in its mirror, and etcd confirms the heartbeat
+has not moved, deletes the leader key (only the revision it saw) and campaigns at once: a follower takes over within ``silence_limit`` plus its poll
 interval after the leader's last heartbeat, inside the TTL. The lease stays the backstop
 when no follower is running. A leader that was only slow finds its fence gone on its next
 write and follows.
@@ -149,6 +149,13 @@ class LeaderElection:
             self._seen, self._seen_at = seen, now
             return
         if now - self._seen_at < self.silence_limit:
+            return
+        # Ask etcd itself before taking over: a mirror whose watch lags would otherwise take
+        # the key from a leader that is alive.
+        current = await self.client.get(self.heartbeat_key)
+        beat = current.mod_revision if current is not None else 0
+        if beat != seen[1]:
+            self._seen, self._seen_at = (seen[0], beat), now
             return
         log.warning(
             "%s: no heartbeat from the leader for %.1fs; taking over",
