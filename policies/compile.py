@@ -503,6 +503,26 @@ def _applies(policy: RoutingPolicy, fleet: str) -> bool:
     return "*" in policy.spec.fleets or fleet in policy.spec.fleets
 
 
+def fleet_weighted(policy: RoutingPolicy) -> set[str]:
+    """Fleets for which some tier of ``policy`` has weights of their own (``fleetWeights``)."""
+    return {
+        fleet
+        for route in policy.spec.routes
+        for tier in route.tiers
+        for fleet in tier.fleet_weights
+    }
+
+
+def policy_in(policy: RoutingPolicy, fleet: str) -> RoutingPolicy:
+    """``policy`` as the Envoys of ``fleet`` get it: each tier with that fleet's weights."""
+    routes = [
+        route.model_copy(update={"tiers": [tier.weights_in(fleet) for tier in route.tiers]})
+        for route in policy.spec.routes
+    ]
+    spec = policy.spec.model_copy(update={"routes": routes})
+    return policy.model_copy(update={"spec": spec})
+
+
 def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPlan:
     """Build the routing plan for every fleet. Pure: the same state gives the same plan, with
     or without `memo` (which only saves recompiling routes whose inputs did not change)."""
@@ -542,6 +562,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
     watched = rollout_clusters(state)
     fleets = []
     for fleet in fleet_names(state):
+        in_fleet = _fleet_compiled(state, fleet, compiled, weights, admission)
         fleet_object = state.fleets.get(fleet)
         settings = fleet_object.spec if fleet_object is not None else FleetSpec()
         by_port: dict[int, list[RoutingPolicy]] = {}
@@ -553,7 +574,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         clusters: list[PlanCluster] = []
         for port in sorted(by_port):
             vhosts, port_clusters, port_diagnostics = _merge_listener(
-                fleet, by_port[port], compiled
+                fleet, by_port[port], in_fleet
             )
             diagnostics.extend(port_diagnostics)
             clusters.extend(port_clusters)
@@ -587,6 +608,33 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         weights=weights,
         admission=admission,
     )
+
+
+def _fleet_compiled(
+    state: PolicyState,
+    fleet: str,
+    compiled: Mapping[str, tuple[list[PlanCluster], PlanVirtualHost]],
+    weights: Mapping[str, Mapping[str, WeightDecision]],
+    admission: Mapping[str, AdmissionDecision],
+) -> Mapping[str, tuple[list[PlanCluster], PlanVirtualHost]]:
+    """``compiled``, with the policies whose tiers weigh pools differently in ``fleet``
+    compiled again as that fleet gets them (a rollout's canary fleet; rare and short-lived,
+    so not memoised)."""
+    out = dict(compiled)
+    for name, policy in state.policies.items():
+        if fleet not in fleet_weighted(policy) or not _applies(policy, fleet):
+            continue
+        variant = policy_in(policy, fleet)
+        clusters: list[PlanCluster] = []
+        routes = []
+        for route in variant.spec.routes:
+            route_clusters, plan_route = _compile_route(
+                variant, route, state, weights, admission.get(cluster_name(name, route.name))
+            )
+            clusters.extend(route_clusters)
+            routes.append(plan_route)
+        out[name] = (clusters, replace(compiled[name][1], routes=tuple(routes)))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -356,6 +356,13 @@ class Tier(Model):
     """One failover tier: Envoy uses tier k+1 only when tier k lacks healthy capacity."""
 
     pools: list[PoolTarget] = Field(min_length=1, description="Pools in this tier.")
+    fleet_weights: dict[Name, dict[Name, Annotated[int, Field(ge=0, le=10_000)]]] = Field(
+        default_factory=dict,
+        description="Pool weights this tier has in the named fleets instead of the pools' "
+        "'weight' (fleet -> pool -> weight; a pool left out gets 0). A Rollout that takes "
+        "fleets in order sets this while a step has reached only its canary fleets. "
+        "Default: none.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -375,7 +382,26 @@ class Tier(Model):
             raise ValueError(f"pool {duplicates[0]!r} appears twice in one tier")
         if sum(target.weight for target in self.pools) == 0:
             raise ValueError("at least one pool in a tier needs a weight above 0")
+        for fleet, weights in self.fleet_weights.items():
+            unknown = sorted(set(weights) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"fleetWeights.{fleet} names pool {unknown[0]!r}, which is not in the tier"
+                )
+            if sum(weights.values()) == 0:
+                raise ValueError(f"fleetWeights.{fleet} needs a pool with a weight above 0")
         return self
+
+    def weights_in(self, fleet: str) -> Tier:
+        """This tier as the Envoys of ``fleet`` get it (its ``fleetWeights`` applied)."""
+        weights = self.fleet_weights.get(fleet)
+        if weights is None:
+            return self if not self.fleet_weights else self.model_copy(update={"fleet_weights": {}})
+        pools = [
+            target.model_copy(update={"weight": weights.get(target.pool, 0)})
+            for target in self.pools
+        ]
+        return self.model_copy(update={"pools": pools, "fleet_weights": {}})
 
 
 HashAlgorithm = Literal["ring_hash", "maglev"]
@@ -996,6 +1022,14 @@ class RolloutSpec(Model):
     steps: list[RolloutStep] = Field(
         min_length=1, max_length=100, description="Steps in order; the last is the end state."
     )
+    fleets: list[Name] = Field(
+        default_factory=list,
+        description="Canary fleets, which take every step first: their Envoys get a step's "
+        "weights while every other fleet keeps the weights of the step before, until the "
+        "step has been held and has passed its analysis on the canary fleets' traffic alone; "
+        "then the step reaches every fleet and is held and analysed again. Default: none "
+        "(every fleet at once).",
+    )
     analysis: Analysis = Field(
         default_factory=Analysis, description="Checks applied at every step."
     )
@@ -1033,6 +1067,9 @@ class RolloutSpec(Model):
                         f"the weights add up to {sum(step.weights.values())}, not 100",
                     )
                 )
+        duplicates = sorted({f for f in self.fleets if self.fleets.count(f) > 1})
+        if duplicates:
+            out.append(("fleets", f"fleet {duplicates[0]!r} is named twice"))
         if uses_weight:
             for field_name in ("stable", "canary"):
                 if getattr(self, field_name) is None:
