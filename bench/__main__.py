@@ -118,7 +118,7 @@ def _controlplane(args: argparse.Namespace) -> int:
 
 def _classes(args: argparse.Namespace) -> int:
     from bench.classes import default_config as classes_config
-    from bench.classes import run_classes
+    from bench.classes_run import run_classes
 
     config = classes_config(short=args.short)
     if args.out is not None:
