@@ -43,10 +43,11 @@ from controlplane.launchers import wait_until
 
 def _apply(stack: Stack, policy: Policy, config: ClassesConfig) -> None:
     body = _policy_body(stack, policy)
-    if policy.key == "classes":
-        body["spec"]["serviceClasses"] = config.service_classes
+    service_classes = config.service_classes.get(policy.key)
+    if service_classes is not None:
+        body["spec"]["serviceClasses"] = service_classes
     stack.put(body)
-    classified = policy.key == "classes"
+    classified = service_classes is not None
     wait_until(lambda: _policy_live(stack, policy), 60, f"Envoy to serve {policy.key}")
     wait_until(
         lambda: _classes_in_envoy(stack) == classified, 60, f"Envoy's routes for {policy.key}"
