@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
+import pickle
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -26,6 +28,7 @@ from bench.loadgen import replay
 from bench.report import _num
 from bench.routing import (
     MODEL,
+    BenchConfig,
     Policy,
     Stack,
     _idle,
@@ -38,7 +41,7 @@ from bench.routing import (
     start_stack,
 )
 from bench.workload import Workload
-from controlplane.launchers import wait_until
+from controlplane.launchers import LauncherError, wait_until
 
 
 def _apply(stack: Stack, policy: Policy, config: ClassesConfig) -> None:
@@ -128,10 +131,44 @@ def run_one(
     return summary
 
 
+def _workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str, Any]]:
+    """`build_workloads`, kept in the output folder between runs of the same settings:
+    on a busy 2-core machine, generating and calibrating them took from two to eight
+    minutes, as long as the replays."""
+    key = hashlib.sha256(
+        repr((config.replicas, config.phases, config.routing)).encode()
+    ).hexdigest()[:16]
+    cache = Path(config.out_dir) / ".cache" / f"classes-workloads-{key}.pickle"
+    if cache.exists():
+        with contextlib.suppress(Exception), cache.open("rb") as file:
+            built: tuple[Workload, Workload, dict[str, Any]] = pickle.load(file)
+            return built
+    built = build_workloads(config)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with cache.open("wb") as file:
+        pickle.dump(built, file)
+    return built
+
+
+def _start_stack(
+    exits: contextlib.ExitStack, state_dir: Path, routing: BenchConfig, tries: int = 3
+) -> Stack:
+    """`start_stack`, tried again when a process is not ready in time: at load averages of
+    30 on 2 cores, kvpilot once took longer than its launcher waits."""
+    for attempt in range(1, tries + 1):
+        try:
+            return exits.enter_context(start_stack(state_dir / f"try{attempt}", routing))
+        except LauncherError as error:
+            if attempt == tries:
+                raise
+            print(f"   the stack did not start ({error}); trying again", flush=True)
+    raise AssertionError("unreachable")
+
+
 def run_classes(config: ClassesConfig, state_dir: Path | None = None) -> Path:
     """Run the benchmark; returns the Markdown report's path."""
     started = time.monotonic()
-    alone, mixed, calibration = build_workloads(config)
+    alone, mixed, calibration = _workloads(config)
     print(
         f"workload: {alone.requests} interactive requests, "
         f"{mixed.requests - alone.requests} batch requests "
@@ -144,7 +181,7 @@ def run_classes(config: ClassesConfig, state_dir: Path | None = None) -> Path:
         if state_dir is None:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvclass-")))
         print("starting etcd, kvpilot, simulated replicas, Envoy and a telemetry agent ...")
-        stack = exits.enter_context(start_stack(state_dir, routing))
+        stack = _start_stack(exits, state_dir, routing)
         stack.put(_pool_body(stack))
         stack.put(
             {

@@ -19,11 +19,13 @@ first tier, with ``S`` the policy's ``saturation`` bounds and ``T`` its TTFT bou
                    mean(pending_tokens) / S.pending_tokens)
 
 1.0 means saturated. The time to first token is the engines' own (vLLM's TTFT histogram,
-between scrapes; idle replicas have none and do not count). It is the signal that leads
-where it matters: in the service-class benchmark, long batch prompts prefilling in the same
-steps as chat turns multiplied the chat turns' TTFT by ten while the mean queue stayed under
-one request per replica and the KV cache under a fifth full. Queue and KV-cache bounds still
-catch the pools whose engines report no TTFT.
+between scrapes; idle replicas have none and do not count), against a bound taken from the
+objective, so the pool counts as saturated where its most important class starts to miss.
+Queues are no guide to that: in the service-class benchmark, long batch prompts prefilling in
+the same steps as chat turns, and filling the KV cache so that chat histories were evicted,
+multiplied the chat turns' TTFT by four to ten while the mean queue stayed under one request
+per replica. Queue and KV-cache bounds still count, and catch the pools whose engines report
+no TTFT.
 
 The mean, not the busiest replica: one hot replica is the weights' and bounded load's job;
 admission acts when the whole pool is short of room. No fresh record at all gives no

@@ -610,10 +610,11 @@ class Saturation(Model):
 
     Pressure is the largest of the pool's mean time to first token, queue, KV-cache use and
     pending tokens, each divided by its bound here: 1.0 means saturated. The time to first
-    token leads: long prompts prefilling beside short ones slow every first token well
-    before any queue forms, so its bound follows the most important class's objective. kvpilot sheds (or diverts) one more step
-    of the lowest restricted class while pressure is at or above ``high`` and not falling,
-    and gives one step back while it is at or below ``low``: between the two nothing moves.
+    token is what the objectives promise, and long prompts prefilling beside short ones slow
+    it well before any queue forms, so its bound follows the most important class's
+    objective. kvpilot sheds (or diverts) one more step of the lowest restricted class while
+    pressure is at or above ``high`` and not falling, and gives one step back while it is at
+    or below ``low``: between the two nothing moves.
     """
 
     ttft: Duration | None = Field(
