@@ -20,7 +20,8 @@ a JSON file, every request's measurements and PNG plots under ``bench/results/``
 the report's path. Policies: round_robin, least_request, affinity, affinity_telemetry, orca,
 docs_round_robin, docs_prefix; and on request affinity_125 and affinity_200, bounded-load
 sensitivity checks. `classes` overloads 8 replicas with batch work on top of interactive chat
-and compares round robin, affinity alone and affinity with service classes.
+and compares round robin, affinity alone and affinity with service classes (batch shed, and
+batch queued in Envoy).
 
 `rollout` replays multi-turn chat at 70% load against a bad canary twice: under a blind 90/10
 split and under a kvpilot Rollout that watches the data plane; `make bench` runs it after
@@ -118,7 +119,7 @@ def _controlplane(args: argparse.Namespace) -> int:
 
 def _classes(args: argparse.Namespace) -> int:
     from bench.classes import default_config as classes_config
-    from bench.classes import run_classes
+    from bench.classes_run import run_classes
 
     config = classes_config(short=args.short)
     if args.out is not None:
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     classes = sub.add_parser(
         "classes", help="service classes: interactive chat while batch overloads the fleet"
     )
-    classes.add_argument("--short", action="store_true", help="a smoke run (about a minute)")
+    classes.add_argument("--short", action="store_true", help="a smoke run (a few minutes)")
     classes.add_argument("--out", type=Path, default=None, help="output directory")
     classes.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     rollout = sub.add_parser("rollout", help="a bad canary: progressive rollout vs blind split")

@@ -189,7 +189,12 @@ def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
                 if pool.spec.telemetry is not None:
                     max_age = min(max_age, pool.spec.telemetry.max_age)
             pressure = pool_pressure(
-                endpoints, telemetry, now=state.now, max_age=max_age, saturation=classes.saturation
+                endpoints,
+                telemetry,
+                now=state.now,
+                max_age=max_age,
+                saturation=classes.saturation,
+                ttft_bound=classes.ttft_bound,
             )
             name = cluster_name(policy_name, route.name)
             out[name] = decide(

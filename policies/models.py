@@ -626,15 +626,31 @@ class ServiceClass(Model):
         return self
 
 
+TTFT_SHARE = 0.5
+"""Share of the most important class's TTFT objective that the pool's mean time to first
+token may reach before the pool counts as saturated (``Saturation.ttft``'s default)."""
+
+
 class Saturation(Model):
     """When a pool counts as saturated, from its live telemetry (``Pool.spec.telemetry``).
 
-    Pressure is the largest of the pool's mean queue, KV-cache use and pending tokens, each
-    divided by its bound here: 1.0 means saturated. kvpilot sheds (or diverts) one more step
-    of the lowest restricted class while pressure is at or above ``high`` and not falling,
-    and gives one step back while it is at or below ``low``: between the two nothing moves.
+    Pressure is the largest of the pool's mean time to first token, queue, KV-cache use and
+    pending tokens, each divided by its bound here: 1.0 means saturated. The time to first
+    token is what the objectives promise, and long prompts prefilling beside short ones slow
+    it well before any queue forms, so its bound follows the most important class's
+    objective. kvpilot sheds (or diverts) one more step of the lowest restricted class while
+    pressure is at or above ``high`` and not falling, and gives one step back while it is at
+    or below ``low``: between the two nothing moves.
     """
 
+    ttft: Duration | None = Field(
+        None,
+        gt=0,
+        description="Mean time to first token on the pool's replicas (as the engines report "
+        "it, all classes together) at which the pool is saturated. Default: half the "
+        "objective of the most important class: the slowest of its requests cross the "
+        "objective about when the mean crosses half of it.",
+    )
     queue: float = Field(
         4.0,
         gt=0,
@@ -697,6 +713,14 @@ class ServiceClasses(Model):
     saturation: Saturation = Field(
         default_factory=Saturation, description="When the pool counts as saturated."
     )
+
+    @property
+    def ttft_bound(self) -> float:
+        """The mean time to first token that saturates the pool: ``saturation.ttft``, else
+        ``TTFT_SHARE`` of the most important class's objective."""
+        if self.saturation.ttft is not None:
+            return self.saturation.ttft
+        return self.classes[0].objective.ttft * TTFT_SHARE
 
     def names(self) -> list[str]:
         """Class names, most important first."""

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
 from harness.builders import FAST_HEALTH_CHECK, chat, pool
 from harness.envoy import envoy_hosts
 from harness.rig import api_client
 from harness.wait import wait_until
-
-from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
 from policies.compile import listener_name
 from xdsserver.translate import AFFINITY_SUFFIX
 
