@@ -195,6 +195,8 @@ class Reconciler:
         self.last_build = BuildInfo()
         self._decoded = DecodedState()
         self._memo = RouteMemo()
+        self._endpoint_counts: dict[str, tuple[tuple[object, ...], dict[str, int]]] = {}
+        """Pool -> (the objects it was counted from, its endpoints by health)."""
         self._applied: dict[str, bytes] = {}
         """The value each present key was last decoded from."""
         self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
@@ -476,23 +478,33 @@ class Reconciler:
     def _count_endpoints(self, state: PolicyState, plan: RoutingPlan) -> None:
         """Set ``kvpilot_pool_endpoints``: every pool's endpoints by the health sent to Envoy
         (telemetry may have marked some degraded). Every health has a series, zeros included,
-        so an alert on "no healthy endpoint" sees a 0, not a missing series."""
+        so an alert on "no healthy endpoint" sees a 0, not a missing series. A pool is counted
+        again only when its object, its registered endpoints or its telemetry decisions are
+        not the very objects of the last count, so a change costs its own pool."""
+        counted: dict[str, tuple[tuple[object, ...], dict[str, int]]] = {}
         for name, pool in state.pools.items():
+            decisions = plan.weights.get(name)
+            inputs = (pool, state.registered.get(name), decisions)
+            known = self._endpoint_counts.get(name)
+            if known is not None and all(a is b for a, b in zip(known[0], inputs, strict=True)):
+                counted[name] = known
+                continue
             counts = dict.fromkeys(get_args(EndpointHealth), 0)
-            decisions = plan.weights.get(name, {})
             for endpoint in pool_endpoints(pool, state.registered.get(name, {})):
-                decision = decisions.get(endpoint.key)
+                decision = decisions.get(endpoint.key) if decisions is not None else None
                 health = (
                     "degraded" if decision is not None and decision.degraded else endpoint.health
                 )
                 counts[health] += 1
-            for health, count in counts.items():
-                self.metrics.pool_endpoints.labels(name, health).set(count)
-        gone = set(self.state.pools) - set(state.pools) if self.state is not None else set()
-        for name in gone:
+            if known is None or known[1] != counts:
+                for health, count in counts.items():
+                    self.metrics.pool_endpoints.labels(name, health).set(count)
+            counted[name] = (inputs, counts)
+        for name in self._endpoint_counts.keys() - counted.keys():
             for health in get_args(EndpointHealth):
                 with contextlib.suppress(KeyError):
                     self.metrics.pool_endpoints.remove(name, health)
+        self._endpoint_counts = counted
 
     def _report(self, plan: RoutingPlan) -> None:
         previous = set(self.plan.diagnostics) if self.plan is not None else set()
