@@ -41,7 +41,6 @@ from typing import Any, TextIO
 
 import httpx
 
-from controlplane.etcd import KeyValue
 from controlplane.launchers import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
@@ -486,59 +485,21 @@ class Bench:
 # -- translation at scale, in process -------------------------------------------------------------
 
 
-def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
-    """The reconciler's full rebuild, EDS fast path and routes path over `endpoints` endpoints
-    (no I/O)."""
-    from controlplane.reconcile import Reconciler
-    from xdsserver.snapshot import SnapshotCache
-
-    items: dict[str, KeyValue] = {}
-    revision = 0
-
-    def put(key: str, body: dict[str, Any]) -> None:
-        nonlocal revision
-        revision += 1
-        items[key] = KeyValue(key.encode(), json.dumps(body).encode(), revision, revision, 1, 0)
-
+def rebuild_input(endpoints: int) -> dict[str, Any]:
+    """The state of the in-process rebuilds: etcd key (relative to the prefix) -> value."""
+    state = {}
     for path, body in pools_and_policy(endpoints, 10000):
         kind, name = path.removeprefix("/v1/").split("/")
-        put(f"objects/{kind}/{name}", body)
-    full = []
-    for _ in range(repeats):
-        cache = SnapshotCache()
-        reconciler = Reconciler(cache)
-        started = time.perf_counter()
-        reconciler.rebuild(items)
-        full.append(time.perf_counter() - started)
-    snapshot = cache.snapshot_for(FLEET)
-    assert snapshot is not None
-    size = sum(len(r.body.value) for t in snapshot.types() for r in snapshot.resources(t).values())
-    fast = []
-    for weight in range(1, repeats * 2 + 1):
-        key = f"endpoints/{CHANGE_POOL}/{CHANGE_ENDPOINT}"
-        put(key, {"address": "127.0.0.1", "port": 9, "weight": weight})
-        started = time.perf_counter()
-        reconciler.rebuild(items, changed={key}, full_resync=False)
-        fast.append(time.perf_counter() - started)
-        assert reconciler.last_build.path == "fast"
-    policy_key = f"objects/routingpolicies/{POLICY}"
-    policy = json.loads(items[policy_key].value)
-    routes = []
-    for seconds in range(1, repeats * 2 + 1):
-        policy["spec"]["routes"][0]["timeouts"] = {"request": f"{seconds}s"}
-        put(policy_key, policy)
-        started = time.perf_counter()
-        reconciler.rebuild(items, changed={policy_key}, full_resync=False)
-        routes.append(time.perf_counter() - started)
-        assert reconciler.last_build.path == "routes"
-    return {
-        "endpoints": endpoints,
-        "clusters": len(snapshot.resources(snapshot.types()[0])),
-        "serialized_kib": round(size / 1024),
-        "full_rebuild_ms": round(statistics.median(full) * 1000, 1),
-        "fast_path_ms": round(statistics.median(fast) * 1000, 1),
-        "routes_path_ms": round(statistics.median(routes) * 1000, 1),
-    }
+        state[f"objects/{kind}/{name}"] = body
+    return state
+
+
+def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
+    """The reconciler's full rebuild, EDS fast path and routes path over `endpoints` endpoints
+    (no I/O; ``bench.rebuild_probe``)."""
+    from bench.rebuild_probe import measure
+
+    return {"endpoints": endpoints, **measure(rebuild_input(endpoints), repeats)}
 
 
 # -- simulated ADS streams (child process) ---------------------------------------------------------
