@@ -308,7 +308,9 @@ class PoolSpec(Model):
     def by_key(self) -> Mapping[str, Endpoint]:
         """The static endpoints by ``Endpoint.key``, in key order: what compile starts every
         route, count and weight of this pool from. Worked out once per parsed pool."""
-        keyed = {endpoint.key: endpoint for endpoint in self.endpoints}
+        # Endpoint.key spelled out: the cached property costs more than the string on a
+        # first access, and this is the first access for every static endpoint.
+        keyed = {f"{endpoint.address}:{endpoint.port}": endpoint for endpoint in self.endpoints}
         return MappingProxyType({key: keyed[key] for key in sorted(keyed)})
 
     @functools.cached_property
