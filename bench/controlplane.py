@@ -263,9 +263,16 @@ def rss_mib(pid: int | None) -> float:
 class Bench:
     """One etcd, one kvpilot; scenarios add and remove Envoys or simulated streams."""
 
-    def __init__(self, config: BenchConfig, state_dir: Path) -> None:
+    def __init__(
+        self,
+        config: BenchConfig,
+        state_dir: Path,
+        kvpilot: Callable[..., AckLogKvpilot] | None = None,
+    ) -> None:
         self.config = config
         self.state_dir = state_dir
+        self.kvpilot_factory = kvpilot or AckLogKvpilot
+        """Makes the kvpilot under test (``bench.baseline`` starts an older commit's)."""
         self.etcd = EmbeddedEtcd(state_dir / "etcd", extra_args=["--unsafe-no-fsync"])
         self.kvpilot: AckLogKvpilot | None = None
         self.api: httpx.Client | None = None
@@ -279,7 +286,7 @@ class Bench:
 
     def start(self) -> None:
         self.etcd.start()
-        self.kvpilot = AckLogKvpilot(
+        self.kvpilot = self.kvpilot_factory(
             self.state_dir / "kvpilot",
             etcd_endpoints=[self.etcd.endpoint],
             prefix="/bench",
@@ -340,15 +347,26 @@ class Bench:
         response.raise_for_status()
 
     def run_changes(self, nodes: set[str], kind: str = "EDS") -> list[Change]:
-        assert self.acks is not None
-        version = self.settled(kind)
-        self.acks.wait_all(nodes, kind, version, CHANGE_TIMEOUT)
-        write = self._move_endpoint if kind == "EDS" else self._change_route
+        version = self.prepared(nodes, kind)
         changes = []
         for _ in range(self.config.changes):
-            change, version = measure(self.acks, nodes, kind, version, write)
+            change, version = self.change(nodes, kind, version)
             changes.append(change)
         return changes
+
+    def prepared(self, nodes: set[str], kind: str = "EDS", timeout: float = CHANGE_TIMEOUT) -> str:
+        """The settled version of `kind`, once every node has ACKed it."""
+        assert self.acks is not None
+        version = self.settled(kind)
+        self.acks.wait_all(nodes, kind, version, timeout)
+        return version
+
+    def change(self, nodes: set[str], kind: str, version: str) -> tuple[Change, str]:
+        """One endpoint change (EDS) or route change (RDS) after `version`, timed until every
+        node ACKs it; the new version."""
+        assert self.acks is not None
+        write = self._move_endpoint if kind == "EDS" else self._change_route
+        return measure(self.acks, nodes, kind, version, write)
 
     def _change_route(self) -> None:
         """One change that is not endpoints only: a route timeout (routes path, RDS)."""

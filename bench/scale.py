@@ -1,138 +1,28 @@
-"""The control-plane benchmark's scale section: today's code against a baseline, side by side.
+"""The control-plane benchmark's scale section: telemetry at 10,000 endpoints.
 
-    python -m bench controlplane --baseline REF [--only scale]
-
-Machines (and a loaded machine from one minute to the next) differ severalfold, so a speed-up
-is only meaningful against the old code measured in the same run. The baseline is `REF` (a
-commit, branch or tag of this repository) checked out into a temporary detached git worktree;
-each round runs ``bench/rebuild_probe.py`` (this tree's copy, so both sides are timed by the
-same lines on the same input) once against the baseline tree's code and once against this
-tree's, in fresh child processes (so neither warms the other's caches), alternating which goes
-first. The report gives each side's median over the rounds and their ratio, on the wall clock
-and in CPU time.
+Simulated agents scrape every endpoint each second and write to etcd as `kvpilot agent` decides
+(the write band, ``--refresh``), with kvpilot serving; reported are the etcd writes, kvpilot's
+CPU and the snapshot pushes telemetry causes. The comparison with an older commit is in
+``bench.baseline``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.rebuild_probe import MEASURES
 from controlplane.agent import AgentConfig
 from controlplane.etcd import EtcdClient, EtcdError
-from controlplane.launchers import repo_root
 from controlplane.store import Store
 from policies.telemetry import TelemetryRecord
-
-PROBE = Path(__file__).with_name("rebuild_probe.py")
-
-
-@contextlib.contextmanager
-def baseline_tree(ref: str) -> Iterator[Path]:
-    """`ref` checked out in a temporary detached worktree, removed afterwards."""
-    root = repo_root()
-    with tempfile.TemporaryDirectory(prefix="kvp-baseline-") as parent:
-        tree = Path(parent) / "tree"
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", "--quiet", str(tree), ref],
-            cwd=root,
-            check=True,
-        )
-        try:
-            yield tree
-        finally:
-            subprocess.run(
-                ["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=False
-            )
-
-
-def _probe_in(tree: Path, state_file: Path, repeats: int) -> dict[str, Any]:
-    """``rebuild_probe.measure`` of this tree's probe against the code in `tree`, in a child
-    process whose imports resolve in `tree` (its cwd, first on sys.path)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(tree),
-        "KVPILOT_PROBE_INPUT": str(state_file),
-        "KVPILOT_PROBE_REPEATS": str(repeats),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE.read_text()],
-        cwd=tree,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
-def translation_side_by_side(
-    ref: str, endpoints: int, rounds: int = 3, repeats: int = 5
-) -> dict[str, Any]:
-    """Medians of the baseline's and this tree's in-process rebuild times, and old/new."""
-    from bench.controlplane import rebuild_input
-
-    keys = [f"{m}_ms" for m in MEASURES] + [f"{m}_cpu_ms" for m in MEASURES]
-    samples: dict[str, dict[str, list[float]]] = {
-        side: {k: [] for k in keys} for side in ("baseline", "new")
-    }
-    with baseline_tree(ref) as tree, tempfile.TemporaryDirectory(prefix="kvp-probe-") as tmp:
-        state_file = Path(tmp) / "state.json"
-        state_file.write_text(json.dumps(rebuild_input(endpoints)))
-        sides = {"baseline": tree, "new": repo_root()}
-        for index in range(rounds):
-            order = ["baseline", "new"] if index % 2 == 0 else ["new", "baseline"]
-            for side in order:
-                result = _probe_in(sides[side], state_file, repeats)
-                for key in keys:
-                    samples[side][key].append(result[key])
-                print(f"  round {index + 1} {side}: {result}", flush=True)
-    rows = {}
-    for key in keys:
-        old = statistics.median(samples["baseline"][key])
-        new = statistics.median(samples["new"][key])
-        rows[key] = {"baseline": old, "new": new, "speedup": round(old / new, 1)}
-    return {"baseline": ref, "endpoints": endpoints, "rounds": rounds, "rebuild": rows}
-
-
-def markdown(results: dict[str, Any]) -> str:
-    labels = {
-        "full_rebuild": "full rebuild",
-        "fast_path": "one endpoint changed (EDS fast path)",
-        "routes_path": "one route timeout changed (routes path)",
-    }
-    rows = results["rebuild"]
-    lines = [
-        f"In process at {results['endpoints']} endpoints, baseline `{results['baseline']}` and "
-        f"this tree alternately, median of {results['rounds']} rounds (each the median of "
-        "several rebuilds), wall clock and CPU time of the process:",
-        "",
-        "| rebuild | baseline ms | new ms | speed-up | baseline CPU ms | new CPU ms | speed-up |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for measure, label in labels.items():
-        wall, cpu = rows[f"{measure}_ms"], rows[f"{measure}_cpu_ms"]
-        lines.append(
-            f"| {label} | {wall['baseline']} | {wall['new']} | {wall['speedup']}x "
-            f"| {cpu['baseline']} | {cpu['new']} | {cpu['speedup']}x |"
-        )
-    return "\n".join([*lines, ""])
-
 
 # -- telemetry at scale ----------------------------------------------------------------------
 
