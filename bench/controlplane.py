@@ -58,6 +58,8 @@ CHANGE_ENDPOINT = "moving"
 CHANGE_TIMEOUT = 60.0
 """Seconds one change may take to reach every Envoy before the run fails."""
 STREAMS_PER_CHANNEL = 50
+START_TIMEOUT = 120.0
+"""Seconds kvpilot may take to answer /readyz: on a loaded machine its imports alone take 30."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,12 @@ class Change:
 
 
 def measure(
-    acks: AckLog, nodes: set[str], kind: str, previous: str, write: Callable[[], None]
+    acks: AckLog,
+    nodes: set[str],
+    kind: str,
+    previous: str,
+    write: Callable[[], None],
+    timeout: float = CHANGE_TIMEOUT,
 ) -> tuple[Change, str]:
     """Run `write` and time it until every node ACKs a `kind` version other than `previous`."""
     acks.read()
@@ -218,7 +225,7 @@ def measure(
     write()
     first: dict[str, float] = {}
     version = ""
-    deadline = started + CHANGE_TIMEOUT
+    deadline = started + timeout
     while len(first) < len(nodes):
         for at, node, ack_kind, ack_version in acks.read():
             if ack_kind == kind and ack_version != previous and node in nodes:
@@ -292,7 +299,7 @@ class Bench:
             prefix="/bench",
             insecure_no_auth=True,
             extra_args=["--log-level", "warning"],
-        ).start()
+        ).start(START_TIMEOUT)
         self.api = httpx.Client(base_url=self.kvpilot.api_url, timeout=60)
         self.acks = AckLog(self.kvpilot.ack_log)
         self.results["memory_mib"]["idle"] = rss_mib(self.kvpilot.pid)
@@ -361,12 +368,14 @@ class Bench:
         self.acks.wait_all(nodes, kind, version, timeout)
         return version
 
-    def change(self, nodes: set[str], kind: str, version: str) -> tuple[Change, str]:
+    def change(
+        self, nodes: set[str], kind: str, version: str, timeout: float = CHANGE_TIMEOUT
+    ) -> tuple[Change, str]:
         """One endpoint change (EDS) or route change (RDS) after `version`, timed until every
         node ACKs it; the new version."""
         assert self.acks is not None
         write = self._move_endpoint if kind == "EDS" else self._change_route
-        return measure(self.acks, nodes, kind, version, write)
+        return measure(self.acks, nodes, kind, version, write, timeout)
 
     def _change_route(self) -> None:
         """One change that is not endpoints only: a route timeout (routes path, RDS)."""
