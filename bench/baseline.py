@@ -37,17 +37,16 @@ from bench.controlplane import (
     Bench,
     BenchConfig,
     Change,
-    free_port,
     rebuild_input,
     summarize,
 )
 from bench.rebuild_probe import MEASURES
-from controlplane.launchers import repo_root
+from controlplane.launchers import free_port, repo_root
 
 PROBE = Path(__file__).with_name("rebuild_probe.py")
 SETTLE_TIMEOUT = 600.0
-"""Seconds for every Envoy to ACK the 10,000-endpoint config before the changes start: the
-baseline takes seconds per rebuild, more on a loaded machine."""
+"""Seconds for every Envoy to ACK the 10,000-endpoint config, or one change: the baseline
+takes seconds per rebuild and per push, many more on a loaded machine."""
 
 
 @contextlib.contextmanager
@@ -209,7 +208,7 @@ def ack_side_by_side(
                 order = ["baseline", "new"] if index % 2 == 0 else ["new", "baseline"]
                 for side in order:
                     change, versions[side] = benches[side].change(
-                        nodes[side], "EDS", versions[side]
+                        nodes[side], "EDS", versions[side], SETTLE_TIMEOUT
                     )
                     samples[side].append(change)
                 print(
