@@ -126,7 +126,10 @@ def is_external(pool: Pool) -> bool:
 def pool_endpoints(pool: Pool, registered: Mapping[str, Endpoint]) -> list[Endpoint]:
     """Static endpoints of a pool plus registered ones; a registration overrides a static entry
     with the same address and port."""
-    merged = {endpoint.key: endpoint for endpoint in pool.spec.endpoints}
+    static = pool.spec.by_key
+    if not registered:
+        return list(static.values())
+    merged = dict(static)
     for endpoint in registered.values():
         merged[endpoint.key] = endpoint
     return [merged[key] for key in sorted(merged)]
@@ -260,44 +263,38 @@ def _tier_endpoints(
         pool = state.pools.get(target.pool)
         if pool is None or target.weight == 0 or is_external(pool):
             continue
-        decisions = weights.get(target.pool, {})
+        endpoints = pool_endpoints(pool, state.registered.get(target.pool, {}))
+        decisions = weights.get(target.pool)
         # (endpoint, weight, health): telemetry decisions override the registered values.
-        endpoints = []
-        for endpoint in pool_endpoints(pool, state.registered.get(target.pool, {})):
-            decision = decisions.get(endpoint.key)
-            if decision is None:
-                endpoints.append((endpoint, endpoint.weight, endpoint.health))
-            else:
-                health = "degraded" if decision.degraded else endpoint.health
-                endpoints.append((endpoint, decision.weight, health))
-        if endpoints:
-            members.append((target.weight, pool, endpoints))
+        rows = [
+            (endpoint, endpoint.weight, endpoint.health)
+            if decisions is None or (decision := decisions.get(endpoint.key)) is None
+            else (endpoint, decision.weight, "degraded" if decision.degraded else endpoint.health)
+            for endpoint in endpoints
+        ]
+        if rows:
+            members.append((target.weight, pool, rows))
     out: list[PlanEndpoint] = []
     single = len(members) == 1
-    for pool_weight, pool, endpoints in members:
-        total = sum(weight for _, weight, _ in endpoints)
+    for pool_weight, pool, rows in members:
+        total = sum(weight for _, weight, _ in rows)
         name = pool.metadata.name
         hostname = pool.spec.host_rewrite or ""
-        for endpoint, endpoint_weight, health in endpoints:
-            if single:
-                weight = endpoint_weight
-            else:
-                weight = max(1, round(endpoint_weight * pool_weight * SPLIT_SCALE / total))
-            locality = endpoint.locality
-            # Positional: this runs once per endpoint and route.
-            out.append(
-                PlanEndpoint(
-                    name,
-                    endpoint.address,
-                    endpoint.port,
-                    weight,
-                    priority,
-                    health,
-                    locality.region if locality else "",
-                    locality.zone if locality else "",
-                    hostname,
-                )
+        # Positional, in one comprehension: this runs once per endpoint and route.
+        out.extend(
+            PlanEndpoint(
+                name,
+                endpoint.address,
+                endpoint.port,
+                weight if single else max(1, round(weight * pool_weight * SPLIT_SCALE / total)),
+                priority,
+                health,
+                endpoint.locality.region if endpoint.locality else "",
+                endpoint.locality.zone if endpoint.locality else "",
+                hostname,
             )
+            for endpoint, weight, health in rows
+        )
     return out
 
 

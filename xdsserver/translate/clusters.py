@@ -290,19 +290,23 @@ def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignm
         locality = out.endpoints.add(priority=priority)
         locality.locality.CopyFrom(base_pb2.Locality(region=region, zone=zone, sub_zone=sub_zone))
         locality.load_balancing_weight.value = max(1, sum(e.weight for e in members))
-        lb_endpoints = locality.lb_endpoints
+        add = locality.lb_endpoints.add
         for endpoint in members:
             pool = metadata.get(endpoint.pool)
             if pool is None:
                 pool = metadata[endpoint.pool] = _pool_metadata(endpoint.pool)
-            lb_endpoint = lb_endpoints.add(health_status=_HEALTH[endpoint.health])
-            address = lb_endpoint.endpoint.address.socket_address
+            lb_endpoint = add(health_status=_HEALTH[endpoint.health])
+            host = lb_endpoint.endpoint
+            address = host.address.socket_address
             address.address = endpoint.address
             address.port_value = endpoint.port
             if endpoint.hostname:
-                lb_endpoint.endpoint.hostname = endpoint.hostname
-            lb_endpoint.load_balancing_weight.SetInParent()
-            lb_endpoint.load_balancing_weight.value = endpoint.weight
+                host.hostname = endpoint.hostname
+            weight = lb_endpoint.load_balancing_weight
+            if endpoint.weight:
+                weight.value = endpoint.weight
+            else:
+                weight.SetInParent()  # present even at 0, as the weight was always sent
             lb_endpoint.metadata.CopyFrom(pool)
     return out
 
