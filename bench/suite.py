@@ -103,7 +103,12 @@ def _pool_body(fleet: Fleet) -> dict[str, Any]:
         "metadata": {"name": fleet.pool},
         "spec": {
             "models": [MODEL],
-            "endpoints": [{"address": r.host, "port": r.port} for r in fleet.replicas],
+            # Named alike in every fleet: each ring places replica i at the same points, so
+            # every policy sends a session to the same replica index and fleets compare.
+            "endpoints": [
+                {"address": r.host, "port": r.port, "name": f"replica-{index}"}
+                for index, r in enumerate(fleet.replicas)
+            ],
             "healthCheck": {"path": "/health", "interval": "1s", "timeout": "500ms"},
             "telemetry": {"format": "vllm", "maxAge": "5s"},
         },
@@ -170,36 +175,26 @@ async def _admin(url: str, path: str, body: dict[str, Any]) -> None:
 
 
 async def _prepare(fleet: Fleet, scenario: Scenario, sim: SimConfig, prompts: list[str]) -> None:
-    """Give every replica the scenario's speed and cache, then the shared system prompts."""
+    """Give every replica the scenario's speed and cache, holding the shared system prompts
+    (put in its cache directly: a fleet in service holds them, and serving them as requests
+    took half a minute of wall time per run on a loaded machine)."""
+    preload = [{"messages": [{"role": "system", "content": prompt}]} for prompt in prompts]
     for index, replica in enumerate(fleet.replicas):
         blocks = max(1, round(sim.kv_blocks * scenario.kv_of(index)))
-        await _admin(replica.url, "/admin/reset", {"kv_blocks": blocks})
+        await _admin(replica.url, "/admin/reset", {"kv_blocks": blocks, "preload": preload})
         await _admin(replica.url, "/admin/slow", {"factor": scenario.slow_of(index)})
-    async with httpx.AsyncClient(timeout=120.0) as client:
-
-        async def warm(replica: ReplicaInfo) -> None:
-            for prompt in prompts:
-                body = {
-                    "model": MODEL,
-                    "messages": [{"role": "system", "content": prompt}],
-                    "max_tokens": 1,
-                }
-                (
-                    await client.post(f"{replica.url}/v1/chat/completions", json=body)
-                ).raise_for_status()
-
-        await asyncio.gather(*(warm(r) for r in fleet.replicas))
-    for replica in fleet.replicas:
-        await _admin(replica.url, "/admin/reset", {"cache": "keep"})
 
 
-async def _events(event: SlowEvent, replicas: Sequence[tuple[str, str]], scale: float) -> None:
-    """Slow one replica of a fleet from ``event.start`` to ``event.end``, and recover it."""
+async def _events(
+    event: SlowEvent, replicas: Sequence[tuple[str, str]], started: float, scale: float
+) -> None:
+    """Slow one replica of a fleet from ``event.start`` to ``event.end`` (simulated seconds
+    after the replay's ``started``, a ``time.monotonic()`` moment), and recover it."""
     url = replicas[event.replica][1]
-    await asyncio.sleep(event.start * scale)
+    await asyncio.sleep(max(0.0, started + event.start * scale - time.monotonic()))
     await _admin(url, "/admin/slow", {"factor": event.factor})
     try:
-        await asyncio.sleep((event.end - event.start) * scale)
+        await asyncio.sleep(max(0.0, started + event.end * scale - time.monotonic()))
     finally:
         await _admin(url, "/admin/slow", {"factor": 1.0})
 
@@ -223,10 +218,12 @@ def _replay_process(
     async def run() -> RunResult:
         await asyncio.sleep(max(0.0, start_at - time.time()))
         late = time.time() - start_at
-        # The slowdown runs in the replay's own loop, so it keeps to the replay's clock.
+        # The slowdown runs in the replay's own loop and on the replay's clock (one
+        # `started`), so it falls where the report's windows expect it.
+        started = time.monotonic()
         slowing = None
         if event is not None:
-            slowing = asyncio.create_task(_events(event, replicas, time_scale))
+            slowing = asyncio.create_task(_events(event, replicas, started, time_scale))
         result = await replay(
             workload,
             url,
@@ -235,6 +232,7 @@ def _replay_process(
             replicas=replicas,
             deadline=deadline,
             sample_interval=1.0,
+            started=started,
         )
         result.late = late
         if slowing is not None:
@@ -385,9 +383,9 @@ def measure(
             return sum(1 for r in first if r.replica == slowed) / len(first) if first else None
 
         out["slow"] = {
-            "ttft_p99_before": percentile([r.ttft for r in window(0, event.start)], 99),
-            "ttft_p99_during": percentile([r.ttft for r in window(event.start, event.end)], 99),
-            "ttft_p99_after": percentile([r.ttft for r in window(event.end, event.end + 10.0)], 99),
+            "ttft_p99_before": p99(0, event.start),
+            "ttft_p99_during": p99(event.start, event.end),
+            "ttft_p99_after": p99(event.end, event.end + 10.0),
             "new_share_before": new_share(0, event.start),
             "new_share_first_5s": new_share(event.start, event.start + 5.0),
             "new_share_after_5s": new_share(event.start + 5.0, event.end),
@@ -502,6 +500,7 @@ def _run_once(
 ) -> dict[str, RunResult]:
     """One workload through every fleet at once. Each run gets fresh pool names, so kvpilot
     starts it with no memory of the last one (telemetry, hysteresis)."""
+    begun = time.monotonic()
     old = [fleet.pool for fleet in fleets if fleet.pool]
     for fleet in fleets:
         fleet.pool = f"run{number}-{fleet.policy.key.replace('_', '-')}"
@@ -537,8 +536,15 @@ def _run_once(
         async def prepare() -> None:
             await asyncio.gather(*(_prepare(f, scenario, config.sim, prompts) for f in fleets))
 
+        ready = time.monotonic()
         asyncio.run(prepare())
-        return _replay_all(pool, fleets, workload, scenario, config)
+        warm = time.monotonic()
+        runs = _replay_all(pool, fleets, workload, scenario, config)
+        _say(
+            f"   wall time: {ready - begun:.1f}s to configure, {warm - ready:.1f}s to warm the "
+            f"caches, {time.monotonic() - warm:.1f}s to replay"
+        )
+        return runs
     finally:
         for agent in agents:
             agent.stop()

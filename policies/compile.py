@@ -291,6 +291,7 @@ def _tier_endpoints(
                     locality.region if locality else "",
                     locality.zone if locality else "",
                     hostname,
+                    endpoint.name or "",
                 )
             )
     return out
