@@ -205,17 +205,20 @@ async def replay(
     deadline: float = 600.0,
     request_timeout: float = 300.0,
     sample_interval: float = 0.5,
+    started: float | None = None,
 ) -> RunResult:
     """Send the whole workload to `url`; `replicas` are (id, base URL) pairs to sample.
 
     Stops at `deadline` wall-clock seconds even if sessions are unfinished (their missing
-    turns are then absent from the results, and `timed_out` is set).
+    turns are then absent from the results, and `timed_out` is set). `started` is the
+    ``time.monotonic()`` moment simulated time 0 falls on (default: now): a caller that
+    schedules events of its own passes the same moment, so both keep one clock.
     """
     results: list[RequestResult] = []
     samples: list[LoadSample] = []
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     timeout = httpx.Timeout(request_timeout, connect=10.0)
-    started = time.monotonic()
+    started = time.monotonic() if started is None else started
     # Without TCP_NODELAY the request body waits for the ACK of its headers (Nagle against
     # delayed ACK), up to 200 ms added to every time to first token.
     transport = httpx.AsyncHTTPTransport(
