@@ -130,11 +130,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         slow=(2.0, 2.0),
         kv=(1.0, 1.0, 0.5),
     ),
+    # Longer than the others: sessions arrive before, during and after the slow period, so
+    # the report sees the slowed replica's share of new sessions fall and come back.
     Scenario(
         "slowdown",
-        "one replica 3x slower from 4 s to 14 s, then recovered",
-        _chat(),
-        event=SlowEvent(replica=0, factor=3.0, start=4.0, end=14.0),
+        "one replica 3x slower from 8 s to 20 s, then recovered",
+        _chat(duration=30.0),
+        event=SlowEvent(replica=0, factor=3.0, start=8.0, end=20.0),
     ),
     Scenario("bursty", "chat at 75%, bursty arrivals", _chat(arrival="bursty")),
 )

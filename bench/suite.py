@@ -218,12 +218,14 @@ def _replay_process(
     async def run() -> RunResult:
         await asyncio.sleep(max(0.0, start_at - time.time()))
         late = time.time() - start_at
-        # The slowdown runs in the replay's own loop and on the replay's clock (one
-        # `started`), so it falls where the report's windows expect it.
-        started = time.monotonic()
-        slowing = None
-        if event is not None:
-            slowing = asyncio.create_task(_events(event, replicas, started, time_scale))
+        # The slowdown runs in the replay's own loop and on the replay's clock, so it falls
+        # where the report's windows expect it.
+        slowing: list[asyncio.Task[None]] = []
+
+        def start_events(started: float) -> None:
+            if event is not None:
+                slowing.append(asyncio.create_task(_events(event, replicas, started, time_scale)))
+
         result = await replay(
             workload,
             url,
@@ -232,12 +234,12 @@ def _replay_process(
             replicas=replicas,
             deadline=deadline,
             sample_interval=1.0,
-            started=started,
+            on_start=start_events,
         )
         result.late = late
-        if slowing is not None:
-            slowing.cancel()
-            await asyncio.gather(slowing, return_exceptions=True)
+        for task in slowing:
+            task.cancel()
+        await asyncio.gather(*slowing, return_exceptions=True)
         return result
 
     return asyncio.run(run())
