@@ -77,12 +77,11 @@ SUITE_POLICIES: tuple[SuitePolicy, ...] = (
         {"balancing": "least_request", "sessionAffinity": AFFINITY},
     ),
     # An A/A control: the same policy again, on its own replicas. Its distance from
-    # "affinity" is what noise alone does within one run.
+    # "affinity" is what noise alone does within one run, so every report shows it.
     SuitePolicy(
         "affinity_copy",
         "affinity + bounded load (second copy, A/A)",
         {"balancing": "least_request", "sessionAffinity": AFFINITY},
-        False,
     ),
     SuitePolicy(
         RECOMMENDED,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import multiprocessing
 import os
 import statistics
@@ -169,9 +170,14 @@ def _idle(fleet: Fleet) -> bool:
     )
 
 
-async def _admin(url: str, path: str, body: dict[str, Any]) -> None:
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        (await client.post(f"{url}{path}", json=body)).raise_for_status()
+async def _admin(
+    url: str, path: str, body: dict[str, Any], client: httpx.AsyncClient | None = None
+) -> None:
+    if client is not None:
+        (await client.post(f"{url}{path}", json=body, timeout=30.0)).raise_for_status()
+        return
+    async with httpx.AsyncClient(timeout=10.0) as own:
+        (await own.post(f"{url}{path}", json=body)).raise_for_status()
 
 
 async def _prepare(fleet: Fleet, scenario: Scenario, sim: SimConfig, prompts: list[str]) -> None:
@@ -179,10 +185,13 @@ async def _prepare(fleet: Fleet, scenario: Scenario, sim: SimConfig, prompts: li
     (put in its cache directly: a fleet in service holds them, and serving them as requests
     took half a minute of wall time per run on a loaded machine)."""
     preload = [{"messages": [{"role": "system", "content": prompt}]} for prompt in prompts]
-    for index, replica in enumerate(fleet.replicas):
-        blocks = max(1, round(sim.kv_blocks * scenario.kv_of(index)))
-        await _admin(replica.url, "/admin/reset", {"kv_blocks": blocks, "preload": preload})
-        await _admin(replica.url, "/admin/slow", {"factor": scenario.slow_of(index)})
+    # One client for the fleet: a client each costs a TLS context, a second on a busy machine.
+    async with httpx.AsyncClient() as client:
+        for index, replica in enumerate(fleet.replicas):
+            blocks = max(1, round(sim.kv_blocks * scenario.kv_of(index)))
+            reset = {"kv_blocks": blocks, "preload": preload}
+            await _admin(replica.url, "/admin/reset", reset, client)
+            await _admin(replica.url, "/admin/slow", {"factor": scenario.slow_of(index)}, client)
 
 
 async def _events(
@@ -272,13 +281,20 @@ def start_workers(count: int) -> concurrent.futures.ProcessPoolExecutor:
     return pool
 
 
+Timeline = list[tuple[float, list[float]]]
+"""(simulated seconds into the run, each replica's weight by index), as kvpilot reported."""
+
+
 def _replay_all(
     pool: concurrent.futures.ProcessPoolExecutor,
     fleets: Sequence[Fleet],
     workload: Workload,
     scenario: Scenario,
     config: SuiteConfig,
-) -> dict[str, RunResult]:
+    api_url: str,
+) -> tuple[dict[str, RunResult], dict[str, Timeline]]:
+    """Every fleet's replay at once; and, while they run, the weights kvpilot gives the
+    replicas of each telemetry fleet (twice a second of wall time), to see when they move."""
     scale = config.sim.time_scale
     start_at = time.time() + 2.0
     futures = [
@@ -294,11 +310,39 @@ def _replay_all(
         )
         for fleet in fleets
     ]
+    timelines: dict[str, Timeline] = {f.policy.key: [] for f in fleets if f.telemetry}
+    while not all(future.done() for future in futures):
+        for fleet in fleets:
+            if fleet.telemetry:
+                with contextlib.suppress(httpx.HTTPError):
+                    weights = _weights(api_url, fleet.pool)
+                    at = (time.time() - start_at) / scale
+                    timelines[fleet.policy.key].append(
+                        (at, [weights.get(f"{r.host}:{r.port}", 0.0) for r in fleet.replicas])
+                    )
+        concurrent.futures.wait(futures, timeout=0.5)
     results = [future.result() for future in futures]
     for fleet, run in zip(fleets, results, strict=True):
         if run.late > 0.5:
             _say(f"   warning: {fleet.policy.key}'s load generator started {run.late:.1f}s late")
-    return {fleet.policy.key: run for fleet, run in zip(fleets, results, strict=True)}
+    runs = {fleet.policy.key: run for fleet, run in zip(fleets, results, strict=True)}
+    return runs, timelines
+
+
+def weight_moves(timeline: Timeline, event: SlowEvent | None) -> dict[str, Any]:
+    """How often kvpilot changed a replica's weight during the run, and around a slowdown
+    how long the slowed replica's weight took to fall and to come back."""
+    changes = 0
+    for (_, before), (_, after) in itertools.pairwise(timeline):
+        changes += sum(1 for a, b in zip(before, after, strict=True) if a != b)
+    out: dict[str, Any] = {"weight_changes": changes}
+    if event is not None and timeline:
+        full = max(w[event.replica] for _, w in timeline)
+        fell = next((t for t, w in timeline if t >= event.start and w[event.replica] < full), None)
+        back = next((t for t, w in timeline if t >= event.end and w[event.replica] >= full), None)
+        out["fell_after"] = None if fell is None else fell - event.start
+        out["back_after"] = None if back is None else back - event.end
+    return out
 
 
 # --------------------------------------------------------------------------- measurements
@@ -451,7 +495,7 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                     f"{summary['sessions']} sessions, {summary['document_requests']} document "
                     f"requests, oracle hit rate {oracle:.1%}"
                 )
-                runs = _run_once(
+                runs, timelines = _run_once(
                     pool, local, client, fleets, scenario, workload, config, number, state_dir
                 )
                 for fleet in fleets:
@@ -464,6 +508,10 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                         config.slo_ttft,
                     )
                     measured["seed"] = seed
+                    if fleet.policy.key in timelines:
+                        timeline = timelines[fleet.policy.key]
+                        measured["weights"] = weight_moves(timeline, scenario.event)
+                        measured["weight_timeline"] = timeline
                     results.setdefault(scenario.key, {}).setdefault(fleet.policy.key, []).append(
                         measured
                     )
@@ -499,7 +547,7 @@ def _run_once(
     config: SuiteConfig,
     number: int,
     state_dir: Path,
-) -> dict[str, RunResult]:
+) -> tuple[dict[str, RunResult], dict[str, Timeline]]:
     """One workload through every fleet at once. Each run gets fresh pool names, so kvpilot
     starts it with no memory of the last one (telemetry, hysteresis)."""
     begun = time.monotonic()
@@ -541,12 +589,14 @@ def _run_once(
         ready = time.monotonic()
         asyncio.run(prepare())
         warm = time.monotonic()
-        runs = _replay_all(pool, fleets, workload, scenario, config)
+        runs, timelines = _replay_all(
+            pool, fleets, workload, scenario, config, local.kvpilot.api_url
+        )
         _say(
             f"   wall time: {ready - begun:.1f}s to configure, {warm - ready:.1f}s to warm the "
             f"caches, {time.monotonic() - warm:.1f}s to replay"
         )
-        return runs
+        return runs, timelines
     finally:
         for agent in agents:
             agent.stop()
@@ -564,6 +614,14 @@ def _line(m: dict[str, Any]) -> str:
         f"errors {m['errors']}; at the client TTFT p50 {f(m['client_ttft_p50'], '{:.3f}')} "
         f"p99 {f(m['client_ttft_p99'], '{:.3f}')} s"
     )
+    weights = m.get("weights")
+    if weights:
+        text += f"; weight changes {weights['weight_changes']}"
+        if "fell_after" in weights:
+            text += (
+                f", slowed replica's weight fell {f(weights['fell_after'], '{:.1f}')} s after "
+                f"the slowdown, back {f(weights['back_after'], '{:.1f}')} s after recovery"
+            )
     slow = m.get("slow")
     if slow:
         text += (

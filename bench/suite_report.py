@@ -25,6 +25,7 @@ COLUMNS: tuple[tuple[str, str, Callable[[dict[str, Any]], float | None]], ...] =
     ("load max/mean", "{:.2f}", lambda m: m["load_max_over_mean"]),
     ("turns moved", "{:.1%}", lambda m: m["moved_share"]),
     ("errors", "{:.0f}", lambda m: m["errors"]),
+    ("weight changes", "{:.0f}", lambda m: (m.get("weights") or {}).get("weight_changes")),
 )
 
 
@@ -161,6 +162,13 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
         "affinity",
         lambda m: m["goodput_per_s"],
         lambda r: r >= 1.15,
+    )
+    absolute(
+        "slowdown",
+        "slowed replica's weight falls within 5 s of the slowdown",
+        lambda m: (m.get("weights") or {}).get("fell_after"),
+        lambda v: v <= 5.0,
+        "{:.1f} s",
     )
     absolute(
         "slowdown",
