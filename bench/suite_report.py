@@ -216,6 +216,11 @@ def _share_drop(m: dict[str, Any]) -> float | None:
     return float(after) / float(before)
 
 
+def _measured_seeds(results: dict[str, dict[str, Runs]]) -> list[int]:
+    """The seeds some scenario finished (a stopped run reports what it measured)."""
+    return sorted({m["seed"] for by in results.values() for runs in by.values() for m in runs})
+
+
 def markdown(
     config: SuiteConfig,
     policies: Sequence[SuitePolicy],
@@ -229,7 +234,8 @@ def markdown(
         "",
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}. {config.replicas} simulated vLLM replicas per "
         "policy; every policy replays the same workload at the same time through one real Envoy "
-        f"configured by kvpilot. Seeds {', '.join(map(str, config.seeds))}: each cell is the "
+        f"configured by kvpilot. Seeds {', '.join(map(str, _measured_seeds(results)))} "
+        f"(of {', '.join(map(str, config.seeds))} asked for): each cell is the "
         "median (min-max over seeds). Times are simulated seconds (wall time / "
         f"{config.sim.time_scale}). Goodput: requests with TTFT <= {config.slo_ttft:g} s, per "
         "second. Turns moved: later turns of a session answered by another replica than the "
