@@ -401,7 +401,7 @@ def rerender(report_json: Path, slo_ttft: float | None = None) -> Path:
 
 
 def _request_numbers(per_request: list[dict[str, Any]], slo: float) -> dict[str, Any]:
-    """Completed req/s and goodput from one run's requests, as `bench.suite.measure`."""
+    """Completed req/s and goodput from one run's requests, as `bench.suite_measure.measure`."""
     ok = [r for r in per_request if r["status"] == 200 and not r["error"]]
     if not ok:
         return {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.scenarios import SlowEvent
-from bench.suite import weight_moves
+from bench.suite_measure import weight_moves
 from bench.suite_report import pooled_p99
 
 
