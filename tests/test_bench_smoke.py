@@ -46,7 +46,8 @@ def test_short_scenario_suite_writes_a_well_formed_report(tmp_path: Path) -> Non
 
     data = json.loads(reports[0].with_suffix(".json").read_text())
     runs = data["results"]["hetero"]
-    assert set(runs) == {"round_robin", "affinity", "kvpilot"}
+    assert set(runs) == {"round_robin", "affinity", "affinity_copy", "kvpilot"}
+    assert "Noise (A/A)" in text
     requests = {policy: measured[0]["requests"] for policy, measured in runs.items()}
     assert len(set(requests.values())) == 1, requests  # the same workload for every fleet
     for policy, (measured,) in runs.items():
@@ -54,5 +55,6 @@ def test_short_scenario_suite_writes_a_well_formed_report(tmp_path: Path) -> Non
         assert 0 < measured["hit_rate"] <= 1, policy
         assert measured["ttft_p50"] <= measured["ttft_p99"], policy
         assert len(measured["served"]) == data["config"]["replicas"], policy
+    assert runs["kvpilot"][0]["weights"]["weight_changes"] >= 0
     # Round robin spreads sessions; affinity keeps them (moved turns are counted per policy).
     assert runs["round_robin"][0]["moved"] > runs["affinity"][0]["moved"]
