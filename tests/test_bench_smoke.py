@@ -46,8 +46,7 @@ def test_short_scenario_suite_writes_a_well_formed_report(tmp_path: Path) -> Non
 
     data = json.loads(reports[0].with_suffix(".json").read_text())
     runs = data["results"]["hetero"]
-    assert set(runs) == {"round_robin", "affinity", "affinity_copy", "kvpilot"}
-    assert "Noise (A/A)" in text
+    assert set(runs) == {"round_robin", "affinity", "kvpilot"}
     requests = {policy: measured[0]["requests"] for policy, measured in runs.items()}
     assert len(set(requests.values())) == 1, requests  # the same workload for every fleet
     for policy, (measured,) in runs.items():
