@@ -14,8 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
-from routing_harness import ADMIN, chat, policy, pool
-from util import wait_until
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.rig import api_client
+from harness.wait import wait_until
 
 from controlplane.launchers import free_port
 
@@ -30,12 +31,12 @@ def test_replicas_named_alike_place_every_session_alike_whatever_their_ports(
     replicas = backends(9, id_prefix="hk").replicas
     kvpilot = kvpilot_factory(etcd_prefix)
     envoy_factory(xds_port=kvpilot.xds_port)
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
+    api = api_client(kvpilot)
     groups = {"named-a": replicas[0:3], "named-b": replicas[3:6], "unnamed": replicas[6:9]}
     names: dict[str, str] = {}
     ports: dict[str, int] = {}
     for group, members in groups.items():
-        body = pool(group, [r.port for r in members])
+        body = pool(group, [r.port for r in members], health_check=FAST_HEALTH_CHECK)
         if group.startswith("named"):
             for index, (endpoint, replica) in enumerate(
                 zip(body["spec"]["endpoints"], members, strict=True)
