@@ -285,7 +285,7 @@ async def test_query_rules_read_prometheus_with_the_pools_filled_in() -> None:
 def test_a_tier_weighs_its_pools_differently_in_the_fleets_that_name_it() -> None:
     objects = [
         parse_object(pool("chat")),
-        parse_object(pool("next", 8003)),
+        parse_object(pool("next", [8003])),
         parse_object(
             {
                 **policy("main", ("chat",)),
