@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from policies.admission import AdmissionDecision, decide, pool_pressure
+from policies.admission import AdmissionDecision, decide, pool_signals, pressure_of
 from policies.models import (
     ClassQueue,
     Endpoint,
@@ -188,16 +188,17 @@ def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
                 telemetry.update(state.telemetry.get(target.pool, {}))
                 if pool.spec.telemetry is not None:
                     max_age = min(max_age, pool.spec.telemetry.max_age)
-            pressure = pool_pressure(
+            signals = pool_signals(
                 endpoints, telemetry, now=state.now, max_age=max_age, saturation=classes.saturation
             )
             name = cluster_name(policy_name, route.name)
             out[name] = decide(
                 state.previous_admission.get(name),
-                pressure,
+                pressure_of(signals),
                 classes.classes,
                 now=state.now,
                 saturation=classes.saturation,
+                signals=signals,
             )
     return out
 
