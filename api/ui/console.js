@@ -7,6 +7,10 @@
 // Polling rather than server-sent events: EventSource cannot send an Authorization header, and
 // a token in a URL ends up in logs and browser history.
 
+import { renderAdmission } from "./admission.js";
+import { changesHtml, changesSource } from "./changes.js";
+import { ago, duration, esc, isoTime, num, since } from "./format.js";
+
 const POLL_MS = 1000;
 const SLOW_POLL_MS = 5000;
 const SPARK_POINTS = 60;
@@ -38,30 +42,6 @@ window.kvpilotConsole = { renders: 0, lastRenderMs: 0, firstRenderMs: null, firs
 
 // ---------------------------------------------------------------------------------------------
 // helpers
-
-function esc(value) {
-  return String(value ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
-}
-
-function num(value, digits = 0) {
-  if (value === null || value === undefined) return "—";
-  return Number(value).toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: digits });
-}
-
-function ago(seconds) {
-  if (seconds === null || seconds === undefined || Number.isNaN(seconds)) return "—";
-  if (seconds < 1) return "now";
-  if (seconds < 90) return `${Math.round(seconds)}s`;
-  if (seconds < 5400) return `${Math.round(seconds / 60)}m`;
-  if (seconds < 172800) return `${Math.round(seconds / 3600)}h`;
-  return `${Math.round(seconds / 86400)}d`;
-}
-
-function since(epoch) {
-  if (!epoch) return "—";
-  const text = ago(Date.now() / 1000 - epoch);
-  return text === "now" ? "just now" : `${text} ago`;
-}
 
 function toast(message, bad = false) {
   const box = $("#toast");
@@ -552,33 +532,9 @@ function renderFleets(status) {
 // ---------------------------------------------------------------------------------------------
 // changes
 
-function diffHtml(diff) {
-  return diff
-    .split("\n")
-    .filter((line) => !line.startsWith("---") && !line.startsWith("+++"))
-    .map((line) => {
-      const cls = line.startsWith("+") ? "add" : line.startsWith("-") ? "del" : line.startsWith("@@") ? "hunk" : "";
-      return cls ? `<span class="${cls}">${esc(line)}</span>` : esc(line);
-    })
-    .join("\n");
-}
-
 function renderChanges(data) {
-  $("#changes-source").textContent =
-    `From etcd's revision history (kept until compaction): every write to a Pool, RoutingPolicy or Fleet, however it was made. ` +
-    `etcd records no author or time; the revision orders them.${data.compacted ? " Older revisions have been compacted away." : ""}`;
-  const html =
-    data.items
-      .map(
-        (item) =>
-          `<article class="change" data-revision="${item.revision}"><header><b>${esc(item.kind)}/${esc(item.name)}</b>` +
-          `<span class="pill">${esc(item.change)}</span><span class="muted">revision ${item.revision} · version ${item.version}</span></header>` +
-          (item.change === "created"
-            ? `<details><summary class="muted">the object as created (${item.diff.split("\n").length - 4} lines)</summary><pre>${diffHtml(item.diff)}</pre></details>`
-            : `<pre>${diffHtml(item.diff)}</pre>`) +
-          `</article>`,
-      )
-      .join("") || `<div class="empty">No changes recorded.</div>`;
+  $("#changes-source").textContent = changesSource(data);
+  const html = changesHtml(data);
   if (state.rendered.signatures.changes !== html) {
     $("#changes").innerHTML = html;
     state.rendered.signatures.changes = html;
@@ -606,11 +562,6 @@ function splitText(weights) {
   return Object.entries(weights || {})
     .map(([pool, weight]) => `${esc(pool)} <b>${num(weight)}%</b>`)
     .join(" · ");
-}
-
-function duration(seconds) {
-  if (seconds === null || seconds === undefined) return "—";
-  return seconds < 90 ? `${Math.floor(seconds)}s` : ago(seconds);
 }
 
 function stepsHtml(rollout) {
@@ -675,7 +626,7 @@ function historyHtml(history) {
   return `<ul class="events">${history
     .slice(-HISTORY_SHOWN)
     .reverse()
-    .map((e) => `<li><span class="muted" title="${esc(new Date(e.at * 1000).toISOString())}">${since(e.at)}</span><span><b>${esc(e.event)}${e.event === "step" ? ` ${e.step + 1}` : ""}</b> ${eventText(e)}</span></li>`)
+    .map((e) => `<li><span class="muted" title="${esc(isoTime(e.at))}">${since(e.at)}</span><span><b>${esc(e.event)}${e.event === "step" ? ` ${e.step + 1}` : ""}</b> ${eventText(e)}</span></li>`)
     .join("")}</ul>`;
 }
 
@@ -762,6 +713,7 @@ async function refresh() {
   if (state.tab === "changes" && (due("changes", SLOW_POLL_MS) || !state.rendered.signatures.changes)) {
     renderChanges(await api("/v1/history?limit=100"));
   }
+  if (state.tab === "classes") renderAdmission($("#classes"), await api("/v1/admission"), state.rendered.signatures);
   if (state.tab === "rollouts") {
     const rollouts = status.rollouts || [];
     await loadRolloutHistories(rollouts);
@@ -800,7 +752,7 @@ async function poll() {
 
 function showTab() {
   const tab = (location.hash || "#endpoints").slice(1);
-  state.tab = ["endpoints", "routes", "fleets", "changes", "rollouts"].includes(tab) ? tab : "endpoints";
+  state.tab = ["endpoints", "routes", "fleets", "changes", "rollouts", "classes"].includes(tab) ? tab : "endpoints";
   document.querySelectorAll(".view").forEach((view) => (view.hidden = view.dataset.view !== state.tab));
   document.querySelectorAll("#tabs a").forEach((a) => a.classList.toggle("active", a.dataset.tab === state.tab));
   delete state.slowAt.changes;
