@@ -5,9 +5,10 @@ The revisions are read from etcd's own multi-version store, which keeps every re
 compaction: it sees writes made by any route (the API, etcdctl, a restore) and needs no second
 write path. etcd records no author or wall time, so each revision is joined, by object and
 revision, with the audit log's entry for the REST write that made it (``controlplane.audit``):
-who (the token's name), when and the operation. A revision without an entry was written past
-the REST API (a rollout step, etcdctl, a restore) or its entry was pruned; it says so. Deleted
-objects leave no key to walk back from.
+who (the token's name), when and the operation. A policy's weights written by a rollout step
+are named after the rollout (its progress record is written in the same transaction). A
+revision with neither was written past the REST API (etcdctl, a restore) or its entry was
+pruned; it says so. Deleted objects leave no key to walk back from.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import yaml
 
 from controlplane.audit import AuditLog
 from controlplane.etcd import CompactedError, KeyValue
+from controlplane.rollouts import state_key
 from controlplane.store import Store, decode_json
 from policies import KIND_PATHS
 
@@ -76,6 +78,8 @@ class ChangeLog:
         self._authors: dict[tuple[str, str, int], dict[str, Any]] = {}
         self._missing_since: dict[tuple[str, str, int], float] = {}
         """Revisions found without an audit entry, and when that was first seen."""
+        self._not_rollouts: dict[tuple[str, str, int], bool] = {}
+        """Policy revisions that no rollout wrote."""
 
     async def _before(self, kv: KeyValue) -> KeyValue | None:
         """The value ``kv`` replaced; None when ``kv`` created the key. ``CompactedError``
@@ -113,17 +117,71 @@ class ChangeLog:
             _remember(self._missing_since, key, self.clock())
         return None
 
+    async def _rollout_author(
+        self, policy: str, revision: int, rollouts: list[str]
+    ) -> dict[str, Any] | None:
+        """The rollout whose step wrote RoutingPolicy ``policy`` at ``revision``, if one did.
+
+        A rollout writes its new weights and its progress record in one etcd transaction
+        (``controlplane.rollouts``), so the record's revision at ``revision`` says whether
+        it was that rollout; its last event then says which step, and by which replica.
+        """
+        key = ("RoutingPolicy", policy, revision)
+        if key in self._authors:
+            return self._authors[key]
+        if key in self._not_rollouts:
+            return None
+        for name in rollouts:
+            try:
+                kv = await self.store.record_at(state_key(name), revision)
+            except CompactedError:
+                return None
+            if kv is None or kv.mod_revision != revision:
+                continue
+            history = (decode_json(kv) or {}).get("history") or [{}]
+            event = history[-1] if isinstance(history[-1], dict) else {}
+            what = event.get("event")
+            if what == "step" and isinstance(event.get("step"), int):
+                what = f"step {event['step'] + 1}"
+            author = {
+                "actor": f"rollout/{name}",
+                "operation": f"rollout {what}" if what else "rollout",
+                "at": event.get("at"),
+                "replica": event.get("by"),
+            }
+            _remember(self._authors, key, author)
+            return author
+        # The transaction is atomic: a rollout that did not write its record then did not
+        # write the policy either, now or later.
+        _remember(self._not_rollouts, key, True)
+        return None
+
+    async def _who(
+        self, kind: str, name: str, revision: int, rollouts: Mapping[str, list[str]]
+    ) -> dict[str, Any] | None:
+        """The audit log's author of a revision, else (for a policy) the rollout that wrote it."""
+        author = await self._author(kind, name, revision)
+        if author is None and kind == "RoutingPolicy" and rollouts.get(name):
+            author = await self._rollout_author(name, revision, rollouts[name])
+        return author
+
     async def changes(self, limit: int) -> dict[str, Any]:
         """The newest ``limit`` object revisions, each with its diff and author, newest first."""
         kinds = {path: kind for kind, path in KIND_PATHS.items()}
         kvs, revision = await self.store.object_heads()
         entries: list[dict[str, Any]] = []
+        # Policy name -> the rollouts that target it (and may have written its weights).
+        rollouts: dict[str, list[str]] = {}
         truncated = False
         for current in kvs:
             parts = self.store.keys.relative(current.key).split("/")
             if len(parts) != 3:
                 continue
             kind, name = kinds.get(parts[1], parts[1]), parts[2]
+            if kind == "Rollout":
+                target = ((decode_json(current) or {}).get("spec") or {}).get("target") or {}
+                if isinstance(target.get("policy"), str):
+                    rollouts.setdefault(target["policy"], []).append(name)
             kv: KeyValue | None = current
             for _ in range(self.depth):
                 if kv is None:
@@ -156,7 +214,7 @@ class ChangeLog:
         shown = entries[:limit]
         if self.audit is not None:
             authors = await asyncio.gather(
-                *(self._author(e["kind"], e["name"], e["revision"]) for e in shown)
+                *(self._who(e["kind"], e["name"], e["revision"], rollouts) for e in shown)
             )
             for entry, author in zip(shown, authors, strict=True):
                 entry["author"] = author

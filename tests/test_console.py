@@ -459,6 +459,13 @@ def test_a_rollout_shows_its_steps_and_verdict_and_an_admin_pauses_it_from_the_p
         assert "canary" in numbers.inner_text() and "stable" in numbers.inner_text()
         assert "errorRate" in rules.inner_text()
         card.locator(".events li").first.wait_for(timeout=10_000)  # the recorded history
+        # The change history names the rollout as the author of the weights it wrote.
+        with console.api() as api:
+            items = api.get("/v1/history?limit=20").json()["items"]
+        step = next(i for i in items if (i["kind"], i["name"]) == ("RoutingPolicy", "inference"))
+        assert "+        weight: 10" in step["diff"], step
+        assert step["author"]["actor"] == "rollout/chat-canary", step
+        assert step["author"]["operation"] == "rollout step 1" and step["author"]["replica"]
 
         pause = card.locator('[data-command="pause"]')
         assert pause.get_attribute("aria-disabled") is None

@@ -1,5 +1,6 @@
 // The Changes view: revisions of the policy objects from etcd's history, newest first, each with
-// its diff and who made it (the audit log's entry for the REST write at that revision).
+// its diff and who made it: the audit log's entry for the REST write at that revision, or the
+// rollout whose step wrote it.
 
 import { esc, isoTime, since } from "./format.js";
 
@@ -20,13 +21,14 @@ function authorHtml(item, audited) {
   if (!author) {
     return (
       `<span class="author muted" data-actor="" title="etcd has the revision but the audit log has no entry for it">` +
-      `author unknown: written past the REST API (a rollout step, etcdctl, a restore) or its audit entry was pruned</span>`
+      `author unknown: written past the REST API (etcdctl, a restore) or its audit entry was pruned</span>`
     );
   }
   return (
     `<span class="author" data-actor="${esc(author.actor)}">by <b>${esc(author.actor)}</b>` +
     ` <span class="muted" title="${esc(isoTime(author.at))}">${since(author.at)}</span>` +
     (author.operation ? ` <span class="muted">· ${esc(author.operation)}</span>` : "") +
+    (author.replica ? ` <span class="muted">· driven by <span class="mono">${esc(author.replica)}</span></span>` : "") +
     `</span>`
   );
 }
@@ -35,7 +37,7 @@ export function changesSource(data) {
   return (
     `From etcd's revision history (kept until compaction): every write to a Pool, RoutingPolicy, Fleet or Rollout, however it was made. ` +
     (data.authors
-      ? `Who made a change and when come from the audit log, which records every write through the REST API (and so the CLI).`
+      ? `Who made a change and when come from the audit log, which records every write through the REST API (and so the CLI), or from the rollout whose step wrote it.`
       : `etcd records no author or time; the revision orders them.`) +
     (data.compacted ? " Older revisions have been compacted away." : "")
   );
