@@ -177,3 +177,24 @@ def admission_view(state: PolicyState | None, plan: RoutingPlan | None) -> list[
             }
         )
     return policies
+
+
+def restricted_classes(plan: RoutingPlan | None) -> list[dict[str, Any]]:
+    """The classes not fully admitted right now, per route, for the status summary (the
+    console's header shows them on every view); pure."""
+    if plan is None:
+        return []
+    out = []
+    for name, (_, route) in sorted(_plan_routes(plan).items()):
+        for plan_class in route.classes:
+            state = class_state(plan_class.action, plan_class.admitted)
+            if state != "admitted":
+                out.append(
+                    {
+                        "route": name,
+                        "class": plan_class.name,
+                        "state": state,
+                        "admitted": plan_class.admitted,
+                    }
+                )
+    return out

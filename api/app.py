@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from api.admission import restricted_classes
 from api.auth import AuthMetrics
 from api.console import add_console_routes
 from api.context import PATH_RULES, ApiContext, ApiError, FleetName, Reader, unprocessable
@@ -241,6 +242,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
             "rolloutDriver": rollout_driver(context),
             "rollouts": rollout_summaries(context),
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
+            "restrictedClasses": restricted_classes(plan),
             "lastBuild": {
                 "revision": build.revision,
                 "at": build.at or None,

@@ -630,12 +630,15 @@ def test_the_service_classes_view_shows_batch_shed_under_saturation_then_readmit
         shed_since = shed_row.locator(".since").get_attribute("title") or ""
         assert saturated_at - 1 <= datetime.fromisoformat(shed_since).timestamp() <= time.time()
         assert client.post(url, json=chat()).status_code == 200  # interactive passes
+        # The header says so on every view.
+        assert page.inner_text('#health [data-restricted="1"]') == "batch shed on svc/chat"
         shoot(page, "classes-shed")
 
         telemetry(0)  # recovered: batch is given back after the recovery interval
         route.locator('tr[data-class="batch"][data-state="admitted"]').wait_for(timeout=15_000)
         route.locator("header .pill", has_text="pressure 0.32").wait_for(timeout=10_000)
         assert route.get_attribute("data-pressure") == "ok"
+        page.locator("#health [data-restricted]").wait_for(state="detached", timeout=10_000)
         wait_until(lambda: batch_status(client) == 200, 30, message="Envoy to readmit batch")
         shoot(page, "classes-readmitted")
     finally:

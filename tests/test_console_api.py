@@ -226,6 +226,10 @@ async def test_admission_shows_each_class_state_since_and_the_pressure_against_i
     saturation = view["policies"][0]["saturation"]
     assert (saturation["high"], saturation["low"], saturation["queue"]) == (1.0, 0.5, 4.0)
     assert (await api.http.get("/v1/admission", headers={"Authorization": ""})).status_code == 401
+    status = (await api.http.get("/v1/status", headers=READ)).json()
+    assert status["restrictedClasses"] == [
+        {"route": "main/all", "class": "batch", "state": "shed", "admitted": 0.0}
+    ]
 
 
 async def test_whoami_and_the_console_page(api: Harness) -> None:

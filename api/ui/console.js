@@ -68,10 +68,19 @@ function renderHealth(status) {
     `<span class="pill ${nacking ? "bad" : "ok"}">${envoys.length} Envoy${envoys.length === 1 ? "" : "s"}${nacking ? ` · ${nacking} NACKing` : ""}</span>`,
     `<span class="pill" title="revision ${esc(build.revision)}">build ${esc(build.path || "—")} · ${since(build.at)}</span>`,
   ];
+  // Service classes shed, diverted or queued now, whichever view is open.
+  const restricted = status.restrictedClasses || [];
+  if (restricted.length) {
+    const worst = restricted.some((c) => c.admitted === 0) ? "bad" : "warn";
+    const text = restricted.map((c) => `${c.class} ${c.state} on ${c.route}`).join("; ");
+    pills.push(`<a class="pill ${worst}" href="#classes" data-restricted="${restricted.length}" title="${esc(text)}">${restricted.length === 1 ? esc(text) : `${restricted.length} classes restricted`}</a>`);
+  }
   const invalid = (status.invalidObjects || []).length;
   const errors = (status.diagnostics || []).filter((d) => d.severity === "error").length;
   if (invalid || errors) pills.push(`<span class="pill warn" title="see kvpilot status">${invalid} invalid · ${errors} errors</span>`);
-  $("#health").innerHTML = pills.join("");
+  // Trouble first: a narrow bar clips the end of the row, so that is where the calm pills go.
+  const rank = (pill) => (pill.includes('class="pill bad"') ? 0 : pill.includes('class="pill warn"') ? 1 : 2);
+  $("#health").innerHTML = pills.sort((a, b) => rank(a) - rank(b)).join("");
 }
 
 // ---------------------------------------------------------------------------------------------
