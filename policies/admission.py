@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from policies.models import Endpoint, Saturation, ServiceClass
@@ -89,10 +89,12 @@ class AdmissionDecision:
     rebuilds then even if no telemetry changes."""
     next_step: Direction | None = None
     """Which way that next step goes; None when the level holds."""
-    since: Mapping[str, float] | None = None
+    # The two below are for operators and change nothing Envoy is sent: left out of equality,
+    # so a route compiled from an equal decision is reused (``RouteMemo``).
+    since: Mapping[str, float] | None = field(default=None, compare=False)
     """Wall-clock time each class's admitted share last changed, by class name
     (``-inf``: not since this control plane started deciding)."""
-    signals: tuple[Signal, ...] = ()
+    signals: tuple[Signal, ...] = field(default=(), compare=False)
     """The signals the pressure was taken from this round (empty without fresh telemetry),
     so an operator sees which one is at its bound."""
 
