@@ -179,8 +179,9 @@ class ChangeLog:
                 continue
             kind, name = kinds.get(parts[1], parts[1]), parts[2]
             if kind == "Rollout":
-                target = ((decode_json(current) or {}).get("spec") or {}).get("target") or {}
-                if isinstance(target.get("policy"), str):
+                spec = (decode_json(current) or {}).get("spec")
+                target = spec.get("target") if isinstance(spec, dict) else None
+                if isinstance(target, dict) and isinstance(target.get("policy"), str):
                     rollouts.setdefault(target["policy"], []).append(name)
             kv: KeyValue | None = current
             for _ in range(self.depth):
