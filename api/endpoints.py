@@ -4,7 +4,7 @@ for registered and static endpoints alike."""
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -29,6 +29,8 @@ from policies import Endpoint, EndpointHealth, PolicyError, Pool
 from policies.validate import field_errors
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
 
 
 WEIGHT_CAS_ATTEMPTS = 10
@@ -57,12 +59,6 @@ class WeightChange(BaseModel):
 def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
     store = context.store
     tags: list[str | Any] = ["endpoints"]
-    endpoint_doc = {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Endpoint"}}},
-        }
-    }
 
     @app.get(
         "/v1/pools/{pool}/endpoints",
@@ -94,7 +90,7 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         tags=tags,
         operation_id="register_endpoint",
         summary="Register an endpoint, optionally under a lease that expires after ttl seconds",
-        openapi_extra=endpoint_doc,
+        openapi_extra=_body_doc(Endpoint),
     )
     async def register_endpoint(
         pool: PoolName,
@@ -106,10 +102,7 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
             Query(ge=1, le=365 * 24 * 3600, description="Lease TTL in seconds; none = forever."),
         ] = None,
     ) -> JSONResponse:
-        try:
-            endpoint = Endpoint.model_validate(await json_body(request))
-        except ValidationError as error:
-            raise PolicyError(field_errors(error)) from None
+        endpoint = _validated(Endpoint, await json_body(request))
         body = dump(endpoint)
         revision, lease = await store.put_endpoint(
             pool, endpoint_id, body, ttl=ttl, actor=Actor(principal.name, "register_endpoint")
@@ -143,54 +136,69 @@ def add_endpoint_routes(app: FastAPI, context: ApiContext) -> None:
         log.info("deregistered endpoint %s/%s", pool, endpoint_id)
         return Response(status_code=204)
 
-    @app.put(
-        "/v1/pools/{pool}/endpoints/{endpoint_id}/weight",
-        tags=tags,
-        operation_id="set_endpoint_weight",
-        summary="Change one endpoint's weight (registered, or static as address:port)",
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/WeightChange"}}
-                },
-            }
-        },
+    _add_endpoint_change(
+        app,
+        store,
+        tags,
+        "weight",
+        WeightChange,
+        "Change one endpoint's weight (registered, or static as address:port)",
     )
-    async def set_weight(
-        pool: PoolName, endpoint_id: EndpointId, request: Request, principal: Admin
-    ) -> dict[str, Any]:
-        try:
-            change = WeightChange.model_validate(await json_body(request))
-        except ValidationError as error:
-            raise PolicyError(field_errors(error)) from None
-        actor = Actor(principal.name, "set_endpoint_weight")
-        return await _update_endpoint(store, pool, endpoint_id, {"weight": change.weight}, actor)
-
-    @app.put(
-        "/v1/pools/{pool}/endpoints/{endpoint_id}/health",
-        tags=tags,
-        operation_id="set_endpoint_health",
-        summary="Drain an endpoint (health: draining), take it out (unhealthy) or put it back "
+    _add_endpoint_change(
+        app,
+        store,
+        tags,
+        "health",
+        HealthChange,
+        "Drain an endpoint (health: draining), take it out (unhealthy) or put it back "
         "(healthy); registered, or static as address:port",
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/HealthChange"}}
-                },
-            }
-        },
     )
-    async def set_health(
+
+
+def _add_endpoint_change(
+    app: FastAPI,
+    store: Store,
+    tags: list[str | Any],
+    field: str,
+    change_model: type[BaseModel],
+    summary: str,
+) -> None:
+    """`PUT /v1/pools/{pool}/endpoints/{endpoint_id}/{field}`: change one field of one endpoint
+    (operation `set_endpoint_{field}`), its body a `change_model` whose `field` it sets."""
+    operation_id = f"set_endpoint_{field}"
+
+    async def set_field(
         pool: PoolName, endpoint_id: EndpointId, request: Request, principal: Admin
     ) -> dict[str, Any]:
-        try:
-            change = HealthChange.model_validate(await json_body(request))
-        except ValidationError as error:
-            raise PolicyError(field_errors(error)) from None
-        actor = Actor(principal.name, "set_endpoint_health")
-        return await _update_endpoint(store, pool, endpoint_id, {"health": change.health}, actor)
+        change = _validated(change_model, await json_body(request))
+        changes = {field: getattr(change, field)}
+        actor = Actor(principal.name, operation_id)
+        return await _update_endpoint(store, pool, endpoint_id, changes, actor)
+
+    app.add_api_route(
+        f"/v1/pools/{{pool}}/endpoints/{{endpoint_id}}/{field}",
+        set_field,
+        methods=["PUT"],
+        tags=tags,
+        operation_id=operation_id,
+        summary=summary,
+        openapi_extra=_body_doc(change_model),
+    )
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads its JSON itself (through `json_body`,
+    which bounds its size) and validates it as `model`."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _validated(model: type[M], value: Any) -> M:
+    """`value` as a `model`, or the 422 that names each wrong field with a sentence."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as error:
+        raise PolicyError(field_errors(error)) from None
 
 
 async def _update_endpoint(
@@ -209,10 +217,7 @@ async def _update_endpoint(
                 f"the registration of {endpoint_id!r} in pool {pool!r} is not a JSON object; "
                 "register it again (PUT) or DELETE it",
             )
-        try:
-            endpoint = Endpoint.model_validate({**current, **changes})
-        except ValidationError as error:
-            raise PolicyError(field_errors(error)) from None
+        endpoint = _validated(Endpoint, {**current, **changes})
         try:
             revision, _lease = await store.put_endpoint(
                 pool, endpoint_id, dump(endpoint), lease=registration.lease or None, actor=actor

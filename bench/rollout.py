@@ -35,7 +35,7 @@ from bench.backend import BackendProcess
 from bench.loadgen import RequestResult, replay
 from bench.routing import BenchConfig, calibrate, default_config, percentile
 from bench.workload import Workload
-from controlplane.launchers import LocalStack, free_port, local_stack
+from controlplane.launchers import LocalStack, free_port, local_stack, wait_until
 
 MODEL = "sim-model"
 CANARY_FAILURE = {"status": 500, "fraction": 0.2}
@@ -141,16 +141,6 @@ def _rollout() -> dict[str, Any]:
     }
 
 
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if predicate():
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def _canary_share(rig: Rig) -> int:
     """The canary's share of the route's endpoint weight in Envoy, in percent."""
     canary_ports = {r.port for r in rig.canary.replicas}
@@ -179,8 +169,13 @@ def _prepare(rig: Rig, canary_weight: int) -> None:
     client.put(_pool("stable", rig.stable))
     client.put(_pool("canary", rig.canary))
     client.put(_policy(rig.port, canary_weight))
-    _wait(lambda: _canary_share(rig) == canary_weight, 60, f"Envoy at {canary_weight}% canary")
-    _wait(lambda: _serving(rig), 30, "a request through Envoy")
+    wait_until(
+        lambda: _canary_share(rig) == canary_weight,
+        60,
+        f"Envoy at {canary_weight}% canary",
+        ignoring=(httpx.HTTPError,),
+    )
+    wait_until(lambda: _serving(rig), 30, "a request through Envoy", ignoring=(httpx.HTTPError,))
     rig.stable.reset()
     rig.canary.reset()
     for replica in rig.canary.replicas:

@@ -27,7 +27,8 @@ from controlplane.asgi import UvicornServer
 from controlplane.audit import DEFAULT_RETENTION, AuditLog
 from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
-from controlplane.etcd import EtcdAccessDenied, EtcdClient, EtcdSecurity, EtcdUnavailable
+from controlplane.etcd import EtcdAccessDenied, EtcdSecurity
+from controlplane.etcdsettings import add_etcd_arguments, etcd_settings, open_client
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
@@ -97,18 +98,12 @@ def _host_port(value: str, default_port: int) -> tuple[str, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `serve` subcommand's flags; each has an environment variable for containers."""
     env = os.environ.get
-    parser.add_argument(
-        "--etcd-endpoints",
-        default=env("KVPILOT_ETCD_ENDPOINTS", ""),
-        help="comma-separated host:port list of an etcd cluster; empty starts an embedded etcd "
-        "under --state-dir (env KVPILOT_ETCD_ENDPOINTS)",
+    add_etcd_arguments(
+        parser,
+        default_endpoints="",
+        endpoints_help="comma-separated host:port list of an etcd cluster; empty starts an "
+        "embedded etcd under --state-dir (env KVPILOT_ETCD_ENDPOINTS)",
     )
-    parser.add_argument(
-        "--etcd-prefix",
-        default=env("KVPILOT_ETCD_PREFIX", DEFAULT_PREFIX),
-        help="etcd key prefix (env KVPILOT_ETCD_PREFIX)",
-    )
-    EtcdSecurity.add_arguments(parser)
     parser.add_argument(
         "--xds-address",
         default=env("KVPILOT_XDS_ADDRESS", "0.0.0.0:18000"),
@@ -284,10 +279,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         FleetBinding.parse(args.xds_identity_fleet)
     except ValueError as error:
         raise SystemExit(str(error)) from None
+    etcd = etcd_settings(args, os.environ)
     return ServeConfig(
-        etcd_endpoints=[e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
-        etcd_security=EtcdSecurity.from_args(args, os.environ),
-        prefix=args.etcd_prefix,
+        etcd_endpoints=etcd.endpoints,
+        etcd_security=etcd.security,
+        prefix=etcd.prefix,
         xds_host=xds_host,
         xds_port=xds_port,
         api_host=api_host,
@@ -363,17 +359,9 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         max_wait=config.max_wait,
         metrics=ReconcileMetrics(registry),
     )
-    client = EtcdClient(config.etcd_endpoints, security=config.etcd_security)
-    await client.connect()
-    try:
-        # A certificate or password etcd refuses will not start working by waiting: stop now,
-        # saying which setting to check. An etcd that is down may come up: keep going.
-        await client.check_access()
-    except EtcdAccessDenied:
-        await client.close()
-        raise
-    except EtcdUnavailable as error:
-        log.warning("%s; serving starts and keeps trying", error)
+    client = await open_client(
+        config.etcd_endpoints, config.etcd_security, meanwhile="serving starts and keeps trying"
+    )
     audit = AuditLog(client, config.prefix, retention=config.audit_retention)
     store = Store(client, config.prefix, on_write=audit.record)
 

@@ -41,12 +41,11 @@ import yaml
 
 from controlplane.etcd import (
     EtcdAccessDenied,
-    EtcdClient,
     EtcdError,
     EtcdSecurity,
-    EtcdUnavailable,
     LeaseKeeper,
 )
+from controlplane.etcdsettings import add_etcd_arguments, etcd_settings, open_client
 from controlplane.logs import setup_logging
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies.telemetry import (
@@ -292,17 +291,12 @@ async def _scrape(http: httpx.AsyncClient, url: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `agent` subcommand's flags; each has an environment variable for containers."""
     env = os.environ.get
-    parser.add_argument(
-        "--etcd-endpoints",
-        default=env("KVPILOT_ETCD_ENDPOINTS", "127.0.0.1:2379"),
-        help="comma-separated host:port list of the etcd cluster (env KVPILOT_ETCD_ENDPOINTS)",
+    add_etcd_arguments(
+        parser,
+        default_endpoints="127.0.0.1:2379",
+        endpoints_help="comma-separated host:port list of the etcd cluster "
+        "(env KVPILOT_ETCD_ENDPOINTS)",
     )
-    parser.add_argument(
-        "--etcd-prefix",
-        default=env("KVPILOT_ETCD_PREFIX", DEFAULT_PREFIX),
-        help="etcd key prefix (env KVPILOT_ETCD_PREFIX)",
-    )
-    EtcdSecurity.add_arguments(parser)
     parser.add_argument("--pool", default=env("KVPILOT_POOL"), help="pool of the backends")
     parser.add_argument(
         "--backend",
@@ -413,10 +407,11 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError("--format custom needs --metric-map FILE")
     if args.ttl < 1 or args.interval <= 0:
         raise ValueError("--ttl must be at least 1 and --interval above 0")
+    etcd = etcd_settings(args, os.environ)
     return AgentConfig(
-        etcd_endpoints=[e.strip() for e in args.etcd_endpoints.split(",") if e.strip()],
+        etcd_endpoints=etcd.endpoints,
         targets=targets,
-        prefix=args.etcd_prefix,
+        prefix=etcd.prefix,
         format=args.format,
         metric_map=metric_map,
         interval=args.interval,
@@ -424,21 +419,15 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         refresh=args.refresh,
         register=args.register,
         unregister_after=args.unregister_after,
-        etcd_security=EtcdSecurity.from_args(args, os.environ),
+        etcd_security=etcd.security,
     )
 
 
 async def run_agent(config: AgentConfig) -> None:
     """Run until SIGINT/SIGTERM (or cancellation); revoke the lease on the way out."""
-    client = EtcdClient(config.etcd_endpoints, security=config.etcd_security)
-    await client.connect()
-    try:
-        await client.check_access()
-    except EtcdAccessDenied:
-        await client.close()
-        raise
-    except EtcdUnavailable as error:
-        log.warning("%s; the agent starts and keeps trying", error)
+    client = await open_client(
+        config.etcd_endpoints, config.etcd_security, meanwhile="the agent starts and keeps trying"
+    )
     agent = Agent(Store(client, config.prefix), config)
     task = asyncio.create_task(agent.run(), name="agent")
     loop = asyncio.get_running_loop()

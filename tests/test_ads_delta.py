@@ -2,40 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
-from xdsclient import (
+from harness.wait import poll
+from harness.xdsclient import (
     DeltaStream,
     RunningServer,
+    assert_well_formed,
     make_cluster,
     make_listener,
     make_messages,
+    make_snapshot,
     names_of,
     unpack,
-    wait_until,
 )
 
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from xdsserver.snapshot import Snapshot
 
 
-def snap(clusters: dict[str, list[int]], **kw: Any) -> Snapshot:
-    return Snapshot.from_messages(make_messages(clusters, **kw))
-
-
-@pytest.fixture
-async def ads() -> AsyncIterator[RunningServer]:
-    async with RunningServer() as server:
-        yield server
-
-
 async def recv(s: DeltaStream, type_url: str | None = None) -> Any:
-    response = await (s.recv_type(type_url) if type_url else s.recv())
-    names = names_of(response)
-    assert len(names) == len(set(names)), f"duplicate names in {names}"
-    assert response.nonce and response.system_version_info
+    response = assert_well_formed(await (s.recv_type(type_url) if type_url else s.recv()))
+    assert response.system_version_info
     assert all(r.version for r in response.resources)
     return response
 
@@ -45,7 +33,7 @@ def versions(response: Any) -> dict[str, str]:
 
 
 async def test_legacy_wildcard_gets_everything_with_versions_and_ack(ads: RunningServer) -> None:
-    snapshot = snap({"a": [1], "b": [2]})
+    snapshot = make_snapshot({"a": [1], "b": [2]})
     ads.cache.set_snapshot("default", snapshot)
     async with ads.delta("envoy-1") as s:
         await s.send(CLUSTER)
@@ -63,13 +51,13 @@ async def test_legacy_wildcard_gets_everything_with_versions_and_ack(ads: Runnin
 
 
 async def test_only_changed_resources_are_sent(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
     async with ads.delta("envoy-1") as s:
         await s.send(ENDPOINT, ["a", "b", "a"])
         first = await recv(s)
         assert sorted(names_of(first)) == ["a", "b"]
         await s.ack(first)
-        ads.cache.set_snapshot("default", snap({"a": [1], "b": [7]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [7]}))
         update = await recv(s)
         assert names_of(update) == ["b"]
         assert (
@@ -82,12 +70,12 @@ async def test_only_changed_resources_are_sent(ads: RunningServer) -> None:
 
 
 async def test_nack_is_recorded_and_not_answered(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.delta("envoy-1") as s, ads.delta("envoy-2") as other:
         for stream in (s, other):
             await stream.send(CLUSTER)
             await stream.ack(await recv(stream))
-        ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
         rejected = await recv(s)
         await other.ack(await recv(other))
         await s.nack(rejected, "cluster b: bad config")
@@ -100,16 +88,16 @@ async def test_nack_is_recorded_and_not_answered(ads: RunningServer) -> None:
         assert ads.metric("kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1
         # The next different snapshot flows, with what changed since the version the Envoy
         # runs: b again (the Envoy kept what it had), and c.
-        ads.cache.set_snapshot("default", snap({"a": [1], "b": [2], "c": [3]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2], "c": [3]}))
         assert sorted(names_of(await recv(s))) == ["b", "c"]
 
 
 async def test_subscription_on_a_stale_nonce_is_applied(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
     async with ads.delta("envoy-1") as s:
         await s.send(ENDPOINT, ["a"])
         old = await recv(s)
-        ads.cache.set_snapshot("default", snap({"a": [5], "b": [2]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [5], "b": [2]}))
         new = await recv(s)
         assert names_of(new) == ["a"]
         await s.send(ENDPOINT, ["b"], nonce=old.nonce)  # stale, but the subscription counts
@@ -121,42 +109,42 @@ async def test_subscription_on_a_stale_nonce_is_applied(ads: RunningServer) -> N
 
 
 async def test_deleted_resources_go_in_removed_resources(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
     async with ads.delta("envoy-1") as s:
         await s.send(CLUSTER)
         await s.ack(await recv(s))
-        ads.cache.set_snapshot("default", snap({"a": [1]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
         response = await recv(s)
         assert list(response.removed_resources) == ["b"]
         assert names_of(response) == []
 
 
 async def test_unsubscribed_names_are_dropped_silently(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
     async with ads.delta("envoy-1") as s:
         await s.send(ENDPOINT, ["a", "b"])
         response = await recv(s)
         await s.ack(response)
         await s.send(ENDPOINT, unsubscribe=["b"], nonce=response.nonce)
         await s.expect_silence()
-        ads.cache.set_snapshot("default", snap({"a": [1], "b": [9]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [9]}))
         await s.expect_silence()
-        ads.cache.set_snapshot("default", snap({"a": [3]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [3]}))
         update = await recv(s)
         assert names_of(update) == ["a"] and list(update.removed_resources) == []
 
 
 async def test_requested_name_is_pushed_when_it_appears(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.delta("envoy-1") as s:
         await s.send(ENDPOINT, ["later"])
         await s.expect_silence()
-        ads.cache.set_snapshot("default", snap({"a": [1], "later": [4]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "later": [4]}))
         assert names_of(await recv(s)) == ["later"]
 
 
 async def test_explicit_wildcard_and_its_removal(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
     async with ads.delta("envoy-1") as s:
         await s.send(ENDPOINT, ["*"])
         response = await recv(s)
@@ -167,16 +155,16 @@ async def test_explicit_wildcard_and_its_removal(ads: RunningServer) -> None:
         resubscribed = await recv(s)  # a (re)subscription is always answered
         assert names_of(resubscribed) == ["a"] and list(resubscribed.removed_resources) == []
         await s.ack(resubscribed)
-        ads.cache.set_snapshot("default", snap({"a": [1], "b": [3], "c": [4]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [3], "c": [4]}))
         await s.expect_silence()
-        ads.cache.set_snapshot("default", snap({"a": [2], "b": [3], "c": [4]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [2], "b": [3], "c": [4]}))
         assert names_of(await recv(s)) == ["a"]
 
 
 async def test_reconnect_with_initial_versions_gets_exactly_the_differences(
     ads: RunningServer,
 ) -> None:
-    before = snap({"a": [1], "b": [2], "gone": [3]})
+    before = make_snapshot({"a": [1], "b": [2], "gone": [3]})
     ads.cache.set_snapshot("default", before)
     async with ads.delta("envoy-1") as s:
         await s.send(CLUSTER)
@@ -188,7 +176,7 @@ async def test_reconnect_with_initial_versions_gets_exactly_the_differences(
     had_clusters, had_endpoints = versions(first), versions(endpoints)
 
     # While the Envoy is away: b's endpoints change, "gone" is deleted, "new" appears.
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [8], "new": [5]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [8], "new": [5]}))
     async with ads.delta("envoy-1") as s:
         await s.send(CLUSTER, initial_versions=had_clusters)
         clusters = await recv(s)
@@ -203,7 +191,7 @@ async def test_reconnect_with_initial_versions_gets_exactly_the_differences(
 
 
 async def test_make_before_break_order_adds_then_removals(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"old": [1]}, listener_port=10000))
+    ads.cache.set_snapshot("default", make_snapshot({"old": [1]}, listener_port=10000))
     async with ads.delta("envoy-1") as s:
         await s.send(CLUSTER)
         await s.ack(await recv(s))
@@ -215,7 +203,7 @@ async def test_make_before_break_order_adds_then_removals(ads: RunningServer) ->
         await s.ack(await recv(s))
 
         # Everything moves from cluster "old" to "new".
-        ads.cache.set_snapshot("default", snap({"new": [2]}, listener_port=10001))
+        ads.cache.set_snapshot("default", make_snapshot({"new": [2]}, listener_port=10001))
         pushes = [await recv(s) for _ in range(6)]
         kinds = [(p.type_url, "add" if p.resources else "remove") for p in pushes]
         assert kinds == [
@@ -229,8 +217,8 @@ async def test_make_before_break_order_adds_then_removals(ads: RunningServer) ->
 
 
 async def test_fleets_are_scoped_in_delta_too(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"shared": [1]}))
-    ads.cache.set_snapshot("gpu", snap({"gpu-pool": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"shared": [1]}))
+    ads.cache.set_snapshot("gpu", make_snapshot({"gpu-pool": [2]}))
     async with ads.delta("e1", "gpu") as gpu, ads.delta("e2", "unknown") as other:
         await gpu.send(CLUSTER)
         await other.send(CLUSTER)
@@ -241,7 +229,7 @@ async def test_fleets_are_scoped_in_delta_too(ads: RunningServer) -> None:
 async def test_rebuilt_cluster_gets_its_endpoints_resent(ads: RunningServer) -> None:
     # Seen with Envoy 1.40: a cluster rebuilt under the same name stays warming until its
     # ClusterLoadAssignment arrives again, and Delta Envoy does not re-subscribe to it.
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.delta("envoy-1") as s:
         await s.send(CLUSTER)
         await s.ack(await recv(s))
@@ -312,26 +300,24 @@ async def test_an_empty_wildcard_answer_is_sent_alongside_other_changes(
 
 
 async def test_a_nack_of_the_earlier_response_of_a_round_is_counted(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.delta("envoy-1") as s:
         await s.send(CLUSTER)
         await s.ack(await recv(s))
         await s.send(ROUTE, ["ingress-routes"])
         await s.ack(await recv(s))
         # Cluster a is replaced by b: updates first (CDS, RDS), the removal of a after.
-        ads.cache.set_snapshot("default", snap({"b": [2]}))
+        ads.cache.set_snapshot("default", make_snapshot({"b": [2]}))
         added, routes, removed = [await recv(s) for _ in range(3)]
         assert names_of(added) == ["b"] and list(removed.removed_resources) == ["a"]
         # Envoy answers in order; the NACK of the first carries a nonce that is not the latest.
         await s.nack(added, "cluster b: bad")
         await s.ack(routes)
         await s.ack(removed)
-        await wait_until(
-            lambda: ads.metric("kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1
-        )
+        await poll(lambda: ads.metric("kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1)
         [conn] = ads.status.find("envoy-1")
         nack = conn.types[CLUSTER].last_nack
         assert nack is not None and nack.version == added.system_version_info
         # What the Envoy runs lacks b: the next version carries it again, with what changed.
-        ads.cache.set_snapshot("default", snap({"b": [2], "c": [3]}))
+        ads.cache.set_snapshot("default", make_snapshot({"b": [2], "c": [3]}))
         assert sorted(names_of(await recv(s, CLUSTER))) == ["b", "c"]

@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from xdsclient import (
+from harness.xdsclient import (
     DeltaStream,
     RunningServer,
     SotwStream,
@@ -146,12 +145,6 @@ class Client:
             # The stream has no event for "nothing more is coming": poll the quiet time.
             while loop.time() - self.last_response_at < SETTLE:  # noqa: ASYNC110
                 await asyncio.sleep(SETTLE / 3)
-
-
-@pytest.fixture
-async def ads() -> AsyncIterator[RunningServer]:
-    async with RunningServer() as server:
-        yield server
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -3,36 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import pytest
-from xdsclient import (
+from harness.wait import poll
+from harness.xdsclient import (
     RunningServer,
     SotwStream,
+    assert_well_formed,
     make_cluster,
     make_endpoints,
     make_listener,
     make_messages,
     make_route,
+    make_snapshot,
     names_of,
     unpack,
-    wait_until,
 )
 
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from xdsserver.snapshot import Snapshot
-
-
-def snap(clusters: dict[str, list[int]], **kw: Any) -> Snapshot:
-    return Snapshot.from_messages(make_messages(clusters, **kw))
-
-
-@pytest.fixture
-async def ads() -> AsyncIterator[RunningServer]:
-    async with RunningServer() as server:
-        yield server
 
 
 def metric(ads: RunningServer, name: str, **labels: str) -> float:
@@ -40,11 +30,7 @@ def metric(ads: RunningServer, name: str, **labels: str) -> float:
 
 
 async def recv(s: SotwStream, type_url: str | None = None, *, within: float = 5.0) -> Any:
-    response = await (s.recv_type(type_url, within) if type_url else s.recv(within))
-    names = names_of(response)
-    assert len(names) == len(set(names)), f"duplicate names in {names}"  # rule 8
-    assert response.nonce
-    return response
+    return assert_well_formed(await (s.recv_type(type_url, within) if type_url else s.recv(within)))
 
 
 async def join(s: SotwStream, eds: list[str], rds: list[str]) -> dict[str, Any]:
@@ -59,7 +45,7 @@ async def join(s: SotwStream, eds: list[str], rds: list[str]) -> dict[str, Any]:
 
 
 async def test_ack_records_the_version_and_triggers_no_resend(ads: RunningServer) -> None:
-    snapshot = snap({"a": [1], "b": [2]})
+    snapshot = make_snapshot({"a": [1], "b": [2]})
     ads.cache.set_snapshot("default", snapshot)
     async with ads.sotw("envoy-1") as s:
         got = await join(s, ["a", "b"], ["ingress-routes"])
@@ -77,7 +63,7 @@ async def test_ack_records_the_version_and_triggers_no_resend(ads: RunningServer
 
 
 async def test_wildcard_cds_gets_all_and_named_eds_only_what_it_asks(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2], "c": [3]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2], "c": [3]}))
     async with ads.sotw("envoy-1") as s:
         await s.send(CLUSTER, [])
         assert sorted(names_of(await recv(s))) == ["a", "b", "c"]
@@ -93,13 +79,13 @@ async def test_wildcard_cds_gets_all_and_named_eds_only_what_it_asks(ads: Runnin
 async def test_nack_is_recorded_and_never_answered_with_the_same_config(
     ads: RunningServer,
 ) -> None:
-    bad = snap({"a": [1]})
+    bad = make_snapshot({"a": [1]})
     ads.cache.set_snapshot("default", bad)
     async with ads.sotw("envoy-1") as s, ads.sotw("envoy-2") as other:
         first = (await join(s, ["a"], ["ingress-routes"]))[ENDPOINT]
         await join(other, ["a"], ["ingress-routes"])
 
-        ads.cache.set_snapshot("default", snap({"a": [2]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [2]}))
         rejected = await recv(s, ENDPOINT)
         await other.ack(await recv(other, ENDPOINT), ["a"])
         await s.nack(rejected, "bad endpoint", good_version=first.version_info, names=["a"])
@@ -117,18 +103,18 @@ async def test_nack_is_recorded_and_never_answered_with_the_same_config(
         assert any(c["types"][ENDPOINT]["last_nack"] for c in json_view)
 
         # The next different version flows normally, to both.
-        fixed = snap({"a": [3]})
+        fixed = make_snapshot({"a": [3]})
         ads.cache.set_snapshot("default", fixed)
         assert (await recv(s, ENDPOINT)).version_info == fixed.version(ENDPOINT)
         assert (await recv(other, ENDPOINT)).version_info == fixed.version(ENDPOINT)
 
 
 async def test_stale_nonce_is_ignored(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
     async with ads.sotw("envoy-1") as s:
         await s.send(ENDPOINT, ["a"])
         old = await recv(s)
-        ads.cache.set_snapshot("default", snap({"a": [5], "b": [2]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [5], "b": [2]}))
         new = await recv(s)
         assert new.nonce != old.nonce
         # A request carrying the older nonce (sent before it saw `new`) is ignored entirely.
@@ -140,7 +126,7 @@ async def test_stale_nonce_is_ignored(ads: RunningServer) -> None:
 
 
 async def test_requested_name_is_pushed_when_it_appears(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.sotw("envoy-1") as s:
         await s.send(ENDPOINT, ["a", "later"])
         response = await recv(s)
@@ -148,50 +134,52 @@ async def test_requested_name_is_pushed_when_it_appears(ads: RunningServer) -> N
         await s.ack(response, ["a", "later"])
         await ads.settled("envoy-1", response)
         await s.expect_silence()
-        ads.cache.set_snapshot("default", snap({"a": [1], "later": [9]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "later": [9]}))
         # A push of a named type carries only what changed; Envoy keeps "a".
         assert names_of(await recv(s)) == ["later"]
 
 
 async def test_eds_push_carries_only_the_changed_assignments(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2], "c": [3]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2], "c": [3]}))
     async with ads.sotw("envoy-1") as s:
         await s.send(ENDPOINT, ["a", "b", "c"])
         response = await recv(s)
         assert names_of(response) == ["a", "b", "c"]
         await s.ack(response, ["a", "b", "c"])
         await ads.settled("envoy-1", response)
-        ads.cache.set_snapshot("default", snap({"a": [1], "b": [7], "c": [3]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [7], "c": [3]}))
         pushed = await recv(s)
         assert names_of(pushed) == ["b"]
         # The version still names the whole set, as every replica computes it.
-        assert pushed.version_info == snap({"a": [1], "b": [7], "c": [3]}).version(ENDPOINT)
+        assert pushed.version_info == make_snapshot({"a": [1], "b": [7], "c": [3]}).version(
+            ENDPOINT
+        )
 
 
 async def test_named_subscription_waits_for_a_name_that_does_not_exist(
     ads: RunningServer,
 ) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.sotw("envoy-1") as s:
         await s.send(ENDPOINT, ["later"])
         await s.expect_silence()
-        ads.cache.set_snapshot("default", snap({"a": [1], "later": [9]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "later": [9]}))
         assert names_of(await recv(s)) == ["later"]
 
 
 async def test_cds_full_set_shrinks_on_removal(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
     async with ads.sotw("envoy-1") as s:
         await s.send(CLUSTER)
         response = await recv(s)
         assert sorted(names_of(response)) == ["a", "b"]
         await s.ack(response)
-        ads.cache.set_snapshot("default", snap({"a": [1]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
         assert names_of(await recv(s)) == ["a"]
 
 
 async def test_all_types_change_pushed_cds_eds_lds_rds(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.sotw("envoy-1") as s:
         await join(s, ["a"], ["ingress-routes"])
         ads.cache.set_snapshot(
@@ -210,11 +198,11 @@ async def test_all_types_change_pushed_cds_eds_lds_rds(ads: RunningServer) -> No
 
 
 async def test_removals_come_after_the_routes_that_stop_using_them(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}, route_to="b"))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}, route_to="b"))
     async with ads.sotw("envoy-1") as s:
         await join(s, ["a", "b"], ["ingress-routes"])
         # Cluster b goes away and the route moves to a: CDS keeps b until RDS has moved.
-        ads.cache.set_snapshot("default", snap({"a": [3]}, route_to="a"))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [3]}, route_to="a"))
         pushes = [await recv(s) for _ in range(4)]
         assert [p.type_url for p in pushes] == [CLUSTER, ENDPOINT, ROUTE, CLUSTER]
         assert sorted(names_of(pushes[0])) == ["a", "b"]
@@ -225,7 +213,7 @@ async def test_removals_come_after_the_routes_that_stop_using_them(ads: RunningS
 async def test_eds_request_after_cds_change_is_answered_even_if_unchanged(
     ads: RunningServer,
 ) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.sotw("envoy-1") as s:
         got = await join(s, ["a"], ["ingress-routes"])
         # Cluster a is rebuilt (new timeout) with the same endpoints: Envoy re-requests EDS for
@@ -247,7 +235,7 @@ async def test_eds_request_after_cds_change_is_answered_even_if_unchanged(
 async def test_eds_push_in_the_round_of_a_cluster_rebuild_carries_that_cluster_too(
     ads: RunningServer,
 ) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
     async with ads.sotw("envoy-1") as s:
         await join(s, ["a", "b"], ["ingress-routes"])
         # One round: cluster a rebuilt with the same endpoints, b's endpoints changed. The EDS
@@ -265,7 +253,7 @@ async def test_eds_push_in_the_round_of_a_cluster_rebuild_carries_that_cluster_t
 async def test_eds_push_while_a_re_request_is_owed_carries_the_whole_set(
     ads: RunningServer,
 ) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
     async with ads.sotw("envoy-1") as s:
         await join(s, ["a", "b"], ["ingress-routes"])
         # Cluster a rebuilt alone: Envoy will re-request EDS for it ...
@@ -282,10 +270,10 @@ async def test_eds_push_while_a_re_request_is_owed_carries_the_whole_set(
 
 
 async def test_a_request_to_answer_is_answered_after_a_nack(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.sotw("envoy-1") as s:
         first = (await join(s, ["a"], ["ingress-routes"]))[ENDPOINT]
-        ads.cache.set_snapshot("default", snap({"a": [2]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [2]}))
         rejected = await recv(s, ENDPOINT)
         await s.nack(rejected, "bad endpoint", good_version=first.version_info, names=["a"])
         await s.expect_silence()
@@ -301,20 +289,20 @@ async def test_a_request_to_answer_is_answered_after_a_nack(ads: RunningServer) 
 
 
 async def test_reconnect_with_the_current_version_is_not_resent(ads: RunningServer) -> None:
-    snapshot = snap({"a": [1]})
+    snapshot = make_snapshot({"a": [1]})
     ads.cache.set_snapshot("default", snapshot)
     async with ads.sotw("envoy-1") as s:
         await s.send(CLUSTER, version=snapshot.version(CLUSTER))
         await s.expect_silence()
-        ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
         assert sorted(names_of(await recv(s))) == ["a", "b"]
 
 
 async def test_fleets_get_their_own_snapshots_and_unknown_fleets_the_default(
     ads: RunningServer,
 ) -> None:
-    ads.cache.set_snapshot("default", snap({"shared": [1]}))
-    ads.cache.set_snapshot("gpu", snap({"gpu-pool": [2]}))
+    ads.cache.set_snapshot("default", make_snapshot({"shared": [1]}))
+    ads.cache.set_snapshot("gpu", make_snapshot({"gpu-pool": [2]}))
     async with (
         ads.sotw("e1", "gpu") as gpu,
         ads.sotw("e2", "cpu") as cpu,
@@ -326,7 +314,7 @@ async def test_fleets_get_their_own_snapshots_and_unknown_fleets_the_default(
         assert names_of(await recv(cpu)) == ["shared"]
         assert names_of(await recv(default)) == ["shared"]
         # A change to one fleet reaches only that fleet.
-        ads.cache.set_snapshot("gpu", snap({"gpu-pool": [2], "gpu-2": [3]}))
+        ads.cache.set_snapshot("gpu", make_snapshot({"gpu-pool": [2], "gpu-2": [3]}))
         assert sorted(names_of(await recv(gpu))) == ["gpu-2", "gpu-pool"]
         await cpu.expect_silence(0.1)
         await default.expect_silence(0.1)
@@ -342,7 +330,7 @@ async def test_stuck_envoy_does_not_block_set_snapshot_or_other_streams(
 ) -> None:
     def big(port: int) -> Snapshot:
         # ~150 KB of endpoints per response: a few of these fill the HTTP/2 windows.
-        return snap({"a": list(range(port, port + 10_000))})
+        return make_snapshot({"a": list(range(port, port + 10_000))})
 
     ads.cache.set_snapshot("default", big(1))
     stuck = ads.sotw("stuck", read=False, **{"grpc.http2.bdp_probe": 0})
@@ -369,7 +357,7 @@ async def test_stuck_envoy_does_not_block_set_snapshot_or_other_streams(
 async def test_shutdown_ends_streams_cleanly() -> None:
     server = RunningServer()
     await server.__aenter__()
-    server.cache.set_snapshot("default", snap({"a": [1]}))
+    server.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with server.sotw("envoy-1") as s:
         await s.send(CLUSTER)
         await recv(s)
@@ -382,30 +370,30 @@ async def test_shutdown_ends_streams_cleanly() -> None:
 
 
 async def test_push_latency_is_observed_for_snapshot_changes(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.sotw("envoy-1") as s:
         await s.send(CLUSTER)
         await s.ack(await recv(s))
         before = metric(ads, "kvpilot_xds_push_seconds_count")
-        ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}))
         await recv(s)
-        await wait_until(lambda: metric(ads, "kvpilot_xds_push_seconds_count") == before + 1)
+        await poll(lambda: metric(ads, "kvpilot_xds_push_seconds_count") == before + 1)
 
 
 async def test_status_listener_sees_connect_nack_and_disconnect(ads: RunningServer) -> None:
     events: list[tuple[str, str]] = []
     ads.status.add_listener(lambda event, conn: events.append((event, conn.node_id)))
-    ads.cache.set_snapshot("default", snap({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
     async with ads.sotw("envoy-1") as s:
         await s.send(CLUSTER)
         await s.nack(await recv(s), "nope")
-        await wait_until(lambda: ("nacked", "envoy-1") in events)
-    await wait_until(lambda: ("disconnected", "envoy-1") in events)
+        await poll(lambda: ("nacked", "envoy-1") in events)
+    await poll(lambda: ("disconnected", "envoy-1") in events)
     assert events[0] == ("connected", "envoy-1")
 
 
 def two_listeners(clusters: dict[str, list[int]], bad_port: int | None) -> Snapshot:
-    """`snap(clusters)`, plus a second listener "bad" on `bad_port` when one is given."""
+    """`make_snapshot(clusters)`, plus a second listener "bad" on `bad_port` when one is given."""
     messages = make_messages(clusters)
     if bad_port is not None:
         messages[LISTENER].append(make_listener("bad", "ingress-routes", port=bad_port))
@@ -455,20 +443,18 @@ async def test_a_rejected_listener_version_is_not_sent_again_when_the_change_is_
 async def test_a_nack_of_the_earlier_response_of_a_round_is_counted_and_then_resolved(
     ads: RunningServer,
 ) -> None:
-    ads.cache.set_snapshot("default", snap({"a": [1], "b": [2]}, route_to="b"))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}, route_to="b"))
     async with ads.sotw("envoy-1") as s:
         await join(s, ["a", "b"], ["ingress-routes"])
-        ads.cache.set_snapshot("default", snap({"a": [3]}, route_to="a"))
+        ads.cache.set_snapshot("default", make_snapshot({"a": [3]}, route_to="a"))
         union, eds, rds, final = [await recv(s) for _ in range(4)]
         assert (union.type_url, final.type_url) == (CLUSTER, CLUSTER)
         # Envoy answers in order: the union's NACK carries a nonce that is no longer the latest.
         await s.nack(union, "cluster b: bad")
         for response in (eds, rds, final):
             await s.ack(response)
-        await wait_until(
-            lambda: metric(ads, "kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1
-        )
-        await wait_until(
+        await poll(lambda: metric(ads, "kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1)
+        await poll(
             lambda: ads.status.find("envoy-1")[0].types[CLUSTER].version_acked == final.version_info
         )
         [conn] = ads.status.find("envoy-1")

@@ -6,144 +6,23 @@ import argparse
 import asyncio
 import json
 import signal
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
-from util import poll
+from harness.agent import MetricsBackend, start_agent_process
+from harness.wait import poll
 
 from controlplane.agent import Agent, AgentConfig, Target, add_arguments, config_from_args
 from controlplane.etcd import EtcdClient, KeyValue
-from controlplane.launchers import EmbeddedEtcd, free_port, repo_root
+from controlplane.launchers import EmbeddedEtcd
 from controlplane.store import Store
 
 pytestmark = pytest.mark.e2e
 
 T = TypeVar("T")
-
-
-class MetricsBackend:
-    """A model-server stand-in on its own thread: `/metrics` serves `metrics` (vLLM names by
-    default), `/v1/chat/completions` answers with the backend's id and, when `utilization` is
-    set, an ORCA `endpoint-load-metrics` header. `status` other than 200 fails everything."""
-
-    def __init__(self, backend_id: str = "be", *, waiting: float = 0, kv: float = 0.0) -> None:
-        self.id = backend_id
-        self.waiting = waiting
-        self.running = 0.0
-        self.kv = kv
-        self.utilization: float | None = None
-        self.status = 200
-        self.extra_metrics = ""
-        self.port = free_port()
-        app = Starlette(
-            routes=[
-                Route("/metrics", self._metrics),
-                Route("/health", self._health),
-                Route("/v1/chat/completions", self._complete, methods=["POST"]),
-            ]
-        )
-        self._server = uvicorn.Server(
-            uvicorn.Config(
-                app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
-            )
-        )
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def metrics(self) -> str:
-        return (
-            f'vllm:num_requests_waiting{{model_name="m"}} {self.waiting}\n'
-            f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'
-            f'vllm:kv_cache_usage_perc{{model_name="m"}} {self.kv}\n' + self.extra_metrics
-        )
-
-    async def _metrics(self, request: Request) -> Response:
-        if self.status != 200:
-            return PlainTextResponse("down", self.status)
-        return PlainTextResponse(self.metrics)
-
-    async def _health(self, request: Request) -> Response:
-        return PlainTextResponse("ok", self.status)
-
-    async def _complete(self, request: Request) -> Response:
-        headers = {"x-backend-id": self.id}
-        if self.utilization is not None:
-            # Envoy's weight is rps_fractional / utilization, and it rejects reports without
-            # a positive rate; equal rates let the utilization alone decide.
-            headers["endpoint-load-metrics"] = (
-                f"TEXT application_utilization={self.utilization}, rps_fractional=100"
-            )
-        return JSONResponse({"backend": self.id}, self.status, headers=headers)
-
-    def start(self) -> MetricsBackend:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"test backend on port {self.port} did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
-
-
-@pytest.fixture
-def metrics_backends() -> Iterator[Callable[..., MetricsBackend]]:
-    started: list[MetricsBackend] = []
-
-    def make(backend_id: str = "be", **kwargs: Any) -> MetricsBackend:
-        backend = MetricsBackend(backend_id, **kwargs).start()
-        started.append(backend)
-        return backend
-
-    yield make
-    for backend in started:
-        backend.stop()
-
-
-async def start_agent_process(
-    etcd_endpoint: str, etcd_prefix: str, pool: str, backend_url: str
-) -> asyncio.subprocess.Process:
-    """`kvpilot agent` as its own process, registering one backend with a 2 s lease and
-    reporting every 0.2 s, so a test can kill it and watch its keys expire."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "controlplane.agent",
-        "--etcd-endpoints",
-        etcd_endpoint,
-        "--etcd-prefix",
-        etcd_prefix,
-        "--pool",
-        pool,
-        "--backend",
-        backend_url,
-        "--register",
-        "--interval",
-        "0.2",
-        "--ttl",
-        "2",
-        cwd=repo_root(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from api_harness import Harness, fleet, policy, pool, running_api
-from util import poll
+from harness.api import Harness, running_api
+from harness.builders import fleet, policy, pool
+from harness.wait import poll
 
 from controlplane.launchers import EmbeddedEtcd
 
@@ -78,7 +79,7 @@ async def test_stored_objects_are_normalized_with_defaults_in_camel_case(api: Ha
 async def test_put_creates_then_replaces(api: Harness) -> None:
     first = await api.http.put("/v1/pools/chat", json=pool("chat"))
     assert first.status_code == 201
-    second = await api.http.put("/v1/pools/chat", json=pool("chat", 9000))
+    second = await api.http.put("/v1/pools/chat", json=pool("chat", [9000]))
     assert second.status_code == 200
     assert second.json()["spec"]["endpoints"][0]["port"] == 9000
 
@@ -91,7 +92,7 @@ async def test_kind_may_be_left_out_of_the_body(api: Harness) -> None:
 
 async def test_create_twice_is_a_conflict(api: Harness) -> None:
     assert (await api.http.post("/v1/pools", json=pool("chat"))).status_code == 201
-    again = await api.http.post("/v1/pools", json=pool("chat", 9000))
+    again = await api.http.post("/v1/pools", json=pool("chat", [9000]))
     assert again.status_code == 409
     assert "already exists" in again.json()["detail"]
     stored = json.loads(await api.raw("objects/pools/chat") or b"{}")
@@ -167,9 +168,9 @@ async def test_a_kind_that_is_not_a_string_is_a_422(api: Harness) -> None:
 async def test_stale_if_match_gets_412(api: Harness) -> None:
     created = await api.http.post("/v1/pools", json=pool("chat"))
     etag = created.headers["etag"]
-    assert (await api.http.put("/v1/pools/chat", json=pool("chat", 9001))).status_code == 200
+    assert (await api.http.put("/v1/pools/chat", json=pool("chat", [9001]))).status_code == 200
     stale = await api.http.put(
-        "/v1/pools/chat", json=pool("chat", 9002), headers={"If-Match": etag}
+        "/v1/pools/chat", json=pool("chat", [9002]), headers={"If-Match": etag}
     )
     assert stale.status_code == 412
     assert "changed by someone else" in stale.json()["detail"]
@@ -195,8 +196,8 @@ async def test_malformed_if_match_is_a_400(api: Harness) -> None:
 async def test_concurrent_updates_with_the_same_if_match_exactly_one_wins(api: Harness) -> None:
     etag = (await api.http.post("/v1/pools", json=pool("chat"))).headers["etag"]
     responses = await asyncio.gather(
-        api.http.put("/v1/pools/chat", json=pool("chat", 9001), headers={"If-Match": etag}),
-        api.http.put("/v1/pools/chat", json=pool("chat", 9002), headers={"If-Match": etag}),
+        api.http.put("/v1/pools/chat", json=pool("chat", [9001]), headers={"If-Match": etag}),
+        api.http.put("/v1/pools/chat", json=pool("chat", [9002]), headers={"If-Match": etag}),
     )
     assert sorted(r.status_code for r in responses) == [200, 412]
     winner = next(r for r in responses if r.status_code == 200)
@@ -343,7 +344,7 @@ async def test_set_weight_out_of_range_is_a_422(api: Harness) -> None:
 
 
 async def test_concurrent_static_weight_changes_are_both_kept(api: Harness) -> None:
-    await api.http.put("/v1/pools/chat", json=pool("chat", 8001, 8002, 8003))
+    await api.http.put("/v1/pools/chat", json=pool("chat", [8001, 8002, 8003]))
     responses = await asyncio.gather(
         *(
             api.http.put(f"/v1/pools/chat/endpoints/127.0.0.1:{port}/weight", json={"weight": w})
@@ -459,7 +460,7 @@ async def test_a_deeply_nested_body_is_a_4xx(api: Harness, depth: int) -> None:
 async def test_a_body_over_the_limit_is_a_413_that_names_the_limit(api: Harness) -> None:
     from api.context import MAX_BODY_BYTES
 
-    huge = pool("chat", *range(1, 2))
+    huge = pool("chat", range(1, 2))
     huge["spec"]["models"] = [f"model-{i:07d}" for i in range(MAX_BODY_BYTES // 16)]
     for method, url in (("POST", "/v1/pools"), ("PUT", "/v1/pools/chat")):
         response = await api.http.request(method, url, json=huge)

@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from api_harness import Harness, pool, running_api
-from util import poll
+from harness.api import Harness, running_api
+from harness.builders import pool
+from harness.wait import poll
 
 from controlplane.launchers import EmbeddedEtcd
 
@@ -54,7 +55,7 @@ async def test_a_write_etcd_never_confirmed_says_its_outcome_is_unknown_and_how_
     etag = created.headers["etag"]
     with frozen(own_etcd):
         response = await api.http.put(
-            "/v1/pools/chat", json=pool("chat", 9001), headers={"If-Match": etag}
+            "/v1/pools/chat", json=pool("chat", [9001]), headers={"If-Match": etag}
         )
         unregistered = await api.http.put(
             "/v1/pools/chat/endpoints/e1", json={"address": "10.0.0.1", "port": 8000}

@@ -23,7 +23,8 @@ from typing import Any
 
 import httpx
 import pytest
-from api_harness import Harness, fleet, policy, pool, running_api
+from harness.api import Harness, running_api
+from harness.builders import fleet, policy, pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

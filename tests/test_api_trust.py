@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from api_harness import ADMIN_TOKEN, READ, Harness, auth_config, policy, pool, running_api
+from harness.api import Harness, running_api
+from harness.auth import ADMIN_TOKEN, READ, auth_config
+from harness.builders import fleet, policy, pool, rollout
 
 from api.auth import AuthConfig, TokenReloader, WriteRateLimit
 from controlplane.audit import AuditLog, diff
@@ -37,6 +39,10 @@ async def newest_audit(api: Harness) -> dict[str, Any]:
     return entry
 
 
+def _rollout(**spec: Any) -> dict[str, Any]:
+    return rollout("r", target=("m", "all"), stable="a", canary="b", **spec)
+
+
 def _endpoint(weight: int = 1) -> dict[str, Any]:
     return {"address": "127.0.0.1", "port": 9001, "weight": weight}
 
@@ -45,21 +51,18 @@ def _endpoint(weight: int = 1) -> dict[str, Any]:
 # entry it leaves must name the route, the token, and carry a diff.
 WRITES: dict[str, Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]] = {
     "create_pools": lambda h: h.post("/v1/pools", json=pool("a")),
-    "replace_pools": lambda h: h.put("/v1/pools/a", json=pool("a", 8003)),
-    "create_routingpolicies": lambda h: h.post("/v1/routingpolicies", json=policy("m", ("a",))),
+    "replace_pools": lambda h: h.put("/v1/pools/a", json=pool("a", [8003])),
+    "create_routingpolicies": lambda h: h.post(
+        "/v1/routingpolicies", json=policy("m", pools=("a",))
+    ),
     "replace_routingpolicies": lambda h: h.put(
-        "/v1/routingpolicies/m", json=policy("m", ("a",), 10001)
+        "/v1/routingpolicies/m", json=policy("m", 10001, pools=("a",))
     ),
     "register_endpoint": lambda h: h.put("/v1/pools/a/endpoints/e1", json=_endpoint()),
     "set_endpoint_weight": lambda h: h.put("/v1/pools/a/endpoints/e1/weight", json={"weight": 7}),
     "deregister_endpoint": lambda h: h.delete("/v1/pools/a/endpoints/e1"),
-    "create_fleets": lambda h: h.post(
-        "/v1/fleets", json={"kind": "Fleet", "metadata": {"name": "f"}, "spec": {}}
-    ),
-    "replace_fleets": lambda h: h.put(
-        "/v1/fleets/f",
-        json={"kind": "Fleet", "metadata": {"name": "f"}, "spec": {"maxRequestBodyBytes": 1024}},
-    ),
+    "create_fleets": lambda h: h.post("/v1/fleets", json=fleet("f")),
+    "replace_fleets": lambda h: h.put("/v1/fleets/f", json=fleet("f", maxRequestBodyBytes=1024)),
     "delete_fleets": lambda h: h.delete("/v1/fleets/f"),
     "set_endpoint_health": lambda h: h.put(
         "/v1/pools/a/endpoints/127.0.0.1:8003/health", json={"health": "draining"}
@@ -78,22 +81,6 @@ READ_ONLY_POSTS = {"preview"}
 """POST routes that write nothing (a dry run), so they leave no audit entry."""
 
 
-def _rollout(**spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "Rollout",
-        "metadata": {"name": "r"},
-        "spec": {
-            "target": {"policy": "m", "route": "all"},
-            "stable": "a",
-            "canary": "b",
-            "steps": [{"weight": 10, "minDuration": "30s"}, {"weight": 100}],
-            "analysis": {"rules": [{"metric": "errorRate", "max": 0.02}]},
-            **spec,
-        },
-    }
-
-
 async def test_every_write_route_leaves_an_audit_entry_with_token_and_diff(api: Harness) -> None:
     schema = (await api.http.get("/openapi.json")).json()
     write_routes = {
@@ -105,7 +92,7 @@ async def test_every_write_route_leaves_an_audit_entry_with_token_and_diff(api: 
     assert write_routes == set(WRITES), "a write route is missing from WRITES (or gone)"
     # A second pool for the rollout's canary, and the driving replica's record that the
     # rollout started (no controller runs here), so a command can be given.
-    assert (await api.http.post("/v1/pools", json=pool("b", 8005))).is_success
+    assert (await api.http.post("/v1/pools", json=pool("b", [8005]))).is_success
     previous_revision = 0
     for operation, call in WRITES.items():
         if operation == "rollout_command":
@@ -241,7 +228,7 @@ async def test_the_audit_log_keeps_only_its_retention(etcd: EmbeddedEtcd, etcd_p
         store = Store(api.client, etcd_prefix, on_write=audit.record)
         for port in range(8000, 8006):
             await store.replace(
-                "Pool", "p", pool("p", port), expect_revision=None, actor=Actor("t")
+                "Pool", "p", pool("p", [port]), expect_revision=None, actor=Actor("t")
             )
         entries = await audit.entries(limit=100)
         assert len(entries) == 3

@@ -10,8 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
-from api_harness import ADMIN, ADMIN_TOKEN, READ, READ_TOKEN, Harness, pool, running_api
 from fastapi.routing import APIRoute
+from harness.api import Harness, running_api
+from harness.auth import ADMIN, ADMIN_TOKEN, READ, READ_TOKEN
+from harness.builders import pool
 
 from api import ApiContext, create_app
 from api.auth import AuthConfig, AuthConfigError

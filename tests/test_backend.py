@@ -6,7 +6,9 @@ import json
 
 import httpx
 import pytest
-from util import BackendFactory, process_gone, wait_until
+from harness.processes import process_gone
+from harness.rig import BackendFactory
+from harness.wait import wait_until
 
 from bench.backend import BackendProcess, _parse_ports
 

@@ -6,7 +6,8 @@ import json
 
 import httpx
 import pytest
-from util import BackendFactory, wait_until
+from harness.rig import BackendFactory
+from harness.wait import wait_until
 
 from bench.backend import BackendProcess
 from bench.loadgen import parse_metrics

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import uvicorn
 import yaml
-from api_harness import ADMIN_TOKEN, READ_TOKEN, running_api
-from util import wait_until
+from harness.api import running_api
+from harness.auth import ADMIN_TOKEN, READ_TOKEN
+from harness.wait import wait_until
 
 from commands.cli import main
 from controlplane.launchers import EmbeddedEtcd, free_port
@@ -303,12 +304,10 @@ def test_apply_wait_shows_progress_until_every_envoy_acks_and_fails_on_a_nack(
 ) -> None:
     import socket
 
-    from conftest import ADMIN_TOKEN as DAEMON_ADMIN_TOKEN
-
     kvpilot = kvpilot_factory(etcd_prefix)
     for index in range(2):
         envoy_factory(xds_port=kvpilot.xds_port, node_id=f"wait-{index}")
-    common = ("--server", kvpilot.api_url, "--token", DAEMON_ADMIN_TOKEN)
+    common = ("--server", kvpilot.api_url, "--token", ADMIN_TOKEN)
     wait_until(
         lambda: len(json.loads(run(capsys, *common, "status", "-o", "json")[1])["envoys"]) == 2,
         15,

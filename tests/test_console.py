@@ -7,7 +7,6 @@ screenshot is written to tests/artifacts/console/ (git-ignored) for a person to 
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import shutil
 import socket
@@ -23,9 +22,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN, READ_TOKEN
-from routing_harness import answered_by, chat, envoy_hosts, policy, pool
-from util import wait_until
+from harness.auth import ADMIN, ADMIN_TOKEN, READ_TOKEN, TOKEN_ENV
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.envoy import envoy_hosts
+from harness.traffic import served_by
+from harness.wait import wait_until
 
 from bench.backend import BackendProcess
 from controlplane.etcd import EtcdClient
@@ -45,7 +46,6 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 ARTIFACTS = Path(__file__).parent / "artifacts" / "console"
-ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 UI_BOUND_S = 2.0
 """The issue's bound for a change to show and for 1,000 endpoints to render."""
 ONCALL = "oncall-alice"
@@ -166,7 +166,7 @@ def console(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Ite
         state_dir,
         etcd_endpoints=[etcd.endpoint],
         prefix=prefix,
-        env={"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "KVPILOT_READ_TOKEN": READ_TOKEN},
+        env=TOKEN_ENV,
         extra_args=["--tokens-file", str(tokens)],
     ).start()
     backends = BackendProcess(3, id_prefix="ui", state_dir=tmp_path_factory.mktemp("ui-be"))
@@ -177,7 +177,7 @@ def console(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Ite
         rig = Console(kvpilot, envoys, backends, listener_port, etcd, prefix)
         with rig.api() as api:
             for obj in (
-                pool("chat", rig.ports, models=["sim-model"]),
+                pool("chat", rig.ports, models=["sim-model"], health_check=FAST_HEALTH_CHECK),
                 policy(
                     "inference",
                     listener_port,
@@ -344,13 +344,6 @@ def test_nack_shows_envoys_message_on_that_envoy(browser: Any, console: Console)
         blocker.close()
 
 
-def served(rig: Console, count: int) -> collections.Counter[str]:
-    with httpx.Client(timeout=10) as client:
-        return collections.Counter(
-            answered_by(client.post(rig.url(), json=chat())) for _ in range(count)
-        )
-
-
 def test_admin_drains_an_endpoint_from_the_page_and_envoy_stops_sending_it_traffic(
     browser: Any, console: Console
 ) -> None:
@@ -369,7 +362,7 @@ def test_admin_drains_an_endpoint_from_the_page_and_envoy_stops_sending_it_traff
             10,
             message="Envoy to see the endpoint draining",
         )
-        counts = served(console, 30)
+        counts = served_by(console.url(), 30)
         assert drained_id not in counts, counts
         assert sum(counts.values()) == 30 and all(k.startswith("ui") for k in counts), counts
         shoot(page, "endpoints-drained")
@@ -426,7 +419,7 @@ def test_a_rollout_shows_its_steps_and_verdict_and_an_admin_pauses_it_from_the_p
     # A canary pool (one of the replicas again) and a rollout that holds its first step for
     # ten minutes: the real `kvpilot serve` drives it to Progressing at 10% canary.
     port = console.ports[2]
-    canary = pool("chat-canary", [port], models=["sim-model"])
+    canary = pool("chat-canary", [port], models=["sim-model"], health_check=FAST_HEALTH_CHECK)
     body = {
         "apiVersion": "kvpilot.io/v1",
         "kind": "Rollout",
@@ -505,7 +498,7 @@ def test_a_thousand_endpoints_render_within_two_seconds(
     browser: Any, kvpilot_factory: Any, etcd_prefix: str
 ) -> None:
     kvpilot = kvpilot_factory(etcd_prefix)
-    big = pool("big", [], models=["m"])
+    big = pool("big", [], models=["m"], health_check=FAST_HEALTH_CHECK)
     big["spec"]["endpoints"] = [
         {"address": f"10.{i // 250}.{i % 250}.1", "port": 8000, "weight": 100 + i % 7}
         for i in range(1000)

@@ -7,8 +7,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from api_harness import READ, Harness, pool, running_api
-from util import poll
+from harness.api import Harness, running_api
+from harness.auth import READ
+from harness.builders import policy, pool, route
+from harness.wait import poll
 
 from controlplane.launchers import EmbeddedEtcd
 
@@ -22,15 +24,7 @@ async def api(etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Harness]:
 
 
 def telemetry_policy() -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "RoutingPolicy",
-        "metadata": {"name": "main"},
-        "spec": {
-            "listener": {"port": 10000},
-            "routes": [{"name": "all", "balancing": "telemetry", "tiers": [["chat"]]}],
-        },
-    }
+    return policy("main", routes=[route("chat", balancing="telemetry")])
 
 
 async def view(api: Harness, query: str = "") -> dict[str, Any]:
@@ -40,7 +34,7 @@ async def view(api: Harness, query: str = "") -> dict[str, Any]:
 
 
 async def test_endpoints_view_shows_weights_health_telemetry_and_why(api: Harness) -> None:
-    await api.http.put("/v1/pools/chat", json=pool("chat", 8001, 8002, 8003))
+    await api.http.put("/v1/pools/chat", json=pool("chat", [8001, 8002, 8003]))
     await api.http.put("/v1/routingpolicies/main", json=telemetry_policy())
     await api.store.put_endpoint("chat", "r1", {"address": "127.0.0.2", "port": 9000})
     now = time.time()
@@ -75,7 +69,7 @@ async def test_endpoints_view_shows_weights_health_telemetry_and_why(api: Harnes
 
 @pytest.mark.parametrize("endpoint_id", ["127.0.0.1:8001", "r1"])
 async def test_drain_and_undrain_an_endpoint(api: Harness, endpoint_id: str) -> None:
-    await api.http.put("/v1/pools/chat", json=pool("chat", 8001, 8002))
+    await api.http.put("/v1/pools/chat", json=pool("chat", [8001, 8002]))
     await api.store.put_endpoint("chat", "r1", {"address": "127.0.0.2", "port": 9000}, ttl=60)
     path = f"/v1/pools/chat/endpoints/{endpoint_id}/health"
 
@@ -111,7 +105,7 @@ async def _health(api: Harness, endpoint_id: str, health: str) -> dict[str, Any]
 
 
 async def test_history_lists_revisions_with_diffs_newest_first(api: Harness) -> None:
-    body = pool("chat", 8001)
+    body = pool("chat", [8001], models=["m"])
     created = await api.http.put("/v1/pools/chat", json=body)
     body["spec"]["endpoints"][0]["weight"] = 300
     await api.http.put("/v1/pools/chat", json=body)
@@ -130,7 +124,7 @@ async def test_history_lists_revisions_with_diffs_newest_first(api: Harness) -> 
 
     # Once etcd compacts, what it no longer holds is said, not guessed; what was read before
     # is kept (a revision's predecessor never changes).
-    other = pool("other", 8001)
+    other = pool("other", [8001])
     await api.http.put("/v1/pools/other", json=other)
     other["spec"]["models"] = ["x"]
     last = await api.http.put("/v1/pools/other", json=other)
@@ -246,9 +240,9 @@ async def test_whoami_and_the_console_page(api: Harness) -> None:
 
 
 async def test_preview_lists_the_envoy_resources_a_change_would_touch(api: Harness) -> None:
-    await api.http.put("/v1/pools/chat", json=pool("chat", 8001))
+    await api.http.put("/v1/pools/chat", json=pool("chat", [8001]))
     await api.http.put("/v1/routingpolicies/main", json=telemetry_policy())
-    changed = pool("chat", 8001)
+    changed = pool("chat", [8001])
     changed["spec"]["endpoints"][0]["weight"] = 700
     response = await api.http.post("/v1/preview", json={"objects": [changed]}, headers=READ)
     assert response.status_code == 200, response.text

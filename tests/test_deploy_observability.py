@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import ADMIN_TOKEN
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, route
+from harness.rig import api_client
+from harness.wait import wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from routing_harness import chat, policy, pool
-from util import wait_until
 
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import free_port, repo_root
@@ -101,14 +101,12 @@ def test_every_metric_in_the_dashboard_and_the_alerts_exists_in_a_live_scrape(
     replicas = backends(2, id_prefix="obs")
     ports = [replica.port for replica in replicas.replicas]
     listener = free_port()
-    route = {"name": "chat", "balancing": "telemetry", "tiers": [["chat"]]}
-    with httpx.Client(
-        base_url=kvpilot.api_url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
-    ) as api:
-        assert api.put("/v1/pools/chat", json=pool("chat", ports)).status_code == 201
-        assert (
-            api.put("/v1/routingpolicies/p", json=policy("p", listener, [route])).status_code == 201
-        )
+    telemetry_route = route("chat", name="chat", balancing="telemetry")
+    with api_client(kvpilot) as api:
+        chat_pool = pool("chat", ports, health_check=FAST_HEALTH_CHECK)
+        assert api.put("/v1/pools/chat", json=chat_pool).status_code == 201
+        p = policy("p", listener, [telemetry_route])
+        assert api.put("/v1/routingpolicies/p", json=p).status_code == 201
         # An agent's record, so the telemetry series exist.
         record = {"at": time.time(), "waiting": 2.0, "running": 3.0, "kv_cache": 0.4}
 

@@ -8,7 +8,6 @@ it accepted (`/v1/status`) with what the Envoy itself reports (admin stats).
 
 from __future__ import annotations
 
-import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,100 +16,24 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import ADMIN_TOKEN
-from test_e2e_skeleton import served_by
-from util import wait_until
+from harness.builders import policy, pool, route
+from harness.rig import api_client, apply
+from harness.status import TYPES, acked_everything, envoy_types, envoys, metric, served_versions
+from harness.traffic import replicas_behind
+from harness.wait import wait_until
 
 from controlplane.launchers import EmbeddedEnvoy, free_port
 
 pytestmark = pytest.mark.e2e
 
-ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
-TYPES = {"CDS": "clusters", "EDS": "endpoints", "LDS": "listeners", "RDS": "routes"}
-"""Short type name in /v1/status -> key of the versions in /v1/fleets/{fleet}/config."""
 MODE = [pytest.param(False, id="sotw"), pytest.param(True, id="delta")]
 
 
-def pool(name: str, ports: list[int]) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "Pool",
-        "metadata": {"name": name},
-        "spec": {
-            "models": ["sim-model"],
-            "endpoints": [{"address": "127.0.0.1", "port": port} for port in ports],
-        },
-    }
-
-
-def policy(name: str, pool_name: str, port: int, *, fleets: tuple[str, ...] = ("default",)) -> Any:
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "RoutingPolicy",
-        "metadata": {"name": name},
-        "spec": {
-            "fleets": list(fleets),
-            "listener": {"port": port, "address": "127.0.0.1"},
-            "routes": [{"name": "all", "balancing": "round_robin", "tiers": [[pool_name]]}],
-        },
-    }
-
-
-def url(port: int) -> str:
-    return f"http://127.0.0.1:{port}/v1/chat/completions"
-
-
-def put(api: httpx.Client, path: str, body: dict[str, Any]) -> None:
-    response = api.put(path, json=body)
-    assert response.status_code in (200, 201), response.text
-
-
-def answered_by(port: int, count: int = 8) -> set[str]:
-    """The replicas that answered `count` requests sent to an Envoy listener."""
-    return set(served_by(url(port), count))
-
-
-def envoys(api: httpx.Client) -> list[dict[str, Any]]:
-    response = api.get("/v1/status")
-    response.raise_for_status()
-    result: list[dict[str, Any]] = response.json()["envoys"]
-    return result
-
-
-def envoy_types(api: httpx.Client, node_id: str) -> dict[str, dict[str, Any]]:
-    """Per short type name, the status kvpilot reports for one Envoy (empty if not connected)."""
-    for connection in envoys(api):
-        if connection["node_id"] == node_id:
-            return {t["type"]: t for t in connection["types"].values()}
-    return {}
-
-
-def served_versions(api: httpx.Client, fleet: str) -> dict[str, str]:
-    response = api.get(f"/v1/fleets/{fleet}/config")
-    response.raise_for_status()
-    versions = response.json()["versions"]
-    return {short: versions[key] for short, key in TYPES.items()}
-
-
-def acked_everything(api: httpx.Client, envoy: EmbeddedEnvoy) -> dict[str, str] | None:
-    """The served versions once the Envoy has ACKed every type at exactly those, else None."""
-    served = served_versions(api, envoy.fleet)
-    types = envoy_types(api, envoy.node_id)
-    acked = {short: types[short]["version_acked"] for short in TYPES if short in types}
-    return served if acked == served else None
-
-
-def metric(api_url: str, name: str, labels: dict[str, str]) -> float:
-    """One sample of kvpilot's /metrics (0 when absent)."""
-    text = httpx.get(f"{api_url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        match = re.fullmatch(r"([a-z_]+)\{(.*)\} (\S+)", line)
-        if match is None or match.group(1) != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(match.group(3))
-    return 0.0
+def web_policy(
+    name: str, pool_name: str, port: int, *, fleets: tuple[str, ...] = ("default",)
+) -> Any:
+    """A policy for `fleets` sending everything on `port` round robin to `pool_name`."""
+    return policy(name, port, [route(pool_name, balancing="round_robin")], fleets=fleets)
 
 
 @pytest.fixture
@@ -130,13 +53,13 @@ def test_config_arrives_traffic_flows_and_an_api_change_flows(
     kvpilot = kvpilot_factory(etcd_prefix)
     envoy = envoy_factory(xds_port=kvpilot.xds_port, delta=delta)
     port = free_port()
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    put(api, "/v1/pools/first", pool("first", [r.port for r in first.replicas]))
-    put(api, "/v1/pools/second", pool("second", [r.port for r in second.replicas]))
-    put(api, "/v1/routingpolicies/web", policy("web", "first", port))
+    api = api_client(kvpilot)
+    apply(api, pool("first", [r.port for r in first.replicas], models=["sim-model"]))
+    apply(api, pool("second", [r.port for r in second.replicas], models=["sim-model"]))
+    apply(api, web_policy("web", "first", port))
 
     wait_until(
-        lambda: answered_by(port) == {r.id for r in first.replicas},
+        lambda: replicas_behind(port) == {r.id for r in first.replicas},
         30,
         message="both replicas of pool 'first' to answer through Envoy",
     )
@@ -153,9 +76,9 @@ def test_config_arrives_traffic_flows_and_an_api_change_flows(
     assert stats["listener_manager.lds.version_text"] == before["LDS"]
 
     # A change through the REST API: the route now goes to the other pool.
-    put(api, "/v1/routingpolicies/web", policy("web", "second", port))
+    apply(api, web_policy("web", "second", port))
     wait_until(
-        lambda: answered_by(port) == {second.replicas[0].id},
+        lambda: replicas_behind(port) == {second.replicas[0].id},
         30,
         message="only pool 'second' to answer after the change",
     )
@@ -182,20 +105,22 @@ def test_a_listener_envoy_cannot_bind_is_nacked_and_shown_and_the_fix_flows(
     envoy = envoy_factory(xds_port=kvpilot.xds_port, delta=delta)
     other = envoy_factory(xds_port=kvpilot.xds_port, fleet="other", delta=delta)
     web_port, other_port, fixed_port = free_port(), free_port(), free_port()
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    put(api, "/v1/pools/sim", pool("sim", ports))
-    put(api, "/v1/routingpolicies/web", policy("web", "sim", web_port))
-    put(api, "/v1/routingpolicies/side", policy("side", "sim", other_port, fleets=("other",)))
+    api = api_client(kvpilot)
+    apply(api, pool("sim", ports, models=["sim-model"]))
+    apply(api, web_policy("web", "sim", web_port))
+    apply(api, web_policy("side", "sim", other_port, fleets=("other",)))
     wait_until(
-        lambda: answered_by(web_port) == ids, 30, message="traffic through the default fleet"
+        lambda: replicas_behind(web_port) == ids, 30, message="traffic through the default fleet"
     )
-    wait_until(lambda: answered_by(other_port) == ids, 30, message="traffic through fleet 'other'")
+    wait_until(
+        lambda: replicas_behind(other_port) == ids, 30, message="traffic through fleet 'other'"
+    )
     good = wait_until(lambda: acked_everything(api, envoy), 30, message="the first ACKs")
     other_good = wait_until(lambda: acked_everything(api, other), 30, message="fleet 'other' ACKs")
 
     # kvpilot accepts this policy (nothing is wrong with it on paper), but its port is taken on
     # the Envoy's host, so Envoy rejects the listener.
-    put(api, "/v1/routingpolicies/new", policy("new", "sim", busy_port))
+    apply(api, web_policy("new", "sim", busy_port))
 
     def lds_nack() -> dict[str, Any] | None:
         nack: dict[str, Any] | None = (
@@ -208,23 +133,23 @@ def test_a_listener_envoy_cannot_bind_is_nacked_and_shown_and_the_fix_flows(
     assert lds["version_acked"] == good["LDS"], "the Envoy keeps the version it accepted"
     assert nack["version"] == lds["version_sent"] != good["LDS"]
     assert str(busy_port) in nack["message"], nack
-    assert (
-        metric(kvpilot.api_url, "kvpilot_xds_nacks_total", {"type": "LDS", "fleet": "default"}) >= 1
-    )
+    assert metric(kvpilot.api_url, "kvpilot_xds_nacks_total", type="LDS", fleet="default") >= 1
     assert envoy.stats()["listener_manager.lds.update_rejected"] == 1
 
     # The Envoy keeps serving its last good config, and the other fleet never noticed.
-    assert answered_by(web_port) == ids
-    assert answered_by(other_port) == ids
+    assert replicas_behind(web_port) == ids
+    assert replicas_behind(other_port) == ids
     assert acked_everything(api, other) == other_good
     assert all(t["last_nack"] is None for t in envoy_types(api, other.node_id).values())
 
     # The fix (a free port) flows to the Envoy, which ACKs it and serves on the new listener.
-    put(api, "/v1/routingpolicies/new", policy("new", "sim", fixed_port))
-    wait_until(lambda: answered_by(fixed_port) == ids, 30, message="traffic on the fixed listener")
+    apply(api, web_policy("new", "sim", fixed_port))
+    wait_until(
+        lambda: replicas_behind(fixed_port) == ids, 30, message="traffic on the fixed listener"
+    )
     fixed = wait_until(lambda: acked_everything(api, envoy), 30, message="the fix to be ACKed")
     assert fixed["LDS"] != good["LDS"]
-    assert answered_by(web_port) == ids
+    assert replicas_behind(web_port) == ids
     # The rejected listener was never sent again: Envoy rejected exactly one update.
     assert envoy.stats()["listener_manager.lds.update_rejected"] == 1
     assert envoy_types(api, envoy.node_id)["LDS"]["version_acked"] == fixed["LDS"]
@@ -303,11 +228,11 @@ def test_an_envoy_moving_to_another_replica_reloads_nothing_and_status_spans_rep
     replicas = backends(2, id_prefix="be")
     ids = [r.id for r in replicas.replicas]
     kvpilots = [kvpilot_factory(etcd_prefix), kvpilot_factory(etcd_prefix)]
-    apis = [httpx.Client(base_url=k.api_url, headers=ADMIN, timeout=10) for k in kvpilots]
+    apis = [api_client(k) for k in kvpilots]
     port, moving_port = free_port(), free_port()
-    put(apis[0], "/v1/pools/sim", pool("sim", [r.port for r in replicas.replicas]))
-    put(apis[0], "/v1/routingpolicies/web", policy("web", "sim", port))
-    put(apis[0], "/v1/routingpolicies/mover", policy("mover", "sim", moving_port, fleets=("m",)))
+    apply(apis[0], pool("sim", [r.port for r in replicas.replicas], models=["sim-model"]))
+    apply(apis[0], web_policy("web", "sim", port))
+    apply(apis[0], web_policy("mover", "sim", moving_port, fleets=("m",)))
     pinned = [envoy_factory(xds_port=k.xds_port, delta=delta) for k in kvpilots]
     moving = TwoServerEnvoy(
         tmp_path / "moving",
@@ -319,7 +244,9 @@ def test_an_envoy_moving_to_another_replica_reloads_nothing_and_status_spans_rep
     )
     try:
         moving.start()
-        wait_until(lambda: answered_by(moving_port) == set(ids), 30, message="traffic via moving")
+        wait_until(
+            lambda: replicas_behind(moving_port) == set(ids), 30, message="traffic via moving"
+        )
 
         # Both replicas serve the same content-hash versions, and each one's status lists the
         # Envoys of both: its own live, the other's from the records in etcd.
@@ -350,12 +277,14 @@ def test_an_envoy_moving_to_another_replica_reloads_nothing_and_status_spans_rep
         wait_until(moved, 60, message="the Envoy to show on the other replica, holding its config")
         # Envoy's own view: no version it had not applied before, and no update applied at all.
         assert applied(moving) == before
-        assert answered_by(moving_port) == set(ids)
+        assert replicas_behind(moving_port) == set(ids)
 
         # The new replica's stream is live: the next change flows through it.
-        put(apis[target], "/v1/pools/sim", pool("sim", [replicas.replicas[0].port]))
+        apply(apis[target], pool("sim", [replicas.replicas[0].port], models=["sim-model"]))
         wait_until(
-            lambda: answered_by(moving_port) == {ids[0]}, 30, message="the change after the move"
+            lambda: replicas_behind(moving_port) == {ids[0]},
+            30,
+            message="the change after the move",
         )
         assert applied(moving)["stats"] != before["stats"]
     finally:

@@ -13,8 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from routing_harness import ADMIN, Rig, policy, pool, send
-from util import processes_with_env, wait_until
+from harness.auth import ADMIN
+from harness.builders import FAST_HEALTH_CHECK, policy, pool
+from harness.processes import processes_with_env
+from harness.rig import Rig
+from harness.traffic import send
+from harness.wait import wait_until
 
 from controlplane.launchers import free_port, repo_root
 
@@ -78,7 +82,7 @@ def test_serve_on_its_embedded_etcd_routes_traffic_and_keeps_its_data(
     with httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=30) as api:
         rig = Rig(kvpilot, envoy, api, free_port())
         rig.apply(
-            pool("llm", ports),
+            pool("llm", ports, health_check=FAST_HEALTH_CHECK),
             policy("chat", rig.listener_port, [{"name": "all", "tiers": [["llm"]]}]),
         )
         rig.wait_ready("chat/all", ports, timeout=60)

@@ -21,9 +21,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN, READ_TOKEN
-from routing_harness import Rig, answered_by, chat, policy, pool
-from util import wait_until
+from harness.auth import ADMIN, TOKEN_ENV
+from harness.builders import FAST_HEALTH_CHECK, policy, pool
+from harness.rig import Rig
+from harness.traffic import Traffic
+from harness.wait import wait_until
 
 from controlplane.etcd import EtcdClient, EtcdError
 from controlplane.launchers import (
@@ -36,14 +38,12 @@ from controlplane.launchers import (
 
 pytestmark = pytest.mark.e2e
 
-HEADERS = {"authorization": f"Bearer {ADMIN_TOKEN}"}
-
 
 class Writer:
     """Creates pools p-0, p-1, ... one after another and records how each write ended."""
 
     def __init__(self, api_url: str) -> None:
-        self.client = httpx.Client(base_url=api_url, headers=HEADERS, timeout=15)
+        self.client = httpx.Client(base_url=api_url, headers=ADMIN, timeout=15)
         self.acked: list[tuple[float, str]] = []
         self.failed: list[tuple[float, str, int]] = []
         self._stop = threading.Event()
@@ -64,7 +64,9 @@ class Writer:
             name = f"p-{index}"
             index += 1
             try:
-                response = self.client.put(f"/v1/pools/{name}", json=pool(name, [8000]))
+                response = self.client.put(
+                    f"/v1/pools/{name}", json=pool(name, [8000], health_check=FAST_HEALTH_CHECK)
+                )
                 status = response.status_code
             except httpx.HTTPError:
                 status = 0
@@ -79,47 +81,6 @@ class Writer:
 
     def failed_since(self, moment: float) -> int:
         return sum(1 for at, _, _ in self.failed if at > moment)
-
-
-class Traffic:
-    """Sends chat requests through Envoy one after another (at most `limit`) and records who
-    answered each, so a test can see failures and where the latest requests landed."""
-
-    def __init__(self, url: str, limit: int = 20_000) -> None:
-        self.url = url
-        self.limit = limit
-        self.results: list[tuple[int, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Traffic:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=15) as client:
-            for _ in range(self.limit):
-                if self._stop.is_set():
-                    return
-                try:
-                    response = client.post(self.url, json=chat())
-                    self.results.append((response.status_code, answered_by(response)))
-                except httpx.HTTPError as error:
-                    self.results.append((0, repr(error)))
-                time.sleep(0.01)
-
-    def failed(self) -> list[tuple[int, str]]:
-        return [result for result in self.results if result[0] != 200]
-
-    def latest_all_on(self, prefix: str, count: int = 20) -> bool:
-        """The last `count` requests (sent after this call) all landed on pool `prefix`."""
-        start = len(self.results)
-        wait_until(lambda: len(self.results) >= start + count, 60, message=f"{count} more requests")
-        return all(replica.startswith(f"{prefix}-") for _, replica in self.results[start:])
 
 
 def applied_versions(envoy: EmbeddedEnvoy) -> dict[str, str]:
@@ -150,7 +111,7 @@ def split(listener_port: int, blue: int, green: int) -> dict[str, object]:
 def write_weights(api_url: str, listener_port: int, blue: int, green: int) -> None:
     """PUT the split until the API acknowledges it (it may answer 503 while kvpilot moves
     to a live member)."""
-    with httpx.Client(base_url=api_url, headers=HEADERS, timeout=15) as api:
+    with httpx.Client(base_url=api_url, headers=ADMIN, timeout=15) as api:
 
         def acked() -> bool:
             try:
@@ -201,23 +162,26 @@ def test_leader_then_follower_die_and_return_and_no_acknowledged_write_is_lost(
         tmp_path / "kvpilot",
         etcd_endpoints=cluster.endpoints,
         prefix=etcd_prefix,
-        env={"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "KVPILOT_READ_TOKEN": READ_TOKEN},
+        env=TOKEN_ENV,
     ).start()
-    api = httpx.Client(base_url=kvpilot.api_url, headers=HEADERS, timeout=15)
+    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=15)
     try:
         blue = backends(1, id_prefix="blue")
         green = backends(1, id_prefix="green")
         envoy = envoy_factory(xds_port=kvpilot.xds_port)
         rig = Rig(kvpilot, envoy, api, free_port())
         rig.apply(
-            pool("blue", [blue.replicas[0].port]),
-            pool("green", [green.replicas[0].port]),
+            pool("blue", [blue.replicas[0].port], health_check=FAST_HEALTH_CHECK),
+            pool("green", [green.replicas[0].port], health_check=FAST_HEALTH_CHECK),
             split(rig.listener_port, 100, 0),
         )
         # A pool at weight 0 is left out of the cluster: Envoy sees blue alone.
         rig.wait_ready("chat/all", [blue.replicas[0].port], timeout=60)
 
-        with Traffic(rig.url()) as traffic, Writer(kvpilot.api_url) as writer:
+        with (
+            Traffic(rig.url(), pause=0.01, limit=20_000, timeout=15) as traffic,
+            Writer(kvpilot.api_url) as writer,
+        ):
             wait_until(lambda: len(writer.acked) >= 20, 30, message="writes before any failure")
             assert traffic.latest_all_on("blue")
             before = applied_versions(envoy)

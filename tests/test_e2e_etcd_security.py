@@ -23,7 +23,8 @@ import grpc
 import httpx
 import pytest
 from aetcd import rpc
-from util import BackendFactory, poll, wait_until
+from harness.rig import BackendFactory
+from harness.wait import poll, wait_until
 
 from controlplane.etcd import (
     EtcdAccessDenied,

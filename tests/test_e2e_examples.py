@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
-from conftest import ADMIN_TOKEN
-from util import wait_until
+from harness.auth import ADMIN_TOKEN
+from harness.envoy import active_listeners
+from harness.rig import api_client
+from harness.wait import wait_until
 
 from commands.cli import main as kvpilot_cli
 from controlplane.launchers import EmbeddedEnvoy, repo_root
@@ -33,15 +34,6 @@ SECRET_FILE = {
 def rejected_updates(envoy: EmbeddedEnvoy) -> dict[str, int | str]:
     stats = envoy.stats().items()
     return {name: value for name, value in stats if name.endswith("update_rejected") and value}
-
-
-def listener_names(envoy: EmbeddedEnvoy) -> set[str]:
-    names = set()
-    for config in envoy.config_dump()["configs"]:
-        for listener in config.get("dynamic_listeners", []):
-            if "active_state" in listener:
-                names.add(listener["name"])
-    return names
 
 
 def stage_examples(tmp_path: Path) -> Path:
@@ -79,14 +71,12 @@ def test_all_examples_applied_through_the_cli_are_accepted_by_envoy(
     if fleet == "default":
         expected.add("listener-10000")  # the demo policy applies to the default fleet only
     wait_until(
-        lambda: expected <= listener_names(envoy),
+        lambda: expected <= active_listeners(envoy),
         30,
         message=f"Envoy to serve the listeners {sorted(expected)}",
     )
     assert rejected_updates(envoy) == {}
-    api = httpx.Client(
-        base_url=kvpilot.api_url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
-    )
+    api = api_client(kvpilot)
     status = api.get("/v1/status").json()
     assert not status["invalidObjects"], status["invalidObjects"]
     assert not [d for d in status["diagnostics"] if d["severity"] == "error"], status

@@ -5,47 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from util import wait_until
+from harness.builders import fleet_policies
+from harness.envoy import active_listeners
+from harness.rig import api_client, apply
+from harness.wait import wait_until
 
-from controlplane.launchers import EmbeddedEnvoy, free_port
+from controlplane.launchers import free_port
 
 pytestmark = pytest.mark.e2e
-
-
-def listeners(envoy: EmbeddedEnvoy) -> set[str]:
-    dump = envoy.config_dump()["configs"]
-    return {
-        listener["name"]
-        for config in dump
-        for listener in config.get("dynamic_listeners", [])
-        if "active_state" in listener
-    }
 
 
 def test_envoys_get_their_fleets_config(
     etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any
 ) -> None:
     kvpilot = kvpilot_factory(etcd_prefix, extra_args=["--node-fleet", "pinned-envoy=edge"])
-    api = httpx.Client(
-        base_url=kvpilot.api_url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
-    )
-    pool = {"kind": "Pool", "metadata": {"name": "p"}, "spec": {}}
-    assert api.put("/v1/pools/p", json=pool).is_success
+    api = api_client(kvpilot)
     ports = {"default": free_port(), "edge": free_port()}
-    for fleet, port in ports.items():
-        policy = {
-            "kind": "RoutingPolicy",
-            "metadata": {"name": fleet},
-            "spec": {
-                "fleets": [fleet],
-                "listener": {"address": "127.0.0.1", "port": port},
-                "routes": [{"name": "r", "tiers": [["p"]]}],
-            },
-        }
-        assert api.put(f"/v1/routingpolicies/{fleet}", json=policy).is_success
+    apply(api, *fleet_policies(ports))
 
     default = envoy_factory(xds_port=kvpilot.xds_port, fleet="default")
     edge = envoy_factory(xds_port=kvpilot.xds_port, fleet="edge")
@@ -62,7 +39,7 @@ def test_envoys_get_their_fleets_config(
         (pinned, "edge"),
     ):
         wait_until(
-            lambda envoy=envoy, fleet=fleet: listeners(envoy) == expected[fleet],
+            lambda envoy=envoy, fleet=fleet: active_listeners(envoy) == expected[fleet],
             30,
             message=f"{envoy.node_id} to serve the {fleet} fleet's listener",
         )

@@ -8,28 +8,17 @@ turns into its typed errors.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
-from routing_harness import ADMIN, Rig, policy, pool
-from util import wait_until
-
-from controlplane.launchers import free_port
+from harness.builders import FAST_HEALTH_CHECK, policy, pool
+from harness.rig import Rig
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture
-def rig(etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any) -> Iterator[Rig]:
-    kvpilot = kvpilot_factory(etcd_prefix)
-    envoy = envoy_factory(xds_port=kvpilot.xds_port, fleet="default")
-    with httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10) as api:
-        yield Rig(kvpilot, envoy, api, free_port())
 
 
 def test_the_openai_sdk_lists_models_routes_streams_sticks_and_sees_429(
@@ -40,8 +29,13 @@ def test_the_openai_sdk_lists_models_routes_streams_sticks_and_sees_429(
     llama_ports = [r.port for r in llama.replicas]
     qwen_ports = [r.port for r in qwen.replicas]
     rig.apply(
-        pool("llama", llama_ports, models=["llama-3"]),
-        pool("qwen", qwen_ports, models=["qwen-7b", "qwen-7b-instruct"]),
+        pool("llama", llama_ports, models=["llama-3"], health_check=FAST_HEALTH_CHECK),
+        pool(
+            "qwen",
+            qwen_ports,
+            models=["qwen-7b", "qwen-7b-instruct"],
+            health_check=FAST_HEALTH_CHECK,
+        ),
         policy(
             "chat",
             rig.listener_port,

@@ -7,54 +7,32 @@ uses it, so requests sharing a long prefix meet the same replica's prefix cache.
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from util import wait_until
-
-from controlplane.launchers import free_port
+from harness.builders import policy, pool, route
+from harness.rig import BackendFactory, Rig, ports_of
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
-ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 SYSTEM = "You are assistant number {n}. " + "Follow the house style guide carefully. " * 40
 
 
 def test_requests_sharing_a_long_prompt_prefix_land_on_one_replica(
-    etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any, backends: Any
+    rig: Rig, backends: BackendFactory
 ) -> None:
     replicas = backends(3, id_prefix="px")
-    kvpilot = kvpilot_factory(etcd_prefix)
-    envoy_factory(xds_port=kvpilot.xds_port)
-    port = free_port()
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    endpoints = [{"address": "127.0.0.1", "port": r.port} for r in replicas.replicas]
-    assert api.put(
-        "/v1/pools/px",
-        json={"kind": "Pool", "metadata": {"name": "px"}, "spec": {"endpoints": endpoints}},
-    ).is_success
-    response = api.put(
-        "/v1/routingpolicies/px",
-        json={
-            "kind": "RoutingPolicy",
-            "metadata": {"name": "px"},
-            "spec": {
-                "listener": {"address": "127.0.0.1", "port": port},
-                "routes": [
-                    {
-                        "name": "chat",
-                        "tiers": [["px"]],
-                        "balancing": "round_robin",
-                        "sessionAffinity": {"prefixHashChars": 1024},
-                    }
-                ],
-            },
-        },
+    affinity = {"prefixHashChars": 1024}
+    rig.apply(
+        pool("px", ports_of(replicas)),
+        policy(
+            "px",
+            rig.listener_port,
+            [route("px", name="chat", balancing="round_robin", sessionAffinity=affinity)],
+        ),
     )
-    assert response.is_success, response.text
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    url = rig.url()
     client = httpx.Client(timeout=10)
 
     def ask(prompt: int, question: str, content_type: str = "application/json") -> str:

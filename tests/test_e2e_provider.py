@@ -18,14 +18,13 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from util import wait_until
-
-from controlplane.launchers import free_port
+from harness.builders import fleet, policy, pool
+from harness.rig import BackendFactory, Rig
+from harness.status import envoy_types
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
-ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 SECRET = "Bearer sk-provider-test-key"
 
 
@@ -105,31 +104,18 @@ def provider_setup(
 ) -> list[dict[str, Any]]:
     """A local replica tier, then the TLS provider with its credential from `secrets`."""
     return [
-        {"kind": "Fleet", "metadata": {"name": "default"}, "spec": {"secretsDir": str(secrets)}},
-        {
-            "kind": "Pool",
-            "metadata": {"name": "local"},
-            "spec": {"endpoints": [{"address": "127.0.0.1", "port": local_port}]},
-        },
-        {
-            "kind": "Pool",
-            "metadata": {"name": "provider"},
-            "spec": {
-                "endpoints": [{"address": "localhost", "port": provider_port}],
-                "tls": {"sni": "localhost", "caFile": str(cert)},
-                "hostRewrite": "api.provider.test",
-                "auth": {"secretRef": {"name": "provider-key"}},
-                "healthCheck": {"enabled": False},
-            },
-        },
-        {
-            "kind": "RoutingPolicy",
-            "metadata": {"name": "failover"},
-            "spec": {
-                "listener": {"address": "127.0.0.1", "port": listener_port},
-                "routes": [{"name": "chat", "tiers": [["local"], ["provider"]]}],
-            },
-        },
+        fleet("default", secretsDir=str(secrets)),
+        pool("local", [local_port]),
+        pool(
+            "provider",
+            [],
+            endpoints=[{"address": "localhost", "port": provider_port}],
+            tls={"sni": "localhost", "caFile": str(cert)},
+            hostRewrite="api.provider.test",
+            auth={"secretRef": {"name": "provider-key"}},
+            healthCheck={"enabled": False},
+        ),
+        policy("failover", listener_port, [{"name": "chat", "tiers": [["local"], ["provider"]]}]),
     ]
 
 
@@ -143,33 +129,21 @@ def write_secret(secrets: Path) -> None:
     (secrets / "provider-key.yaml").write_text(json.dumps({"resources": [secret]}))
 
 
-def apply(api: httpx.Client, objects: list[dict[str, Any]]) -> None:
-    paths = {"Fleet": "fleets", "Pool": "pools", "RoutingPolicy": "routingpolicies"}
-    for body in objects:
-        response = api.put(f"/v1/{paths[body['kind']]}/{body['metadata']['name']}", json=body)
-        assert response.is_success, response.text
-
-
 def test_provider_tier_gets_tls_sni_host_rewrite_and_the_secret_header(
     tmp_path: Path,
     provider: tuple[Provider, Path],
-    etcd_prefix: str,
-    kvpilot_factory: Any,
-    envoy_factory: Any,
-    backends: Any,
+    rig: Rig,
+    backends: BackendFactory,
 ) -> None:
     server, cert = provider
     secrets = tmp_path / "secrets"
     secrets.mkdir()
     write_secret(secrets)
     replicas = backends(1, id_prefix="local")
-    kvpilot = kvpilot_factory(etcd_prefix)
-    envoy_factory(xds_port=kvpilot.xds_port)
-    port = free_port()
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    objects = provider_setup(secrets, replicas.replicas[0].port, server.port, cert, port)
-    apply(api, objects)
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    rig.apply(
+        *provider_setup(secrets, replicas.replicas[0].port, server.port, cert, rig.listener_port)
+    )
+    url = rig.url()
     client = httpx.Client(timeout=10)
 
     def ask() -> httpx.Response:
@@ -201,10 +175,8 @@ def test_provider_tier_gets_tls_sni_host_rewrite_and_the_secret_header(
 def test_a_missing_secret_file_shows_as_a_nack_and_the_local_tier_keeps_serving(
     tmp_path: Path,
     provider: tuple[Provider, Path],
-    etcd_prefix: str,
-    kvpilot_factory: Any,
-    envoy_factory: Any,
-    backends: Any,
+    rig: Rig,
+    backends: BackendFactory,
 ) -> None:
     """kvpilot cannot see the Envoy hosts' files. When the secret file is missing, Envoy
     rejects only the provider's credential listener: it NACKs the update (status shows which
@@ -214,26 +186,22 @@ def test_a_missing_secret_file_shows_as_a_nack_and_the_local_tier_keeps_serving(
     secrets = tmp_path / "secrets"
     secrets.mkdir()  # but no provider-key.yaml in it
     replicas = backends(1, id_prefix="local")
-    kvpilot = kvpilot_factory(etcd_prefix)
-    envoy = envoy_factory(xds_port=kvpilot.xds_port)
-    port = free_port()
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    apply(api, provider_setup(secrets, replicas.replicas[0].port, server.port, cert, port))
+    envoy = rig.envoy
+    rig.apply(
+        *provider_setup(secrets, replicas.replicas[0].port, server.port, cert, rig.listener_port)
+    )
 
     def lds_nack() -> dict[str, Any] | None:
-        for connection in api.get("/v1/status").json()["envoys"]:
-            if connection["node_id"] == envoy.node_id:
-                for status in connection["types"].values():
-                    if status["type"] == "LDS" and status["last_nack"]:
-                        nack: dict[str, Any] = status["last_nack"]
-                        return nack
-        return None
+        nack: dict[str, Any] | None = (
+            envoy_types(rig.api, envoy.node_id).get("LDS", {}).get("last_nack")
+        )
+        return nack or None
 
     nack = wait_until(lds_nack, 30, message="the LDS NACK to show in /v1/status")
     assert "provider/internal" in nack["message"], nack  # the listener it rejected ...
     assert "provider-key.yaml" in nack["message"], nack  # ... and why
 
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    url = rig.url()
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
     def local_answers() -> bool:
@@ -248,9 +216,7 @@ def test_a_missing_secret_file_shows_as_a_nack_and_the_local_tier_keeps_serving(
     # The file appears. kvpilot does not resend a version Envoy rejected, so Envoy creates the
     # listener with the next listener change for the fleet (or when it restarts).
     write_secret(secrets)
-    fleet = {"kind": "Fleet", "metadata": {"name": "default"}}
-    fleet["spec"] = {"secretsDir": str(secrets), "accessLog": False}
-    apply(api, [fleet])
+    rig.apply(fleet("default", secretsDir=str(secrets), accessLog=False))
 
     def provider_answers() -> bool:
         return httpx.post(url, json=body, timeout=10).headers.get("x-backend-id") == "provider"
@@ -262,10 +228,8 @@ def test_a_missing_secret_file_shows_as_a_nack_and_the_local_tier_keeps_serving(
 def test_a_provider_certificate_for_another_name_is_refused(
     tmp_path: Path,
     impostor: tuple[Provider, Path],
-    etcd_prefix: str,
-    kvpilot_factory: Any,
-    envoy_factory: Any,
-    backends: Any,
+    rig: Rig,
+    backends: BackendFactory,
 ) -> None:
     """The certificate chains to the pool's CA file but names another host than the SNI:
     Envoy must refuse the connection, so no request (nor the credential) reaches it."""
@@ -274,12 +238,11 @@ def test_a_provider_certificate_for_another_name_is_refused(
     secrets.mkdir()
     write_secret(secrets)
     replicas = backends(1, id_prefix="local")
-    kvpilot = kvpilot_factory(etcd_prefix)
-    envoy = envoy_factory(xds_port=kvpilot.xds_port)
-    port = free_port()
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    apply(api, provider_setup(secrets, replicas.replicas[0].port, server.port, cert, port))
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    envoy = rig.envoy
+    rig.apply(
+        *provider_setup(secrets, replicas.replicas[0].port, server.port, cert, rig.listener_port)
+    )
+    url = rig.url()
     client = httpx.Client(timeout=30)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     wait_until(

@@ -3,58 +3,36 @@ error format with rate-limit headers."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from util import wait_until
-
-from controlplane.launchers import free_port
+from harness.builders import policy, pool, route
+from harness.rig import BackendFactory, Rig, ports_of
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
-ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
-
-def test_rate_limit_per_route_and_per_tenant(
-    etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any, backends: Any
-) -> None:
+def test_rate_limit_per_route_and_per_tenant(rig: Rig, backends: BackendFactory) -> None:
     replicas = backends(1, id_prefix="rl")
-    kvpilot = kvpilot_factory(etcd_prefix)
-    envoy_factory(xds_port=kvpilot.xds_port)
-    port = free_port()
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    endpoint = {"address": "127.0.0.1", "port": replicas.replicas[0].port}
-    assert api.put(
-        "/v1/pools/rl",
-        json={"kind": "Pool", "metadata": {"name": "rl"}, "spec": {"endpoints": [endpoint]}},
-    ).is_success
     limit = {"requests": 3, "unit": "hour"}
-    response = api.put(
-        "/v1/routingpolicies/rl",
-        json={
-            "kind": "RoutingPolicy",
-            "metadata": {"name": "rl"},
-            "spec": {
-                "listener": {"address": "127.0.0.1", "port": port},
-                "routes": [
-                    {
-                        "name": "tenants",
-                        "match": {
-                            "pathPrefix": "/v1/",
-                            "headers": [{"name": "x-api", "value": "t"}],
-                        },
-                        "tiers": [["rl"]],
-                        "rateLimit": {**limit, "tenantHeader": "x-tenant-id"},
-                    },
-                    {"name": "route", "tiers": [["rl"]], "rateLimit": limit},
-                ],
-            },
-        },
+    tenants = {"pathPrefix": "/v1/", "headers": [{"name": "x-api", "value": "t"}]}
+    rig.apply(
+        pool("rl", ports_of(replicas)),
+        policy(
+            "rl",
+            rig.listener_port,
+            [
+                route(
+                    "rl",
+                    name="tenants",
+                    match=tenants,
+                    rateLimit={**limit, "tenantHeader": "x-tenant-id"},
+                ),
+                route("rl", name="route", rateLimit=limit),
+            ],
+        ),
     )
-    assert response.is_success, response.text
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    url = rig.url("/v1/completions")
     client = httpx.Client(timeout=10)
 
     def post(headers: dict[str, str] | None = None) -> httpx.Response:

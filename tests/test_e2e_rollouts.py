@@ -12,73 +12,34 @@ import collections
 import contextlib
 import io
 import itertools
-import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from routing_harness import chat, envoy_hosts, pool
-from util import wait_until
+from harness.auth import ADMIN_TOKEN
+from harness.builders import FAST_HEALTH_CHECK, policy, pool, rollout, rollout_steps
+from harness.envoy import envoy_hosts, serves_listener
+from harness.rig import api_client, apply, ports_of
+from harness.traffic import Traffic
+from harness.wait import wait_until
 
 from commands.cli import main
 from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
-from policies.compile import listener_name
 
 pytestmark = pytest.mark.e2e
 
 LEASE_TTL = 2
-ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 CLUSTER = "chat/chat"
 STEPS = (5, 25, 50, 100)
 
 
-def api_client(kvpilot: KvpilotProcess) -> httpx.Client:
-    return httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-
-
-@dataclass
-class Traffic:
-    """Chat requests with session ids, sent on fresh connections so both Envoys get some."""
-
-    url: str
-    sessions: int = 40
-    pause: float = 0.01
-    records: list[tuple[float, str, int, str]] = field(default_factory=list)
-    """(time, session, status, replica that answered)."""
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> Traffic:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        limits = httpx.Limits(max_keepalive_connections=0)
-        with httpx.Client(limits=limits, timeout=10) as client:
-            n = 0
-            while not self._stop.is_set():
-                session = f"s{n % self.sessions}"
-                n += 1
-                try:
-                    response = client.post(self.url, json=chat(), headers={"x-session-id": session})
-                    status, by = response.status_code, response.headers.get("x-backend-id", "")
-                except httpx.HTTPError:
-                    status, by = 0, ""
-                self.records.append((time.time(), session, status, by))
-                time.sleep(self.pause)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=15)
-
-    def between(self, start: float, end: float) -> list[tuple[float, str, int, str]]:
-        return [r for r in self.records if start <= r[0] < end]
+def session_traffic(url: str, *, pause: float = 0.01) -> Traffic:
+    """Chat requests from 40 sessions in turn, each on a fresh connection so both Envoys get
+    some."""
+    return Traffic(url, sessions=40, pause=pause, fresh_connections=True, timeout=10)
 
 
 @dataclass
@@ -149,31 +110,19 @@ def start_rig(
     stable = backends(2, id_prefix="stable")
     canary = backends(2, id_prefix="canary")
     port = free_port()
-    objects = [
-        pool("stable", [r.port for r in stable.replicas]),
-        pool("canary", [r.port for r in canary.replicas]),
-        {
-            "kind": "RoutingPolicy",
-            "metadata": {"name": "chat"},
-            "spec": {
-                "fleets": ["blue", "green"],
-                "listener": {"address": "127.0.0.1", "port": port},
-                "routes": [
-                    {
-                        "name": "chat",
-                        "tiers": [{"pools": [{"pool": "stable", "weight": 100}]}],
-                        "sessionAffinity": {"header": "x-session-id"},
-                        # Clients see every canary failure, so the test can count them.
-                        "retries": {"attempts": 0},
-                    }
-                ],
-            },
-        },
-    ]
-    for obj in objects:
-        path = f"/v1/{'pools' if obj['kind'] == 'Pool' else 'routingpolicies'}/{obj['metadata']['name']}"
-        response = api.put(path, json=obj)
-        assert response.status_code in (200, 201), response.text
+    route = {
+        "name": "chat",
+        "tiers": [{"pools": [{"pool": "stable", "weight": 100}]}],
+        "sessionAffinity": {"header": "x-session-id"},
+        # Clients see every canary failure, so the test can count them.
+        "retries": {"attempts": 0},
+    }
+    apply(
+        api,
+        pool("stable", ports_of(stable), health_check=FAST_HEALTH_CHECK),
+        pool("canary", ports_of(canary), health_check=FAST_HEALTH_CHECK),
+        policy("chat", port, [route], fleets=["blue", "green"]),
+    )
     envoys = [
         envoy_factory(xds_port=kvpilots[min(envoys_on[0], replicas - 1)].xds_port, fleet="blue"),
         envoy_factory(xds_port=kvpilots[min(envoys_on[1], replicas - 1)].xds_port, fleet="green"),
@@ -187,13 +136,7 @@ def start_rig(
                 h.get("health_flags") != "healthy" for h in hosts.values()
             ):
                 return False
-            listeners = [
-                listener
-                for config in envoy.config_dump()["configs"]
-                for listener in config.get("dynamic_listeners", [])
-                if listener["name"] == listener_name(port)
-            ]
-            if not listeners or "active_state" not in listeners[0]:
+            if not serves_listener(envoy, port):
                 return False
         return True
 
@@ -201,29 +144,26 @@ def start_rig(
     return Rig(kvpilots, envoys, api, port, stable, canary)
 
 
-def rollout(
+def canary_rollout(
     name: str,
     *,
     min_duration: float = 1.5,
     min_sample: int = 10,
     rules: list[dict[str, Any]] | None = None,
-    steps: Iterable[int] = STEPS,
+    weights: Iterable[int] = STEPS,
 ) -> dict[str, Any]:
-    return {
-        "kind": "Rollout",
-        "metadata": {"name": name},
-        "spec": {
-            "target": {"policy": "chat", "route": "chat"},
-            "stable": "stable",
-            "canary": "canary",
-            "steps": [{"weight": w, "minDuration": min_duration} for w in steps],
-            "analysis": {
-                "minSample": min_sample,
-                "interval": "250ms",
-                "rules": rules or [{"metric": "errorRate", "max": 0.05}],
-            },
+    return rollout(
+        name,
+        target=("chat", "chat"),
+        stable="stable",
+        canary="canary",
+        steps=rollout_steps(weights, min_duration),
+        analysis={
+            "minSample": min_sample,
+            "interval": "250ms",
+            "rules": rules or [{"metric": "errorRate", "max": 0.05}],
         },
-    }
+    )
 
 
 def create(rig: Rig, body: dict[str, Any]) -> None:
@@ -268,10 +208,10 @@ def test_healthy_canary_goes_to_100_holding_each_step(
     etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any, backends: Any
 ) -> None:
     rig = start_rig(etcd_prefix, kvpilot_factory, envoy_factory, backends)
-    traffic = Traffic(rig.url).start()
+    traffic = session_traffic(rig.url).start()
     seen_shares: set[int] = set()
     try:
-        create(rig, rollout("healthy"))
+        create(rig, canary_rollout("healthy"))
 
         def done() -> bool:
             seen_shares.update(rig.canary_shares())
@@ -316,10 +256,10 @@ def test_failing_canary_is_rolled_back_at_the_first_step(
     rig = start_rig(etcd_prefix, kvpilot_factory, envoy_factory, backends, replicas=1)
     for replica in rig.canary.replicas:
         httpx.post(f"{replica.url}/admin/fail", json={"status": 500, "fraction": 0.2})
-    traffic = Traffic(rig.url).start()
+    traffic = session_traffic(rig.url).start()
     min_sample = 20
     try:
-        create(rig, rollout("failing", min_sample=min_sample))
+        create(rig, canary_rollout("failing", min_sample=min_sample))
         status = rig.wait_phase("failing", ["RolledBack", "Succeeded"])
         rolled_back_at = next(e["at"] for e in status["history"] if e["event"] == "rollback")
         wait_until(lambda: rig.canary_shares() == {0}, 10, message="Envoys back on stable")
@@ -354,13 +294,13 @@ def test_slow_canary_is_rolled_back_on_latency_while_errors_pass(
         httpx.post(f"{replica.url}/admin/slow", json={"delay": 0.02})
     for replica in rig.canary.replicas:
         httpx.post(f"{replica.url}/admin/slow", json={"delay": 0.06})
-    traffic = Traffic(rig.url).start()
+    traffic = session_traffic(rig.url).start()
     rules = [
         {"metric": "errorRate", "max": 0.05},
         {"metric": "ttfb", "percentile": 50, "maxRatio": 2.0},
     ]
     try:
-        create(rig, rollout("slow", min_sample=15, rules=rules))
+        create(rig, canary_rollout("slow", min_sample=15, rules=rules))
         status = rig.wait_phase("slow", ["RolledBack", "Succeeded"])
     finally:
         traffic.stop()
@@ -382,11 +322,11 @@ def test_another_replica_resumes_when_the_driver_is_killed(
     first_id = rig.api.get("/v1/status").json()["rolloutDriver"]
     survivor_id = rig.api.get("/v1/status").json()["replica"]
     assert first_id != survivor_id
-    traffic = Traffic(rig.url).start()
+    traffic = session_traffic(rig.url).start()
     hold = 4.0
     seen_shares: set[int] = set()
     try:
-        create(rig, rollout("resume", min_duration=hold, min_sample=5))
+        create(rig, canary_rollout("resume", min_duration=hold, min_sample=5))
 
         def at_step_1() -> bool:
             seen_shares.update(rig.canary_shares())
@@ -438,9 +378,9 @@ def test_pause_resume_promote_and_abort_from_cli_and_rest(
 ) -> None:
     rig = start_rig(etcd_prefix, kvpilot_factory, envoy_factory, backends, replicas=1)
     kvpilot = rig.kvpilots[0]
-    traffic = Traffic(rig.url, pause=0.05).start()
+    traffic = session_traffic(rig.url, pause=0.05).start()
     try:
-        create(rig, rollout("manual", min_duration=300))
+        create(rig, canary_rollout("manual", min_duration=300))
         rig.wait_phase("manual", ["Progressing"])
         wait_until(lambda: rig.tier_weights() == {"stable": 95, "canary": 5}, 10)
 
@@ -464,7 +404,7 @@ def test_pause_resume_promote_and_abort_from_cli_and_rest(
 
         # A second rollout back to the stable pool, aborted over REST: back to its start.
         assert rig.api.delete("/v1/rollouts/manual").status_code == 204
-        back = rollout("back", min_duration=300)
+        back = canary_rollout("back", min_duration=300)
         back["spec"]["stable"], back["spec"]["canary"] = "canary", "stable"
         create(rig, back)
         wait_until(lambda: rig.tier_weights() == {"stable": 5, "canary": 95}, 10)

@@ -12,41 +12,20 @@ import collections
 import json
 import math
 import re
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from gated_backend import STREAM_CHUNKS, stream_piece
-from routing_harness import (
-    ADMIN,
-    Rig,
-    Traffic,
-    answered_by,
-    binomial_bounds,
-    chat,
-    policy,
-    pool,
-    send,
-)
-from util import wait_until
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.gated_backend import STREAM_CHUNKS, stream_piece
+from harness.rig import Rig, ports_of
+from harness.traffic import Traffic, answered_by, binomial_bounds, send
+from harness.wait import wait_until
 
 from controlplane.launchers import free_port
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def rig(etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any) -> Iterator[Rig]:
-    kvpilot = kvpilot_factory(etcd_prefix)
-    envoy = envoy_factory(xds_port=kvpilot.xds_port, fleet="default")
-    with httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10) as api:
-        yield Rig(kvpilot, envoy, api, free_port())
-
-
-def ports_of(process: Any) -> list[int]:
-    return [replica.port for replica in process.replicas]
 
 
 # --------------------------------------------------------------------------- session affinity
@@ -56,7 +35,7 @@ def test_each_session_sticks_to_one_replica_and_sessions_spread(rig: Rig, backen
     replicas = backends(3, id_prefix="aff")
     ports = ports_of(replicas)
     rig.apply(
-        pool("llm", ports),
+        pool("llm", ports, health_check=FAST_HEALTH_CHECK),
         policy(
             "chat", rig.listener_port, [{"name": "all", "sessionAffinity": {}, "tiers": [["llm"]]}]
         ),
@@ -93,7 +72,7 @@ def test_a_hot_session_spreads_under_bounded_load(rig: Rig, gated: Any) -> None:
     ports = list(replicas.ports.values())
     affinity = {"header": "x-session-id", "hashBalanceFactor": 150}
     rig.apply(
-        pool("llm", ports),
+        pool("llm", ports, health_check=FAST_HEALTH_CHECK),
         policy(
             "chat",
             rig.listener_port,
@@ -167,8 +146,8 @@ def test_killed_tier_fails_over_without_failed_requests_and_comes_back(
     # first requests after the kill meet dead hosts and only retries save them.
     slow_checks = {"interval": "1s", "unhealthyThreshold": 3}
     rig.apply(
-        pool("primary", ports_of(primary), healthCheck=slow_checks),
-        pool("secondary", ports_of(secondary)),
+        pool("primary", ports_of(primary), healthCheck=slow_checks, health_check=FAST_HEALTH_CHECK),
+        pool("secondary", ports_of(secondary), health_check=FAST_HEALTH_CHECK),
         policy("chat", rig.listener_port, TWO_TIERS),
     )
     rig.wait_ready("chat/all", ports_of(primary) + ports_of(secondary))
@@ -219,8 +198,8 @@ def test_a_tier_answering_429_is_left_for_the_next_tier(rig: Rig, backends: Any)
     primary = backends(1, id_prefix="primary")
     secondary = backends(1, id_prefix="secondary")
     rig.apply(
-        pool("primary", ports_of(primary)),
-        pool("secondary", ports_of(secondary)),
+        pool("primary", ports_of(primary), health_check=FAST_HEALTH_CHECK),
+        pool("secondary", ports_of(secondary), health_check=FAST_HEALTH_CHECK),
         policy("chat", rig.listener_port, TWO_TIERS),
     )
     rig.wait_ready("chat/all", ports_of(primary) + ports_of(secondary))
@@ -237,8 +216,13 @@ def test_a_tier_killed_under_concurrent_load_fails_no_request(rig: Rig, backends
     primary = backends(2, id_prefix="primary")
     secondary = backends(1, id_prefix="secondary")
     rig.apply(
-        pool("primary", ports_of(primary), healthCheck={"interval": "1s", "unhealthyThreshold": 3}),
-        pool("secondary", ports_of(secondary)),
+        pool(
+            "primary",
+            ports_of(primary),
+            healthCheck={"interval": "1s", "unhealthyThreshold": 3},
+            health_check=FAST_HEALTH_CHECK,
+        ),
+        pool("secondary", ports_of(secondary), health_check=FAST_HEALTH_CHECK),
         policy("chat", rig.listener_port, TWO_TIERS),
     )
     rig.wait_ready("chat/all", ports_of(primary) + ports_of(secondary))
@@ -272,7 +256,12 @@ def test_outlier_detection_ejects_a_replica_answering_5xx_while_its_health_check
     replicas = backends(3, id_prefix="llm")
     # A long ejection, so it cannot end while the test looks at it on a loaded machine.
     rig.apply(
-        pool("llm", ports_of(replicas), outlierDetection={"baseEjectionTime": "300s"}),
+        pool(
+            "llm",
+            ports_of(replicas),
+            outlierDetection={"baseEjectionTime": "300s"},
+            health_check=FAST_HEALTH_CHECK,
+        ),
         policy("chat", rig.listener_port, [{"name": "all", "tiers": [["llm"]]}]),
     )
     rig.wait_ready("chat/all", ports_of(replicas))
@@ -303,8 +292,8 @@ def test_a_90_10_split_lands_within_binomial_bounds(rig: Rig, backends: Any) -> 
     canary = backends(2, id_prefix="canary")
     split = [{"pool": "stable", "weight": 90}, {"pool": "canary", "weight": 10}]
     rig.apply(
-        pool("stable", ports_of(stable)),
-        pool("canary", ports_of(canary)),
+        pool("stable", ports_of(stable), health_check=FAST_HEALTH_CHECK),
+        pool("canary", ports_of(canary), health_check=FAST_HEALTH_CHECK),
         policy("chat", rig.listener_port, [{"name": "all", "tiers": [split]}]),
     )
     rig.wait_ready("chat/all", ports_of(stable) + ports_of(canary))
@@ -330,8 +319,8 @@ def test_the_model_field_or_header_selects_the_pool(rig: Rig, backends: Any) -> 
     llama = backends(1, id_prefix="llama", model="llama-3")
     qwen = backends(1, id_prefix="qwen", model="qwen-7b")
     rig.apply(
-        pool("llama", ports_of(llama), models=["llama-3"]),
-        pool("qwen", ports_of(qwen), models=["qwen-7b"]),
+        pool("llama", ports_of(llama), models=["llama-3"], health_check=FAST_HEALTH_CHECK),
+        pool("qwen", ports_of(qwen), models=["qwen-7b"], health_check=FAST_HEALTH_CHECK),
         policy(
             "chat",
             rig.listener_port,
@@ -397,7 +386,7 @@ def test_sse_streams_pass_through_as_they_come_and_intact(rig: Rig, gated: Any) 
     replicas = gated(1, id_prefix="stream")
     ports = list(replicas.ports.values())
     rig.apply(
-        pool("llm", ports, models=["stream-model"]),
+        pool("llm", ports, models=["stream-model"], health_check=FAST_HEALTH_CHECK),
         policy(
             "chat",
             rig.listener_port,
@@ -440,7 +429,7 @@ def test_requests_over_the_circuit_breaker_limit_fail_fast(rig: Rig, gated: Any)
     replicas = gated(1, id_prefix="cb")
     ports = list(replicas.ports.values())
     rig.apply(
-        pool("llm", ports, circuitBreakers={"maxRequests": 2}),
+        pool("llm", ports, circuitBreakers={"maxRequests": 2}, health_check=FAST_HEALTH_CHECK),
         policy("chat", rig.listener_port, [{"name": "all", "tiers": [["llm"]]}]),
     )
     rig.wait_ready("chat/all", ports)
@@ -478,7 +467,9 @@ def test_requests_over_the_circuit_breaker_limit_fail_fast(rig: Rig, gated: Any)
 
 def test_a_pool_without_replicas_answers_503_in_openai_error_format(rig: Rig) -> None:
     rig.apply(
-        pool("llm", []),  # replicas register themselves later; none has yet
+        pool(
+            "llm", [], health_check=FAST_HEALTH_CHECK
+        ),  # replicas register themselves later; none has yet
         policy("chat", rig.listener_port, [{"name": "all", "tiers": [["llm"]]}]),
     )
 

@@ -12,17 +12,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from routing_harness import ADMIN, Rig, chat, policy, pool, send
-from util import wait_until
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.rig import Rig
+from harness.traffic import send
+from harness.wait import wait_until
 
 from controlplane.etcd import EtcdClient
-from controlplane.launchers import EmbeddedEtcd, free_port
+from controlplane.launchers import EmbeddedEtcd
 from controlplane.store import Store
 
 pytestmark = pytest.mark.e2e
@@ -35,14 +36,6 @@ SPILL_ROUTE = {
     "match": {"headers": [{"name": "x-spill", "value": "1"}]},
     "tiers": [["spill"]],
 }
-
-
-@pytest.fixture
-def rig(etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any) -> Iterator[Rig]:
-    kvpilot = kvpilot_factory(etcd_prefix)
-    envoy = envoy_factory(xds_port=kvpilot.xds_port)
-    with httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10) as api:
-        yield Rig(kvpilot, envoy, api, free_port())
 
 
 def classes(*middle: dict[str, Any], **batch: Any) -> dict[str, Any]:
@@ -109,8 +102,8 @@ def test_a_saturated_pool_sheds_batch_first_and_takes_it_back_when_it_recovers(
         "divertTo": "spill",
     }
     rig.apply(
-        pool("sims", ports, telemetry={"maxAge": "60s"}),
-        pool("spill", [spill.replicas[0].port]),
+        pool("sims", ports, telemetry={"maxAge": "60s"}, health_check=FAST_HEALTH_CHECK),
+        pool("spill", [spill.replicas[0].port], health_check=FAST_HEALTH_CHECK),
         classified(rig, classes(standard, whenSaturated="shed", retryAfter="7s"), SPILL_ROUTE),
     )
     rig.wait_ready(CLUSTER, ports)
@@ -182,7 +175,9 @@ def test_a_tenant_over_its_share_of_the_class_budget_is_limited_while_others_pas
     replicas = backends(1, id_prefix="fair")
     ports = [r.port for r in replicas.replicas]
     budget = {"requests": 6, "unit": "hour", "tenantShare": 50}
-    rig.apply(pool("sims", ports), classified(rig, classes(budget=budget)))
+    rig.apply(
+        pool("sims", ports, health_check=FAST_HEALTH_CHECK), classified(rig, classes(budget=budget))
+    )
     rig.wait_ready(CLUSTER, ports)
     client = httpx.Client(timeout=10)
     # Interactive traffic is outside the batch budget; it proves the config arrived.
@@ -209,8 +204,7 @@ def test_a_queued_class_waits_in_envoy_within_its_bounds(
     # One worker thread: Envoy lets each worker open a connection even past the limit, so
     # with more workers the concurrency bound is at least their number.
     envoy = envoy_factory(xds_port=kvpilot.xds_port, extra_args=["--concurrency", "1"])
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    rig = Rig(kvpilot, envoy, api, free_port())
+    rig = Rig.around(kvpilot, envoy)
     replica = gated(1, id_prefix="q")
     ports = list(replica.ports.values())
     background = {
@@ -221,7 +215,10 @@ def test_a_queued_class_waits_in_envoy_within_its_bounds(
         "queue": {"concurrency": 1, "size": 1},
     }
     service_classes = classes(background)
-    rig.apply(pool("sims", ports, telemetry={"maxAge": "60s"}), classified(rig, service_classes))
+    rig.apply(
+        pool("sims", ports, telemetry={"maxAge": "60s"}, health_check=FAST_HEALTH_CHECK),
+        classified(rig, service_classes),
+    )
     rig.wait_ready(CLUSTER, ports)
     client = httpx.Client(timeout=30)
     wait_until(lambda: status(client, rig) == 200, 30, message="the route to serve")

@@ -7,89 +7,29 @@ changes made through the REST API.
 
 from __future__ import annotations
 
-import collections
-from typing import Any
-
-import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from util import wait_until
-
-from controlplane.launchers import EmbeddedEnvoy, free_port
+from harness.builders import policy, pool, route
+from harness.envoy import endpoint_weights
+from harness.rig import BackendFactory, Rig, ports_of
+from harness.traffic import served_by
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
-ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
-
-
-def pool(name: str, ports: list[int], weights: dict[int, int] | None = None) -> dict[str, Any]:
-    weights = weights or {}
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "Pool",
-        "metadata": {"name": name},
-        "spec": {
-            "models": ["sim-model"],
-            "endpoints": [
-                {"address": "127.0.0.1", "port": port, "weight": weights.get(port, 100)}
-                for port in ports
-            ],
-        },
-    }
-
-
-def policy(name: str, pool_name: str, listener_port: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "RoutingPolicy",
-        "metadata": {"name": name},
-        "spec": {
-            "listener": {"port": listener_port, "address": "127.0.0.1"},
-            "routes": [
-                {"name": "all", "balancing": "round_robin", "tiers": [[pool_name]]},
-            ],
-        },
-    }
-
-
-def served_by(url: str, count: int) -> collections.Counter[str]:
-    """Which replica answered each of `count` requests sent through Envoy."""
-    counts: collections.Counter[str] = collections.Counter()
-    with httpx.Client(timeout=10) as client:
-        for index in range(count):
-            response = client.post(
-                url,
-                json={"model": "sim-model", "messages": [{"role": "user", "content": str(index)}]},
-            )
-            counts[response.headers.get("x-backend-id", f"status-{response.status_code}")] += 1
-    return counts
-
-
-def endpoint_weights(envoy: EmbeddedEnvoy, cluster: str) -> dict[int, int]:
-    """Port -> weight of the endpoints Envoy has for `cluster` (admin /clusters)."""
-    weights = {}
-    for line in envoy.clusters().splitlines():
-        parts = line.split("::")
-        if len(parts) == 4 and parts[0] == cluster and parts[2] == "weight":
-            weights[int(parts[1].rsplit(":", 1)[1])] = int(parts[3])
-    return weights
-
 
 def test_traffic_through_envoy_follows_changes_made_through_the_api(
-    etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any, backends: Any
+    rig: Rig, backends: BackendFactory
 ) -> None:
     replicas = backends(3, id_prefix="be")
-    ports = [replica.port for replica in replicas.replicas]
+    ports = ports_of(replicas)
     ids = {replica.port: replica.id for replica in replicas.replicas}
-    kvpilot = kvpilot_factory(etcd_prefix)
-    envoy = envoy_factory(xds_port=kvpilot.xds_port, fleet="default")
-    listener_port = free_port()
-    url = f"http://127.0.0.1:{listener_port}/v1/chat/completions"
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
+    envoy, api, url = rig.envoy, rig.api, rig.url()
 
     # 1. The policy goes in through the REST API and comes back out of it.
-    assert api.put("/v1/pools/sim", json=pool("sim", ports)).status_code in (200, 201)
-    created = api.put("/v1/routingpolicies/web", json=policy("web", "sim", listener_port))
+    sim = pool("sim", ports, models=["sim-model"], weights={})
+    assert api.put("/v1/pools/sim", json=sim).status_code in (200, 201)
+    web = policy("web", rig.listener_port, [route("sim", balancing="round_robin")])
+    created = api.put("/v1/routingpolicies/web", json=web)
     assert created.status_code in (200, 201), created.text
     assert api.get("/v1/pools/sim").json()["spec"]["endpoints"][0]["port"] == ports[0]
 

@@ -13,17 +13,18 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from test_e2e_ads import acked_everything, answered_by, envoy_types, policy, pool, put
-from test_e2e_skeleton import endpoint_weights
-from util import wait_until
+from harness.builders import policy, pool, route
+from harness.envoy import endpoint_weights
+from harness.rig import api_client, apply
+from harness.status import acked_everything, envoy_types
+from harness.traffic import replicas_behind
+from harness.wait import wait_until
 
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd, free_port
 
 pytestmark = pytest.mark.e2e
 
-ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 CLUSTER = "web/all"
 
 
@@ -62,9 +63,9 @@ def test_an_endpoint_registered_with_a_ttl_leaves_envoy_when_its_lease_expires(
     kvpilot = kvpilot_factory(etcd_prefix)
     envoy = envoy_factory(xds_port=kvpilot.xds_port)
     port = free_port()
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    put(api, "/v1/pools/sim", pool("sim", [static_replica.port]))
-    put(api, "/v1/routingpolicies/web", policy("web", "sim", port))
+    api = api_client(kvpilot)
+    apply(api, pool("sim", [static_replica.port], models=["sim-model"]))
+    apply(api, policy("web", port, [route("sim", balancing="round_robin")], fleets=["default"]))
 
     response = api.put(
         "/v1/pools/sim/endpoints/leased-0?ttl=3",
@@ -77,7 +78,7 @@ def test_an_endpoint_registered_with_a_ttl_leaves_envoy_when_its_lease_expires(
     def registered_and_serving() -> bool:
         # Kept alive until Envoy has it, so a slow machine cannot let it expire first.
         keepalive(etcd, lease)
-        return answered_by(port) == {static_replica.id, leased_replica.id}
+        return replicas_behind(port) == {static_replica.id, leased_replica.id}
 
     wait_until(registered_and_serving, 30, message="the registered endpoint to take traffic")
     assert leased_replica.port in endpoint_weights(envoy, CLUSTER)
@@ -88,7 +89,7 @@ def test_an_endpoint_registered_with_a_ttl_leaves_envoy_when_its_lease_expires(
         30,
         message="the endpoint to leave Envoy's /clusters after its lease expired",
     )
-    assert answered_by(port) == {static_replica.id}
+    assert replicas_behind(port) == {static_replica.id}
     assert api.get("/v1/pools/sim/endpoints").json()["items"] == []
 
 
@@ -101,16 +102,16 @@ def test_garbage_in_etcd_is_reported_and_ignored_and_the_last_valid_pool_keeps_s
     kvpilot = kvpilot_factory(etcd_prefix)
     envoy = envoy_factory(xds_port=kvpilot.xds_port)
     port = free_port()
-    api = httpx.Client(base_url=kvpilot.api_url, headers=ADMIN, timeout=10)
-    put(api, "/v1/pools/sim", pool("sim", ports))
-    put(api, "/v1/routingpolicies/web", policy("web", "sim", port))
-    wait_until(lambda: answered_by(port) == set(ids), 30, message="both replicas to answer")
+    api = api_client(kvpilot)
+    apply(api, pool("sim", ports, models=["sim-model"]))
+    apply(api, policy("web", port, [route("sim", balancing="round_robin")], fleets=["default"]))
+    wait_until(lambda: replicas_behind(port) == set(ids), 30, message="both replicas to answer")
     good = wait_until(lambda: acked_everything(api, envoy), 30, message="the Envoy to ACK")
 
-    invalid_pool = pool("y", [ports[0]])
+    invalid_pool = pool("y", [ports[0]], models=["sim-model"])
     invalid_pool["spec"]["endpoints"][0]["port"] = 70000
     # Were it valid, this would take replica 1 out of rotation.
-    overwritten = pool("sim", [ports[0]])
+    overwritten = pool("sim", [ports[0]], models=["sim-model"])
     overwritten["spec"]["endpoints"][0]["weight"] = "heavy"
     etcd_put(
         etcd,
@@ -134,14 +135,14 @@ def test_garbage_in_etcd_is_reported_and_ignored_and_the_last_valid_pool_keeps_s
     # Nothing changed for the Envoy: same versions, no NACK, both replicas still answer.
     assert acked_everything(api, envoy) == good
     assert all(t["last_nack"] is None for t in envoy_types(api, envoy.node_id).values())
-    assert answered_by(port) == set(ids)
+    assert replicas_behind(port) == set(ids)
 
     # A valid write through the API replaces the garbage and flows; the other garbage stays
     # reported until it is deleted.
-    put(api, "/v1/pools/sim", pool("sim", [ports[0]]))
-    wait_until(lambda: answered_by(port) == {ids[0]}, 30, message="the valid pool to flow")
+    apply(api, pool("sim", [ports[0]], models=["sim-model"]))
+    wait_until(lambda: replicas_behind(port) == {ids[0]}, 30, message="the valid pool to flow")
     assert invalid_objects(api).keys() == keys - {"objects/pools/sim"}
     for name in ("x", "y"):
         assert api.delete(f"/v1/pools/{name}").status_code == 204
     wait_until(lambda: not invalid_objects(api), 30, message="deleted garbage to leave status")
-    assert answered_by(port) == {ids[0]}
+    assert replicas_behind(port) == {ids[0]}

@@ -17,11 +17,14 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
 from cryptography import x509
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
-from util import wait_until
+from harness.auth import ADMIN
+from harness.builders import fleet_policies, policy, route
+from harness.envoy import active_listeners
+from harness.rig import api_client, apply
+from harness.wait import wait_until
 
 from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
 from controlplane.pki import Ca, CertDir
@@ -31,15 +34,6 @@ from xdsserver.resources import LISTENER
 pytestmark = pytest.mark.e2e
 
 FLEET_A_ID = "spiffe://kvpilot.test/fleet/a"
-
-
-def listeners(envoy: EmbeddedEnvoy) -> set[str]:
-    return {
-        listener["name"]
-        for config in envoy.config_dump()["configs"]
-        for listener in config.get("dynamic_listeners", [])
-        if "active_state" in listener
-    }
 
 
 def xds_client_serials(envoy: EmbeddedEnvoy) -> set[int]:
@@ -67,24 +61,9 @@ def mtls(
         xds_tls=TlsFiles(server.cert, server.key, server.ca),
         xds_identity_fleets=[f"{FLEET_A_ID}=fleet-a"],
     )
-    api = httpx.Client(
-        base_url=kvpilot.api_url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
-    )
-    assert api.put(
-        "/v1/pools/p", json={"kind": "Pool", "metadata": {"name": "p"}, "spec": {}}
-    ).is_success
+    api = api_client(kvpilot)
     ports = {"fleet-a": free_port(), "fleet-b": free_port()}
-    for fleet, port in ports.items():
-        policy = {
-            "kind": "RoutingPolicy",
-            "metadata": {"name": fleet},
-            "spec": {
-                "fleets": [fleet],
-                "listener": {"address": "127.0.0.1", "port": port},
-                "routes": [{"name": "r", "tiers": [["p"]]}],
-            },
-        }
-        assert api.put(f"/v1/routingpolicies/{fleet}", json=policy).is_success
+    apply(api, *fleet_policies(ports))
     yield {
         "ca": ca,
         "root": root,
@@ -103,7 +82,7 @@ def test_fleet_comes_from_the_certificate_and_a_rotated_certificate_keeps_workin
     certs_a = CertDir(root / "envoy-a", first, ca.cert)
     envoy_a = envoy_factory(xds_port=kvpilot.xds_port, fleet="fleet-a", xds_tls_dir=certs_a.path)
     wait_until(
-        lambda: listeners(envoy_a) == {f"listener-{ports['fleet-a']}"},
+        lambda: active_listeners(envoy_a) == {f"listener-{ports['fleet-a']}"},
         30,
         message="the Envoy with fleet A's certificate to get fleet A's listener",
     )
@@ -126,13 +105,13 @@ def test_fleet_comes_from_the_certificate_and_a_rotated_certificate_keeps_workin
         message="the Envoy without a certificate to have tried (and retried) to connect",
     )
     assert no_cert.stats()["control_plane.connected_state"] == 0
-    assert listeners(no_cert) == set()
+    assert active_listeners(no_cert) == set()
     assert refusal["reason"] == "fleet_mismatch"
     assert refusal["identity"] == FLEET_A_ID
     assert "fleet-b" in refusal["message"] and FLEET_A_ID in refusal["message"]
     metrics = api.get("/metrics").text
     assert re.search(r'kvpilot_xds_refused_total\{reason="fleet_mismatch"\} [1-9]', metrics)
-    assert listeners(claims_b) == set()
+    assert active_listeners(claims_b) == set()
     status = api.get("/v1/status").json()
     connected = {e["node_id"]: e for e in status["envoys"]}
     assert claims_b.node_id not in connected and no_cert.node_id not in connected
@@ -148,22 +127,13 @@ def test_fleet_comes_from_the_certificate_and_a_rotated_certificate_keeps_workin
         message="Envoy to load the rotated client certificate",
     )
     extra = free_port()
-    policy = {
-        "kind": "RoutingPolicy",
-        "metadata": {"name": "fleet-a-extra"},
-        "spec": {
-            "fleets": ["fleet-a"],
-            "listener": {"address": "127.0.0.1", "port": extra},
-            "routes": [{"name": "r", "tiers": [["p"]]}],
-        },
-    }
-    assert api.put("/v1/routingpolicies/fleet-a-extra", json=policy).is_success
+    apply(api, policy("fleet-a-extra", extra, [route("p", name="r")], fleets=["fleet-a"]))
     wait_until(
-        lambda: listeners(envoy_a) == {f"listener-{ports['fleet-a']}", f"listener-{extra}"},
+        lambda: active_listeners(envoy_a) == {f"listener-{ports['fleet-a']}", f"listener-{extra}"},
         30,
         message="fleet A's new listener to reach the Envoy after its certificate rotated",
     )
-    assert listeners(claims_b) == set()
+    assert active_listeners(claims_b) == set()
 
 
 def server_serial(port: int, ca: Path, client: CertDir) -> int:
@@ -216,9 +186,7 @@ def test_a_client_without_a_certificate_cannot_connect_and_the_server_cert_rotat
         )
     )
     assert response.type_url == LISTENER and len(response.resources) == 1
-    connected = httpx.get(
-        f"{kvpilot.api_url}/v1/status", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
-    ).json()
+    connected = httpx.get(f"{kvpilot.api_url}/v1/status", headers=ADMIN).json()
     assert "no-cert" not in {r["node_id"] for r in connected["refusedEnvoys"]}
 
     # kvpilot's own certificate rotates too: the next handshake presents the new one.

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from util import poll
+from harness.wait import poll
 
 from controlplane.etcd import (
     CompactedError,

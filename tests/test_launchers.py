@@ -13,7 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from util import EnvoyFactory, process_gone, wait_until
+from harness.processes import process_gone
+from harness.rig import EnvoyFactory
+from harness.wait import wait_until
 
 from controlplane.launchers import (
     EmbeddedEnvoy,

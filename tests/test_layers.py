@@ -5,6 +5,9 @@ Layers, bottom to top: ``policies`` -> ``xdsserver`` -> ``controlplane`` -> ``ap
 ``commands``. ``bench`` stands beside the commands: it may use every layer below them and the
 daemon's composition root (``commands.serve``, which its control-plane benchmark starts with
 an ACK log), and only the demo may import it.
+
+The tests share one harness (``tests/harness`` and the fixtures in ``conftest``): a test
+module imports neither another test module nor ``conftest``, and the harness imports no test.
 """
 
 from __future__ import annotations
@@ -129,3 +132,29 @@ def test_no_import_cycle() -> None:
         if node not in index:
             visit(node)
     assert not cycles, f"import cycles: {cycles}"
+
+
+TESTS = ROOT / "tests"
+
+
+def _test_imports(path: Path) -> set[str]:
+    """The top-level names of the modules `path` imports (absolute imports only: the tests
+    directory is not a package)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_test_modules_share_the_harness_and_import_no_other_test() -> None:
+    test_modules = {path.stem for path in TESTS.glob("test_*.py")}
+    wrong = []
+    for path in sorted([*TESTS.glob("test_*.py"), *(TESTS / "harness").glob("*.py")]):
+        for name in sorted(_test_imports(path) & (test_modules | {"conftest"})):
+            wrong.append(f"{path.relative_to(ROOT)} -> {name}")
+    assert not wrong, (
+        "test modules import one another (move the helper to tests/harness):\n" + "\n".join(wrong)
+    )

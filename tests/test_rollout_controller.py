@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from api_harness import policy, pool
-from util import poll
+from harness.builders import policy, pool, rollout, rollout_steps
+from harness.wait import poll
 
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
@@ -22,20 +22,10 @@ from controlplane.store import Store, decode_json
 pytestmark = pytest.mark.e2e
 
 
-def rollout(min_duration: float = 0.3) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "Rollout",
-        "metadata": {"name": "r"},
-        "spec": {
-            "target": {"policy": "main", "route": "all"},
-            "stable": "chat",
-            "canary": "next",
-            "steps": [{"weight": w, "minDuration": min_duration} for w in (20, 60, 100)],
-            # No rules: every step passes once held for its minimum.
-            "analysis": {"rules": []},
-        },
-    }
+def stepping_rollout(min_duration: float = 0.3) -> dict[str, Any]:
+    """Rollout `r` of `next` in steps of 20, 60 and 100%; with no rules every step passes once
+    held for its minimum."""
+    return rollout("r", steps=rollout_steps((20, 60, 100), min_duration), analysis={"rules": []})
 
 
 @contextlib.asynccontextmanager
@@ -74,11 +64,11 @@ async def test_one_driver_steps_through_holding_each_step(
         controller(etcd.endpoint, etcd_prefix, "a") as (a, store),
         controller(etcd.endpoint, etcd_prefix, "b") as (b, _),
     ):
-        for body in (pool("chat"), pool("next", 8003), policy("main", ("chat",))):
+        for body in (pool("chat"), pool("next", [8003]), policy("main", pools=("chat",))):
             await store.create(body["kind"], body["metadata"]["name"], body)
         await poll(lambda: a.leading or b.leading, within=10)
         assert a.leading != b.leading
-        await store.create("Rollout", "r", rollout())
+        await store.create("Rollout", "r", stepping_rollout())
 
         async def succeeded() -> bool:
             return (await state(store)).get("phase") == "Succeeded"
@@ -99,7 +89,7 @@ async def test_a_stale_leader_cannot_write_and_a_lost_policy_fails_the_rollout(
     etcd: EmbeddedEtcd, etcd_prefix: str
 ) -> None:
     async with controller(etcd.endpoint, etcd_prefix, "a") as (a, store):
-        for body in (pool("chat"), pool("next", 8003), policy("main", ("chat",))):
+        for body in (pool("chat"), pool("next", [8003]), policy("main", pools=("chat",))):
             await store.create(body["kind"], body["metadata"]["name"], body)
         await poll(lambda: a.leading, within=10)
         # Someone else takes the leader key (as a successor would after a lease expiry):
@@ -107,7 +97,7 @@ async def test_a_stale_leader_cannot_write_and_a_lost_policy_fails_the_rollout(
         leadership = a.election.leadership
         assert leadership is not None
         await store.client.put(leadership.key, b'{"replica": "someone-else"}')
-        await store.create("Rollout", "r", rollout(min_duration=60))
+        await store.create("Rollout", "r", stepping_rollout(min_duration=60))
 
         async def stepped_down() -> bool:
             return not a.leading

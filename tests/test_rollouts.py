@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from api_harness import Harness, policy, pool, running_api
+from harness.api import Harness, running_api
+from harness.builders import policy, pool, rollout
 
 from commands.cli import render_rollout
 from controlplane.etcd import EtcdClient
@@ -25,31 +26,14 @@ from policies.rollout import BUCKET_BOUNDS, PoolSignals, evaluate, quantile
 from xdsserver.translate.listeners import SIGNALS_CLUSTER, translate_listener
 
 
-def rollout(**spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "Rollout",
-        "metadata": {"name": "canary"},
-        "spec": {
-            "target": {"policy": "main", "route": "all"},
-            "stable": "chat",
-            "canary": "next",
-            "steps": [{"weight": 10, "minDuration": "30s"}, {"weight": 100}],
-            "analysis": {"rules": [{"metric": "errorRate", "max": 0.02}]},
-        },
-    }
-    body["spec"].update(spec)
-    return body
-
-
 @pytest.fixture
 async def api(etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Harness]:
     async with running_api(etcd.endpoint, etcd_prefix) as harness:
         for body in (
             pool("chat"),
-            pool("next", 8003),
-            pool("spare", 8004),
-            policy("main", ("chat",)),
+            pool("next", [8003]),
+            pool("spare", [8004]),
+            policy("main", pools=("chat",)),
         ):
             path = "pools" if body["kind"] == "Pool" else "routingpolicies"
             response = await harness.http.post(f"/v1/{path}", json=body)
@@ -196,9 +180,9 @@ def test_percentiles_are_within_a_bucket() -> None:
 def test_only_listeners_of_watched_routes_send_upstream_logs() -> None:
     objects = [
         parse_object(pool("chat")),
-        parse_object(pool("next", 8003)),
-        parse_object(policy("main", ("chat",), port=10000)),
-        parse_object(policy("other", ("chat",), port=10001)),
+        parse_object(pool("next", [8003])),
+        parse_object(policy("main", 10000, pools=("chat",))),
+        parse_object(policy("other", 10001, pools=("chat",))),
         parse_object(rollout()),
     ]
     plan = compile_plan(PolicyState.from_objects(objects))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ADMIN_TOKEN
-from util import wait_until
+from harness.auth import ADMIN, ADMIN_TOKEN
+from harness.wait import wait_until
 
 from controlplane.launchers import ManagedProcess, free_port, repo_root
 from controlplane.logs import CHATTY_LOGGERS, setup_logging
@@ -41,10 +41,9 @@ def test_serve_prints_and_reports_the_embedded_etcd_address(tmp_path: Path) -> N
             message="serve to print the embedded etcd's address",
         )
         address = printed.group(1)
-        headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
         def status() -> dict[str, object] | None:
-            response = httpx.get(f"http://127.0.0.1:{api_port}/v1/status", headers=headers)
+            response = httpx.get(f"http://127.0.0.1:{api_port}/v1/status", headers=ADMIN)
             return response.json() if response.status_code == 200 else None
 
         reported = wait_until(status, 30, message="/v1/status to answer")

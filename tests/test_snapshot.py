@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from envoy.config.core.v3 import base_pb2
-from xdsclient import make_cluster, make_endpoints, make_messages
+from harness.xdsclient import make_cluster, make_endpoints, make_messages
 
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, Resource, resource_name
 from xdsserver.snapshot import Snapshot, SnapshotCache

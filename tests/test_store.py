@@ -7,10 +7,10 @@ import contextlib
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from util import poll
+from harness.builders import pool
+from harness.wait import poll
 
 from controlplane.etcd import ConflictError, EtcdClient
 from controlplane.launchers import EmbeddedEtcd, free_port
@@ -28,10 +28,6 @@ from controlplane.store import (
 )
 
 pytestmark = pytest.mark.e2e
-
-
-def pool(name: str, **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "kvpilot.io/v1", "kind": "Pool", "metadata": {"name": name}, "spec": spec}
 
 
 @pytest.fixture
@@ -147,7 +143,7 @@ async def test_replace_with_stale_revision_raises_mismatch(store: Store) -> None
     with pytest.raises(RevisionMismatch):
         await store.delete("Pool", "a", expect_revision=first.revision)
     got = await store.get("Pool", "a")
-    assert got is not None and got.body["spec"] == {"v": 2}
+    assert got is not None and got.body["spec"] == pool("a", v=2)["spec"]
 
 
 async def test_replace_of_deleted_object_raises_not_found(store: Store) -> None:

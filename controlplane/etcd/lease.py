@@ -7,7 +7,6 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 from typing import Protocol
 
 from controlplane.etcd.types import EtcdError
@@ -56,12 +55,7 @@ class LeaseKeeper:
         self._task = asyncio.create_task(self._run(), name=f"lease-keepalive-{self.lease_id:x}")
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

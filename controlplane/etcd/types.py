@@ -8,6 +8,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = [
+    "CompactedError",
+    "ConflictError",
+    "EtcdAccessDenied",
+    "EtcdError",
+    "EtcdOutcomeUnknown",
+    "EtcdStatus",
+    "EtcdUnavailable",
+    "EventType",
+    "KeyValue",
+    "LeaseNotFoundError",
+    "WatchBatch",
+    "WatchEvent",
+    "prefix_range_end",
+]
+
 
 class EtcdError(Exception):
     """Base class for etcd failures; the message says what to do about it."""

@@ -71,12 +71,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_until(
-    predicate: Callable[[], bool], timeout: float, what: str, *, interval: float = POLL_INTERVAL
+    predicate: Callable[[], bool],
+    timeout: float,
+    what: str,
+    *,
+    interval: float = POLL_INTERVAL,
+    ignoring: tuple[type[Exception], ...] = (),
 ) -> None:
     """Poll `predicate` until it returns True; ``TimeoutError`` naming `what` after `timeout`
-    seconds (the demo and the benchmarks wait on Envoy and the replicas with it)."""
+    seconds (the demo and the benchmarks wait on Envoy and the replicas with it). An exception
+    of a type in `ignoring` (a connection refused while a server starts) counts as False."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while True:
+        try:
+            if predicate():
+                return
+        except ignoring:
+            pass
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)

@@ -1,4 +1,5 @@
-"""The REST API wired to a real etcd, a real Store and a running Reconciler, for API tests."""
+"""The REST API in process, wired to a real etcd, a real Store and a running Reconciler, for
+API tests that need no Envoy."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI
+from harness.auth import ADMIN, auth_config
 from prometheus_client import CollectorRegistry
 
 from api import ApiContext, create_app
@@ -21,18 +22,6 @@ from controlplane.reconcile import ReconcileMetrics, Reconciler
 from controlplane.store import Store
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
-
-T = TypeVar("T")
-
-ADMIN_TOKEN = "admin-token-0123456789abcdef"
-READ_TOKEN = "read-token-0123456789abcdef"
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-READ = {"Authorization": f"Bearer {READ_TOKEN}"}
-
-
-def auth_config() -> AuthConfig:
-    """An admin token and a read token."""
-    return AuthConfig([("ops", "admin", ADMIN_TOKEN), ("viewer", "read", READ_TOKEN)])
 
 
 @dataclass
@@ -107,39 +96,3 @@ async def running_api(
         # was seen to stay pending for many seconds until the gRPC call ended.
         await client.close()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def pool(name: str = "chat", *ports: int, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "Pool",
-        "metadata": {"name": name},
-        "spec": {
-            "models": ["m"],
-            "endpoints": [{"address": "127.0.0.1", "port": p} for p in ports or (8001, 8002)],
-            **spec,
-        },
-    }
-
-
-def policy(
-    name: str = "main", pools: tuple[str, ...] = ("chat",), port: int = 10000
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "RoutingPolicy",
-        "metadata": {"name": name},
-        "spec": {
-            "listener": {"port": port},
-            "routes": [{"name": "all", "tiers": [list(pools)]}],
-        },
-    }
-
-
-def fleet(name: str = "default", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "Fleet",
-        "metadata": {"name": name},
-        "spec": spec,
-    }

@@ -14,6 +14,7 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
+from harness.wait import poll
 
 DEFAULT_TIMEOUT = 5.0
 
@@ -339,6 +340,22 @@ def make_messages(
     }
 
 
+def make_snapshot(clusters: dict[str, Iterable[int]], **kw: Any) -> Any:
+    """`make_messages` as a Snapshot."""
+    from xdsserver.snapshot import Snapshot
+
+    return Snapshot.from_messages(make_messages(clusters, **kw))
+
+
+def assert_well_formed(response: Any) -> Any:
+    """`response`, after checking what every ADS response must hold: a nonce, and no
+    resource name twice (xDS rules 1 and 8)."""
+    names = names_of(response)
+    assert len(names) == len(set(names)), f"duplicate names in {names}"
+    assert response.nonce
+    return response
+
+
 class RunningServer:
     """A grpc.aio server with an `AdsServer` on 127.0.0.1 and a free port."""
 
@@ -384,18 +401,10 @@ class RunningServer:
                 for c in self.status.find(node_id)
             )
 
-        await wait_until(acked)
+        await poll(acked, DEFAULT_TIMEOUT, f"{node_id} ACK of {response.type_url}")
 
     def sotw(self, node_id: str, cluster: str = "default", **kw: Any) -> SotwStream:
         return SotwStream(self.target, node_id, cluster, **kw)
 
     def delta(self, node_id: str, cluster: str = "default", **kw: Any) -> DeltaStream:
         return DeltaStream(self.target, node_id, cluster, **kw)
-
-
-async def wait_until(predicate: Any, within: float = DEFAULT_TIMEOUT) -> None:
-    """Poll `predicate()` until true, failing after `within` seconds."""
-    async with asyncio.timeout(within):
-        # State owned by the server has no event to await: poll it.
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)

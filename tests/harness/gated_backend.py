@@ -16,7 +16,7 @@ Each replica says who it is (`x-backend-id` header, `backend` field). It serves:
 - `POST /admin/gate {"open": bool}`: a closed gate holds requests (streams after
   `STREAM_CHUNKS_BEFORE_GATE` chunks); opening it releases them. The gate starts open.
 
-Run it:  python tests/gated_backend.py --replicas 3 --id-prefix g
+Run it from tests/:  python -m harness.gated_backend --replicas 3 --id-prefix g
 It prints `{"replicas": [{"id": "g-0", "port": 12345}, ...]}` once every replica listens.
 """
 
@@ -149,14 +149,21 @@ async def serve(count: int, id_prefix: str, host: str) -> None:
 
 
 class GatedBackend:
-    """`python tests/gated_backend.py` as a child process, with its admin calls."""
+    """`python -m harness.gated_backend` as a child process, with its admin calls.
+
+    It runs as a module from tests/: run as a script, its own directory would come first on
+    the import path and the harness's `envoy` and `api` modules would shadow the packages.
+    """
 
     def __init__(self, replicas: int, *, id_prefix: str, state_dir: Path) -> None:
         self.id_prefix = id_prefix
         self.log_path = state_dir / f"gated-{id_prefix}.log"
         self._stdout_path = state_dir / f"gated-{id_prefix}.out"
-        argv = [sys.executable, __file__, "--replicas", str(replicas), "--id-prefix", id_prefix]
-        self._process = ManagedProcess(argv, self.log_path, stdout_path=self._stdout_path)
+        argv = [sys.executable, "-m", "harness.gated_backend"]
+        argv += ["--replicas", str(replicas), "--id-prefix", id_prefix]
+        self._process = ManagedProcess(
+            argv, self.log_path, stdout_path=self._stdout_path, cwd=Path(__file__).parent.parent
+        )
         self.ports: dict[str, int] = {}
         """Replica id -> port, known once `start()` returns."""
         # One client for the admin calls: a new one per call builds an SSL context each time,

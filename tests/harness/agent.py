@@ -1,0 +1,118 @@
+"""Telemetry end to end: a model-server stand-in whose `/metrics` the test controls, and
+`kvpilot agent` as its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from controlplane.launchers import free_port, repo_root
+
+
+class MetricsBackend:
+    """A model-server stand-in on its own thread: `/metrics` serves `metrics` (vLLM names by
+    default), `/v1/chat/completions` answers with the backend's id and, when `utilization` is
+    set, an ORCA `endpoint-load-metrics` header. `status` other than 200 fails everything."""
+
+    def __init__(self, backend_id: str = "be", *, waiting: float = 0, kv: float = 0.0) -> None:
+        self.id = backend_id
+        self.waiting = waiting
+        self.running = 0.0
+        self.kv = kv
+        self.utilization: float | None = None
+        self.status = 200
+        self.extra_metrics = ""
+        self.port = free_port()
+        app = Starlette(
+            routes=[
+                Route("/metrics", self._metrics),
+                Route("/health", self._health),
+                Route("/v1/chat/completions", self._complete, methods=["POST"]),
+            ]
+        )
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+            )
+        )
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics(self) -> str:
+        return (
+            f'vllm:num_requests_waiting{{model_name="m"}} {self.waiting}\n'
+            f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {self.kv}\n' + self.extra_metrics
+        )
+
+    async def _metrics(self, request: Request) -> Response:
+        if self.status != 200:
+            return PlainTextResponse("down", self.status)
+        return PlainTextResponse(self.metrics)
+
+    async def _health(self, request: Request) -> Response:
+        return PlainTextResponse("ok", self.status)
+
+    async def _complete(self, request: Request) -> Response:
+        headers = {"x-backend-id": self.id}
+        if self.utilization is not None:
+            # Envoy's weight is rps_fractional / utilization, and it rejects reports without
+            # a positive rate; equal rates let the utilization alone decide.
+            headers["endpoint-load-metrics"] = (
+                f"TEXT application_utilization={self.utilization}, rps_fractional=100"
+            )
+        return JSONResponse({"backend": self.id}, self.status, headers=headers)
+
+    def start(self) -> MetricsBackend:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"test backend on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+async def start_agent_process(
+    etcd_endpoint: str, etcd_prefix: str, pool: str, backend_url: str
+) -> asyncio.subprocess.Process:
+    """`kvpilot agent` as its own process, registering one backend with a 2 s lease and
+    reporting every 0.2 s, so a test can kill it and watch its keys expire."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "controlplane.agent",
+        "--etcd-endpoints",
+        etcd_endpoint,
+        "--etcd-prefix",
+        etcd_prefix,
+        "--pool",
+        pool,
+        "--backend",
+        backend_url,
+        "--register",
+        "--interval",
+        "0.2",
+        "--ttl",
+        "2",
+        cwd=repo_root(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
