@@ -140,7 +140,7 @@ async def test_history_lists_revisions_with_diffs_newest_first(api: Harness) -> 
 
 
 async def test_history_names_who_made_each_change_from_the_audit_log(api: Harness) -> None:
-    body = pool("chat", 8001)
+    body = pool("chat", [8001], models=["m"])
     await api.http.put("/v1/pools/chat", json=body)  # by "ops", the harness's admin token
     # Past the REST API (as etcdctl or a restore would write): no audit entry to join.
     body["spec"]["models"] = ["quiet"]
@@ -175,7 +175,7 @@ async def test_admission_shows_each_class_state_since_and_the_pressure_against_i
     }
     body = telemetry_policy()
     body["spec"]["serviceClasses"] = classes
-    await api.http.put("/v1/pools/chat", json=pool("chat", 8001, 8002))
+    await api.http.put("/v1/pools/chat", json=pool("chat", [8001, 8002]))
     assert (await api.http.put("/v1/routingpolicies/main", json=body)).status_code in (200, 201)
 
     async def route() -> dict[str, Any] | None:
