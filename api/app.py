@@ -228,6 +228,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
     async def status(_: Reader) -> dict[str, Any]:
         plan = reconciler.plan
         build = reconciler.last_build
+        driver = rollout_driver(context) or {}
         return {
             "ready": reconciler.ready,
             "replica": context.replica_id,
@@ -239,7 +240,8 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
             "envoys": _envoys(context),
             "refusedEnvoys": context.connections.as_dict()["refused"],
             "invalidObjects": [dataclasses.asdict(e) for e in reconciler.errors.values()],
-            "rolloutDriver": rollout_driver(context),
+            "rolloutDriver": driver.get("replica"),
+            "rolloutDriverSince": driver.get("since"),
             "rollouts": rollout_summaries(context),
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
             "restrictedClasses": restricted_classes(plan),

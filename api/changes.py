@@ -23,7 +23,7 @@ import yaml
 
 from controlplane.audit import AuditLog
 from controlplane.etcd import CompactedError, KeyValue
-from controlplane.rollouts import state_key
+from controlplane.rolloutstate import state_key
 from controlplane.store import Store, decode_json
 from policies import KIND_PATHS
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from api.context import Admin, ApiContext, ApiError, Reader, parse_for_kind
 from controlplane.election import leader_key
-from controlplane.rollouts import (
+from controlplane.rolloutstate import (
     LEADER_JOB,
     allowed,
     command_key,
@@ -29,14 +29,17 @@ log = logging.getLogger(__name__)
 ObjectName = Annotated[str, Path(description="Rollout name.")]
 
 
-def rollout_driver(context: ApiContext) -> str | None:
-    """The replica that holds the rollouts leader key now."""
+def rollout_driver(context: ApiContext) -> dict[str, Any] | None:
+    """The replica that holds the rollouts leader key now, and since when (Unix time)."""
     if context.mirror is None:
         return None
     kv = context.mirror.items.get(leader_key(LEADER_JOB))
     body = decode_json(kv) if kv is not None else None
     replica = body.get("replica") if body else None
-    return replica if isinstance(replica, str) else None
+    if not isinstance(replica, str):
+        return None
+    since = body.get("since") if body else None
+    return {"replica": replica, "since": since if isinstance(since, int | float) else None}
 
 
 def rollout_summaries(context: ApiContext) -> list[dict[str, Any]]:

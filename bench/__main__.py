@@ -4,7 +4,7 @@
                     [--policies a,b] [--state-dir DIR]
     python -m bench routing [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
-        [--baseline REF [--rounds N] [--only scale]]
+        [--baseline REF [--rounds N] [--only scale|acks]]
     python -m bench classes [--short] [--out DIR] [--state-dir DIR]
     python -m bench rollout [--short] [--out DIR] [--state-dir DIR]
 
@@ -20,7 +20,8 @@ a JSON file, every request's measurements and PNG plots under ``bench/results/``
 the report's path. Policies: round_robin, least_request, affinity, affinity_telemetry, orca,
 docs_round_robin, docs_prefix; and on request affinity_125 and affinity_200, bounded-load
 sensitivity checks. `classes` overloads 8 replicas with batch work on top of interactive chat
-and compares round robin, affinity alone and affinity with service classes.
+and compares round robin, affinity alone and affinity with service classes (batch shed, and
+batch queued in Envoy).
 
 `rollout` replays multi-turn chat at 70% load against a bad canary twice: under a blind 90/10
 split and under a kvpilot Rollout that watches the data plane; `make bench` runs it after
@@ -104,21 +105,33 @@ def _controlplane(args: argparse.Namespace) -> int:
     if args.out is not None:
         config = replace(config, out_dir=args.out)
     if args.baseline:
-        from bench.scale import markdown, translation_side_by_side
+        from bench.baseline import (
+            ack_side_by_side,
+            acks_markdown,
+            markdown,
+            translation_side_by_side,
+        )
 
-        side_by_side = translation_side_by_side(args.baseline, config.endpoints, args.rounds)
         out_dir = config.out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "controlplane-scale.json").write_text(json.dumps(side_by_side, indent=2))
-        print(markdown(side_by_side))
-    if args.only != "scale":
+        if args.only in ("all", "scale"):
+            side_by_side = translation_side_by_side(args.baseline, config.endpoints, args.rounds)
+            (out_dir / "controlplane-scale.json").write_text(json.dumps(side_by_side, indent=2))
+            print(markdown(side_by_side))
+        if args.only in ("all", "acks"):
+            acks = ack_side_by_side(
+                args.baseline, config.endpoints, config.big_envoys, config.changes
+            )
+            (out_dir / "controlplane-acks.json").write_text(json.dumps(acks, indent=2))
+            print(acks_markdown(acks))
+    if args.only == "all":
         print(f"\njson: {run_controlplane(config, state_dir=args.state_dir)}")
     return 0
 
 
 def _classes(args: argparse.Namespace) -> int:
     from bench.classes import default_config as classes_config
-    from bench.classes import run_classes
+    from bench.classes_run import run_classes
 
     config = classes_config(short=args.short)
     if args.out is not None:
@@ -173,12 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     controlplane.add_argument("--rounds", type=int, default=3, help="baseline rounds (3)")
     controlplane.add_argument(
-        "--only", choices=["all", "scale"], default="all", help="scale: the comparison alone"
+        "--only",
+        choices=["all", "scale", "acks"],
+        default="all",
+        help="with --baseline: scale (rebuilds in process) or acks (an endpoint change to real "
+        "Envoys) alone",
     )
     classes = sub.add_parser(
         "classes", help="service classes: interactive chat while batch overloads the fleet"
     )
-    classes.add_argument("--short", action="store_true", help="a smoke run (about a minute)")
+    classes.add_argument("--short", action="store_true", help="a smoke run (a few minutes)")
     classes.add_argument("--out", type=Path, default=None, help="output directory")
     classes.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     rollout = sub.add_parser("rollout", help="a bad canary: progressive rollout vs blind split")

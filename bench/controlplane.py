@@ -41,7 +41,6 @@ from typing import Any, TextIO
 
 import httpx
 
-from controlplane.etcd import KeyValue
 from controlplane.launchers import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
@@ -59,6 +58,8 @@ CHANGE_ENDPOINT = "moving"
 CHANGE_TIMEOUT = 60.0
 """Seconds one change may take to reach every Envoy before the run fails."""
 STREAMS_PER_CHANNEL = 50
+START_TIMEOUT = 120.0
+"""Seconds kvpilot may take to answer /readyz: on a loaded machine its imports alone take 30."""
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,12 @@ class Change:
 
 
 def measure(
-    acks: AckLog, nodes: set[str], kind: str, previous: str, write: Callable[[], None]
+    acks: AckLog,
+    nodes: set[str],
+    kind: str,
+    previous: str,
+    write: Callable[[], None],
+    timeout: float = CHANGE_TIMEOUT,
 ) -> tuple[Change, str]:
     """Run `write` and time it until every node ACKs a `kind` version other than `previous`."""
     acks.read()
@@ -219,7 +225,7 @@ def measure(
     write()
     first: dict[str, float] = {}
     version = ""
-    deadline = started + CHANGE_TIMEOUT
+    deadline = started + timeout
     while len(first) < len(nodes):
         for at, node, ack_kind, ack_version in acks.read():
             if ack_kind == kind and ack_version != previous and node in nodes:
@@ -264,9 +270,16 @@ def rss_mib(pid: int | None) -> float:
 class Bench:
     """One etcd, one kvpilot; scenarios add and remove Envoys or simulated streams."""
 
-    def __init__(self, config: BenchConfig, state_dir: Path) -> None:
+    def __init__(
+        self,
+        config: BenchConfig,
+        state_dir: Path,
+        kvpilot: Callable[..., AckLogKvpilot] | None = None,
+    ) -> None:
         self.config = config
         self.state_dir = state_dir
+        self.kvpilot_factory = kvpilot or AckLogKvpilot
+        """Makes the kvpilot under test (``bench.baseline`` starts an older commit's)."""
         self.etcd = EmbeddedEtcd(state_dir / "etcd", extra_args=["--unsafe-no-fsync"])
         self.kvpilot: AckLogKvpilot | None = None
         self.api: httpx.Client | None = None
@@ -280,13 +293,13 @@ class Bench:
 
     def start(self) -> None:
         self.etcd.start()
-        self.kvpilot = AckLogKvpilot(
+        self.kvpilot = self.kvpilot_factory(
             self.state_dir / "kvpilot",
             etcd_endpoints=[self.etcd.endpoint],
             prefix="/bench",
             insecure_no_auth=True,
             extra_args=["--log-level", "warning"],
-        ).start()
+        ).start(START_TIMEOUT)
         self.api = httpx.Client(base_url=self.kvpilot.api_url, timeout=60)
         self.acks = AckLog(self.kvpilot.ack_log)
         self.results["memory_mib"]["idle"] = rss_mib(self.kvpilot.pid)
@@ -341,15 +354,28 @@ class Bench:
         response.raise_for_status()
 
     def run_changes(self, nodes: set[str], kind: str = "EDS") -> list[Change]:
-        assert self.acks is not None
-        version = self.settled(kind)
-        self.acks.wait_all(nodes, kind, version, CHANGE_TIMEOUT)
-        write = self._move_endpoint if kind == "EDS" else self._change_route
+        version = self.prepared(nodes, kind)
         changes = []
         for _ in range(self.config.changes):
-            change, version = measure(self.acks, nodes, kind, version, write)
+            change, version = self.change(nodes, kind, version)
             changes.append(change)
         return changes
+
+    def prepared(self, nodes: set[str], kind: str = "EDS", timeout: float = CHANGE_TIMEOUT) -> str:
+        """The settled version of `kind`, once every node has ACKed it."""
+        assert self.acks is not None
+        version = self.settled(kind)
+        self.acks.wait_all(nodes, kind, version, timeout)
+        return version
+
+    def change(
+        self, nodes: set[str], kind: str, version: str, timeout: float = CHANGE_TIMEOUT
+    ) -> tuple[Change, str]:
+        """One endpoint change (EDS) or route change (RDS) after `version`, timed until every
+        node ACKs it; the new version."""
+        assert self.acks is not None
+        write = self._move_endpoint if kind == "EDS" else self._change_route
+        return measure(self.acks, nodes, kind, version, write, timeout)
 
     def _change_route(self) -> None:
         """One change that is not endpoints only: a route timeout (routes path, RDS)."""
@@ -486,59 +512,21 @@ class Bench:
 # -- translation at scale, in process -------------------------------------------------------------
 
 
-def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
-    """The reconciler's full rebuild, EDS fast path and routes path over `endpoints` endpoints
-    (no I/O)."""
-    from controlplane.reconcile import Reconciler
-    from xdsserver.snapshot import SnapshotCache
-
-    items: dict[str, KeyValue] = {}
-    revision = 0
-
-    def put(key: str, body: dict[str, Any]) -> None:
-        nonlocal revision
-        revision += 1
-        items[key] = KeyValue(key.encode(), json.dumps(body).encode(), revision, revision, 1, 0)
-
+def rebuild_input(endpoints: int) -> dict[str, Any]:
+    """The state of the in-process rebuilds: etcd key (relative to the prefix) -> value."""
+    state = {}
     for path, body in pools_and_policy(endpoints, 10000):
         kind, name = path.removeprefix("/v1/").split("/")
-        put(f"objects/{kind}/{name}", body)
-    full = []
-    for _ in range(repeats):
-        cache = SnapshotCache()
-        reconciler = Reconciler(cache)
-        started = time.perf_counter()
-        reconciler.rebuild(items)
-        full.append(time.perf_counter() - started)
-    snapshot = cache.snapshot_for(FLEET)
-    assert snapshot is not None
-    size = sum(len(r.body.value) for t in snapshot.types() for r in snapshot.resources(t).values())
-    fast = []
-    for weight in range(1, repeats * 2 + 1):
-        key = f"endpoints/{CHANGE_POOL}/{CHANGE_ENDPOINT}"
-        put(key, {"address": "127.0.0.1", "port": 9, "weight": weight})
-        started = time.perf_counter()
-        reconciler.rebuild(items, changed={key}, full_resync=False)
-        fast.append(time.perf_counter() - started)
-        assert reconciler.last_build.path == "fast"
-    policy_key = f"objects/routingpolicies/{POLICY}"
-    policy = json.loads(items[policy_key].value)
-    routes = []
-    for seconds in range(1, repeats * 2 + 1):
-        policy["spec"]["routes"][0]["timeouts"] = {"request": f"{seconds}s"}
-        put(policy_key, policy)
-        started = time.perf_counter()
-        reconciler.rebuild(items, changed={policy_key}, full_resync=False)
-        routes.append(time.perf_counter() - started)
-        assert reconciler.last_build.path == "routes"
-    return {
-        "endpoints": endpoints,
-        "clusters": len(snapshot.resources(snapshot.types()[0])),
-        "serialized_kib": round(size / 1024),
-        "full_rebuild_ms": round(statistics.median(full) * 1000, 1),
-        "fast_path_ms": round(statistics.median(fast) * 1000, 1),
-        "routes_path_ms": round(statistics.median(routes) * 1000, 1),
-    }
+        state[f"objects/{kind}/{name}"] = body
+    return state
+
+
+def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
+    """The reconciler's full rebuild, EDS fast path and routes path over `endpoints` endpoints
+    (no I/O; ``bench.rebuild_probe``)."""
+    from bench.rebuild_probe import measure
+
+    return {"endpoints": endpoints, **measure(rebuild_input(endpoints), repeats)}
 
 
 # -- simulated ADS streams (child process) ---------------------------------------------------------

@@ -480,6 +480,8 @@ def render_rollout(status: dict[str, Any], now: float) -> str:
             if status.get("phase") in ("RolledBack", "Aborted", "Failed"):
                 mark = "xx"
             detail = f" {_bar(fraction)} {held:5.1f}s / {need:g}s"
+            if status.get("fleets"):
+                detail += f" (fleets {', '.join(status['fleets'])} only)"
         lines.append(f" {mark} step {index}: {split}{detail}")
     verdict = status.get("verdict") or {}
     if verdict:

@@ -34,7 +34,7 @@ from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
 from controlplane.rollouts import RolloutController
-from controlplane.rollouts import register_metrics as register_rollout_metrics
+from controlplane.rolloutstate import register_metrics as register_rollout_metrics
 from controlplane.signals import PlanResolver, SignalPublisher
 from controlplane.store import DEFAULT_PREFIX, Store
 from policies import DEFAULT_FLEET
@@ -402,7 +402,7 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         raise ValueError("ServeConfig needs xds_tls or xds_insecure_plaintext=True")
     ads.add_to(grpc_server)
     signals = SignalBook(PlanResolver(lambda: reconciler.plan))
-    AccessLogServer(signals).add_to(grpc_server)
+    AccessLogServer(signals, fleet_of=cache.served_fleet).add_to(grpc_server)
     register_rollout_metrics(registry, lambda: mirror.items)
 
     app = create_app(

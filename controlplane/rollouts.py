@@ -29,204 +29,37 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
-from controlplane.election import LeaderElection, leader_key
-from controlplane.etcd import EtcdClient, EtcdError, KeyValue
-from controlplane.signals import collect
-from controlplane.store import STATUS, Keys, decode_json, encode_json
-from policies import PolicyError, PolicyState, Rollout, RoutingPolicy, parse_object
-from policies.rollout import (
-    COMMANDS,
-    PHASES,
-    TERMINAL,
-    PoolSignals,
-    Verdict,
-    evaluate,
-    merge,
-    reference_errors,
-    target_cluster,
+from controlplane.election import LeaderElection, heartbeat_key, leader_key
+from controlplane.etcd import EtcdClient, EtcdError
+from controlplane.rolloutstate import (
+    LEADER_JOB,
+    ROLLOUT_COMMAND_PREFIX,
+    ROLLOUT_STATE_PREFIX,
+    allowed,
+    canary_pools,
+    command_key,
+    judge,
+    rollout_states,
+    state_key,
 )
+from controlplane.signals import collect
+from controlplane.store import Keys, decode_json, encode_json
+from policies import PolicyError, PolicyState, Rollout, RoutingPolicy, parse_object
+from policies.rollout import COMMANDS, Verdict, reference_errors, target_cluster
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_STATE_PREFIX = f"{STATUS}/rollouts/"
-ROLLOUT_COMMAND_PREFIX = f"{STATUS}/rollout-commands/"
-LEADER_JOB = "rollouts"
 HISTORY_LIMIT = 200
 
 
-def state_key(name: str) -> str:
-    return f"{ROLLOUT_STATE_PREFIX}{name}"
+def _reach(fleets: list[str] | None) -> dict[str, Any]:
+    """The fields a step event gets when the step reaches only the canary fleets."""
+    return {"fleets": fleets} if fleets else {}
 
 
-def command_key(name: str) -> str:
-    return f"{ROLLOUT_COMMAND_PREFIX}{name}"
-
-
-def allowed(command: str, phase: str | None) -> str | None:
-    """Why ``command`` cannot apply in ``phase`` (None: it can)."""
-    if phase in TERMINAL:
-        return f"the rollout has ended ({phase}); delete and create it to run it again"
-    if command == "pause" and phase == "Paused":
-        return "the rollout is already paused"
-    if command == "resume" and phase != "Paused":
-        return "only a paused rollout can be resumed"
-    return None
-
-
-# --------------------------------------------------------------------------------------------
-# Reading a rollout's numbers (any replica: status, metrics, the CLI)
-# --------------------------------------------------------------------------------------------
-
-
-def step_signals(
-    items: Mapping[str, KeyValue], rollout: Rollout, state: Mapping[str, Any]
-) -> dict[str, PoolSignals]:
-    """Pool -> the step's numbers so far: every replica's counters minus the step's baseline."""
-    baseline = state.get("baseline") or {}
-    now = collect(items, target_cluster(rollout))
-    per_replica = []
-    for replica, pools in now.items():
-        before = baseline.get(replica, {})
-        per_replica.append(
-            {
-                pool: signals.since(PoolSignals.from_json(before.get(pool, {})))
-                for pool, signals in pools.items()
-            }
-        )
-    return merge(per_replica)
-
-
-def canary_pools(rollout: Rollout, start: Mapping[str, int]) -> list[str]:
-    """The pools weight moves to: the canary, or those the last step gives more than the start."""
-    spec = rollout.spec
-    if spec.canary is not None:
-        return [spec.canary]
-    last = spec.step_weights(len(spec.steps) - 1)
-    return [pool for pool, weight in last.items() if weight > start.get(pool, 0)]
-
-
-def judge(
-    items: Mapping[str, KeyValue],
-    rollout: Rollout,
-    state: Mapping[str, Any],
-    queried: Mapping[int, float | None] | None = None,
-) -> Verdict:
-    """The current step's verdict on the numbers in etcd now."""
-    start = state.get("startWeights") or {}
-    step = min(int(state.get("step", 0)), len(rollout.spec.steps) - 1)
-    weights = rollout.spec.step_weights(step)
-    canaries = canary_pools(rollout, start)
-    pools = step_signals(items, rollout, state)
-    canary = merge([{"c": pools.get(p, PoolSignals())} for p in canaries]).get("c", PoolSignals())
-    stables = [p for p in rollout.spec.pools() if p not in canaries]
-    stable = merge([{"s": pools.get(p, PoolSignals())} for p in stables]).get("s", PoolSignals())
-    return evaluate(
-        rollout.spec.analysis.rules,
-        min_sample=rollout.spec.analysis.min_sample,
-        canary=canary,
-        stable=stable,
-        stable_weight=sum(weights.get(p, 0) for p in stables),
-        queried=queried,
-    )
-
-
-def summary(
-    items: Mapping[str, KeyValue], rollout: Rollout, state: Mapping[str, Any] | None
-) -> dict[str, Any]:
-    """What status shows of one rollout: phase, step, weights, and the live verdict."""
-    spec = rollout.spec
-    out: dict[str, Any] = {
-        "name": rollout.metadata.name,
-        "target": spec.target.model_dump(mode="json"),
-        "steps": [spec.step_weights(i) for i in range(len(spec.steps))],
-        "phase": "Pending",
-        "step": None,
-    }
-    if not state:
-        return out
-    step = int(state.get("step", 0))
-    out.update(
-        {
-            "phase": state.get("phase"),
-            "step": step,
-            "weights": spec.step_weights(min(step, len(spec.steps) - 1)),
-            "stepStartedAt": state.get("stepStartedAt"),
-            "minDuration": spec.steps[min(step, len(spec.steps) - 1)].min_duration,
-            "message": state.get("message", ""),
-            "driver": state.get("driver"),
-            "failedRequests": state.get("failedRequests", 0),
-        }
-    )
-    if state.get("phase") in ("Progressing", "Paused"):
-        out["verdict"] = judge(items, rollout, state).as_json()
-    else:
-        out["verdict"] = state.get("verdict")
-    return out
-
-
-def rollout_states(
-    items: Mapping[str, KeyValue],
-) -> dict[str, tuple[Rollout, dict[str, Any] | None]]:
-    """Every valid Rollout object in the mirror with its recorded state, by name."""
-    out: dict[str, tuple[Rollout, dict[str, Any] | None]] = {}
-    for key, kv in items.items():
-        if not key.startswith("objects/rollouts/"):
-            continue
-        body = decode_json(kv)
-        try:
-            rollout = parse_object(body)
-        except PolicyError:
-            continue
-        if not isinstance(rollout, Rollout):
-            continue
-        state_kv = items.get(state_key(rollout.metadata.name))
-        state = decode_json(state_kv) if state_kv is not None else None
-        if state is not None and state.get("object") != kv.create_revision:
-            state = None  # the record of an earlier object of the same name
-        out[rollout.metadata.name] = (rollout, state)
-    return dict(sorted(out.items()))
-
-
-class RolloutCollector(Collector):
-    """Prometheus gauges of every rollout's phase and step, read from the etcd mirror."""
-
-    def __init__(self, items: Any) -> None:
-        self._items = items
-
-    def collect(self) -> Any:
-        phase = GaugeMetricFamily(
-            "kvpilot_rollout_phase",
-            "1 for the phase each rollout is in.",
-            labels=["rollout", "phase"],
-        )
-        step = GaugeMetricFamily(
-            "kvpilot_rollout_step", "Index of each rollout's current step.", labels=["rollout"]
-        )
-        weight = GaugeMetricFamily(
-            "kvpilot_rollout_weight",
-            "Each pool's weight (percent) at the rollout's current step.",
-            labels=["rollout", "pool"],
-        )
-        for name, (rollout, state) in rollout_states(self._items()).items():
-            current = (state or {}).get("phase") or "Pending"
-            for value in PHASES:
-                phase.add_metric([name, value], 1.0 if value == current else 0.0)
-            if state:
-                index = min(int(state.get("step", 0)), len(rollout.spec.steps) - 1)
-                step.add_metric([name], float(index))
-                for pool, w in rollout.spec.step_weights(index).items():
-                    weight.add_metric([name, pool], float(w))
-        yield phase
-        yield step
-        yield weight
-
-
-def register_metrics(registry: CollectorRegistry, items: Any) -> None:
-    registry.register(RolloutCollector(items))
+def _in(fleets: list[str] | None) -> str:
+    return f" in fleets {', '.join(fleets)}" if fleets else ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,12 +118,23 @@ class RolloutController:
                 while True:
                     try:
                         if not self.leading:
-                            await self.election.campaign(keeper.lease_id)
+                            self.election.lease = keeper.lease_id
+                            items = self.items()
+                            await self.election.follow(
+                                items.get(leader_key(LEADER_JOB)),
+                                items.get(heartbeat_key(LEADER_JOB)),
+                            )
+                        if self.leading:
+                            await self.election.beat()
                         if self.leading:
                             await self.drive_all()
                     except EtcdError as error:
                         log.warning("rollouts: etcd: %s; retrying", error)
-                    await asyncio.sleep(self.tick if self.leading else self.election.poll_interval)
+                    await asyncio.sleep(
+                        min(self.tick, self.election.heartbeat_interval)
+                        if self.leading
+                        else self.election.poll_interval
+                    )
             finally:
                 if self._http is not None:
                     await self._http.aclose()
@@ -383,7 +227,9 @@ class RolloutController:
             return
         if verdict.outcome == "waiting":
             return
-        if step + 1 < len(rollout.spec.steps):
+        if state.get("fleets"):
+            await self._widen(rollout, read, verdict, now)
+        elif step + 1 < len(rollout.spec.steps):
             await self._step(rollout, read, step + 1, verdict, now)
         else:
             await self._finish(rollout, read, "Succeeded", verdict, now, "every step passed")
@@ -391,9 +237,14 @@ class RolloutController:
     # -- transitions ---------------------------------------------------------------------------
 
     def _policy_with(
-        self, rollout: Rollout, policy: RoutingPolicy, weights: Mapping[str, int]
+        self,
+        rollout: Rollout,
+        policy: RoutingPolicy,
+        weights: Mapping[str, int],
+        canary_weights: Mapping[str, int] | None = None,
     ) -> dict[str, Any]:
-        """The policy body with the target tier's pools set to ``weights``."""
+        """The policy body with the target tier's pools set to ``weights``, and to
+        ``canary_weights`` in the rollout's canary fleets (None: the same in every fleet)."""
         body = policy.model_dump(mode="json", by_alias=True)
         target = rollout.spec.target
         for route in body["spec"]["routes"]:
@@ -404,9 +255,15 @@ class RolloutController:
             for entry in tier["pools"]:
                 if entry["pool"] in weights:
                     entry["weight"] = weights[entry["pool"]]
-            for pool, weight in weights.items():
+            for pool in [*weights, *(canary_weights or {})]:
                 if pool not in present:
-                    tier["pools"].append({"pool": pool, "weight": weight})
+                    tier["pools"].append({"pool": pool, "weight": weights.get(pool, 0)})
+                    present.add(pool)
+            tier["fleetWeights"] = (
+                {}
+                if canary_weights is None
+                else {fleet: dict(canary_weights) for fleet in rollout.spec.fleets}
+            )
         return body
 
     def _tier_weights(self, rollout: Rollout, policy: RoutingPolicy) -> dict[str, int]:
@@ -422,6 +279,7 @@ class RolloutController:
         state: dict[str, Any],
         *,
         weights: Mapping[str, int] | None = None,
+        canary_weights: Mapping[str, int] | None = None,
         consume_command: bool = False,
     ) -> bool:
         leadership = self.election.leadership
@@ -435,7 +293,8 @@ class RolloutController:
                 self.keys.object("RoutingPolicy", rollout.spec.target.policy)
             )
             compares.append((policy_key, read.policy_revision))
-            puts.append((policy_key, encode_json(self._policy_with(rollout, read.policy, weights))))
+            body = self._policy_with(rollout, read.policy, weights, canary_weights)
+            puts.append((policy_key, encode_json(body)))
         deletes = []
         if consume_command:
             compares.append((self.keys.absolute(command_key(name)), read.command_revision))
@@ -454,19 +313,18 @@ class RolloutController:
 
     async def _start(self, rollout: Rollout, created: int, read: _Read, now: float) -> None:
         state: dict[str, Any] = {"object": created, "driver": self.replica_id, "history": []}
-        policies = {read.policy.metadata.name: read.policy} if read.policy is not None else {}
-        pools = {}
+        objects = []
         for kv_key, kv in self.items().items():
-            if kv_key.startswith("objects/pools/"):
+            if kv_key.startswith(
+                tuple(self.keys.objects(kind) for kind in ("Pool", "RoutingPolicy", "Fleet"))
+            ):
                 try:
-                    pool = parse_object(decode_json(kv))
+                    objects.append(parse_object(decode_json(kv)))
                 except PolicyError:
                     continue
-                pools[pool.metadata.name] = pool
-        errors = reference_errors(
-            rollout,
-            PolicyState.from_objects([*policies.values(), *pools.values()]),
-        )
+        if read.policy is not None:
+            objects.append(read.policy)  # as read now, after the mirror's copy
+        errors = reference_errors(rollout, PolicyState.from_objects(objects))
         if errors:
             state.update(phase="Failed", step=0, message="; ".join(map(str, errors)))
             self._event(state, now, "failed", message=state["message"])
@@ -475,24 +333,36 @@ class RolloutController:
         assert read.policy is not None
         start = self._tier_weights(rollout, read.policy)
         weights = rollout.spec.step_weights(0)
+        fleets = list(rollout.spec.fleets) or None
         state.update(
             phase="Progressing",
             step=0,
             startWeights=start,
             stepStartedAt=now,
-            baseline=self._baseline(rollout),
+            fleets=fleets,
+            baseline=self._baseline(rollout, fleets),
             failedRequests=0,
             message="",
         )
         self._event(state, now, "start", weights=start)
-        self._event(state, now, "step", step=0, weights=weights)
-        if await self._commit(rollout, read, state, weights=weights):
-            log.info("rollout %s: started, step 0 %s", rollout.metadata.name, weights)
+        self._event(state, now, "step", step=0, weights=weights, **_reach(fleets))
+        committed = await self._commit(
+            rollout,
+            read,
+            state,
+            weights=start if fleets else weights,
+            canary_weights=weights if fleets else None,
+        )
+        if committed:
+            log.info(
+                "rollout %s: started, step 0 %s%s", rollout.metadata.name, weights, _in(fleets)
+            )
 
-    def _baseline(self, rollout: Rollout) -> dict[str, Any]:
+    def _baseline(self, rollout: Rollout, fleets: list[str] | None) -> dict[str, Any]:
+        counters = collect(self.items(), target_cluster(rollout), fleets)
         return {
             replica: {pool: signals.as_json() for pool, signals in pools.items()}
-            for replica, pools in collect(self.items(), target_cluster(rollout)).items()
+            for replica, pools in counters.items()
         }
 
     def _close_step(self, state: dict[str, Any], verdict: Verdict) -> None:
@@ -506,13 +376,45 @@ class RolloutController:
         state = dict(read.state)
         self._close_step(state, verdict)
         weights = rollout.spec.step_weights(step)
+        fleets = list(rollout.spec.fleets) or None
         self._event(state, now, "verdict", step=step - 1, **verdict.as_json())
-        self._event(state, now, "step", step=step, weights=weights)
+        self._event(state, now, "step", step=step, weights=weights, **_reach(fleets))
         state.update(
-            step=step, stepStartedAt=now, baseline=self._baseline(rollout), driver=self.replica_id
+            step=step,
+            stepStartedAt=now,
+            fleets=fleets,
+            baseline=self._baseline(rollout, fleets),
+            driver=self.replica_id,
+        )
+        committed = await self._commit(
+            rollout,
+            read,
+            state,
+            # With canary fleets, the others keep the step before until this one passes.
+            weights=rollout.spec.step_weights(step - 1) if fleets else weights,
+            canary_weights=weights if fleets else None,
+        )
+        if committed:
+            log.info("rollout %s: step %d %s%s", rollout.metadata.name, step, weights, _in(fleets))
+
+    async def _widen(self, rollout: Rollout, read: _Read, verdict: Verdict, now: float) -> None:
+        """The step passed in its canary fleets: it reaches every fleet, and is held and
+        judged again on all of their traffic."""
+        assert read.state is not None
+        state = dict(read.state)
+        step = int(state["step"])
+        self._close_step(state, verdict)
+        weights = rollout.spec.step_weights(step)
+        self._event(state, now, "verdict", step=step, fleets=state["fleets"], **verdict.as_json())
+        self._event(state, now, "widen", step=step, weights=weights)
+        state.update(
+            stepStartedAt=now,
+            fleets=None,
+            baseline=self._baseline(rollout, None),
+            driver=self.replica_id,
         )
         if await self._commit(rollout, read, state, weights=weights):
-            log.info("rollout %s: step %d %s", rollout.metadata.name, step, weights)
+            log.info("rollout %s: step %d in every fleet", rollout.metadata.name, step)
 
     async def _fail(self, rollout: Rollout, read: _Read, verdict: Verdict, now: float) -> None:
         assert read.state is not None
@@ -562,7 +464,9 @@ class RolloutController:
             "Failed": "failed",
         }[phase]
         self._event(state, now, event, weights=weights, message=message)
-        state.update(phase=phase, message=message, finishedAt=now, driver=self.replica_id)
+        state.update(
+            phase=phase, message=message, finishedAt=now, driver=self.replica_id, fleets=None
+        )
         if await self._commit(
             rollout, read, state, weights=weights, consume_command=consume_command
         ):
@@ -599,7 +503,7 @@ class RolloutController:
                 phase="Progressing",
                 message="",
                 stepStartedAt=now,
-                baseline=self._baseline(rollout),
+                baseline=self._baseline(rollout, state.get("fleets")),
             )
             self._event(state, now, "resumed", step=state["step"])
         await self._commit(rollout, read, state, consume_command=True)

@@ -18,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 from urllib.parse import quote, unquote
 
 from controlplane.etcd import EtcdError, KeyValue
 from controlplane.store import STATUS, Store, decode_json, encode_json
 from policies import RoutingPlan
-from policies.rollout import PoolSignals
+from policies.rollout import PoolSignals, merge
 from xdsserver.signals import SignalBook, route_cluster
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,13 @@ def signals_key(replica_id: str, cluster: str) -> str:
     return f"{SIGNALS_PREFIX}{quote(replica_id, safe='')}/{quote(cluster, safe='')}"
 
 
-def collect(items: Mapping[str, KeyValue], cluster: str) -> dict[str, dict[str, PoolSignals]]:
+def collect(
+    items: Mapping[str, KeyValue], cluster: str, fleets: Collection[str] | None = None
+) -> dict[str, dict[str, PoolSignals]]:
     """Every replica's counters for one route cluster: replica -> pool -> signals.
 
-    Records that do not parse are skipped (nothing kvpilot wrote).
+    ``fleets``: only what the Envoys of these fleets logged (None: every fleet). Records that
+    do not parse are skipped (nothing kvpilot wrote).
     """
     out: dict[str, dict[str, PoolSignals]] = {}
     suffix = "/" + quote(cluster, safe="")
@@ -74,10 +77,19 @@ def collect(items: Mapping[str, KeyValue], cluster: str) -> dict[str, dict[str, 
             continue
         replica = unquote(key[len(SIGNALS_PREFIX) :].split("/", 1)[0])
         try:
-            out[replica] = {
-                pool: PoolSignals.from_json(value) for pool, value in body["pools"].items()
-            }
-        except ValueError:
+            if fleets is None:
+                out[replica] = {
+                    pool: PoolSignals.from_json(value) for pool, value in body["pools"].items()
+                }
+                continue
+            by_fleet = body.get("fleets")
+            by_fleet = by_fleet if isinstance(by_fleet, dict) else {}
+            out[replica] = merge(
+                {pool: PoolSignals.from_json(value) for pool, value in dict(pools).items()}
+                for fleet, pools in by_fleet.items()
+                if fleet in fleets
+            )
+        except (ValueError, TypeError):
             continue
     return out
 
@@ -110,6 +122,10 @@ class SignalPublisher:
             "pools": {
                 pool: signals.as_json()
                 for pool, signals in sorted(self.book.counters.get(cluster, {}).items())
+            },
+            "fleets": {
+                fleet: {pool: signals.as_json() for pool, signals in sorted(pools.items())}
+                for fleet, pools in sorted(self.book.by_fleet.get(cluster, {}).items())
             },
         }
 

@@ -12,14 +12,24 @@ push and neither drains a connection nor rebuilds a cluster.
 Pressure
 --------
 For the fresh records (younger than the pool's ``maxAge``) of the replicas in the route's
-first tier, with ``S`` the policy's ``saturation`` bounds::
+first tier, with ``S`` the policy's ``saturation`` bounds and ``T`` its TTFT bound
+(``ServiceClasses.ttft_bound``: half the most important class's objective unless set)::
 
-    pressure = max(mean(waiting) / S.queue, mean(kv_cache) / S.kv_cache,
+    pressure = max(mean(ttft) / T, mean(waiting) / S.queue, mean(kv_cache) / S.kv_cache,
                    mean(pending_tokens) / S.pending_tokens)
 
-1.0 means saturated. The mean, not the busiest replica: one hot replica is the weights' and
-bounded load's job; admission acts when the whole pool is short of room. No fresh record at
-all gives no pressure, and everything is admitted (fail open, as stale weights go neutral).
+1.0 means saturated. The time to first token is the engines' own (vLLM's TTFT histogram,
+between scrapes; idle replicas have none and do not count), against a bound taken from the
+objective, so the pool counts as saturated where its most important class starts to miss.
+Queues are no guide to that: in the service-class benchmark, long batch prompts prefilling in
+the same steps as chat turns, and filling the KV cache so that chat histories were evicted,
+multiplied the chat turns' TTFT by four to ten while the mean queue stayed under one request
+per replica. Queue and KV-cache bounds still count, and catch the pools whose engines report
+no TTFT.
+
+The mean, not the busiest replica: one hot replica is the weights' and bounded load's job;
+admission acts when the whole pool is short of room. No fresh record at all gives no
+pressure, and everything is admitted (fail open, as stale weights go neutral).
 
 Steps and hysteresis
 --------------------
@@ -110,6 +120,7 @@ def pool_signals(
     now: float,
     max_age: float,
     saturation: Saturation,
+    ttft_bound: float | None = None,
 ) -> tuple[Signal, ...]:
     """Each saturation signal of the replicas ``endpoints`` (see the module notes), with its
     bound; ``telemetry`` is keyed by ``Endpoint.key``. Empty when none of them has a fresh
@@ -125,6 +136,9 @@ def pool_signals(
         Signal("queue", statistics.fmean(r.waiting or 0.0 for r in fresh), saturation.queue),
         Signal("kvCache", statistics.fmean(r.kv_cache or 0.0 for r in fresh), saturation.kv_cache),
     ]
+    ttfts = [r.ttft for r in fresh if r.ttft is not None]
+    if ttft_bound is not None and ttfts:
+        signals.append(Signal("ttft", statistics.fmean(ttfts), ttft_bound))
     if saturation.pending_tokens is not None:
         signals.append(
             Signal(
@@ -148,11 +162,20 @@ def pool_pressure(
     now: float,
     max_age: float,
     saturation: Saturation,
+    ttft_bound: float | None = None,
 ) -> float | None:
     """The pressure of the replicas ``endpoints`` (see the module notes); ``telemetry`` is
-    keyed by ``Endpoint.key``. ``None`` when none of them has a fresh record."""
+    keyed by ``Endpoint.key``. ``None`` when none of them has a fresh record. Without
+    ``ttft_bound`` the time to first token does not count."""
     return pressure_of(
-        pool_signals(endpoints, telemetry, now=now, max_age=max_age, saturation=saturation)
+        pool_signals(
+            endpoints,
+            telemetry,
+            now=now,
+            max_age=max_age,
+            saturation=saturation,
+            ttft_bound=ttft_bound,
+        )
     )
 
 

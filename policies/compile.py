@@ -126,7 +126,10 @@ def is_external(pool: Pool) -> bool:
 def pool_endpoints(pool: Pool, registered: Mapping[str, Endpoint]) -> list[Endpoint]:
     """Static endpoints of a pool plus registered ones; a registration overrides a static entry
     with the same address and port."""
-    merged = {endpoint.key: endpoint for endpoint in pool.spec.endpoints}
+    static = pool.spec.by_key
+    if not registered:
+        return list(static.values())
+    merged = dict(static)
     for endpoint in registered.values():
         merged[endpoint.key] = endpoint
     return [merged[key] for key in sorted(merged)]
@@ -189,7 +192,12 @@ def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
                 if pool.spec.telemetry is not None:
                     max_age = min(max_age, pool.spec.telemetry.max_age)
             signals = pool_signals(
-                endpoints, telemetry, now=state.now, max_age=max_age, saturation=classes.saturation
+                endpoints,
+                telemetry,
+                now=state.now,
+                max_age=max_age,
+                saturation=classes.saturation,
+                ttft_bound=classes.ttft_bound,
             )
             name = cluster_name(policy_name, route.name)
             out[name] = decide(
@@ -256,44 +264,38 @@ def _tier_endpoints(
         pool = state.pools.get(target.pool)
         if pool is None or target.weight == 0 or is_external(pool):
             continue
-        decisions = weights.get(target.pool, {})
+        endpoints = pool_endpoints(pool, state.registered.get(target.pool, {}))
+        decisions = weights.get(target.pool)
         # (endpoint, weight, health): telemetry decisions override the registered values.
-        endpoints = []
-        for endpoint in pool_endpoints(pool, state.registered.get(target.pool, {})):
-            decision = decisions.get(endpoint.key)
-            if decision is None:
-                endpoints.append((endpoint, endpoint.weight, endpoint.health))
-            else:
-                health = "degraded" if decision.degraded else endpoint.health
-                endpoints.append((endpoint, decision.weight, health))
-        if endpoints:
-            members.append((target.weight, pool, endpoints))
+        rows = [
+            (endpoint, endpoint.weight, endpoint.health)
+            if decisions is None or (decision := decisions.get(endpoint.key)) is None
+            else (endpoint, decision.weight, "degraded" if decision.degraded else endpoint.health)
+            for endpoint in endpoints
+        ]
+        if rows:
+            members.append((target.weight, pool, rows))
     out: list[PlanEndpoint] = []
     single = len(members) == 1
-    for pool_weight, pool, endpoints in members:
-        total = sum(weight for _, weight, _ in endpoints)
+    for pool_weight, pool, rows in members:
+        total = sum(weight for _, weight, _ in rows)
         name = pool.metadata.name
         hostname = pool.spec.host_rewrite or ""
-        for endpoint, endpoint_weight, health in endpoints:
-            if single:
-                weight = endpoint_weight
-            else:
-                weight = max(1, round(endpoint_weight * pool_weight * SPLIT_SCALE / total))
-            locality = endpoint.locality
-            # Positional: this runs once per endpoint and route.
-            out.append(
-                PlanEndpoint(
-                    name,
-                    endpoint.address,
-                    endpoint.port,
-                    weight,
-                    priority,
-                    health,
-                    locality.region if locality else "",
-                    locality.zone if locality else "",
-                    hostname,
-                )
+        # Positional, in one comprehension: this runs once per endpoint and route.
+        out.extend(
+            PlanEndpoint(
+                name,
+                endpoint.address,
+                endpoint.port,
+                weight if single else max(1, round(weight * pool_weight * SPLIT_SCALE / total)),
+                priority,
+                health,
+                endpoint.locality.region if endpoint.locality else "",
+                endpoint.locality.zone if endpoint.locality else "",
+                hostname,
             )
+            for endpoint, weight, health in rows
+        )
     return out
 
 
@@ -504,6 +506,26 @@ def _applies(policy: RoutingPolicy, fleet: str) -> bool:
     return "*" in policy.spec.fleets or fleet in policy.spec.fleets
 
 
+def fleet_weighted(policy: RoutingPolicy) -> set[str]:
+    """Fleets for which some tier of ``policy`` has weights of their own (``fleetWeights``)."""
+    return {
+        fleet
+        for route in policy.spec.routes
+        for tier in route.tiers
+        for fleet in tier.fleet_weights
+    }
+
+
+def policy_in(policy: RoutingPolicy, fleet: str) -> RoutingPolicy:
+    """``policy`` as the Envoys of ``fleet`` get it: each tier with that fleet's weights."""
+    routes = [
+        route.model_copy(update={"tiers": [tier.weights_in(fleet) for tier in route.tiers]})
+        for route in policy.spec.routes
+    ]
+    spec = policy.spec.model_copy(update={"routes": routes})
+    return policy.model_copy(update={"spec": spec})
+
+
 def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPlan:
     """Build the routing plan for every fleet. Pure: the same state gives the same plan, with
     or without `memo` (which only saves recompiling routes whose inputs did not change)."""
@@ -543,6 +565,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
     watched = rollout_clusters(state)
     fleets = []
     for fleet in fleet_names(state):
+        in_fleet = _fleet_compiled(state, fleet, compiled, weights, admission)
         fleet_object = state.fleets.get(fleet)
         settings = fleet_object.spec if fleet_object is not None else FleetSpec()
         by_port: dict[int, list[RoutingPolicy]] = {}
@@ -554,7 +577,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         clusters: list[PlanCluster] = []
         for port in sorted(by_port):
             vhosts, port_clusters, port_diagnostics = _merge_listener(
-                fleet, by_port[port], compiled
+                fleet, by_port[port], in_fleet
             )
             diagnostics.extend(port_diagnostics)
             clusters.extend(port_clusters)
@@ -588,6 +611,33 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         weights=weights,
         admission=admission,
     )
+
+
+def _fleet_compiled(
+    state: PolicyState,
+    fleet: str,
+    compiled: Mapping[str, tuple[list[PlanCluster], PlanVirtualHost]],
+    weights: Mapping[str, Mapping[str, WeightDecision]],
+    admission: Mapping[str, AdmissionDecision],
+) -> Mapping[str, tuple[list[PlanCluster], PlanVirtualHost]]:
+    """``compiled``, with the policies whose tiers weigh pools differently in ``fleet``
+    compiled again as that fleet gets them (a rollout's canary fleet; rare and short-lived,
+    so not memoised)."""
+    out = dict(compiled)
+    for name, policy in state.policies.items():
+        if fleet not in fleet_weighted(policy) or not _applies(policy, fleet):
+            continue
+        variant = policy_in(policy, fleet)
+        clusters: list[PlanCluster] = []
+        routes = []
+        for route in variant.spec.routes:
+            route_clusters, plan_route = _compile_route(
+                variant, route, state, weights, admission.get(cluster_name(name, route.name))
+            )
+            clusters.extend(route_clusters)
+            routes.append(plan_route)
+        out[name] = (clusters, replace(compiled[name][1], routes=tuple(routes)))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -287,16 +289,29 @@ class PoolSpec(Model):
     @field_validator("endpoints")
     @classmethod
     def _unique_endpoints(cls, endpoints: list[Endpoint]) -> list[Endpoint]:
-        seen: set[str] = set()
-        for endpoint in endpoints:
-            if endpoint.key in seen:
-                raise ValueError(f"endpoint {endpoint.key} is listed twice")
-            seen.add(endpoint.key)
+        # (address, port) pairs are unique exactly when keys are (a port has no colon), and
+        # are made without a cached property per endpoint: at 10,000 endpoints that was a
+        # quarter of validating the pools.
+        if len({(endpoint.address, endpoint.port) for endpoint in endpoints}) < len(endpoints):
+            seen: set[str] = set()
+            for endpoint in endpoints:
+                if endpoint.key in seen:
+                    raise ValueError(f"endpoint {endpoint.key} is listed twice")
+                seen.add(endpoint.key)
         return endpoints
 
     # --------------------------------------------------------------------------------------------
     # RoutingPolicy
     # --------------------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def by_key(self) -> Mapping[str, Endpoint]:
+        """The static endpoints by ``Endpoint.key``, in key order: what compile starts every
+        route, count and weight of this pool from. Worked out once per parsed pool."""
+        # Endpoint.key spelled out: the cached property costs more than the string on a
+        # first access, and this is the first access for every static endpoint.
+        keyed = {f"{endpoint.address}:{endpoint.port}": endpoint for endpoint in self.endpoints}
+        return MappingProxyType({key: keyed[key] for key in sorted(keyed)})
 
     @functools.cached_property
     def external(self) -> bool:
@@ -356,6 +371,13 @@ class Tier(Model):
     """One failover tier: Envoy uses tier k+1 only when tier k lacks healthy capacity."""
 
     pools: list[PoolTarget] = Field(min_length=1, description="Pools in this tier.")
+    fleet_weights: dict[Name, dict[Name, Annotated[int, Field(ge=0, le=10_000)]]] = Field(
+        default_factory=dict,
+        description="Pool weights this tier has in the named fleets instead of the pools' "
+        "'weight' (fleet -> pool -> weight; a pool left out gets 0). A Rollout that takes "
+        "fleets in order sets this while a step has reached only its canary fleets. "
+        "Default: none.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -375,7 +397,26 @@ class Tier(Model):
             raise ValueError(f"pool {duplicates[0]!r} appears twice in one tier")
         if sum(target.weight for target in self.pools) == 0:
             raise ValueError("at least one pool in a tier needs a weight above 0")
+        for fleet, weights in self.fleet_weights.items():
+            unknown = sorted(set(weights) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"fleetWeights.{fleet} names pool {unknown[0]!r}, which is not in the tier"
+                )
+            if sum(weights.values()) == 0:
+                raise ValueError(f"fleetWeights.{fleet} needs a pool with a weight above 0")
         return self
+
+    def weights_in(self, fleet: str) -> Tier:
+        """This tier as the Envoys of ``fleet`` get it (its ``fleetWeights`` applied)."""
+        weights = self.fleet_weights.get(fleet)
+        if weights is None:
+            return self if not self.fleet_weights else self.model_copy(update={"fleet_weights": {}})
+        pools = [
+            target.model_copy(update={"weight": weights.get(target.pool, 0)})
+            for target in self.pools
+        ]
+        return self.model_copy(update={"pools": pools, "fleet_weights": {}})
 
 
 HashAlgorithm = Literal["ring_hash", "maglev"]
@@ -600,15 +641,31 @@ class ServiceClass(Model):
         return self
 
 
+TTFT_SHARE = 0.5
+"""Share of the most important class's TTFT objective that the pool's mean time to first
+token may reach before the pool counts as saturated (``Saturation.ttft``'s default)."""
+
+
 class Saturation(Model):
     """When a pool counts as saturated, from its live telemetry (``Pool.spec.telemetry``).
 
-    Pressure is the largest of the pool's mean queue, KV-cache use and pending tokens, each
-    divided by its bound here: 1.0 means saturated. kvpilot sheds (or diverts) one more step
-    of the lowest restricted class while pressure is at or above ``high`` and not falling,
-    and gives one step back while it is at or below ``low``: between the two nothing moves.
+    Pressure is the largest of the pool's mean time to first token, queue, KV-cache use and
+    pending tokens, each divided by its bound here: 1.0 means saturated. The time to first
+    token is what the objectives promise, and long prompts prefilling beside short ones slow
+    it well before any queue forms, so its bound follows the most important class's
+    objective. kvpilot sheds (or diverts) one more step of the lowest restricted class while
+    pressure is at or above ``high`` and not falling, and gives one step back while it is at
+    or below ``low``: between the two nothing moves.
     """
 
+    ttft: Duration | None = Field(
+        None,
+        gt=0,
+        description="Mean time to first token on the pool's replicas (as the engines report "
+        "it, all classes together) at which the pool is saturated. Default: half the "
+        "objective of the most important class: the slowest of its requests cross the "
+        "objective about when the mean crosses half of it.",
+    )
     queue: float = Field(
         4.0,
         gt=0,
@@ -671,6 +728,14 @@ class ServiceClasses(Model):
     saturation: Saturation = Field(
         default_factory=Saturation, description="When the pool counts as saturated."
     )
+
+    @property
+    def ttft_bound(self) -> float:
+        """The mean time to first token that saturates the pool: ``saturation.ttft``, else
+        ``TTFT_SHARE`` of the most important class's objective."""
+        if self.saturation.ttft is not None:
+            return self.saturation.ttft
+        return self.classes[0].objective.ttft * TTFT_SHARE
 
     def names(self) -> list[str]:
         """Class names, most important first."""
@@ -996,6 +1061,14 @@ class RolloutSpec(Model):
     steps: list[RolloutStep] = Field(
         min_length=1, max_length=100, description="Steps in order; the last is the end state."
     )
+    fleets: list[Name] = Field(
+        default_factory=list,
+        description="Canary fleets, which take every step first: their Envoys get a step's "
+        "weights while every other fleet keeps the weights of the step before, until the "
+        "step has been held and has passed its analysis on the canary fleets' traffic alone; "
+        "then the step reaches every fleet and is held and analysed again. Default: none "
+        "(every fleet at once).",
+    )
     analysis: Analysis = Field(
         default_factory=Analysis, description="Checks applied at every step."
     )
@@ -1033,6 +1106,9 @@ class RolloutSpec(Model):
                         f"the weights add up to {sum(step.weights.values())}, not 100",
                     )
                 )
+        duplicates = sorted({f for f in self.fleets if self.fleets.count(f) > 1})
+        if duplicates:
+            out.append(("fleets", f"fleet {duplicates[0]!r} is named twice"))
         if uses_weight:
             for field_name in ("stable", "canary"):
                 if getattr(self, field_name) is None:

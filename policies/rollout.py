@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from policies.compile import PolicyState, cluster_name
+from policies.compile import PolicyState, cluster_name, fleet_names
 from policies.models import AnalysisRule, Rollout
 from policies.validate import FieldError
 
@@ -101,6 +101,16 @@ def reference_errors(rollout: Rollout, state: PolicyState) -> list[FieldError]:
                     path,
                     f"pool {pool!r} is an external provider; a rollout moves weight between "
                     "replica pools of one cluster",
+                )
+            )
+    served = fleet_names(state) if "*" in policy.spec.fleets else policy.spec.fleets
+    for index, fleet in enumerate(spec.fleets):
+        if fleet not in served:
+            errors.append(
+                FieldError(
+                    f"spec.fleets[{index}]",
+                    f"policy {spec.target.policy!r} serves no fleet {fleet!r} (it serves "
+                    f"{', '.join(repr(f) for f in served)}); name a fleet of its Envoys",
                 )
             )
     for name, other in state.rollouts.items():

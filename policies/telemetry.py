@@ -15,7 +15,7 @@ fullest engine is the one that preempts first.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,6 +50,13 @@ class TelemetryRecord(BaseModel):
         description="Mean seconds between output tokens since the previous scrape: the "
         "replica's speed, which the weight function compares across a pool.",
     )
+    ttft: float | None = Field(
+        None,
+        gt=0,
+        description="Mean seconds to first token of the requests whose first token came "
+        "since the last scrape that saw one, while the replica has work: what admission "
+        "compares with the service-class objective. Unset on an idle replica.",
+    )
     format: str = Field("", description="Metric map the record was read with.")
 
     def to_json(self) -> str:
@@ -81,6 +88,10 @@ class MetricMap:
     """Sum of a time-per-output-token histogram; with ``token_count`` gives the mean time per
     output token between scrapes."""
     token_count: tuple[str, ...] = ()
+    ttft_seconds: tuple[str, ...] = ()
+    """Sum of a time-to-first-token histogram; with ``ttft_count`` gives the mean time to
+    first token of the requests that got one between scrapes."""
+    ttft_count: tuple[str, ...] = ()
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> MetricMap:
@@ -122,6 +133,8 @@ VLLM = MetricMap(
         "vllm:time_per_output_token_seconds_count",
         "vllm:inter_token_latency_seconds_count",
     ),
+    ttft_seconds=("vllm:time_to_first_token_seconds_sum",),
+    ttft_count=("vllm:time_to_first_token_seconds_count",),
 )
 SGLANG = MetricMap(
     waiting=("sglang:num_queue_reqs",),
@@ -176,6 +189,12 @@ class Counters:
     """Sum of the time-per-output-token histogram."""
     token_count: float | None = None
     """Output tokens observed by that histogram."""
+    ttft_seconds: float | None = None
+    """Sum of the time-to-first-token histogram when a first token was last seen."""
+    ttft_count: float | None = None
+    """First tokens observed by that histogram then."""
+    ttft: float | None = None
+    """The mean time to first token measured then, carried while no new first token comes."""
 
 
 def _delta(now: float | None, before: float | None) -> float | None:
@@ -223,8 +242,13 @@ def extract(
         hits=total(metric_map.prefix_hits),
         token_seconds=total(metric_map.token_seconds),
         token_count=total(metric_map.token_count),
+        ttft_seconds=total(metric_map.ttft_seconds),
+        ttft_count=total(metric_map.ttft_count),
     )
     if previous is not None:
+        counters = _time_to_first_token(counters, previous, busy=_busy(values))
+        if counters.ttft is not None:
+            values["ttft"] = counters.ttft
         asked = _delta(counters.queries, previous.queries)
         found_hits = _delta(counters.hits, previous.hits)
         if asked and found_hits is not None:
@@ -234,6 +258,40 @@ def extract(
         if tokens and seconds:
             values["time_per_output_token"] = seconds / tokens
     return TelemetryRecord.model_validate(values), counters
+
+
+def _busy(values: Mapping[str, Any]) -> bool:
+    """True unless the scrape shows an idle replica (nothing running, nothing waiting);
+    a server that exports neither count is taken as busy."""
+    waiting, running = values.get("waiting"), values.get("running")
+    if waiting is None and running is None:
+        return True
+    return bool(waiting) or bool(running)
+
+
+def _time_to_first_token(counters: Counters, previous: Counters, *, busy: bool) -> Counters:
+    """``counters`` with the mean time to first token since the last scrape that saw one.
+
+    At a scrape every second, most replicas see no new first token in most intervals, and
+    a queue that grows slowly shows no first token at all for a while: so the window grows
+    until a first token comes (the previous totals are kept), and the last mean is carried
+    meanwhile. An idle replica has no time to first token to speak of: nothing is carried,
+    or a pool would stay "saturated" on the memory of its last burst once traffic stops.
+    """
+    seconds = _delta(counters.ttft_seconds, previous.ttft_seconds)
+    count = _delta(counters.ttft_count, previous.ttft_count)
+    if counters.ttft_count is None or counters.ttft_seconds is None:
+        return counters
+    if previous.ttft_count is None or count is None or seconds is None:
+        return counters  # the first scrape, or a restart: start a new window
+    if count > 0:
+        return replace(counters, ttft=seconds / count if seconds > 0 else None)
+    return replace(
+        counters,
+        ttft_seconds=previous.ttft_seconds,
+        ttft_count=previous.ttft_count,
+        ttft=previous.ttft if busy else None,
+    )
 
 
 def metric_map_for(format: str, custom: MetricMap | None = None) -> MetricMap:
@@ -272,7 +330,7 @@ class WriteBand:
     as many reconciler wakeups a second, for changes the weight function's own quantization
     band throws away. Counts (waiting, running, pending tokens) move when they change by more
     than ``relative`` of the larger value and by at least their floor, so a short queue still
-    counts every request; fractions (KV-cache use, prefix hit rate) when they move by more than
+    counts every request (the time to first token moves like a count); fractions (KV-cache use, prefix hit rate) when they move by more than
     ``fraction``. Capacity and format changes always count.
     """
 
@@ -281,6 +339,8 @@ class WriteBand:
     """Floor for waiting and running requests."""
     tokens: float = 256.0
     """Floor for pending tokens."""
+    seconds: float = 0.02
+    """Floor for the time to first token."""
     fraction: float = 0.05
     """Absolute band for KV-cache use and prefix hit rate."""
 
@@ -292,6 +352,7 @@ class WriteBand:
             (last.waiting, record.waiting, self.requests),
             (last.running, record.running, self.requests),
             (last.pending_tokens, record.pending_tokens, self.tokens),
+            (last.ttft, record.ttft, self.seconds),
         )
         for old, new, floor in counts:
             if (old is None) != (new is None):

@@ -20,7 +20,7 @@ from harness.builders import fleet, policy, pool, rollout
 from api.auth import AuthConfig, TokenReloader, WriteRateLimit
 from controlplane.audit import AuditLog, diff
 from controlplane.launchers import EmbeddedEtcd
-from controlplane.rollouts import state_key
+from controlplane.rolloutstate import state_key
 from controlplane.store import Actor, Store
 
 WRITE_METHODS = {"post", "put", "delete", "patch"}

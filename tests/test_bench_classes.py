@@ -3,7 +3,8 @@ and the target rows, on hand-made request results (the run itself is `make bench
 
 from __future__ import annotations
 
-from bench.classes import BATCH, INTERACTIVE, Phase, default_config, summarize, targets
+from bench.classes import BATCH, INTERACTIVE, Phase, default_config
+from bench.classes_report import summarize, targets
 from bench.loadgen import RequestResult
 
 

@@ -258,12 +258,16 @@ def test_diff_shows_the_envoy_resources_a_file_would_change_and_writes_nothing(
     changed.write_text(yaml.safe_dump_all(documents))
     code, out, _ = run(capsys, *common, "diff", "-f", str(changed))
     assert "pool/demo-pool would be configured" in out
-    # In Envoy terms: one ClusterLoadAssignment changes, and only the weight in it.
+    # In Envoy terms: one ClusterLoadAssignment changes, and only weights in it: the
+    # endpoint's, and its pool's locality weight (the sum of the pool's endpoints).
     assert "--- fleet default endpoints demo/chat (now)" in out
     removed = [line for line in out.splitlines() if line.startswith("- ")]
     added = [line for line in out.splitlines() if line.startswith("+ ")]
-    assert [line.split()[1] for line in removed] == ["loadBalancingWeight:"]
-    assert [line.split()[1:] for line in added] == [["loadBalancingWeight:", "700"]]
+    assert [line.split()[1] for line in removed] == ["loadBalancingWeight:"] * 2
+    assert sorted(line.split()[1:] for line in added) == [
+        ["loadBalancingWeight:", "700"],
+        ["loadBalancingWeight:", "900"],
+    ]
     assert out.rstrip().endswith("Envoy resources: 1 changed")
     code, out, _ = run(capsys, *common, "get", "pool", "demo-pool", "-o", "json")
     assert json.loads(out)["spec"]["endpoints"][0]["weight"] == 100

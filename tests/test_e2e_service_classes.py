@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,8 +25,9 @@ from harness.rig import Rig
 from harness.traffic import send
 from harness.wait import wait_until
 
+from bench.simulator import SimConfig
 from controlplane.etcd import EtcdClient
-from controlplane.launchers import EmbeddedEtcd
+from controlplane.launchers import EmbeddedEtcd, repo_root
 from controlplane.store import Store
 
 pytestmark = pytest.mark.e2e
@@ -167,6 +171,99 @@ def test_a_saturated_pool_sheds_batch_first_and_takes_it_back_when_it_recovers(
     metrics = httpx.get(f"{rig.kvpilot.api_url}/metrics", timeout=5).text
     assert 'kvpilot_admission_changes_total{direction="restrict",route="svc/chat"} 2.0' in metrics
     assert 'kvpilot_admission_changes_total{direction="readmit",route="svc/chat"} 2.0' in metrics
+
+
+def test_slow_first_tokens_seen_by_the_agent_shed_batch_and_fast_ones_take_it_back(
+    rig: Rig, backends: Any, etcd: EmbeddedEtcd, etcd_prefix: str, tmp_path: Any
+) -> None:
+    """The default saturation signal, closed through the real agent: simulated replicas
+    whose engine steps slow down report slow first tokens in vLLM's TTFT histogram, the
+    agent writes them, and kvpilot sheds batch with no queue anywhere."""
+    replicas = backends(2, id_prefix="ttft", simulator=SimConfig())
+    ports = [r.port for r in replicas.replicas]
+    service_classes = classes(whenSaturated="shed", retryAfter="5s")
+    # Interactive's objective 200 ms: the pool saturates at a mean TTFT of 100 ms. A
+    # simulated step takes 12 ms (about 20 ms to a first token), 240 ms when slowed 20x.
+    service_classes["classes"][0]["objective"] = {"ttft": "200ms"}
+    rig.apply(
+        pool("sims", ports, telemetry={"maxAge": "10s"}, health_check=FAST_HEALTH_CHECK),
+        classified(rig, service_classes),
+    )
+    rig.wait_ready(CLUSTER, ports)
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "controlplane.agent",
+            "--etcd-endpoints",
+            etcd.endpoint,
+            "--etcd-prefix",
+            etcd_prefix,
+            "--pool",
+            "sims",
+            *[arg for r in replicas.replicas for arg in ("--backend", r.url)],
+            "--interval",
+            "0.2",
+            "--refresh",
+            "1",
+        ],
+        cwd=repo_root(),
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "agent.log").open("w"),
+    )
+    client = httpx.Client(timeout=30)
+    short = chat(max_tokens=2)
+    stop = threading.Event()
+
+    def chatting() -> None:
+        # Interactive traffic keeps both replicas working, so their engines keep
+        # reporting first tokens (an idle replica reports none).
+        with httpx.Client(timeout=30) as own:
+            while not stop.is_set():
+                own.post(rig.url(), json=chat(max_tokens=8))
+
+    def batch() -> int:
+        return client.post(rig.url(), json=short, headers=BATCH).status_code
+
+    def pressure() -> float:
+        text = httpx.get(f"{rig.kvpilot.api_url}/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith('kvpilot_admission_pressure{route="svc/chat"}'):
+                return float(line.rpartition(" ")[2])
+        return -1.0
+
+    with ThreadPoolExecutor(3) as load:
+        loops = [load.submit(chatting) for _ in range(3)]
+        try:
+            seen: list[float] = []
+
+            def calm() -> bool:
+                seen.append(pressure())
+                return 0 <= seen[-1] < 0.5
+
+            try:
+                wait_until(calm, 60, message="fast first tokens reported")
+            except AssertionError:
+                log = (tmp_path / "agent.log").read_text()[-3000:]
+                raise AssertionError(f"pressure {seen[-30:]}; agent: {log}") from None
+            assert [batch() for _ in range(5)] == [200] * 5
+
+            for replica in replicas.replicas:
+                replicas.slow(replica.id, 20)
+            wait_until(lambda: batch() == 429, 30, message="batch shed on slow first tokens")
+            assert pressure() >= 1.0
+            assert [client.post(rig.url(), json=short).status_code for _ in range(3)] == [200] * 3
+
+            for replica in replicas.replicas:
+                replicas.slow(replica.id, 1)
+            wait_until(lambda: batch() == 200, 30, message="batch readmitted")
+            assert [batch() for _ in range(5)] == [200] * 5
+        finally:
+            stop.set()
+            agent.terminate()
+            agent.wait(10)
+        for loop in loops:
+            loop.result()
 
 
 def test_a_tenant_over_its_share_of_the_class_budget_is_limited_while_others_pass(

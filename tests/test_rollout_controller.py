@@ -7,16 +7,19 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
+from time import monotonic as loop_time
 from typing import Any
 
 import pytest
 from harness.builders import policy, pool, rollout, rollout_steps
 from harness.wait import poll
 
+from controlplane.election import leader_key
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.mirror import StateMirror
-from controlplane.rollouts import RolloutController, state_key
+from controlplane.rollouts import RolloutController
+from controlplane.rolloutstate import LEADER_JOB, state_key
 from controlplane.store import Store, decode_json
 
 pytestmark = pytest.mark.e2e
@@ -118,3 +121,33 @@ async def test_a_stale_leader_cannot_write_and_a_lost_policy_fails_the_rollout(
 
         await poll(failed, within=10)
         assert "RoutingPolicy 'main' is gone" in (await state(store))["message"]
+
+
+async def test_a_follower_takes_the_key_from_a_silent_leader_before_its_lease_runs_out(
+    etcd: EmbeddedEtcd, etcd_prefix: str
+) -> None:
+    # A leader that holds the key under a 60 s lease but never renews its heartbeat, as a
+    # driver does from the moment it is killed.
+    client = EtcdClient([etcd.endpoint])
+    await client.connect()
+    store = Store(client, etcd_prefix)
+    lease = await client.grant_lease(60)
+    await client.put(
+        store.keys.absolute(leader_key(LEADER_JOB)), b'{"replica": "ghost"}', lease=lease
+    )
+    silent_since = loop_time()
+    try:
+        async with controller(etcd.endpoint, etcd_prefix, "b") as (b, _):
+
+            async def taken() -> bool:
+                return b.leading
+
+            await poll(taken, within=10)
+            took = loop_time() - silent_since
+            assert await b.election.holder() == "b"
+    finally:
+        await client.revoke_lease(lease)
+        await client.close()
+    # It waits for 0.6 of the 2 s TTL without a heartbeat, not for the lease's 60 s (the bound
+    # within the TTL is the SIGKILL test's; here the machine's load must not fail the test).
+    assert 1.2 <= took < 30, f"took the key {took:.2f}s after the leader went silent"

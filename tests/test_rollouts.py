@@ -9,20 +9,23 @@ import json
 import threading
 import urllib.parse
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2
 from harness.api import Harness, running_api
 from harness.builders import policy, pool, rollout
 
 from commands.cli import render_rollout
-from controlplane.etcd import EtcdClient
+from controlplane.etcd import EtcdClient, KeyValue
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.rollouts import RolloutController
-from controlplane.store import Keys
-from policies import PolicyState, Rollout, compile_plan, parse_object
+from controlplane.signals import SignalPublisher, collect, signals_key
+from controlplane.store import Keys, encode_json
+from policies import PolicyError, PolicyState, Rollout, compile_plan, parse_object
 from policies.models import AnalysisRule
 from policies.rollout import BUCKET_BOUNDS, PoolSignals, evaluate, quantile
+from xdsserver.signals import SignalBook
 from xdsserver.translate.listeners import SIGNALS_CLUSTER, translate_listener
 
 
@@ -85,6 +88,8 @@ INVALID = [
         id="a query rule without prometheus",
     ),
     pytest.param("steps", [{"weight": 10, "weights": {"chat": 100}}], "spec.steps[0]", id="both"),
+    pytest.param("fleets", ["edge"], "spec.fleets[0]", id="an unknown canary fleet"),
+    pytest.param("fleets", ["default", "default"], "spec.fleets", id="a fleet named twice"),
 ]
 
 
@@ -214,6 +219,12 @@ def test_status_draws_a_bar_for_the_current_step() -> None:
     )
     assert ">> step 0: chat=95% next=5% [" + "#" * 15 + "-" * 15 + "]" in text
     assert "canary 3 requests" in text and "errorRate: waiting" in text
+    assert "only)" not in text
+    in_blue = render_rollout(
+        {"phase": "Progressing", "steps": [{"chat": 95, "next": 5}], "step": 0, "fleets": ["blue"]},
+        now=105.0,
+    )
+    assert "(fleets blue only)" in in_blue.splitlines()[1]
 
 
 async def test_query_rules_read_prometheus_with_the_pools_filled_in() -> None:
@@ -269,3 +280,79 @@ async def test_query_rules_read_prometheus_with_the_pools_filled_in() -> None:
         queried=values,
     )
     assert [r.outcome for r in verdict.results] == ["fail", "waiting"]
+
+
+def test_a_tier_weighs_its_pools_differently_in_the_fleets_that_name_it() -> None:
+    objects = [
+        parse_object(pool("chat")),
+        parse_object(pool("next", 8003)),
+        parse_object(
+            {
+                **policy("main", ("chat",)),
+                "spec": {
+                    "fleets": ["blue", "green"],
+                    "listener": {"port": 10000},
+                    "routes": [
+                        {
+                            "name": "all",
+                            "tiers": [
+                                {
+                                    "pools": [
+                                        {"pool": "chat", "weight": 100},
+                                        {"pool": "next", "weight": 0},
+                                    ],
+                                    "fleetWeights": {"blue": {"chat": 75, "next": 25}},
+                                }
+                            ],
+                        }
+                    ],
+                },
+            }
+        ),
+    ]
+    plan = compile_plan(PolicyState.from_objects(objects))
+    shares = {}
+    for fleet in plan.fleets:
+        if fleet.fleet == "default":
+            continue
+        [cluster] = [c for c in fleet.clusters if c.name == "main/all"]
+        total = sum(e.weight for e in cluster.endpoints)
+        shares[fleet.fleet] = {
+            p: round(100 * sum(e.weight for e in cluster.endpoints if e.pool == p) / total)
+            for p in ("chat", "next")
+        }
+    assert shares == {"blue": {"chat": 75, "next": 25}, "green": {"chat": 100, "next": 0}}
+
+
+def test_fleet_weights_may_only_name_pools_of_the_tier() -> None:
+    body = policy("main", ("chat",))
+    body["spec"]["routes"][0]["tiers"] = [{"pools": ["chat"], "fleetWeights": {"b": {"x": 1}}}]
+    with pytest.raises(PolicyError, match="'x', which is not in the tier"):
+        parse_object(body)
+
+
+def test_signals_are_kept_per_fleet_and_collected_for_the_fleets_asked() -> None:
+    book = SignalBook(lambda cluster, address, port: "next" if port == 8003 else "chat")
+
+    def entry(port: int, status: int) -> accesslog_pb2.HTTPAccessLogEntry:
+        log = accesslog_pb2.HTTPAccessLogEntry()
+        log.common_properties.upstream_cluster = "main/all"
+        log.common_properties.upstream_remote_address.socket_address.address = "127.0.0.1"
+        log.common_properties.upstream_remote_address.socket_address.port_value = port
+        log.response.response_code.value = status
+        return log
+
+    for _ in range(3):
+        book.observe(entry(8003, 500), "blue")
+    book.observe(entry(8003, 200), "green")
+    book.observe(entry(8000, 200), "green")
+    publisher = SignalPublisher(cast(Any, None), book, "r1")  # record() reads no store
+    body = encode_json(publisher.record("main/all"))
+    key = signals_key("r1", "main/all")
+    items = {key: KeyValue(key.encode(), body, 1, 1, 1, 0)}
+    every = collect(items, "main/all")["r1"]
+    assert (every["next"].requests, every["next"].errors, every["chat"].requests) == (4, 3, 1)
+    blue = collect(items, "main/all", ["blue"])["r1"]
+    assert (blue["next"].requests, blue["next"].errors, "chat" in blue) == (3, 3, False)
+    green = collect(items, "main/all", ["green"])["r1"]
+    assert (green["next"].requests, green["next"].errors, green["chat"].requests) == (1, 0, 1)

@@ -46,7 +46,12 @@ def test_serve_prints_and_reports_the_embedded_etcd_address(tmp_path: Path) -> N
             response = httpx.get(f"http://127.0.0.1:{api_port}/v1/status", headers=ADMIN)
             return response.json() if response.status_code == 200 else None
 
-        reported = wait_until(status, 30, message="/v1/status to answer")
+        def watching() -> dict[str, object] | None:
+            # /v1/status answers before the mirror's watch is up on a loaded machine.
+            reported = status()
+            return reported if reported and reported["etcd"]["watching"] else None  # type: ignore[index]
+
+        reported = wait_until(watching, 30, message="/v1/status to report the watch up")
         assert reported["etcd"] == {"endpoints": [address], "embedded": True, "watching": True}
         # The address works: an agent could write there.
         assert httpx.get(f"http://{address}/health", timeout=5).json()["health"] == "true"

@@ -12,7 +12,7 @@ import pytest
 from controlplane.launchers import find_binary, repo_root
 from policies import PolicyError, PolicyState, compile_plan, load_objects, parse_object
 from policies.admission import AdmissionDecision, decide, pool_pressure, pool_signals
-from policies.models import Endpoint, Saturation, ServiceClass
+from policies.models import Endpoint, Saturation, ServiceClass, ServiceClasses
 from policies.telemetry import TelemetryRecord
 from xdsserver.static import validate_with_envoy
 from xdsserver.translate import translate
@@ -187,6 +187,34 @@ def test_pool_signals_give_each_mean_against_its_bound() -> None:
         ("pendingTokens", 2000.0, 4000.0, 0.5),
     ]
     assert pool_signals(endpoints, records, now=200.0, max_age=10.0, saturation=saturation) == ()
+
+
+def test_the_mean_time_to_first_token_saturates_at_half_the_first_class_objective() -> None:
+    endpoints = [Endpoint(address="10.0.0.1", port=p) for p in (1, 2, 3)]
+    records = {
+        "10.0.0.1:1": TelemetryRecord(at=100.0, waiting=0, ttft=0.9),
+        "10.0.0.1:2": TelemetryRecord(at=100.0, waiting=0, ttft=0.3),
+        "10.0.0.1:3": TelemetryRecord(at=100.0, waiting=0),  # idle: no TTFT, not counted
+    }
+    classes = ServiceClasses.model_validate({"classes": [INTERACTIVE, BATCH]})
+    assert classes.ttft_bound == 0.5  # half of interactive's 1 s
+    pressure = pool_pressure(
+        endpoints,
+        records,
+        now=101.0,
+        max_age=10.0,
+        saturation=classes.saturation,
+        ttft_bound=classes.ttft_bound,
+    )
+    assert pressure == pytest.approx(1.2)  # mean 0.6 s over 0.5 s; no queue at all
+    explicit = ServiceClasses.model_validate(
+        {"classes": [INTERACTIVE, BATCH], "saturation": {"ttft": "1200ms"}}
+    )
+    assert explicit.ttft_bound == 1.2
+    # Without a bound (or without TTFT in the records) the queue and KV cache decide alone.
+    assert pool_pressure(
+        endpoints, records, now=101.0, max_age=10.0, saturation=classes.saturation
+    ) == pytest.approx(0.0)
 
 
 def test_a_saturated_pool_becomes_shed_and_divert_entries_that_envoy_accepts(

@@ -216,3 +216,36 @@ def test_time_per_output_token_is_the_mean_between_scrapes() -> None:
     assert second.time_per_output_token == pytest.approx(0.06)
     idle, _ = extract(parse_samples(scrape(16.0, 600)), VLLM, at=3.0, previous=counters)
     assert idle.time_per_output_token is None  # no token generated: no evidence
+
+
+def test_time_to_first_token_is_the_mean_since_the_last_first_token_while_the_replica_works() -> (
+    None
+):
+    def scrape(seconds: float, count: float, running: int) -> str:
+        return (
+            f"vllm:num_requests_running {running}\n"
+            "vllm:num_requests_waiting 0\n"
+            "# TYPE vllm:time_to_first_token_seconds histogram\n"
+            f'vllm:time_to_first_token_seconds_bucket{{le="+Inf"}} {count}\n'
+            f"vllm:time_to_first_token_seconds_sum {seconds}\n"
+            f"vllm:time_to_first_token_seconds_count {count}\n"
+        )
+
+    first, counters = extract(parse_samples(scrape(50.0, 100, 4)), VLLM, at=1.0)
+    assert first.ttft is None  # totals since start say nothing about now
+    second, counters = extract(parse_samples(scrape(53.0, 104, 4)), VLLM, at=2.0, previous=counters)
+    assert second.ttft == pytest.approx(0.75)
+    # No first token since: the last mean is carried while the replica works, and the
+    # window grows until the next first token comes.
+    waiting, counters = extract(
+        parse_samples(scrape(53.0, 104, 6)), VLLM, at=3.0, previous=counters
+    )
+    assert waiting.ttft == pytest.approx(0.75)
+    later, counters = extract(parse_samples(scrape(55.0, 105, 6)), VLLM, at=4.0, previous=counters)
+    assert later.ttft == pytest.approx(2.0)
+    # Idle: nothing to speak of, so a pool does not stay saturated on an old burst.
+    idle, _ = extract(parse_samples(scrape(55.0, 105, 0)), VLLM, at=5.0, previous=counters)
+    assert idle.ttft is None
+    band = WriteBand()
+    assert band.moved(second, later)
+    assert not band.moved(second, second.model_copy(update={"ttft": 0.76}))

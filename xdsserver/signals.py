@@ -64,14 +64,17 @@ class SignalBook:
         self.resolve = resolve
         self.counters: dict[str, dict[str, PoolSignals]] = {}
         """Cluster -> pool -> counters since this replica started."""
+        self.by_fleet: dict[str, dict[str, dict[str, PoolSignals]]] = {}
+        """Cluster -> fleet -> pool -> the same counters, by the fleet of the Envoy that
+        logged them (a rollout that takes a canary fleet first judges its traffic alone)."""
         self.changed: set[str] = set()
         """Clusters with attempts since ``take_changed`` was last called."""
         self.unresolved = 0
         """Entries whose host belonged to no known pool (the plan moved on, say)."""
         self.listeners: list[Callable[[], None]] = []
 
-    def observe(self, entry: Any) -> None:
-        """Count one ``HTTPAccessLogEntry``."""
+    def observe(self, entry: Any, fleet: str = "") -> None:
+        """Count one ``HTTPAccessLogEntry`` logged by an Envoy of ``fleet``."""
         common = entry.common_properties
         cluster = route_cluster(common.upstream_cluster)
         socket = common.upstream_remote_address.socket_address
@@ -102,6 +105,8 @@ class SignalBook:
         self.counters.setdefault(cluster, {}).setdefault(pool, PoolSignals()).observe(
             status, ttfb, latency
         )
+        fleets = self.by_fleet.setdefault(cluster, {})
+        fleets.setdefault(fleet, {}).setdefault(pool, PoolSignals()).observe(status, ttfb, latency)
         self.changed.add(cluster)
 
     def take_changed(self) -> set[str]:
@@ -113,8 +118,10 @@ class SignalBook:
 class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """``envoy.service.accesslog.v3.AccessLogService`` feeding a SignalBook."""
 
-    def __init__(self, book: SignalBook) -> None:
+    def __init__(self, book: SignalBook, fleet_of: Callable[[Any], str] | None = None) -> None:
         self.book = book
+        self.fleet_of = fleet_of
+        """The fleet whose config an Envoy (its ``Node``) is served; ``node.cluster`` without."""
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Register the service on a grpc.aio server (beside ADS)."""
@@ -125,9 +132,14 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> als_pb2.StreamAccessLogsResponse:
+        fleet = ""
         async for message in request_iterator:
+            # Envoy names itself in the first message of a stream only.
+            if message.HasField("identifier"):
+                node = message.identifier.node
+                fleet = self.fleet_of(node) if self.fleet_of is not None else node.cluster
             for entry in message.http_logs.log_entry:
-                self.book.observe(entry)
+                self.book.observe(entry, fleet)
             for listener in self.book.listeners:
                 listener()
         return als_pb2.StreamAccessLogsResponse()

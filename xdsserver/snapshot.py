@@ -188,6 +188,12 @@ class SnapshotCache:
             return self._fleet_of(node) or self.default_fleet
         return str(getattr(node, "cluster", "") or "") or self.default_fleet
 
+    def served_fleet(self, node: Any) -> str:
+        """The fleet whose config an Envoy gets: its own, or the default fleet's when its
+        own has none."""
+        fleet = self.fleet_for(node)
+        return fleet if fleet in self._snapshots else self.default_fleet
+
     def snapshot_for(self, fleet: str) -> Snapshot | None:
         """The snapshot a fleet is served: its own, else the default fleet's, else None."""
         snapshot = self._snapshots.get(fleet)

@@ -74,6 +74,8 @@ function eventText(event) {
   const parts = [];
   if (event.step !== undefined && event.event !== "step") parts.push(`step ${event.step + 1}`);
   if (event.weights) parts.push(splitText(event.weights));
+  if (event.fleets) parts.push(`fleets ${esc(event.fleets.join(", "))} only`);
+  if (event.event === "widen") parts.push("every fleet");
   if (event.outcome) parts.push(`<span class="outcome-${esc(event.outcome)}">${esc(event.outcome)}</span> canary ${num((event.canary || {}).requests)} req / ${num((event.canary || {}).errors)} err`);
   for (const field of ["reason", "command", "message"]) if (event[field]) parts.push(esc(event[field]));
   return parts.join(" · ");

@@ -37,8 +37,12 @@ class KvpilotProcess(Launcher):
         xds_tls: TlsFiles | None = None,
         xds_identity_fleets: Sequence[str] = (),
         etcd_security: EtcdSecurity | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.cwd = cwd or repo_root()
+        """Where the child runs: `python -m` imports kvpilot from there (another checkout of
+        it, for a benchmark against an older commit)."""
         self.etcd_security = etcd_security
         """etcd TLS files and user; the password goes to the child in KVPILOT_ETCD_PASSWORD."""
         self.xds_tls = xds_tls
@@ -118,7 +122,7 @@ class KvpilotProcess(Launcher):
         env = {**os.environ, **self.env}
         if self.etcd_security is not None and self.etcd_security.password is not None:
             env["KVPILOT_ETCD_PASSWORD"] = self.etcd_security.password
-        self._process = ManagedProcess(self._argv(), self.log_path, env=env, cwd=repo_root())
+        self._process = ManagedProcess(self._argv(), self.log_path, env=env, cwd=self.cwd)
         self._process.spawn()
         self._process.wait_for(self._ready, timeout, "GET /readyz answers 200")
         return self

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI
-from harness.auth import ADMIN, auth_config
 from prometheus_client import CollectorRegistry
 
 from api import ApiContext, create_app
@@ -20,6 +19,7 @@ from controlplane.etcd import EtcdClient
 from controlplane.mirror import StateChange, StateMirror
 from controlplane.reconcile import ReconcileMetrics, Reconciler
 from controlplane.store import Store
+from harness.auth import ADMIN, auth_config
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from bench.backend import BackendProcess
+from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
 from harness.auth import ADMIN
 from harness.envoy import envoy_hosts, serves_listener
 from harness.traffic import CHAT
 from harness.wait import wait_until
-
-from bench.backend import BackendProcess
-from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
 from policies import KIND_PATHS
 
 EnvoyFactory = Callable[..., EmbeddedEnvoy]

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+
 from harness.builders import chat
 from harness.wait import wait_until
 

@@ -61,9 +61,18 @@ def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[clu
     """
     base = cluster_base(cluster, cluster.name, trusted_ca_file)
     base.lb_policy = _LB_POLICY[cluster.balancing]
+    # Pools that share a tier (a 90/10 rollout) are localities of their own, weighted by the
+    # pool's share: Envoy picks the locality by weight first (a deterministic weighted
+    # schedule, exact per request), then a host inside it by the cluster's policy. Endpoint
+    # weights alone drift under least request, which divides each host's weight by its
+    # requests in flight: concurrent clients pushed a 10% canary to 22%.
     if cluster.balancing == "orca":
-        # load_balancing_policy takes precedence over lb_policy.
+        # load_balancing_policy takes precedence over lb_policy. Envoy refuses it beside
+        # locality-weighted balancing, and client-side weighted round robin has no locality
+        # option: its split follows endpoint weights scaled by the load the hosts report.
         base.load_balancing_policy.CopyFrom(_orca_policy())
+    else:
+        base.common_lb_config.locality_weighted_lb_config.SetInParent()
     out = [base]
     if cluster.affinity is not None:
         twin = cluster_base(cluster, cluster.name + AFFINITY_SUFFIX, trusted_ca_file)
@@ -263,30 +272,41 @@ def cluster_base(cluster: PlanCluster, name: str, trusted_ca_file: str) -> clust
 def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignment:
     """One ClusterLoadAssignment per route: tier k at priority k, grouped by locality.
 
+    Each pool of a tier is a locality of its own (its name as the sub-zone, within the
+    endpoints' region and zone), weighted by the sum of its endpoints' weights: what the route
+    cluster's locality-weighted balancing splits by (``translate_cluster``). The consistent-hash
+    twin does not weigh localities; it follows the same endpoint weights on its ring.
+
     Built in place (``add()`` and field writes rather than nested constructors, one metadata
     message per pool copied into each endpoint): at 10,000 endpoints this is most of a full
     rebuild, and in place is several times faster for the same bytes."""
-    groups: dict[tuple[int, str, str], list[PlanEndpoint]] = {}
+    groups: dict[tuple[int, str, str, str], list[PlanEndpoint]] = {}
     for endpoint in cluster.endpoints:
-        groups.setdefault((endpoint.priority, endpoint.region, endpoint.zone), []).append(endpoint)
+        key = (endpoint.priority, endpoint.region, endpoint.zone, endpoint.pool)
+        groups.setdefault(key, []).append(endpoint)
     out = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster.eds_service or cluster.name)
     metadata: dict[str, base_pb2.Metadata] = {}
-    for (priority, region, zone), members in sorted(groups.items()):
+    for (priority, region, zone, sub_zone), members in sorted(groups.items()):
         locality = out.endpoints.add(priority=priority)
-        locality.locality.CopyFrom(base_pb2.Locality(region=region, zone=zone))
-        lb_endpoints = locality.lb_endpoints
+        locality.locality.CopyFrom(base_pb2.Locality(region=region, zone=zone, sub_zone=sub_zone))
+        locality.load_balancing_weight.value = max(1, sum(e.weight for e in members))
+        add = locality.lb_endpoints.add
         for endpoint in members:
             pool = metadata.get(endpoint.pool)
             if pool is None:
                 pool = metadata[endpoint.pool] = _pool_metadata(endpoint.pool)
-            lb_endpoint = lb_endpoints.add(health_status=_HEALTH[endpoint.health])
-            address = lb_endpoint.endpoint.address.socket_address
+            lb_endpoint = add(health_status=_HEALTH[endpoint.health])
+            host = lb_endpoint.endpoint
+            address = host.address.socket_address
             address.address = endpoint.address
             address.port_value = endpoint.port
             if endpoint.hostname:
-                lb_endpoint.endpoint.hostname = endpoint.hostname
-            lb_endpoint.load_balancing_weight.SetInParent()
-            lb_endpoint.load_balancing_weight.value = endpoint.weight
+                host.hostname = endpoint.hostname
+            weight = lb_endpoint.load_balancing_weight
+            if endpoint.weight:
+                weight.value = endpoint.weight
+            else:
+                weight.SetInParent()  # present even at 0, as the weight was always sent
             lb_endpoint.metadata.CopyFrom(pool)
     return out
 

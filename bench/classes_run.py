@@ -1,0 +1,218 @@
+"""The service-class benchmark's runs: one stack, the reference and each policy in turn,
+the same requests replayed to each (see `bench.classes` for what is run)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import pickle
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.classes import (
+    POLICIES,
+    REFERENCE,
+    ClassesConfig,
+    build_workloads,
+)
+from bench.classes_report import markdown, summarize, targets
+from bench.classes_signals import SignalSampler, lead_table
+from bench.loadgen import replay
+from bench.report import _num
+from bench.routing import (
+    MODEL,
+    BenchConfig,
+    Policy,
+    Stack,
+    _idle,
+    _policy_body,
+    _policy_live,
+    _pool_body,
+    _probe,
+    _replica_metrics,
+    _warm,
+    start_stack,
+)
+from bench.workload import Workload
+from controlplane.launchers import LauncherError, wait_until
+
+
+def _apply(stack: Stack, policy: Policy, config: ClassesConfig) -> None:
+    body = _policy_body(stack, policy)
+    service_classes = config.service_classes.get(policy.key)
+    if service_classes is not None:
+        body["spec"]["serviceClasses"] = service_classes
+    stack.put(body)
+    classified = service_classes is not None
+    wait_until(lambda: _policy_live(stack, policy), 60, f"Envoy to serve {policy.key}")
+    wait_until(
+        lambda: _classes_in_envoy(stack) == classified, 60, f"Envoy's routes for {policy.key}"
+    )
+
+
+def _classes_in_envoy(stack: Stack) -> bool:
+    """True when Envoy's route configuration has per-class entries."""
+    with contextlib.suppress(Exception):
+        for config in stack.envoy.config_dump()["configs"]:
+            for entry in config.get("dynamic_route_configs", []):
+                if "@batch" in json.dumps(entry.get("route_config", {})):
+                    return True
+    return False
+
+
+def _all_admitted(stack: Stack) -> bool:
+    """True when kvpilot admits every class in full (or has no service classes)."""
+    text = httpx.get(f"{stack.kvpilot.api_url}/metrics", timeout=5).text
+    return all(
+        float(line.rpartition(" ")[2]) == 1.0
+        for line in text.splitlines()
+        if line.startswith("kvpilot_admission_admitted_ratio{")
+    )
+
+
+def run_one(
+    stack: Stack, policy: Policy, workload: Workload, config: ClassesConfig
+) -> dict[str, Any]:
+    sim = config.routing.sim
+    print(f"\n== {policy.title}: {workload.requests} requests", flush=True)
+    _apply(stack, policy, config)
+    wait_until(lambda: _probe(stack), 30, "a request through Envoy")
+    wait_until(lambda: _idle(stack), 120, "the replicas to go idle")
+    stack.backends.reset()
+    prompts = workload.system_prompts()
+    asyncio.run(_warm(stack, prompts))
+    wait_until(lambda: _idle(stack), 60, "the replicas to go idle after warming")
+    stack.backends.reset(keep_cache=True)
+    # Warming prefills every long system prompt at once, which saturates the pool for a
+    # moment: start only once admission has taken every class back.
+    wait_until(lambda: _all_admitted(stack), 60, "admission to readmit every class")
+    replicas = [(r.id, r.url) for r in stack.backends.replicas]
+    with SignalSampler(
+        stack.kvpilot.api_url,
+        [url for _, url in replicas],
+        sim.time_scale,
+        interval=config.routing.agent_interval * sim.time_scale,
+    ) as sampler:
+        run = asyncio.run(
+            replay(
+                workload,
+                stack.url,
+                model=MODEL,
+                time_scale=sim.time_scale,
+                replicas=replicas,
+                deadline=config.deadline,
+            )
+        )
+    summary = summarize(run.results, config)
+    summary["timed_out"] = run.timed_out
+    summary["wall_seconds"] = run.wall_seconds
+    summary["admission"] = sampler.samples
+    summary["signals"] = lead_table(sampler.samples, run.results)
+    summary["replica_metrics"] = _replica_metrics(stack)
+    for name, row in summary["classes"].items():
+        print(
+            f"   {name}: {row['ok']}/{row['requests']} ok, shed {row['shed']}, "
+            f"TTFT p50 {_num(row['ttft_p50'])} p99 {_num(row['ttft_p99'])}, "
+            f"goodput {_num(row['goodput_per_s'], '{:.2f}')}/s",
+            flush=True,
+        )
+    print(
+        f"   goodput {summary['goodput_per_s']:.2f}/s, recovered "
+        f"{_num(summary['recovery_s'], '{:.1f}')}s after the overload ({run.wall_seconds:.0f}s wall)",
+        flush=True,
+    )
+    return summary
+
+
+def _workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str, Any]]:
+    """`build_workloads`, kept in the output folder between runs of the same settings:
+    on a busy 2-core machine, generating and calibrating them took from two to eight
+    minutes, as long as the replays."""
+    key = hashlib.sha256(
+        repr((config.replicas, config.phases, config.routing)).encode()
+    ).hexdigest()[:16]
+    cache = Path(config.out_dir) / ".cache" / f"classes-workloads-{key}.pickle"
+    if cache.exists():
+        with contextlib.suppress(Exception), cache.open("rb") as file:
+            built: tuple[Workload, Workload, dict[str, Any]] = pickle.load(file)
+            return built
+    built = build_workloads(config)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with cache.open("wb") as file:
+        pickle.dump(built, file)
+    return built
+
+
+def _start_stack(
+    exits: contextlib.ExitStack, state_dir: Path, routing: BenchConfig, tries: int = 3
+) -> Stack:
+    """`start_stack`, tried again when a process is not ready in time: at load averages of
+    30 on 2 cores, kvpilot once took longer than its launcher waits."""
+    for attempt in range(1, tries + 1):
+        try:
+            return exits.enter_context(start_stack(state_dir / f"try{attempt}", routing))
+        except LauncherError as error:
+            if attempt == tries:
+                raise
+            print(f"   the stack did not start ({error}); trying again", flush=True)
+    raise AssertionError("unreachable")
+
+
+def run_classes(config: ClassesConfig, state_dir: Path | None = None) -> Path:
+    """Run the benchmark; returns the Markdown report's path."""
+    started = time.monotonic()
+    alone, mixed, calibration = _workloads(config)
+    print(
+        f"workload: {alone.requests} interactive requests, "
+        f"{mixed.requests - alone.requests} batch requests "
+        f"({time.monotonic() - started:.0f}s to build)",
+        flush=True,
+    )
+    routing = replace(config.routing, replicas=config.replicas)
+    results: dict[str, Any] = {}
+    with contextlib.ExitStack() as exits:
+        if state_dir is None:
+            state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvclass-")))
+        print("starting etcd, kvpilot, simulated replicas, Envoy and a telemetry agent ...")
+        stack = _start_stack(exits, state_dir, routing)
+        stack.put(_pool_body(stack))
+        stack.put(
+            {
+                "apiVersion": "kvpilot.io/v1",
+                "kind": "Fleet",
+                "metadata": {"name": "default"},
+                "spec": {"accessLog": False},
+            }
+        )
+        results[REFERENCE.key] = run_one(stack, REFERENCE, alone, config)
+        for policy in POLICIES:
+            results[policy.key] = run_one(stack, policy, mixed, config)
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    report = out / f"classes-{stamp}.md"
+    report.write_text(markdown(results, config, calibration))
+    payload = {
+        "config": {
+            "replicas": config.replicas,
+            "phases": [asdict(p) for p in config.phases],
+            "objectives": config.objectives,
+            "service_classes": config.service_classes,
+            "sim": asdict(config.routing.sim),
+        },
+        "calibration": calibration,
+        "targets": [{"what": w, "met": m, "measured": s} for w, m, s in targets(results)],
+        "wall_seconds": time.monotonic() - started,
+        "results": results,
+    }
+    report.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str))
+    print(report.read_text())
+    print(f"{time.monotonic() - started:.0f}s in all")
+    return report
