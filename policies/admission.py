@@ -70,7 +70,8 @@ class Signal:
     telemetry, and the bound at which it saturates the pool (``Saturation``)."""
 
     name: str
-    """``queue``, ``kvCache`` or ``pendingTokens``: the ``Saturation`` field it is bound by."""
+    """``queue``, ``kvCache``, ``pendingTokens`` (bound by the ``Saturation`` field of that
+    name) or ``ttft`` (bound by the objective of the policy's most important class)."""
     mean: float
     bound: float
 

@@ -5,8 +5,9 @@
 
 import { duration, esc, interval, isoTime, num, since } from "./format.js";
 
-const SIGNAL_NAMES = { queue: "queue", kvCache: "KV cache", pendingTokens: "pending tokens" };
+const SIGNAL_NAMES = { queue: "queue", kvCache: "KV cache", pendingTokens: "pending tokens", ttft: "TTFT" };
 function signalValue(name, value) {
+  if (name === "ttft") return interval(value);
   return name === "kvCache" ? `${num(value * 100)}%` : num(value, value < 10 ? 1 : 0);
 }
 
