@@ -71,7 +71,7 @@ class Signal:
 
     name: str
     """``queue``, ``kvCache``, ``pendingTokens`` (bound by the ``Saturation`` field of that
-    name) or ``ttft`` (bound by the objective of the policy's most important class)."""
+    name) or ``ttft`` (bound by ``ServiceClasses.ttft_bound``)."""
     mean: float
     bound: float
 
