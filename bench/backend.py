@@ -21,7 +21,8 @@ replicas also take:
 - `POST /admin/die`: the replica aborts its requests and stops listening (the others go on);
 - `POST /admin/reset`: drop the unreferenced prefix cache and zero the engine's counters
   (`{"cache": "keep"}` zeroes the counters only, after warming the cache; `{"kv_blocks": N}`
-  gives an idle replica an empty KV cache of N blocks).
+  gives an idle replica an empty KV cache of N blocks; `{"preload": [{"messages": [...]}]}`
+  then puts those chat prompts in the cache without serving them).
 
 Run it:  python -m bench.backend --replicas 3 --host 127.0.0.1 --ports 0 --id-prefix be
          [--simulate [--sim-config '{"time_scale": 2.0, "orca": true}']]
@@ -308,8 +309,18 @@ def build_app(replica: Replica) -> Starlette:
             return JSONResponse(
                 {"error": "kv_blocks must be a positive integer"}, 400, headers=headers
             )
+        preload = body.get("preload", [])
+        if not isinstance(preload, list) or not all(isinstance(p, dict) for p in preload):
+            return JSONResponse(
+                {"error": 'preload must be a list of chat payloads ({"messages": [...]})'},
+                400,
+                headers=headers,
+            )
         try:
-            result = engine_of(request).reset(drop_cache=drop_cache, kv_blocks=kv_blocks)
+            engine = engine_of(request)
+            result = engine.reset(drop_cache=drop_cache, kv_blocks=kv_blocks)
+            if preload:
+                result["cached_blocks"] = engine.preload(preload)
         except EngineError as exc:
             return JSONResponse({"error": str(exc)}, exc.status, headers=headers)
         replica.requests.clear()

@@ -17,7 +17,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -205,23 +205,31 @@ async def replay(
     deadline: float = 600.0,
     request_timeout: float = 300.0,
     sample_interval: float = 0.5,
+    on_start: Callable[[float], object] | None = None,
 ) -> RunResult:
     """Send the whole workload to `url`; `replicas` are (id, base URL) pairs to sample.
 
     Stops at `deadline` wall-clock seconds even if sessions are unfinished (their missing
-    turns are then absent from the results, and `timed_out` is set).
+    turns are then absent from the results, and `timed_out` is set). `on_start` is called
+    with the ``time.monotonic()`` moment simulated time 0 falls on, once the client is
+    ready: a caller that schedules events of its own (a slowdown) keeps the replay's clock.
     """
     results: list[RequestResult] = []
     samples: list[LoadSample] = []
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     timeout = httpx.Timeout(request_timeout, connect=10.0)
-    started = time.monotonic()
     # Without TCP_NODELAY the request body waits for the ACK of its headers (Nagle against
     # delayed ACK), up to 200 ms added to every time to first token.
     transport = httpx.AsyncHTTPTransport(
         limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
     )
     async with httpx.AsyncClient(transport=transport, timeout=timeout) as client:
+        # The clock starts once the client exists: building it (TLS context and all) took
+        # seconds of wall time on a loaded machine, and every session due meanwhile would
+        # have left late and at once.
+        started = time.monotonic()
+        if on_start is not None:
+            on_start(started)
         sampler = asyncio.create_task(
             _sample_load(replicas, started, time_scale, sample_interval, samples)
         )

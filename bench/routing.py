@@ -335,7 +335,11 @@ def _pool_body(stack: Stack) -> dict[str, Any]:
         "metadata": {"name": POOL},
         "spec": {
             "models": [MODEL],
-            "endpoints": [{"address": r.host, "port": r.port} for r in stack.backends.replicas],
+            # Named, so the ring places replica i at the same points in every run.
+            "endpoints": [
+                {"address": r.host, "port": r.port, "name": f"replica-{index}"}
+                for index, r in enumerate(stack.backends.replicas)
+            ],
             "healthCheck": {"path": "/health", "interval": "1s", "timeout": "500ms"},
             # Read by routes with balancing 'telemetry' only; the others keep static weights.
             "telemetry": {"format": "vllm", "maxAge": "5s"},

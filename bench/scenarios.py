@@ -77,12 +77,11 @@ SUITE_POLICIES: tuple[SuitePolicy, ...] = (
         {"balancing": "least_request", "sessionAffinity": AFFINITY},
     ),
     # An A/A control: the same policy again, on its own replicas. Its distance from
-    # "affinity" is what noise alone does within one run.
+    # "affinity" is what noise alone does within one run, so every report shows it.
     SuitePolicy(
         "affinity_copy",
         "affinity + bounded load (second copy, A/A)",
         {"balancing": "least_request", "sessionAffinity": AFFINITY},
-        False,
     ),
     SuitePolicy(
         RECOMMENDED,
@@ -130,11 +129,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         slow=(2.0, 2.0),
         kv=(1.0, 1.0, 0.5),
     ),
+    # Longer than the others: sessions arrive before, during and after the slow period, so
+    # the report sees the slowed replica's share of new sessions fall and come back.
     Scenario(
         "slowdown",
-        "one replica 3x slower from 4 s to 14 s, then recovered",
-        _chat(),
-        event=SlowEvent(replica=0, factor=3.0, start=4.0, end=14.0),
+        "one replica 3x slower from 8 s to 20 s, then recovered",
+        _chat(duration=30.0),
+        event=SlowEvent(replica=0, factor=3.0, start=8.0, end=20.0),
     ),
     Scenario("bursty", "chat at 75%, bursty arrivals", _chat(arrival="bursty")),
 )
@@ -181,7 +182,12 @@ def default_suite(short: bool = False) -> SuiteConfig:
         for s in SCENARIOS
         if s.key == "hetero"
     )
-    return SuiteConfig(replicas=4, sim=sim, scenarios=scenarios, seeds=(1,), deadline=90.0)
+    # The smoke run leaves out the A/A copy: a fourth fleet on a loaded test machine made
+    # its bounded run miss its deadline, and it checks the report's shape, not noise.
+    policies = tuple(p.key for p in SUITE_POLICIES if p.default and p.key != "affinity_copy")
+    return SuiteConfig(
+        replicas=4, sim=sim, scenarios=scenarios, policies=policies, seeds=(1,), deadline=90.0
+    )
 
 
 def median_spread(values: Sequence[float | None]) -> tuple[float, float, float] | None:

@@ -268,6 +268,19 @@ class Engine:
         self._zero_counters()
         return {"dropped_blocks": dropped, "kv_blocks": self.cache.capacity}
 
+    def preload(self, payloads: Sequence[dict[str, Any]]) -> int:
+        """Put each chat payload's prompt in the prefix cache as if it had just been served,
+        without spending simulated time on its prefill: a fleet in service already holds
+        its shared system prompts, and warming them through requests only costs wall time.
+        Returns how many blocks the cache holds afterwards."""
+        for payload in payloads:
+            prompt = _prompt_tokens("chat", payload)
+            allocation = self.cache.allocate(prompt, 1)
+            if allocation is None:
+                raise EngineError(409, "the prompts to preload do not fit in the KV cache")
+            self.cache.release(allocation, prompt)
+        return self.cache.cached
+
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> None:
@@ -455,19 +468,26 @@ def _part_tokens(part: str) -> tuple[int, ...]:
     return tuple(tokenize(part))
 
 
+def chat_tokens(messages: Sequence[dict[str, Any]]) -> list[int]:
+    """``tokenize(render_chat(messages))``, part by part.
+
+    tokenize(a + " " + b) == tokenize(a) + tokenize(b): tokenizing the rendered chat part by
+    part lets every turn reuse the parts (system prompt, history) seen before, which keeps the
+    CPU per request small when prompts grow to thousands of tokens (the simulator's for
+    each request, the workload generator's for each turn it plans)."""
+    parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
+    tokens: list[int] = []
+    for part in [*parts, "<|assistant|>"]:
+        tokens += _part_tokens(part)
+    return tokens
+
+
 def _prompt_tokens(kind: str, payload: dict[str, Any]) -> list[int]:
     if kind == "chat":
         messages = payload.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise EngineError(400, "messages must be a list of objects")
-        # tokenize(a + " " + b) == tokenize(a) + tokenize(b): tokenizing the rendered chat part
-        # by part lets every turn reuse the parts (system prompt, history) seen before, which
-        # keeps the simulator's CPU per request small when prompts grow to thousands of tokens.
-        parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
-        tokens: list[int] = []
-        for part in [*parts, "<|assistant|>"]:
-            tokens += _part_tokens(part)
-        return tokens
+        return chat_tokens(messages)
     prompt = payload.get("prompt")
     if isinstance(prompt, list):
         prompt = " ".join(str(p) for p in prompt)

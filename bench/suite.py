@@ -31,7 +31,6 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -42,16 +41,13 @@ from typing import Any
 import httpx
 
 from api.client import KvpilotClient
-from bench.analysis import classify
 from bench.backend import BackendProcess, ReplicaInfo
 from bench.loadgen import RunResult, parse_metrics, replay
 from bench.routing import (
     MODEL,
     BenchConfig,
     calibrate,
-    percentile,
     start_agent,
-    summarize,
 )
 from bench.scenarios import (
     SCENARIOS,
@@ -63,6 +59,7 @@ from bench.scenarios import (
     default_suite,
 )
 from bench.simulator import SimConfig
+from bench.suite_measure import Timeline, measure, summary_line, weight_moves
 from bench.suite_report import write_suite_report
 from bench.workload import Workload, oracle_hit_rate
 from controlplane.launchers import ManagedProcess, free_port, local_stack
@@ -103,7 +100,12 @@ def _pool_body(fleet: Fleet) -> dict[str, Any]:
         "metadata": {"name": fleet.pool},
         "spec": {
             "models": [MODEL],
-            "endpoints": [{"address": r.host, "port": r.port} for r in fleet.replicas],
+            # Named alike in every fleet: each ring places replica i at the same points, so
+            # every policy sends a session to the same replica index and fleets compare.
+            "endpoints": [
+                {"address": r.host, "port": r.port, "name": f"replica-{index}"}
+                for index, r in enumerate(fleet.replicas)
+            ],
             "healthCheck": {"path": "/health", "interval": "1s", "timeout": "500ms"},
             "telemetry": {"format": "vllm", "maxAge": "5s"},
         },
@@ -164,42 +166,40 @@ def _idle(fleet: Fleet) -> bool:
     )
 
 
-async def _admin(url: str, path: str, body: dict[str, Any]) -> None:
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        (await client.post(f"{url}{path}", json=body)).raise_for_status()
+async def _admin(
+    url: str, path: str, body: dict[str, Any], client: httpx.AsyncClient | None = None
+) -> None:
+    if client is not None:
+        (await client.post(f"{url}{path}", json=body, timeout=30.0)).raise_for_status()
+        return
+    async with httpx.AsyncClient(timeout=10.0) as own:
+        (await own.post(f"{url}{path}", json=body)).raise_for_status()
 
 
 async def _prepare(fleet: Fleet, scenario: Scenario, sim: SimConfig, prompts: list[str]) -> None:
-    """Give every replica the scenario's speed and cache, then the shared system prompts."""
-    for index, replica in enumerate(fleet.replicas):
-        blocks = max(1, round(sim.kv_blocks * scenario.kv_of(index)))
-        await _admin(replica.url, "/admin/reset", {"kv_blocks": blocks})
-        await _admin(replica.url, "/admin/slow", {"factor": scenario.slow_of(index)})
-    async with httpx.AsyncClient(timeout=120.0) as client:
-
-        async def warm(replica: ReplicaInfo) -> None:
-            for prompt in prompts:
-                body = {
-                    "model": MODEL,
-                    "messages": [{"role": "system", "content": prompt}],
-                    "max_tokens": 1,
-                }
-                (
-                    await client.post(f"{replica.url}/v1/chat/completions", json=body)
-                ).raise_for_status()
-
-        await asyncio.gather(*(warm(r) for r in fleet.replicas))
-    for replica in fleet.replicas:
-        await _admin(replica.url, "/admin/reset", {"cache": "keep"})
+    """Give every replica the scenario's speed and cache, holding the shared system prompts
+    (put in its cache directly: a fleet in service holds them, and serving them as requests
+    took half a minute of wall time per run on a loaded machine)."""
+    preload = [{"messages": [{"role": "system", "content": prompt}]} for prompt in prompts]
+    # One client for the fleet: a client each costs a TLS context, a second on a busy machine.
+    async with httpx.AsyncClient() as client:
+        for index, replica in enumerate(fleet.replicas):
+            blocks = max(1, round(sim.kv_blocks * scenario.kv_of(index)))
+            reset = {"kv_blocks": blocks, "preload": preload}
+            await _admin(replica.url, "/admin/reset", reset, client)
+            await _admin(replica.url, "/admin/slow", {"factor": scenario.slow_of(index)}, client)
 
 
-async def _events(event: SlowEvent, replicas: Sequence[tuple[str, str]], scale: float) -> None:
-    """Slow one replica of a fleet from ``event.start`` to ``event.end``, and recover it."""
+async def _events(
+    event: SlowEvent, replicas: Sequence[tuple[str, str]], started: float, scale: float
+) -> None:
+    """Slow one replica of a fleet from ``event.start`` to ``event.end`` (simulated seconds
+    after the replay's ``started``, a ``time.monotonic()`` moment), and recover it."""
     url = replicas[event.replica][1]
-    await asyncio.sleep(event.start * scale)
+    await asyncio.sleep(max(0.0, started + event.start * scale - time.monotonic()))
     await _admin(url, "/admin/slow", {"factor": event.factor})
     try:
-        await asyncio.sleep((event.end - event.start) * scale)
+        await asyncio.sleep(max(0.0, started + event.end * scale - time.monotonic()))
     finally:
         await _admin(url, "/admin/slow", {"factor": 1.0})
 
@@ -223,10 +223,14 @@ def _replay_process(
     async def run() -> RunResult:
         await asyncio.sleep(max(0.0, start_at - time.time()))
         late = time.time() - start_at
-        # The slowdown runs in the replay's own loop, so it keeps to the replay's clock.
-        slowing = None
-        if event is not None:
-            slowing = asyncio.create_task(_events(event, replicas, time_scale))
+        # The slowdown runs in the replay's own loop and on the replay's clock, so it falls
+        # where the report's windows expect it.
+        slowing: list[asyncio.Task[None]] = []
+
+        def start_events(started: float) -> None:
+            if event is not None:
+                slowing.append(asyncio.create_task(_events(event, replicas, started, time_scale)))
+
         result = await replay(
             workload,
             url,
@@ -235,11 +239,12 @@ def _replay_process(
             replicas=replicas,
             deadline=deadline,
             sample_interval=1.0,
+            on_start=start_events,
         )
         result.late = late
-        if slowing is not None:
-            slowing.cancel()
-            await asyncio.gather(slowing, return_exceptions=True)
+        for task in slowing:
+            task.cancel()
+        await asyncio.gather(*slowing, return_exceptions=True)
         return result
 
     return asyncio.run(run())
@@ -278,7 +283,10 @@ def _replay_all(
     workload: Workload,
     scenario: Scenario,
     config: SuiteConfig,
-) -> dict[str, RunResult]:
+    api_url: str,
+) -> tuple[dict[str, RunResult], dict[str, Timeline]]:
+    """Every fleet's replay at once; and, while they run, the weights kvpilot gives the
+    replicas of each telemetry fleet (twice a second of wall time), to see when they move."""
     scale = config.sim.time_scale
     start_at = time.time() + 2.0
     futures = [
@@ -294,107 +302,23 @@ def _replay_all(
         )
         for fleet in fleets
     ]
+    timelines: dict[str, Timeline] = {f.policy.key: [] for f in fleets if f.telemetry}
+    while not all(future.done() for future in futures):
+        for fleet in fleets:
+            if fleet.telemetry:
+                with contextlib.suppress(httpx.HTTPError):
+                    weights = _weights(api_url, fleet.pool)
+                    at = (time.time() - start_at) / scale
+                    timelines[fleet.policy.key].append(
+                        (at, [weights.get(f"{r.host}:{r.port}", 0.0) for r in fleet.replicas])
+                    )
+        concurrent.futures.wait(futures, timeout=0.5)
     results = [future.result() for future in futures]
     for fleet, run in zip(fleets, results, strict=True):
         if run.late > 0.5:
             _say(f"   warning: {fleet.policy.key}'s load generator started {run.late:.1f}s late")
-    return {fleet.policy.key: run for fleet, run in zip(fleets, results, strict=True)}
-
-
-# --------------------------------------------------------------------------- measurements
-
-
-def measure(
-    run: RunResult,
-    metrics: dict[str, dict[str, float]],
-    scenario: Scenario,
-    policy: str,
-    oracle: float,
-    slo: float,
-) -> dict[str, Any]:
-    """The suite's numbers for one policy in one run (times in simulated seconds)."""
-    summary = summarize(run, metrics)
-    client = {"ttft_p50": summary["ttft_p50"], "ttft_p99": summary["ttft_p99"]}
-    ok = [r for r in run.results if r.ok]
-    # Times as the engines measured them (see `engine_timing` in bench.simulator): several
-    # fleets at once on a shared machine slow the Python HTTP path by seconds, equally for
-    # every policy, and that would drown what routing changes. The client's are kept too.
-    ttft = {id(r): r.engine_ttft if r.engine_ttft is not None else r.ttft for r in ok}
-    latency = [r.engine_latency if r.engine_latency is not None else r.latency for r in ok]
-    ttfts = [t for t in ttft.values() if t is not None]
-    summary["ttft_p50"] = percentile(ttfts, 50)
-    summary["ttft_p99"] = percentile(ttfts, 99)
-    summary["latency_p99"] = percentile([t for t in latency if t is not None], 99)
-    good = sum(1 for t in ttfts if t <= slo)
-    rows = classify([r.to_json() for r in run.results])
-    later = [r for r in rows if int(r["turn"]) > 0]
-    moved = sum(1 for r in later if r["kind"] == "moved")
-    out = {
-        key: summary[key]
-        for key in (
-            "requests",
-            "ok",
-            "errors",
-            "error_kinds",
-            "timed_out",
-            "hit_rate",
-            "ttft_p50",
-            "ttft_p99",
-            "latency_p99",
-            "requests_per_s",
-            "makespan_s",
-            "load_max_over_mean",
-            "served",
-            "wall_seconds",
-        )
-    }
-    # Completed requests per second, from the first request sent to the last token as the
-    # engines timed it: the client's last receipt would add the harness's delays.
-    ends = [
-        r.start + (r.engine_latency if r.engine_latency is not None else r.latency or 0.0)
-        for r in ok
-    ]
-    makespan = max(ends) - min(r.start for r in ok) if ok else 0.0
-    out["makespan_s"] = makespan
-    out["requests_per_s"] = len(ok) / makespan if makespan else None
-    ttft_count = sum(m.get("vllm:time_to_first_token_seconds_count", 0.0) for m in metrics.values())
-    ttft_sum = sum(m.get("vllm:time_to_first_token_seconds_sum", 0.0) for m in metrics.values())
-    # The engines' own mean TTFT: the client's minus this is the harness (HTTP, Envoy, a busy
-    # machine), the same for every policy of the run.
-    out["engine_ttft_mean"] = ttft_sum / ttft_count if ttft_count else None
-    out["ttft_mean"] = statistics.fmean(ttfts) if ttfts else None
-    out["client_ttft_p50"] = client["ttft_p50"]
-    out["client_ttft_p99"] = client["ttft_p99"]
-    out["goodput_per_s"] = good / makespan if makespan else None
-    out["goodput_share"] = good / len(run.results) if run.results else None
-    out["hit_vs_oracle"] = (summary["hit_rate"] or 0.0) / oracle if oracle else None
-    out["moved"] = moved
-    out["moved_share"] = moved / len(later) if later else 0.0
-    event = scenario.event
-    if event is not None:
-        slowed = f"{policy}-{event.replica}"
-
-        def window(start: float, end: float) -> list[Any]:
-            return [r for r in ok if start <= r.start < end and ttft[id(r)] is not None]
-
-        def p99(start: float, end: float) -> float | None:
-            return percentile([t for r in window(start, end) if (t := ttft[id(r)]) is not None], 99)
-
-        def new_share(start: float, end: float) -> float | None:
-            first = [r for r in window(start, end) if r.turn == 0]
-            return sum(1 for r in first if r.replica == slowed) / len(first) if first else None
-
-        out["slow"] = {
-            "ttft_p99_before": percentile([r.ttft for r in window(0, event.start)], 99),
-            "ttft_p99_during": percentile([r.ttft for r in window(event.start, event.end)], 99),
-            "ttft_p99_after": percentile([r.ttft for r in window(event.end, event.end + 10.0)], 99),
-            "new_share_before": new_share(0, event.start),
-            "new_share_first_5s": new_share(event.start, event.start + 5.0),
-            "new_share_after_5s": new_share(event.start + 5.0, event.end),
-            "new_share_recovered": new_share(event.end, float("inf")),
-        }
-    out["per_request"] = [r.to_json() for r in run.results]
-    return out
+    runs = {fleet.policy.key: run for fleet, run in zip(fleets, results, strict=True)}
+    return runs, timelines
 
 
 # --------------------------------------------------------------------------- the run
@@ -451,7 +375,7 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                     f"{summary['sessions']} sessions, {summary['document_requests']} document "
                     f"requests, oracle hit rate {oracle:.1%}"
                 )
-                runs = _run_once(
+                runs, timelines = _run_once(
                     pool, local, client, fleets, scenario, workload, config, number, state_dir
                 )
                 for fleet in fleets:
@@ -464,10 +388,14 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                         config.slo_ttft,
                     )
                     measured["seed"] = seed
+                    if fleet.policy.key in timelines:
+                        timeline = timelines[fleet.policy.key]
+                        measured["weights"] = weight_moves(timeline, scenario.event)
+                        measured["weight_timeline"] = timeline
                     results.setdefault(scenario.key, {}).setdefault(fleet.policy.key, []).append(
                         measured
                     )
-                    _say(f"   {fleet.policy.key:>14}: {_line(measured)}")
+                    _say(f"   {fleet.policy.key:>14}: {summary_line(measured)}")
                 write_suite_report(config, policies, workloads, results, stamp)
     return write_suite_report(config, policies, workloads, results, stamp)
 
@@ -499,9 +427,10 @@ def _run_once(
     config: SuiteConfig,
     number: int,
     state_dir: Path,
-) -> dict[str, RunResult]:
+) -> tuple[dict[str, RunResult], dict[str, Timeline]]:
     """One workload through every fleet at once. Each run gets fresh pool names, so kvpilot
     starts it with no memory of the last one (telemetry, hysteresis)."""
+    begun = time.monotonic()
     old = [fleet.pool for fleet in fleets if fleet.pool]
     for fleet in fleets:
         fleet.pool = f"run{number}-{fleet.policy.key.replace('_', '-')}"
@@ -537,32 +466,20 @@ def _run_once(
         async def prepare() -> None:
             await asyncio.gather(*(_prepare(f, scenario, config.sim, prompts) for f in fleets))
 
+        ready = time.monotonic()
         asyncio.run(prepare())
-        return _replay_all(pool, fleets, workload, scenario, config)
+        warm = time.monotonic()
+        runs, timelines = _replay_all(
+            pool, fleets, workload, scenario, config, local.kvpilot.api_url
+        )
+        _say(
+            f"   wall time: {ready - begun:.1f}s to configure, {warm - ready:.1f}s to warm the "
+            f"caches, {time.monotonic() - warm:.1f}s to replay"
+        )
+        return runs, timelines
     finally:
         for agent in agents:
             agent.stop()
-
-
-def _line(m: dict[str, Any]) -> str:
-    def f(value: float | None, pattern: str) -> str:
-        return "n/a" if value is None else pattern.format(value)
-
-    text = (
-        f"TTFT p50 {f(m['ttft_p50'], '{:.3f}')} p99 {f(m['ttft_p99'], '{:.3f}')} s, "
-        f"E2E p99 {f(m['latency_p99'], '{:.2f}')} s, {f(m['requests_per_s'], '{:.2f}')} req/s, "
-        f"goodput {f(m['goodput_share'], '{:.1%}')}, hit {f(m['hit_rate'], '{:.1%}')}, "
-        f"load max/mean {f(m['load_max_over_mean'], '{:.2f}')}, moved {m['moved']}, "
-        f"errors {m['errors']}; at the client TTFT p50 {f(m['client_ttft_p50'], '{:.3f}')} "
-        f"p99 {f(m['client_ttft_p99'], '{:.3f}')} s"
-    )
-    slow = m.get("slow")
-    if slow:
-        text += (
-            f"; slow period p99 {f(slow['ttft_p99_during'], '{:.3f}')} s, new-session share "
-            f"{f(slow['new_share_before'], '{:.0%}')} -> {f(slow['new_share_after_5s'], '{:.0%}')}"
-        )
-    return text
 
 
 __all__ = ["SCENARIOS", "SUITE_POLICIES", "Scenario", "SuiteConfig", "default_suite", "run_suite"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from bench.kvcache import BLOCK_SIZE, block_hashes, tokenize
-from bench.simulator import SimConfig, render_chat, synth_answer
+from bench.simulator import SimConfig, chat_tokens, synth_answer
 
 WorkloadKind = Literal["multiturn", "docs", "mix"]
 Arrival = Literal["poisson", "bursty"]
@@ -177,7 +177,7 @@ def _arrivals(rng: random.Random, rate: float, duration: float, arrival: Arrival
 
 
 def _turn(messages: list[dict[str, str]], max_tokens: int, think: float) -> Turn:
-    prompt = tokenize(render_chat(messages))
+    prompt = chat_tokens(messages)
     answer = " ".join(synth_answer(prompt, max_tokens))
     return Turn(tuple(messages), max_tokens, think, len(prompt), answer)
 
@@ -242,7 +242,7 @@ def warm_blocks(system_prompts: Sequence[str], block_size: int = BLOCK_SIZE) -> 
     """The cached blocks a replica holds after serving each system prompt once on its own."""
     out: set[int] = set()
     for prompt in system_prompts:
-        tokens = tokenize(render_chat([{"role": "system", "content": prompt}]))
+        tokens = chat_tokens([{"role": "system", "content": prompt}])
         out.update(block_hashes(tokens, block_size))
     return out
 
@@ -259,7 +259,7 @@ def oracle_hit_rate(
     seen: set[int] = warm_blocks(warm, block_size)
     queries = hits = 0
     for _, _, turn in workload.turns_in_order():
-        prompt = tokenize(render_chat(list(turn.messages)))
+        prompt = chat_tokens(turn.messages)
         hashes = block_hashes(prompt, block_size)
         matched = 0
         for value in hashes:
@@ -292,7 +292,7 @@ def cache_blind_cost(
     total = 0.0
     for index, (_, _, turn) in enumerate(workload.turns_in_order()):
         cache = seen[index % replicas]
-        prompt = tokenize(render_chat(list(turn.messages)))
+        prompt = chat_tokens(turn.messages)
         hashes = block_hashes(prompt, sim.block_size)
         matched = 0
         for value in hashes:

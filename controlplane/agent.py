@@ -77,6 +77,8 @@ class Target:
     port: int = 0
     """Port registered in EDS; default: the URL's port."""
     weight: int = 100
+    name: str = ""
+    """Stable name registered with the endpoint (its place on the hash ring); default none."""
     metrics_path: str = "/metrics"
     max_running: float | None = None
     """Batch capacity when the server does not export it (vLLM ``--max-num-seqs``)."""
@@ -101,7 +103,10 @@ class Target:
         return f"{self.address}:{self.port}"
 
     def endpoint_body(self) -> dict[str, Any]:
-        return {"address": self.address, "port": self.port, "weight": self.weight}
+        body: dict[str, Any] = {"address": self.address, "port": self.port, "weight": self.weight}
+        if self.name:
+            body["name"] = self.name
+        return body
 
 
 @dataclass
@@ -309,11 +314,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--targets-file",
         type=Path,
         help="YAML list of backends: "
-        "[{pool, url, address?, port?, weight?, maxRunning?, metricsPath?}]",
+        "[{pool, url, address?, port?, name?, weight?, maxRunning?, metricsPath?}]",
     )
     parser.add_argument(
         "--advertise-address",
         help="address to register instead of the --backend URL's host (one backend only)",
+    )
+    parser.add_argument(
+        "--name",
+        default="",
+        help="stable name to register the backend under, e.g. its pod name: session affinity "
+        "keeps its sessions when it comes back on a new address (one backend only)",
     )
     parser.add_argument(
         "--format",
@@ -376,6 +387,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                 url=url,
                 address=args.advertise_address or "",
                 weight=args.weight,
+                name=args.name,
                 metrics_path=args.metrics_path,
                 max_running=args.max_running,
             )
@@ -392,6 +404,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                     address=entry.get("address", ""),
                     port=int(entry.get("port", 0)),
                     weight=int(entry.get("weight", args.weight)),
+                    name=str(entry.get("name", "")),
                     metrics_path=entry.get("metricsPath", args.metrics_path),
                     max_running=entry.get("maxRunning", args.max_running),
                 )
@@ -400,6 +413,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError("nothing to scrape: give --pool and --backend URL, or --targets-file")
     if args.advertise_address and len(targets) > 1:
         raise ValueError("--advertise-address applies to a single --backend")
+    if args.name and len(targets) > 1:
+        raise ValueError("--name applies to a single --backend; name each in --targets-file")
     metric_map = None
     if args.metric_map:
         metric_map = MetricMap.from_mapping(yaml.safe_load(args.metric_map.read_text()) or {})

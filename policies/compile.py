@@ -293,6 +293,7 @@ def _tier_endpoints(
                 endpoint.locality.region if endpoint.locality else "",
                 endpoint.locality.zone if endpoint.locality else "",
                 hostname,
+                endpoint.name or "",
             )
             for endpoint, weight, health in rows
         )

@@ -131,6 +131,15 @@ class Endpoint(Model):
         description="Health as reported to Envoy over EDS. 'unhealthy' and 'draining' take the "
         "endpoint out of rotation; 'degraded' keeps it as a last resort. Default: healthy.",
     )
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="Stable name of the replica (a pod or host name). Session affinity places "
+        "the replica on the hash ring by this name instead of its address, so a replica that "
+        "comes back on a new address or port keeps its sessions. Unique within a pool. "
+        "Default: none (placed by address:port).",
+    )
 
     @functools.cached_property
     def key(self) -> str:
@@ -298,6 +307,13 @@ class PoolSpec(Model):
                 if endpoint.key in seen:
                     raise ValueError(f"endpoint {endpoint.key} is listed twice")
                 seen.add(endpoint.key)
+        names = [endpoint.name for endpoint in endpoints if endpoint.name is not None]
+        if len(set(names)) < len(names):
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise ValueError(
+                f"endpoint name {twice[0]!r} is used twice: two replicas with one name would "
+                "share their place on the hash ring; give each its own"
+            )
         return endpoints
 
     # --------------------------------------------------------------------------------------------

@@ -52,6 +52,9 @@ class PlanEndpoint(NamedTuple):
     zone: str = ""
     hostname: str = ""
     """Host header for this endpoint when its pool rewrites it (Envoy's auto_host_rewrite)."""
+    hash_key: str = ""
+    """Where consistent hashing places this endpoint on the ring (the endpoint's ``name``);
+    empty: by its address."""
 
 
 ClusterKind = Literal["eds", "dns", "aggregate"]

@@ -167,8 +167,12 @@ def _args(*argv: str) -> argparse.Namespace:
         (("--backend", "http://10.0.0.1:8000"), "needs --pool"),
         (("--pool", "p", "--backend", "10.0.0.1:8000"), "must look like http://host:port"),
         (("--pool", "p", "--backend", "http://10.0.0.1:8000", "--format", "custom"), "metric-map"),
+        (
+            ("--pool", "p", "--backend", "http://a:1", "--backend", "http://b:1", "--name", "x"),
+            "single --backend",
+        ),
     ],
-    ids=["no backend", "no pool", "not a URL", "custom without a map"],
+    ids=["no backend", "no pool", "not a URL", "custom without a map", "one name for two"],
 )
 def test_bad_flags_get_a_sentence(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -191,3 +195,15 @@ def test_targets_file_and_custom_map(tmp_path: Path) -> None:
         ("b", "10.0.0.2:9000", 100, 64),
     ]
     assert config.metric_map is not None and config.metric_map.waiting == ("queue_len",)
+
+
+def test_a_named_backend_registers_its_name() -> None:
+    config = config_from_args(
+        _args("--pool", "p", "--backend", "http://10.0.0.1:8000", "--name", "pod-7")
+    )
+    assert config.targets[0].endpoint_body() == {
+        "address": "10.0.0.1",
+        "port": 8000,
+        "weight": 100,
+        "name": "pod-7",
+    }

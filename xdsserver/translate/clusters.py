@@ -308,6 +308,13 @@ def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignm
             else:
                 weight.SetInParent()  # present even at 0, as the weight was always sent
             lb_endpoint.metadata.CopyFrom(pool)
+            if endpoint.hash_key:
+                # Ring hash and Maglev place a host by ``envoy.lb`` ``hash_key`` when it has
+                # one, else by its address: a named replica keeps its place on the ring (its
+                # sessions, its KV cache) across a new address or port.
+                lb_endpoint.metadata.filter_metadata["envoy.lb"].fields[
+                    "hash_key"
+                ].string_value = endpoint.hash_key
     return out
 
 
