@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from api.admission import restricted_classes
 from api.auth import AuthMetrics
 from api.console import add_console_routes
 from api.context import PATH_RULES, ApiContext, ApiError, FleetName, Reader, unprocessable
@@ -86,7 +87,7 @@ def create_app(context: ApiContext) -> FastAPI:
     add_endpoint_routes(app, context)
     add_rollout_routes(app, context)
     _add_status_routes(app, context)
-    add_console_routes(app, context.store, context.reconciler)
+    add_console_routes(app, context.store, context.reconciler, context.audit)
     _add_audit_routes(app, context)
     _install_openapi(app)
     return app
@@ -243,6 +244,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
             "rolloutDriverSince": driver.get("since"),
             "rollouts": rollout_summaries(context),
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
+            "restrictedClasses": restricted_classes(plan),
             "lastBuild": {
                 "revision": build.revision,
                 "at": build.at or None,

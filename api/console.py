@@ -11,38 +11,33 @@ Views:
   Envoy, the telemetry behind them and why (saturated, stale, drained); ``?history=true`` adds
   each endpoint's last telemetry samples for sparklines, which the page then extends itself.
 - ``GET /v1/history``: recent revisions of the policy objects, newest first, each with a diff
-  against the revision before. Read from etcd's own multi-version store, which keeps every
-  revision until compaction: it sees writes made by any route (the API, etcdctl, a restore)
-  and needs no second write path. etcd records no author or wall time, so entries carry the
-  revision and not who or when; deleted objects leave no key to walk back from.
+  against the revision before and who made it (``api.changes``).
+- ``GET /v1/admission``: per route with service classes, what each class is admitted now,
+  since when, and the pressure behind it (``api.admission``).
 """
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
+from api.admission import admission_view
 from api.auth import Principal, require
-from controlplane.etcd import CompactedError, KeyValue
+from api.changes import ChangeLog
+from controlplane.audit import AuditLog
 from controlplane.reconcile import Reconciler
-from controlplane.store import Store, decode_json
+from controlplane.store import Store
 from controlplane.telemetryhistory import TelemetryHistory
-from policies import KIND_PATHS, Endpoint, PolicyState, RoutingPlan
+from policies import Endpoint, PolicyState, RoutingPlan
 from policies.compile import is_external, pool_endpoints
 from policies.weights import WeightDecision
 
 UI_DIR = Path(__file__).with_name("ui")
 """The console's static files."""
-
-HISTORY_DEPTH = 20
-"""Revisions read back per object for ``/v1/history``."""
 
 Reader = Annotated[Principal, Depends(require("read"))]
 
@@ -144,105 +139,16 @@ def endpoints_view(
 
 
 # --------------------------------------------------------------------------------------------
-# Change history (etcd revisions)
-# --------------------------------------------------------------------------------------------
-
-
-def _yaml(body: Mapping[str, Any] | None) -> list[str]:
-    if body is None:
-        return []
-    return yaml.safe_dump(dict(body), sort_keys=False).splitlines(keepends=True)
-
-
-def unified_diff(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> str:
-    """A unified diff of two object bodies as YAML (empty when equal)."""
-    return "".join(difflib.unified_diff(_yaml(before), _yaml(after), "before", "after", n=2))
-
-
-class ChangeLog:
-    """Recent revisions of the policy objects, read back from etcd's history.
-
-    A revision's predecessor never changes once written, so each (key, revision) -> previous
-    value is read from etcd once and then kept (bounded: the oldest go first).
-    """
-
-    def __init__(self, store: Store, *, depth: int = HISTORY_DEPTH, cache_size: int = 20_000):
-        self.store = store
-        self.depth = depth
-        self.cache_size = cache_size
-        self._previous: dict[tuple[bytes, int], KeyValue | None] = {}
-
-    async def _before(self, kv: KeyValue) -> KeyValue | None:
-        """The value ``kv`` replaced; None when ``kv`` created the key. ``CompactedError``
-        when etcd no longer has it."""
-        if kv.version <= 1:
-            return None
-        cache_key = (kv.key, kv.mod_revision)
-        if cache_key in self._previous:
-            return self._previous[cache_key]
-        previous = await self.store.version_before(kv)
-        if len(self._previous) >= self.cache_size:
-            self._previous.pop(next(iter(self._previous)))
-        self._previous[cache_key] = previous
-        return previous
-
-    async def changes(self, limit: int) -> dict[str, Any]:
-        """The newest ``limit`` object revisions, each with its diff, newest first."""
-        kinds = {path: kind for kind, path in KIND_PATHS.items()}
-        kvs, revision = await self.store.object_heads()
-        entries: list[dict[str, Any]] = []
-        truncated = False
-        for current in kvs:
-            parts = self.store.keys.relative(current.key).split("/")
-            if len(parts) != 3:
-                continue
-            kind, name = kinds.get(parts[1], parts[1]), parts[2]
-            kv: KeyValue | None = current
-            for _ in range(self.depth):
-                if kv is None:
-                    break
-                try:
-                    before = await self._before(kv)
-                except CompactedError:
-                    truncated = True
-                    before = None
-                    compacted = True
-                else:
-                    compacted = False
-                body, previous = decode_json(kv), decode_json(before) if before else None
-                entries.append(
-                    {
-                        "revision": kv.mod_revision,
-                        "kind": kind,
-                        "name": name,
-                        "change": "created"
-                        if kv.version <= 1
-                        else "updated (earlier history compacted)"
-                        if compacted
-                        else "updated",
-                        "version": kv.version,
-                        "diff": unified_diff(previous, body),
-                    }
-                )
-                kv = before
-        entries.sort(key=lambda entry: entry["revision"], reverse=True)
-        return {
-            "revision": revision,
-            "items": entries[:limit],
-            "compacted": truncated,
-            "source": "etcd revision history",
-        }
-
-
-# --------------------------------------------------------------------------------------------
 # Routes
 # --------------------------------------------------------------------------------------------
 
 
-def add_console_routes(app: FastAPI, store: Store, reconciler: Reconciler) -> None:
+def add_console_routes(
+    app: FastAPI, store: Store, reconciler: Reconciler, audit: AuditLog | None = None
+) -> None:
     """The console's read views under /v1, and the page at /ui."""
     tags: list[str | Any] = ["console"]
-    changelog = ChangeLog(store)
+    changelog = ChangeLog(store, audit)
 
     @app.get(
         "/v1/endpoints",
@@ -272,14 +178,31 @@ def add_console_routes(app: FastAPI, store: Store, reconciler: Reconciler) -> No
         "/v1/history",
         tags=tags,
         operation_id="history",
-        summary="Recent revisions of the policy objects with diffs, newest first (from etcd's "
-        "revision history, kept until compaction)",
+        summary="Recent revisions of the policy objects with diffs and who made them, newest "
+        "first (from etcd's revision history, kept until compaction, joined with the audit log)",
     )
     async def history(
         _: Reader,
         limit: Annotated[int, Query(ge=1, le=500, description="Most entries returned.")] = 100,
     ) -> dict[str, Any]:
         return await changelog.changes(limit)
+
+    @app.get(
+        "/v1/admission",
+        tags=tags,
+        operation_id="admission",
+        summary="Service classes per route: each class's objective, action and state now "
+        "(admitted, restricted, shed, diverted, queued) and since when, and the pressure "
+        "signals against their bounds",
+    )
+    async def admission(_: Reader) -> dict[str, Any]:
+        build = reconciler.last_build
+        return {
+            "revision": build.revision,
+            "builtAt": build.at or None,
+            "now": reconciler.clock(),
+            "policies": admission_view(reconciler.state, reconciler.plan),
+        }
 
     @app.get(
         "/v1/whoami",

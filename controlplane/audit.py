@@ -130,6 +130,11 @@ class AuditLog:
             return 0
         return await self.client.delete_range(self.root, oldest[excess])
 
+    async def entries_at(self, revision: int) -> list[dict[str, Any]]:
+        """The entries of the write that etcd applied at ``revision`` (keys start with it)."""
+        kvs, _ = await self.client.get_prefix(self.root + f"{revision:020d}-".encode())
+        return [body for kv in kvs if (body := decode_json(kv)) is not None]
+
     async def entries(self, *, limit: int = 100) -> list[dict[str, Any]]:
         """The newest ``limit`` entries, newest first (values that are not JSON are skipped)."""
         kvs = await self.client.last_values(self.root, limit)

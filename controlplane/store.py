@@ -604,6 +604,11 @@ class Store:
         kv = await self.client.get(self.keys.absolute(relative))
         return decode_json(kv) if kv is not None else None
 
+    async def record_at(self, relative: str, revision: int) -> KeyValue | None:
+        """The key at ``relative`` as it was at ``revision`` (its ``mod_revision`` tells
+        whether that revision wrote it); ``CompactedError`` when etcd no longer has it."""
+        return await self.client.get(self.keys.absolute(relative), revision=revision)
+
     async def put_record(
         self,
         relative: str,

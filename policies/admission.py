@@ -52,13 +52,33 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from policies.models import Endpoint, Saturation, ServiceClass
 from policies.telemetry import TelemetryRecord
 
 FALLING = 0.9
 """Pressure below this share of its value at the last change counts as falling."""
+
+Direction = Literal["restrict", "readmit"]
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """One saturation signal of a pool in one round: its mean over the replicas with fresh
+    telemetry, and the bound at which it saturates the pool (``Saturation``)."""
+
+    name: str
+    """``queue``, ``kvCache``, ``pendingTokens`` (bound by the ``Saturation`` field of that
+    name) or ``ttft`` (bound by ``ServiceClasses.ttft_bound``)."""
+    mean: float
+    bound: float
+
+    @property
+    def pressure(self) -> float:
+        """The signal over its bound (1.0 = saturated)."""
+        return round(self.mean / self.bound, 6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +98,62 @@ class AdmissionDecision:
     next_step_at: float = math.inf
     """When the level would move next if the pressure stayed as it is: the control plane
     rebuilds then even if no telemetry changes."""
+    next_step: Direction | None = None
+    """Which way that next step goes; None when the level holds."""
+    # The two below are for operators and change nothing Envoy is sent: left out of equality,
+    # so a route compiled from an equal decision is reused (``RouteMemo``).
+    since: Mapping[str, float] | None = field(default=None, compare=False)
+    """Wall-clock time each class's admitted share last changed, by class name
+    (``-inf``: not since this control plane started deciding)."""
+    signals: tuple[Signal, ...] = field(default=(), compare=False)
+    """The signals the pressure was taken from this round (empty without fresh telemetry),
+    so an operator sees which one is at its bound."""
 
     def share(self, service_class: str) -> float:
         """Admitted share of one class (1 for a class this decision does not restrict)."""
         return 1.0 if self.admitted is None else self.admitted.get(service_class, 1.0)
+
+
+def pool_signals(
+    endpoints: Sequence[Endpoint],
+    telemetry: Mapping[str, TelemetryRecord],
+    *,
+    now: float,
+    max_age: float,
+    saturation: Saturation,
+    ttft_bound: float | None = None,
+) -> tuple[Signal, ...]:
+    """Each saturation signal of the replicas ``endpoints`` (see the module notes), with its
+    bound; ``telemetry`` is keyed by ``Endpoint.key``. Empty when none of them has a fresh
+    record."""
+    fresh = [
+        record
+        for endpoint in endpoints
+        if (record := telemetry.get(endpoint.key)) is not None and now - record.at <= max_age
+    ]
+    if not fresh:
+        return ()
+    signals = [
+        Signal("queue", statistics.fmean(r.waiting or 0.0 for r in fresh), saturation.queue),
+        Signal("kvCache", statistics.fmean(r.kv_cache or 0.0 for r in fresh), saturation.kv_cache),
+    ]
+    ttfts = [r.ttft for r in fresh if r.ttft is not None]
+    if ttft_bound is not None and ttfts:
+        signals.append(Signal("ttft", statistics.fmean(ttfts), ttft_bound))
+    if saturation.pending_tokens is not None:
+        signals.append(
+            Signal(
+                "pendingTokens",
+                statistics.fmean(r.pending_tokens or 0.0 for r in fresh),
+                saturation.pending_tokens,
+            )
+        )
+    return tuple(signals)
+
+
+def pressure_of(signals: Sequence[Signal]) -> float | None:
+    """The pool's pressure: its largest signal over its bound; None without signals."""
+    return max((signal.pressure for signal in signals), default=None)
 
 
 def pool_pressure(
@@ -96,25 +168,16 @@ def pool_pressure(
     """The pressure of the replicas ``endpoints`` (see the module notes); ``telemetry`` is
     keyed by ``Endpoint.key``. ``None`` when none of them has a fresh record. Without
     ``ttft_bound`` the time to first token does not count."""
-    fresh = [
-        record
-        for endpoint in endpoints
-        if (record := telemetry.get(endpoint.key)) is not None and now - record.at <= max_age
-    ]
-    if not fresh:
-        return None
-    parts = [
-        statistics.fmean(r.waiting or 0.0 for r in fresh) / saturation.queue,
-        statistics.fmean(r.kv_cache or 0.0 for r in fresh) / saturation.kv_cache,
-    ]
-    ttfts = [r.ttft for r in fresh if r.ttft is not None]
-    if ttft_bound is not None and ttfts:
-        parts.append(statistics.fmean(ttfts) / ttft_bound)
-    if saturation.pending_tokens is not None:
-        parts.append(
-            statistics.fmean(r.pending_tokens or 0.0 for r in fresh) / saturation.pending_tokens
+    return pressure_of(
+        pool_signals(
+            endpoints,
+            telemetry,
+            now=now,
+            max_age=max_age,
+            saturation=saturation,
+            ttft_bound=ttft_bound,
         )
-    return round(max(parts), 6)
+    )
 
 
 def steps_per_class(saturation: Saturation) -> int:
@@ -129,8 +192,10 @@ def decide(
     *,
     now: float,
     saturation: Saturation,
+    signals: tuple[Signal, ...] = (),
 ) -> AdmissionDecision:
-    """This round's decision for one route, from the last one and the pool's pressure."""
+    """This round's decision for one route, from the last one and the pool's pressure
+    (``signals``, what the pressure was taken from, are kept on the decision for operators)."""
     before = previous or AdmissionDecision()
     restricted = [c for c in reversed(classes) if c.when_saturated != "admit"]
     top = len(restricted) * steps_per_class(saturation)
@@ -152,18 +217,28 @@ def decide(
     if target != level:
         level, changed_at, at_change = target, now, pressure or 0.0
     next_step_at = math.inf
+    next_step: Direction | None = None
     if pressure is not None:
         if pressure >= saturation.high and level < top and pressure >= FALLING * at_change:
-            next_step_at = changed_at + saturation.shed_interval
+            next_step_at, next_step = changed_at + saturation.shed_interval, "restrict"
         elif pressure <= saturation.low and level > 0:
-            next_step_at = changed_at + saturation.recover_interval
+            next_step_at, next_step = changed_at + saturation.recover_interval, "readmit"
+    admitted = admitted_shares(classes, level, saturation)
+    before_admitted, before_since = before.admitted or {}, before.since or {}
+    class_since = {
+        name: now if before_admitted.get(name, 1.0) != share else before_since.get(name, -math.inf)
+        for name, share in admitted.items()
+    }
     return AdmissionDecision(
         level=level,
         pressure=pressure,
         changed_at=changed_at,
         pressure_at_change=at_change,
-        admitted=admitted_shares(classes, level, saturation),
+        admitted=admitted,
         next_step_at=next_step_at,
+        next_step=next_step,
+        since=class_since,
+        signals=signals,
     )
 
 
@@ -186,8 +261,12 @@ def admitted_shares(
 
 __all__ = [
     "AdmissionDecision",
+    "Direction",
+    "Signal",
     "admitted_shares",
     "decide",
     "pool_pressure",
+    "pool_signals",
+    "pressure_of",
     "steps_per_class",
 ]

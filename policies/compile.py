@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from policies.admission import AdmissionDecision, decide, pool_pressure
+from policies.admission import AdmissionDecision, decide, pool_signals, pressure_of
 from policies.models import (
     ClassQueue,
     Endpoint,
@@ -191,7 +191,7 @@ def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
                 telemetry.update(state.telemetry.get(target.pool, {}))
                 if pool.spec.telemetry is not None:
                     max_age = min(max_age, pool.spec.telemetry.max_age)
-            pressure = pool_pressure(
+            signals = pool_signals(
                 endpoints,
                 telemetry,
                 now=state.now,
@@ -202,10 +202,11 @@ def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
             name = cluster_name(policy_name, route.name)
             out[name] = decide(
                 state.previous_admission.get(name),
-                pressure,
+                pressure_of(signals),
                 classes.classes,
                 now=state.now,
                 saturation=classes.saturation,
+                signals=signals,
             )
     return out
 

@@ -14,14 +14,16 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from harness.auth import ADMIN, ADMIN_TOKEN, READ_TOKEN, TOKEN_ENV
-from harness.builders import FAST_HEALTH_CHECK, policy, pool
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
 from harness.envoy import envoy_hosts
 from harness.traffic import served_by
 from harness.wait import wait_until
@@ -46,6 +48,9 @@ CHROMIUM_ARGS = [
 ARTIFACTS = Path(__file__).parent / "artifacts" / "console"
 UI_BOUND_S = 2.0
 """The issue's bound for a change to show and for 1,000 endpoints to render."""
+ONCALL = "oncall-alice"
+ONCALL_TOKEN = "oncall-token-0123456789abcdef"
+"""A named admin token (from a tokens file): the audit log records changes under its name."""
 
 
 def _chromium() -> Path:
@@ -102,6 +107,23 @@ class Console:
             timeout=10,
         )
 
+    def put_telemetry(self, pool: str, records: dict[int, dict[str, float]]) -> None:
+        """One telemetry record per replica port of `pool`, as `kvpilot agent` writes them."""
+
+        async def write() -> None:
+            client = EtcdClient([self.etcd.endpoint])
+            await client.connect()
+            try:
+                store = Store(client, self.prefix)
+                for port, record in records.items():
+                    await store.put_telemetry(pool, f"127.0.0.1:{port}", record)
+            finally:
+                await client.close()
+
+        # Playwright's sync API keeps an event loop running on this thread.
+        with ThreadPoolExecutor(1) as worker:
+            worker.submit(asyncio.run, write()).result()
+
     def write_telemetry(self, rounds: int, interval: float) -> None:
         """Telemetry records for every replica, as an agent would write them."""
 
@@ -135,11 +157,17 @@ class Console:
 @pytest.fixture(scope="module")
 def console(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
     prefix = f"/kvpilot-console/{time.monotonic_ns()}"
+    state_dir = tmp_path_factory.mktemp("kvpilot-console")
+    # A named admin token besides the environment's, for the audit log's "who".
+    tokens = state_dir / "tokens.yaml"
+    entry = {"name": ONCALL, "role": "admin", "token": ONCALL_TOKEN}
+    tokens.write_text(json.dumps({"tokens": [entry]}))
     kvpilot = KvpilotProcess(
-        tmp_path_factory.mktemp("kvpilot-console"),
+        state_dir,
         etcd_endpoints=[etcd.endpoint],
         prefix=prefix,
         env=TOKEN_ENV,
+        extra_args=["--tokens-file", str(tokens)],
     ).start()
     backends = BackendProcess(3, id_prefix="ui", state_dir=tmp_path_factory.mktemp("ui-be"))
     envoys: list[EmbeddedEnvoy] = []
@@ -252,6 +280,7 @@ def test_console_loads_every_view_against_a_live_kvpilot(browser: Any, console: 
         latest.wait_for(timeout=10_000)
         assert "Pool/chat" in latest.inner_text() and "updated" in latest.inner_text()
         assert "+    weight: 150" in latest.locator("pre").inner_text()
+        assert latest.locator(".author").get_attribute("data-actor") == "kvpilot_admin_token"
         shoot(page, "changes")
 
         page.click('a[data-tab="rollouts"]')
@@ -423,6 +452,13 @@ def test_a_rollout_shows_its_steps_and_verdict_and_an_admin_pauses_it_from_the_p
         assert "canary" in numbers.inner_text() and "stable" in numbers.inner_text()
         assert "errorRate" in rules.inner_text()
         card.locator(".events li").first.wait_for(timeout=10_000)  # the recorded history
+        # The change history names the rollout as the author of the weights it wrote.
+        with console.api() as api:
+            items = api.get("/v1/history?limit=20").json()["items"]
+        step = next(i for i in items if (i["kind"], i["name"]) == ("RoutingPolicy", "inference"))
+        assert "+        weight: 10" in step["diff"], step
+        assert step["author"]["actor"] == "rollout/chat-canary", step
+        assert step["author"]["operation"] == "rollout step 1" and step["author"]["replica"]
 
         pause = card.locator('[data-command="pause"]')
         assert pause.get_attribute("aria-disabled") is None
@@ -502,3 +538,105 @@ def test_a_thousand_endpoints_render_within_two_seconds(
         shoot(page, "endpoints-1000")
     finally:
         page.close()
+
+
+def test_the_changes_view_shows_who_made_each_change(browser: Any, console: Console) -> None:
+    port = console.ports[1]
+    page = open_console(browser, console.kvpilot.api_url, READ_TOKEN, "changes")
+    try:
+        with console.api(ONCALL_TOKEN) as api:
+            response = api.put(
+                f"/v1/pools/chat/endpoints/127.0.0.1:{port}/weight", json={"weight": 222}
+            )
+            assert response.status_code == 200, response.text
+            revision = int(api.get("/v1/pools/chat").headers["etag"].strip('"'))
+        change = page.locator(f'article.change[data-revision="{revision}"]')
+        change.wait_for(timeout=15_000)  # the view reads the history every 5 s
+        author = change.locator(f'.author[data-actor="{ONCALL}"]')
+        author.wait_for(timeout=10_000)
+        assert "set_endpoint_weight" in author.inner_text()
+        assert "+    weight: 222" in change.locator("pre").inner_text()
+        shoot(page, "changes-authors")
+    finally:
+        page.close()
+
+
+def test_the_service_classes_view_shows_batch_shed_under_saturation_then_readmitted(
+    browser: Any, console: Console
+) -> None:
+    # Its own pool over the same replicas, so the telemetry written here moves nothing else.
+    ports = console.ports
+    listener = free_port()
+    classes = {
+        "saturation": {"queue": 4, "step": 100, "shedInterval": "200ms", "recoverInterval": "1s"},
+        "classes": [
+            {"name": "interactive", "objective": {"ttft": "1s"}},
+            {
+                "name": "batch",
+                "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
+                "objective": {"ttft": "60s"},
+                "whenSaturated": "shed",
+                "retryAfter": "9s",
+            },
+        ],
+    }
+    svc = policy("svc", listener, [{"name": "chat", "tiers": [["svc"]]}])
+    svc["spec"]["serviceClasses"] = classes
+    batch = {"x-priority": "batch"}
+    url = f"http://127.0.0.1:{listener}/v1/chat/completions"
+
+    def telemetry(waiting: float) -> None:
+        record = {"at": time.time(), "waiting": waiting, "running": 4.0, "kv_cache": 0.3}
+        console.put_telemetry("svc", {port: record for port in ports})
+
+    def batch_status(client: httpx.Client) -> int:
+        return client.post(url, json=chat(), headers=batch).status_code
+
+    with console.api() as api:
+        body = pool("svc", ports, models=["sim-model"], telemetry={"maxAge": "60s"})
+        assert api.put("/v1/pools/svc", json=body).status_code in (200, 201)
+        assert api.put("/v1/routingpolicies/svc", json=svc).status_code in (200, 201)
+    telemetry(0)
+    page = open_console(browser, console.kvpilot.api_url, READ_TOKEN, "classes")
+    client = httpx.Client(timeout=10)
+    try:
+        route = page.locator('.svc-route[data-route="svc/chat"]')
+        route.locator('tr[data-class="batch"][data-state="admitted"]').wait_for(timeout=15_000)
+        wait_until(lambda: batch_status(client) == 200, 30, message="Envoy to serve batch")
+
+        saturated_at = time.time()
+        telemetry(20)  # mean queue 20 against a bound of 4: pressure 5
+        route.locator('tr[data-class="batch"][data-state="shed"]').wait_for(timeout=15_000)
+        wait_until(lambda: batch_status(client) == 429, 30, message="Envoy to shed batch")
+        # Every replica's record has arrived (the page may have drawn the first ones alone).
+        route.locator("header .pill", has_text="pressure 5.00").wait_for(timeout=10_000)
+        shed_row = route.locator('tr[data-class="batch"]')
+        assert shed_row.get_attribute("data-state") == "shed"
+        assert "Retry-After 9s" in shed_row.inner_text() and "0%" in shed_row.inner_text()
+        assert route.locator('tr[data-class="interactive"]').get_attribute("data-state") == (
+            "admitted"
+        )
+        assert route.get_attribute("data-pressure") == "bad"
+        top = route.locator("table.signals tr.top")
+        assert top.get_attribute("data-signal") == "queue" and "20" in top.inner_text()
+        # Since when it is shed: the time kvpilot restricted it, after the saturated records.
+        shed_since = shed_row.locator(".since").get_attribute("title") or ""
+        assert saturated_at - 1 <= datetime.fromisoformat(shed_since).timestamp() <= time.time()
+        assert client.post(url, json=chat()).status_code == 200  # interactive passes
+        # The header says so on every view.
+        assert page.inner_text('#health [data-restricted="1"]') == "batch shed on svc/chat"
+        shoot(page, "classes-shed")
+
+        telemetry(0)  # recovered: batch is given back after the recovery interval
+        route.locator('tr[data-class="batch"][data-state="admitted"]').wait_for(timeout=15_000)
+        route.locator("header .pill", has_text="pressure 0.32").wait_for(timeout=10_000)
+        assert route.get_attribute("data-pressure") == "ok"
+        page.locator("#health [data-restricted]").wait_for(state="detached", timeout=10_000)
+        wait_until(lambda: batch_status(client) == 200, 30, message="Envoy to readmit batch")
+        shoot(page, "classes-readmitted")
+    finally:
+        client.close()
+        page.close()
+        with console.api() as api:
+            api.delete("/v1/routingpolicies/svc")
+            api.delete("/v1/pools/svc")

@@ -139,6 +139,93 @@ async def test_history_lists_revisions_with_diffs_newest_first(api: Harness) -> 
     ]
 
 
+async def test_history_names_who_made_each_change_from_the_audit_log(api: Harness) -> None:
+    body = pool("chat", [8001], models=["m"])
+    await api.http.put("/v1/pools/chat", json=body)  # by "ops", the harness's admin token
+    # Past the REST API (as etcdctl or a restore would write): no audit entry to join.
+    body["spec"]["models"] = ["quiet"]
+    await api.store.replace("Pool", "chat", body, expect_revision=None)
+
+    async def authored() -> list[dict[str, Any]] | None:
+        items = (await api.http.get("/v1/history", headers=READ)).json()["items"]
+        return items if len(items) == 2 else None
+
+    latest, created = await poll(authored, message="both revisions in the history")
+    assert created["author"]["actor"] == "ops"
+    assert created["author"]["operation"] == "replace_pools"
+    assert abs(created["author"]["at"] - time.time()) < 60
+    assert latest["change"] == "updated" and latest["author"] is None
+
+
+async def test_admission_shows_each_class_state_since_and_the_pressure_against_its_bounds(
+    api: Harness,
+) -> None:
+    classes = {
+        "saturation": {"queue": 4, "step": 100, "shedInterval": "100ms", "high": 1.0, "low": 0.5},
+        "classes": [
+            {"name": "interactive", "objective": {"ttft": "1s"}},
+            {
+                "name": "batch",
+                "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
+                "objective": {"ttft": "60s"},
+                "whenSaturated": "shed",
+                "retryAfter": "7s",
+            },
+        ],
+    }
+    body = telemetry_policy()
+    body["spec"]["serviceClasses"] = classes
+    await api.http.put("/v1/pools/chat", json=pool("chat", [8001, 8002]))
+    assert (await api.http.put("/v1/routingpolicies/main", json=body)).status_code in (200, 201)
+
+    async def route() -> dict[str, Any] | None:
+        response = await api.http.get("/v1/admission", headers=READ)
+        assert response.status_code == 200, response.text
+        policies = response.json()["policies"]
+        return policies[0]["routes"][0] if policies else None
+
+    calm = await poll(route, message="the route in the admission view")
+    assert calm["route"] == "main/all" and calm["pools"] == ["chat"]
+    assert calm["pressure"] is None and calm["signals"] == []  # no telemetry: all admitted
+    assert [(c["name"], c["state"], c["fallback"]) for c in calm["classes"]] == [
+        ("interactive", "admitted", True),
+        ("batch", "admitted", False),
+    ]
+    batch = calm["classes"][1]
+    assert batch["whenSaturated"] == "shed" and batch["retryAfter"] == 7
+    assert batch["objective"] == {"ttft": 60.0}
+    assert batch["runtimeKey"] == "kvpilot.admission.main.all.batch"
+    assert batch["stats"] == {
+        "admitted": "vhost.main.route.all.batch.upstream_rq_completed",
+        "shed": "all.batch.shed.http_local_rate_limit.enabled",
+    }
+
+    saturated_at = time.time()
+    for port in (8001, 8002):
+        record = {"at": time.time(), "waiting": 10.0, "running": 4.0, "kv_cache": 0.5}
+        await api.store.put_telemetry("chat", f"127.0.0.1:{port}", record)
+
+    async def shed() -> dict[str, Any] | None:
+        now = await route()
+        return now if now and now["classes"][1]["state"] == "shed" else None
+
+    busy = await poll(shed, message="batch to be shed")
+    assert busy["pressure"] == 2.5 and busy["level"] == 1 and busy["levels"] == 1
+    assert busy["signals"][0] == {"name": "queue", "mean": 10.0, "bound": 4.0, "pressure": 2.5}
+    assert [s["name"] for s in busy["signals"]] == ["queue", "kvCache"]
+    assert busy["classes"][1]["admitted"] == 0.0
+    assert saturated_at <= busy["classes"][1]["since"] <= time.time()
+    assert busy["classes"][0]["state"] == "admitted" and busy["classes"][0]["since"] is None
+    view = (await api.http.get("/v1/admission", headers=READ)).json()
+    saturation = view["policies"][0]["saturation"]
+    assert (saturation["high"], saturation["low"], saturation["queue"]) == (1.0, 0.5, 4.0)
+    assert (await api.http.get("/v1/admission", headers={"Authorization": ""})).status_code == 401
+    status = (await api.http.get("/v1/status", headers=READ)).json()
+    assert status["restrictedClasses"] == [
+        {"route": "main/all", "class": "batch", "state": "shed", "admitted": 0.0}
+    ]
+
+
 async def test_whoami_and_the_console_page(api: Harness) -> None:
     assert (await api.http.get("/v1/whoami", headers=READ)).json() == {
         "name": "viewer",

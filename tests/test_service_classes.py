@@ -3,6 +3,7 @@ hysteresis, and what a decision becomes in Envoy's route configuration."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 
 from controlplane.launchers import find_binary, repo_root
 from policies import PolicyError, PolicyState, compile_plan, load_objects, parse_object
-from policies.admission import AdmissionDecision, decide, pool_pressure
+from policies.admission import AdmissionDecision, decide, pool_pressure, pool_signals
 from policies.models import Endpoint, Saturation, ServiceClass, ServiceClasses
 from policies.telemetry import TelemetryRecord
 from xdsserver.static import validate_with_envoy
@@ -153,6 +154,39 @@ def test_pool_pressure_is_the_largest_mean_signal_over_fresh_records() -> None:
     pressure = pool_pressure(endpoints, records, now=101.0, max_age=10.0, saturation=SATURATION)
     assert pressure == 1.0  # mean queue 4 over a bound of 4
     assert pool_pressure(endpoints, {}, now=101.0, max_age=10.0, saturation=SATURATION) is None
+
+
+def test_a_decision_keeps_each_class_since_and_its_next_step_for_operators() -> None:
+    decisions = []
+    decision = None
+    for second, pressure in enumerate([1.5, 1.5, 1.5, 1.5, 1.5, 0.8, 0.4, 0.4, 0.4, 0.4]):
+        decision = decide(decision, pressure, CLASSES, now=float(second), saturation=SATURATION)
+        decisions.append(decision)
+    # Batch went at 0 s and was fully shed at 3 s; standard started to go at 4 s.
+    fifth = decisions[4]
+    assert dict(fifth.since or {}) == {"interactive": -math.inf, "standard": 4.0, "batch": 3.0}
+    assert (fifth.next_step, fifth.next_step_at) == ("restrict", 5.0)
+    # Inside the band nothing is due; below low, a step back 3 s after the last change.
+    assert (decisions[5].next_step, decisions[5].next_step_at) == (None, math.inf)
+    assert (decisions[6].next_step, decisions[6].next_step_at) == ("readmit", 7.0)
+    assert decisions[7].level == 4 and dict(decisions[7].since or {})["standard"] == 7.0
+    assert dict(decisions[7].since or {})["batch"] == 3.0  # unchanged: still fully shed
+
+
+def test_pool_signals_give_each_mean_against_its_bound() -> None:
+    endpoints = [Endpoint(address="10.0.0.1", port=p) for p in (1, 2)]
+    records = {
+        "10.0.0.1:1": TelemetryRecord(at=100.0, waiting=6, kv_cache=0.75, pending_tokens=3000),
+        "10.0.0.1:2": TelemetryRecord(at=100.0, waiting=2, kv_cache=0.25, pending_tokens=1000),
+    }
+    saturation = Saturation(pending_tokens=4000)
+    signals = pool_signals(endpoints, records, now=100.0, max_age=10.0, saturation=saturation)
+    assert [(s.name, s.mean, s.bound, s.pressure) for s in signals] == [
+        ("queue", 4.0, 4.0, 1.0),
+        ("kvCache", 0.5, 0.95, 0.526316),
+        ("pendingTokens", 2000.0, 4000.0, 0.5),
+    ]
+    assert pool_signals(endpoints, records, now=200.0, max_age=10.0, saturation=saturation) == ()
 
 
 def test_the_mean_time_to_first_token_saturates_at_half_the_first_class_objective() -> None:

@@ -196,12 +196,44 @@ def _entries(
         for out in entries:
             # Per-class stats from Envoy itself: vhost.<policy>.route.<route>.<class>.upstream_rq_*
             # counts what the class was admitted and times it (upstream_rq_time).
-            out.stat_prefix = f"{route.short_name}.{plan_class.name}"
+            out.stat_prefix = class_stat_prefix(route, plan_class)
             if plan_class.budget is not None:
                 out.typed_per_filter_config[SERVICE_CLASS].CopyFrom(
                     pack(_class_budget(plan_class.budget, route.tenant_header, out.stat_prefix))
                 )
     return entries
+
+
+def class_stat_prefix(route: PlanRoute, plan_class: PlanClass) -> str:
+    """The stat prefix of a class's entries on a route: ``<route>.<class>``."""
+    return f"{route.short_name}.{plan_class.name}"
+
+
+def admission_runtime_key(route: PlanRoute, plan_class: PlanClass) -> str:
+    """The runtime key of a restricted class's fraction, which an operator may override on
+    one Envoy through its admin ``/runtime_modify``."""
+    return f"kvpilot.admission.{route.name.replace('/', '.')}.{plan_class.name}"
+
+
+RESTRICTED_VERB = {"divert": "diverted", "queue": "queued", "shed": "shed"}
+"""What a restricted entry's stats call its requests, by class action."""
+
+
+def class_stats(vhost: str, route: PlanRoute, plan_class: PlanClass) -> dict[str, str]:
+    """Envoy's counters of one class on one route (as Envoy names them in ``/stats``), by
+    what they count: ``admitted`` (served by the route's own pool), and for a class that can
+    be restricted ``shed``, ``diverted`` or ``queued``; ``queueLength`` for a queued class.
+    kvpilot does not count requests itself: these are where an operator reads them."""
+    prefix = class_stat_prefix(route, plan_class)
+    stats = {"admitted": f"vhost.{vhost}.route.{prefix}.upstream_rq_completed"}
+    verb = RESTRICTED_VERB.get(plan_class.action)
+    if verb == "shed":
+        stats["shed"] = f"{prefix}.shed.http_local_rate_limit.enabled"
+    elif verb is not None:
+        stats[verb] = f"vhost.{vhost}.route.{prefix}.{verb}.upstream_rq_completed"
+    if plan_class.action == "queue":
+        stats["queueLength"] = f"cluster.{plan_class.target_cluster}.upstream_rq_pending_active"
+    return stats
 
 
 def _selects(plan_class: PlanClass) -> bool:
@@ -263,7 +295,7 @@ def _restricted_entry(
                 numerator=round((1.0 - plan_class.admitted) * 1_000_000),
                 denominator=percent_pb2.FractionalPercent.MILLION,
             ),
-            runtime_key=f"kvpilot.admission.{route.name.replace('/', '.')}.{plan_class.name}",
+            runtime_key=admission_runtime_key(route, plan_class),
         )
     )
     if plan_class.action in ("divert", "queue"):
@@ -274,7 +306,7 @@ def _restricted_entry(
             cluster=plan_class.target_cluster,
             host_rewrite=route.host_rewrite or plan_class.action == "divert",
         )
-        verb = "diverted" if plan_class.action == "divert" else "queued"
+        verb = RESTRICTED_VERB[plan_class.action]
         entry = _route_entry(
             elsewhere,
             f"{name}/{plan_class.action}",
@@ -282,7 +314,7 @@ def _restricted_entry(
             affinity=None,
             body_limit=body_limit,
         )
-        entry.stat_prefix = f"{route.short_name}.{plan_class.name}.{verb}"
+        entry.stat_prefix = f"{class_stat_prefix(route, plan_class)}.{verb}"
         return entry
     # Envoy's own status for a shed request; the listener's local-reply mapper turns it into
     # a 429 with an OpenAI error body, so a shed reply is never mistaken for a rate limit's.
@@ -302,7 +334,7 @@ def _restricted_entry(
     # Direct responses leave no route stats; a local rate limit that never enforces counts
     # them instead: <route>.<class>.shed.http_local_rate_limit.enabled.
     entry.typed_per_filter_config[SERVICE_CLASS].CopyFrom(
-        pack(_counter(f"{route.short_name}.{plan_class.name}.shed"))
+        pack(_counter(f"{class_stat_prefix(route, plan_class)}.{RESTRICTED_VERB['shed']}"))
     )
     return entry
 
