@@ -25,6 +25,7 @@ import httpx
 import pytest
 from harness.api import Harness, running_api
 from harness.builders import fleet, policy, pool
+from harness.wait import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -198,6 +199,8 @@ def api(
     thread.start()
     context = running_api(etcd.endpoint, etcd_prefix, quiet_period=1.0, max_wait=5.0)
     harness = asyncio.run_coroutine_threadsafe(context.__aenter__(), loop).result(30)
+    # Before the first snapshot /readyz rightly answers 503: fuzz the daemon once it is ready.
+    wait_until(lambda: harness.reconciler.ready, 30, message="the first snapshot")
     yield harness, loop
     asyncio.run_coroutine_threadsafe(context.__aexit__(None, None, None), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)

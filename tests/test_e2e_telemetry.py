@@ -178,7 +178,9 @@ async def test_a_long_queue_lowers_the_weight_in_envoy_and_traffic_moves_away(
 async def test_on_an_affinity_route_a_slow_replica_gets_less_of_the_ring_and_a_queue_nothing(
     make_setup: Callable[..., Any],
 ) -> None:
-    setup: Setup = await make_setup("telemetry", affinity=True)
+    # A long maxAge: the first record is stamped 5 s back, and on a loaded machine its
+    # compile may come late enough for a default maxAge to call it stale (then no fall).
+    setup: Setup = await make_setup("telemetry", affinity=True, max_age="60s")
     ports, ring = setup.ports, CLUSTER + "/affinity"
     await setup.wait_weights(dict.fromkeys(ports, 100), 30, "static weights first", ring)
     # Two records in a row (a fall needs two): the first replica is 3x slower per output
