@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
+from harness import builders
 from harness.builders import FAST_HEALTH_CHECK, chat, pool
 from harness.envoy import envoy_hosts
 from harness.rig import api_client
@@ -219,21 +220,19 @@ def rollout(
     rules: list[dict[str, Any]] | None = None,
     steps: Iterable[int] = STEPS,
 ) -> dict[str, Any]:
-    return {
-        "kind": "Rollout",
-        "metadata": {"name": name},
-        "spec": {
-            "target": {"policy": "chat", "route": "chat"},
-            "stable": "stable",
-            "canary": "canary",
-            "steps": [{"weight": w, "minDuration": min_duration} for w in steps],
-            "analysis": {
-                "minSample": min_sample,
-                "interval": "250ms",
-                "rules": rules or [{"metric": "errorRate", "max": 0.05}],
-            },
+    """A Rollout of the rig's canary pool beside its stable pool on route chat/chat."""
+    return builders.rollout(
+        name,
+        target=("chat", "chat"),
+        stable="stable",
+        canary="canary",
+        steps=builders.rollout_steps(steps, min_duration),
+        analysis={
+            "minSample": min_sample,
+            "interval": "250ms",
+            "rules": rules or [{"metric": "errorRate", "max": 0.05}],
         },
-    }
+    )
 
 
 def create(rig: Rig, body: dict[str, Any]) -> None:
