@@ -11,10 +11,10 @@ shortest lease is 1.5 times its election timeout rounded up (2 s with etcd's def
 lease cannot simply be made shorter. So the leader also renews a heartbeat key
 (``{leader key}/heartbeat``, a fenced write) every ``heartbeat_interval``, and a follower that
 sees neither key change for ``silence_limit`` in its mirror, and etcd confirms the heartbeat
-has not moved, deletes the leader key (only the revision it saw) and campaigns at once: a follower takes over within ``silence_limit`` plus its poll
-interval after the leader's last heartbeat, inside the TTL. The lease stays the backstop
-when no follower is running. A leader that was only slow finds its fence gone on its next
-write and follows.
+has not moved, deletes the leader key (only the revision it saw) and campaigns at once: a
+follower takes over within ``silence_limit`` plus its poll interval after the leader's last
+heartbeat, inside the TTL. The lease stays the backstop when no follower is running. A leader
+that was only slow finds its fence gone on its next write and follows.
 """
 
 from __future__ import annotations
