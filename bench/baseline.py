@@ -154,26 +154,8 @@ class BaselineKvpilot(AckLogKvpilot):
         super().__init__(state_dir, cwd=tree, env={"PYTHONPATH": str(tree)}, **kwargs)
 
     def _argv(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "bench.controlplane",
-            "serve",
-            "--etcd-endpoints",
-            ",".join(self.etcd_endpoints),
-            "--etcd-prefix",
-            self.prefix,
-            "--xds-address",
-            f"{self.host}:{self.xds_port}",
-            "--api-address",
-            f"{self.host}:{self.api_port}",
-            "--state-dir",
-            str(self.state_dir),
-            *self.extra_args,
-            *(["--insecure-no-auth"] if self.insecure_no_auth else []),
-            "--ack-log",
-            str(self.ack_log),
-        ]
+        # Plaintext ADS was the baseline's default, before the flag that now asks for it.
+        return [arg for arg in super()._argv() if arg != "--xds-insecure-plaintext"]
 
 
 def ack_side_by_side(
