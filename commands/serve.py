@@ -218,8 +218,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rollout-lease-ttl",
         type=int,
         default=int(env("KVPILOT_ROLLOUT_LEASE_TTL", "10")),
-        help="seconds after which another replica takes over driving rollouts when the "
-        "driving one stops answering (env KVPILOT_ROLLOUT_LEASE_TTL, default 10)",
+        help="lease of the replica driving rollouts, seconds: when it stops, another takes "
+        "over within this time (after 0.6 of it without the driver's heartbeat, renewed every "
+        "tenth of it) (env KVPILOT_ROLLOUT_LEASE_TTL, default 10)",
     )
     parser.add_argument(
         "--log-level",
