@@ -43,12 +43,7 @@ import httpx
 from api.client import KvpilotClient
 from bench.backend import BackendProcess, ReplicaInfo
 from bench.loadgen import RunResult, parse_metrics, replay
-from bench.routing import (
-    MODEL,
-    BenchConfig,
-    calibrate,
-    start_agent,
-)
+from bench.routing import BenchConfig, calibrate
 from bench.scenarios import (
     SCENARIOS,
     SUITE_POLICIES,
@@ -59,6 +54,7 @@ from bench.scenarios import (
     default_suite,
 )
 from bench.simulator import SimConfig
+from bench.stack import MODEL, start_agent
 from bench.suite_measure import Timeline, measure, summary_line, weight_moves
 from bench.suite_report import write_suite_report
 from bench.workload import Workload, oracle_hit_rate
