@@ -10,7 +10,6 @@ the requests that were served.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from bench.classes import (
@@ -24,7 +23,7 @@ from bench.classes import (
 )
 from bench.classes_signals import admission_summary, signals_markdown
 from bench.loadgen import RequestResult
-from bench.report import num
+from bench.report import json_block, num
 from bench.summary import percentile
 
 
@@ -201,9 +200,6 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
         "",
         "Calibration (rates found for each phase's share of cache-blind capacity):",
         "",
-        "```json",
-        json.dumps(calibration, indent=1),
-        "```",
-        "",
+        *json_block(calibration),
     ]
     return "\n".join(lines)

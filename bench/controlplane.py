@@ -25,6 +25,7 @@ Envoys, 100 streams, 1,000 endpoints, 8 changes) is the smoke test the suite run
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
@@ -329,13 +330,15 @@ class Bench:
             for _, pool_body in objects[:-1]
             for e in pool_body["spec"]["endpoints"]
         ]
-        return telemetry_at_scale(
-            self.etcd.endpoint,
-            "/bench",
-            endpoints,
-            self.kvpilot.pid,
-            f"{self.kvpilot.api_url}/metrics",
-            seconds=self.config.telemetry_seconds,
+        return asyncio.run(
+            telemetry_at_scale(
+                self.etcd.endpoint,
+                "/bench",
+                endpoints,
+                self.kvpilot.pid,
+                f"{self.kvpilot.api_url}/metrics",
+                seconds=self.config.telemetry_seconds,
+            )
         )
 
 

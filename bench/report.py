@@ -19,6 +19,11 @@ def num(value: float | None, fmt: str = "{:.3f}") -> str:
     return "n/a" if value is None else fmt.format(value)
 
 
+def json_block(data: Any, indent: int = 1) -> list[str]:
+    """`data` as a fenced JSON block of a Markdown report, and the blank line after it."""
+    return ["```json", json.dumps(data, indent=indent), "```", ""]
+
+
 def _ratio(value: float | None, base: float | None) -> float | None:
     if value is None or base is None or base == 0:
         return None
@@ -205,15 +210,7 @@ def markdown(
             lines += describe(title, breakdown)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-    lines += [
-        "",
-        "## Setup",
-        "",
-        "```json",
-        json.dumps(config_dict, indent=2),
-        "```",
-        "",
-    ]
+    lines += ["", "## Setup", "", *json_block(config_dict, indent=2)]
     return "\n".join(lines)
 
 
