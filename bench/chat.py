@@ -31,13 +31,18 @@ _VOCAB = tuple(word for word in _WORDS.split() if len(word) <= 4)
 """Answer words: at most 4 characters, so one word is one token."""
 
 
+def _parts(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """One part per message, then the assistant marker."""
+    parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
+    return [*parts, "<|assistant|>"]
+
+
 def render_chat(messages: Sequence[dict[str, Any]]) -> str:
     """The prompt text of a chat request: a whitespace-separated stand-in for a chat template.
 
     It ends with the assistant marker, so prompt + answer is a prefix of the next turn's prompt.
     """
-    parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
-    return " ".join([*parts, "<|assistant|>"])
+    return " ".join(_parts(messages))
 
 
 def synth_answer(prompt: Sequence[int], max_tokens: int) -> list[str]:
@@ -58,8 +63,7 @@ def chat_tokens(messages: Sequence[dict[str, Any]]) -> list[int]:
     part lets every turn reuse the parts (system prompt, history) seen before, which keeps the
     CPU per request small when prompts grow to thousands of tokens (the simulator's for
     each request, the workload generator's for each turn it plans)."""
-    parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
     tokens: list[int] = []
-    for part in [*parts, "<|assistant|>"]:
+    for part in _parts(messages):
         tokens += _part_tokens(part)
     return tokens

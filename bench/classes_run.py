@@ -31,12 +31,9 @@ from bench.routing import BenchConfig
 from bench.stack import (
     MODEL,
     Stack,
-    fresh_caches,
-    idle,
-    policy_body,
-    policy_live,
-    probe,
+    apply_policy,
     put_pool,
+    ready_for_replay,
     replica_metrics,
     start_stack,
 )
@@ -45,13 +42,12 @@ from controlplane.launchers import LauncherError, wait_until
 
 
 def _apply(stack: Stack, policy: Policy, config: ClassesConfig) -> None:
-    body = policy_body(stack, policy.route)
     service_classes = config.service_classes.get(policy.key)
-    if service_classes is not None:
-        body["spec"]["serviceClasses"] = service_classes
-    stack.put(body)
+    if service_classes is None:
+        apply_policy(stack, policy.key, policy.route)
+    else:
+        apply_policy(stack, policy.key, policy.route, serviceClasses=service_classes)
     classified = service_classes is not None
-    wait_until(lambda: policy_live(stack, policy.route), 60, f"Envoy to serve {policy.key}")
     wait_until(
         lambda: _classes_in_envoy(stack) == classified, 60, f"Envoy's routes for {policy.key}"
     )
@@ -83,9 +79,7 @@ def run_one(
     sim = config.routing.sim
     print(f"\n== {policy.title}: {workload.requests} requests", flush=True)
     _apply(stack, policy, config)
-    wait_until(lambda: probe(stack), 30, "a request through Envoy")
-    wait_until(lambda: idle(stack), 120, "the replicas to go idle")
-    fresh_caches(stack, workload.system_prompts())
+    ready_for_replay(stack, workload.system_prompts(), idle_timeout=120)
     # Warming prefills every long system prompt at once, which saturates the pool for a
     # moment: start only once admission has taken every class back.
     wait_until(lambda: _all_admitted(stack), 60, "admission to readmit every class")

@@ -31,12 +31,9 @@ from bench.stack import (
     POLICY_NAME,
     POOL,
     Stack,
-    fresh_caches,
-    idle,
-    policy_body,
-    policy_live,
-    probe,
+    apply_policy,
     put_pool,
+    ready_for_replay,
     replica_metrics,
     say,
     start_stack,
@@ -102,7 +99,7 @@ class BenchConfig:
     (``--policies``), so that `make bench` stays within 10 minutes."""
     warm_system_prompts: bool = True
     """Put the chat workload's shared system prompts in every replica's cache before each
-    replay (see `bench.stack.fresh_caches`), so runs measure a fleet in service rather than a cold start."""
+    replay (see `bench.stack.ready_for_replay`), so runs measure a fleet in service rather than a cold start."""
     agent_interval: float = 1.0
     """Simulated seconds between the telemetry agent's scrapes."""
     out_dir: Path = Path("bench/results")
@@ -211,16 +208,13 @@ def run_policy(
     stack: Stack, policy: Policy, workload: Workload, config: BenchConfig
 ) -> dict[str, Any]:
     say(f"\n== {policy.title}: apply RoutingPolicy/{POLICY_NAME} {json.dumps(policy.route)}")
-    stack.put(policy_body(stack, policy.route))
-    wait_until(lambda: policy_live(stack, policy.route), 60, f"Envoy to serve {policy.key}")
-    wait_until(lambda: probe(stack), 30, "a request through Envoy")
-    wait_until(lambda: idle(stack), 60, "the replicas to go idle")
+    apply_policy(stack, policy.key, policy.route)
     telemetry = policy.route.get("balancing") == "telemetry"
     if telemetry:
         wait_until(lambda: telemetry_fresh(stack), 30, "kvpilot to weigh the replicas by telemetry")
     before = telemetry_metrics(stack)
     system_prompts = workload.system_prompts() if config.warm_system_prompts else []
-    fresh_caches(stack, system_prompts)
+    ready_for_replay(stack, system_prompts)
     say(
         "   Envoy serves it; replica caches reset"
         + (f" and warmed with {len(system_prompts)} system prompts" if system_prompts else "")

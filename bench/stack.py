@@ -5,7 +5,8 @@ benchmarks replay through, and the checks they wait on.
 process of simulated vLLM replicas and one ``kvpilot agent`` that writes their telemetry to
 etcd. The rest reads the rig: whether Envoy serves a policy (its clusters' load balancers in
 ``/config_dump``, every replica healthy), whether the replicas are idle, kvpilot's telemetry
-metrics; and prepares a replay (`fresh_caches`: empty caches, shared system prompts put back).
+metrics; and prepares a replay (`ready_for_replay`: empty caches, shared system prompts put
+back).
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def put_pool(stack: Stack) -> None:
     )
 
 
-def policy_body(stack: Stack, route: Mapping[str, Any]) -> dict[str, Any]:
+def _policy_body(stack: Stack, route: Mapping[str, Any]) -> dict[str, Any]:
     """The benchmark's RoutingPolicy: one route to the pool with `route`'s balancing fields."""
     chat = {"name": "chat", "match": {"pathPrefix": "/v1/"}, "tiers": [[POOL]], **route}
     return {
@@ -235,7 +236,7 @@ def _expected_clusters(route: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
     return out
 
 
-def policy_live(stack: Stack, route: Mapping[str, Any]) -> bool:
+def _policy_live(stack: Stack, route: Mapping[str, Any]) -> bool:
     """Envoy's clusters balance as `route` asks, and every replica is healthy in each."""
     try:
         clusters = _clusters_in_envoy(stack.envoy)
@@ -257,7 +258,16 @@ def policy_live(stack: Stack, route: Mapping[str, Any]) -> bool:
     return len(hosts) == want_hosts and all(line.endswith("::healthy") for line in hosts)
 
 
-def probe(stack: Stack) -> bool:
+def apply_policy(stack: Stack, key: str, route: Mapping[str, Any], **spec: Any) -> None:
+    """Apply the benchmark's RoutingPolicy with `route` (and the further `spec` fields, such
+    as ``serviceClasses``), and wait until Envoy serves it."""
+    body = _policy_body(stack, route)
+    body["spec"].update(spec)
+    stack.put(body)
+    wait_until(lambda: _policy_live(stack, route), 60, f"Envoy to serve {key}")
+
+
+def _probe(stack: Stack) -> bool:
     """One request through Envoy is answered."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     with contextlib.suppress(httpx.HTTPError):
@@ -301,7 +311,7 @@ def replica_metrics(stack: Stack) -> dict[str, dict[str, float]]:
     return out
 
 
-def idle(stack: Stack) -> bool:
+def _idle(stack: Stack) -> bool:
     """No replica runs or queues a request."""
     return all(
         m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0) == 0
@@ -325,17 +335,19 @@ async def _warm(stack: Stack, system_prompts: list[str]) -> None:
         await asyncio.gather(*(one(client, r.url) for r in stack.backends.replicas))
 
 
-def fresh_caches(stack: Stack, system_prompts: list[str]) -> None:
-    """Empty every replica's prefix cache and zero its counters, then put the shared
-    `system_prompts` back in every cache (the replicas must be idle).
+def ready_for_replay(stack: Stack, system_prompts: list[str], idle_timeout: float = 60) -> None:
+    """Once Envoy answers and the replicas are idle: empty every replica's prefix cache and
+    zero its counters, then put the shared `system_prompts` back in every cache.
 
     A fleet that has been serving for a while holds its shared system prompts in every
     replica's cache (they are the most used blocks, and vLLM evicts a conversation from its
     end). Without them, the first minutes of every run pay for a cold start that no
     routing policy can avoid, and those few requests are the p99.
     """
+    wait_until(lambda: _probe(stack), 30, "a request through Envoy")
+    wait_until(lambda: _idle(stack), idle_timeout, "the replicas to go idle")
     stack.backends.reset()
     if system_prompts:
         asyncio.run(_warm(stack, system_prompts))
-        wait_until(lambda: idle(stack), 60, "the replicas to go idle after warming")
+        wait_until(lambda: _idle(stack), 60, "the replicas to go idle after warming")
         stack.backends.reset(keep_cache=True)
