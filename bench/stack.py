@@ -34,6 +34,7 @@ from controlplane.launchers import (
     repo_root,
     wait_until,
 )
+from policies.compile import QUEUE_INFIX
 
 MODEL = "sim-model"
 POOL = "bench"
@@ -242,11 +243,17 @@ def _policy_live(stack: Stack, route: Mapping[str, Any]) -> bool:
         clusters = _clusters_in_envoy(stack.envoy)
     except Exception:
         return False
+    expected = _expected_clusters(route)
+    # A queued service class has a cluster of its own, the route's with other circuit breakers.
+    queues = [signature for name, signature in clusters.items() if QUEUE_INFIX in name]
     seen = {
         "/affinity" if name.endswith("/affinity") else "": signature
         for name, signature in clusters.items()
+        if QUEUE_INFIX not in name
     }
-    if len(clusters) != len(seen) or seen != _expected_clusters(route):
+    if len(clusters) != len(seen) + len(queues) or seen != expected:
+        return False
+    if any(signature != expected[""] for signature in queues):
         return False
     # Every replica healthy in every cluster, and the listener answering.
     hosts = [
