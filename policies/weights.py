@@ -22,8 +22,12 @@ sets only what changes slowly: how fast each replica is.
 - Capacity factor, on a ladder of levels (``capacity_levels``: 1, 0.7, 0.5, 0.35, 0.25). It
   falls only after ``capacity_confirm`` consecutive records put the replica below
   ``capacity_band`` times its level, straight to the level nearest their mean speed; it rises
-  one level at a time after as many records above ``1 / capacity_band`` times its level, so
-  sessions come back to a recovered replica gradually instead of in one spike.
+  one level at a time after as many records at ``capacity_rise`` times the next level or
+  faster, so sessions come back to a recovered replica gradually instead of in one spike.
+  The fall band is wide (0.65): a replica that only looks slower because it is busier
+  (its steps carry more prefill) stays put, a half-speed or 3x-slowed one does not. The
+  agents write a record that moved the speed and the one after it (``WriteBand.speed``),
+  so two records in a row arrive within two scrape intervals.
 - ``weight_e = static_weight_e * factor_e``. Bounded load takes the weight into account too
   (a host's share of in-flight requests is capped in proportion to its weight), so a slow
   replica gets both fewer sessions and a smaller share of the spill.
@@ -124,9 +128,10 @@ class WeightParams:
     capacity_levels: tuple[float, ...] = (1.0, 0.7, 0.5, 0.35, 0.25)
     """Capacity factors a pool behind session affinity may take, largest first (about 1.4x
     apart: a coarse ladder, so noise never moves the hash ring)."""
-    capacity_band: float = 0.8
-    """A replica counts as slower than its level below this share of it (and as faster above
-    its inverse)."""
+    capacity_band: float = 0.65
+    """A replica counts as slower than its level below this share of it."""
+    capacity_rise: float = 0.9
+    """A replica counts as fit for the next level up at this share of it or faster."""
     capacity_confirm: int = 2
     """Consecutive records that must agree before the capacity factor moves."""
 
@@ -306,9 +311,10 @@ def capacity_weights(
         tpot = tpots.get(key)
         if reference is not None and tpot is not None and record.at != seen_at:
             last, speed, seen_at = speed, reference / tpot, record.at
+            higher = [level for level in levels if level > factor]
             if speed < factor * params.capacity_band:
                 streak = min(streak, 0) - 1
-            elif speed * params.capacity_band > factor and factor < levels[0]:
+            elif higher and speed >= min(higher) * params.capacity_rise:
                 streak = max(streak, 0) + 1
             else:
                 streak = 0
@@ -320,7 +326,7 @@ def capacity_weights(
                 streak = 0
             elif streak >= params.capacity_confirm:
                 # Up one level at a time: sessions return to a recovered replica gradually.
-                factor = min((level for level in levels if level > factor), default=factor)
+                factor = min(higher, default=factor)
                 streak = 0
         out[key] = WeightDecision(
             weight=max(1, round(endpoint.weight * factor)),

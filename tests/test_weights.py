@@ -355,6 +355,14 @@ def _rounds(tpots: list[float], others: float = 0.03) -> list[int]:
         ),
         pytest.param([0.06, 0.06, 0.06], [100, 50, 50], id="half speed: half the weight"),
         pytest.param(
+            [0.043] * 4, [100] * 4, id="a third slower (busier steps, not a slower GPU): no move"
+        ),
+        pytest.param(
+            [0.06, 0.06, *[0.05] * 4],
+            [100, 50, 50, 50, 50, 50],
+            id="a half-speed replica that looks faster when lightly loaded stays at half",
+        ),
+        pytest.param(
             [0.09, 0.09, *[0.03] * 8],
             [100, 35, 35, 50, 50, 70, 70, 100, 100, 100],
             id="recovered: back up one level per two records, no jump",
