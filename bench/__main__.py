@@ -105,6 +105,8 @@ def _scenarios(args: argparse.Namespace) -> int:
     if args.policies:
         keys = (p.key for p in SUITE_POLICIES)
         config = replace(config, policies=_names(args.policies, keys, "policies"))
+    if args.time_scale:
+        config = replace(config, sim=replace(config.sim, time_scale=args.time_scale))
     return _print_report(run_suite(config, state_dir=args.state_dir))
 
 
@@ -177,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     for p in (parser, scenarios):
         p.add_argument("--seeds", default="", help="comma list of seeds (1,2,3)")
         p.add_argument("--scenarios", default="", help="comma list of scenarios")
+        p.add_argument(
+            "--time-scale",
+            type=float,
+            default=None,
+            help="wall seconds per simulated second (0.5); more gives a busy machine's load "
+            "generators slack, at that much more wall time",
+        )
     for p in (parser, scenarios, routing):
         p.add_argument("--policies", default="", help="comma list of policies to run")
     for p in (parser, routing):

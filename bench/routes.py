@@ -9,7 +9,7 @@ row called "affinity" means the same route in every report.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.workload import SESSION_HEADER
@@ -63,3 +63,11 @@ def standard_policies(affinity: Mapping[str, Any] = SESSION_AFFINITY) -> dict[st
             Policy("orca", "ORCA weighted round robin (no affinity)", {"balancing": "orca"}),
         )
     }
+
+
+def bounded_load(policy: Policy, factor: int, key: str, title: str) -> Policy:
+    """`policy` with the bounded-load factor `factor` (percent of the mean load), under `key`:
+    a sensitivity row, run only when named."""
+    affinity = {**policy.route["sessionAffinity"], "hashBalanceFactor": factor}
+    route = {**policy.route, "sessionAffinity": affinity}
+    return replace(policy, key=key, title=title, route=route, default=False)

@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.loadgen import replay
 from bench.report import WorkloadGroup, write_report
-from bench.routes import PREFIX_HASH_CHARS, SESSION_AFFINITY, Policy, standard_policies
+from bench.routes import PREFIX_HASH_CHARS, Policy, bounded_load, standard_policies
 from bench.simulator import SimConfig
 from bench.stack import (
     MODEL,
@@ -44,25 +44,17 @@ from bench.summary import summarize
 from bench.workload import Workload, WorkloadConfig, cache_blind_cost, generate, oracle_hit_rate
 from controlplane.launchers import wait_until
 
-
-def _bounded_load(factor: int) -> Policy:
-    """Sensitivity of the bounded-load factor (run with --policies): tighter spills more
-    sessions onto cold replicas, looser lets hot replicas queue."""
-    return Policy(
-        f"affinity_{factor}",
-        f"sensitivity: affinity + bounded load {factor}",
-        {
-            "balancing": "least_request",
-            "sessionAffinity": {**SESSION_AFFINITY, "hashBalanceFactor": factor},
-        },
-        default=False,
-    )
-
-
+_STANDARD = standard_policies()
 POLICIES: tuple[Policy, ...] = (
-    *standard_policies().values(),
-    _bounded_load(125),
-    _bounded_load(200),
+    *_STANDARD.values(),
+    # Sensitivity of the bounded-load factor: tighter spills more sessions onto cold
+    # replicas, looser lets hot replicas queue.
+    bounded_load(
+        _STANDARD["affinity"], 125, "affinity_125", "sensitivity: affinity + bounded load 125"
+    ),
+    bounded_load(
+        _STANDARD["affinity"], 200, "affinity_200", "sensitivity: affinity + bounded load 200"
+    ),
     # The shared-document workload: no session ids, every request is a long document plus a
     # question. Prompt-prefix affinity hashes the prompt's head inside Envoy instead.
     Policy("docs_round_robin", "documents: round robin", {"balancing": "round_robin"}, "docs"),
@@ -104,6 +96,8 @@ class BenchConfig:
     """Simulated seconds between the telemetry agent's scrapes."""
     out_dir: Path = Path("bench/results")
     plots: bool = True
+    capacity_batch: int | None = None
+    """Batch at which capacity is estimated (`cache_blind_cost`); None: half the max batch."""
 
 
 def default_config(short: bool = False) -> BenchConfig:
@@ -177,7 +171,7 @@ def calibrate(config: BenchConfig, base: WorkloadConfig) -> tuple[Workload, dict
         else:
             workload = generate(replace(base, session_rate=rate))
         warm = workload.system_prompts() if config.warm_system_prompts else []
-        cost = cache_blind_cost(workload, config.sim, replicas, warm)
+        cost = cache_blind_cost(workload, config.sim, replicas, warm, config.capacity_batch)
         return workload, cost / (replicas * duration)
 
     target = config.target_load
