@@ -15,8 +15,8 @@ from typing import Any
 
 from policies import PolicyState, RoutingPlan
 from policies.admission import AdmissionDecision, steps_per_class
-from policies.compile import cluster_name
 from policies.models import RoutingPolicy, Saturation, ServiceClass
+from policies.names import cluster_name
 from policies.plan import PlanClass, PlanRoute
 from xdsserver.translate.routes import admission_runtime_key, class_stats
 
