@@ -16,13 +16,12 @@ from policies.models import (
     PoolSpec,
     Route,
     RoutingPolicy,
-    SessionAffinity,
     Tier,
 )
 from policies.names import LOCAL_SUFFIX, cluster_name, queue_cluster_name
 from policies.plan import Diagnostic, PlanClass, PlanCluster, PlanEndpoint, PlanRoute
 from policies.state import PolicyState, is_external, pool_endpoints
-from policies.weights import WeightDecision, balance_factor
+from policies.weights import WeightDecision
 
 SPLIT_SCALE = 100
 """Resolution of a split: a pool's endpoints share ``pool weight x SPLIT_SCALE`` weight units."""
@@ -184,14 +183,13 @@ def _cluster(
     route: Route,
     spec: PoolSpec,
     endpoints: Iterable[PlanEndpoint],
-    affinity: SessionAffinity | None = None,
     **extra: Any,
 ) -> PlanCluster:
     return PlanCluster(
         name=name,
         protocol=spec.protocol,
         balancing=route.balancing,
-        affinity=affinity or route.session_affinity,
+        affinity=route.session_affinity,
         connect_timeout=spec.connect_timeout,
         health_check=spec.health_check,
         outlier_detection=spec.outlier_detection,
@@ -290,26 +288,14 @@ def compile_route(
         (queue_cluster_name(name, c.name), c.queue or ClassQueue())
         for c in (classes.queued if classes is not None else [])
     )
-    affinity = route.session_affinity
-    if affinity is not None and route_weights:
-        factor = balance_factor(
-            affinity.hash_balance_factor,
-            (
-                route_weights[pool.metadata.name]
-                for pool in local
-                if pool.metadata.name in route_weights
-            ),
-            now=state.now,
-        )
-        affinity = affinity.model_copy(update={"hash_balance_factor": factor})
     if not providers:
-        return [_cluster(name, route, spec, endpoints, affinity, queues=queues)], plan_route
+        return [_cluster(name, route, spec, endpoints, queues=queues)], plan_route
     members: list[str] = []
     clusters: list[PlanCluster] = []
     if local:
         local_name = name + LOCAL_SUFFIX
         clusters.append(
-            _cluster(local_name, route, spec, endpoints, affinity, eds_service=name, queues=queues)
+            _cluster(local_name, route, spec, endpoints, eds_service=name, queues=queues)
         )
         members.append(local_name)
     for pool in providers:

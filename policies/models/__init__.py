@@ -81,6 +81,7 @@ from policies.models.rollout import (
 )
 from policies.models.route import (
     DEFAULT_RETRY_ON,
+    TELEMETRY_HASH_BALANCE_FACTOR,
     Balancing,
     HashAlgorithm,
     HeaderMatch,
@@ -106,6 +107,7 @@ __all__ = [
     "NAME_PATTERN",
     "NAME_RULE",
     "PATH_KINDS",
+    "TELEMETRY_HASH_BALANCE_FACTOR",
     "TELEMETRY_MAX_AGE",
     "TLS",
     "TTFT_SHARE",
