@@ -34,7 +34,7 @@ from controlplane.launchers import (
     repo_root,
     wait_until,
 )
-from policies.compile import QUEUE_INFIX
+from policies.names import QUEUE_INFIX
 
 MODEL = "sim-model"
 POOL = "bench"
