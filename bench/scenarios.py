@@ -77,14 +77,22 @@ SUITE_POLICIES: tuple[SuitePolicy, ...] = (
         key="affinity_copy",
         title="affinity + bounded load (second copy, A/A)",
     ),
-    replace(
-        _STANDARD["affinity_telemetry"], key=RECOMMENDED, title="kvpilot: affinity + telemetry"
+    # The README's recommended route, with its fields and nothing else: telemetry balancing
+    # and session affinity at kvpilot's defaults for it (bounded load 125%), plus the
+    # prompt-prefix hashing the documents of the mix scenario need.
+    Policy(
+        RECOMMENDED,
+        "kvpilot: affinity + telemetry",
+        {
+            "balancing": "telemetry",
+            "sessionAffinity": {
+                key: value for key, value in AFFINITY.items() if key != "hashBalanceFactor"
+            },
+        },
     ),
+    # The recommended route before its bounded-load default: capacity weights alone.
     bounded_load(
-        _STANDARD["affinity_telemetry"], 125, "kvpilot_b125", "kvpilot, bounded load 1.25"
-    ),
-    bounded_load(
-        _STANDARD["affinity_telemetry"], 110, "kvpilot_b110", "kvpilot, bounded load 1.10"
+        _STANDARD["affinity_telemetry"], 150, "kvpilot_b150", "kvpilot, bounded load 1.50"
     ),
     replace(_STANDARD["least_request"], default=False),
     replace(_STANDARD["orca"], default=False),

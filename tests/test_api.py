@@ -410,6 +410,10 @@ async def test_readyz_is_503_before_the_first_snapshot(
     etcd: EmbeddedEtcd, etcd_prefix: str
 ) -> None:
     async with running_api(etcd.endpoint, etcd_prefix) as api:
+        # Once the first build is done nothing else rebuilds (no etcd change follows); a
+        # clear before it would race the build, which a change finding the reconciler idle
+        # starts at once.
+        await poll(lambda: api.reconciler.ready, message="the first snapshot")
         api.reconciler._built.clear()  # as if the first build had not happened yet
         response = await api.http.get("/readyz")
         assert response.status_code == 503
