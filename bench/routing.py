@@ -41,7 +41,14 @@ from bench.stack import (
     telemetry_metrics,
 )
 from bench.summary import summarize
-from bench.workload import Workload, WorkloadConfig, cache_blind_cost, generate, oracle_hit_rate
+from bench.workload import (
+    CHAT,
+    Workload,
+    WorkloadConfig,
+    cache_blind_cost,
+    generate,
+    oracle_hit_rate,
+)
 from controlplane.launchers import wait_until
 
 _STANDARD = standard_policies()
@@ -115,20 +122,7 @@ def default_config(short: bool = False) -> BenchConfig:
         stream_interval=0.2,
         orca=True,
     )
-    # Multi-turn chat as people use it: a few long shared system prompts, five turns on
-    # average (up to eight), each prompt the whole conversation so far, so histories grow to
-    # thousands of tokens; heavy-tailed questions and answers.
-    workload = WorkloadConfig(
-        kind="multiturn",
-        duration=80.0,
-        system_prompts=(1000, 2000, 3000, 4000),
-        question_median=100,
-        answer_median=200,
-        length_cap=600,
-        mean_turns=5.0,
-        max_turns=8,
-        think_mean=3.0,
-    )
+    workload = CHAT
     docs = WorkloadConfig(
         kind="docs",
         duration=30.0,

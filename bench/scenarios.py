@@ -19,7 +19,7 @@ from bench.routes import (
     standard_policies,
 )
 from bench.simulator import SimConfig
-from bench.workload import WorkloadConfig
+from bench.workload import CHAT, WorkloadConfig
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,6 @@ class Scenario:
         return sum(1.0 / self.slow_of(i) for i in range(replicas))
 
 
-SuitePolicy = Policy
-"""A policy of the suite: every benchmark's `Policy`."""
-
 AFFINITY = {**SESSION_AFFINITY, "prefixHashChars": PREFIX_HASH_CHARS}
 """Session affinity, and prompt-prefix affinity for requests without a session (documents)."""
 
@@ -67,7 +64,7 @@ RECOMMENDED = "kvpilot"
 """The README's recommended LLM route: the policy the targets are checked on."""
 
 _STANDARD = standard_policies(AFFINITY)
-SUITE_POLICIES: tuple[SuitePolicy, ...] = (
+SUITE_POLICIES: tuple[Policy, ...] = (
     _STANDARD["round_robin"],
     _STANDARD["affinity"],
     # An A/A control: the same policy again, on its own replicas. Its distance from
@@ -100,18 +97,7 @@ SUITE_POLICIES: tuple[SuitePolicy, ...] = (
 
 
 def _chat(**overrides: Any) -> WorkloadConfig:
-    base = WorkloadConfig(
-        kind="multiturn",
-        duration=80.0,
-        system_prompts=(1000, 2000, 3000, 4000),
-        question_median=100,
-        answer_median=200,
-        length_cap=600,
-        mean_turns=5.0,
-        max_turns=8,
-        think_mean=3.0,
-    )
-    return replace(base, **overrides)
+    return replace(CHAT, **overrides)
 
 
 SCENARIOS: tuple[Scenario, ...] = (

@@ -29,298 +29,36 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import multiprocessing
-import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from api.client import KvpilotClient
-from bench.backend import BackendProcess, ReplicaInfo
-from bench.loadgen import RunResult, parse_metrics, replay
+from bench.backend import BackendProcess
+from bench.loadgen import RunResult
 from bench.routing import BenchConfig, calibrate
-from bench.scenarios import (
-    SCENARIOS,
-    SUITE_POLICIES,
-    Scenario,
-    SlowEvent,
-    SuiteConfig,
-    SuitePolicy,
-    default_suite,
-)
-from bench.simulator import SimConfig
+from bench.scenarios import SCENARIOS, SUITE_POLICIES, Scenario, SuiteConfig, default_suite
 from bench.stack import MODEL, start_agent
+from bench.suite_fleets import (
+    Fleet,
+    idle,
+    kvpilot_weights,
+    policy_body,
+    pool_body,
+    prepare,
+    replica_metrics,
+    say,
+    serves,
+    wait_for,
+)
 from bench.suite_measure import Timeline, measure, summary_line, weight_moves
+from bench.suite_replay import replay_all, start_workers
 from bench.suite_report import write_suite_report
 from bench.workload import Workload, oracle_hit_rate
 from controlplane.launchers import ManagedProcess, free_port, local_stack
-
-# --------------------------------------------------------------------------- the stack
-
-
-def _say(text: str = "") -> None:
-    print(text, flush=True)
-
-
-@dataclass
-class Fleet:
-    """One policy's replicas, listener and (per run) pool."""
-
-    policy: SuitePolicy
-    backends: BackendProcess
-    port: int
-    pool: str = ""
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1/chat/completions"
-
-    @property
-    def replicas(self) -> list[ReplicaInfo]:
-        return self.backends.replicas
-
-    @property
-    def telemetry(self) -> bool:
-        return self.policy.route.get("balancing") == "telemetry"
-
-
-def _pool_body(fleet: Fleet) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "Pool",
-        "metadata": {"name": fleet.pool},
-        "spec": {
-            "models": [MODEL],
-            # Named alike in every fleet: each ring places replica i at the same points, so
-            # every policy sends a session to the same replica index and fleets compare.
-            "endpoints": [
-                {"address": r.host, "port": r.port, "name": f"replica-{index}"}
-                for index, r in enumerate(fleet.replicas)
-            ],
-            "healthCheck": {"path": "/health", "interval": "1s", "timeout": "500ms"},
-            "telemetry": {"format": "vllm", "maxAge": "5s"},
-        },
-    }
-
-
-def _policy_body(fleet: Fleet) -> dict[str, Any]:
-    route = {"name": "llm", "match": {"pathPrefix": "/v1/"}, "tiers": [[fleet.pool]]}
-    return {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "RoutingPolicy",
-        "metadata": {"name": f"bench-{fleet.policy.key.replace('_', '-')}"},
-        "spec": {
-            "listener": {"address": "127.0.0.1", "port": fleet.port},
-            "routes": [{**route, **fleet.policy.route}],
-        },
-    }
-
-
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if predicate():
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def _serves(fleet: Fleet) -> bool:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    response = httpx.post(fleet.url, json=body, timeout=10.0)
-    return response.status_code == 200 and response.headers.get("x-backend-id", "").startswith(
-        fleet.policy.key + "-"
-    )
-
-
-def _weights(api_url: str, pool: str) -> dict[str, float]:
-    """kvpilot's telemetry weights for `pool`, by endpoint."""
-    out = {}
-    for line in httpx.get(f"{api_url}/metrics", timeout=5.0).text.splitlines():
-        if line.startswith("kvpilot_telemetry_weight{") and f'pool="{pool}"' in line:
-            name, _, value = line.rpartition(" ")
-            out[name.split('endpoint="', 1)[1].split('"', 1)[0]] = float(value)
-    return out
-
-
-def _metrics(fleet: Fleet) -> dict[str, dict[str, float]]:
-    return {
-        r.id: parse_metrics(httpx.get(f"{r.url}/metrics", timeout=5.0).text) for r in fleet.replicas
-    }
-
-
-def _idle(fleet: Fleet) -> bool:
-    return all(
-        m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0) == 0
-        for m in _metrics(fleet).values()
-    )
-
-
-async def _admin(
-    url: str, path: str, body: dict[str, Any], client: httpx.AsyncClient | None = None
-) -> None:
-    if client is not None:
-        (await client.post(f"{url}{path}", json=body, timeout=30.0)).raise_for_status()
-        return
-    async with httpx.AsyncClient(timeout=10.0) as own:
-        (await own.post(f"{url}{path}", json=body)).raise_for_status()
-
-
-async def _prepare(fleet: Fleet, scenario: Scenario, sim: SimConfig, prompts: list[str]) -> None:
-    """Give every replica the scenario's speed and cache, holding the shared system prompts
-    (put in its cache directly: a fleet in service holds them, and serving them as requests
-    took half a minute of wall time per run on a loaded machine)."""
-    preload = [{"messages": [{"role": "system", "content": prompt}]} for prompt in prompts]
-    # One client for the fleet: a client each costs a TLS context, a second on a busy machine.
-    async with httpx.AsyncClient() as client:
-        for index, replica in enumerate(fleet.replicas):
-            blocks = max(1, round(sim.kv_blocks * scenario.kv_of(index)))
-            reset = {"kv_blocks": blocks, "preload": preload}
-            await _admin(replica.url, "/admin/reset", reset, client)
-            await _admin(replica.url, "/admin/slow", {"factor": scenario.slow_of(index)}, client)
-
-
-async def _events(
-    event: SlowEvent, replicas: Sequence[tuple[str, str]], started: float, scale: float
-) -> None:
-    """Slow one replica of a fleet from ``event.start`` to ``event.end`` (simulated seconds
-    after the replay's ``started``, a ``time.monotonic()`` moment), and recover it."""
-    url = replicas[event.replica][1]
-    await asyncio.sleep(max(0.0, started + event.start * scale - time.monotonic()))
-    await _admin(url, "/admin/slow", {"factor": event.factor})
-    try:
-        await asyncio.sleep(max(0.0, started + event.end * scale - time.monotonic()))
-    finally:
-        await _admin(url, "/admin/slow", {"factor": 1.0})
-
-
-def _replay_process(
-    workload: Workload,
-    url: str,
-    replicas: list[tuple[str, str]],
-    start_at: float,
-    time_scale: float,
-    deadline: float,
-    event: SlowEvent | None,
-    stop_at: float | None,
-) -> RunResult:
-    """One fleet's replay, in a process of its own, from the wall-clock moment `start_at`.
-
-    A load generator is Python too: one process for every fleet would make it the
-    bottleneck of all of them on a busy machine. One process per fleet, started at the same
-    instant, keeps the fleets independent and the comparison fair.
-    """
-
-    async def run() -> RunResult:
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-        late = time.time() - start_at
-        # The slowdown runs in the replay's own loop and on the replay's clock, so it falls
-        # where the report's windows expect it.
-        slowing: list[asyncio.Task[None]] = []
-
-        def start_events(started: float) -> None:
-            if event is not None:
-                slowing.append(asyncio.create_task(_events(event, replicas, started, time_scale)))
-
-        result = await replay(
-            workload,
-            url,
-            model=MODEL,
-            time_scale=time_scale,
-            replicas=replicas,
-            deadline=deadline,
-            sample_interval=1.0,
-            on_start=start_events,
-            stop_at=stop_at,
-        )
-        result.late = late
-        for task in slowing:
-            task.cancel()
-        await asyncio.gather(*slowing, return_exceptions=True)
-        return result
-
-    return asyncio.run(run())
-
-
-def _ready(seconds: float) -> int:
-    """A task that holds one worker for a moment: once one has run per worker, every worker
-    process has started and imported the bench, including what httpx imports only when a
-    client is first made (seconds on a loaded machine, which would delay the first requests
-    behind the replay's schedule)."""
-
-    async def client() -> None:
-        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport()):
-            pass
-
-    asyncio.run(client())
-    time.sleep(seconds)
-    return os.getpid()
-
-
-def start_workers(count: int) -> concurrent.futures.ProcessPoolExecutor:
-    """The load generators' processes, started and warm before any replay: a process that
-    is still importing when its replay should begin would start its fleet late."""
-    pool = concurrent.futures.ProcessPoolExecutor(
-        count, mp_context=multiprocessing.get_context("spawn")
-    )
-    pids = set(pool.map(_ready, [0.5] * count))
-    while len(pids) < count:
-        pids |= set(pool.map(_ready, [0.5] * count))
-    return pool
-
-
-def _replay_all(
-    pool: concurrent.futures.ProcessPoolExecutor,
-    fleets: Sequence[Fleet],
-    workload: Workload,
-    scenario: Scenario,
-    config: SuiteConfig,
-    api_url: str,
-) -> tuple[dict[str, RunResult], dict[str, Timeline]]:
-    """Every fleet's replay at once; and, while they run, the weights kvpilot gives the
-    replicas of each telemetry fleet (twice a second of wall time), to see when they move."""
-    scale = config.sim.time_scale
-    start_at = time.time() + 2.0
-    futures = [
-        pool.submit(
-            _replay_process,
-            workload,
-            fleet.url,
-            [(r.id, r.url) for r in fleet.replicas],
-            start_at,
-            scale,
-            config.deadline,
-            scenario.event,
-            # Without a ramp (the smoke run) every turn is sent: the fleets replay the same
-            # requests, which the smoke test checks.
-            scenario.workload.duration if config.ramp else None,
-        )
-        for fleet in fleets
-    ]
-    timelines: dict[str, Timeline] = {f.policy.key: [] for f in fleets if f.telemetry}
-    while not all(future.done() for future in futures):
-        for fleet in fleets:
-            if fleet.telemetry:
-                with contextlib.suppress(httpx.HTTPError):
-                    weights = _weights(api_url, fleet.pool)
-                    at = (time.time() - start_at) / scale
-                    timelines[fleet.policy.key].append(
-                        (at, [weights.get(f"{r.host}:{r.port}", 0.0) for r in fleet.replicas])
-                    )
-        concurrent.futures.wait(futures, timeout=0.5)
-    results = [future.result() for future in futures]
-    for fleet, run in zip(fleets, results, strict=True):
-        if run.late > 0.5:
-            _say(f"   warning: {fleet.policy.key}'s load generator started {run.late:.1f}s late")
-    runs = {fleet.policy.key: run for fleet, run in zip(fleets, results, strict=True)}
-    return runs, timelines
-
 
 # --------------------------------------------------------------------------- the run
 
@@ -334,7 +72,7 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
     with contextlib.ExitStack() as exits:
         if state_dir is None:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvsuite-")))
-        _say("starting etcd, kvpilot, Envoy and one fleet of simulated replicas per policy ...")
+        say("starting etcd, kvpilot, Envoy and one fleet of simulated replicas per policy ...")
         local = exits.enter_context(
             local_stack(state_dir, node_id="bench-envoy", etcd_args=["--unsafe-no-fsync"])
         )
@@ -371,7 +109,7 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                 oracle = oracle_hit_rate(workload, config.sim.block_size, prompts)
                 summary = {**workload.summary(), **calibration, "oracle_hit_rate": oracle}
                 workloads.setdefault(scenario.key, []).append(summary)
-                _say(
+                say(
                     f"\n== {scenario.title}, seed {seed}: {summary['requests']} requests, "
                     f"{summary['sessions']} sessions, {summary['document_requests']} document "
                     f"requests, oracle hit rate {oracle:.1%}"
@@ -382,7 +120,7 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                 for fleet in fleets:
                     measured = measure(
                         runs[fleet.policy.key],
-                        _metrics(fleet),
+                        replica_metrics(fleet),
                         scenario,
                         fleet.policy.key,
                         oracle,
@@ -397,7 +135,7 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                     results.setdefault(scenario.key, {}).setdefault(fleet.policy.key, []).append(
                         measured
                     )
-                    _say(f"   {fleet.policy.key:>14}: {summary_line(measured)}")
+                    say(f"   {fleet.policy.key:>14}: {summary_line(measured)}")
                 write_suite_report(config, policies, workloads, results, stamp)
     return write_suite_report(config, policies, workloads, results, stamp)
 
@@ -438,8 +176,8 @@ def _run_once(
     old = [fleet.pool for fleet in fleets if fleet.pool]
     for fleet in fleets:
         fleet.pool = f"run{number}-{fleet.policy.key.replace('_', '-')}"
-        client.put(_pool_body(fleet))
-        client.put(_policy_body(fleet))
+        client.put(pool_body(fleet))
+        client.put(policy_body(fleet))
     for name in old:
         client.delete("pools", name)
     agents: list[ManagedProcess] = []
@@ -457,26 +195,28 @@ def _run_once(
                     )
                 )
         for fleet in fleets:
-            _wait(lambda f=fleet: _serves(f), 60, f"Envoy to serve {fleet.policy.key}")
-            _wait(lambda f=fleet: _idle(f), 120, f"{fleet.policy.key}'s replicas to go idle")
+            wait_for(lambda f=fleet: serves(f), 60, f"Envoy to serve {fleet.policy.key}")
+            wait_for(lambda f=fleet: idle(f), 120, f"{fleet.policy.key}'s replicas to go idle")
             if fleet.telemetry:
-                _wait(
-                    lambda f=fleet: len(_weights(local.kvpilot.api_url, f.pool)) >= len(f.replicas),
+                wait_for(
+                    lambda f=fleet: (
+                        len(kvpilot_weights(local.kvpilot.api_url, f.pool)) >= len(f.replicas)
+                    ),
                     30,
                     f"kvpilot to weigh {fleet.pool} by telemetry",
                 )
         prompts = workload.system_prompts()
 
-        async def prepare() -> None:
-            await asyncio.gather(*(_prepare(f, scenario, config.sim, prompts) for f in fleets))
+        async def prepare_all() -> None:
+            await asyncio.gather(*(prepare(f, scenario, config.sim, prompts) for f in fleets))
 
         ready = time.monotonic()
-        asyncio.run(prepare())
+        asyncio.run(prepare_all())
         warm = time.monotonic()
-        runs, timelines = _replay_all(
+        runs, timelines = replay_all(
             pool, fleets, workload, scenario, config, local.kvpilot.api_url
         )
-        _say(
+        say(
             f"   wall time: {ready - begun:.1f}s to configure, {warm - ready:.1f}s to warm the "
             f"caches, {time.monotonic() - warm:.1f}s to replay"
         )

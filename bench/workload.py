@@ -68,6 +68,22 @@ class WorkloadConfig:
     to 1/k^s (1.0: the first of eight takes 37% of the requests). 0 picks uniformly."""
 
 
+CHAT = WorkloadConfig(
+    kind="multiturn",
+    duration=80.0,
+    system_prompts=(1000, 2000, 3000, 4000),
+    question_median=100,
+    answer_median=200,
+    length_cap=600,
+    mean_turns=5.0,
+    max_turns=8,
+    think_mean=3.0,
+)
+"""Multi-turn chat as people use it, the benchmarks' chat: a few long shared system prompts,
+five turns on average (up to eight), each prompt the whole conversation so far, so histories
+grow to thousands of tokens; heavy-tailed questions and answers."""
+
+
 @dataclass(frozen=True)
 class Turn:
     """One request of a session."""
