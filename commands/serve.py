@@ -29,6 +29,7 @@ from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdAccessDenied, EtcdSecurity
 from controlplane.etcdsettings import add_etcd_arguments, etcd_settings, open_client
+from controlplane.keys import DEFAULT_PREFIX
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
@@ -36,7 +37,7 @@ from controlplane.reconcile import ReconcileMetrics, Reconciler
 from controlplane.rollouts import RolloutController
 from controlplane.rolloutstate import register_metrics as register_rollout_metrics
 from controlplane.signals import PlanResolver, SignalPublisher
-from controlplane.store import DEFAULT_PREFIX, Store
+from controlplane.store import Store
 from policies import DEFAULT_FLEET
 from xdsserver.identity import FleetBinding, TlsFiles
 from xdsserver.server import AdsServer

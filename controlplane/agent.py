@@ -46,8 +46,9 @@ from controlplane.etcd import (
     LeaseKeeper,
 )
 from controlplane.etcdsettings import add_etcd_arguments, etcd_settings, open_client
+from controlplane.keys import DEFAULT_PREFIX
 from controlplane.logs import setup_logging
-from controlplane.store import DEFAULT_PREFIX, Store
+from controlplane.store import Store
 from policies.telemetry import (
     METRIC_MAPS,
     Counters,

@@ -37,8 +37,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controlplane.decode import DecodedState, DecodeError
 from controlplane.etcd import KeyValue
+from controlplane.keys import ENDPOINTS, STATUS, TELEMETRY
 from controlplane.mirror import StateChange
-from controlplane.store import ENDPOINTS, STATUS, TELEMETRY
 from controlplane.telemetryhistory import TelemetryHistory
 from policies import EndpointHealth, PolicyState, RouteMemo, RoutingPlan, compile_plan
 from policies.admission import AdmissionDecision

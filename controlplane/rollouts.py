@@ -32,6 +32,7 @@ import httpx
 
 from controlplane.election import LeaderElection, heartbeat_key, leader_key
 from controlplane.etcd import EtcdClient, EtcdError
+from controlplane.keys import Keys, decode_json, encode_json
 from controlplane.rolloutstate import (
     LEADER_JOB,
     ROLLOUT_COMMAND_PREFIX,
@@ -44,7 +45,6 @@ from controlplane.rolloutstate import (
     state_key,
 )
 from controlplane.signals import collect
-from controlplane.store import Keys, decode_json, encode_json
 from policies import PolicyError, PolicyState, Rollout, RoutingPolicy, parse_object
 from policies.rollout import COMMANDS, Verdict, reference_errors, target_cluster
 

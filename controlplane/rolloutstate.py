@@ -18,8 +18,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from controlplane.etcd import KeyValue
+from controlplane.keys import STATUS, decode_json
 from controlplane.signals import collect
-from controlplane.store import STATUS, decode_json
 from policies import PolicyError, Rollout, parse_object
 from policies.rollout import (
     PHASES,

@@ -18,10 +18,10 @@ from harness.builders import policy, pool, rollout
 
 from commands.cli import render_rollout
 from controlplane.etcd import EtcdClient, KeyValue
+from controlplane.keys import Keys, encode_json
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.rollouts import RolloutController
 from controlplane.signals import SignalPublisher, collect, signals_key
-from controlplane.store import Keys, encode_json
 from policies import PolicyError, PolicyState, Rollout, compile_plan, parse_object
 from policies.models import AnalysisRule
 from policies.rollout import BUCKET_BOUNDS, PoolSignals, evaluate, quantile
