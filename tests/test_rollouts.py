@@ -17,10 +17,10 @@ from harness.api import Harness, running_api
 from harness.builders import policy, pool, rollout
 
 from commands.cli import render_rollout
-from controlplane.etcd import EtcdClient, KeyValue
-from controlplane.keys import Keys, encode_json
+from controlplane.etcd import KeyValue
+from controlplane.keys import encode_json
 from controlplane.launchers import EmbeddedEtcd
-from controlplane.rollouts import RolloutController
+from controlplane.rolloutanalysis import PrometheusQueries
 from controlplane.signals import SignalPublisher, collect, signals_key
 from policies import PolicyError, PolicyState, Rollout, compile_plan, parse_object
 from policies.models import AnalysisRule
@@ -252,6 +252,7 @@ async def test_query_rules_read_prometheus_with_the_pools_filled_in() -> None:
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PrometheusApi)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    queries = PrometheusQueries()
     try:
         body = rollout(
             analysis={
@@ -264,10 +265,10 @@ async def test_query_rules_read_prometheus_with_the_pools_filled_in() -> None:
         )
         parsed = parse_object(body)
         assert isinstance(parsed, Rollout)
-        controller = RolloutController(EtcdClient(["127.0.0.1:1"]), Keys("/x"), dict, "replica-a")
         state = {"startWeights": {"chat": 100, "next": 0}, "stepStartedAt": 100.0}
-        values = await controller._queries(parsed, state, now=130.0)
+        values = await queries.values(parsed, state, now=130.0)
     finally:
+        await queries.aclose()
         server.shutdown()
     assert seen == ['sum(rate(errors{pool="next"}[30s]))', 'sum(rate(errors{pool="chat"}[30s]))']
     assert values == {0: 0.25, 1: None}
