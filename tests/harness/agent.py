@@ -108,7 +108,7 @@ def agent_argv(
     return [
         sys.executable,
         "-m",
-        "controlplane.agent",
+        "controlplane.agentcli",
         "--etcd-endpoints",
         etcd_endpoint,
         "--etcd-prefix",
