@@ -91,6 +91,8 @@ def _scenarios(args: argparse.Namespace) -> int:
             print(f"unknown policies {unknown}; known: {[p.key for p in SUITE_POLICIES]}")
             return 2
         config = replace(config, policies=tuple(wanted))
+    if args.time_scale:
+        config = replace(config, sim=replace(config.sim, time_scale=args.time_scale))
     report = run_suite(config, state_dir=args.state_dir)
     print(f"\nreport: {report}")
     print(f"json:   {report.with_suffix('.json')}")
@@ -165,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     for p in (parser, scenarios):
         p.add_argument("--seeds", default="", help="comma list of seeds (1,2,3)")
         p.add_argument("--scenarios", default="", help="comma list of scenarios")
+        p.add_argument(
+            "--time-scale",
+            type=float,
+            default=None,
+            help="wall seconds per simulated second (0.5); more gives a busy machine's load "
+            "generators slack, at that much more wall time",
+        )
     routing = sub.add_parser("routing", help="one workload, policy after policy, with plots")
     for p in (parser, scenarios, routing):
         p.add_argument("--short", action="store_true", help="a smoke run")

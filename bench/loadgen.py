@@ -155,11 +155,14 @@ async def _session(
     run_start: float,
     time_scale: float,
     results: list[RequestResult],
+    stop_at: float | None = None,
 ) -> None:
     await asyncio.sleep(max(0.0, run_start + session.start * time_scale - time.monotonic()))
     for index, turn in enumerate(session.turns):
         if index:
             await asyncio.sleep(turn.think * time_scale)
+        if stop_at is not None and time.monotonic() - run_start > stop_at * time_scale:
+            return
         results.append(await _one_turn(client, url, model, session, index, run_start, time_scale))
 
 
@@ -206,8 +209,12 @@ async def replay(
     request_timeout: float = 300.0,
     sample_interval: float = 0.5,
     on_start: Callable[[float], object] | None = None,
+    stop_at: float | None = None,
 ) -> RunResult:
     """Send the whole workload to `url`; `replicas` are (id, base URL) pairs to sample.
+
+    With `stop_at` (simulated seconds) sessions send no turn after that moment: the offered
+    load stays steady to the end instead of trailing off while the last sessions finish.
 
     Stops at `deadline` wall-clock seconds even if sessions are unfinished (their missing
     turns are then absent from the results, and `timed_out` is set). `on_start` is called
@@ -234,7 +241,9 @@ async def replay(
             _sample_load(replicas, started, time_scale, sample_interval, samples)
         )
         tasks = [
-            asyncio.create_task(_session(client, url, model, session, started, time_scale, results))
+            asyncio.create_task(
+                _session(client, url, model, session, started, time_scale, results, stop_at)
+            )
             for session in workload.sessions
         ]
         _, pending = await asyncio.wait(tasks, timeout=deadline)

@@ -141,6 +141,8 @@ class BenchConfig:
     """Simulated seconds between the telemetry agent's scrapes."""
     out_dir: Path = Path("bench/results")
     plots: bool = True
+    capacity_batch: int | None = None
+    """Batch at which capacity is estimated (`cache_blind_cost`); None: half the max batch."""
 
 
 def default_config(short: bool = False) -> BenchConfig:
@@ -214,7 +216,7 @@ def calibrate(config: BenchConfig, base: WorkloadConfig) -> tuple[Workload, dict
         else:
             workload = generate(replace(base, session_rate=rate))
         warm = workload.system_prompts() if config.warm_system_prompts else []
-        cost = cache_blind_cost(workload, config.sim, replicas, warm)
+        cost = cache_blind_cost(workload, config.sim, replicas, warm, config.capacity_batch)
         return workload, cost / (replicas * duration)
 
     target = config.target_load

@@ -88,6 +88,18 @@ SUITE_POLICIES: tuple[SuitePolicy, ...] = (
         "kvpilot: affinity + telemetry",
         {"balancing": "telemetry", "sessionAffinity": AFFINITY},
     ),
+    SuitePolicy(
+        "kvpilot_b125",
+        "kvpilot, bounded load 1.25",
+        {"balancing": "telemetry", "sessionAffinity": {**AFFINITY, "hashBalanceFactor": 125}},
+        False,
+    ),
+    SuitePolicy(
+        "kvpilot_b110",
+        "kvpilot, bounded load 1.10",
+        {"balancing": "telemetry", "sessionAffinity": {**AFFINITY, "hashBalanceFactor": 110}},
+        False,
+    ),
     SuitePolicy("least_request", "least request", {"balancing": "least_request"}, False),
     SuitePolicy("orca", "ORCA weighted round robin", {"balancing": "orca"}, False),
 )
@@ -96,7 +108,7 @@ SUITE_POLICIES: tuple[SuitePolicy, ...] = (
 def _chat(**overrides: Any) -> WorkloadConfig:
     base = WorkloadConfig(
         kind="multiturn",
-        duration=20.0,
+        duration=80.0,
         system_prompts=(1000, 2000, 3000, 4000),
         question_median=100,
         answer_median=200,
@@ -133,9 +145,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     # the report sees the slowed replica's share of new sessions fall and come back.
     Scenario(
         "slowdown",
-        "one replica 3x slower from 8 s to 20 s, then recovered",
-        _chat(duration=30.0),
-        event=SlowEvent(replica=0, factor=3.0, start=8.0, end=20.0),
+        "one replica 3x slower from 35 s to 55 s, then recovered",
+        _chat(duration=90.0),
+        event=SlowEvent(replica=0, factor=3.0, start=35.0, end=55.0),
     ),
     Scenario("bursty", "chat at 75%, bursty arrivals", _chat(arrival="bursty")),
 )
@@ -154,8 +166,16 @@ class SuiteConfig:
     """Simulated seconds between the telemetry agent's scrapes."""
     deadline: float = 300.0
     """Wall-clock limit of one run (all policies at once)."""
+    ramp: float = 25.0
+    """Simulated seconds of ramp-up, not measured: sessions last about half a minute, so
+    only after that does the fleet carry its steady share of old and new conversations.
+    Sessions send no turn after the workload's ``duration`` (the load stays steady to the
+    end), so every number is of requests started from ``ramp`` to ``duration``."""
     out_dir: Path = Path("bench/results")
 
+
+SUITE_MAX_BATCH = 8
+"""Sequences per engine step in the suite's replicas (vLLM's ``max_num_seqs``)."""
 
 SUITE_TIME_SCALE = 0.5
 """Wall-clock seconds per simulated second: engine steps of 10 ms and more in wall time, so
@@ -169,7 +189,15 @@ def default_suite(short: bool = False) -> SuiteConfig:
 
     # One chunk per second of wall time per stream is enough for the suite's numbers (the
     # first token and the end are sent at once) and keeps the CPU of several fleets low.
-    sim = replace(default_config().sim, stream_interval=1.0, time_scale=SUITE_TIME_SCALE)
+    # Eight sequences a batch: a fleet reaches its capacity (full batches, then a queue)
+    # with a few dozen conversations in flight, which one load generator per fleet can
+    # offer on time; with 32, the engines idled at a "75%" that the clients could not send.
+    sim = replace(
+        default_config().sim,
+        max_batch=SUITE_MAX_BATCH,
+        stream_interval=1.0,
+        time_scale=SUITE_TIME_SCALE,
+    )
     if not short:
         return SuiteConfig(sim=sim)
     scenarios = tuple(
@@ -186,7 +214,13 @@ def default_suite(short: bool = False) -> SuiteConfig:
     # its bounded run miss its deadline, and it checks the report's shape, not noise.
     policies = tuple(p.key for p in SUITE_POLICIES if p.default and p.key != "affinity_copy")
     return SuiteConfig(
-        replicas=4, sim=sim, scenarios=scenarios, policies=policies, seeds=(1,), deadline=90.0
+        replicas=4,
+        sim=sim,
+        scenarios=scenarios,
+        policies=policies,
+        seeds=(1,),
+        deadline=90.0,
+        ramp=0.0,
     )
 
 

@@ -212,6 +212,7 @@ def _replay_process(
     time_scale: float,
     deadline: float,
     event: SlowEvent | None,
+    stop_at: float,
 ) -> RunResult:
     """One fleet's replay, in a process of its own, from the wall-clock moment `start_at`.
 
@@ -240,6 +241,7 @@ def _replay_process(
             deadline=deadline,
             sample_interval=1.0,
             on_start=start_events,
+            stop_at=stop_at,
         )
         result.late = late
         for task in slowing:
@@ -299,6 +301,7 @@ def _replay_all(
             scale,
             config.deadline,
             scenario.event,
+            scenario.workload.duration,
         )
         for fleet in fleets
     ]
@@ -386,6 +389,7 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                         fleet.policy.key,
                         oracle,
                         config.slo_ttft,
+                        config.ramp,
                     )
                     measured["seed"] = seed
                     if fleet.policy.key in timelines:
@@ -409,6 +413,8 @@ def _calibrate(
         replicas=config.replicas,
         sim=config.sim,
         target_load=scenario.load * capacity / config.replicas,
+        # Capacity is what a replica serves with full batches: round robin's ceiling.
+        capacity_batch=config.sim.max_batch,
     )
     workload, calibration = calibrate(bench, replace(scenario.workload, seed=seed))
     calibration["offered_load"] = calibration["estimated_cache_blind_load"] * (

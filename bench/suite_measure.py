@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from bench.analysis import classify
@@ -40,8 +41,17 @@ def measure(
     policy: str,
     oracle: float,
     slo: float,
+    ramp: float = 0.0,
 ) -> dict[str, Any]:
-    """The suite's numbers for one policy in one run (times in simulated seconds)."""
+    """The suite's numbers for one policy in one run (times in simulated seconds), over the
+    steady part of the run: requests started from `ramp` on (the ramp-up is the fleet
+    filling, not the load the scenario names), load samples from then on."""
+    whole = run
+    run = replace(
+        run,
+        results=[r for r in run.results if r.start >= ramp],
+        samples=[s for s in run.samples if s.at >= ramp],
+    )
     summary = summarize(run, metrics)
     client = {"ttft_p50": summary["ttft_p50"], "ttft_p99": summary["ttft_p99"]}
     ok = [r for r in run.results if r.ok]
@@ -77,15 +87,29 @@ def measure(
             "wall_seconds",
         )
     }
-    # Completed requests per second, from the first request sent to the last token as the
-    # engines timed it: the client's last receipt would add the harness's delays.
+    # The engines' prefix-cache counters cover the ramp-up too: the steady part's hit rate
+    # is the share of its prompt tokens the replicas reported cached.
+    out["hit_rate"] = summary["client_hit_rate"] if ok else None
+    # Completed requests per second: those that finished (as the engines timed it: the
+    # client's receipt would add the harness's delays) between the ramp and the last turn
+    # sent, over that window; without a ramp, from the first request to the last token.
+    end = scenario.workload.duration if ramp else None
     ends = [
         r.start + (r.engine_latency if r.engine_latency is not None else r.latency or 0.0)
-        for r in ok
+        for r in whole.results
+        if r.ok
     ]
-    makespan = max(ends) - min(r.start for r in ok) if ok else 0.0
+    if end is not None:
+        makespan = end - ramp
+        done = sum(1 for t in ends if ramp <= t <= end)
+    else:
+        makespan = max(ends) - min(r.start for r in ok) if ok else 0.0
+        done = len(ok)
     out["makespan_s"] = makespan
-    out["requests_per_s"] = len(ok) / makespan if makespan else None
+    out["requests_per_s"] = done / makespan if makespan else None
+    out["in_flight_mean"] = (
+        statistics.fmean(summary["mean_in_flight"].values()) if summary["mean_in_flight"] else None
+    )
     ttft_count = sum(m.get("vllm:time_to_first_token_seconds_count", 0.0) for m in metrics.values())
     ttft_sum = sum(m.get("vllm:time_to_first_token_seconds_sum", 0.0) for m in metrics.values())
     # The engines' own mean TTFT: the client's minus this is the harness (HTTP, Envoy, a busy
@@ -134,7 +158,8 @@ def summary_line(m: dict[str, Any]) -> str:
         f"TTFT p50 {f(m['ttft_p50'], '{:.3f}')} p99 {f(m['ttft_p99'], '{:.3f}')} s, "
         f"E2E p99 {f(m['latency_p99'], '{:.2f}')} s, {f(m['requests_per_s'], '{:.2f}')} req/s, "
         f"goodput {f(m['goodput_share'], '{:.1%}')}, hit {f(m['hit_rate'], '{:.1%}')}, "
-        f"load max/mean {f(m['load_max_over_mean'], '{:.2f}')}, moved {m['moved']}, "
+        f"load max/mean {f(m['load_max_over_mean'], '{:.2f}')}, "
+        f"in flight {f(m.get('in_flight_mean'), '{:.1f}')}/replica, moved {m['moved']}, "
         f"errors {m['errors']}; at the client TTFT p50 {f(m['client_ttft_p50'], '{:.3f}')} "
         f"p99 {f(m['client_ttft_p99'], '{:.3f}')} s"
     )

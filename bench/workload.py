@@ -275,19 +275,24 @@ def oracle_hit_rate(
 
 
 def cache_blind_cost(
-    workload: Workload, sim: SimConfig, replicas: int, warm: Sequence[str] = ()
+    workload: Workload,
+    sim: SimConfig,
+    replicas: int,
+    warm: Sequence[str] = (),
+    batch: int | None = None,
 ) -> float:
     """Simulated engine seconds the workload costs when routing ignores the cache.
 
     Round robin over `replicas` replicas with unbounded caches: a request hits only what the
     same replica computed before (shared system prompts, and its own session's turns one time
     in `replicas`; every replica starts with the `warm` system prompts' blocks). Decode is
-    charged per token at a typical half-full batch. It is an estimate for choosing the
-    offered load, not a measurement.
+    charged per token at a batch of `batch` sequences (default: half full; a full batch is
+    the cost at capacity, where every step carries as many sequences as it can). It is an
+    estimate for choosing the offered load, not a measurement.
     """
     start = warm_blocks(warm, sim.block_size)
     seen: list[set[int]] = [set(start) for _ in range(replicas)]
-    batch = max(1, sim.max_batch // 2)
+    batch = max(1, batch if batch is not None else sim.max_batch // 2)
     decode_per_token = sim.decode_per_seq + sim.decode_base / batch
     total = 0.0
     for index, (_, _, turn) in enumerate(workload.turns_in_order()):

@@ -80,6 +80,8 @@ class Target:
     last_written: TelemetryRecord | None = field(default=None, repr=False)
     failures: int = field(default=0, repr=False)
     registered: bool = field(default=False, repr=False)
+    confirm: bool = field(default=False, repr=False)
+    """The last record written moved the replica's speed: write the next one too."""
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -209,6 +211,7 @@ class Agent:
         last = target.last_written
         if (
             last is None
+            or target.confirm
             or self.config.band.moved(last, record)
             or record.at - last.at >= self.config.refresh
         ):
@@ -231,6 +234,8 @@ class Agent:
                 target.last_written = None
             return
         for target, record in writes:
+            last = target.last_written
+            target.confirm = last is not None and self.config.band.speed_moved(last, record)
             target.last_written = record
 
     async def _withdraw(self, target: Target) -> None:

@@ -1,7 +1,11 @@
 """From etcd state to Envoy snapshots: decode, compile, translate, publish.
 
 The reconciler is told which keys changed (by ``StateMirror``) and rebuilds after a quiet
-period, never waiting longer than a maximum from the first change (debounce). It decodes the
+period, never waiting longer than a maximum from the first change (debounce). A change that
+finds the reconciler idle (nothing built for a quiet period) is built at once, and what
+follows it within the window is folded into the next rebuild: a lone change (a replica's
+health, one weight) does not wait out the quiet period, a burst still costs two rebuilds at
+most. It decodes the
 changed keys (``controlplane.decode``), compiles the whole plan (at scale the larger share of
 a partial rebuild), and builds each fleet's snapshot from the one it serves now with only what
 changed (``xdsserver.incremental``: the EDS fast path, the routes path, or everything).
@@ -115,6 +119,8 @@ class Reconciler:
         self._next_stale_at = math.inf
         self._next_admission_at = math.inf
         self._last_telemetry_build = -math.inf
+        self._last_build = -math.inf
+        """``time.monotonic()`` when the last rebuild finished."""
         self._items: Mapping[str, KeyValue] = {}
         self._pending: set[str] = set()
         self._pending_full = False
@@ -171,7 +177,8 @@ class Reconciler:
         """Debounce changes and rebuild, until cancelled."""
         while True:
             await self._wait_dirty()
-            while True:
+            idle = self._first_change - self._last_build >= self.quiet_period
+            while not (idle and not self._telemetry_only()):
                 now = time.monotonic()
                 deadline = min(
                     self._last_change + self.quiet_period, self._first_change + self.max_wait
@@ -194,6 +201,7 @@ class Reconciler:
                 # A bug in compile or translate must not stop the daemon: keep serving the last
                 # snapshot and try again on the next change.
                 log.exception("rebuild failed; the previous snapshot keeps serving")
+            self._last_build = time.monotonic()
 
     # -- build ---------------------------------------------------------------------------------
 

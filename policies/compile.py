@@ -37,6 +37,7 @@ from policies.models import (
     Rollout,
     Route,
     RoutingPolicy,
+    SessionAffinity,
     Tier,
 )
 from policies.plan import (
@@ -52,7 +53,7 @@ from policies.plan import (
     RoutingPlan,
 )
 from policies.telemetry import TelemetryRecord
-from policies.weights import WeightDecision, WeightParams, pool_weights
+from policies.weights import WeightDecision, WeightParams, balance_factor, pool_weights
 
 LOCAL_SUFFIX = "/local"
 """Suffix of the replicas' cluster of a route whose aggregate cluster also has providers."""
@@ -363,13 +364,18 @@ def _route_diagnostics(
 
 
 def _cluster(
-    name: str, route: Route, spec: PoolSpec, endpoints: Iterable[PlanEndpoint], **extra: Any
+    name: str,
+    route: Route,
+    spec: PoolSpec,
+    endpoints: Iterable[PlanEndpoint],
+    affinity: SessionAffinity | None = None,
+    **extra: Any,
 ) -> PlanCluster:
     return PlanCluster(
         name=name,
         protocol=spec.protocol,
         balancing=route.balancing,
-        affinity=route.session_affinity,
+        affinity=affinity or route.session_affinity,
         connect_timeout=spec.connect_timeout,
         health_check=spec.health_check,
         outlier_detection=spec.outlier_detection,
@@ -468,14 +474,26 @@ def _compile_route(
         (queue_cluster_name(name, c.name), c.queue or ClassQueue())
         for c in (classes.queued if classes is not None else [])
     )
+    affinity = route.session_affinity
+    if affinity is not None and route_weights:
+        factor = balance_factor(
+            affinity.hash_balance_factor,
+            (
+                route_weights[pool.metadata.name]
+                for pool in local
+                if pool.metadata.name in route_weights
+            ),
+            now=state.now,
+        )
+        affinity = affinity.model_copy(update={"hash_balance_factor": factor})
     if not providers:
-        return [_cluster(name, route, spec, endpoints, queues=queues)], plan_route
+        return [_cluster(name, route, spec, endpoints, affinity, queues=queues)], plan_route
     members: list[str] = []
     clusters: list[PlanCluster] = []
     if local:
         local_name = name + LOCAL_SUFFIX
         clusters.append(
-            _cluster(local_name, route, spec, endpoints, eds_service=name, queues=queues)
+            _cluster(local_name, route, spec, endpoints, affinity, eds_service=name, queues=queues)
         )
         members.append(local_name)
     for pool in providers:

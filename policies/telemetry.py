@@ -331,7 +331,9 @@ class WriteBand:
     band throws away. Counts (waiting, running, pending tokens) move when they change by more
     than ``relative`` of the larger value and by at least their floor, so a short queue still
     counts every request (the time to first token moves like a count); fractions (KV-cache use, prefix hit rate) when they move by more than
-    ``fraction``. Capacity and format changes always count.
+    ``fraction``; the time per output token (a replica's speed, from which pools behind
+    session affinity learn their capacity weights) when it moves by more than ``speed`` of
+    the larger value. Capacity and format changes always count.
     """
 
     relative: float = 0.1
@@ -343,6 +345,9 @@ class WriteBand:
     """Floor for the time to first token."""
     fraction: float = 0.05
     """Absolute band for KV-cache use and prefix hit rate."""
+    speed: float = 0.25
+    """Relative band for the time per output token: finer than the capacity ladder's
+    steps (about 1.4x apart), coarser than the noise of one scrape interval."""
 
     def moved(self, last: TelemetryRecord, record: TelemetryRecord) -> bool:
         """True when `record` differs from `last` beyond the band (the time does not count)."""
@@ -361,6 +366,8 @@ class WriteBand:
                 change = abs(new - old)
                 if change >= floor and change > self.relative * max(old, new):
                     return True
+        if self.speed_moved(last, record):
+            return True
         for old, new in (
             (last.kv_cache, record.kv_cache),
             (last.prefix_hit_rate, record.prefix_hit_rate),
@@ -370,3 +377,12 @@ class WriteBand:
             if old is not None and new is not None and abs(new - old) > self.fraction:
                 return True
         return False
+
+    def speed_moved(self, last: TelemetryRecord, record: TelemetryRecord) -> bool:
+        """True when the time per output token moved beyond ``speed`` (or appeared or went).
+        An agent writes the record after such a move too, whatever it holds: the capacity
+        weights wait for two records in a row before they act on a speed change."""
+        old, new = last.time_per_output_token, record.time_per_output_token
+        if old is None or new is None:
+            return (old is None) != (new is None)
+        return abs(new - old) > self.speed * max(old, new)

@@ -22,8 +22,12 @@ sets only what changes slowly: how fast each replica is.
 - Capacity factor, on a ladder of levels (``capacity_levels``: 1, 0.7, 0.5, 0.35, 0.25). It
   falls only after ``capacity_confirm`` consecutive records put the replica below
   ``capacity_band`` times its level, straight to the level nearest their mean speed; it rises
-  one level at a time after as many records above ``1 / capacity_band`` times its level, so
-  sessions come back to a recovered replica gradually instead of in one spike.
+  one level at a time after as many records at ``capacity_rise`` times the next level or
+  faster, so sessions come back to a recovered replica gradually instead of in one spike.
+  The fall band is wide (0.65): a replica that only looks slower because it is busier
+  (its steps carry more prefill) stays put, a half-speed or 3x-slowed one does not. The
+  agents write a record that moved the speed and the one after it (``WriteBand.speed``),
+  so two records in a row arrive within two scrape intervals.
 - ``weight_e = static_weight_e * factor_e``. Bounded load takes the weight into account too
   (a host's share of in-flight requests is capped in proportion to its weight), so a slow
   replica gets both fewer sessions and a smaller share of the spill.
@@ -85,7 +89,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policies.models import TELEMETRY_MAX_AGE, Endpoint
@@ -124,11 +128,17 @@ class WeightParams:
     capacity_levels: tuple[float, ...] = (1.0, 0.7, 0.5, 0.35, 0.25)
     """Capacity factors a pool behind session affinity may take, largest first (about 1.4x
     apart: a coarse ladder, so noise never moves the hash ring)."""
-    capacity_band: float = 0.8
-    """A replica counts as slower than its level below this share of it (and as faster above
-    its inverse)."""
+    capacity_band: float = 0.65
+    """A replica counts as slower than its level below this share of it."""
+    capacity_rise: float = 0.9
+    """A replica counts as fit for the next level up at this share of it or faster."""
     capacity_confirm: int = 2
     """Consecutive records that must agree before the capacity factor moves."""
+    spill_balance_factor: int = 125
+    """Bounded load (percent of the average) of a session-affinity route while a replica of
+    its pools queues; the route's own ``hashBalanceFactor`` when that is lower."""
+    spill_hold: float = 10.0
+    """Seconds after the last queue seen before the route's own factor applies again."""
 
 
 SIGNAL_WEIGHTS = {"queue": 1.0, "running": 0.5, "kv": 0.5, "tokens": 0.5}
@@ -156,6 +166,9 @@ class WeightDecision:
     often the pool is recompiled."""
     streak: int = 0
     """Capacity weights: consecutive records below (negative) or above (positive) the band."""
+    queued_at: float | None = None
+    """Capacity weights: ``at`` of the last record that showed requests waiting in the
+    replica's engine (its batch full), for `spill_balance_factor`."""
 
     @property
     def neutral(self) -> bool:
@@ -303,12 +316,16 @@ def capacity_weights(
         speed = before.speed if before is not None else None
         streak = before.streak if before is not None else 0
         seen_at = before.seen_at if before is not None else None
+        queued_at = before.queued_at if before is not None else None
+        if record.waiting:
+            queued_at = record.at
         tpot = tpots.get(key)
         if reference is not None and tpot is not None and record.at != seen_at:
             last, speed, seen_at = speed, reference / tpot, record.at
+            higher = [level for level in levels if level > factor]
             if speed < factor * params.capacity_band:
                 streak = min(streak, 0) - 1
-            elif speed * params.capacity_band > factor and factor < levels[0]:
+            elif higher and speed >= min(higher) * params.capacity_rise:
                 streak = max(streak, 0) + 1
             else:
                 streak = 0
@@ -320,7 +337,7 @@ def capacity_weights(
                 streak = 0
             elif streak >= params.capacity_confirm:
                 # Up one level at a time: sessions return to a recovered replica gradually.
-                factor = min((level for level in levels if level > factor), default=factor)
+                factor = min(higher, default=factor)
                 streak = 0
         out[key] = WeightDecision(
             weight=max(1, round(endpoint.weight * factor)),
@@ -330,8 +347,35 @@ def capacity_weights(
             speed=None if speed is None else round(speed, 4),
             seen_at=seen_at,
             streak=streak,
+            queued_at=queued_at,
         )
     return out
+
+
+def balance_factor(
+    configured: int,
+    pools: Iterable[Mapping[str, WeightDecision]],
+    *,
+    now: float,
+    params: WeightParams | None = None,
+) -> int:
+    """The bounded-load factor of a session-affinity route balanced by telemetry.
+
+    Spill, not evict: while a replica of the route's pools has requests waiting in its
+    engine (its batch is full) and for ``spill_hold`` seconds after, the factor tightens to
+    ``spill_balance_factor``, so Envoy sends the turns that would queue there to a replica
+    with room, request by request, and every session keeps its place on the ring. When no
+    replica queues, the route's own factor applies: a calm fleet spills nothing and moves no
+    session. A factor of 0 (bounded load off) stays off.
+    """
+    params = params or WeightParams()
+    if configured == 0 or configured <= params.spill_balance_factor:
+        return configured
+    for decisions in pools:
+        for decision in decisions.values():
+            if decision.queued_at is not None and now - decision.queued_at <= params.spill_hold:
+                return params.spill_balance_factor
+    return configured
 
 
 def _saturated(
@@ -358,4 +402,11 @@ def _saturated(
     return set(ranked[:allowed])
 
 
-__all__ = ["SIGNAL_WEIGHTS", "WeightDecision", "WeightParams", "capacity_weights", "pool_weights"]
+__all__ = [
+    "SIGNAL_WEIGHTS",
+    "WeightDecision",
+    "WeightParams",
+    "balance_factor",
+    "capacity_weights",
+    "pool_weights",
+]

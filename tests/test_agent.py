@@ -100,6 +100,39 @@ async def test_an_unchanged_record_is_rewritten_only_every_refresh(
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_a_speed_change_is_written_twice_in_a_row_then_held(
+    store: Store, metrics_backends: Callable[..., MetricsBackend]
+) -> None:
+    """Capacity weights act on two records in a row: the agent writes the record that moved
+    the time per output token and the next one, then holds until something moves again."""
+    backend = metrics_backends()
+    backend.tpot = 0.03
+    config = AgentConfig([], [Target(pool="p", url=backend.url)], interval=0.05, refresh=60)
+    agent = Agent(store, config)
+    key = f"telemetry/p/127.0.0.1:{backend.port}"
+    task = asyncio.create_task(agent.run())
+    try:
+
+        async def scrapes_past(count: int) -> bool:
+            return agent.scrapes >= count
+
+        await poll(lambda: scrapes_past(10))
+        steady = await get(store, key)
+        assert steady is not None
+        record = json.loads(steady.value)
+        assert record["time_per_output_token"] == pytest.approx(0.03)
+        backend.tpot = 0.09
+        later = agent.scrapes + 10
+        await poll(lambda: scrapes_past(later))
+        slowed = await get(store, key)
+        assert slowed is not None
+        assert json.loads(slowed.value)["time_per_output_token"] == pytest.approx(0.09)
+        assert slowed.version == steady.version + 2, "the move and its confirmation, no more"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_a_failing_backend_is_withdrawn_and_registered_again_when_it_answers(
     store: Store, metrics_backends: Callable[..., MetricsBackend]
 ) -> None:

@@ -3,13 +3,17 @@ re-serializes only what it must, and that its result equals a full translation."
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
+from harness.wait import poll
 
 from controlplane.etcd import KeyValue
 from controlplane.launchers import repo_root
+from controlplane.mirror import StateChange
 from controlplane.reconcile import Reconciler
 from policies import KIND_PATHS, load_objects
 from xdsserver import resources
@@ -130,3 +134,37 @@ def test_a_fleet_secrets_dir_change_is_not_a_route_change(
     reconciler.rebuild(items, changed={items.put(key, body)}, full_resync=False)
     assert reconciler.last_build.path == "full"
     assert_equals_full_translation(reconciler)
+
+
+async def test_a_lone_change_is_built_at_once_and_a_burst_is_folded(
+    built: tuple[Reconciler, Items],
+) -> None:
+    """Debounce with a leading edge: a change that finds the reconciler idle does not wait
+    out the quiet period; one that follows a rebuild within it does."""
+    _, items = built
+    quiet = 2.0
+    reconciler = Reconciler(SnapshotCache(), quiet_period=quiet, max_wait=4 * quiet)
+    reconciler.rebuild(items)
+    await asyncio.sleep(quiet)  # idle for a quiet period, as a daemon between changes
+
+    def change(weight: int) -> float:
+        key = "objects/pools/qwen-7b"
+        body = items.body(key)
+        body["spec"]["endpoints"][0]["weight"] = weight
+        items.put(key, body)
+        reconciler.on_change(StateChange(items.revision, frozenset({key}), False), items)
+        return time.monotonic()
+
+    async def built_after(since: float) -> float:
+        await poll(lambda: reconciler.last_build.revision == items.revision, 4 * quiet)
+        return time.monotonic() - since
+
+    task = asyncio.create_task(reconciler.run())
+    try:
+        lone = await built_after(change(7))
+        assert lone < quiet, f"a lone change waited {lone:.2f}s, the quiet period is {quiet}s"
+        folded = await built_after(change(8))
+        assert folded >= quiet, "a change right after a rebuild is debounced"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -199,6 +199,11 @@ def test_the_write_band_lets_noise_through_only_on_refresh() -> None:
     # A short queue counts every request.
     short = TelemetryRecord(at=0, waiting=0)
     assert band.moved(short, short.model_copy(update={"waiting": 1}))
+    # Speed: a scrape's noise stays within the band, a slower replica does not.
+    decoding = TelemetryRecord(at=0, time_per_output_token=0.03)
+    assert not band.moved(decoding, decoding.model_copy(update={"time_per_output_token": 0.036}))
+    assert band.moved(decoding, decoding.model_copy(update={"time_per_output_token": 0.045}))
+    assert band.moved(decoding, decoding.model_copy(update={"time_per_output_token": None}))
 
 
 def test_time_per_output_token_is_the_mean_between_scrapes() -> None:

@@ -355,6 +355,14 @@ def _rounds(tpots: list[float], others: float = 0.03) -> list[int]:
         ),
         pytest.param([0.06, 0.06, 0.06], [100, 50, 50], id="half speed: half the weight"),
         pytest.param(
+            [0.043] * 4, [100] * 4, id="a third slower (busier steps, not a slower GPU): no move"
+        ),
+        pytest.param(
+            [0.06, 0.06, *[0.05] * 4],
+            [100, 50, 50, 50, 50, 50],
+            id="a half-speed replica that looks faster when lightly loaded stays at half",
+        ),
+        pytest.param(
             [0.09, 0.09, *[0.03] * 8],
             [100, 35, 35, 50, 50, 70, 70, 100, 100, 100],
             id="recovered: back up one level per two records, no jump",
@@ -390,3 +398,53 @@ def test_records_without_tpot_keep_the_learned_capacity() -> None:
     }
     decisions = pool_weights(CAPACITY_ENDPOINTS, idle, now=NOW + 5, previous=slow, affinity=True)
     assert decisions[CAPACITY_ENDPOINTS[0].key].weight == 35
+
+
+# --------------------------------------------------------------------------- spill, not evict
+
+
+def _affinity_factor(plan: Any, name: str) -> int:
+    cluster = next(c for c in plan.fleets[0].clusters if c.name == name)
+    assert cluster.affinity is not None
+    return int(cluster.affinity.hash_balance_factor)
+
+
+def test_a_queueing_replica_tightens_bounded_load_until_the_fleet_is_calm() -> None:
+    from dataclasses import replace
+
+    from policies.compile import compile_plan
+
+    calm = compile_plan(_state(NOW, {8001: 0, 8002: 0, 8003: 0}, affinity=True))
+    assert _affinity_factor(calm, "r/live") == 150, "a calm fleet spills nothing"
+    queued = compile_plan(
+        replace(
+            _state(NOW + 1, {8001: 3, 8002: 0, 8003: 0}, affinity=True),
+            previous_weights=calm.weights,
+        )
+    )
+    assert _affinity_factor(queued, "r/live") == 125
+    # The ring itself does not move: every session keeps its replica.
+    assert _cluster_weights(queued, "r/live") == _cluster_weights(calm, "r/live")
+    held = compile_plan(
+        replace(
+            _state(NOW + 9, {8001: 0, 8002: 0, 8003: 0}, affinity=True),
+            previous_weights=queued.weights,
+        )
+    )
+    assert _affinity_factor(held, "r/live") == 125, "held for spill_hold after the last queue"
+    relaxed = compile_plan(
+        replace(
+            _state(NOW + 12, {8001: 0, 8002: 0, 8003: 0}, affinity=True),
+            previous_weights=held.weights,
+        )
+    )
+    assert _affinity_factor(relaxed, "r/live") == 150
+
+
+@pytest.mark.parametrize("configured", [0, 110, 125])
+def test_a_route_factor_at_or_below_the_spill_factor_is_kept(configured: int) -> None:
+    from policies.weights import balance_factor
+
+    queued = {"e": WeightDecision(weight=100, factor=1.0, load=0.0, queued_at=NOW)}
+    assert balance_factor(configured, [queued], now=NOW) == configured
+    assert balance_factor(150, [queued], now=NOW) == 125

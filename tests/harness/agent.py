@@ -32,6 +32,11 @@ class MetricsBackend:
         self.running = 0.0
         self.kv = kv
         self.utilization: float | None = None
+        self.tpot: float | None = None
+        """When set, every /metrics read shows 100 more output tokens at this many seconds
+        each (vLLM's time-per-output-token histogram), as a replica decoding steadily."""
+        self._tokens = 0.0
+        self._token_seconds = 0.0
         self.status = 200
         self.extra_metrics = ""
         self.port = free_port()
@@ -55,10 +60,20 @@ class MetricsBackend:
 
     @property
     def metrics(self) -> str:
+        decoding = ""
+        if self.tpot is not None:
+            self._tokens += 100
+            self._token_seconds += 100 * self.tpot
+            decoding = (
+                f'vllm:time_per_output_token_seconds_sum{{model_name="m"}} {self._token_seconds}\n'
+                f'vllm:time_per_output_token_seconds_count{{model_name="m"}} {self._tokens}\n'
+            )
         return (
             f'vllm:num_requests_waiting{{model_name="m"}} {self.waiting}\n'
             f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'
-            f'vllm:kv_cache_usage_perc{{model_name="m"}} {self.kv}\n' + self.extra_metrics
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {self.kv}\n'
+            + decoding
+            + self.extra_metrics
         )
 
     async def _metrics(self, request: Request) -> Response:
