@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from harness.api import Harness, running_api
+from harness.api import Harness
 from harness.auth import READ
 from harness.builders import policy, pool, route
 from harness.wait import poll
 
-from controlplane.launchers import EmbeddedEtcd
-
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-async def api(etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Harness]:
-    async with running_api(etcd.endpoint, etcd_prefix) as harness:
-        yield harness
 
 
 def telemetry_policy() -> dict[str, Any]:
