@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from harness.auth import ADMIN, READ_TOKEN
-from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, service_classes
 from harness.console import UI_BOUND_S, Console, open_console, shoot
 from harness.wait import wait_until
 
@@ -177,19 +177,8 @@ def test_the_service_classes_view_shows_batch_shed_under_saturation_then_readmit
     # Its own pool over the same replicas, so the telemetry written here moves nothing else.
     ports = console.ports
     listener = free_port()
-    classes = {
-        "saturation": {"queue": 4, "step": 100, "shedInterval": "200ms", "recoverInterval": "1s"},
-        "classes": [
-            {"name": "interactive", "objective": {"ttft": "1s"}},
-            {
-                "name": "batch",
-                "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
-                "objective": {"ttft": "60s"},
-                "whenSaturated": "shed",
-                "retryAfter": "9s",
-            },
-        ],
-    }
+    saturation = {"queue": 4, "step": 100, "shedInterval": "200ms", "recoverInterval": "1s"}
+    classes = service_classes(saturation=saturation, whenSaturated="shed", retryAfter="9s")
     svc = policy("svc", listener, [{"name": "chat", "tiers": [["svc"]]}])
     svc["spec"]["serviceClasses"] = classes
     batch = {"x-priority": "batch"}

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from harness.agent import agent_running
-from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, service_classes
 from harness.rig import Rig
 from harness.traffic import send
 from harness.wait import wait_until
@@ -43,20 +43,11 @@ SPILL_ROUTE = {
 
 def classes(*middle: dict[str, Any], **batch: Any) -> dict[str, Any]:
     """Interactive (the default, never restricted), then `middle`, then batch."""
+    # One step restricts a whole class; a fast cadence keeps the test short.
+    saturation = {"step": 100, "shedInterval": "200ms", "recoverInterval": "1s"}
     return {
         "tenantHeader": "x-tenant-id",
-        # One step restricts a whole class; a fast cadence keeps the test short.
-        "saturation": {"step": 100, "shedInterval": "200ms", "recoverInterval": "1s"},
-        "classes": [
-            {"name": "interactive", "objective": {"ttft": "1s"}},
-            *middle,
-            {
-                "name": "batch",
-                "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
-                "objective": {"ttft": "60s"},
-                **batch,
-            },
-        ],
+        **service_classes(*middle, saturation=saturation, **batch),
     }
 
 
