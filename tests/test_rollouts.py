@@ -4,17 +4,16 @@ untouched), the verdict arithmetic, and what a watched route's listener asks Env
 from __future__ import annotations
 
 import copy
-import http.server
-import json
-import threading
 import urllib.parse
 from collections.abc import AsyncIterator
+from http.server import BaseHTTPRequestHandler
 from typing import Any, cast
 
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from harness.api import Harness, running_api
 from harness.builders import policy, pool, rollout
+from harness.jsonserver import json_server
 
 from commands.cli import render_rollout
 from controlplane.etcd import KeyValue
@@ -231,45 +230,31 @@ async def test_query_rules_read_prometheus_with_the_pools_filled_in() -> None:
     # No Prometheus server here: a stand-in that answers its HTTP query API.
     seen: list[str] = []
 
-    class PrometheusApi(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["query"][0]
-            seen.append(query)
-            value = "0.25" if "next" in query else "not a number"
-            body = {
-                "status": "success",
-                "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, value]}]},
-            }
-            payload = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
+    def prometheus_api(request: BaseHTTPRequestHandler) -> tuple[Any, dict[str, str]]:
+        query = urllib.parse.parse_qs(urllib.parse.urlparse(request.path).query)["query"][0]
+        seen.append(query)
+        value = "0.25" if "next" in query else "not a number"
+        result = [{"metric": {}, "value": [0, value]}]
+        return {"status": "success", "data": {"resultType": "vector", "result": result}}, {}
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PrometheusApi)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     queries = PrometheusQueries()
-    try:
-        body = rollout(
-            analysis={
-                "prometheus": {"url": f"http://127.0.0.1:{server.server_port}"},
-                "rules": [
-                    {"query": 'sum(rate(errors{pool="{canary}"}[{interval}]))', "max": 0.1},
-                    {"query": 'sum(rate(errors{pool="{stable}"}[{interval}]))', "max": 0.1},
-                ],
-            }
-        )
-        parsed = parse_object(body)
-        assert isinstance(parsed, Rollout)
-        state = {"startWeights": {"chat": 100, "next": 0}, "stepStartedAt": 100.0}
-        values = await queries.values(parsed, state, now=130.0)
-    finally:
-        await queries.aclose()
-        server.shutdown()
+    with json_server(prometheus_api) as port:
+        try:
+            body = rollout(
+                analysis={
+                    "prometheus": {"url": f"http://127.0.0.1:{port}"},
+                    "rules": [
+                        {"query": 'sum(rate(errors{pool="{canary}"}[{interval}]))', "max": 0.1},
+                        {"query": 'sum(rate(errors{pool="{stable}"}[{interval}]))', "max": 0.1},
+                    ],
+                }
+            )
+            parsed = parse_object(body)
+            assert isinstance(parsed, Rollout)
+            state = {"startWeights": {"chat": 100, "next": 0}, "stepStartedAt": 100.0}
+            values = await queries.values(parsed, state, now=130.0)
+        finally:
+            await queries.aclose()
     assert seen == ['sum(rate(errors{pool="next"}[30s]))', 'sum(rate(errors{pool="chat"}[30s]))']
     assert values == {0: 0.25, 1: None}
     verdict = evaluate(
