@@ -31,6 +31,9 @@ def policy_with(
             if pool not in present:
                 tier["pools"].append({"pool": pool, "weight": weights.get(pool, 0)})
                 present.add(pool)
+        # Always written: the body is the policy as stored, so a step for every fleet must
+        # replace the canary fleets' weights of the step before with none. An empty map is
+        # what every stored tier carries anyway (the API stores the full model).
         tier["fleetWeights"] = (
             {}
             if canary_weights is None

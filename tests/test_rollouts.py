@@ -20,8 +20,9 @@ from controlplane.etcd import KeyValue
 from controlplane.keys import encode_json
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.rolloutanalysis import PrometheusQueries
+from controlplane.rolloutweights import policy_with, tier_weights
 from controlplane.signals import SignalPublisher, collect, signals_key
-from policies import PolicyError, PolicyState, Rollout, compile_plan, parse_object
+from policies import PolicyError, PolicyState, Rollout, RoutingPolicy, compile_plan, parse_object
 from policies.models import AnalysisRule
 from policies.rollout import BUCKET_BOUNDS, PoolSignals, evaluate, quantile
 from xdsserver.signals import SignalBook
@@ -342,3 +343,28 @@ def test_signals_are_kept_per_fleet_and_collected_for_the_fleets_asked() -> None
     assert (blue["next"].requests, blue["next"].errors, "chat" in blue) == (3, 3, False)
     green = collect(items, "main/all", ["green"])["r1"]
     assert (green["next"].requests, green["next"].errors, green["chat"].requests) == (1, 0, 1)
+
+
+def test_a_step_for_the_canary_fleets_writes_their_weights_and_one_for_every_fleet_clears_them() -> (
+    None
+):
+    body = policy("main")
+    pools = [{"pool": "chat", "weight": 100}, {"pool": "next", "weight": 0}]
+    body["spec"]["routes"][0]["tiers"] = [{"pools": pools}]
+    plain = parse_object(body)
+    canary = parse_object(rollout(fleets=["blue"]))
+    assert isinstance(plain, RoutingPolicy) and isinstance(canary, Rollout)
+
+    reached = policy_with(canary, plain, {"chat": 100, "next": 0}, {"chat": 50, "next": 50})
+    [tier] = reached["spec"]["routes"][0]["tiers"]
+    assert tier["fleetWeights"] == {"blue": {"chat": 50, "next": 50}}
+    assert tier["pools"] == pools
+
+    # Widened to every fleet: the canary fleets' own weights must go, or blue would keep them.
+    widened = parse_object(reached)
+    assert isinstance(widened, RoutingPolicy)
+    everywhere = policy_with(canary, widened, {"chat": 50, "next": 50})
+    [tier] = everywhere["spec"]["routes"][0]["tiers"]
+    assert not tier.get("fleetWeights")
+    assert tier["pools"] == [{"pool": "chat", "weight": 50}, {"pool": "next", "weight": 50}]
+    assert tier_weights(canary, widened) == {"chat": 100, "next": 0}
