@@ -15,10 +15,10 @@ from typing import Any
 
 from policies import PolicyState, RoutingPlan
 from policies.admission import AdmissionDecision, steps_per_class
-from policies.compile import cluster_name
 from policies.models import RoutingPolicy, Saturation, ServiceClass
+from policies.names import cluster_name
 from policies.plan import PlanClass, PlanRoute
-from xdsserver.translate.routes import admission_runtime_key, class_stats
+from xdsserver.translate.classes import admission_runtime_key, class_stats
 
 RESTRICTED_STATE = {"shed": "shed", "divert": "diverted", "queue": "queued"}
 """What a fully restricted class's requests become, by its action."""

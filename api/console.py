@@ -33,7 +33,7 @@ from controlplane.reconcile import Reconciler
 from controlplane.store import Store
 from controlplane.telemetryhistory import TelemetryHistory
 from policies import Endpoint, PolicyState, RoutingPlan
-from policies.compile import is_external, pool_endpoints
+from policies.state import is_external, pool_endpoints
 from policies.weights import WeightDecision
 
 UI_DIR = Path(__file__).with_name("ui")

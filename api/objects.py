@@ -297,54 +297,48 @@ def add_object_routes(app: FastAPI, context: ApiContext, kind: str, path: str) -
         log.info("deleted %s %r", kind, name)
         return Response(status_code=204)
 
-    app.add_api_route(
-        base,
-        list_objects,
-        methods=["GET"],
-        tags=tags,
-        operation_id=f"list_{path}",
-        summary=f"List {kind} objects",
-    )
-    app.add_api_route(
-        f"{base}/{{name}}",
-        get_object,
-        methods=["GET"],
-        tags=tags,
-        operation_id=f"get_{path}",
-        summary=f"Read one {kind} (ETag: its revision)",
-        responses={404: {"description": "No such object."}},
-    )
-    app.add_api_route(
+    def route(at: str, endpoint: Any, method: str, verb: str, summary: str, **extra: Any) -> None:
+        app.add_api_route(
+            at,
+            endpoint,
+            methods=[method],
+            tags=tags,
+            operation_id=f"{verb}_{path}",
+            summary=summary,
+            **extra,
+        )
+
+    one = f"{base}/{{name}}"
+    missing = {404: {"description": "No such object."}}
+    stale = {412: {"description": "If-Match failed."}}
+    invalid = {422: {"description": "Invalid body."}}
+    route(base, list_objects, "GET", "list", f"List {kind} objects")
+    route(one, get_object, "GET", "get", f"Read one {kind} (ETag: its revision)", responses=missing)
+    route(
         base,
         create_object,
-        methods=["POST"],
-        tags=tags,
-        operation_id=f"create_{path}",
-        summary=f"Create a {kind}",
+        "POST",
+        "create",
+        f"Create a {kind}",
         status_code=201,
         openapi_extra=body_doc,
-        responses={409: {"description": "It exists."}, 422: {"description": "Invalid body."}},
+        responses={409: {"description": "It exists."}, **invalid},
     )
-    app.add_api_route(
-        f"{base}/{{name}}",
+    route(
+        one,
         replace_object,
-        methods=["PUT"],
-        tags=tags,
-        operation_id=f"replace_{path}",
-        summary=f"Create or replace a {kind}",
+        "PUT",
+        "replace",
+        f"Create or replace a {kind}",
         openapi_extra=body_doc,
-        responses={412: {"description": "If-Match failed."}, 422: {"description": "Invalid body."}},
+        responses={**stale, **invalid},
     )
-    app.add_api_route(
-        f"{base}/{{name}}",
+    route(
+        one,
         delete_object,
-        methods=["DELETE"],
-        tags=tags,
-        operation_id=f"delete_{path}",
-        summary=f"Delete a {kind}",
+        "DELETE",
+        "delete",
+        f"Delete a {kind}",
         status_code=204,
-        responses={
-            404: {"description": "No such object."},
-            412: {"description": "If-Match failed."},
-        },
+        responses={**missing, **stale},
     )

@@ -1,6 +1,6 @@
 """Policy objects, their validation, and compilation to a routing plan (no I/O)."""
 
-from policies.compile import PolicyState, RouteMemo, cluster_name, compile_plan, listener_name
+from policies.compile import RouteMemo, compile_plan
 from policies.models import (
     API_VERSION,
     KIND_PATHS,
@@ -15,7 +15,9 @@ from policies.models import (
     RoutingPolicy,
     kind_named,
 )
+from policies.names import cluster_name, listener_name
 from policies.plan import DEFAULT_FLEET, Diagnostic, FleetPlan, RoutingPlan
+from policies.state import PolicyState
 from policies.validate import FieldError, PolicyError, decode_documents, load_objects, parse_object
 
 __all__ = [

@@ -53,7 +53,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from policies.models import Endpoint, Saturation, ServiceClass
 from policies.telemetry import TelemetryRecord
@@ -157,27 +157,12 @@ def pressure_of(signals: Sequence[Signal]) -> float | None:
 
 
 def pool_pressure(
-    endpoints: Sequence[Endpoint],
-    telemetry: Mapping[str, TelemetryRecord],
-    *,
-    now: float,
-    max_age: float,
-    saturation: Saturation,
-    ttft_bound: float | None = None,
+    endpoints: Sequence[Endpoint], telemetry: Mapping[str, TelemetryRecord], **options: Any
 ) -> float | None:
-    """The pressure of the replicas ``endpoints`` (see the module notes); ``telemetry`` is
-    keyed by ``Endpoint.key``. ``None`` when none of them has a fresh record. Without
+    """The pressure of the replicas ``endpoints``: the largest of ``pool_signals`` (same
+    arguments) over its bound. ``None`` when none of them has a fresh record. Without
     ``ttft_bound`` the time to first token does not count."""
-    return pressure_of(
-        pool_signals(
-            endpoints,
-            telemetry,
-            now=now,
-            max_age=max_age,
-            saturation=saturation,
-            ttft_bound=ttft_bound,
-        )
-    )
+    return pressure_of(pool_signals(endpoints, telemetry, **options))
 
 
 def steps_per_class(saturation: Saturation) -> int:

@@ -22,8 +22,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from policies.compile import PolicyState, cluster_name, fleet_names
+from policies.fleets import fleet_names
 from policies.models import AnalysisRule, Rollout
+from policies.names import cluster_name
+from policies.state import PolicyState
 from policies.validate import FieldError
 
 BUCKET_BOUNDS: tuple[float, ...] = tuple(0.0005 * 1.2**k for k in range(80))

@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from policies.models import TELEMETRY_MAX_AGE, Endpoint
@@ -134,11 +134,6 @@ class WeightParams:
     """A replica counts as fit for the next level up at this share of it or faster."""
     capacity_confirm: int = 2
     """Consecutive records that must agree before the capacity factor moves."""
-    spill_balance_factor: int = 125
-    """Bounded load (percent of the average) of a session-affinity route while a replica of
-    its pools queues; the route's own ``hashBalanceFactor`` when that is lower."""
-    spill_hold: float = 10.0
-    """Seconds after the last queue seen before the route's own factor applies again."""
 
 
 SIGNAL_WEIGHTS = {"queue": 1.0, "running": 0.5, "kv": 0.5, "tokens": 0.5}
@@ -166,9 +161,6 @@ class WeightDecision:
     often the pool is recompiled."""
     streak: int = 0
     """Capacity weights: consecutive records below (negative) or above (positive) the band."""
-    queued_at: float | None = None
-    """Capacity weights: ``at`` of the last record that showed requests waiting in the
-    replica's engine (its batch full), for `spill_balance_factor`."""
 
     @property
     def neutral(self) -> bool:
@@ -316,9 +308,6 @@ def capacity_weights(
         speed = before.speed if before is not None else None
         streak = before.streak if before is not None else 0
         seen_at = before.seen_at if before is not None else None
-        queued_at = before.queued_at if before is not None else None
-        if record.waiting:
-            queued_at = record.at
         tpot = tpots.get(key)
         if reference is not None and tpot is not None and record.at != seen_at:
             last, speed, seen_at = speed, reference / tpot, record.at
@@ -347,35 +336,8 @@ def capacity_weights(
             speed=None if speed is None else round(speed, 4),
             seen_at=seen_at,
             streak=streak,
-            queued_at=queued_at,
         )
     return out
-
-
-def balance_factor(
-    configured: int,
-    pools: Iterable[Mapping[str, WeightDecision]],
-    *,
-    now: float,
-    params: WeightParams | None = None,
-) -> int:
-    """The bounded-load factor of a session-affinity route balanced by telemetry.
-
-    Spill, not evict: while a replica of the route's pools has requests waiting in its
-    engine (its batch is full) and for ``spill_hold`` seconds after, the factor tightens to
-    ``spill_balance_factor``, so Envoy sends the turns that would queue there to a replica
-    with room, request by request, and every session keeps its place on the ring. When no
-    replica queues, the route's own factor applies: a calm fleet spills nothing and moves no
-    session. A factor of 0 (bounded load off) stays off.
-    """
-    params = params or WeightParams()
-    if configured == 0 or configured <= params.spill_balance_factor:
-        return configured
-    for decisions in pools:
-        for decision in decisions.values():
-            if decision.queued_at is not None and now - decision.queued_at <= params.spill_hold:
-                return params.spill_balance_factor
-    return configured
 
 
 def _saturated(
@@ -406,7 +368,6 @@ __all__ = [
     "SIGNAL_WEIGHTS",
     "WeightDecision",
     "WeightParams",
-    "balance_factor",
     "capacity_weights",
     "pool_weights",
 ]

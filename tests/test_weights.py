@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policies.models import Endpoint
+from policies.models import TELEMETRY_HASH_BALANCE_FACTOR, Endpoint
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision, WeightParams, pool_weights
 
@@ -409,42 +409,21 @@ def _affinity_factor(plan: Any, name: str) -> int:
     return int(cluster.affinity.hash_balance_factor)
 
 
-def test_a_queueing_replica_tightens_bounded_load_until_the_fleet_is_calm() -> None:
-    from dataclasses import replace
-
+def test_a_telemetry_route_spills_at_125_unless_told_otherwise() -> None:
     from policies.compile import compile_plan
+    from policies.models import Route
 
-    calm = compile_plan(_state(NOW, {8001: 0, 8002: 0, 8003: 0}, affinity=True))
-    assert _affinity_factor(calm, "r/live") == 150, "a calm fleet spills nothing"
-    queued = compile_plan(
-        replace(
-            _state(NOW + 1, {8001: 3, 8002: 0, 8003: 0}, affinity=True),
-            previous_weights=calm.weights,
-        )
-    )
-    assert _affinity_factor(queued, "r/live") == 125
-    # The ring itself does not move: every session keeps its replica.
-    assert _cluster_weights(queued, "r/live") == _cluster_weights(calm, "r/live")
-    held = compile_plan(
-        replace(
-            _state(NOW + 9, {8001: 0, 8002: 0, 8003: 0}, affinity=True),
-            previous_weights=queued.weights,
-        )
-    )
-    assert _affinity_factor(held, "r/live") == 125, "held for spill_hold after the last queue"
-    relaxed = compile_plan(
-        replace(
-            _state(NOW + 12, {8001: 0, 8002: 0, 8003: 0}, affinity=True),
-            previous_weights=held.weights,
-        )
-    )
-    assert _affinity_factor(relaxed, "r/live") == 150
+    plan = compile_plan(_state(NOW, {8001: 0, 8002: 0, 8003: 0}, affinity=True))
+    assert _affinity_factor(plan, "r/live") == TELEMETRY_HASH_BALANCE_FACTOR == 125
 
+    def factor(**route: Any) -> int:
+        body = {"name": "r", "tiers": [["p"]], **route}
+        affinity = Route.model_validate(body).session_affinity
+        assert affinity is not None
+        return affinity.hash_balance_factor
 
-@pytest.mark.parametrize("configured", [0, 110, 125])
-def test_a_route_factor_at_or_below_the_spill_factor_is_kept(configured: int) -> None:
-    from policies.weights import balance_factor
-
-    queued = {"e": WeightDecision(weight=100, factor=1.0, load=0.0, queued_at=NOW)}
-    assert balance_factor(configured, [queued], now=NOW) == configured
-    assert balance_factor(150, [queued], now=NOW) == 125
+    assert factor(balancing="telemetry", sessionAffinity={"header": "x-s"}) == 125
+    assert factor(balancing="telemetry", sessionAffinity={"hashBalanceFactor": 150}) == 150
+    assert factor(balancing="telemetry", sessionAffinity={"hashBalanceFactor": 0}) == 0
+    assert factor(balancing="least_request", sessionAffinity={}) == 150
+    assert factor(sessionAffinity={}) == 150

@@ -35,7 +35,7 @@ import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import duration_pb2
 
-from policies.compile import LOCAL_SUFFIX
+from policies.names import LOCAL_SUFFIX
 from policies.rollout import PoolSignals
 from xdsserver.translate import AFFINITY_SUFFIX
 

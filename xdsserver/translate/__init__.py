@@ -2,8 +2,10 @@
 
 Each function maps one plan type to one Envoy proto, so a reader can hold a plan dataclass and
 its Envoy counterpart side by side: ``clusters`` (CDS, EDS), ``providers`` (external providers),
-``listeners`` (LDS) and ``routes`` (RDS). Envoy behaviours that shaped a choice are cited
-inline; the measured ones are in the design notes.
+``listeners`` (LDS) and ``routes`` (RDS), which builds on ``entries`` (one route entry),
+``classes`` (service classes' entries and stats) and ``ratelimits`` (local rate limits).
+Envoy behaviours that shaped a choice are cited inline; the measured ones are in the design
+notes.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
-from policies.compile import LOCAL_SUFFIX
+from policies.names import LOCAL_SUFFIX
 from policies.plan import PlanCluster, PlanEndpoint
 from xdsserver.translate.protos import (
     HTTP_PROTOCOL_OPTIONS,

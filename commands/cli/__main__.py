@@ -1,0 +1,7 @@
+"""``python -m commands.cli``: the ``kvpilot`` command."""
+
+import sys
+
+from commands.cli import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""The live stage of compilation: endpoint weights from telemetry for the pools of
+``balancing: telemetry`` routes (``policies.weights``), and the admitted share of each class
+for the routes of policies with service classes (``policies.admission``)."""
+
+from __future__ import annotations
+
+from policies.admission import AdmissionDecision, decide, pool_signals, pressure_of
+from policies.models import TELEMETRY_MAX_AGE, Endpoint
+from policies.names import cluster_name
+from policies.state import PolicyState, is_external, pool_endpoints
+from policies.telemetry import TelemetryRecord
+from policies.weights import WeightDecision, WeightParams, pool_weights
+
+
+def telemetry_weights(state: PolicyState) -> dict[str, dict[str, WeightDecision]]:
+    """Weights from telemetry for every pool that a ``balancing: telemetry`` route uses: pool
+    name -> endpoint key -> decision. A pool behind session affinity in any such route is
+    quantized coarsely (it shares one ClusterLoadAssignment with its hash cluster)."""
+    affinity: dict[str, bool] = {}
+    for policy in state.policies.values():
+        for route in policy.spec.routes:
+            if route.balancing != "telemetry":
+                continue
+            for tier in route.tiers:
+                for target in tier.pools:
+                    affinity[target.pool] = affinity.get(target.pool, False) or (
+                        route.session_affinity is not None
+                    )
+    out: dict[str, dict[str, WeightDecision]] = {}
+    for name in sorted(affinity):
+        pool = state.pools.get(name)
+        if pool is None:
+            continue
+        source = pool.spec.telemetry
+        out[name] = pool_weights(
+            pool_endpoints(pool, state.registered.get(name, {})),
+            state.telemetry.get(name, {}),
+            now=state.now,
+            previous=state.previous_weights.get(name, {}),
+            params=WeightParams(max_age=source.max_age) if source else WeightParams(),
+            affinity=affinity[name],
+        )
+    return out
+
+
+def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
+    """Admission for every route of every policy with service classes: route cluster name
+    (``policy/route``) -> decision, from the pressure of the route's first-tier replicas."""
+    out: dict[str, AdmissionDecision] = {}
+    for policy_name in sorted(state.policies):
+        spec = state.policies[policy_name].spec
+        classes = spec.service_classes
+        if classes is None:
+            continue
+        for route in spec.routes:
+            endpoints: list[Endpoint] = []
+            telemetry: dict[str, TelemetryRecord] = {}
+            max_age = TELEMETRY_MAX_AGE
+            for target in route.tiers[0].pools:
+                pool = state.pools.get(target.pool)
+                if pool is None or is_external(pool) or target.weight == 0:
+                    continue
+                endpoints.extend(pool_endpoints(pool, state.registered.get(target.pool, {})))
+                telemetry.update(state.telemetry.get(target.pool, {}))
+                if pool.spec.telemetry is not None:
+                    max_age = min(max_age, pool.spec.telemetry.max_age)
+            signals = pool_signals(
+                endpoints,
+                telemetry,
+                now=state.now,
+                max_age=max_age,
+                saturation=classes.saturation,
+                ttft_bound=classes.ttft_bound,
+            )
+            name = cluster_name(policy_name, route.name)
+            out[name] = decide(
+                state.previous_admission.get(name),
+                pressure_of(signals),
+                classes.classes,
+                now=state.now,
+                saturation=classes.saturation,
+                signals=signals,
+            )
+    return out

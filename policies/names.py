@@ -1,0 +1,24 @@
+"""The names compilation gives Envoy resources: a route's cluster, a class's queue cluster, a
+port's listener. Translation and the daemon find clusters by these names."""
+
+from __future__ import annotations
+
+LOCAL_SUFFIX = "/local"
+"""Suffix of the replicas' cluster of a route whose aggregate cluster also has providers."""
+QUEUE_INFIX = "/queue/"
+"""Between a route's cluster name and a class name: the cluster that queues that class."""
+
+
+def cluster_name(policy: str, route: str) -> str:
+    """The Envoy cluster of one route."""
+    return f"{policy}/{route}"
+
+
+def queue_cluster_name(route_cluster: str, service_class: str) -> str:
+    """The cluster whose circuit breakers queue one class of one route."""
+    return f"{route_cluster}{QUEUE_INFIX}{service_class}"
+
+
+def listener_name(port: int) -> str:
+    """The Envoy listener (and route configuration) for one port."""
+    return f"listener-{port}"
