@@ -33,23 +33,50 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from bench.routing import POLICIES, default_config, run_routing
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_Config = TypeVar("_Config", bound="DataclassInstance")
+
+
+class _UnknownNames(Exception):
+    """A comma list named something the benchmark does not have."""
+
+
+def _names(text: str, known: Iterable[str], what: str) -> tuple[str, ...]:
+    """The names in the comma list `text`, each one of `known`."""
+    wanted = tuple(name.strip() for name in text.split(",") if name.strip())
+    known = list(known)
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise _UnknownNames(f"unknown {what} {unknown}; known: {known}")
+    return wanted
+
+
+def _with_out(config: _Config, args: argparse.Namespace) -> _Config:
+    """`config` writing to ``--out`` when given."""
+    return config if args.out is None else replace(config, out_dir=args.out)
+
+
+def _print_report(report: Path) -> int:
+    print(f"\nreport: {report}")
+    print(f"json:   {report.with_suffix('.json')}")
+    return 0
+
 
 def _routing(args: argparse.Namespace) -> int:
-    config = default_config(short=args.short)
-    if args.out is not None:
-        config = replace(config, out_dir=args.out)
+    config = _with_out(default_config(short=args.short), args)
     if args.policies:
-        wanted = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-        unknown = sorted(set(wanted) - {p.key for p in POLICIES})
-        if unknown:
-            print(f"unknown policies {unknown}; known: {[p.key for p in POLICIES]}")
-            return 2
-        config = replace(config, policies=wanted)
+        config = replace(
+            config, policies=_names(args.policies, (p.key for p in POLICIES), "policies")
+        )
     if args.workload:
         config = replace(config, workload=replace(config.workload, kind=args.workload))
     if args.arrival:
@@ -60,52 +87,34 @@ def _routing(args: argparse.Namespace) -> int:
         )
     if args.no_plots:
         config = replace(config, plots=False)
-    report = run_routing(config, state_dir=args.state_dir)
-    print(f"\nreport: {report}")
-    print(f"json:   {report.with_suffix('.json')}")
-    return 0
+    return _print_report(run_routing(config, state_dir=args.state_dir))
 
 
 def _scenarios(args: argparse.Namespace) -> int:
     from bench.scenarios import SUITE_POLICIES, default_suite
     from bench.suite import run_suite
 
-    config = default_suite(short=args.short)
-    if args.out is not None:
-        config = replace(config, out_dir=args.out)
+    config = _with_out(default_suite(short=args.short), args)
     if args.seeds:
         config = replace(config, seeds=tuple(int(s) for s in args.seeds.split(",") if s.strip()))
     if args.scenarios:
-        wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
         known = {s.key: s for s in default_suite().scenarios}
-        unknown = sorted(set(wanted) - set(known))
-        if unknown:
-            print(f"unknown scenarios {unknown}; known: {list(known)}")
-            return 2
+        wanted = _names(args.scenarios, known, "scenarios")
         short = {s.key: s for s in config.scenarios}
         config = replace(config, scenarios=tuple(short.get(k, known[k]) for k in wanted))
     if args.policies:
-        wanted = [p.strip() for p in args.policies.split(",") if p.strip()]
-        unknown = sorted(set(wanted) - {p.key for p in SUITE_POLICIES})
-        if unknown:
-            print(f"unknown policies {unknown}; known: {[p.key for p in SUITE_POLICIES]}")
-            return 2
-        config = replace(config, policies=tuple(wanted))
+        keys = (p.key for p in SUITE_POLICIES)
+        config = replace(config, policies=_names(args.policies, keys, "policies"))
     if args.time_scale:
         config = replace(config, sim=replace(config.sim, time_scale=args.time_scale))
-    report = run_suite(config, state_dir=args.state_dir)
-    print(f"\nreport: {report}")
-    print(f"json:   {report.with_suffix('.json')}")
-    return 0
+    return _print_report(run_suite(config, state_dir=args.state_dir))
 
 
 def _controlplane(args: argparse.Namespace) -> int:
     from bench.controlplane import default_config as controlplane_config
     from bench.controlplane import run_controlplane
 
-    config = controlplane_config(short=args.short)
-    if args.out is not None:
-        config = replace(config, out_dir=args.out)
+    config = _with_out(controlplane_config(short=args.short), args)
     if args.baseline:
         from bench.baseline import (
             ack_side_by_side,
@@ -135,21 +144,14 @@ def _classes(args: argparse.Namespace) -> int:
     from bench.classes import default_config as classes_config
     from bench.classes_run import run_classes
 
-    config = classes_config(short=args.short)
-    if args.out is not None:
-        config = replace(config, out_dir=args.out)
-    report = run_classes(config, state_dir=args.state_dir)
-    print(f"\nreport: {report}")
-    print(f"json:   {report.with_suffix('.json')}")
-    return 0
+    config = _with_out(classes_config(short=args.short), args)
+    return _print_report(run_classes(config, state_dir=args.state_dir))
 
 
 def _rollout(args: argparse.Namespace) -> int:
     from bench.rollout import default_rollout_config, run_rollout_bench
 
-    config = default_rollout_config(short=args.short)
-    if args.out is not None:
-        config = replace(config, out_dir=args.out)
+    config = _with_out(default_rollout_config(short=args.short), args)
     print(f"\nreport: {run_rollout_bench(config, state_dir=args.state_dir)}")
     return 0
 
@@ -164,6 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = sub.add_parser(
         "scenarios", help="every policy side by side, per scenario (default)"
     )
+    routing = sub.add_parser("routing", help="one workload, policy after policy, with plots")
+    controlplane = sub.add_parser("controlplane", help="ADS: change-to-ACK latency, scale, memory")
+    classes = sub.add_parser(
+        "classes", help="service classes: interactive chat while batch overloads the fleet"
+    )
+    rollout = sub.add_parser("rollout", help="a bad canary: progressive rollout vs blind split")
+    for p in (parser, scenarios, routing, controlplane, classes, rollout):
+        p.add_argument("--short", action="store_true", help="a smoke run")
+        p.add_argument("--out", type=Path, default=None, help="output directory (bench/results)")
+        p.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     for p in (parser, scenarios):
         p.add_argument("--seeds", default="", help="comma list of seeds (1,2,3)")
         p.add_argument("--scenarios", default="", help="comma list of scenarios")
@@ -174,20 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             help="wall seconds per simulated second (0.5); more gives a busy machine's load "
             "generators slack, at that much more wall time",
         )
-    routing = sub.add_parser("routing", help="one workload, policy after policy, with plots")
     for p in (parser, scenarios, routing):
-        p.add_argument("--short", action="store_true", help="a smoke run")
-        p.add_argument("--out", type=Path, default=None, help="output directory (bench/results)")
         p.add_argument("--policies", default="", help="comma list of policies to run")
-        p.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     for p in (parser, routing):
         p.add_argument("--workload", choices=["multiturn", "docs", "mix"], default=None)
         p.add_argument("--arrival", choices=["poisson", "bursty"], default=None)
         p.add_argument("--no-plots", action="store_true")
-    controlplane = sub.add_parser("controlplane", help="ADS: change-to-ACK latency, scale, memory")
-    controlplane.add_argument("--short", action="store_true", help="a smoke run (seconds)")
-    controlplane.add_argument("--out", type=Path, default=None, help="output directory")
-    controlplane.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     controlplane.add_argument(
         "--baseline",
         default="",
@@ -201,26 +205,18 @@ def main(argv: list[str] | None = None) -> int:
         help="with --baseline: scale (rebuilds in process) or acks (an endpoint change to real "
         "Envoys) alone",
     )
-    classes = sub.add_parser(
-        "classes", help="service classes: interactive chat while batch overloads the fleet"
-    )
-    classes.add_argument("--short", action="store_true", help="a smoke run (a few minutes)")
-    classes.add_argument("--out", type=Path, default=None, help="output directory")
-    classes.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
-    rollout = sub.add_parser("rollout", help="a bad canary: progressive rollout vs blind split")
-    rollout.add_argument("--short", action="store_true", help="a smoke run")
-    rollout.add_argument("--out", type=Path, default=None, help="output directory")
-    rollout.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     args = parser.parse_args(argv)
-    if args.command == "controlplane":
-        return _controlplane(args)
-    if args.command == "rollout":
-        return _rollout(args)
-    if args.command == "routing":
-        return _routing(args)
-    if args.command == "classes":
-        return _classes(args)
-    return _scenarios(args)
+    run = {
+        "controlplane": _controlplane,
+        "rollout": _rollout,
+        "routing": _routing,
+        "classes": _classes,
+    }.get(args.command, _scenarios)
+    try:
+        return run(args)
+    except _UnknownNames as error:
+        print(error)
+        return 2
 
 
 if __name__ == "__main__":

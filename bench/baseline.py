@@ -32,14 +32,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.controlplane import (
-    AckLogKvpilot,
-    Bench,
-    BenchConfig,
-    Change,
-    rebuild_input,
-    summarize,
-)
+from bench.acklog import AckLogKvpilot, Change, summarize
+from bench.controlplane import Bench, BenchConfig
+from bench.pools import rebuild_input
 from bench.rebuild_probe import MEASURES
 from controlplane.launchers import free_port, repo_root
 

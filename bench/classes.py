@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import RequestResult
-from bench.routing import AFFINITY, BenchConfig, Policy, calibrate
+from bench.routes import Policy, standard_policies
+from bench.routing import BenchConfig, calibrate
 from bench.routing import default_config as routing_config
 from bench.workload import Session, Workload, WorkloadConfig, generate
 
@@ -74,29 +75,16 @@ class ClassesConfig:
     """The routing benchmark's simulator, chat workload and agent settings, reused."""
 
 
+_AFFINITY = standard_policies()["affinity"]
 POLICIES: tuple[Policy, ...] = (
-    Policy("round_robin", "round robin", {"balancing": "round_robin"}),
-    Policy(
-        "affinity", "affinity alone", {"balancing": "least_request", "sessionAffinity": AFFINITY}
-    ),
-    Policy(
-        "classes",
-        "affinity + service classes, batch shed",
-        {"balancing": "least_request", "sessionAffinity": AFFINITY},
-    ),
-    Policy(
-        "classes_queue",
-        "affinity + service classes, batch queued",
-        {"balancing": "least_request", "sessionAffinity": AFFINITY},
-    ),
+    standard_policies()["round_robin"],
+    replace(_AFFINITY, title="affinity alone"),
+    replace(_AFFINITY, key="classes", title="affinity + service classes, batch shed"),
+    replace(_AFFINITY, key="classes_queue", title="affinity + service classes, batch queued"),
 )
 CLASS_POLICIES = ("classes", "classes_queue")
 """The policies with service classes, each checked against the targets."""
-REFERENCE = Policy(
-    "reference",
-    "affinity, interactive alone (no batch)",
-    {"balancing": "least_request", "sessionAffinity": AFFINITY},
-)
+REFERENCE = replace(_AFFINITY, key="reference", title="affinity, interactive alone (no batch)")
 
 
 def default_config(short: bool = False) -> ClassesConfig:

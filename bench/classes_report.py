@@ -10,7 +10,6 @@ the requests that were served.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from bench.classes import (
@@ -24,8 +23,8 @@ from bench.classes import (
 )
 from bench.classes_signals import admission_summary, signals_markdown
 from bench.loadgen import RequestResult
-from bench.report import _num
-from bench.routing import percentile
+from bench.report import json_block, num
+from bench.summary import percentile
 
 
 def ttft_of(result: RequestResult) -> float | None:
@@ -96,7 +95,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
             (
                 f"interactive TTFT p99 with service classes within 1.5x of no batch at all{who}",
                 None if ratio is None else ratio <= 1.5,
-                f"{_num(ratio, '{:.2f}')}x ({_num(_p99(results, key))}s vs {_num(ref)}s)",
+                f"{num(ratio, '{:.2f}')}x ({num(_p99(results, key))}s vs {num(ref)}s)",
             )
         )
         if number == 0:
@@ -104,7 +103,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                 (
                     "affinity alone lets it grow past 5x",
                     None if alone is None else alone > 5,
-                    f"{_num(alone, '{:.2f}')}x ({_num(_p99(results, 'affinity'))}s)",
+                    f"{num(alone, '{:.2f}')}x ({num(_p99(results, 'affinity'))}s)",
                 )
             )
         goodput = results.get(key, {}).get("goodput_per_s")
@@ -113,7 +112,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
             (
                 f"total goodput with classes at least affinity alone's{who}",
                 None if goodput is None or goodput_alone is None else goodput >= goodput_alone,
-                f"{_num(goodput, '{:.2f}')}/s vs {_num(goodput_alone, '{:.2f}')}/s",
+                f"{num(goodput, '{:.2f}')}/s vs {num(goodput_alone, '{:.2f}')}/s",
             )
         )
         batch = results.get(key, {}).get("classes", {}).get(BATCH)
@@ -173,8 +172,8 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
                 continue
             lines.append(
                 f"| {titles[key]} | {name} | {row['requests']} | {row['ok']} | {row['shed']} "
-                f"| {row['diverted']} | {row['errors']} | {_num(row['ttft_p50'])} "
-                f"| {_num(row['ttft_p99'])} | {_num(row.get('client_ttft_p99'))} "
+                f"| {row['diverted']} | {row['errors']} | {num(row['ttft_p50'])} "
+                f"| {num(row['ttft_p99'])} | {num(row.get('client_ttft_p99'))} "
                 f"| {row['goodput_per_s']:.2f} |"
             )
     lines += [
@@ -201,9 +200,6 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
         "",
         "Calibration (rates found for each phase's share of cache-blind capacity):",
         "",
-        "```json",
-        json.dumps(calibration, indent=1),
-        "```",
-        "",
+        *json_block(calibration),
     ]
     return "\n".join(lines)

@@ -25,19 +25,16 @@ from bench.classes import (
 from bench.classes_report import markdown, summarize, targets
 from bench.classes_signals import SignalSampler, lead_table
 from bench.loadgen import replay
-from bench.report import _num
-from bench.routing import (
+from bench.report import num
+from bench.routes import Policy
+from bench.routing import BenchConfig
+from bench.stack import (
     MODEL,
-    BenchConfig,
-    Policy,
     Stack,
-    _idle,
-    _policy_body,
-    _policy_live,
-    _pool_body,
-    _probe,
-    _replica_metrics,
-    _warm,
+    apply_policy,
+    put_pool,
+    ready_for_replay,
+    replica_metrics,
     start_stack,
 )
 from bench.workload import Workload
@@ -45,13 +42,12 @@ from controlplane.launchers import LauncherError, wait_until
 
 
 def _apply(stack: Stack, policy: Policy, config: ClassesConfig) -> None:
-    body = _policy_body(stack, policy)
     service_classes = config.service_classes.get(policy.key)
-    if service_classes is not None:
-        body["spec"]["serviceClasses"] = service_classes
-    stack.put(body)
+    if service_classes is None:
+        apply_policy(stack, policy.key, policy.route)
+    else:
+        apply_policy(stack, policy.key, policy.route, serviceClasses=service_classes)
     classified = service_classes is not None
-    wait_until(lambda: _policy_live(stack, policy), 60, f"Envoy to serve {policy.key}")
     wait_until(
         lambda: _classes_in_envoy(stack) == classified, 60, f"Envoy's routes for {policy.key}"
     )
@@ -83,13 +79,7 @@ def run_one(
     sim = config.routing.sim
     print(f"\n== {policy.title}: {workload.requests} requests", flush=True)
     _apply(stack, policy, config)
-    wait_until(lambda: _probe(stack), 30, "a request through Envoy")
-    wait_until(lambda: _idle(stack), 120, "the replicas to go idle")
-    stack.backends.reset()
-    prompts = workload.system_prompts()
-    asyncio.run(_warm(stack, prompts))
-    wait_until(lambda: _idle(stack), 60, "the replicas to go idle after warming")
-    stack.backends.reset(keep_cache=True)
+    ready_for_replay(stack, workload.system_prompts(), idle_timeout=120)
     # Warming prefills every long system prompt at once, which saturates the pool for a
     # moment: start only once admission has taken every class back.
     wait_until(lambda: _all_admitted(stack), 60, "admission to readmit every class")
@@ -115,17 +105,17 @@ def run_one(
     summary["wall_seconds"] = run.wall_seconds
     summary["admission"] = sampler.samples
     summary["signals"] = lead_table(sampler.samples, run.results)
-    summary["replica_metrics"] = _replica_metrics(stack)
+    summary["replica_metrics"] = replica_metrics(stack)
     for name, row in summary["classes"].items():
         print(
             f"   {name}: {row['ok']}/{row['requests']} ok, shed {row['shed']}, "
-            f"TTFT p50 {_num(row['ttft_p50'])} p99 {_num(row['ttft_p99'])}, "
-            f"goodput {_num(row['goodput_per_s'], '{:.2f}')}/s",
+            f"TTFT p50 {num(row['ttft_p50'])} p99 {num(row['ttft_p99'])}, "
+            f"goodput {num(row['goodput_per_s'], '{:.2f}')}/s",
             flush=True,
         )
     print(
         f"   goodput {summary['goodput_per_s']:.2f}/s, recovered "
-        f"{_num(summary['recovery_s'], '{:.1f}')}s after the overload ({run.wall_seconds:.0f}s wall)",
+        f"{num(summary['recovery_s'], '{:.1f}')}s after the overload ({run.wall_seconds:.0f}s wall)",
         flush=True,
     )
     return summary
@@ -182,15 +172,7 @@ def run_classes(config: ClassesConfig, state_dir: Path | None = None) -> Path:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvclass-")))
         print("starting etcd, kvpilot, simulated replicas, Envoy and a telemetry agent ...")
         stack = _start_stack(exits, state_dir, routing)
-        stack.put(_pool_body(stack))
-        stack.put(
-            {
-                "apiVersion": "kvpilot.io/v1",
-                "kind": "Fleet",
-                "metadata": {"name": "default"},
-                "spec": {"accessLog": False},
-            }
-        )
+        put_pool(stack)
         results[REFERENCE.key] = run_one(stack, REFERENCE, alone, config)
         for policy in POLICIES:
             results[policy.key] = run_one(stack, policy, mixed, config)

@@ -26,8 +26,9 @@ import httpx
 
 from bench.classes import BATCH, INTERACTIVE, ClassesConfig, class_of
 from bench.loadgen import RequestResult, parse_metrics
-from bench.report import _num
-from bench.routing import POLICY_NAME, percentile
+from bench.report import num
+from bench.stack import POLICY_NAME
+from bench.summary import percentile
 
 LAGS = (0.0, 0.5, 1.0, 2.0, 3.0)
 """Simulated seconds between the signal and the requests it is compared with."""
@@ -165,12 +166,10 @@ def signals_markdown(signals: dict[str, Any], config: ClassesConfig) -> list[str
         "ttft": "engine TTFT, all classes",
     }
     for signal, row in signals.items():
-        cells = " | ".join(
-            _num(row["correlation_by_lag"].get(f"{lag:g}"), "{:.2f}") for lag in LAGS
-        )
+        cells = " | ".join(num(row["correlation_by_lag"].get(f"{lag:g}"), "{:.2f}") for lag in LAGS)
         best = row["best_lag"]
         lines.append(
-            f"| {names.get(signal, signal)} | {_num(row['peak'])} | {cells} "
+            f"| {names.get(signal, signal)} | {num(row['peak'])} | {cells} "
             f"| {'n/a' if best is None else best + 's'} |"
         )
     return lines
@@ -187,7 +186,7 @@ def admission_summary(samples: Sequence[dict[str, float]]) -> str:
     changes = sum(1 for (_, a), (_, b) in itertools.pairwise(shares) if a != b)
     least = min((share for _, share in shares), default=math.nan)
     return (
-        f"peak pressure {_num(max(pressures, default=None), '{:.2f}')}, batch admitted down "
-        f"to {least:.0%}, first restricted at {_num(restricted[0] if restricted else None, '{:.1f}')}s, "
+        f"peak pressure {num(max(pressures, default=None), '{:.2f}')}, batch admitted down "
+        f"to {least:.0%}, first restricted at {num(restricted[0] if restricted else None, '{:.1f}')}s, "
         f"{changes} share changes"
     )

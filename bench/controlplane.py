@@ -4,9 +4,8 @@ and how much memory kvpilot holds.
     python -m bench controlplane [--short] [--out DIR]
 
 It starts an embedded etcd and `kvpilot serve` (as a child process, with one addition: every
-ACK it receives is appended with its `time.monotonic()` to a log file; CLOCK_MONOTONIC is
-shared by all processes on Linux, so the benchmark reads exact ACK times without polling
-kvpilot). Then:
+ACK it receives is appended with its `time.monotonic()` to a log file, see `bench.acklog`).
+Then, on the configuration of `bench.pools`:
 
 - **real Envoys** (1, 10, 50; `--concurrency 1` each): ~20 times, one registered endpoint's
   weight is changed through the REST API, and the time from just before the PUT until every
@@ -26,38 +25,40 @@ Envoys, 100 streams, 1,000 endpoints, 8 changes) is the smoke test the suite run
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import httpx
 
+from bench.acklog import (
+    CHANGE_TIMEOUT,
+    AckLog,
+    AckLogKvpilot,
+    Change,
+    measure,
+    serve_with_ack_log,
+    summarize,
+)
+from bench.pools import FLEET, POLICY, pools_and_policy, rebuild_input
 from controlplane.launchers import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
-    KvpilotProcess,
     ManagedProcess,
     free_port,
     repo_root,
 )
 
 RESULTS_DIR = repo_root() / "bench" / "results"
-POLICY = "bench"
-FLEET = "default"
 CHANGE_POOL = "p0"
 CHANGE_ENDPOINT = "moving"
-CHANGE_TIMEOUT = 60.0
-"""Seconds one change may take to reach every Envoy before the run fails."""
-STREAMS_PER_CHANNEL = 50
 START_TIMEOUT = 120.0
 """Seconds kvpilot may take to answer /readyz: on a loaded machine its imports alone take 30."""
 
@@ -84,177 +85,6 @@ def default_config(*, short: bool = False) -> BenchConfig:
             telemetry_seconds=4.0,
         )
     return BenchConfig()
-
-
-# -- the configuration under test -----------------------------------------------------------
-
-
-def pools_and_policy(
-    endpoints: int, listener_port: int, *, balancing: str = ""
-) -> list[tuple[str, dict[str, Any]]]:
-    """REST path -> body: `endpoints` static endpoints spread over pools of at most 500, and one
-    policy with a route (so a cluster) per pool, balanced by `balancing` (the default when
-    empty). Nothing listens on the endpoints and nothing is sent to them: health checks are off
-    (on, 10 Envoys would probe 10,000 hosts and measure their own probing, not the change), and
-    the addresses are loopback ones, so a stray connection stays on this machine."""
-    per_pool = 500
-    count = max(1, -(-endpoints // per_pool))
-    objects: list[tuple[str, dict[str, Any]]] = []
-    routes = []
-    for p in range(count):
-        size = min(per_pool, endpoints - p * per_pool) if endpoints > 1 else 1
-        spec = {
-            "models": [f"model-{p}"],
-            "endpoints": [
-                {"address": f"127.{1 + p // 250}.{p % 250}.{e // 250}", "port": 8000 + e % 250}
-                for e in range(size)
-            ],
-            "healthCheck": {"enabled": False},
-        }
-        name = f"p{p}"
-        objects.append((f"/v1/pools/{name}", _envelope("Pool", name, spec)))
-        route: dict[str, Any] = {
-            "name": f"r{p}",
-            "match": {"models": [f"model-{p}"]},
-            "tiers": [[name]],
-        }
-        if balancing:
-            route["balancing"] = balancing
-        routes.append(route)
-    spec = {"listener": {"address": "127.0.0.1", "port": listener_port}, "routes": routes}
-    objects.append((f"/v1/routingpolicies/{POLICY}", _envelope("RoutingPolicy", POLICY, spec)))
-    return objects
-
-
-def _envelope(kind: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "kvpilot.io/v1", "kind": kind, "metadata": {"name": name}, "spec": spec}
-
-
-# -- kvpilot with an ACK log -------------------------------------------------------------------
-
-
-class AckLogKvpilot(KvpilotProcess):
-    """`kvpilot serve` started through this module's `serve` entry, which logs every ACK."""
-
-    def __init__(self, state_dir: Path, **kwargs: Any) -> None:
-        super().__init__(state_dir, **kwargs)
-        self.ack_log = self.state_dir / "acks.log"
-
-    def _argv(self) -> list[str]:
-        argv = super()._argv()
-        argv[argv.index("commands.cli")] = "bench.controlplane"
-        return [*argv, "--ack-log", str(self.ack_log)]
-
-
-def _serve_with_ack_log(argv: list[str]) -> int:
-    """Child process: `kvpilot serve`, plus one line per ACK: monotonic time, node, type,
-    version. Line-buffered so the benchmark sees each ACK as it happens."""
-    import commands.serve as serve_module
-    from xdsserver.resources import short_name
-    from xdsserver.status import ConnectionRegistry, ConnectionStatus
-
-    parser = argparse.ArgumentParser(prog="python -m bench.controlplane serve")
-    serve_module.add_arguments(parser)
-    parser.add_argument("--ack-log", type=Path, required=True)
-    args = parser.parse_args(argv)
-    out: TextIO = args.ack_log.open("a", buffering=1)
-
-    class AckLogRegistry(ConnectionRegistry):
-        def acked(self, status: ConnectionStatus, type_url: str, *, version: str) -> None:
-            super().acked(status, type_url, version=version)
-            out.write(f"{time.monotonic():.6f} {status.node_id} {short_name(type_url)} {version}\n")
-
-    # The daemon builds its own registry; this is the one seam a benchmark may take.
-    setattr(serve_module, "ConnectionRegistry", AckLogRegistry)  # noqa: B010
-    return serve_module.run(args)
-
-
-@dataclass
-class AckLog:
-    """Reads the ACK log as it grows: the latest EDS/RDS/... version each node ACKed."""
-
-    path: Path
-    offset: int = 0
-    latest: dict[tuple[str, str], str] = field(default_factory=dict)
-
-    def read(self) -> list[tuple[float, str, str, str]]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        acks = []
-        for line in data[:end].decode().splitlines():
-            at, node, kind, version = line.split(" ")
-            self.latest[(node, kind)] = version
-            acks.append((float(at), node, kind, version))
-        return acks
-
-    def wait_all(self, nodes: set[str], kind: str, version: str, timeout: float) -> None:
-        """Until every node has ACKed `version` of `kind`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.read()
-            missing = [n for n in nodes if self.latest.get((n, kind)) != version]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(missing)} of {len(nodes)} never ACKed {kind} {version}")
-            time.sleep(0.05)
-
-
-@dataclass
-class Change:
-    all_acked: float
-    """Seconds from just before the write until the last node ACKed."""
-    first_acked: float
-
-
-def measure(
-    acks: AckLog,
-    nodes: set[str],
-    kind: str,
-    previous: str,
-    write: Callable[[], None],
-    timeout: float = CHANGE_TIMEOUT,
-) -> tuple[Change, str]:
-    """Run `write` and time it until every node ACKs a `kind` version other than `previous`."""
-    acks.read()
-    started = time.monotonic()
-    write()
-    first: dict[str, float] = {}
-    version = ""
-    deadline = started + timeout
-    while len(first) < len(nodes):
-        for at, node, ack_kind, ack_version in acks.read():
-            if ack_kind == kind and ack_version != previous and node in nodes:
-                first.setdefault(node, at)
-                version = ack_version
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(first)} of {len(nodes)} nodes ACKed the change")
-        time.sleep(0.001)
-    return Change(max(first.values()) - started, min(first.values()) - started), version
-
-
-def summarize(changes: list[Change]) -> dict[str, float]:
-    alls = sorted(c.all_acked for c in changes)
-    firsts = sorted(c.first_acked for c in changes)
-    return {
-        "changes": len(changes),
-        "p50_ms": round(statistics.median(alls) * 1000, 1),
-        "p99_ms": round(_percentile(alls, 0.99) * 1000, 1),
-        "max_ms": round(alls[-1] * 1000, 1),
-        "first_ack_p50_ms": round(statistics.median(firsts) * 1000, 1),
-    }
-
-
-def _percentile(ordered: list[float], q: float) -> float:
-    """Nearest-rank percentile (with 20 samples, p99 is the largest)."""
-    rank = max(0, min(len(ordered) - 1, int(-(-q * len(ordered) // 1)) - 1))
-    return ordered[rank]
 
 
 def rss_mib(pid: int | None) -> float:
@@ -423,8 +253,7 @@ class Bench:
             [
                 sys.executable,
                 "-m",
-                "bench.controlplane",
-                "streams",
+                "bench.ads_streams",
                 f"127.0.0.1:{self.kvpilot.xds_port}",
                 str(count),
                 "--eds",
@@ -501,73 +330,24 @@ class Bench:
             for _, pool_body in objects[:-1]
             for e in pool_body["spec"]["endpoints"]
         ]
-        return telemetry_at_scale(
-            self.etcd.endpoint,
-            "/bench",
-            endpoints,
-            self.kvpilot.pid,
-            f"{self.kvpilot.api_url}/metrics",
-            seconds=self.config.telemetry_seconds,
+        return asyncio.run(
+            telemetry_at_scale(
+                self.etcd.endpoint,
+                "/bench",
+                endpoints,
+                self.kvpilot.pid,
+                f"{self.kvpilot.api_url}/metrics",
+                seconds=self.config.telemetry_seconds,
+            )
         )
-
-
-# -- translation at scale, in process -------------------------------------------------------------
-
-
-def rebuild_input(endpoints: int) -> dict[str, Any]:
-    """The state of the in-process rebuilds: etcd key (relative to the prefix) -> value."""
-    state = {}
-    for path, body in pools_and_policy(endpoints, 10000):
-        kind, name = path.removeprefix("/v1/").split("/")
-        state[f"objects/{kind}/{name}"] = body
-    return state
 
 
 def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
     """The reconciler's full rebuild, EDS fast path and routes path over `endpoints` endpoints
     (no I/O; ``bench.rebuild_probe``)."""
-    from bench.rebuild_probe import measure
+    from bench import rebuild_probe
 
-    return {"endpoints": endpoints, **measure(rebuild_input(endpoints), repeats)}
-
-
-# -- simulated ADS streams (child process) ---------------------------------------------------------
-
-
-async def _simulated_streams(target: str, count: int, eds: list[str], rds: list[str]) -> None:
-    """`count` SotW ADS streams that subscribe like an Envoy and ACK every response at once."""
-    import grpc
-    from envoy.config.core.v3 import base_pb2
-    from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
-
-    from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
-
-    subscriptions = {CLUSTER: [], ENDPOINT: eds, LISTENER: [], ROUTE: rds}
-    channels = [grpc.aio.insecure_channel(target) for _ in range(-(-count // STREAMS_PER_CHANNEL))]
-
-    async def stream(index: int) -> None:
-        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channels[index // STREAMS_PER_CHANNEL])
-        call = stub.StreamAggregatedResources()
-        node = base_pb2.Node(id=f"stream-{index}", cluster=FLEET)
-        for i, (type_url, names) in enumerate(subscriptions.items()):
-            request = discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=names)
-            if i == 0:
-                request.node.CopyFrom(node)
-            await call.write(request)
-        while True:
-            response = await call.read()
-            if response is grpc.aio.EOF:
-                return
-            await call.write(
-                discovery_pb2.DiscoveryRequest(
-                    type_url=response.type_url,
-                    version_info=response.version_info,
-                    response_nonce=response.nonce,
-                    resource_names=subscriptions.get(response.type_url, []),
-                )
-            )
-
-    await asyncio.gather(*(stream(i) for i in range(count)), return_exceptions=True)
+    return {"endpoints": endpoints, **rebuild_probe.measure(rebuild_input(endpoints), repeats)}
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -629,20 +409,8 @@ def run_controlplane(config: BenchConfig, state_dir: Path | None = None) -> Path
     return path
 
 
-def _child_main(argv: list[str]) -> int:
-    if argv and argv[0] == "serve":
-        return _serve_with_ack_log(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m bench.controlplane streams")
-    parser.add_argument("command", choices=["streams"])
-    parser.add_argument("target")
-    parser.add_argument("count", type=int)
-    parser.add_argument("--eds", default="")
-    parser.add_argument("--rds", default="")
-    args = parser.parse_args(argv)
-    split = [n for n in args.eds.split(",") if n], [n for n in args.rds.split(",") if n]
-    asyncio.run(_simulated_streams(args.target, args.count, *split))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1:]))
+    # The ACK-logging daemon's entry (`bench.acklog.AckLogKvpilot`): every commit has it here.
+    if sys.argv[1:2] != ["serve"]:
+        sys.exit("usage: python -m bench.controlplane serve [kvpilot serve flags] --ack-log PATH")
+    sys.exit(serve_with_ack_log(sys.argv[2:]))

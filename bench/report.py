@@ -14,8 +14,14 @@ BASELINE = "round_robin"
 KVPILOT = "affinity"
 
 
-def _num(value: float | None, fmt: str = "{:.3f}") -> str:
+def num(value: float | None, fmt: str = "{:.3f}") -> str:
+    """`value` in a report's cell: formatted by `fmt`, or "n/a" when there is none."""
     return "n/a" if value is None else fmt.format(value)
+
+
+def json_block(data: Any, indent: int = 1) -> list[str]:
+    """`data` as a fenced JSON block of a Markdown report, and the blank line after it."""
+    return ["```json", json.dumps(data, indent=indent), "```", ""]
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -37,17 +43,17 @@ def targets(results: dict[str, Any], oracle: float) -> list[tuple[str, bool | No
         (
             "hit rate >= 90% of the oracle's",
             None if hit is None or not oracle else hit / oracle >= 0.9,
-            f"{_num(hit and hit / oracle if oracle else None, '{:.1%}')} of the oracle",
+            f"{num(hit and hit / oracle if oracle else None, '{:.1%}')} of the oracle",
         ),
         (
             "TTFT p99 <= 1/3 of round robin's",
             None if p99 is None else p99 <= 1 / 3,
-            f"{_num(p99, '{:.3f}')}x round robin",
+            f"{num(p99, '{:.3f}')}x round robin",
         ),
         (
             "max/mean per-replica load <= 1.3",
             None if load is None else load <= 1.3,
-            _num(load, "{:.2f}"),
+            num(load, "{:.2f}"),
         ),
     ]
 
@@ -85,21 +91,21 @@ def _table(group: WorkloadGroup, titles: dict[str, str]) -> list[str]:
             + " | ".join(
                 [
                     titles.get(key, key),
-                    _num(r["hit_rate"], "{:.1%}"),
-                    _num(_ratio(r["hit_rate"], group.oracle), "{:.2f}"),
-                    _num(r["ttft_p50"], "{:.3f}s"),
-                    _num(r["ttft_p90"], "{:.3f}s"),
-                    _num(r["ttft_p99"], "{:.3f}s"),
-                    _num(r["throughput_tokens_per_s"], "{:.0f}"),
-                    _num(_ratio(r["ttft_p50"], base.get("ttft_p50")), "{:.2f}x"),
-                    _num(_ratio(r["ttft_p99"], base.get("ttft_p99")), "{:.2f}x"),
-                    _num(
+                    num(r["hit_rate"], "{:.1%}"),
+                    num(_ratio(r["hit_rate"], group.oracle), "{:.2f}"),
+                    num(r["ttft_p50"], "{:.3f}s"),
+                    num(r["ttft_p90"], "{:.3f}s"),
+                    num(r["ttft_p99"], "{:.3f}s"),
+                    num(r["throughput_tokens_per_s"], "{:.0f}"),
+                    num(_ratio(r["ttft_p50"], base.get("ttft_p50")), "{:.2f}x"),
+                    num(_ratio(r["ttft_p99"], base.get("ttft_p99")), "{:.2f}x"),
+                    num(
                         _ratio(r["throughput_tokens_per_s"], base.get("throughput_tokens_per_s")),
                         "{:.2f}x",
                     ),
-                    _num(r["load_max_over_mean"], "{:.2f}"),
-                    _num(r["served_max_over_mean"], "{:.2f}"),
-                    _num(r["busy_fraction_mean"], "{:.0%}"),
+                    num(r["load_max_over_mean"], "{:.2f}"),
+                    num(r["served_max_over_mean"], "{:.2f}"),
+                    num(r["busy_fraction_mean"], "{:.0%}"),
                     f"{r['errors']}/{r['requests']}",
                 ]
             )
@@ -204,15 +210,7 @@ def markdown(
             lines += describe(title, breakdown)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-    lines += [
-        "",
-        "## Setup",
-        "",
-        "```json",
-        json.dumps(config_dict, indent=2),
-        "```",
-        "",
-    ]
+    lines += ["", "## Setup", "", *json_block(config_dict, indent=2)]
     return "\n".join(lines)
 
 

@@ -33,19 +33,17 @@ import httpx
 from api.client import KvpilotClient
 from bench.backend import BackendProcess
 from bench.loadgen import RequestResult, replay
-from bench.routing import BenchConfig, calibrate, default_config, percentile
+from bench.routes import SESSION_AFFINITY
+from bench.routing import BenchConfig, calibrate, default_config
+from bench.stack import MODEL, chat_url, say
+from bench.summary import percentile
 from bench.workload import Workload
 from controlplane.launchers import LocalStack, free_port, local_stack, wait_until
 
-MODEL = "sim-model"
 CANARY_FAILURE = {"status": 500, "fraction": 0.2}
 STEPS = (10, 25, 50, 100)
 STEP_SECONDS = 10.0
 MIN_SAMPLE = 10
-
-
-def _say(text: str = "") -> None:
-    print(text, flush=True)
 
 
 @dataclass
@@ -57,7 +55,7 @@ class Rig:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1/chat/completions"
+        return chat_url(self.port)
 
     def client(self) -> KvpilotClient:
         return KvpilotClient(self.local.kvpilot.api_url, token=self.local.admin_token)
@@ -116,7 +114,7 @@ def _policy(port: int, canary_weight: int) -> dict[str, Any]:
                             ]
                         }
                     ],
-                    "sessionAffinity": {"header": "x-session-id", "hashBalanceFactor": 150},
+                    "sessionAffinity": dict(SESSION_AFFINITY),
                     "retries": {"attempts": 0},
                 }
             ],
@@ -224,7 +222,7 @@ def _summary(results: list[RequestResult], canary_ids: set[str]) -> dict[str, An
 
 
 def run_arm(rig: Rig, workload: Workload, config: BenchConfig, arm: str) -> dict[str, Any]:
-    _say(f"\n== {arm}")
+    say(f"\n== {arm}")
     _prepare(rig, 10 if arm == "blind" else 0)
     canary_ids = {r.id for r in rig.canary.replicas}
     client = rig.client()
@@ -260,7 +258,7 @@ def run_arm(rig: Rig, workload: Workload, config: BenchConfig, arm: str) -> dict
         summary["sessions_moved"] = dict(
             zip(labels, _moves(run.results, sim_changes, canary_ids), strict=True)
         )
-    _say("   " + json.dumps(summary))
+    say("   " + json.dumps(summary))
     return summary
 
 
@@ -303,7 +301,7 @@ def markdown(results: dict[str, dict[str, Any]], calibration: dict[str, Any]) ->
 def run_rollout_bench(config: BenchConfig, state_dir: Path | None = None) -> Path:
     """Both runs side by side; returns the Markdown report's path."""
     workload, calibration = calibrate(replace(config, replicas=4), config.workload)
-    _say(f"workload: {workload.requests} requests, {calibration}")
+    say(f"workload: {workload.requests} requests, {calibration}")
     with contextlib.ExitStack() as stack:
         if state_dir is None:
             import tempfile

@@ -63,7 +63,7 @@ def _record(replica: _Replica, rng: random.Random, now: float) -> TelemetryRecor
     )
 
 
-def telemetry_at_scale(
+async def telemetry_at_scale(
     etcd_endpoint: str,
     prefix: str,
     endpoints: list[tuple[str, str]],
@@ -82,31 +82,6 @@ def telemetry_at_scale(
     what the baseline rule (write on any change, refresh 3 s) would have written; kvpilot's
     CPU (user + system time of the daemon over the run, in cores); and fleet snapshot pushes
     caused by telemetry per second, also per 1,000 endpoints."""
-    return asyncio.run(
-        _telemetry_at_scale(
-            etcd_endpoint,
-            prefix,
-            endpoints,
-            kvpilot_pid,
-            metrics_url,
-            seconds=seconds,
-            shift=shift,
-            seed=seed,
-        )
-    )
-
-
-async def _telemetry_at_scale(
-    etcd_endpoint: str,
-    prefix: str,
-    endpoints: list[tuple[str, str]],
-    kvpilot_pid: int,
-    metrics_url: str,
-    *,
-    seconds: float,
-    shift: float,
-    seed: int,
-) -> dict[str, Any]:
     rng = random.Random(seed)
     agent = AgentConfig([], [])
     replicas = [_Replica(pool, endpoint_id, rng.random()) for pool, endpoint_id in endpoints]

@@ -11,7 +11,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.routing import PREFIX_HASH_CHARS
+from bench.routes import (
+    PREFIX_HASH_CHARS,
+    SESSION_AFFINITY,
+    Policy,
+    bounded_load,
+    standard_policies,
+)
 from bench.simulator import SimConfig
 from bench.workload import WorkloadConfig
 
@@ -51,57 +57,45 @@ class Scenario:
         return sum(1.0 / self.slow_of(i) for i in range(replicas))
 
 
-@dataclass(frozen=True)
-class SuitePolicy:
-    key: str
-    title: str
-    route: dict[str, Any]
-    default: bool = True
+SuitePolicy = Policy
+"""A policy of the suite: every benchmark's `Policy`."""
 
-
-AFFINITY = {
-    "header": "x-session-id",
-    "hashBalanceFactor": 150,
-    "prefixHashChars": PREFIX_HASH_CHARS,
-}
+AFFINITY = {**SESSION_AFFINITY, "prefixHashChars": PREFIX_HASH_CHARS}
 """Session affinity, and prompt-prefix affinity for requests without a session (documents)."""
 
 RECOMMENDED = "kvpilot"
 """The README's recommended LLM route: the policy the targets are checked on."""
 
+_STANDARD = standard_policies(AFFINITY)
 SUITE_POLICIES: tuple[SuitePolicy, ...] = (
-    SuitePolicy("round_robin", "round robin", {"balancing": "round_robin"}),
-    SuitePolicy(
-        "affinity",
-        "affinity + bounded load",
-        {"balancing": "least_request", "sessionAffinity": AFFINITY},
-    ),
+    _STANDARD["round_robin"],
+    _STANDARD["affinity"],
     # An A/A control: the same policy again, on its own replicas. Its distance from
     # "affinity" is what noise alone does within one run, so every report shows it.
-    SuitePolicy(
-        "affinity_copy",
-        "affinity + bounded load (second copy, A/A)",
-        {"balancing": "least_request", "sessionAffinity": AFFINITY},
+    replace(
+        _STANDARD["affinity"],
+        key="affinity_copy",
+        title="affinity + bounded load (second copy, A/A)",
     ),
-    SuitePolicy(
+    # The README's recommended route, with its fields and nothing else: telemetry balancing
+    # and session affinity at kvpilot's defaults for it (bounded load 125%), plus the
+    # prompt-prefix hashing the documents of the mix scenario need.
+    Policy(
         RECOMMENDED,
         "kvpilot: affinity + telemetry",
-        {"balancing": "telemetry", "sessionAffinity": AFFINITY},
+        {
+            "balancing": "telemetry",
+            "sessionAffinity": {
+                key: value for key, value in AFFINITY.items() if key != "hashBalanceFactor"
+            },
+        },
     ),
-    SuitePolicy(
-        "kvpilot_b125",
-        "kvpilot, bounded load 1.25",
-        {"balancing": "telemetry", "sessionAffinity": {**AFFINITY, "hashBalanceFactor": 125}},
-        False,
+    # The recommended route before its bounded-load default: capacity weights alone.
+    bounded_load(
+        _STANDARD["affinity_telemetry"], 150, "kvpilot_b150", "kvpilot, bounded load 1.50"
     ),
-    SuitePolicy(
-        "kvpilot_b110",
-        "kvpilot, bounded load 1.10",
-        {"balancing": "telemetry", "sessionAffinity": {**AFFINITY, "hashBalanceFactor": 110}},
-        False,
-    ),
-    SuitePolicy("least_request", "least request", {"balancing": "least_request"}, False),
-    SuitePolicy("orca", "ORCA weighted round robin", {"balancing": "orca"}, False),
+    replace(_STANDARD["least_request"], default=False),
+    replace(_STANDARD["orca"], default=False),
 )
 
 

@@ -11,7 +11,7 @@ means the simulated GPU runs half as fast as the real one would), which keeps th
 Envoy overhead small against the simulated work. Metrics on ``/metrics`` use vLLM's names and
 report simulated seconds.
 
-Answers are deterministic: `synth_answer` picks ``max_tokens`` one-token words from the
+Answers are deterministic: `bench.chat.synth_answer` picks ``max_tokens`` one-token words from the
 prompt's tokens, so a workload generator can know every answer in advance and a conversation's
 next prompt starts with exactly the tokens the replica cached.
 """
@@ -19,81 +19,16 @@ next prompt starts with exactly the tokens the replica cached.
 from __future__ import annotations
 
 import asyncio
-import bisect
-import contextlib
-import functools
 import json
-import random
 import time
-import uuid
-import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
-
+from bench.chat import chat_tokens, synth_answer
 from bench.kvcache import Allocation, KVCache, blocks_for, tokenize
-
-# fmt: off
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)
-# fmt: on
-"""vLLM's `vllm:time_to_first_token_seconds` bucket bounds."""
-TPOT_BUCKETS: tuple[float, ...] = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-"""vLLM's `vllm:time_per_output_token_seconds` bucket bounds."""
-
-_WORDS = (
-    "the of and to in is it that was for on are with as at be by this have from or one had "
-    "not but what all were when we can said there use an each which she do how their if will "
-    "up other about out many then them these so some her would make like him into time has "
-    "look two more go see no way could my than been call who its now find long down day did "
-    "get come made may part over new sound take only work know place year live me back give "
-    "most very after our just name good man think say great where help much too mean old any "
-    "same tell boy came want show also form three small set put end does well large must big "
-    "even such turn here why ask went men read need land home us move try kind hand off "
-    "again play away spel air line"
-)
-_VOCAB = tuple(word for word in _WORDS.split() if len(word) <= 4)
-"""Answer words: at most 4 characters, so one word is one token."""
-
-
-def render_chat(messages: Sequence[dict[str, Any]]) -> str:
-    """The prompt text of a chat request: a whitespace-separated stand-in for a chat template.
-
-    It ends with the assistant marker, so prompt + answer is a prefix of the next turn's prompt.
-    """
-    parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
-    return " ".join([*parts, "<|assistant|>"])
-
-
-def synth_answer(prompt: Sequence[int], max_tokens: int) -> list[str]:
-    """The answer to `prompt`: `max_tokens` one-token words, a pure function of the prompt."""
-    seed = zlib.crc32(b"%d:" % len(prompt) + b",".join(b"%d" % t for t in prompt[-64:]))
-    return random.Random(seed).choices(_VOCAB, k=max_tokens)
+from bench.prometheus import TPOT_BUCKETS, TTFT_BUCKETS, Histogram
 
 
 @dataclass(frozen=True)
@@ -156,29 +91,6 @@ class SimSequence:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the sequence is finished or aborted."""
-
-
-class Histogram:
-    """A Prometheus histogram with fixed bounds."""
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float, count: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += count
-        self.sum += value * count
-
-    def lines(self, name: str, labels: str) -> list[str]:
-        out = []
-        total = 0
-        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
-            total += count
-            le = "+Inf" if bound == float("inf") else f"{bound}"
-            out.append(f'{name}_bucket{{{labels},le="{le}"}} {total}')
-        out += [f"{name}_sum{{{labels}}} {self.sum}", f"{name}_count{{{labels}}} {total}"]
-        return out
 
 
 MAX_LAG = 0.25
@@ -274,7 +186,7 @@ class Engine:
         its shared system prompts, and warming them through requests only costs wall time.
         Returns how many blocks the cache holds afterwards."""
         for payload in payloads:
-            prompt = _prompt_tokens("chat", payload)
+            prompt = prompt_tokens("chat", payload)
             allocation = self.cache.allocate(prompt, 1)
             if allocation is None:
                 raise EngineError(409, "the prompts to preload do not fit in the KV cache")
@@ -460,29 +372,8 @@ class Engine:
         return lines
 
 
-# --------------------------------------------------------------------------- HTTP
-
-
-@functools.lru_cache(maxsize=16384)
-def _part_tokens(part: str) -> tuple[int, ...]:
-    return tuple(tokenize(part))
-
-
-def chat_tokens(messages: Sequence[dict[str, Any]]) -> list[int]:
-    """``tokenize(render_chat(messages))``, part by part.
-
-    tokenize(a + " " + b) == tokenize(a) + tokenize(b): tokenizing the rendered chat part by
-    part lets every turn reuse the parts (system prompt, history) seen before, which keeps the
-    CPU per request small when prompts grow to thousands of tokens (the simulator's for
-    each request, the workload generator's for each turn it plans)."""
-    parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
-    tokens: list[int] = []
-    for part in [*parts, "<|assistant|>"]:
-        tokens += _part_tokens(part)
-    return tokens
-
-
-def _prompt_tokens(kind: str, payload: dict[str, Any]) -> list[int]:
+def prompt_tokens(kind: str, payload: dict[str, Any]) -> list[int]:
+    """The prompt's tokens of a chat (`kind` "chat") or text completion request."""
     if kind == "chat":
         messages = payload.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -494,131 +385,3 @@ def _prompt_tokens(kind: str, payload: dict[str, Any]) -> list[int]:
     if not isinstance(prompt, str):
         raise EngineError(400, "prompt must be a string")
     return tokenize(prompt)
-
-
-async def completion_response(
-    engine: Engine,
-    kind: str,
-    model: str,
-    payload: dict[str, Any],
-    headers: dict[str, str],
-    backend_id: str,
-) -> Response:
-    """Serve one OpenAI completion request through the engine (JSON or SSE)."""
-    prompt = _prompt_tokens(kind, payload)
-    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or 16
-    if not isinstance(max_tokens, int):
-        raise EngineError(400, "max_tokens must be an integer")
-    seq = engine.submit(prompt, max_tokens)
-    if engine.config.orca:
-        headers = {**headers, "endpoint-load-metrics": engine.orca_header()}
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    request_id = f"{prefix}-{uuid.uuid4().hex[:16]}"
-    created = int(time.time())
-
-    def usage() -> dict[str, Any]:
-        return {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": seq.generated,
-            "total_tokens": len(prompt) + seq.generated,
-            "prompt_tokens_details": {"cached_tokens": seq.hit_tokens},
-        }
-
-    def engine_timing() -> dict[str, float | None]:
-        """The request as the engine saw it, in simulated seconds from its arrival at the
-        replica: what a routing policy changes (queueing, prefill, batch), without the HTTP
-        path of the load generator, which a busy machine slows for every policy alike."""
-        scale = engine.config.time_scale
-
-        def since_arrival(at: float | None) -> float | None:
-            return None if at is None else (at - seq.arrival) / scale
-
-        return {"ttft": since_arrival(seq.first_token_at), "e2e": since_arrival(seq.finished_at)}
-
-    if not payload.get("stream"):
-        try:
-            while not seq.finished:
-                seq.changed.clear()
-                await seq.changed.wait()
-        finally:
-            engine.abort(seq, "client went away")
-        if seq.error:
-            raise EngineError(503, f"{backend_id}: {seq.error}")
-        text = " ".join(seq.words)
-        choice: dict[str, Any]
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = "length"
-        body = {
-            "id": request_id,
-            "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage(),
-            "backend": backend_id,
-        }
-        return JSONResponse(body, headers=headers)
-
-    include_usage = bool((payload.get("stream_options") or {}).get("include_usage"))
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-    def chunk(piece: str | None, finish: str | None, first: bool) -> str:
-        if kind == "chat":
-            delta: dict[str, Any] = {} if piece is None else {"content": piece}
-            if first:
-                delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": piece or "", "finish_reason": finish}
-        body = {
-            "id": request_id,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "backend": backend_id,
-        }
-        return f"data: {json.dumps(body)}\n\n"
-
-    async def events() -> AsyncIterator[str]:
-        sent = 0
-        try:
-            while True:
-                if seq.error:
-                    # Mid-stream failure, as a dying server would leave it: no [DONE].
-                    raise ConnectionAbortedError(seq.error)
-                if seq.generated > sent:
-                    piece = " ".join(seq.words[sent : seq.generated])
-                    yield chunk(piece if sent == 0 else " " + piece, None, sent == 0)
-                    sent = seq.generated
-                    if not seq.finished:
-                        # Coalesce the next tokens: one chunk per interval, not per token,
-                        # but the last one as soon as the sequence ends (exact latency).
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(seq.done.wait(), engine.config.stream_interval)
-                        continue
-                if seq.finished:
-                    break
-                seq.changed.clear()
-                await seq.changed.wait()
-            yield chunk(None, "length", False)
-            if include_usage:
-                body = {
-                    "id": request_id,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage(),
-                    "backend": backend_id,
-                    "engine_timing": engine_timing(),
-                }
-                yield f"data: {json.dumps(body)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            engine.abort(seq, "client went away")
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

@@ -43,12 +43,7 @@ import httpx
 from api.client import KvpilotClient
 from bench.backend import BackendProcess, ReplicaInfo
 from bench.loadgen import RunResult, parse_metrics, replay
-from bench.routing import (
-    MODEL,
-    BenchConfig,
-    calibrate,
-    start_agent,
-)
+from bench.routing import BenchConfig, calibrate
 from bench.scenarios import (
     SCENARIOS,
     SUITE_POLICIES,
@@ -59,6 +54,7 @@ from bench.scenarios import (
     default_suite,
 )
 from bench.simulator import SimConfig
+from bench.stack import MODEL, start_agent
 from bench.suite_measure import Timeline, measure, summary_line, weight_moves
 from bench.suite_report import write_suite_report
 from bench.workload import Workload, oracle_hit_rate
@@ -212,7 +208,7 @@ def _replay_process(
     time_scale: float,
     deadline: float,
     event: SlowEvent | None,
-    stop_at: float,
+    stop_at: float | None,
 ) -> RunResult:
     """One fleet's replay, in a process of its own, from the wall-clock moment `start_at`.
 
@@ -301,7 +297,9 @@ def _replay_all(
             scale,
             config.deadline,
             scenario.event,
-            scenario.workload.duration,
+            # Without a ramp (the smoke run) every turn is sent: the fleets replay the same
+            # requests, which the smoke test checks.
+            scenario.workload.duration if config.ramp else None,
         )
         for fleet in fleets
     ]

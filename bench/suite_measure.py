@@ -11,8 +11,8 @@ from typing import Any
 
 from bench.analysis import classify
 from bench.loadgen import RunResult
-from bench.routing import percentile, summarize
 from bench.scenarios import Scenario, SlowEvent
+from bench.summary import percentile, summarize
 
 Timeline = list[tuple[float, list[float]]]
 """(simulated seconds into the run, each replica's weight by index), as kvpilot reported."""

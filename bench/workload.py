@@ -27,8 +27,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from bench.chat import chat_tokens, synth_answer
 from bench.kvcache import BLOCK_SIZE, block_hashes, tokenize
-from bench.simulator import SimConfig, chat_tokens, synth_answer
+from bench.simulator import SimConfig
 
 WorkloadKind = Literal["multiturn", "docs", "mix"]
 Arrival = Literal["poisson", "bursty"]

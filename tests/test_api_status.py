@@ -115,10 +115,11 @@ async def test_readyz_is_503_before_the_first_snapshot(
     etcd: EmbeddedEtcd, etcd_prefix: str
 ) -> None:
     async with running_api(etcd.endpoint, etcd_prefix) as api:
-        # The first build runs as soon as the mirror has loaded: let it happen, then make it
-        # look as if it had not (nothing changes under the prefix after it, so nothing builds).
-        await poll(lambda: api.reconciler.ready)
-        api.reconciler._built.clear()
+        # Once the first build is done nothing else rebuilds (no etcd change follows); a
+        # clear before it would race the build, which a change finding the reconciler idle
+        # starts at once.
+        await poll(lambda: api.reconciler.ready, message="the first snapshot")
+        api.reconciler._built.clear()  # as if the first build had not happened yet
         response = await api.http.get("/readyz")
         assert response.status_code == 503
         assert "snapshot" in response.json()["detail"]

@@ -10,7 +10,7 @@ from harness.processes import process_gone
 from harness.rig import BackendFactory
 from harness.wait import wait_until
 
-from bench.backend import BackendProcess, _parse_ports
+from bench.backend import BackendProcess, parse_ports
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -117,9 +117,9 @@ def test_stop_ends_the_process(backends: BackendFactory) -> None:
     [("0", 3, [0, 0, 0]), ("8001,8002", 2, [8001, 8002])],
 )
 def test_ports_argument(text: str, replicas: int, expected: list[int]) -> None:
-    assert _parse_ports(text, replicas) == expected
+    assert parse_ports(text, replicas) == expected
 
 
 def test_ports_argument_must_match_replica_count() -> None:
     with pytest.raises(ValueError, match="2 ports for 3 replicas"):
-        _parse_ports("1,2", 3)
+        parse_ports("1,2", 3)
