@@ -29,16 +29,8 @@ from api.objects import add_object_routes, add_preview_route
 from api.preview import snapshot_json
 from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
 from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
-from controlplane.store import (
-    AlreadyExists,
-    Contended,
-    InvalidName,
-    InvalidValue,
-    NotFound,
-    RevisionMismatch,
-    UnknownKind,
-    ValueTooLarge,
-)
+from controlplane.keys import InvalidName, UnknownKind, ValueTooLarge
+from controlplane.store import AlreadyExists, Contended, InvalidValue, NotFound, RevisionMismatch
 from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError
 from policies.validate import field_path
 

@@ -29,7 +29,8 @@ from api.context import (
 )
 from api.preview import preview, resource_changes
 from controlplane.decode import DecodedState
-from controlplane.store import ENDPOINTS, OBJECTS, Actor, Store, StoredObject
+from controlplane.keys import ENDPOINTS, OBJECTS
+from controlplane.store import Actor, Store, StoredObject
 from policies import FieldError, PolicyError, PolicyObject, Rollout, parse_object
 from policies.rollout import reference_errors
 

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from api.context import Admin, ApiContext, ApiError, Reader, parse_for_kind
 from controlplane.election import leader_key
+from controlplane.keys import decode_json
 from controlplane.rolloutstate import (
     LEADER_JOB,
     allowed,
@@ -20,7 +21,7 @@ from controlplane.rolloutstate import (
     state_key,
     summary,
 )
-from controlplane.store import Actor, decode_json
+from controlplane.store import Actor
 from policies import PolicyError, Rollout
 from policies.rollout import COMMANDS
 

@@ -33,7 +33,8 @@ from controlplane.etcdsettings import open_client
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
-from controlplane.reconcile import ReconcileMetrics, Reconciler
+from controlplane.reconcile import Reconciler
+from controlplane.reconcilemetrics import ReconcileMetrics
 from controlplane.rollouts import RolloutController
 from controlplane.rolloutstate import register_metrics as register_rollout_metrics
 from controlplane.signals import PlanResolver, SignalPublisher

@@ -12,7 +12,7 @@ from pathlib import Path
 from controlplane.audit import DEFAULT_RETENTION
 from controlplane.etcd import EtcdSecurity
 from controlplane.etcdsettings import add_etcd_arguments, etcd_settings
-from controlplane.store import DEFAULT_PREFIX
+from controlplane.keys import DEFAULT_PREFIX
 from policies import DEFAULT_FLEET
 from xdsserver.identity import FleetBinding, TlsFiles
 

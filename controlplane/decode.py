@@ -5,7 +5,7 @@ would produce) both decode through here, so the two cannot disagree on what a va
 on whether it is valid. Pure: keys and bytes in, validated objects out.
 
 A key is relative to the store's prefix (``objects/pools/a``, ``endpoints/pool/id``,
-``telemetry/pool/id``; see ``controlplane.store``). Keys of other sections (Envoy status
+``telemetry/pool/id``; see ``controlplane.keys``). Keys of other sections (Envoy status
 records) are not policy state and decode to nothing.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Generic, TypeVar
 
-from controlplane.store import ENDPOINTS, OBJECTS, TELEMETRY
+from controlplane.keys import ENDPOINTS, OBJECTS, TELEMETRY
 from policies import (
     PATH_KINDS,
     Endpoint,

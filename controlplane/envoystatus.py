@@ -17,7 +17,8 @@ from typing import Any
 from urllib.parse import quote
 
 from controlplane.etcd import EtcdError, KeyValue
-from controlplane.store import STATUS, Store, decode_json
+from controlplane.keys import STATUS, decode_json
+from controlplane.store import Store
 from xdsserver.status import ConnectionRegistry, ConnectionStatus, Event
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from controlplane.etcd import EtcdAccessDenied, EtcdClient, EtcdSecurity, EtcdUnavailable
-from controlplane.store import DEFAULT_PREFIX
+from controlplane.keys import DEFAULT_PREFIX
 
 log = logging.getLogger(__name__)
 

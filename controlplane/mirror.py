@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from controlplane.etcd import CompactedError, EtcdClient, EtcdError, EventType, KeyValue, WatchBatch
-from controlplane.store import DEFAULT_PREFIX, Keys
+from controlplane.keys import DEFAULT_PREFIX, Keys
 
 log = logging.getLogger(__name__)
 

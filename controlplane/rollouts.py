@@ -25,28 +25,28 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
-
-import httpx
 
 from controlplane.election import LeaderElection, heartbeat_key, leader_key
 from controlplane.etcd import EtcdClient, EtcdError
+from controlplane.keys import Keys, decode_json, encode_json
+from controlplane.rolloutanalysis import PrometheusQueries
 from controlplane.rolloutstate import (
     LEADER_JOB,
     ROLLOUT_COMMAND_PREFIX,
     ROLLOUT_STATE_PREFIX,
+    RolloutRead,
     allowed,
-    canary_pools,
     command_key,
     judge,
+    read_records,
     rollout_states,
     state_key,
 )
+from controlplane.rolloutweights import policy_with, tier_weights
 from controlplane.signals import collect
-from controlplane.store import Keys, decode_json, encode_json
-from policies import PolicyError, PolicyState, Rollout, RoutingPolicy, parse_object
-from policies.rollout import COMMANDS, Verdict, reference_errors, target_cluster
+from policies import PolicyError, PolicyState, Rollout, parse_object
+from policies.rollout import Verdict, reference_errors, target_cluster
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +65,6 @@ def _in(fleets: list[str] | None) -> str:
 # --------------------------------------------------------------------------------------------
 # The driver
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Read:
-    """One rollout's records as read from etcd for a decision."""
-
-    state: dict[str, Any] | None
-    state_revision: int
-    command: str | None
-    command_revision: int
-    policy: RoutingPolicy | None
-    policy_revision: int
 
 
 class RolloutController:
@@ -103,7 +91,7 @@ class RolloutController:
         self.election = LeaderElection(
             client, keys.absolute(leader_key(LEADER_JOB)), replica_id, ttl=lease_ttl
         )
-        self._http: httpx.AsyncClient | None = None
+        self.queries = PrometheusQueries()
 
     @property
     def leading(self) -> bool:
@@ -136,8 +124,7 @@ class RolloutController:
                         else self.election.poll_interval
                     )
             finally:
-                if self._http is not None:
-                    await self._http.aclose()
+                await self.queries.aclose()
                 await asyncio.shield(self.election.resign())
 
     async def drive_all(self) -> None:
@@ -162,38 +149,9 @@ class RolloutController:
                     deletes=[self.keys.absolute(key)],
                 )
 
-    async def _read(self, rollout: Rollout, created: int) -> _Read:
-        name = rollout.metadata.name
-        state_kv = await self.client.get(self.keys.absolute(state_key(name)))
-        state = decode_json(state_kv) if state_kv is not None else None
-        state_revision = state_kv.mod_revision if state_kv is not None else 0
-        if state is not None and state.get("object") != created:
-            state = None  # left by an earlier object of the same name: start over
-        command_kv = await self.client.get(self.keys.absolute(command_key(name)))
-        command_body = decode_json(command_kv) if command_kv is not None else None
-        command = command_body.get("command") if command_body else None
-        policy_kv = await self.client.get(
-            self.keys.absolute(self.keys.object("RoutingPolicy", rollout.spec.target.policy))
-        )
-        policy: RoutingPolicy | None = None
-        if policy_kv is not None:
-            try:
-                parsed = parse_object(decode_json(policy_kv))
-            except PolicyError:
-                parsed = None
-            policy = parsed if isinstance(parsed, RoutingPolicy) else None
-        return _Read(
-            state,
-            state_revision,
-            command if command in COMMANDS else None,
-            command_kv.mod_revision if command_kv is not None else 0,
-            policy,
-            policy_kv.mod_revision if policy_kv is not None else 0,
-        )
-
     async def drive(self, rollout: Rollout, created: int) -> None:
         """One decision for one rollout."""
-        read = await self._read(rollout, created)
+        read = await read_records(self.client, self.keys, rollout, created)
         state = read.state
         now = self.clock()
         if state is None:
@@ -217,7 +175,7 @@ class RolloutController:
             return
         step = min(int(state["step"]), len(rollout.spec.steps) - 1)
         spec = rollout.spec.steps[step]
-        queried = await self._queries(rollout, state, now)
+        queried = await self.queries.values(rollout, state, now)
         verdict = judge(self.items(), rollout, state, queried)
         if verdict.outcome == "fail":
             await self._fail(rollout, read, verdict, now)
@@ -236,46 +194,10 @@ class RolloutController:
 
     # -- transitions ---------------------------------------------------------------------------
 
-    def _policy_with(
-        self,
-        rollout: Rollout,
-        policy: RoutingPolicy,
-        weights: Mapping[str, int],
-        canary_weights: Mapping[str, int] | None = None,
-    ) -> dict[str, Any]:
-        """The policy body with the target tier's pools set to ``weights``, and to
-        ``canary_weights`` in the rollout's canary fleets (None: the same in every fleet)."""
-        body = policy.model_dump(mode="json", by_alias=True)
-        target = rollout.spec.target
-        for route in body["spec"]["routes"]:
-            if route["name"] != target.route:
-                continue
-            tier = route["tiers"][target.tier]
-            present = {entry["pool"] for entry in tier["pools"]}
-            for entry in tier["pools"]:
-                if entry["pool"] in weights:
-                    entry["weight"] = weights[entry["pool"]]
-            for pool in [*weights, *(canary_weights or {})]:
-                if pool not in present:
-                    tier["pools"].append({"pool": pool, "weight": weights.get(pool, 0)})
-                    present.add(pool)
-            tier["fleetWeights"] = (
-                {}
-                if canary_weights is None
-                else {fleet: dict(canary_weights) for fleet in rollout.spec.fleets}
-            )
-        return body
-
-    def _tier_weights(self, rollout: Rollout, policy: RoutingPolicy) -> dict[str, int]:
-        target = rollout.spec.target
-        route = next(r for r in policy.spec.routes if r.name == target.route)
-        current = {t.pool: t.weight for t in route.tiers[target.tier].pools}
-        return {pool: current.get(pool, 0) for pool in rollout.spec.pools()}
-
     async def _commit(
         self,
         rollout: Rollout,
-        read: _Read,
+        read: RolloutRead,
         state: dict[str, Any],
         *,
         weights: Mapping[str, int] | None = None,
@@ -293,7 +215,7 @@ class RolloutController:
                 self.keys.object("RoutingPolicy", rollout.spec.target.policy)
             )
             compares.append((policy_key, read.policy_revision))
-            body = self._policy_with(rollout, read.policy, weights, canary_weights)
+            body = policy_with(rollout, read.policy, weights, canary_weights)
             puts.append((policy_key, encode_json(body)))
         deletes = []
         if consume_command:
@@ -311,7 +233,7 @@ class RolloutController:
         history.append({"at": round(now, 3), "event": event, "by": self.replica_id, **fields})
         del history[:-HISTORY_LIMIT]
 
-    async def _start(self, rollout: Rollout, created: int, read: _Read, now: float) -> None:
+    async def _start(self, rollout: Rollout, created: int, read: RolloutRead, now: float) -> None:
         state: dict[str, Any] = {"object": created, "driver": self.replica_id, "history": []}
         objects = []
         for kv_key, kv in self.items().items():
@@ -331,7 +253,7 @@ class RolloutController:
             await self._commit(rollout, read, state)
             return
         assert read.policy is not None
-        start = self._tier_weights(rollout, read.policy)
+        start = tier_weights(rollout, read.policy)
         weights = rollout.spec.step_weights(0)
         fleets = list(rollout.spec.fleets) or None
         state.update(
@@ -370,7 +292,7 @@ class RolloutController:
         state["verdict"] = verdict.as_json()
 
     async def _step(
-        self, rollout: Rollout, read: _Read, step: int, verdict: Verdict, now: float
+        self, rollout: Rollout, read: RolloutRead, step: int, verdict: Verdict, now: float
     ) -> None:
         assert read.state is not None
         state = dict(read.state)
@@ -397,7 +319,9 @@ class RolloutController:
         if committed:
             log.info("rollout %s: step %d %s%s", rollout.metadata.name, step, weights, _in(fleets))
 
-    async def _widen(self, rollout: Rollout, read: _Read, verdict: Verdict, now: float) -> None:
+    async def _widen(
+        self, rollout: Rollout, read: RolloutRead, verdict: Verdict, now: float
+    ) -> None:
         """The step passed in its canary fleets: it reaches every fleet, and is held and
         judged again on all of their traffic."""
         assert read.state is not None
@@ -416,7 +340,9 @@ class RolloutController:
         if await self._commit(rollout, read, state, weights=weights):
             log.info("rollout %s: step %d in every fleet", rollout.metadata.name, step)
 
-    async def _fail(self, rollout: Rollout, read: _Read, verdict: Verdict, now: float) -> None:
+    async def _fail(
+        self, rollout: Rollout, read: RolloutRead, verdict: Verdict, now: float
+    ) -> None:
         assert read.state is not None
         failed = [r for r in verdict.results if r.outcome == "fail"]
         message = "; ".join(
@@ -438,7 +364,7 @@ class RolloutController:
     async def _finish(
         self,
         rollout: Rollout,
-        read: _Read,
+        read: RolloutRead,
         phase: str,
         verdict: Verdict | None,
         now: float,
@@ -472,7 +398,7 @@ class RolloutController:
         ):
             log.info("rollout %s: %s (%s)", rollout.metadata.name, phase, message)
 
-    async def _command(self, rollout: Rollout, read: _Read, now: float) -> None:
+    async def _command(self, rollout: Rollout, read: RolloutRead, now: float) -> None:
         assert read.state is not None and read.command is not None
         command = read.command
         state = dict(read.state)
@@ -507,49 +433,3 @@ class RolloutController:
             )
             self._event(state, now, "resumed", step=state["step"])
         await self._commit(rollout, read, state, consume_command=True)
-
-    async def _queries(
-        self, rollout: Rollout, state: Mapping[str, Any], now: float
-    ) -> dict[int, float | None]:
-        """Values of the query rules from Prometheus (None where it returned nothing)."""
-        source = rollout.spec.analysis.prometheus
-        out: dict[int, float | None] = {}
-        if source is None:
-            return out
-        if self._http is None:
-            self._http = httpx.AsyncClient()
-        start = state.get("startWeights") or {}
-        canaries = canary_pools(rollout, start)
-        stables = [p for p in rollout.spec.pools() if p not in canaries]
-        held = max(1, int(now - float(state.get("stepStartedAt", now))))
-        for index, rule in enumerate(rollout.spec.analysis.rules):
-            if rule.query is None:
-                continue
-            query = (
-                rule.query.replace("{canary}", "|".join(canaries))
-                .replace("{stable}", "|".join(stables))
-                .replace("{route}", rollout.spec.target.route)
-                .replace("{interval}", f"{held}s")
-            )
-            out[index] = await self._prometheus(source.url, query, source.timeout)
-        return out
-
-    async def _prometheus(self, url: str, query: str, seconds: float) -> float | None:
-        assert self._http is not None
-        try:
-            response = await self._http.get(
-                url.rstrip("/") + "/api/v1/query", params={"query": query}, timeout=seconds
-            )
-            data = response.json().get("data", {})
-        except (httpx.HTTPError, ValueError, AttributeError) as error:
-            log.warning("prometheus query %r failed: %s", query, error)
-            return None
-        result = data.get("result")
-        try:
-            if data.get("resultType") == "scalar":
-                return float(result[1])
-            if result:
-                return float(result[0]["value"][1])
-        except (TypeError, ValueError, KeyError, IndexError):
-            return None
-        return None

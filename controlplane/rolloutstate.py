@@ -5,23 +5,26 @@ The driver (``controlplane.rollouts``) writes each rollout's progress at
 ``{prefix}/status/rollout-commands/{name}``; every replica (status, metrics, the CLI through
 the REST API) reads them from its etcd mirror with the functions here: the keys, which
 command a phase allows, the current step's numbers and live verdict, the status summary and
-the Prometheus gauges.
+the Prometheus gauges. The driver reads the same records from etcd itself before a decision
+(``read_records``), so it commits against their current revisions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from controlplane.etcd import KeyValue
+from controlplane.etcd import EtcdClient, KeyValue
+from controlplane.keys import STATUS, Keys, decode_json
 from controlplane.signals import collect
-from controlplane.store import STATUS, decode_json
-from policies import PolicyError, Rollout, parse_object
+from policies import PolicyError, Rollout, RoutingPolicy, parse_object
 from policies.rollout import (
+    COMMANDS,
     PHASES,
     TERMINAL,
     PoolSignals,
@@ -207,3 +210,49 @@ class RolloutCollector(Collector):
 
 def register_metrics(registry: CollectorRegistry, items: Any) -> None:
     registry.register(RolloutCollector(items))
+
+
+@dataclass
+class RolloutRead:
+    """One rollout's records as read from etcd for a decision."""
+
+    state: dict[str, Any] | None
+    state_revision: int
+    command: str | None
+    command_revision: int
+    policy: RoutingPolicy | None
+    policy_revision: int
+
+
+async def read_records(
+    client: EtcdClient, keys: Keys, rollout: Rollout, created: int
+) -> RolloutRead:
+    """The rollout's record, its pending command and its target policy, read from etcd (not
+    the mirror) for a decision the driver commits against their revisions."""
+    name = rollout.metadata.name
+    state_kv = await client.get(keys.absolute(state_key(name)))
+    state = decode_json(state_kv) if state_kv is not None else None
+    state_revision = state_kv.mod_revision if state_kv is not None else 0
+    if state is not None and state.get("object") != created:
+        state = None  # left by an earlier object of the same name: start over
+    command_kv = await client.get(keys.absolute(command_key(name)))
+    command_body = decode_json(command_kv) if command_kv is not None else None
+    command = command_body.get("command") if command_body else None
+    policy_kv = await client.get(
+        keys.absolute(keys.object("RoutingPolicy", rollout.spec.target.policy))
+    )
+    policy: RoutingPolicy | None = None
+    if policy_kv is not None:
+        try:
+            parsed = parse_object(decode_json(policy_kv))
+        except PolicyError:
+            parsed = None
+        policy = parsed if isinstance(parsed, RoutingPolicy) else None
+    return RolloutRead(
+        state,
+        state_revision,
+        command if command in COMMANDS else None,
+        command_kv.mod_revision if command_kv is not None else 0,
+        policy,
+        policy_kv.mod_revision if policy_kv is not None else 0,
+    )

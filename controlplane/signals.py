@@ -23,7 +23,8 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from controlplane.etcd import EtcdError, KeyValue
-from controlplane.store import STATUS, Store, decode_json, encode_json
+from controlplane.keys import STATUS, decode_json, encode_json
+from controlplane.store import Store
 from policies import RoutingPlan
 from policies.rollout import PoolSignals, merge
 from xdsserver.signals import SignalBook, route_cluster

@@ -15,7 +15,9 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 from harness.agent import MetricsBackend
+from harness.api import Harness, running_api
 from harness.auth import TOKEN_ENV
+from harness.console import Console, launched_browser, running_console
 from harness.gated_backend import GatedBackend
 from harness.rig import BackendFactory, EnvoyFactory, KvpilotFactory, Rig
 from harness.xdsclient import RunningServer
@@ -225,3 +227,24 @@ async def ads() -> AsyncIterator[RunningServer]:
     speak xDS to it through `harness.xdsclient`."""
     async with RunningServer() as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Headless Chromium, one per module (`harness.console`)."""
+    with launched_browser() as launched:
+        yield launched
+
+
+@pytest.fixture(scope="module")
+def console(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
+    """The console rig, one per module (`harness.console.running_console`)."""
+    with running_console(etcd, tmp_path_factory) as rig:
+        yield rig
+
+
+@pytest.fixture
+async def api(etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Harness]:
+    """kvpilot's REST API in process on the session etcd (`harness.api.running_api`)."""
+    async with running_api(etcd.endpoint, etcd_prefix) as harness:
+        yield harness

@@ -15,7 +15,8 @@ import pytest
 from harness.agent import MetricsBackend, start_agent_process
 from harness.wait import poll
 
-from controlplane.agent import Agent, AgentConfig, Target, add_arguments, config_from_args
+from controlplane.agent import Agent, AgentConfig, Target
+from controlplane.agentcli import add_arguments, config_from_args
 from controlplane.etcd import EtcdClient, KeyValue
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.store import Store

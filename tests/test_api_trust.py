@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,6 @@ from controlplane.rolloutstate import state_key
 from controlplane.store import Actor, Store
 
 WRITE_METHODS = {"post", "put", "delete", "patch"}
-
-
-@pytest.fixture
-async def api(etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Harness]:
-    async with running_api(etcd.endpoint, etcd_prefix) as harness:
-        yield harness
 
 
 async def newest_audit(api: Harness) -> dict[str, Any]:

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.routing import APIRoute
-from harness.api import Harness, running_api
+from harness.api import Harness
 from harness.auth import ADMIN, ADMIN_TOKEN, READ, READ_TOKEN
 from harness.builders import pool
 
 from api import ApiContext, create_app
 from api.auth import AuthConfig, AuthConfigError
-from controlplane.launchers import EmbeddedEtcd
 
 PUBLIC = {
     "/healthz",
@@ -112,12 +110,6 @@ def _url(path: str) -> str:
 def test_the_matrix_covers_every_write_route() -> None:
     assert len(WRITES) >= 12  # 3 kinds x (POST, PUT, DELETE) + endpoint PUT, DELETE, weight
     assert all(path.startswith("/v1/") for _, path in ROUTES)
-
-
-@pytest.fixture
-async def api(etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Harness]:
-    async with running_api(etcd.endpoint, etcd_prefix) as harness:
-        yield harness
 
 
 @pytest.mark.e2e

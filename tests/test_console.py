@@ -1,247 +1,28 @@
-"""The operator's console in a real headless Chromium, against a live kvpilot with real Envoys.
-
-Chromium is Debian's package, driven by Playwright (no browser download). Each page's
-screenshot is written to tests/artifacts/console/ (git-ignored) for a person to look at.
+"""The operator's console's views in a real headless Chromium, against a live kvpilot with
+real Envoys (the rig and the browser are ``harness.console``'s): every view loads, a change
+shows within the issue's bound, a NACK shows on its Envoy, 1,000 endpoints render, and the
+service classes view follows shedding and readmission.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import shutil
 import socket
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from harness.auth import ADMIN, ADMIN_TOKEN, READ_TOKEN, TOKEN_ENV
-from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
-from harness.envoy import envoy_hosts
-from harness.traffic import served_by
+from harness.auth import ADMIN, READ_TOKEN
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, service_classes
+from harness.console import UI_BOUND_S, Console, open_console, shoot
 from harness.wait import wait_until
 
-from bench.backend import BackendProcess
-from controlplane.etcd import EtcdClient
-from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess, free_port
-from controlplane.store import Store
+from controlplane.launchers import free_port
 
 pytestmark = pytest.mark.e2e
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--headless",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-ARTIFACTS = Path(__file__).parent / "artifacts" / "console"
-UI_BOUND_S = 2.0
-"""The issue's bound for a change to show and for 1,000 endpoints to render."""
-ONCALL = "oncall-alice"
-ONCALL_TOKEN = "oncall-token-0123456789abcdef"
-"""A named admin token (from a tokens file): the audit log records changes under its name."""
-
-
-def _chromium() -> Path:
-    """Debian's chromium, installed on first use (the test machine may be fresh)."""
-    if not CHROMIUM.exists() and shutil.which("apt-get"):
-        subprocess.run(
-            "apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium",
-            shell=True,
-            capture_output=True,
-            timeout=600,
-            check=False,
-        )
-    if not CHROMIUM.exists():
-        pytest.skip(
-            "Debian's chromium is not installed and `apt-get install chromium` failed "
-            "(needs root and the Debian mirror); the console's browser tests cannot run"
-        )
-    return CHROMIUM
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    playwright_api = pytest.importorskip("playwright.sync_api")
-    executable = _chromium()
-    with playwright_api.sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=str(executable), args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
-
-
-@dataclass
-class Console:
-    """A kvpilot with two Envoys (fleets `default` and `edge`) and three replicas behind a
-    telemetry-balanced route."""
-
-    kvpilot: KvpilotProcess
-    envoys: list[EmbeddedEnvoy]
-    backends: BackendProcess
-    listener_port: int
-    etcd: EmbeddedEtcd
-    prefix: str
-
-    @property
-    def ports(self) -> list[int]:
-        return [replica.port for replica in self.backends.replicas]
-
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.listener_port}/v1/chat/completions"
-
-    def api(self, token: str = ADMIN_TOKEN) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.kvpilot.api_url,
-            headers={"authorization": f"Bearer {token}"},
-            timeout=10,
-        )
-
-    def put_telemetry(self, pool: str, records: dict[int, dict[str, float]]) -> None:
-        """One telemetry record per replica port of `pool`, as `kvpilot agent` writes them."""
-
-        async def write() -> None:
-            client = EtcdClient([self.etcd.endpoint])
-            await client.connect()
-            try:
-                store = Store(client, self.prefix)
-                for port, record in records.items():
-                    await store.put_telemetry(pool, f"127.0.0.1:{port}", record)
-            finally:
-                await client.close()
-
-        # Playwright's sync API keeps an event loop running on this thread.
-        with ThreadPoolExecutor(1) as worker:
-            worker.submit(asyncio.run, write()).result()
-
-    def write_telemetry(self, rounds: int, interval: float) -> None:
-        """Telemetry records for every replica, as an agent would write them."""
-
-        async def write() -> None:
-            client = EtcdClient([self.etcd.endpoint])
-            await client.connect()
-            store = Store(client, self.prefix)
-            try:
-                for round_ in range(rounds):
-                    for index, port in enumerate(self.ports):
-                        wave = (round_ + 3 * index) % 7
-                        await store.put_telemetry(
-                            "chat",
-                            f"127.0.0.1:{port}",
-                            {
-                                "at": time.time(),
-                                "waiting": float(wave + 4 * index),
-                                "running": float(8 + wave),
-                                "max_running": 32.0,
-                                "kv_cache": min(0.97, 0.25 + 0.1 * wave + 0.2 * index),
-                                "pending_tokens": float(1200 * (wave + 1)),
-                            },
-                        )
-                    await asyncio.sleep(interval)
-            finally:
-                await client.close()
-
-        asyncio.run(write())
-
-
-@pytest.fixture(scope="module")
-def console(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
-    prefix = f"/kvpilot-console/{time.monotonic_ns()}"
-    state_dir = tmp_path_factory.mktemp("kvpilot-console")
-    # A named admin token besides the environment's, for the audit log's "who".
-    tokens = state_dir / "tokens.yaml"
-    entry = {"name": ONCALL, "role": "admin", "token": ONCALL_TOKEN}
-    tokens.write_text(json.dumps({"tokens": [entry]}))
-    kvpilot = KvpilotProcess(
-        state_dir,
-        etcd_endpoints=[etcd.endpoint],
-        prefix=prefix,
-        env=TOKEN_ENV,
-        extra_args=["--tokens-file", str(tokens)],
-    ).start()
-    backends = BackendProcess(3, id_prefix="ui", state_dir=tmp_path_factory.mktemp("ui-be"))
-    envoys: list[EmbeddedEnvoy] = []
-    try:
-        backends.start()
-        listener_port = free_port()
-        rig = Console(kvpilot, envoys, backends, listener_port, etcd, prefix)
-        with rig.api() as api:
-            for obj in (
-                pool("chat", rig.ports, models=["sim-model"], health_check=FAST_HEALTH_CHECK),
-                policy(
-                    "inference",
-                    listener_port,
-                    [
-                        {
-                            "name": "chat",
-                            "match": {"models": ["sim-model"]},
-                            "balancing": "telemetry",
-                            "rateLimit": {"requests": 500, "unit": "second"},
-                            "tiers": [["chat"]],
-                        }
-                    ],
-                ),
-            ):
-                kind = "pools" if obj["kind"] == "Pool" else "routingpolicies"
-                response = api.put(f"/v1/{kind}/{obj['metadata']['name']}", json=obj)
-                assert response.status_code in (200, 201), response.text
-        for fleet in ("default", "edge"):
-            envoys.append(
-                EmbeddedEnvoy(
-                    tmp_path_factory.mktemp(f"envoy-{fleet}"),
-                    xds_address="127.0.0.1",
-                    xds_port=kvpilot.xds_port,
-                    node_id=f"envoy-{fleet}-1",
-                    fleet=fleet,
-                ).start()
-            )
-        wait_until(
-            lambda: (
-                {
-                    port
-                    for port, host in envoy_hosts(envoys[0], "inference/chat").items()
-                    if host.get("health_flags") == "healthy"
-                }
-                == set(rig.ports)
-            ),
-            30,
-            message="Envoy to see every replica healthy",
-        )
-        yield rig
-    finally:
-        for envoy in envoys:
-            envoy.stop()
-        backends.stop()
-        kvpilot.stop()
-
-
-def open_console(browser: Any, rig_url: str, token: str, hash_: str = "endpoints") -> Any:
-    """A fresh page signed in with `token` through the sign-in dialog."""
-    page = browser.new_page(viewport={"width": 1500, "height": 900})
-    page.goto(f"{rig_url}/ui/#{hash_}")
-    page.fill("#token", token)
-    page.click("#signin-button")
-    page.wait_for_selector("#who b", timeout=10_000)
-    return page
-
-
-def shoot(page: Any, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
-
-
-def row(page: Any, port: int) -> Any:
-    return page.locator(f'[data-endpoint="127.0.0.1:{port}"]')
 
 
 def test_console_loads_every_view_against_a_live_kvpilot(browser: Any, console: Console) -> None:
@@ -344,156 +125,6 @@ def test_nack_shows_envoys_message_on_that_envoy(browser: Any, console: Console)
         blocker.close()
 
 
-def test_admin_drains_an_endpoint_from_the_page_and_envoy_stops_sending_it_traffic(
-    browser: Any, console: Console
-) -> None:
-    port = console.ports[0]
-    drained_id = next(r.id for r in console.backends.replicas if r.port == port)
-    page = open_console(browser, console.kvpilot.api_url, ADMIN_TOKEN)
-    try:
-        assert page.inner_text("#who b") == "admin"
-        row(page, port).locator('[data-act="drain"]').click()
-        row(page, port).locator(".badge.draining").wait_for(timeout=10_000)
-        wait_until(
-            lambda: (
-                envoy_hosts(console.envoys[0], "inference/chat")[port].get("health_flags")
-                not in (None, "healthy")
-            ),
-            10,
-            message="Envoy to see the endpoint draining",
-        )
-        counts = served_by(console.url(), 30)
-        assert drained_id not in counts, counts
-        assert sum(counts.values()) == 30 and all(k.startswith("ui") for k in counts), counts
-        shoot(page, "endpoints-drained")
-        row(page, port).locator('[data-act="undrain"]').click()
-        row(page, port).locator(".badge.healthy").wait_for(timeout=10_000)
-        # The weight editor acts too.
-        row(page, port).locator('[data-act="weight"]').click()
-        page.fill("#weight-input", "250")
-        page.click("#weight-set")
-        with console.api() as api:
-            wait_until(
-                lambda: any(
-                    e["port"] == port and e["weight"] == 250
-                    for e in api.get("/v1/pools/chat").json()["spec"]["endpoints"]
-                ),
-                10,
-                message="the weight set on the page to reach the Pool",
-            )
-    finally:
-        page.close()
-
-
-def test_a_read_token_cannot_drain(browser: Any, console: Console) -> None:
-    port = console.ports[2]
-    page = open_console(browser, console.kvpilot.api_url, READ_TOKEN)
-    try:
-        drain = row(page, port).locator('[data-act="drain"]')
-        drain.wait_for(timeout=10_000)
-        assert drain.get_attribute("aria-disabled") == "true"
-        drain.dispatch_event("click")  # does nothing: no request is sent
-        # The badge may read "degraded" for a moment (telemetry weights), never "draining".
-        row(page, port).locator(".badge").wait_for(timeout=10_000)
-        assert row(page, port).locator(".badge.draining").count() == 0
-        # Past the disabled button, straight to the API with the page's token: refused.
-        status = page.evaluate(
-            """async (path) => (await fetch(path, {method: 'PUT',
-                 headers: {'Authorization': 'Bearer ' + sessionStorage.getItem('kvpilot.token'),
-                           'Content-Type': 'application/json'},
-                 body: JSON.stringify({health: 'draining'})})).status""",
-            f"/v1/pools/chat/endpoints/127.0.0.1:{port}/health",
-        )
-        assert status == 403
-        with console.api() as api:
-            body = api.get("/v1/pools/chat").json()
-        assert all(e["health"] == "healthy" for e in body["spec"]["endpoints"])
-        assert "healthy" in envoy_hosts(console.envoys[0], "inference/chat")[port]["health_flags"]
-    finally:
-        page.close()
-
-
-def test_a_rollout_shows_its_steps_and_verdict_and_an_admin_pauses_it_from_the_page(
-    browser: Any, console: Console
-) -> None:
-    # A canary pool (one of the replicas again) and a rollout that holds its first step for
-    # ten minutes: the real `kvpilot serve` drives it to Progressing at 10% canary.
-    port = console.ports[2]
-    canary = pool("chat-canary", [port], models=["sim-model"], health_check=FAST_HEALTH_CHECK)
-    body = {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "Rollout",
-        "metadata": {"name": "chat-canary"},
-        "spec": {
-            "target": {"policy": "inference", "route": "chat", "tier": 0},
-            "stable": "chat",
-            "canary": "chat-canary",
-            "steps": [{"weight": 10, "minDuration": 600}, {"weight": 100, "minDuration": 600}],
-            "analysis": {"minSample": 5, "rules": [{"metric": "errorRate", "max": 0.05}]},
-        },
-    }
-    with console.api() as api:
-        assert api.put("/v1/pools/chat-canary", json=canary).status_code in (200, 201)
-        response = api.post("/v1/rollouts", json=body)
-        assert response.status_code == 201, response.text
-    admin = open_console(browser, console.kvpilot.api_url, ADMIN_TOKEN, "rollouts")
-    reader = None
-    try:
-        card = admin.locator('.rollout[data-rollout="chat-canary"]')
-        admin.wait_for_selector(
-            '.rollout[data-rollout="chat-canary"][data-phase="Progressing"]', timeout=20_000
-        )
-        assert card.locator(".step").count() == 2
-        current = card.locator(".step.current")
-        assert current.get_attribute("data-step") == "0"
-        assert "chat 90%" in current.inner_text() and "chat-canary 10%" in current.inner_text()
-        assert current.locator(".held i").count() == 1  # time held against the 10 min minimum
-        numbers, rules = card.locator(".verdict").nth(0), card.locator(".verdict").nth(1)
-        assert "canary" in numbers.inner_text() and "stable" in numbers.inner_text()
-        assert "errorRate" in rules.inner_text()
-        card.locator(".events li").first.wait_for(timeout=10_000)  # the recorded history
-        # The change history names the rollout as the author of the weights it wrote.
-        with console.api() as api:
-            items = api.get("/v1/history?limit=20").json()["items"]
-        step = next(i for i in items if (i["kind"], i["name"]) == ("RoutingPolicy", "inference"))
-        assert "+        weight: 10" in step["diff"], step
-        assert step["author"]["actor"] == "rollout/chat-canary", step
-        assert step["author"]["operation"] == "rollout step 1" and step["author"]["replica"]
-
-        pause = card.locator('[data-command="pause"]')
-        assert pause.get_attribute("aria-disabled") is None
-        pause.click()
-        admin.wait_for_selector(
-            '.rollout[data-rollout="chat-canary"][data-phase="Paused"]', timeout=15_000
-        )
-        assert card.locator("[data-phase-pill]").inner_text() == "Paused"
-        assert card.locator('[data-command="resume"]').get_attribute("aria-disabled") is None
-        shoot(admin, "rollouts")
-
-        reader = open_console(browser, console.kvpilot.api_url, READ_TOKEN, "rollouts")
-        reader.wait_for_selector('.rollout[data-rollout="chat-canary"][data-phase="Paused"]')
-        buttons = reader.locator('.rollout[data-rollout="chat-canary"] [data-command]')
-        assert buttons.count() == 4
-        for index in range(4):
-            assert buttons.nth(index).get_attribute("aria-disabled") == "true"
-        reader.locator('[data-command="resume"]').dispatch_event("click")  # sends nothing
-        with console.api() as api:
-            status = api.get("/v1/rollouts/chat-canary/status").json()
-            assert status["phase"] == "Paused", status
-    finally:
-        admin.close()
-        if reader is not None:
-            reader.close()
-        with console.api() as api:
-            api.post("/v1/rollouts/chat-canary/abort")
-            wait_until(
-                lambda: api.get("/v1/rollouts/chat-canary/status").json()["phase"] == "Aborted",
-                15,
-                message="the rollout to abort back to its start weights",
-            )
-            api.delete("/v1/rollouts/chat-canary")
-
-
 def test_a_thousand_endpoints_render_within_two_seconds(
     browser: Any, kvpilot_factory: Any, etcd_prefix: str
 ) -> None:
@@ -540,46 +171,14 @@ def test_a_thousand_endpoints_render_within_two_seconds(
         page.close()
 
 
-def test_the_changes_view_shows_who_made_each_change(browser: Any, console: Console) -> None:
-    port = console.ports[1]
-    page = open_console(browser, console.kvpilot.api_url, READ_TOKEN, "changes")
-    try:
-        with console.api(ONCALL_TOKEN) as api:
-            response = api.put(
-                f"/v1/pools/chat/endpoints/127.0.0.1:{port}/weight", json={"weight": 222}
-            )
-            assert response.status_code == 200, response.text
-            revision = int(api.get("/v1/pools/chat").headers["etag"].strip('"'))
-        change = page.locator(f'article.change[data-revision="{revision}"]')
-        change.wait_for(timeout=15_000)  # the view reads the history every 5 s
-        author = change.locator(f'.author[data-actor="{ONCALL}"]')
-        author.wait_for(timeout=10_000)
-        assert "set_endpoint_weight" in author.inner_text()
-        assert "+    weight: 222" in change.locator("pre").inner_text()
-        shoot(page, "changes-authors")
-    finally:
-        page.close()
-
-
 def test_the_service_classes_view_shows_batch_shed_under_saturation_then_readmitted(
     browser: Any, console: Console
 ) -> None:
     # Its own pool over the same replicas, so the telemetry written here moves nothing else.
     ports = console.ports
     listener = free_port()
-    classes = {
-        "saturation": {"queue": 4, "step": 100, "shedInterval": "200ms", "recoverInterval": "1s"},
-        "classes": [
-            {"name": "interactive", "objective": {"ttft": "1s"}},
-            {
-                "name": "batch",
-                "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
-                "objective": {"ttft": "60s"},
-                "whenSaturated": "shed",
-                "retryAfter": "9s",
-            },
-        ],
-    }
+    saturation = {"queue": 4, "step": 100, "shedInterval": "200ms", "recoverInterval": "1s"}
+    classes = service_classes(saturation=saturation, whenSaturated="shed", retryAfter="9s")
     svc = policy("svc", listener, [{"name": "chat", "tiers": [["svc"]]}])
     svc["spec"]["serviceClasses"] = classes
     batch = {"x-priority": "batch"}

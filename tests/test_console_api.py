@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from harness.api import Harness, running_api
+from harness.api import Harness
 from harness.auth import READ
-from harness.builders import policy, pool, route
+from harness.builders import policy, pool, route, service_classes
 from harness.wait import poll
 
-from controlplane.launchers import EmbeddedEtcd
-
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-async def api(etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Harness]:
-    async with running_api(etcd.endpoint, etcd_prefix) as harness:
-        yield harness
 
 
 def telemetry_policy() -> dict[str, Any]:
@@ -160,19 +151,8 @@ async def test_history_names_who_made_each_change_from_the_audit_log(api: Harnes
 async def test_admission_shows_each_class_state_since_and_the_pressure_against_its_bounds(
     api: Harness,
 ) -> None:
-    classes = {
-        "saturation": {"queue": 4, "step": 100, "shedInterval": "100ms", "high": 1.0, "low": 0.5},
-        "classes": [
-            {"name": "interactive", "objective": {"ttft": "1s"}},
-            {
-                "name": "batch",
-                "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
-                "objective": {"ttft": "60s"},
-                "whenSaturated": "shed",
-                "retryAfter": "7s",
-            },
-        ],
-    }
+    saturation = {"queue": 4, "step": 100, "shedInterval": "100ms", "high": 1.0, "low": 0.5}
+    classes = service_classes(saturation=saturation, whenSaturated="shed", retryAfter="7s")
     body = telemetry_policy()
     body["spec"]["serviceClasses"] = classes
     await api.http.put("/v1/pools/chat", json=pool("chat", [8001, 8002]))

@@ -134,7 +134,7 @@ async def test_an_agent_role_writes_its_pools_telemetry_and_not_policy(
         [
             sys.executable,
             "-m",
-            "controlplane.agent",
+            "controlplane.agentcli",
             "--etcd-endpoints",
             secure_etcd.etcd.endpoint,
             "--etcd-prefix",

@@ -7,18 +7,19 @@ rewritten Host, and adds the credential header from a secret file on the Envoy h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 import subprocess
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from harness.builders import fleet, policy, pool
+from harness.jsonserver import json_server
 from harness.rig import BackendFactory, Rig
 from harness.status import envoy_types
 from harness.wait import wait_until
@@ -26,48 +27,6 @@ from harness.wait import wait_until
 pytestmark = pytest.mark.e2e
 
 SECRET = "Bearer sk-provider-test-key"
-
-
-class Provider:
-    """A tiny OpenAI-ish HTTPS server that records what each request carried."""
-
-    def __init__(self, certfile: Path, keyfile: Path) -> None:
-        self.seen: list[dict[str, str]] = []
-        self.sni: list[str | None] = []
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(certfile, keyfile)
-        context.sni_callback = lambda sock, name, ctx: self.sni.append(name)  # type: ignore[assignment]
-        provider = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length", "0")))
-                provider.seen.append(
-                    {
-                        "authorization": self.headers.get("authorization", ""),
-                        "host": self.headers.get("host", ""),
-                    }
-                )
-                body = json.dumps({"object": "chat.completion", "backend": "provider"}).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("x-backend-id", "provider")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
@@ -82,21 +41,49 @@ def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
     return cert, key
 
 
+class Provider:
+    """A tiny OpenAI-ish HTTPS server that records what each request carried."""
+
+    def __init__(self, certfile: Path, keyfile: Path) -> None:
+        self.seen: list[dict[str, str]] = []
+        self.sni: list[str | None] = []
+        self.port = 0
+        self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.tls.load_cert_chain(certfile, keyfile)
+        self.tls.sni_callback = lambda sock, name, ctx: self.sni.append(name)  # type: ignore[assignment]
+
+    def answer(self, request: BaseHTTPRequestHandler) -> tuple[Any, dict[str, str]]:
+        request.rfile.read(int(request.headers.get("content-length", "0")))
+        self.seen.append(
+            {
+                "authorization": request.headers.get("authorization", ""),
+                "host": request.headers.get("host", ""),
+            }
+        )
+        body = {"object": "chat.completion", "backend": "provider"}
+        return body, {"x-backend-id": "provider"}
+
+
+@contextlib.contextmanager
+def running_provider(directory: Path, name: str) -> Iterator[tuple[Provider, Path]]:
+    """A provider at `localhost` whose self-signed certificate names `name`; with its CA file."""
+    cert, key = self_signed(directory, name)
+    server = Provider(cert, key)
+    with json_server(server.answer, tls=server.tls) as server.port:
+        yield server, cert
+
+
 @pytest.fixture
 def provider(tmp_path: Path) -> Iterator[tuple[Provider, Path]]:
-    cert, key = self_signed(tmp_path, "localhost")
-    server = Provider(cert, key)
-    yield server, cert
-    server.close()
+    with running_provider(tmp_path, "localhost") as running:
+        yield running
 
 
 @pytest.fixture
 def impostor(tmp_path: Path) -> Iterator[tuple[Provider, Path]]:
     """A provider at `localhost` whose certificate, trusted as its own CA, names another host."""
-    cert, key = self_signed(tmp_path, "other.provider.test")
-    server = Provider(cert, key)
-    yield server, cert
-    server.close()
+    with running_provider(tmp_path, "other.provider.test") as running:
+        yield running
 
 
 def provider_setup(

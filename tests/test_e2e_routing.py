@@ -3,7 +3,7 @@
 Each test applies a policy through the REST API, waits until Envoy's health checks pass on the
 replicas it expects, then sends requests through Envoy and asserts on which replica answered
 (`x-backend-id`). One kvpilot and one Envoy per test; design.md lists the Envoy behaviours
-these tests pin down.
+these tests pin down. Failover has its own module, test_e2e_failover.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import json
 import math
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,8 +21,6 @@ from harness.gated_backend import STREAM_CHUNKS, stream_piece
 from harness.rig import Rig, ports_of
 from harness.traffic import Traffic, answered_by, send
 from harness.wait import wait_until
-
-from controlplane.launchers import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -128,160 +125,6 @@ def test_a_hot_session_spreads_under_bounded_load(rig: Rig, gated: Any) -> None:
     # it ends with about half of them. Plain round robin would leave it 13 or 14.
     assert held[home] == max(held.values()), (home, held)
     assert held[home] >= total // 2 - 1, (home, held)
-
-
-# --------------------------------------------------------------------------- failover
-
-
-TWO_TIERS = [{"name": "all", "tiers": [["primary"], ["secondary"]]}]
-
-
-def test_killed_tier_fails_over_without_failed_requests_and_comes_back(
-    rig: Rig, backends: Any
-) -> None:
-    # Fixed ports, so the primary replicas come back where Envoy expects them.
-    primary = backends(2, id_prefix="primary", ports=[free_port(), free_port()])
-    secondary = backends(1, id_prefix="secondary")
-    # Health checks notice a dead replica after three failed probes a second apart, so the
-    # first requests after the kill meet dead hosts and only retries save them.
-    slow_checks = {"interval": "1s", "unhealthyThreshold": 3}
-    rig.apply(
-        pool("primary", ports_of(primary), healthCheck=slow_checks, health_check=FAST_HEALTH_CHECK),
-        pool("secondary", ports_of(secondary), health_check=FAST_HEALTH_CHECK),
-        policy("chat", rig.listener_port, TWO_TIERS),
-    )
-    rig.wait_ready("chat/all", ports_of(primary) + ports_of(secondary))
-    url = rig.url()
-    with httpx.Client(timeout=30) as client:
-        before = send(client, url, 10)
-        assert {replica for _, replica in before} <= {r.id for r in primary.replicas}, before
-
-        primary.kill()
-        during = send(client, url, 20)
-        assert during == [(200, "secondary-0")] * 20
-        wait_until(
-            lambda: all(
-                rig.hosts("chat/all")[port]["health_flags"] != "healthy"
-                for port in ports_of(primary)
-            ),
-            30,
-            message="Envoy to mark the killed replicas down",
-        )
-        assert send(client, url, 10) == [(200, "secondary-0")] * 10
-        retried = rig.envoy.stats().get("cluster.chat/all.upstream_rq_retry_success", 0)
-        assert int(retried) > 0, "no request met a dead replica before health checks noticed"
-
-        primary.start()
-        recovered: list[tuple[int, str]] = []
-
-        def back_on_primary() -> bool:
-            batch = send(client, url, 10)
-            recovered.extend(batch)
-            return all(replica.startswith("primary-") for _, replica in batch)
-
-        wait_until(back_on_primary, 30, message="traffic to return to the recovered tier")
-    assert all(status == 200 for status, _ in recovered), recovered
-
-
-def rejected(process: Any, replica_id: str, status: int) -> int:
-    """How many inference requests a bench replica answered with `status`."""
-    text = httpx.get(f"{process.replica(replica_id).url}/metrics", timeout=5).text
-    pattern = (
-        rf'kvpilot_backend_requests_total{{backend="{replica_id}",'
-        rf'path="/v1/chat/completions",status="{status}"}} (\d+)'
-    )
-    match = re.search(pattern, text)
-    return int(match.group(1)) if match else 0
-
-
-def test_a_tier_answering_429_is_left_for_the_next_tier(rig: Rig, backends: Any) -> None:
-    primary = backends(1, id_prefix="primary")
-    secondary = backends(1, id_prefix="secondary")
-    rig.apply(
-        pool("primary", ports_of(primary), health_check=FAST_HEALTH_CHECK),
-        pool("secondary", ports_of(secondary), health_check=FAST_HEALTH_CHECK),
-        policy("chat", rig.listener_port, TWO_TIERS),
-    )
-    rig.wait_ready("chat/all", ports_of(primary) + ports_of(secondary))
-    with httpx.Client(timeout=30) as client:
-        assert send(client, rig.url(), 5) == [(200, "primary-0")] * 5
-        primary.fail("primary-0", 429)
-        # A 429 is no health failure: the replica stays in priority 0, and each request is
-        # retried at priority 1 (previous_priorities), after exactly one try at priority 0.
-        assert send(client, rig.url(), 20) == [(200, "secondary-0")] * 20
-    assert rejected(primary, "primary-0", 429) == 20
-
-
-def test_a_tier_killed_under_concurrent_load_fails_no_request(rig: Rig, backends: Any) -> None:
-    primary = backends(2, id_prefix="primary")
-    secondary = backends(1, id_prefix="secondary")
-    rig.apply(
-        pool(
-            "primary",
-            ports_of(primary),
-            healthCheck={"interval": "1s", "unhealthyThreshold": 3},
-            health_check=FAST_HEALTH_CHECK,
-        ),
-        pool("secondary", ports_of(secondary), health_check=FAST_HEALTH_CHECK),
-        policy("chat", rig.listener_port, TWO_TIERS),
-    )
-    rig.wait_ready("chat/all", ports_of(primary) + ports_of(secondary))
-    with Traffic(rig.url(), workers=4) as traffic:
-        traffic.wait_for(40)
-        # SIGKILL while four clients keep requests in flight: requests already sent to a
-        # primary replica are reset, new ones meet refused connections until health checks
-        # (three probes a second apart) take the replicas out.
-        primary.kill()
-        killed_at = traffic.finished()
-        wait_until(
-            lambda: all(
-                rig.hosts("chat/all")[port]["health_flags"] != "healthy"
-                for port in ports_of(primary)
-            ),
-            60,
-            message="Envoy to mark the killed replicas down",
-        )
-        traffic.wait_for(traffic.finished() + 40)
-    results = traffic.results
-    assert [r for r in results if r[0] != 200] == [], collections.Counter(results)
-    assert {replica for _, replica in results[:killed_at]} <= {r.id for r in primary.replicas}
-    assert results[-20:] == [(200, "secondary-0")] * 20, results[-20:]
-    retried = rig.envoy.stats().get("cluster.chat/all.upstream_rq_retry_success", 0)
-    assert int(retried) > 0, "no request met a dead replica: the kill came after the traffic"
-
-
-def test_outlier_detection_ejects_a_replica_answering_5xx_while_its_health_check_passes(
-    rig: Rig, backends: Any
-) -> None:
-    replicas = backends(3, id_prefix="llm")
-    # A long ejection, so it cannot end while the test looks at it on a loaded machine.
-    rig.apply(
-        pool(
-            "llm",
-            ports_of(replicas),
-            outlierDetection={"baseEjectionTime": "300s"},
-            health_check=FAST_HEALTH_CHECK,
-        ),
-        policy("chat", rig.listener_port, [{"name": "all", "tiers": [["llm"]]}]),
-    )
-    rig.wait_ready("chat/all", ports_of(replicas))
-    broken = replicas.replicas[0]
-    replicas.fail(broken.id, 500)  # inference answers 500; /health still answers 200
-    with httpx.Client(timeout=30) as client:
-
-        def ejected() -> bool:
-            # Retries hide the 500s from clients; the outlier detector still counts each.
-            send(client, rig.url(), 5)
-            return "failed_outlier_check" in rig.hosts("chat/all")[broken.port]["health_flags"]
-
-        wait_until(ejected, 60, message="Envoy to eject the replica answering 500")
-        flags = rig.hosts("chat/all")[broken.port]["health_flags"]
-        assert "failed_active_hc" not in flags, flags
-        answered = rejected(replicas, broken.id, 500)
-        after = send(client, rig.url(), 30)
-    assert {status for status, _ in after} == {200}, after
-    assert broken.id not in {replica for _, replica in after}, after
-    assert rejected(replicas, broken.id, 500) == answered, "an ejected replica got requests"
 
 
 # --------------------------------------------------------------------------- weighted split

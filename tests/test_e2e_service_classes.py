@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,14 +18,15 @@ from typing import Any
 
 import httpx
 import pytest
-from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.agent import agent_running
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, service_classes
 from harness.rig import Rig
 from harness.traffic import send
 from harness.wait import wait_until
 
 from bench.simulator import SimConfig
 from controlplane.etcd import EtcdClient
-from controlplane.launchers import EmbeddedEtcd, repo_root
+from controlplane.launchers import EmbeddedEtcd
 from controlplane.store import Store
 
 pytestmark = pytest.mark.e2e
@@ -44,20 +43,11 @@ SPILL_ROUTE = {
 
 def classes(*middle: dict[str, Any], **batch: Any) -> dict[str, Any]:
     """Interactive (the default, never restricted), then `middle`, then batch."""
+    # One step restricts a whole class; a fast cadence keeps the test short.
+    saturation = {"step": 100, "shedInterval": "200ms", "recoverInterval": "1s"}
     return {
         "tenantHeader": "x-tenant-id",
-        # One step restricts a whole class; a fast cadence keeps the test short.
-        "saturation": {"step": 100, "shedInterval": "200ms", "recoverInterval": "1s"},
-        "classes": [
-            {"name": "interactive", "objective": {"ttft": "1s"}},
-            *middle,
-            {
-                "name": "batch",
-                "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
-                "objective": {"ttft": "60s"},
-                **batch,
-            },
-        ],
+        **service_classes(*middle, saturation=saturation, **batch),
     }
 
 
@@ -190,27 +180,6 @@ def test_slow_first_tokens_seen_by_the_agent_shed_batch_and_fast_ones_take_it_ba
         classified(rig, service_classes),
     )
     rig.wait_ready(CLUSTER, ports)
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "controlplane.agent",
-            "--etcd-endpoints",
-            etcd.endpoint,
-            "--etcd-prefix",
-            etcd_prefix,
-            "--pool",
-            "sims",
-            *[arg for r in replicas.replicas for arg in ("--backend", r.url)],
-            "--interval",
-            "0.2",
-            "--refresh",
-            "1",
-        ],
-        cwd=repo_root(),
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "agent.log").open("w"),
-    )
     client = httpx.Client(timeout=30)
     short = chat(max_tokens=2)
     stop = threading.Event()
@@ -232,7 +201,12 @@ def test_slow_first_tokens_seen_by_the_agent_shed_batch_and_fast_ones_take_it_ba
                 return float(line.rpartition(" ")[2])
         return -1.0
 
-    with ThreadPoolExecutor(3) as load:
+    agent_log = tmp_path / "agent.log"
+    urls = [r.url for r in replicas.replicas]
+    with (
+        agent_running(etcd.endpoint, etcd_prefix, "sims", urls, log=agent_log, refresh=1),
+        ThreadPoolExecutor(3) as load,
+    ):
         loops = [load.submit(chatting) for _ in range(3)]
         try:
             seen: list[float] = []
@@ -244,7 +218,7 @@ def test_slow_first_tokens_seen_by_the_agent_shed_batch_and_fast_ones_take_it_ba
             try:
                 wait_until(calm, 60, message="fast first tokens reported")
             except AssertionError:
-                log = (tmp_path / "agent.log").read_text()[-3000:]
+                log = agent_log.read_text()[-3000:]
                 raise AssertionError(f"pressure {seen[-30:]}; agent: {log}") from None
             assert [batch() for _ in range(5)] == [200] * 5
 
@@ -260,8 +234,6 @@ def test_slow_first_tokens_seen_by_the_agent_shed_batch_and_fast_ones_take_it_ba
             assert [batch() for _ in range(5)] == [200] * 5
         finally:
             stop.set()
-            agent.terminate()
-            agent.wait(10)
         for loop in loops:
             loop.result()
 

@@ -16,11 +16,12 @@ from harness.wait import poll
 
 from controlplane.election import leader_key
 from controlplane.etcd import EtcdClient
+from controlplane.keys import decode_json
 from controlplane.launchers import EmbeddedEtcd
 from controlplane.mirror import StateMirror
 from controlplane.rollouts import RolloutController
 from controlplane.rolloutstate import LEADER_JOB, state_key
-from controlplane.store import Store, decode_json
+from controlplane.store import Store
 
 pytestmark = pytest.mark.e2e
 

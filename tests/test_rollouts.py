@@ -4,25 +4,25 @@ untouched), the verdict arithmetic, and what a watched route's listener asks Env
 from __future__ import annotations
 
 import copy
-import http.server
-import json
-import threading
 import urllib.parse
 from collections.abc import AsyncIterator
+from http.server import BaseHTTPRequestHandler
 from typing import Any, cast
 
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from harness.api import Harness, running_api
 from harness.builders import policy, pool, rollout
+from harness.jsonserver import json_server
 
 from commands.cli import render_rollout
-from controlplane.etcd import EtcdClient, KeyValue
+from controlplane.etcd import KeyValue
+from controlplane.keys import encode_json
 from controlplane.launchers import EmbeddedEtcd
-from controlplane.rollouts import RolloutController
+from controlplane.rolloutanalysis import PrometheusQueries
+from controlplane.rolloutweights import policy_with, tier_weights
 from controlplane.signals import SignalPublisher, collect, signals_key
-from controlplane.store import Keys, encode_json
-from policies import PolicyError, PolicyState, Rollout, compile_plan, parse_object
+from policies import PolicyError, PolicyState, Rollout, RoutingPolicy, compile_plan, parse_object
 from policies.models import AnalysisRule
 from policies.rollout import BUCKET_BOUNDS, PoolSignals, evaluate, quantile
 from xdsserver.signals import SignalBook
@@ -231,44 +231,31 @@ async def test_query_rules_read_prometheus_with_the_pools_filled_in() -> None:
     # No Prometheus server here: a stand-in that answers its HTTP query API.
     seen: list[str] = []
 
-    class PrometheusApi(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["query"][0]
-            seen.append(query)
-            value = "0.25" if "next" in query else "not a number"
-            body = {
-                "status": "success",
-                "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, value]}]},
-            }
-            payload = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
+    def prometheus_api(request: BaseHTTPRequestHandler) -> tuple[Any, dict[str, str]]:
+        query = urllib.parse.parse_qs(urllib.parse.urlparse(request.path).query)["query"][0]
+        seen.append(query)
+        value = "0.25" if "next" in query else "not a number"
+        result = [{"metric": {}, "value": [0, value]}]
+        return {"status": "success", "data": {"resultType": "vector", "result": result}}, {}
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PrometheusApi)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        body = rollout(
-            analysis={
-                "prometheus": {"url": f"http://127.0.0.1:{server.server_port}"},
-                "rules": [
-                    {"query": 'sum(rate(errors{pool="{canary}"}[{interval}]))', "max": 0.1},
-                    {"query": 'sum(rate(errors{pool="{stable}"}[{interval}]))', "max": 0.1},
-                ],
-            }
-        )
-        parsed = parse_object(body)
-        assert isinstance(parsed, Rollout)
-        controller = RolloutController(EtcdClient(["127.0.0.1:1"]), Keys("/x"), dict, "replica-a")
-        state = {"startWeights": {"chat": 100, "next": 0}, "stepStartedAt": 100.0}
-        values = await controller._queries(parsed, state, now=130.0)
-    finally:
-        server.shutdown()
+    queries = PrometheusQueries()
+    with json_server(prometheus_api) as port:
+        try:
+            body = rollout(
+                analysis={
+                    "prometheus": {"url": f"http://127.0.0.1:{port}"},
+                    "rules": [
+                        {"query": 'sum(rate(errors{pool="{canary}"}[{interval}]))', "max": 0.1},
+                        {"query": 'sum(rate(errors{pool="{stable}"}[{interval}]))', "max": 0.1},
+                    ],
+                }
+            )
+            parsed = parse_object(body)
+            assert isinstance(parsed, Rollout)
+            state = {"startWeights": {"chat": 100, "next": 0}, "stepStartedAt": 100.0}
+            values = await queries.values(parsed, state, now=130.0)
+        finally:
+            await queries.aclose()
     assert seen == ['sum(rate(errors{pool="next"}[30s]))', 'sum(rate(errors{pool="chat"}[30s]))']
     assert values == {0: 0.25, 1: None}
     verdict = evaluate(
@@ -356,3 +343,28 @@ def test_signals_are_kept_per_fleet_and_collected_for_the_fleets_asked() -> None
     assert (blue["next"].requests, blue["next"].errors, "chat" in blue) == (3, 3, False)
     green = collect(items, "main/all", ["green"])["r1"]
     assert (green["next"].requests, green["next"].errors, green["chat"].requests) == (1, 0, 1)
+
+
+def test_a_step_for_the_canary_fleets_writes_their_weights_and_one_for_every_fleet_clears_them() -> (
+    None
+):
+    body = policy("main")
+    pools = [{"pool": "chat", "weight": 100}, {"pool": "next", "weight": 0}]
+    body["spec"]["routes"][0]["tiers"] = [{"pools": pools}]
+    plain = parse_object(body)
+    canary = parse_object(rollout(fleets=["blue"]))
+    assert isinstance(plain, RoutingPolicy) and isinstance(canary, Rollout)
+
+    reached = policy_with(canary, plain, {"chat": 100, "next": 0}, {"chat": 50, "next": 50})
+    [tier] = reached["spec"]["routes"][0]["tiers"]
+    assert tier["fleetWeights"] == {"blue": {"chat": 50, "next": 50}}
+    assert tier["pools"] == pools
+
+    # Widened to every fleet: the canary fleets' own weights must go, or blue would keep them.
+    widened = parse_object(reached)
+    assert isinstance(widened, RoutingPolicy)
+    everywhere = policy_with(canary, widened, {"chat": 50, "next": 50})
+    [tier] = everywhere["spec"]["routes"][0]["tiers"]
+    assert not tier.get("fleetWeights")
+    assert tier["pools"] == [{"pool": "chat", "weight": 50}, {"pool": "next", "weight": 50}]
+    assert tier_weights(canary, widened) == {"chat": 100, "next": 0}

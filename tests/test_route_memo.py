@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+from harness.builders import service_classes
 
 from policies import Endpoint, PolicyState, RouteMemo, compile_plan, parse_object
 from policies.models import PolicyObject
@@ -49,16 +50,7 @@ BASE_DOCS: dict[str, dict[str, Any]] = {
             "serviceClasses": {
                 "tenantHeader": "x-tenant",
                 "defaultClass": "interactive",
-                "classes": [
-                    {"name": "interactive", "objective": {"ttft": "1s"}},
-                    {
-                        "name": "batch",
-                        "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
-                        "objective": {"ttft": "60s"},
-                        "whenSaturated": "shed",
-                        "retryAfter": "30s",
-                    },
-                ],
+                **service_classes(whenSaturated="shed", retryAfter="30s"),
             },
             "routes": [
                 {

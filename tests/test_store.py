@@ -13,19 +13,10 @@ from harness.builders import pool
 from harness.wait import poll
 
 from controlplane.etcd import ConflictError, EtcdClient
+from controlplane.keys import InvalidName, Keys, UnknownKind, decode_json
 from controlplane.launchers import EmbeddedEtcd, free_port
 from controlplane.mirror import StateChange, StateMirror
-from controlplane.store import (
-    AlreadyExists,
-    InvalidName,
-    InvalidValue,
-    Keys,
-    NotFound,
-    RevisionMismatch,
-    Store,
-    UnknownKind,
-    decode_json,
-)
+from controlplane.store import AlreadyExists, InvalidValue, NotFound, RevisionMismatch, Store
 
 pytestmark = pytest.mark.e2e
 

@@ -4,7 +4,7 @@ Exit codes: 0 success, 1 error (one line on stderr), 2 usage error.
 
 The commands live in groups, one module each: ``objects`` (apply, diff, get, delete,
 set-weight), ``status`` (status, audit), ``rollout``, ``translate`` (offline); ``common`` holds
-what they share. ``serve`` is ``commands.serve``; ``agent`` is ``controlplane.agent``.
+what they share. ``serve`` is ``commands.serve``; ``agent`` is ``controlplane.agentcli``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent = add_parser(
         "agent", help="scrape backends' metrics into etcd telemetry (and register them)"
     )
-    from controlplane import agent as agent_command
+    from controlplane import agentcli as agent_command
 
     agent_command.add_arguments(agent)
     agent.set_defaults(func=agent_command.run)

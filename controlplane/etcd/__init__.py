@@ -1,6 +1,7 @@
-"""A thin, typed asyncio client for the etcd v3 API (``client``), the values and errors it
-deals in (``types``, whose every name the package exports too), leases kept alive in the
-background (``lease``), and how it proves who it is to etcd (``security``)."""
+"""A thin, typed asyncio client for the etcd v3 API (``client``, its watch in ``watch``), the
+channels and retry policy beneath every call (``connection``), the values and errors it deals
+in (``types``, whose every name the package exports too), leases kept alive in the background
+(``lease``), and how it proves who it is to etcd (``security``)."""
 
 from controlplane.etcd import types
 from controlplane.etcd.client import EtcdClient

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
@@ -105,29 +108,70 @@ class MetricsBackend:
         self._thread.join(10)
 
 
-async def start_agent_process(
-    etcd_endpoint: str, etcd_prefix: str, pool: str, backend_url: str
-) -> asyncio.subprocess.Process:
-    """`kvpilot agent` as its own process, registering one backend with a 2 s lease and
-    reporting every 0.2 s, so a test can kill it and watch its keys expire."""
-    return await asyncio.create_subprocess_exec(
+def agent_argv(
+    etcd_endpoint: str,
+    etcd_prefix: str,
+    pool: str,
+    backend_urls: Sequence[str],
+    *,
+    register: bool = False,
+    refresh: float | None = None,
+) -> list[str]:
+    """The `kvpilot agent` command line for ``backend_urls`` in ``pool``, reporting every
+    0.2 s; with ``register``, each backend is registered under a 2 s lease (a killed agent's
+    keys expire within seconds)."""
+    return [
         sys.executable,
         "-m",
-        "controlplane.agent",
+        "controlplane.agentcli",
         "--etcd-endpoints",
         etcd_endpoint,
         "--etcd-prefix",
         etcd_prefix,
         "--pool",
         pool,
-        "--backend",
-        backend_url,
-        "--register",
+        *[arg for url in backend_urls for arg in ("--backend", url)],
         "--interval",
         "0.2",
-        "--ttl",
-        "2",
+        *(["--register", "--ttl", "2"] if register else []),
+        *(["--refresh", str(refresh)] if refresh is not None else []),
+    ]
+
+
+async def start_agent_process(
+    etcd_endpoint: str, etcd_prefix: str, pool: str, backend_url: str
+) -> asyncio.subprocess.Process:
+    """`kvpilot agent` as its own process, registering one backend with a 2 s lease and
+    reporting every 0.2 s, so a test can kill it and watch its keys expire."""
+    return await asyncio.create_subprocess_exec(
+        *agent_argv(etcd_endpoint, etcd_prefix, pool, [backend_url], register=True),
         cwd=repo_root(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+@contextlib.contextmanager
+def agent_running(
+    etcd_endpoint: str,
+    etcd_prefix: str,
+    pool: str,
+    backend_urls: Sequence[str],
+    *,
+    log: Path,
+    refresh: float | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`kvpilot agent` scraping ``backend_urls`` (without registering them) for the length of
+    the block, its stderr in ``log``; stopped on the way out."""
+    with log.open("w") as stderr:
+        agent = subprocess.Popen(
+            agent_argv(etcd_endpoint, etcd_prefix, pool, backend_urls, refresh=refresh),
+            cwd=repo_root(),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        try:
+            yield agent
+        finally:
+            agent.terminate()
+            agent.wait(10)

@@ -17,7 +17,8 @@ from api.auth import AuthConfig, WriteRateLimit
 from controlplane.audit import AuditLog
 from controlplane.etcd import EtcdClient
 from controlplane.mirror import StateChange, StateMirror
-from controlplane.reconcile import ReconcileMetrics, Reconciler
+from controlplane.reconcile import Reconciler
+from controlplane.reconcilemetrics import ReconcileMetrics
 from controlplane.store import Store
 from harness.auth import ADMIN, auth_config
 from xdsserver.snapshot import SnapshotCache

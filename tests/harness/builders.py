@@ -118,6 +118,26 @@ def rollout(
     }
 
 
+def service_classes(
+    *middle: dict[str, Any], saturation: dict[str, Any] | None = None, **batch: Any
+) -> dict[str, Any]:
+    """A policy's serviceClasses: interactive (the default, never restricted), then `middle`,
+    then batch, matched on `x-priority: batch` and given `batch`'s fields (whenSaturated,
+    retryAfter, ...); `saturation` when given."""
+    body: dict[str, Any] = {} if saturation is None else {"saturation": saturation}
+    body["classes"] = [
+        {"name": "interactive", "objective": {"ttft": "1s"}},
+        *middle,
+        {
+            "name": "batch",
+            "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
+            "objective": {"ttft": "60s"},
+            **batch,
+        },
+    ]
+    return body
+
+
 def chat(model: str = "sim-model", content: str = "hi", **extra: Any) -> dict[str, Any]:
     """An OpenAI chat completion request body."""
     return {"model": model, "messages": [{"role": "user", "content": content}], **extra}

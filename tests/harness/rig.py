@@ -96,3 +96,13 @@ class Rig:
             timeout,
             message=f"Envoy's listener on {self.listener_port}",
         )
+
+    def wait_down(self, cluster: str, ports: Iterable[int], timeout: float = 30.0) -> None:
+        """Wait until Envoy's health checks have marked every one of `ports` in `cluster` as
+        not healthy (a killed replica, say)."""
+        down = set(ports)
+        wait_until(
+            lambda: all(self.hosts(cluster)[port]["health_flags"] != "healthy" for port in down),
+            timeout,
+            message=f"Envoy to mark {sorted(down)} down in cluster {cluster}",
+        )

@@ -409,3 +409,23 @@ class RunningServer:
 
     def delta(self, node_id: str, cluster: str = "default", **kw: Any) -> DeltaStream:
         return DeltaStream(self.target, node_id, cluster, **kw)
+
+
+async def recv_well_formed(
+    s: SotwStream, type_url: str | None = None, *, within: float = 5.0
+) -> Any:
+    """The next response (of `type_url`, when given), checked to be well formed."""
+    return assert_well_formed(await (s.recv_type(type_url, within) if type_url else s.recv(within)))
+
+
+async def join_like_envoy(s: SotwStream, eds: list[str], rds: list[str]) -> dict[str, Any]:
+    """Subscribe like Envoy does at start: CDS, then EDS for its clusters, LDS, RDS; ACK each."""
+    from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
+
+    got = {}
+    for type_url, names in ((CLUSTER, []), (ENDPOINT, eds), (LISTENER, []), (ROUTE, rds)):
+        await s.send(type_url, names)
+        got[type_url] = response = await recv_well_formed(s)
+        assert response.type_url == type_url
+        await s.ack(response, names)
+    return got
