@@ -5,10 +5,10 @@ period, never waiting longer than a maximum from the first change (debounce). A 
 finds the reconciler idle (nothing built for a quiet period) is built at once, and what
 follows it within the window is folded into the next rebuild: a lone change (a replica's
 health, one weight) does not wait out the quiet period, a burst still costs two rebuilds at
-most. It decodes the
-changed keys (``controlplane.decode``), compiles the whole plan (at scale the larger share of
-a partial rebuild), and builds each fleet's snapshot from the one it serves now with only what
-changed (``xdsserver.incremental``: the EDS fast path, the routes path, or everything).
+most. It decodes the changed keys (``controlplane.decode``), compiles the whole plan (at
+scale the larger share of a partial rebuild), and builds each fleet's snapshot from the one
+it serves now with only what changed (``xdsserver.incremental``: the EDS fast path, the
+routes path, or everything).
 
 A value in etcd that is not a valid object (written with etcdctl, or by an older kvpilot) is
 skipped with a logged error visible in status; the last valid version of that object keeps
