@@ -279,10 +279,16 @@ def test_status_watch_redraws_until_interrupted(server: str) -> None:
     import subprocess
     import sys
 
+    def inherit_a_deaf_ear() -> None:
+        # The worst a parent can hand down (a test runner's worker did): SIGINT ignored and
+        # blocked. Ctrl-C must end the watch anyway.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
     process = subprocess.Popen(
         [sys.executable, "-m", "commands.cli", "--server", server, "--token", READ_TOKEN,
          "status", "--watch", "--interval", "0.2"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, text=True, preexec_fn=inherit_a_deaf_ear,
     )  # fmt: skip
     try:
         assert process.stdout is not None
@@ -294,7 +300,7 @@ def test_status_watch_redraws_until_interrupted(server: str) -> None:
         process.send_signal(signal.SIGINT)
         # Keep reading while it stops: a frame written meanwhile into a pipe nobody reads
         # would hold the process at its final flush.
-        process.communicate(timeout=60)
+        process.communicate(timeout=30)
         assert process.returncode == 0
     finally:
         process.kill()

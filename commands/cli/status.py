@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from datetime import UTC, datetime
@@ -26,7 +27,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             _print_status(client.status(), args.output, out)
             return 0
         # Redraw in place on a terminal; elsewhere (a pipe, a log) print each frame after a
-        # time stamp. Ctrl-C ends it.
+        # time stamp. Ctrl-C ends it, also when this process was started by one that
+        # ignores or blocks SIGINT (a child inherits both, and would never stop).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         try:
             while True:
                 status = client.status()
