@@ -443,14 +443,18 @@ class Store:
     async def delete_telemetry(self, pool: str, endpoint_id: str) -> bool:
         return await self.client.delete(self.keys.absolute(self.keys.telemetry(pool, endpoint_id)))
 
-    async def put_envoy_status(
-        self, replica_id: str, node_id: str, body: Mapping[str, Any], *, lease: int
+    async def put_envoy_statuses(
+        self, replica_id: str, records: Sequence[tuple[str, Mapping[str, Any]]], *, lease: int
     ) -> int:
-        """Record an Envoy's connection status under the control-plane replica's lease."""
-        kv, _, _ = await self._put_leased(
-            self.keys.envoy_status(replica_id, node_id), body, None, lease
+        """Record Envoys' connection status ((node key, body) each) under the control-plane
+        replica's lease, in as few transactions as fit; returns the last revision."""
+        return await self.client.put_many(
+            [
+                (self.keys.absolute(self.keys.envoy_status(replica_id, node)), encode_json(body))
+                for node, body in records
+            ],
+            lease=lease,
         )
-        return kv.mod_revision
 
     # -- status records read and written by key (rollout progress and commands) ------------
 

@@ -236,6 +236,14 @@ class ConnectionRegistry:
         """A copy of the status of every open stream, oldest first."""
         return [copy.deepcopy(c) for c in self._connections.values()]
 
+    def newest(self, node_id: str) -> ConnectionStatus | None:
+        """The newest open stream of one Envoy, live (not a copy: read it at once), or None."""
+        newest = None
+        for c in self._connections.values():
+            if c.node_id == node_id:
+                newest = c
+        return newest
+
     def find(self, node_id: str) -> list[ConnectionStatus]:
         """Copies of the open streams of one Envoy (usually one)."""
         return [copy.deepcopy(c) for c in self._connections.values() if c.node_id == node_id]
