@@ -3,6 +3,8 @@ aggregate that adds external providers, and the ClusterLoadAssignments."""
 
 from __future__ import annotations
 
+import functools
+
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import (
     base_pb2,
@@ -10,7 +12,7 @@ from envoy.config.core.v3 import (
     protocol_pb2,
 )
 from envoy.config.core.v3 import extension_pb2 as core_extension_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (
     client_side_weighted_round_robin_pb2 as cswrr_pb2,
@@ -283,9 +285,9 @@ def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignm
     its CPU time per EDS update (measured at 500 endpoints a cluster), since Envoy compares
     every host's metadata on each update.
 
-    Built in place (``add()`` and field writes rather than nested constructors): at 10,000
-    endpoints this is most of a full rebuild, and in place is several times faster for the same
-    bytes."""
+    The endpoints of a locality are joined from their serialized form (`_lb_endpoint_entry`,
+    cached) and parsed once: a rebuild re-sends mostly unchanged endpoints, and at 500 to a
+    locality this is several times faster than building each message again."""
     groups: dict[tuple[int, str, str, str], list[PlanEndpoint]] = {}
     for endpoint in cluster.endpoints:
         key = (endpoint.priority, endpoint.region, endpoint.zone, endpoint.pool)
@@ -295,25 +297,47 @@ def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignm
         locality = out.endpoints.add(priority=priority)
         locality.locality.CopyFrom(base_pb2.Locality(region=region, zone=zone, sub_zone=sub_zone))
         locality.load_balancing_weight.value = max(1, sum(e.weight for e in members))
-        add = locality.lb_endpoints.add
-        for endpoint in members:
-            lb_endpoint = add(health_status=_HEALTH[endpoint.health])
-            host = lb_endpoint.endpoint
-            address = host.address.socket_address
-            address.address = endpoint.address
-            address.port_value = endpoint.port
-            if endpoint.hostname:
-                host.hostname = endpoint.hostname
-            weight = lb_endpoint.load_balancing_weight
-            if endpoint.weight:
-                weight.value = endpoint.weight
-            else:
-                weight.SetInParent()  # present even at 0, as the weight was always sent
-            if endpoint.hash_key:
-                # Ring hash and Maglev place a host by ``envoy.lb`` ``hash_key`` when it has
-                # one, else by its address: a named replica keeps its place on the ring (its
-                # sessions, its KV cache) across a new address or port.
-                lb_endpoint.metadata.filter_metadata["envoy.lb"].fields[
-                    "hash_key"
-                ].string_value = endpoint.hash_key
+        # Serialized fields of one message, concatenated, parse as those fields appended.
+        locality.MergeFromString(b"".join([_lb_endpoint_entry(e) for e in members]))
     return out
+
+
+_LB_ENDPOINTS_TAG = bytes([2 << 3 | 2])
+"""``LocalityLbEndpoints.lb_endpoints`` (field 2), length-delimited: the key of each entry."""
+
+
+@functools.lru_cache(maxsize=1 << 15)
+def _lb_endpoint_entry(endpoint: PlanEndpoint) -> bytes:
+    """One endpoint as an encoded ``lb_endpoints`` entry: key, length, the LbEndpoint. Cached
+    by the plan's endpoint (a frozen value): the same endpoint is the same bytes."""
+    lb_endpoint = endpoint_components_pb2.LbEndpoint(health_status=_HEALTH[endpoint.health])
+    host = lb_endpoint.endpoint
+    address = host.address.socket_address
+    address.address = endpoint.address
+    address.port_value = endpoint.port
+    if endpoint.hostname:
+        host.hostname = endpoint.hostname
+    weight = lb_endpoint.load_balancing_weight
+    if endpoint.weight:
+        weight.value = endpoint.weight
+    else:
+        weight.SetInParent()  # present even at 0, as the weight was always sent
+    if endpoint.hash_key:
+        # Ring hash and Maglev place a host by ``envoy.lb`` ``hash_key`` when it has one, else
+        # by its address: a named replica keeps its place on the ring (its sessions, its KV
+        # cache) across a new address or port.
+        lb_endpoint.metadata.filter_metadata["envoy.lb"].fields[
+            "hash_key"
+        ].string_value = endpoint.hash_key
+    body: bytes = lb_endpoint.SerializeToString(deterministic=True)
+    return _LB_ENDPOINTS_TAG + _varint(len(body)) + body
+
+
+def _varint(value: int) -> bytes:
+    """Protobuf's base-128 varint encoding of a non-negative integer."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
