@@ -335,6 +335,8 @@ def _lb_endpoint_entry(endpoint: PlanEndpoint) -> bytes:
 
 def _varint(value: int) -> bytes:
     """Protobuf's base-128 varint encoding of a non-negative integer."""
+    if value < 0x80:
+        return bytes((value,))  # an endpoint's encoding is shorter than 128 bytes
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
