@@ -113,6 +113,7 @@ def translation_side_by_side(
 
 def markdown(results: dict[str, Any]) -> str:
     labels = {
+        "first_full_rebuild": "first full rebuild of the process (nothing cached)",
         "full_rebuild": "full rebuild",
         "fast_path": "one endpoint changed (EDS fast path)",
         "routes_path": "one route timeout changed (routes path)",

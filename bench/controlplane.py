@@ -378,6 +378,7 @@ def markdown(results: dict[str, Any]) -> str:
         "|---|---:|",
         f"| full: decode, validate, compile, translate, serialize (Snapshot) | "
         f"{t['full_rebuild_ms']} |",
+        f"| the same, the process's first (nothing cached yet) | {t['first_full_rebuild_ms']} |",
         f"| EDS fast path: one endpoint changed | {t['fast_path_ms']} |",
         f"| routes path: one route timeout changed (LDS, RDS) | {t['routes_path_ms']} |",
         "",
