@@ -101,6 +101,7 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         cache,
         quiet_period=config.quiet_period,
         max_wait=config.max_wait,
+        min_push_interval=config.telemetry_push_interval,
         metrics=ReconcileMetrics(registry),
     )
     client = await open_client(

@@ -4,6 +4,7 @@ containers), the checks that refuse settings that cannot work, and the ServeConf
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class ServeConfig:
     insecure_no_auth: bool = False
     quiet_period: float = 0.02
     max_wait: float = 0.25
+    telemetry_push_interval: float = 1.0
     default_fleet: str = DEFAULT_FLEET
     node_fleets: dict[str, str] = field(default_factory=dict)
     """Envoy node id -> fleet, overriding the node's own node.cluster."""
@@ -63,6 +65,17 @@ def _host_port(value: str, default_port: int) -> tuple[str, int]:
     if not host:
         return value, default_port
     return host.strip("[]"), int(port)
+
+
+def _seconds(text: str) -> float:
+    """A duration flag: a finite number of seconds, zero or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be finite and not negative")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,15 +174,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quiet-period",
-        type=float,
+        type=_seconds,
         default=0.02,
         help="debounce: seconds without changes before a rebuild (default 0.02)",
     )
     parser.add_argument(
         "--max-wait",
-        type=float,
+        type=_seconds,
         default=0.25,
         help="debounce: longest delay from a change to its rebuild, seconds (default 0.25)",
+    )
+    parser.add_argument(
+        "--telemetry-push-interval",
+        type=_seconds,
+        default=1.0,
+        help="rebuilds caused by telemetry alone (weights, admission) at most once per this many "
+        "seconds; config changes are not held (default 1.0)",
     )
     parser.add_argument(
         "--default-fleet",
@@ -264,6 +284,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         insecure_no_auth=args.insecure_no_auth,
         quiet_period=args.quiet_period,
         max_wait=args.max_wait,
+        telemetry_push_interval=args.telemetry_push_interval,
         default_fleet=args.default_fleet,
         node_fleets=_node_fleets(args.node_fleet),
         rollout_lease_ttl=args.rollout_lease_ttl,

@@ -135,3 +135,14 @@ def test_kubernetes_kvpilot_and_envoy_agree(monkeypatch: pytest.MonkeyPatch) -> 
 def test_an_unknown_flag_would_be_caught(flag: str) -> None:
     with pytest.raises((SystemExit, argparse.ArgumentError)):
         parse_serve(shlex.split(f"serve {flag}"))
+
+
+def test_serve_durations_are_seconds_zero_or_more() -> None:
+    plain = ["serve", "--xds-insecure-plaintext"]
+    config = serve.config_from_args(parse_serve([*plain, "--telemetry-push-interval", "0.5"]))
+    assert config.telemetry_push_interval == 0.5
+    assert serve.config_from_args(parse_serve(plain)).telemetry_push_interval == 1.0
+    for flag in ("--telemetry-push-interval", "--quiet-period", "--max-wait"):
+        for bad in ("-1", "nan", "inf", "soon"):
+            with pytest.raises(argparse.ArgumentError, match="seconds"):
+                parse_serve(["serve", flag, bad])

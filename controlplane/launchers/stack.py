@@ -34,10 +34,15 @@ class LocalStack:
 
 @contextlib.contextmanager
 def local_stack(
-    state_dir: Path, *, node_id: str, etcd_args: Sequence[str] = ()
+    state_dir: Path,
+    *,
+    node_id: str,
+    etcd_args: Sequence[str] = (),
+    kvpilot_args: Sequence[str] = (),
 ) -> Iterator[LocalStack]:
-    """Start etcd, kvpilot and Envoy on free loopback ports under `state_dir` (each waits until
-    ready), and stop them in reverse order on exit. The admin token and the ADS CA are new
+    """Start etcd, kvpilot (with `kvpilot_args` added to ``kvpilot serve``) and Envoy on free
+    loopback ports under `state_dir` (each waits until ready), and stop them in reverse order
+    on exit. The admin token and the ADS CA are new
     for each run (the CA needs the `cryptography` package of the `local` extra)."""
     from controlplane.pki import Ca, CertDir
 
@@ -60,6 +65,7 @@ def local_stack(
                 env={"KVPILOT_ADMIN_TOKEN": token},
                 xds_tls=TlsFiles(server.cert, server.key, server.ca),
                 xds_identity_fleets=[f"{LOCAL_FLEET_IDENTITY}=default"],
+                extra_args=list(kvpilot_args),
             ).start()
         )
         envoy = stack.enter_context(
