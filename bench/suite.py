@@ -74,7 +74,14 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvsuite-")))
         say("starting etcd, kvpilot, Envoy and one fleet of simulated replicas per policy ...")
         local = exits.enter_context(
-            local_stack(state_dir, node_id="bench-envoy", etcd_args=["--unsafe-no-fsync"])
+            local_stack(
+                state_dir,
+                node_id="bench-envoy",
+                etcd_args=["--unsafe-no-fsync"],
+                # kvpilot's cap of one telemetry push a second, in simulated time as in real
+                # time: at a time scale of 0.5 a wall-clock second would be two simulated ones.
+                kvpilot_args=["--telemetry-push-interval", f"{config.sim.time_scale:g}"],
+            )
         )
         client = KvpilotClient(local.kvpilot.api_url, token=local.admin_token)
         client.put(
