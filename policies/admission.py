@@ -37,14 +37,22 @@ The decision is a level: how many steps of ``S.step`` percent are restricted, co
 the least important class whose action is not ``admit``, then the next one up. Each round:
 
 - pressure >= ``S.high``, at least ``S.shed_interval`` since the last change, and pressure
-  not down by more than a tenth since that change: one more step (a queue that is already
-  draining needs no more shedding);
+  not down by more than a tenth since that change: restrict at once the share of the
+  class that the pressure implies, the excess over ``high`` as a share of the class
+  (pressure 1.25 restricts a quarter more, 1.5 half, 2 or more the whole class), in whole
+  steps and at least one, up to the end of the class being restricted (the next class up
+  waits for the next round: its own requests may not be the excess);
 - pressure <= ``S.low`` and at least ``S.recover_interval`` since the last change: one step
   back;
 - otherwise nothing moves.
 
-The band between ``low`` and ``high`` and the longer recovery interval keep a recovering
-pool from taking a class back, overloading again and shedding it again (flapping).
+Restrict at once, give back slowly: a request admitted into an overload holds its replica
+for as long as it runs (a long batch prompt, most of ten seconds in the service-class
+benchmark), so shedding too little for a few seconds costs the interactive class for many
+more; one step a second took four seconds to shed a class there. A draining queue needs no
+more shedding, and the band between ``low`` and ``high`` and the longer recovery interval
+keep a recovering pool from taking a class back, overloading again and shedding it again
+(flapping).
 """
 
 from __future__ import annotations
@@ -193,7 +201,7 @@ def decide(
         and since >= saturation.shed_interval
         and pressure >= FALLING * at_change
     ):
-        target = level + 1
+        target = level + restrict_steps(level, pressure, saturation)
     elif pressure <= saturation.low and since >= saturation.recover_interval:
         target = level - 1
     else:
@@ -227,6 +235,18 @@ def decide(
     )
 
 
+def restrict_steps(level: int, pressure: float, saturation: Saturation) -> int:
+    """Steps to restrict at once from `level` at `pressure` (at or above ``high``): the
+    excess over ``high``, as a share of a class, in whole steps and at least one, and never
+    past the end of the class that is being restricted (see the module notes)."""
+    per_class = steps_per_class(saturation)
+    excess = pressure / saturation.high - 1.0
+    # A hair below a whole step still takes it: 1.5 is two steps of 25, not three.
+    wanted = max(1, math.ceil(excess * per_class - 1e-9))
+    class_end = (level // per_class + 1) * per_class
+    return min(wanted, class_end - level)
+
+
 def admitted_shares(
     classes: Sequence[ServiceClass], level: int, saturation: Saturation
 ) -> dict[str, float]:
@@ -253,5 +273,6 @@ __all__ = [
     "pool_pressure",
     "pool_signals",
     "pressure_of",
+    "restrict_steps",
     "steps_per_class",
 ]

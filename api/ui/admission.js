@@ -56,7 +56,7 @@ function stepText(route, saturation, now) {
     const wait = Math.max(0, next.at - now);
     parts.push(
       next.direction === "restrict"
-        ? `<span class="sync-bad">restricts one more step ${wait < 1 ? "now" : `in ${duration(wait)}`}</span> unless pressure falls`
+        ? `<span class="sync-bad">restricts more ${wait < 1 ? "now" : `in ${duration(wait)}`}</span> unless pressure falls`
         : `<span class="sync-ok">gives a step back ${wait < 1 ? "now" : `in ${duration(wait)}`}</span> while pressure stays at or below low`,
     );
   } else if (route.pressure !== null && route.level > 0 && route.level >= route.levels && route.pressure >= saturation.high) {
