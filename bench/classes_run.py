@@ -186,7 +186,7 @@ def run_classes(config: ClassesConfig, state_dir: Path | None = None) -> Path:
         put_pool(stack)
         results[REFERENCE.key] = run_one(stack, REFERENCE, alone, config)
         for policy in POLICIES:
-            if not config.policies or policy.key in config.policies:
+            if policy.key in config.policies or (not config.policies and policy.default):
                 results[policy.key] = run_one(stack, policy, mixed, config)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
