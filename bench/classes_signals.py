@@ -176,8 +176,9 @@ def signals_markdown(signals: dict[str, Any], config: ClassesConfig) -> list[str
     lines = [
         "## Which signal leads interactive TTFT (affinity alone, no admission)",
         "",
-        "Correlation of each pool mean with the interactive TTFT p90 of the requests "
-        f"arriving that many simulated seconds later (over {WINDOW:g}s of arrivals):",
+        "Correlation of each pool signal (the mean over the replicas, or over the busiest "
+        "quarter of them) with the interactive TTFT p90 of the requests arriving that many "
+        f"simulated seconds later (over {WINDOW:g}s of arrivals):",
         "",
         "| signal | peak | " + " | ".join(f"lag {lag:g}s" for lag in LAGS) + " | best lag |",
         "|---|---:|" + "---:|" * len(LAGS) + "---:|",
