@@ -231,7 +231,7 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
                 f"| {num(row['ttft_p99'])} | {num(row.get('client_ttft_p99'))} "
                 f"| {row['goodput_per_s']:.2f} |"
             )
-    overload_start = config.window(config.peak.name)[0]
+    overload = config.window(config.peak.name)
     lines += [
         "",
         "| policy | total goodput/s | time to recover (s) | admission |",
@@ -240,7 +240,7 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
     for key, summary in results.items():
         lines.append(
             f"| {titles[key]} | {summary['goodput_per_s']:.2f} | {summary['recovery_s']:.1f} "
-            f"| {admission_summary(summary.get('admission', []), overload_start)} |"
+            f"| {admission_summary(summary.get('admission', []), overload)} |"
         )
     measured_phases = [phase.name for phase in config.phases if phase.measured]
     lines += [

@@ -201,20 +201,25 @@ def signals_markdown(signals: dict[str, Any], config: ClassesConfig) -> list[str
     return lines
 
 
-def admission_summary(samples: Sequence[dict[str, float]], overload_start: float = 0.0) -> str:
-    """One line on what admission did: peak pressure, least batch share, when batch was first
-    restricted (simulated seconds into the overload, which starts at `overload_start`) and
-    how often its share changed."""
+def admission_summary(
+    samples: Sequence[dict[str, float]], overload: tuple[float, float] = (0.0, math.inf)
+) -> str:
+    """One line on what admission did: peak pressure, least batch share, the mean share
+    through the overload (`overload`: its start and end, simulated seconds), when batch was
+    first restricted (counted from the overload's start) and how often its share changed."""
     pressures = [s["pressure"] for s in samples if "pressure" in s]
     shares = [(s["at"], s["batch_admitted"]) for s in samples if "batch_admitted" in s]
     if not pressures and not shares:
         return "none"
-    restricted = [at - overload_start for at, share in shares if share < 1.0]
+    start, end = overload
+    restricted = [at - start for at, share in shares if share < 1.0]
     changes = sum(1 for (_, a), (_, b) in itertools.pairwise(shares) if a != b)
     least = min((share for _, share in shares), default=math.nan)
+    during = [share for at, share in shares if start <= at < end]
     first = restricted[0] if restricted else None
     return (
         f"peak pressure {num(max(pressures, default=None), '{:.2f}')}, batch admitted down "
-        f"to {least:.0%}, first restricted {num(first, '{:.1f}')}s into the overload, "
+        f"to {least:.0%}, {statistics.fmean(during) if during else math.nan:.0%} on average "
+        f"through the overload, first restricted {num(first, '{:.1f}')}s into it, "
         f"{changes} share changes"
     )
