@@ -132,7 +132,7 @@ function policyHtml(policy, now) {
   return (
     `<section class="policy" data-policy="${esc(policy.name)}"><header><h2>${esc(policy.name)}</h2>` +
     `<span class="muted">saturated at ${esc(bounds.join(" · "))} (mean per replica)</span>` +
-    `<span class="muted">restrict ${s.step}% at a time at pressure ≥ ${num(s.high, 2)}, at most every ${interval(s.shedInterval)}; give back at ≤ ${num(s.low, 2)} after ${interval(s.recoverInterval)}</span>` +
+    `<span class="muted">at pressure ≥ ${num(s.high, 2)} restrict the excess over it (in ${s.step}% steps), at most every ${interval(s.shedInterval)}; give back ${s.step}% at ≤ ${num(s.low, 2)} after ${interval(s.recoverInterval)}</span>` +
     `<span class="muted">tenant header <code>${esc(policy.tenantHeader)}</code></span></header>` +
     policy.routes.map((route) => routeHtml(route, policy, now)).join("") +
     `</section>`
