@@ -142,8 +142,16 @@ POLICIES: tuple[Policy, ...] = (
         title="affinity + service classes, batch shed on the queue alone",
         default=False,
     ),
+    # Sensitivity, run only when named: the same shedding on the busiest quarter of the
+    # replicas rather than the pool mean (`Saturation.busiest`).
+    replace(
+        _AFFINITY,
+        key="classes_busiest",
+        title="affinity + service classes, batch shed on the busiest quarter",
+        default=False,
+    ),
 )
-CLASS_POLICIES = ("classes", "classes_queue", "classes_queue_bound")
+CLASS_POLICIES = ("classes", "classes_queue", "classes_queue_bound", "classes_busiest")
 """The policies with service classes, each checked against the targets."""
 REFERENCE = replace(_AFFINITY, key="reference", title="affinity, interactive alone (no batch)")
 
@@ -197,6 +205,13 @@ def default_config(short: bool = False) -> ClassesConfig:
             "classes": [
                 interactive,
                 {**batch, "whenSaturated": "queue", "queue": {"concurrency": 16}},
+            ],
+        },
+        "classes_busiest": {
+            "saturation": {**saturation, "busiest": 25},
+            "classes": [
+                interactive,
+                {**batch, "whenSaturated": "shed", "retryAfter": "30s"},
             ],
         },
         "classes_queue_bound": {

@@ -28,7 +28,10 @@ per replica. Queue and KV-cache bounds still count, and catch the pools whose en
 no TTFT.
 
 The mean, not the busiest replica: one hot replica is the weights' and bounded load's job;
-admission acts when the whole pool is short of room. No fresh record at all gives no
+admission acts when the whole pool is short of room. ``S.busiest`` narrows each mean to
+that percent of the replicas, the busiest by the signal: with session affinity, bounded
+load lets a replica carry half again the mean, and its sessions wait while the pool mean
+still has room. No fresh record at all gives no
 pressure, and everything is admitted (fail open, as stale weights go neutral).
 
 Steps and hysteresis
@@ -141,22 +144,35 @@ def pool_signals(
     ]
     if not fresh:
         return ()
+
+    def mean(values: list[float]) -> float:
+        return busiest_mean(values, saturation.busiest)
+
     signals = [
-        Signal("queue", statistics.fmean(r.waiting or 0.0 for r in fresh), saturation.queue),
-        Signal("kvCache", statistics.fmean(r.kv_cache or 0.0 for r in fresh), saturation.kv_cache),
+        Signal("queue", mean([r.waiting or 0.0 for r in fresh]), saturation.queue),
+        Signal("kvCache", mean([r.kv_cache or 0.0 for r in fresh]), saturation.kv_cache),
     ]
     ttfts = [r.ttft for r in fresh if r.ttft is not None]
     if ttft_bound is not None and ttfts:
-        signals.append(Signal("ttft", statistics.fmean(ttfts), ttft_bound))
+        signals.append(Signal("ttft", mean(ttfts), ttft_bound))
     if saturation.pending_tokens is not None:
         signals.append(
             Signal(
                 "pendingTokens",
-                statistics.fmean(r.pending_tokens or 0.0 for r in fresh),
+                mean([r.pending_tokens or 0.0 for r in fresh]),
                 saturation.pending_tokens,
             )
         )
     return tuple(signals)
+
+
+def busiest_mean(values: Sequence[float], busiest: int | None) -> float:
+    """The mean of `values`, or with `busiest` (percent) of their largest share alone, at
+    least one (``Saturation.busiest``)."""
+    if busiest is None:
+        return statistics.fmean(values)
+    ordered = sorted(values, reverse=True)
+    return statistics.fmean(ordered[: max(1, math.ceil(len(ordered) * busiest / 100 - 1e-9))])
 
 
 def pressure_of(signals: Sequence[Signal]) -> float | None:
@@ -269,6 +285,7 @@ __all__ = [
     "Direction",
     "Signal",
     "admitted_shares",
+    "busiest_mean",
     "decide",
     "pool_pressure",
     "pool_signals",

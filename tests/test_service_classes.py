@@ -206,6 +206,23 @@ def test_pool_signals_give_each_mean_against_its_bound() -> None:
     assert pool_signals(endpoints, records, now=200.0, max_age=10.0, saturation=saturation) == ()
 
 
+def test_busiest_takes_each_signal_over_the_busiest_share_of_the_replicas() -> None:
+    endpoints = [Endpoint(address="10.0.0.1", port=p) for p in (1, 2, 3, 4, 5)]
+    records = {
+        f"10.0.0.1:{port}": TelemetryRecord(at=100.0, waiting=waiting, kv_cache=kv)
+        for port, waiting, kv in ((1, 6, 0.1), (2, 2, 0.9), (3, 0, 0.1), (4, 0, 0.1), (5, 0, 0.3))
+    }
+    pool = pool_signals(endpoints, records, now=100.0, max_age=10.0, saturation=SATURATION)
+    assert [(s.name, s.mean) for s in pool] == [("queue", 1.6), ("kvCache", pytest.approx(0.3))]
+    # The busiest 25% of five replicas is two of them, picked per signal.
+    quarter = Saturation(busiest=25)
+    busiest = pool_signals(endpoints, records, now=100.0, max_age=10.0, saturation=quarter)
+    assert [(s.name, s.mean) for s in busiest] == [("queue", 4.0), ("kvCache", 0.6)]
+    assert pool_pressure(endpoints, records, now=100.0, max_age=10.0, saturation=quarter) == 1.0
+    one = Saturation(busiest=1)  # at least one replica: the busiest
+    assert pool_signals(endpoints, records, now=100.0, max_age=10.0, saturation=one)[0].mean == 6
+
+
 def test_the_mean_time_to_first_token_saturates_at_half_the_first_class_objective() -> None:
     endpoints = [Endpoint(address="10.0.0.1", port=p) for p in (1, 2, 3)]
     records = {

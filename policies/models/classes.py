@@ -178,6 +178,15 @@ class Saturation(Model):
         description="Mean tokens admitted but not yet processed per replica that saturate the "
         "pool. Default: not used.",
     )
+    busiest: int | None = Field(
+        None,
+        ge=1,
+        le=100,
+        description="Percent of the replicas, the busiest by each signal, that the means "
+        "are taken over: 25 reads each signal on the busiest quarter. With session affinity "
+        "a replica may carry half again the mean load (bounded load), and its sessions wait "
+        "while the pool mean still has room. Default: every replica (the pool mean).",
+    )
     high: float = Field(
         1.0,
         gt=0,
