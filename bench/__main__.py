@@ -5,7 +5,7 @@
     python -m bench routing [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench controlplane [--short] [--out DIR] [--state-dir DIR]
         [--baseline REF [--rounds N] [--only scale|acks]]
-    python -m bench classes [--short] [--out DIR] [--state-dir DIR]
+    python -m bench classes [--short] [--out DIR] [--policies a,b] [--state-dir DIR]
     python -m bench rollout [--short] [--out DIR] [--state-dir DIR]
 
 `scenarios` (the default) runs every routing policy side by side, at the same time, on its
@@ -21,7 +21,8 @@ the report's path. Policies: round_robin, least_request, affinity, affinity_tele
 docs_round_robin, docs_prefix; and on request affinity_125 and affinity_200, bounded-load
 sensitivity checks. `classes` overloads 8 replicas with batch work on top of interactive chat
 and compares round robin, affinity alone and affinity with service classes (batch shed, and
-batch queued in Envoy).
+batch queued in Envoy): round_robin, affinity, classes, classes_queue, each after the
+reference (interactive alone).
 
 `rollout` replays multi-turn chat at 70% load against a bad canary twice: under a blind 90/10
 split and under a kvpilot Rollout that watches the data plane; `make bench` runs it after
@@ -141,10 +142,14 @@ def _controlplane(args: argparse.Namespace) -> int:
 
 
 def _classes(args: argparse.Namespace) -> int:
+    from bench.classes import POLICIES as CLASSES_POLICIES
     from bench.classes import default_config as classes_config
     from bench.classes_run import run_classes
 
     config = _with_out(classes_config(short=args.short), args)
+    if args.policies:
+        keys = (p.key for p in CLASSES_POLICIES)
+        config = replace(config, policies=_names(args.policies, keys, "policies"))
     return _print_report(run_classes(config, state_dir=args.state_dir))
 
 
@@ -186,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             help="wall seconds per simulated second (0.5); more gives a busy machine's load "
             "generators slack, at that much more wall time",
         )
-    for p in (parser, scenarios, routing):
+    for p in (parser, scenarios, routing, classes):
         p.add_argument("--policies", default="", help="comma list of policies to run")
     for p in (parser, routing):
         p.add_argument("--workload", choices=["multiturn", "docs", "mix"], default=None)

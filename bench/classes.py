@@ -3,22 +3,30 @@
 Interactive chat keeps its latency while batch overloads the fleet, through a real Envoy
 configured by kvpilot: the same stack as the routing benchmark (embedded etcd, ``kvpilot
 serve``, simulated vLLM replicas, a real Envoy, ``kvpilot agent`` writing telemetry), with
-8 replicas. Each policy replays the same requests in three phases (simulated seconds):
+8 replicas. Each policy replays the same requests in phases (simulated seconds):
 
+0. ramp, not measured: the calm load from an empty fleet, until conversations of every
+   age are in flight (sessions last most of a minute);
 1. calm: interactive multi-turn chat at 40% of capacity plus batch at 10% (50% in all);
 2. overload: interactive at 60% plus batch pushing the total to 130%;
 3. calm again at 50%.
 
-Capacity is the routing benchmark's cache-blind estimate. Batch requests are single long
-prompts without a session id, sent with ``x-priority: batch`` and one of a few tenants;
-shed requests are not retried. Policies: round robin, session affinity alone, and session
-affinity with service classes (batch is shed while the pool is saturated). A fourth run,
-the reference, replays the interactive requests alone under affinity.
+Capacity is what the replicas serve with full batches, estimated cache-blind (round
+robin's ceiling, as in the scenario suite), and the replicas batch 8 sequences at most
+(``SUITE_MAX_BATCH``): with 32-sequence batches and capacity taken at half batches,
+"130%" kept the engines short of full batches, and affinity alone served every batch
+request within its objective. No turn is sent after the last phase ends. Batch requests
+are single long prompts without a session id, sent with ``x-priority: batch`` and one of a
+few tenants; shed requests are not retried. Policies: round robin, session affinity alone,
+and session affinity with service classes (batch shed, or queued in Envoy, while the pool
+is saturated). A first run, the reference, replays the interactive requests alone under
+affinity.
 
 `bench.classes_run` runs it, `bench.classes_report` reports per class and policy (TTFT
-p50/p99, goodput, shed and diverted counts, errors, time to recover, the issue's targets as
-met / not met rows), and `bench.classes_signals` records the pool's signals and which of
-them leads the interactive class's time to first token.
+p50/p99, goodput, shed and diverted counts, errors, time to recover, the engines' own
+running and waiting counts per phase, the issue's targets as met / not met rows), and
+`bench.classes_signals` records the pool's signals and which of them leads the
+interactive class's time to first token.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from bench.loadgen import RequestResult
 from bench.routes import Policy, standard_policies
 from bench.routing import BenchConfig, calibrate
 from bench.routing import default_config as routing_config
+from bench.scenarios import SUITE_MAX_BATCH
 from bench.workload import Session, Workload, WorkloadConfig, generate
 
 INTERACTIVE, BATCH = "interactive", "batch"
@@ -46,6 +55,8 @@ class Phase:
     duration: float
     interactive: float
     batch: float
+    measured: bool = True
+    """False for the ramp: its requests load the fleet but count in no number."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,8 @@ class ClassesConfig:
 
     replicas: int = 8
     phases: tuple[Phase, ...] = (
-        Phase("calm", 8.0, 0.4, 0.1),
+        Phase("ramp", 20.0, 0.4, 0.1, measured=False),
+        Phase("calm", 10.0, 0.4, 0.1),
         Phase("overload", 30.0, 0.6, 0.7),
         Phase("recovery", 20.0, 0.4, 0.1),
     )
@@ -73,6 +85,47 @@ class ClassesConfig:
     out_dir: Path = Path("bench/results")
     routing: BenchConfig = field(default_factory=lambda: routing_config())
     """The routing benchmark's simulator, chat workload and agent settings, reused."""
+    policies: tuple[str, ...] = ()
+    """Keys of the policies to run after the reference (`POLICIES`); empty: those run by
+    default."""
+
+    @property
+    def ramp(self) -> float:
+        """Simulated seconds at the start whose requests are not measured."""
+        ramp = 0.0
+        for phase in self.phases:
+            if phase.measured:
+                break
+            ramp += phase.duration
+        return ramp
+
+    @property
+    def duration(self) -> float:
+        """Simulated seconds of arrivals, the ramp included; no turn is sent after it."""
+        return sum(phase.duration for phase in self.phases)
+
+    def window(self, name: str) -> tuple[float, float]:
+        """(start, end) of the phase `name`, simulated seconds from the run's start."""
+        start = 0.0
+        for phase in self.phases:
+            if phase.name == name:
+                return start, start + phase.duration
+            start += phase.duration
+        raise KeyError(name)
+
+    @property
+    def peak(self) -> Phase:
+        """The overload: the phase with the most offered load."""
+        return max(self.phases, key=lambda phase: phase.interactive + phase.batch)
+
+    def phase_at(self, at: float) -> str | None:
+        """The name of the phase that simulated second `at` falls in (None after the last)."""
+        start = 0.0
+        for phase in self.phases:
+            if start <= at < start + phase.duration:
+                return phase.name
+            start += phase.duration
+        return None
 
 
 _AFFINITY = standard_policies()["affinity"]
@@ -81,8 +134,24 @@ POLICIES: tuple[Policy, ...] = (
     replace(_AFFINITY, title="affinity alone"),
     replace(_AFFINITY, key="classes", title="affinity + service classes, batch shed"),
     replace(_AFFINITY, key="classes_queue", title="affinity + service classes, batch queued"),
+    # Sensitivity, run only when named: the same shedding with the engines' TTFT, which
+    # mixes the classes, as good as out of the rule (a bound of 2 s), so the queue decides.
+    replace(
+        _AFFINITY,
+        key="classes_queue_bound",
+        title="affinity + service classes, batch shed on the queue alone",
+        default=False,
+    ),
+    # Sensitivity, run only when named: the same shedding on the busiest quarter of the
+    # replicas rather than the pool mean (`Saturation.busiest`).
+    replace(
+        _AFFINITY,
+        key="classes_busiest",
+        title="affinity + service classes, batch shed on the busiest quarter",
+        default=False,
+    ),
 )
-CLASS_POLICIES = ("classes", "classes_queue")
+CLASS_POLICIES = ("classes", "classes_queue", "classes_queue_bound", "classes_busiest")
 """The policies with service classes, each checked against the targets."""
 REFERENCE = replace(_AFFINITY, key="reference", title="affinity, interactive alone (no batch)")
 
@@ -90,24 +159,33 @@ REFERENCE = replace(_AFFINITY, key="reference", title="affinity, interactive alo
 def default_config(short: bool = False) -> ClassesConfig:
     """The `make bench BENCH_ARGS=classes` settings, or a smoke run with `short`."""
     base = routing_config()
-    # Simulated time runs at the wall clock's pace: 8 replicas at 130% are hundreds of
-    # streams at once for one load generator on a busy 2-core machine. Streams send a chunk a second after the
-    # first token, and TTFT is the engine's own (see bench.classes_report), so a load
-    # generator that falls behind delays arrivals but does not add to the times measured.
-    # (The first version ran 3x slower than the wall clock: 45 minutes a run, most of them
-    # in the replays and in calibrating six workloads by search.) The agent scrapes every
-    # 0.25 s.
+    # Simulated time runs at the wall clock's pace: 8 replicas at 130% are a hundred
+    # streams and more at once for one load generator on a busy 2-core machine. Streams
+    # send a chunk a second after the first token, and TTFT is the engine's own (see
+    # bench.classes_report), so a load generator that falls behind delays arrivals but does
+    # not add to the times measured. (The first version ran 3x slower than the wall clock:
+    # 45 minutes a run, most of them in the replays and in calibrating six workloads by
+    # search.) The agent scrapes every 0.25 s.
+    #
+    # Eight sequences a batch, as in the scenario suite, and capacity taken at full batches
+    # (`BenchConfig.capacity_batch`): so "130%" is more than the engines can serve (full
+    # batches, then a queue), which the report checks with their own running and waiting
+    # counts per phase.
     base = replace(
         base,
-        sim=replace(base.sim, time_scale=1.0, stream_interval=1.0),
+        sim=replace(base.sim, time_scale=1.0, stream_interval=1.0, max_batch=SUITE_MAX_BATCH),
         agent_interval=0.25,
+        capacity_batch=SUITE_MAX_BATCH,
     )
     # The policy as a user would write it: objectives and what batch does when saturated,
     # shed with a 429 or queued in Envoy (16 batch requests in flight per Envoy, two per
-    # replica, the rest waiting), and one bound beyond the default rule (mean engine TTFT
-    # at half the interactive objective): KV-cache use 0.4, where this simulator's small
-    # caches start evicting chat histories (see the report's signal table).
-    saturation = {"kvCache": 0.4, "low": 0.7}
+    # replica, the rest waiting), and bounds beyond the default rule (mean engine TTFT at
+    # half the interactive objective) for a pool whose engines run 8 sequences at most:
+    # half a request waiting per replica (a chat turn that waits for a batch slot waits
+    # about as long as a slot takes to free, most of a second here). A step is given back
+    # at 0.7 of the bounds, not 0.5: batch prompts' own first tokens (0.5 s and more of
+    # prefill) raise the mean TTFT of a pool that has room.
+    saturation: dict[str, Any] = {"queue": 0.5, "low": 0.7}
     interactive = {"name": INTERACTIVE, "objective": {"ttft": "1s"}}
     batch = {
         "name": BATCH,
@@ -129,6 +207,20 @@ def default_config(short: bool = False) -> ClassesConfig:
                 {**batch, "whenSaturated": "queue", "queue": {"concurrency": 16}},
             ],
         },
+        "classes_busiest": {
+            "saturation": {**saturation, "busiest": 25},
+            "classes": [
+                interactive,
+                {**batch, "whenSaturated": "shed", "retryAfter": "30s"},
+            ],
+        },
+        "classes_queue_bound": {
+            "saturation": {**saturation, "ttft": "2s"},
+            "classes": [
+                interactive,
+                {**batch, "whenSaturated": "shed", "retryAfter": "30s"},
+            ],
+        },
     }
     config = ClassesConfig(service_classes=service_classes, routing=base)
     if short:
@@ -136,6 +228,7 @@ def default_config(short: bool = False) -> ClassesConfig:
             config,
             replicas=4,
             phases=(
+                Phase("ramp", 4.0, 0.4, 0.1, measured=False),
                 Phase("calm", 4.0, 0.4, 0.1),
                 Phase("overload", 8.0, 0.6, 0.7),
                 Phase("recovery", 6.0, 0.4, 0.1),

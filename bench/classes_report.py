@@ -10,6 +10,8 @@ the requests that were served.
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from bench.classes import (
@@ -26,6 +28,10 @@ from bench.loadgen import RequestResult
 from bench.report import json_block, num
 from bench.summary import percentile
 
+SATURATED_RUNNING = 0.9
+"""Share of ``max_batch`` the mean replica must run, with requests waiting, for a sample to
+count as a saturated fleet (`engine_phases`)."""
+
 
 def ttft_of(result: RequestResult) -> float | None:
     """The engine's time to first token, else the client's (servers that do not report it)."""
@@ -38,14 +44,16 @@ def _met(result: RequestResult, objective: float, client_side: bool) -> bool:
 
 
 def summarize(results: list[RequestResult], config: ClassesConfig) -> dict[str, Any]:
-    """Per class and overall: TTFT, goodput, shed, errors; and the time to recover."""
-    total = sum(phase.duration for phase in config.phases)
-    overload_end = sum(phase.duration for phase in config.phases[:2])
+    """Per class and overall: TTFT, goodput, shed, errors; and the time to recover. Requests
+    started in the ramp count in none of them."""
+    measured = [r for r in results if r.start >= config.ramp]
+    total = config.duration - config.ramp
+    overload_start, overload_end = config.window(config.peak.name)
     classes: dict[str, Any] = {}
     misses: list[float] = []
     good_total = 0
     for name in (INTERACTIVE, BATCH):
-        mine = [r for r in results if class_of(r) == name]
+        mine = [r for r in measured if class_of(r) == name]
         ok = [r for r in mine if r.ok]
         shed = [r for r in mine if r.status == 429]
         errors = [r for r in mine if not r.ok and r.status != 429]
@@ -55,6 +63,17 @@ def summarize(results: list[RequestResult], config: ClassesConfig) -> dict[str, 
         good_total += len(good)
         good_ids = {id(r) for r in good}
         misses += [r.start for r in mine if id(r) not in good_ids]
+        by_phase: dict[str, Any] = {}
+        for phase in config.phases:
+            if not phase.measured:
+                continue
+            start, end = config.window(phase.name)
+            inside = [t for r in ok if start <= r.start < end and (t := ttft_of(r)) is not None]
+            by_phase[phase.name] = {
+                "requests": sum(1 for r in mine if start <= r.start < end),
+                "shed": sum(1 for r in shed if start <= r.start < end),
+                "ttft_p99": percentile(inside, 99),
+            }
         classes[name] = {
             "requests": len(mine),
             "ok": len(ok),
@@ -67,17 +86,52 @@ def summarize(results: list[RequestResult], config: ClassesConfig) -> dict[str, 
             "client_ttft_p99": percentile([r.ttft for r in ok if r.ttft is not None], 99),
             "met_objective": len(good),
             "goodput_per_s": len(good) / total,
+            "by_phase": by_phase,
         }
     late = [start for start in misses if start >= overload_end]
     return {
         "classes": classes,
         "goodput_per_s": good_total / total,
         "recovery_s": (max(late) - overload_end) if late else 0.0,
+        # The ramp counts here too: the fleet has room all along until the overload.
         "shed_in_calm_phase": sum(
-            1 for r in results if r.status == 429 and r.start < config.phases[0].duration
+            1 for r in results if r.status == 429 and r.start < overload_start
         ),
         "per_request": [{**r.to_json(), "class": class_of(r)} for r in results],
     }
+
+
+def engine_phases(
+    samples: Sequence[dict[str, float]], config: ClassesConfig
+) -> dict[str, dict[str, float | None]]:
+    """The engines' own counters per phase, from `SignalSampler` samples: mean requests
+    running and waiting per replica, and the share of samples in which the mean replica ran
+    a full batch (``max_batch``) with requests waiting. The overload must saturate the fleet
+    and the calm phases must not, or the benchmark measures nothing."""
+    max_batch = config.routing.sim.max_batch
+    out: dict[str, dict[str, float | None]] = {}
+    for phase in config.phases:
+        start, end = config.window(phase.name)
+        inside = [s for s in samples if start <= s["at"] < end and "running" in s]
+        running = [s["running"] for s in inside]
+        waiting = [s["waiting"] for s in inside]
+        out[phase.name] = {
+            "samples": len(inside),
+            "running": statistics.fmean(running) if running else None,
+            "waiting": statistics.fmean(waiting) if waiting else None,
+            "kv_cache": statistics.fmean(s["kv_cache"] for s in inside) if inside else None,
+            "saturated_share": (
+                sum(
+                    1
+                    for s in inside
+                    if s["running"] >= SATURATED_RUNNING * max_batch and s["waiting"] > 0
+                )
+                / len(inside)
+                if inside
+                else None
+            ),
+        }
+    return out
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
@@ -158,7 +212,8 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
         "# Service classes under overload",
         "",
         f"{config.replicas} simulated replicas behind one real Envoy configured by kvpilot. "
-        f"Phases (simulated seconds): {phases}. TTFT objectives: interactive "
+        f"Phases (simulated seconds): {phases}; the first {config.ramp:g}s are not "
+        "measured. TTFT objectives: interactive "
         f"{config.objectives[INTERACTIVE]:g}s, batch {config.objectives[BATCH]:g}s. Times in "
         "simulated seconds; TTFT as the engines timed it (client-side p99 beside it).",
         "",
@@ -176,6 +231,7 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
                 f"| {num(row['ttft_p99'])} | {num(row.get('client_ttft_p99'))} "
                 f"| {row['goodput_per_s']:.2f} |"
             )
+    overload = config.window(config.peak.name)
     lines += [
         "",
         "| policy | total goodput/s | time to recover (s) | admission |",
@@ -184,8 +240,40 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
     for key, summary in results.items():
         lines.append(
             f"| {titles[key]} | {summary['goodput_per_s']:.2f} | {summary['recovery_s']:.1f} "
-            f"| {admission_summary(summary.get('admission', []))} |"
+            f"| {admission_summary(summary.get('admission', []), overload)} |"
         )
+    measured_phases = [phase.name for phase in config.phases if phase.measured]
+    lines += [
+        "",
+        "Interactive TTFT p99 by phase (engine, simulated seconds; requests in brackets):",
+        "",
+        "| policy | " + " | ".join(measured_phases) + " |",
+        "|---|" + "---:|" * len(measured_phases),
+    ]
+    for key, summary in results.items():
+        phases = summary["classes"][INTERACTIVE].get("by_phase", {})
+        cells = [
+            f"{num(phases.get(name, {}).get('ttft_p99'))} ({phases.get(name, {}).get('requests', 0)})"
+            for name in measured_phases
+        ]
+        lines.append(f"| {titles[key]} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"The engines' own counters per phase (means over the replicas; a sample is saturated "
+        f"when the mean replica runs {SATURATED_RUNNING:.0%} of its {config.routing.sim.max_batch}"
+        "-sequence batch or more with requests waiting):",
+        "",
+        "| policy | phase | running/replica | waiting/replica | KV-cache use | saturated samples |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for key, summary in results.items():
+        for name, row in summary.get("engines", {}).items():
+            share = row.get("saturated_share")
+            lines.append(
+                f"| {titles[key]} | {name} | {num(row.get('running'), '{:.1f}')} "
+                f"| {num(row.get('waiting'), '{:.2f}')} | {num(row.get('kv_cache'), '{:.2f}')} "
+                f"| {'n/a' if share is None else f'{share:.0%}'} |"
+            )
     lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
     for what, met, measured in targets(results):
         verdict = "n/a" if met is None else ("met" if met else "not met")

@@ -22,7 +22,7 @@ from bench.classes import (
     ClassesConfig,
     build_workloads,
 )
-from bench.classes_report import markdown, summarize, targets
+from bench.classes_report import engine_phases, markdown, summarize, targets
 from bench.classes_signals import SignalSampler, lead_table
 from bench.loadgen import replay
 from bench.report import num
@@ -98,14 +98,25 @@ def run_one(
                 time_scale=sim.time_scale,
                 replicas=replicas,
                 deadline=config.deadline,
+                # The samples' clock is the replay's, so they fall in the right phase.
+                on_start=sampler.align,
+                stop_at=config.duration,
             )
         )
     summary = summarize(run.results, config)
+    summary["engines"] = engine_phases(sampler.samples, config)
     summary["timed_out"] = run.timed_out
     summary["wall_seconds"] = run.wall_seconds
     summary["admission"] = sampler.samples
     summary["signals"] = lead_table(sampler.samples, run.results)
     summary["replica_metrics"] = replica_metrics(stack)
+    for name, row in summary["engines"].items():
+        print(
+            f"   {name}: running {num(row['running'], '{:.1f}')}, waiting "
+            f"{num(row['waiting'], '{:.2f}')} per replica, KV {num(row['kv_cache'], '{:.2f}')}, "
+            f"saturated {num(row['saturated_share'], '{:.0%}')} of samples",
+            flush=True,
+        )
     for name, row in summary["classes"].items():
         print(
             f"   {name}: {row['ok']}/{row['requests']} ok, shed {row['shed']}, "
@@ -175,7 +186,8 @@ def run_classes(config: ClassesConfig, state_dir: Path | None = None) -> Path:
         put_pool(stack)
         results[REFERENCE.key] = run_one(stack, REFERENCE, alone, config)
         for policy in POLICIES:
-            results[policy.key] = run_one(stack, policy, mixed, config)
+            if policy.key in config.policies or (not config.policies and policy.default):
+                results[policy.key] = run_one(stack, policy, mixed, config)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")

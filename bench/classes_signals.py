@@ -34,8 +34,16 @@ LAGS = (0.0, 0.5, 1.0, 2.0, 3.0)
 """Simulated seconds between the signal and the requests it is compared with."""
 WINDOW = 1.0
 """Simulated seconds of arrivals whose interactive TTFT each sample is compared with."""
-SIGNALS = ("waiting", "running", "kv_cache", "ttft")
-"""Pool means: requests waiting, requests running, KV-cache use, engine TTFT (all classes)."""
+SIGNALS = ("waiting", "running", "kv_cache", "ttft", "waiting_top", "kv_cache_top")
+"""Pool means: requests waiting, requests running, KV-cache use, engine TTFT (all classes);
+then waiting and KV-cache use over the busiest quarter of the replicas alone (`top_mean`),
+to see whether per-replica pressure would lead the pool mean."""
+
+
+def top_mean(values: Sequence[float]) -> float:
+    """The mean of the largest quarter of `values` (at least one)."""
+    ordered = sorted(values, reverse=True)
+    return statistics.fmean(ordered[: max(1, math.ceil(len(ordered) / 4))])
 
 
 class SignalSampler:
@@ -49,6 +57,7 @@ class SignalSampler:
         self.time_scale = time_scale
         self.interval = interval
         self.samples: list[dict[str, float]] = []
+        self._started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -56,6 +65,14 @@ class SignalSampler:
         self._started = time.monotonic()
         self._thread.start()
         return self
+
+    def align(self, started: float) -> None:
+        """Count the samples' time from `started` (``time.monotonic()``), the moment the
+        replay's simulated time 0 falls on, as `bench.loadgen.replay`'s ``on_start`` gives."""
+        shift = (started - self._started) / self.time_scale
+        self._started = started
+        for sample in list(self.samples):
+            sample["at"] -= shift
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
@@ -91,6 +108,12 @@ class SignalSampler:
                     )
                     sample["kv_cache"] = statistics.fmean(
                         m.get("vllm:kv_cache_usage_perc", 0.0) for m in replicas
+                    )
+                    sample["waiting_top"] = top_mean(
+                        [m.get("vllm:num_requests_waiting", 0.0) for m in replicas]
+                    )
+                    sample["kv_cache_top"] = top_mean(
+                        [m.get("vllm:kv_cache_usage_perc", 0.0) for m in replicas]
                     )
                     totals = (
                         sum(m.get("vllm:time_to_first_token_seconds_sum", 0.0) for m in replicas),
@@ -153,8 +176,9 @@ def signals_markdown(signals: dict[str, Any], config: ClassesConfig) -> list[str
     lines = [
         "## Which signal leads interactive TTFT (affinity alone, no admission)",
         "",
-        "Correlation of each pool mean with the interactive TTFT p90 of the requests "
-        f"arriving that many simulated seconds later (over {WINDOW:g}s of arrivals):",
+        "Correlation of each pool signal (the mean over the replicas, or over the busiest "
+        "quarter of them) with the interactive TTFT p90 of the requests arriving that many "
+        f"simulated seconds later (over {WINDOW:g}s of arrivals):",
         "",
         "| signal | peak | " + " | ".join(f"lag {lag:g}s" for lag in LAGS) + " | best lag |",
         "|---|---:|" + "---:|" * len(LAGS) + "---:|",
@@ -164,6 +188,8 @@ def signals_markdown(signals: dict[str, Any], config: ClassesConfig) -> list[str
         "running": "requests running",
         "kv_cache": "KV-cache use",
         "ttft": "engine TTFT, all classes",
+        "waiting_top": "requests waiting, busiest quarter",
+        "kv_cache_top": "KV-cache use, busiest quarter",
     }
     for signal, row in signals.items():
         cells = " | ".join(num(row["correlation_by_lag"].get(f"{lag:g}"), "{:.2f}") for lag in LAGS)
@@ -175,18 +201,25 @@ def signals_markdown(signals: dict[str, Any], config: ClassesConfig) -> list[str
     return lines
 
 
-def admission_summary(samples: Sequence[dict[str, float]]) -> str:
-    """One line on what admission did: peak pressure, least batch share, when batch was first
-    restricted (simulated seconds into the run) and how often its share changed."""
+def admission_summary(
+    samples: Sequence[dict[str, float]], overload: tuple[float, float] = (0.0, math.inf)
+) -> str:
+    """One line on what admission did: peak pressure, least batch share, the mean share
+    through the overload (`overload`: its start and end, simulated seconds), when batch was
+    first restricted (counted from the overload's start) and how often its share changed."""
     pressures = [s["pressure"] for s in samples if "pressure" in s]
     shares = [(s["at"], s["batch_admitted"]) for s in samples if "batch_admitted" in s]
     if not pressures and not shares:
         return "none"
-    restricted = [at for at, share in shares if share < 1.0]
+    start, end = overload
+    restricted = [at - start for at, share in shares if share < 1.0]
     changes = sum(1 for (_, a), (_, b) in itertools.pairwise(shares) if a != b)
     least = min((share for _, share in shares), default=math.nan)
+    during = [share for at, share in shares if start <= at < end]
+    first = restricted[0] if restricted else None
     return (
         f"peak pressure {num(max(pressures, default=None), '{:.2f}')}, batch admitted down "
-        f"to {least:.0%}, first restricted at {num(restricted[0] if restricted else None, '{:.1f}')}s, "
+        f"to {least:.0%}, {statistics.fmean(during) if during else math.nan:.0%} on average "
+        f"through the overload, first restricted {num(first, '{:.1f}')}s into it, "
         f"{changes} share changes"
     )

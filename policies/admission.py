@@ -28,7 +28,10 @@ per replica. Queue and KV-cache bounds still count, and catch the pools whose en
 no TTFT.
 
 The mean, not the busiest replica: one hot replica is the weights' and bounded load's job;
-admission acts when the whole pool is short of room. No fresh record at all gives no
+admission acts when the whole pool is short of room. ``S.busiest`` narrows each mean to
+that percent of the replicas, the busiest by the signal: with session affinity, bounded
+load lets a replica carry half again the mean, and its sessions wait while the pool mean
+still has room. No fresh record at all gives no
 pressure, and everything is admitted (fail open, as stale weights go neutral).
 
 Steps and hysteresis
@@ -37,14 +40,22 @@ The decision is a level: how many steps of ``S.step`` percent are restricted, co
 the least important class whose action is not ``admit``, then the next one up. Each round:
 
 - pressure >= ``S.high``, at least ``S.shed_interval`` since the last change, and pressure
-  not down by more than a tenth since that change: one more step (a queue that is already
-  draining needs no more shedding);
+  not down by more than a tenth since that change: restrict at once the share of the
+  class that the pressure implies, the excess over ``high`` as a share of the class
+  (pressure 1.25 restricts a quarter more, 1.5 half, 2 or more the whole class), in whole
+  steps and at least one, up to the end of the class being restricted (the next class up
+  waits for the next round: its own requests may not be the excess);
 - pressure <= ``S.low`` and at least ``S.recover_interval`` since the last change: one step
   back;
 - otherwise nothing moves.
 
-The band between ``low`` and ``high`` and the longer recovery interval keep a recovering
-pool from taking a class back, overloading again and shedding it again (flapping).
+Restrict at once, give back slowly: a request admitted into an overload holds its replica
+for as long as it runs (a long batch prompt, most of ten seconds in the service-class
+benchmark), so shedding too little for a few seconds costs the interactive class for many
+more; one step a second took four seconds to shed a class there. A draining queue needs no
+more shedding, and the band between ``low`` and ``high`` and the longer recovery interval
+keep a recovering pool from taking a class back, overloading again and shedding it again
+(flapping).
 """
 
 from __future__ import annotations
@@ -133,22 +144,35 @@ def pool_signals(
     ]
     if not fresh:
         return ()
+
+    def mean(values: list[float]) -> float:
+        return busiest_mean(values, saturation.busiest)
+
     signals = [
-        Signal("queue", statistics.fmean(r.waiting or 0.0 for r in fresh), saturation.queue),
-        Signal("kvCache", statistics.fmean(r.kv_cache or 0.0 for r in fresh), saturation.kv_cache),
+        Signal("queue", mean([r.waiting or 0.0 for r in fresh]), saturation.queue),
+        Signal("kvCache", mean([r.kv_cache or 0.0 for r in fresh]), saturation.kv_cache),
     ]
     ttfts = [r.ttft for r in fresh if r.ttft is not None]
     if ttft_bound is not None and ttfts:
-        signals.append(Signal("ttft", statistics.fmean(ttfts), ttft_bound))
+        signals.append(Signal("ttft", mean(ttfts), ttft_bound))
     if saturation.pending_tokens is not None:
         signals.append(
             Signal(
                 "pendingTokens",
-                statistics.fmean(r.pending_tokens or 0.0 for r in fresh),
+                mean([r.pending_tokens or 0.0 for r in fresh]),
                 saturation.pending_tokens,
             )
         )
     return tuple(signals)
+
+
+def busiest_mean(values: Sequence[float], busiest: int | None) -> float:
+    """The mean of `values`, or with `busiest` (percent) of their largest share alone, at
+    least one (``Saturation.busiest``)."""
+    if busiest is None:
+        return statistics.fmean(values)
+    ordered = sorted(values, reverse=True)
+    return statistics.fmean(ordered[: max(1, math.ceil(len(ordered) * busiest / 100 - 1e-9))])
 
 
 def pressure_of(signals: Sequence[Signal]) -> float | None:
@@ -193,7 +217,7 @@ def decide(
         and since >= saturation.shed_interval
         and pressure >= FALLING * at_change
     ):
-        target = level + 1
+        target = level + restrict_steps(level, pressure, saturation)
     elif pressure <= saturation.low and since >= saturation.recover_interval:
         target = level - 1
     else:
@@ -227,6 +251,18 @@ def decide(
     )
 
 
+def restrict_steps(level: int, pressure: float, saturation: Saturation) -> int:
+    """Steps to restrict at once from `level` at `pressure` (at or above ``high``): the
+    excess over ``high``, as a share of a class, in whole steps and at least one, and never
+    past the end of the class that is being restricted (see the module notes)."""
+    per_class = steps_per_class(saturation)
+    excess = pressure / saturation.high - 1.0
+    # A hair below a whole step still takes it: 1.5 is two steps of 25, not three.
+    wanted = max(1, math.ceil(excess * per_class - 1e-9))
+    class_end = (level // per_class + 1) * per_class
+    return min(wanted, class_end - level)
+
+
 def admitted_shares(
     classes: Sequence[ServiceClass], level: int, saturation: Saturation
 ) -> dict[str, float]:
@@ -249,9 +285,11 @@ __all__ = [
     "Direction",
     "Signal",
     "admitted_shares",
+    "busiest_mean",
     "decide",
     "pool_pressure",
     "pool_signals",
     "pressure_of",
+    "restrict_steps",
     "steps_per_class",
 ]

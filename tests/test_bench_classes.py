@@ -4,7 +4,7 @@ and the target rows, on hand-made request results (the run itself is `make bench
 from __future__ import annotations
 
 from bench.classes import BATCH, INTERACTIVE, Phase, default_config
-from bench.classes_report import summarize, targets
+from bench.classes_report import engine_phases, summarize, targets
 from bench.loadgen import RequestResult
 
 
@@ -38,6 +38,49 @@ def test_goodput_counts_requests_within_their_class_objective_and_recovery_the_l
     assert summary["goodput_per_s"] == 2 / 30
     assert summary["recovery_s"] == 4.0
     assert summary["shed_in_calm_phase"] == 1
+
+
+def test_the_ramp_counts_in_no_number_but_a_request_shed_in_it_was_shed_with_room() -> None:
+    config = type(default_config())(
+        phases=(
+            Phase("ramp", 10, 0.4, 0.1, measured=False),
+            Phase("calm", 10, 0.4, 0.1),
+            Phase("overload", 10, 0.6, 0.7),
+            Phase("recovery", 10, 0.4, 0.1),
+        ),
+    )
+    results = [
+        _ok("s7-1", 5.0, 3.0),  # in the ramp: neither a miss nor a request
+        _shed("d101-1", 6.0),  # shed in the ramp: the fleet had room
+        _ok("s7-2", 12.0, 0.2),
+        _ok("s7-3", 25.0, 2.0),  # missed in the overload
+    ]
+    summary = summarize(results, config)
+    interactive = summary["classes"][INTERACTIVE]
+    assert (interactive["requests"], interactive["met_objective"]) == (2, 1)
+    assert interactive["by_phase"]["overload"] == {"requests": 1, "shed": 0, "ttft_p99": 2.0}
+    assert "ramp" not in interactive["by_phase"]
+    assert summary["classes"][BATCH]["requests"] == 0
+    assert summary["goodput_per_s"] == 1 / 30  # over the 30 measured seconds
+    assert summary["shed_in_calm_phase"] == 1
+    assert summary["recovery_s"] == 0.0
+
+
+def test_engine_counters_tell_a_saturated_phase_from_a_calm_one() -> None:
+    config = type(default_config())(
+        phases=(Phase("calm", 10, 0.4, 0.1), Phase("overload", 10, 0.6, 0.7)),
+    )
+    full = config.routing.sim.max_batch
+    samples = [
+        {"at": 1.0, "running": 3.0, "waiting": 0.0, "kv_cache": 0.2},
+        {"at": 2.0, "running": 0.8 * full, "waiting": 0.5, "kv_cache": 0.3},
+        {"at": 11.0, "running": float(full), "waiting": 2.0, "kv_cache": 0.5},
+        {"at": 12.0, "running": float(full), "waiting": 0.0, "kv_cache": 0.5},
+    ]
+    phases = engine_phases(samples, config)
+    assert phases["calm"]["saturated_share"] == 0.0  # a full batch needs 90% of the slots
+    assert phases["overload"]["saturated_share"] == 0.5  # ... and requests waiting
+    assert phases["overload"]["waiting"] == 1.0
 
 
 def test_targets_compare_the_runs_side_by_side() -> None:

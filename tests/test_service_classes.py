@@ -115,15 +115,32 @@ def _run(pressures: list[float | None], start: AdmissionDecision | None = None) 
     return levels
 
 
-def test_saturation_restricts_the_lowest_class_first_one_step_a_second() -> None:
+def test_saturation_restricts_the_lowest_class_first_by_the_share_the_pressure_implies() -> None:
+    # Pressure 1.25: a quarter over high, one step of 25% a second.
+    assert _run([1.25] * 3) == [1, 2, 3]
+    # 1.5: half of a class at once; the next class up only in the next round, never two
+    # classes in one change, and interactive ('admit') is never touched.
+    assert _run([1.5] * 5) == [2, 4, 6, 8, 8]
+    # 2 and more: a whole class a round.
+    assert _run([3.0] * 3) == [4, 8, 8]
+    # One step short of the end of batch: the rest of batch, then standard next round.
+    assert _run([1.25, 1.25, 1.25, 2.0, 2.0]) == [1, 2, 3, 4, 8]
     decision = None
-    for second in range(6):
+    for second in range(3):
         decision = decide(decision, 1.5, CLASSES, now=float(second), saturation=SATURATION)
     assert decision is not None
-    assert decision.level == 6
     assert dict(decision.admitted or {}) == {"interactive": 1.0, "standard": 0.5, "batch": 0.0}
-    # Never past the last restricted class; interactive ('admit') is never touched.
-    assert _run([3.0] * 20)[-1] == 8
+
+
+def test_a_step_is_at_least_one_and_follows_the_step_size() -> None:
+    # Just at high: one step. With steps of 10%, pressure 1.5 restricts five of them.
+    assert _run([1.0, 1.0]) == [1, 2]
+    tenths = Saturation(step=10, shed_interval=1.0, recover_interval=3.0)
+    levels = [
+        decide(None, pressure, CLASSES, now=0.0, saturation=tenths).level
+        for pressure in (1.0, 1.05, 1.5, 1.95, 5.0)
+    ]
+    assert levels == [1, 1, 5, 10, 10]
 
 
 def test_nothing_moves_inside_the_band_and_recovery_is_slower_than_shedding() -> None:
@@ -136,11 +153,11 @@ def test_nothing_moves_inside_the_band_and_recovery_is_slower_than_shedding() ->
 
 def test_a_queue_that_is_already_draining_is_not_shed_further() -> None:
     # Pressure still above high but well down since the last step: hold.
-    assert _run([2.0, 2.0, 1.6, 1.5, 1.4]) == [1, 2, 2, 2, 2]
+    assert _run([1.25, 1.25, 1.1, 1.05, 1.02]) == [1, 2, 2, 2, 2]
 
 
 def test_without_fresh_telemetry_everything_is_admitted() -> None:
-    levels = _run([2.0, 2.0, 2.0, None])
+    levels = _run([1.25, 1.25, 1.25, None])
     assert levels == [1, 2, 3, 0]
 
 
@@ -159,7 +176,7 @@ def test_pool_pressure_is_the_largest_mean_signal_over_fresh_records() -> None:
 def test_a_decision_keeps_each_class_since_and_its_next_step_for_operators() -> None:
     decisions = []
     decision = None
-    for second, pressure in enumerate([1.5, 1.5, 1.5, 1.5, 1.5, 0.8, 0.4, 0.4, 0.4, 0.4]):
+    for second, pressure in enumerate([1.25, 1.25, 1.25, 1.25, 1.25, 0.8, 0.4, 0.4, 0.4, 0.4]):
         decision = decide(decision, pressure, CLASSES, now=float(second), saturation=SATURATION)
         decisions.append(decision)
     # Batch went at 0 s and was fully shed at 3 s; standard started to go at 4 s.
@@ -187,6 +204,23 @@ def test_pool_signals_give_each_mean_against_its_bound() -> None:
         ("pendingTokens", 2000.0, 4000.0, 0.5),
     ]
     assert pool_signals(endpoints, records, now=200.0, max_age=10.0, saturation=saturation) == ()
+
+
+def test_busiest_takes_each_signal_over_the_busiest_share_of_the_replicas() -> None:
+    endpoints = [Endpoint(address="10.0.0.1", port=p) for p in (1, 2, 3, 4, 5)]
+    records = {
+        f"10.0.0.1:{port}": TelemetryRecord(at=100.0, waiting=waiting, kv_cache=kv)
+        for port, waiting, kv in ((1, 6, 0.1), (2, 2, 0.9), (3, 0, 0.1), (4, 0, 0.1), (5, 0, 0.3))
+    }
+    pool = pool_signals(endpoints, records, now=100.0, max_age=10.0, saturation=SATURATION)
+    assert [(s.name, s.mean) for s in pool] == [("queue", 1.6), ("kvCache", pytest.approx(0.3))]
+    # The busiest 25% of five replicas is two of them, picked per signal.
+    quarter = Saturation(busiest=25)
+    busiest = pool_signals(endpoints, records, now=100.0, max_age=10.0, saturation=quarter)
+    assert [(s.name, s.mean) for s in busiest] == [("queue", 4.0), ("kvCache", 0.6)]
+    assert pool_pressure(endpoints, records, now=100.0, max_age=10.0, saturation=quarter) == 1.0
+    one = Saturation(busiest=1)  # at least one replica: the busiest
+    assert pool_signals(endpoints, records, now=100.0, max_age=10.0, saturation=one)[0].mean == 6
 
 
 def test_the_mean_time_to_first_token_saturates_at_half_the_first_class_objective() -> None:
@@ -221,9 +255,10 @@ def test_a_saturated_pool_becomes_shed_and_divert_entries_that_envoy_accepts(
     tmp_path: Path,
 ) -> None:
     objects = load_objects(EXAMPLE)
+    # Mean queue 5 against a bound of 4: pressure 1.25, one step of 25% a round.
     busy = {
-        "10.0.6.10:8000": TelemetryRecord(at=0.0, waiting=12),
-        "10.0.6.11:8000": TelemetryRecord(at=0.0, waiting=12),
+        "10.0.6.10:8000": TelemetryRecord(at=0.0, waiting=5),
+        "10.0.6.11:8000": TelemetryRecord(at=0.0, waiting=5),
     }
     previous: dict[str, AdmissionDecision] = {}
     for second in range(6):  # 6 steps: all of batch, then half of background

@@ -56,7 +56,7 @@ function stepText(route, saturation, now) {
     const wait = Math.max(0, next.at - now);
     parts.push(
       next.direction === "restrict"
-        ? `<span class="sync-bad">restricts one more step ${wait < 1 ? "now" : `in ${duration(wait)}`}</span> unless pressure falls`
+        ? `<span class="sync-bad">restricts more ${wait < 1 ? "now" : `in ${duration(wait)}`}</span> unless pressure falls`
         : `<span class="sync-ok">gives a step back ${wait < 1 ? "now" : `in ${duration(wait)}`}</span> while pressure stays at or below low`,
     );
   } else if (route.pressure !== null && route.level > 0 && route.level >= route.levels && route.pressure >= saturation.high) {
@@ -131,8 +131,8 @@ function policyHtml(policy, now) {
   ].filter(Boolean);
   return (
     `<section class="policy" data-policy="${esc(policy.name)}"><header><h2>${esc(policy.name)}</h2>` +
-    `<span class="muted">saturated at ${esc(bounds.join(" · "))} (mean per replica)</span>` +
-    `<span class="muted">restrict ${s.step}% at a time at pressure ≥ ${num(s.high, 2)}, at most every ${interval(s.shedInterval)}; give back at ≤ ${num(s.low, 2)} after ${interval(s.recoverInterval)}</span>` +
+    `<span class="muted">saturated at ${esc(bounds.join(" · "))} (${s.busiest ? `mean over the busiest ${s.busiest}% of the replicas` : "mean per replica"})</span>` +
+    `<span class="muted">at pressure ≥ ${num(s.high, 2)} restrict the excess over it (in ${s.step}% steps), at most every ${interval(s.shedInterval)}; give back ${s.step}% at ≤ ${num(s.low, 2)} after ${interval(s.recoverInterval)}</span>` +
     `<span class="muted">tenant header <code>${esc(policy.tenantHeader)}</code></span></header>` +
     policy.routes.map((route) => routeHtml(route, policy, now)).join("") +
     `</section>`

@@ -150,9 +150,10 @@ class Saturation(Model):
     pending tokens, each divided by its bound here: 1.0 means saturated. The time to first
     token is what the objectives promise, and long prompts prefilling beside short ones slow
     it well before any queue forms, so its bound follows the most important class's
-    objective. kvpilot sheds (or diverts) one more step of the lowest restricted class while
-    pressure is at or above ``high`` and not falling, and gives one step back while it is at
-    or below ``low``: between the two nothing moves.
+    objective. While pressure is at or above ``high`` and not falling, kvpilot restricts
+    (sheds, queues or diverts) at once the share of the lowest restricted class that the
+    excess over ``high`` implies (1.5 restricts half of the class, 2 all of it), and gives
+    one step back while it is at or below ``low``: between the two nothing moves.
     """
 
     ttft: Duration | None = Field(
@@ -177,8 +178,20 @@ class Saturation(Model):
         description="Mean tokens admitted but not yet processed per replica that saturate the "
         "pool. Default: not used.",
     )
+    busiest: int | None = Field(
+        None,
+        ge=1,
+        le=100,
+        description="Percent of the replicas, the busiest by each signal, that the means "
+        "are taken over: 25 reads each signal on the busiest quarter. With session affinity "
+        "a replica may carry half again the mean load (bounded load), and its sessions wait "
+        "while the pool mean still has room. Default: every replica (the pool mean).",
+    )
     high: float = Field(
-        1.0, gt=0, description="Pressure at which the next step is shed. Default: 1.0."
+        1.0,
+        gt=0,
+        description="Pressure at which more is restricted: the excess over it, as a share "
+        "of the class (at least one step). Default: 1.0.",
     )
     low: float = Field(
         0.5, ge=0, description="Pressure at or below which a step is given back. Default: 0.5."
@@ -187,11 +200,11 @@ class Saturation(Model):
         25,
         ge=1,
         le=100,
-        description="Share of a class's requests restricted or given back at a time, in "
-        "percent. Default: 25.",
+        description="Share of a class's requests given back at a time, and the unit in "
+        "which shares are restricted, in percent. Default: 25.",
     )
     shed_interval: Duration = Field(
-        1.0, description="Least time between two steps of shedding. Default: 1s."
+        1.0, description="Least time between two restrictions. Default: 1s."
     )
     recover_interval: Duration = Field(
         3.0,
