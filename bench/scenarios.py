@@ -91,6 +91,21 @@ SUITE_POLICIES: tuple[Policy, ...] = (
     bounded_load(
         _STANDARD["affinity_telemetry"], 150, "kvpilot_b150", "kvpilot, bounded load 1.50"
     ),
+    # The recommended route with one bounded load whatever the load: 125%, the calm bound,
+    # without the tighter one for saturated replicas. What the saturated bound is measured
+    # against.
+    Policy(
+        "kvpilot_static",
+        "kvpilot, one bound (125%, none tighter when saturated)",
+        {
+            "balancing": "telemetry",
+            "sessionAffinity": {
+                **{key: value for key, value in AFFINITY.items() if key != "hashBalanceFactor"},
+                "saturatedHashBalanceFactor": 0,
+            },
+        },
+        default=False,
+    ),
     replace(_STANDARD["least_request"], default=False),
     replace(_STANDARD["orca"], default=False),
 )

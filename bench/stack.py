@@ -34,7 +34,9 @@ from controlplane.launchers import (
     repo_root,
     wait_until,
 )
+from policies.models import RoutingPolicy
 from policies.names import QUEUE_INFIX
+from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
 
 MODEL = "sim-model"
 POOL = "bench"
@@ -223,33 +225,42 @@ def _clusters_in_envoy(envoy: EmbeddedEnvoy) -> dict[str, tuple[str, int]]:
     return out
 
 
-def _expected_clusters(route: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
-    """The load-balancer signatures Envoy shows once `route` is applied, by name suffix."""
-    balancing = route.get("balancing", "least_request")
+def _expected_clusters(body: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
+    """The load-balancer signatures Envoy shows once the policy `body` is applied, by name
+    suffix (the route's defaults as kvpilot fills them in)."""
+    route = RoutingPolicy.model_validate(body).spec.routes[0]
     base = {
         "round_robin": "ROUND_ROBIN",
         "orca": "client_side_weighted_round_robin",
-    }.get(balancing, "LEAST_REQUEST")
+    }.get(route.balancing, "LEAST_REQUEST")
     out = {"": (base, 0)}
-    affinity = route.get("sessionAffinity")
+    affinity = route.session_affinity
     if affinity is not None:
-        out["/affinity"] = ("RING_HASH", int(affinity.get("hashBalanceFactor", 150)))
+        out[AFFINITY_SUFFIX] = ("RING_HASH", affinity.hash_balance_factor)
+        if affinity.saturated_hash_balance_factor:
+            out[SATURATED_SUFFIX] = ("RING_HASH", affinity.saturated_hash_balance_factor)
     return out
 
 
-def _policy_live(stack: Stack, route: Mapping[str, Any]) -> bool:
-    """Envoy's clusters balance as `route` asks, and every replica is healthy in each."""
+def _suffix(name: str) -> str:
+    for suffix in (AFFINITY_SUFFIX, SATURATED_SUFFIX):
+        if name.endswith(suffix):
+            return suffix
+    return ""
+
+
+def _policy_live(stack: Stack, body: Mapping[str, Any]) -> bool:
+    """Envoy's clusters balance as the policy `body` asks, and every replica is healthy in
+    each."""
     try:
         clusters = _clusters_in_envoy(stack.envoy)
     except Exception:
         return False
-    expected = _expected_clusters(route)
+    expected = _expected_clusters(body)
     # A queued service class has a cluster of its own, the route's with other circuit breakers.
     queues = [signature for name, signature in clusters.items() if QUEUE_INFIX in name]
     seen = {
-        "/affinity" if name.endswith("/affinity") else "": signature
-        for name, signature in clusters.items()
-        if QUEUE_INFIX not in name
+        _suffix(name): signature for name, signature in clusters.items() if QUEUE_INFIX not in name
     }
     if len(clusters) != len(seen) + len(queues) or seen != expected:
         return False
@@ -271,7 +282,7 @@ def apply_policy(stack: Stack, key: str, route: Mapping[str, Any], **spec: Any) 
     body = _policy_body(stack, route)
     body["spec"].update(spec)
     stack.put(body)
-    wait_until(lambda: _policy_live(stack, route), 60, f"Envoy to serve {key}")
+    wait_until(lambda: _policy_live(stack, body), 60, f"Envoy to serve {key}")
 
 
 def _probe(stack: Stack) -> bool:

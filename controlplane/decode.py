@@ -27,6 +27,7 @@ from policies import (
     parse_object,
 )
 from policies.admission import AdmissionDecision
+from policies.saturation import SaturationDecision
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision
 
@@ -147,6 +148,7 @@ class DecodedState:
         *,
         previous_weights: Mapping[str, Mapping[str, WeightDecision]] | None = None,
         previous_admission: Mapping[str, AdmissionDecision] | None = None,
+        previous_saturation: Mapping[str, SaturationDecision] | None = None,
         now: float = 0.0,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
@@ -157,5 +159,6 @@ class DecodedState:
             telemetry=self._telemetry_by_pool.frozen(),
             previous_weights=previous_weights or {},
             previous_admission=previous_admission or {},
+            previous_saturation=previous_saturation or {},
             now=now,
         )

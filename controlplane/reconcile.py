@@ -15,9 +15,10 @@ skipped with a logged error visible in status; the last valid version of that ob
 serving.
 
 Telemetry: records under ``telemetry/{pool}/{endpoint_id}`` feed the weight function
-(``policies.weights``) and admission per service class (``policies.admission``) through
-compile; their previous decisions are kept here for hysteresis. Admission changes only route
-entries, so they take the routes path (RDS), and a rebuild is scheduled for the moment the
+(``policies.weights``), admission per service class (``policies.admission``) and the
+saturation of telemetry routes (``policies.saturation``) through compile; their previous
+decisions are kept here for hysteresis. Admission and saturation change only route entries,
+so they take the routes path (RDS), and a rebuild is scheduled for the moment the
 admission level would take its next step, so it moves even when telemetry stays the same.
 Rebuilds caused only by telemetry are capped at one per ``min_push_interval``, and a rebuild
 is also scheduled when fresh telemetry is about to pass its ``max_age`` (an agent that stopped
@@ -47,6 +48,7 @@ from controlplane.telemetryhistory import TelemetryHistory
 from policies import PolicyState, RouteMemo, RoutingPlan, compile_plan
 from policies.admission import AdmissionDecision
 from policies.models import TELEMETRY_MAX_AGE
+from policies.saturation import SaturationDecision
 from policies.weights import WeightDecision
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
 from xdsserver.snapshot import SnapshotCache
@@ -116,8 +118,10 @@ class Reconciler:
         """The value each present key was last decoded from."""
         self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
         self._admission: Mapping[str, AdmissionDecision] = {}
+        self._saturation: Mapping[str, SaturationDecision] = {}
         self._next_stale_at = math.inf
         self._next_admission_at = math.inf
+        self._next_saturation_at = math.inf
         self._last_telemetry_build = -math.inf
         self._last_build = -math.inf
         """``time.monotonic()`` when the last rebuild finished."""
@@ -154,16 +158,20 @@ class Reconciler:
 
     async def _wait_dirty(self) -> None:
         """Wait for a change, until fresh telemetry goes stale (then weights must return to
-        neutral although nothing in etcd changed), or until admission takes its next step."""
+        neutral although nothing in etcd changed), until admission takes its next step, or
+        until a saturated route's dwell ends."""
         while not self._dirty.is_set():
-            delay = min(self._next_stale_at, self._next_admission_at) - self.clock()
+            delay = (
+                min(self._next_stale_at, self._next_admission_at, self._next_saturation_at)
+                - self.clock()
+            )
             if math.isinf(delay):
                 await self._dirty.wait()
                 return
             try:
                 await asyncio.wait_for(self._dirty.wait(), max(delay, 0.0))
             except TimeoutError:
-                self._next_stale_at = self._next_admission_at = math.inf
+                self._next_stale_at = self._next_admission_at = self._next_saturation_at = math.inf
                 self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
 
     @property
@@ -255,7 +263,10 @@ class Reconciler:
             else:
                 self._applied[key] = value
         state = self._decoded.policy_state(
-            previous_weights=self._weights, previous_admission=self._admission, now=self.clock()
+            previous_weights=self._weights,
+            previous_admission=self._admission,
+            previous_saturation=self._saturation,
+            now=self.clock(),
         )
         plan = compile_plan(state, self._memo)
         fleets: dict[str, dict[str, str]] = {}
@@ -278,6 +289,7 @@ class Reconciler:
         self._report(plan)
         self._track_weights(state, plan)
         self._track_admission(plan)
+        self._track_saturation(plan)
         self.metrics.count_endpoints(state, plan)
         self.plan = plan
         self.state = state
@@ -403,6 +415,32 @@ class Reconciler:
         # A little after the step is due, so the interval has passed on any rounding.
         self._next_admission_at = (
             min((d.next_step_at for d in plan.admission.values()), default=math.inf) + 0.05
+        )
+
+    def _track_saturation(self, plan: RoutingPlan) -> None:
+        """Keep saturation decisions for hysteresis, export them and log each change."""
+        metrics = self.metrics
+        for route, decision in plan.saturation.items():
+            metrics.saturated.labels(route).set(int(decision.saturated))
+            metrics.batch_fill.labels(route).set(
+                math.nan if decision.fill is None else decision.fill
+            )
+            before = self._saturation.get(route)
+            if before is not None and before.saturated != decision.saturated:
+                log.info(
+                    "%s: replicas %s at batch fill %s; session requests take the %s bound",
+                    route,
+                    "saturated" if decision.saturated else "calm again",
+                    decision.fill,
+                    "saturated" if decision.saturated else "usual",
+                )
+        for route in self._saturation.keys() - plan.saturation.keys():
+            metrics.saturated.remove(route)
+            metrics.batch_fill.remove(route)
+        self._saturation = plan.saturation
+        # A little after the dwell ends, so it has passed on any rounding.
+        self._next_saturation_at = (
+            min((d.calm_at for d in plan.saturation.values()), default=math.inf) + 0.05
         )
 
     def _report(self, plan: RoutingPlan) -> None:

@@ -91,6 +91,20 @@ class ReconcileMetrics:
             ["route", "direction"],
             **kwargs,
         )
+        self.saturated = Gauge(
+            "kvpilot_route_saturated",
+            "1 while a telemetry route's first-tier replicas count as saturated, so its session "
+            "requests take the tighter bounded load (saturatedHashBalanceFactor); else 0.",
+            ["route"],
+            **kwargs,
+        )
+        self.batch_fill = Gauge(
+            "kvpilot_route_batch_fill",
+            "Mean batch fill ((running + waiting) / batch size) of a telemetry route's "
+            "first-tier replicas; NaN without fresh telemetry that knows the batch size.",
+            ["route"],
+            **kwargs,
+        )
         self.pool_endpoints = Gauge(
             "kvpilot_pool_endpoints",
             "Endpoints of each pool (static and registered), by the health kvpilot sends to "

@@ -16,9 +16,12 @@ Design choices, each forced by what Envoy does:
   live telemetry (``policies.weights``); every other route keeps the static weights.
 - Routes of a policy with service classes take each class's admitted share from the pressure
   of their first tier's replicas (``policies.admission``); it becomes route entries (RDS).
+- Telemetry routes with session affinity send their session requests to a tighter-bounded
+  twin of their hash cluster while their first tier's batches are full
+  (``policies.saturation``); that, too, is a route entry's cluster (RDS).
 
 This module runs the stages in order; each lives in a module of its own: ``state`` (what
-compilation reads), ``live`` (telemetry weights and admission), ``routes`` (one route's
+compilation reads), ``live`` (telemetry weights, admission and saturation), ``routes`` (one route's
 clusters and route entry, memoised), ``fleets`` (which policies each fleet gets, and how they
 share a port), ``names`` (the names of the Envoy resources). It re-exports the names callers
 of compilation use with it.
@@ -29,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from policies.fleets import applies, fleet_compiled, fleet_names, merge_listener
-from policies.live import admission_decisions, telemetry_weights
+from policies.live import admission_decisions, saturation_decisions, telemetry_weights
 from policies.models import FleetSpec, RoutingPolicy
 from policies.names import cluster_name, listener_name
 from policies.plan import (
@@ -72,20 +75,24 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
     memo = memo if memo is not None else RouteMemo()
     entries: dict[str, MemoEntry] = {}
     admission = admission_decisions(state)
+    saturation = saturation_decisions(state)
     for policy_name in sorted(state.policies):
         policy = state.policies[policy_name]
         policy_clusters = []
         routes = []
         for index, route in enumerate(policy.spec.routes):
+            name = cluster_name(policy_name, route.name)
+            saturated = saturation.get(name)
             entry = memo.route(
                 policy,
                 index,
                 route,
                 state,
                 weights,
-                admission.get(cluster_name(policy_name, route.name)),
+                admission.get(name),
+                saturated=saturated is not None and saturated.saturated,
             )
-            entries[cluster_name(policy_name, route.name)] = entry
+            entries[name] = entry
             diagnostics.extend(entry.diagnostics)
             policy_clusters.extend(entry.clusters)
             routes.append(entry.route)
@@ -145,6 +152,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         diagnostics=_dedupe(diagnostics),
         weights=weights,
         admission=admission,
+        saturation=saturation,
     )
 
 

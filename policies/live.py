@@ -1,12 +1,14 @@
 """The live stage of compilation: endpoint weights from telemetry for the pools of
-``balancing: telemetry`` routes (``policies.weights``), and the admitted share of each class
-for the routes of policies with service classes (``policies.admission``)."""
+``balancing: telemetry`` routes (``policies.weights``), the admitted share of each class
+for the routes of policies with service classes (``policies.admission``), and which bounded
+load the session requests of a telemetry route take (``policies.saturation``)."""
 
 from __future__ import annotations
 
 from policies.admission import AdmissionDecision, decide, pool_signals, pressure_of
-from policies.models import TELEMETRY_MAX_AGE, Endpoint
+from policies.models import TELEMETRY_MAX_AGE, Endpoint, Route
 from policies.names import cluster_name
+from policies.saturation import SaturationDecision, batch_fill, decide_saturation
 from policies.state import PolicyState, is_external, pool_endpoints
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision, WeightParams, pool_weights
@@ -43,6 +45,25 @@ def telemetry_weights(state: PolicyState) -> dict[str, dict[str, WeightDecision]
     return out
 
 
+def _first_tier(
+    state: PolicyState, route: Route
+) -> tuple[list[Endpoint], dict[str, TelemetryRecord], float]:
+    """The replicas of a route's first tier (external providers and pools weighted 0 left
+    out), their telemetry by endpoint key and the shortest ``maxAge`` of their pools."""
+    endpoints: list[Endpoint] = []
+    telemetry: dict[str, TelemetryRecord] = {}
+    max_age = TELEMETRY_MAX_AGE
+    for target in route.tiers[0].pools:
+        pool = state.pools.get(target.pool)
+        if pool is None or is_external(pool) or target.weight == 0:
+            continue
+        endpoints.extend(pool_endpoints(pool, state.registered.get(target.pool, {})))
+        telemetry.update(state.telemetry.get(target.pool, {}))
+        if pool.spec.telemetry is not None:
+            max_age = min(max_age, pool.spec.telemetry.max_age)
+    return endpoints, telemetry, max_age
+
+
 def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
     """Admission for every route of every policy with service classes: route cluster name
     (``policy/route``) -> decision, from the pressure of the route's first-tier replicas."""
@@ -53,17 +74,7 @@ def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
         if classes is None:
             continue
         for route in spec.routes:
-            endpoints: list[Endpoint] = []
-            telemetry: dict[str, TelemetryRecord] = {}
-            max_age = TELEMETRY_MAX_AGE
-            for target in route.tiers[0].pools:
-                pool = state.pools.get(target.pool)
-                if pool is None or is_external(pool) or target.weight == 0:
-                    continue
-                endpoints.extend(pool_endpoints(pool, state.registered.get(target.pool, {})))
-                telemetry.update(state.telemetry.get(target.pool, {}))
-                if pool.spec.telemetry is not None:
-                    max_age = min(max_age, pool.spec.telemetry.max_age)
+            endpoints, telemetry, max_age = _first_tier(state, route)
             signals = pool_signals(
                 endpoints,
                 telemetry,
@@ -80,5 +91,25 @@ def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
                 now=state.now,
                 saturation=classes.saturation,
                 signals=signals,
+            )
+    return out
+
+
+def saturation_decisions(state: PolicyState) -> dict[str, SaturationDecision]:
+    """Saturation for every route whose bounded load tightens when its replicas are
+    saturated (``sessionAffinity.saturatedHashBalanceFactor``): route cluster name
+    (``policy/route``) -> decision, from the batch fill of the route's first-tier replicas."""
+    out: dict[str, SaturationDecision] = {}
+    for policy_name in sorted(state.policies):
+        for route in state.policies[policy_name].spec.routes:
+            affinity = route.session_affinity
+            if affinity is None or not affinity.saturated_hash_balance_factor:
+                continue
+            endpoints, telemetry, max_age = _first_tier(state, route)
+            name = cluster_name(policy_name, route.name)
+            out[name] = decide_saturation(
+                state.previous_saturation.get(name),
+                batch_fill(endpoints, telemetry, now=state.now, max_age=max_age),
+                now=state.now,
             )
     return out

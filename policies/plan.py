@@ -29,6 +29,7 @@ from policies.models import (
     SessionAffinity,
     Timeouts,
 )
+from policies.saturation import SaturationDecision
 from policies.weights import WeightDecision
 
 DEFAULT_FLEET = "default"
@@ -138,6 +139,9 @@ class PlanRoute:
     when the policy declares none."""
     tenant_header: str = ""
     """Header naming the tenant, for class matches by tenant and class budgets."""
+    saturated: bool = False
+    """Session requests take the affinity cluster's saturated twin (its tighter bounded load,
+    ``SessionAffinity.saturated_hash_balance_factor``)."""
 
     @property
     def short_name(self) -> str:
@@ -254,6 +258,9 @@ class RoutingPlan:
     admission: Mapping[str, AdmissionDecision] = field(default_factory=dict, hash=False)
     """What telemetry decided for routes with service classes: route (``policy/route``) ->
     decision."""
+    saturation: Mapping[str, SaturationDecision] = field(default_factory=dict, hash=False)
+    """What telemetry decided for routes whose bounded load tightens under saturation:
+    route (``policy/route``) -> decision."""
 
     def fleet(self, name: str) -> FleetPlan | None:
         """The plan of fleet ``name``, or None."""

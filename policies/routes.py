@@ -225,6 +225,8 @@ def compile_route(
     state: PolicyState,
     weights: Mapping[str, Mapping[str, WeightDecision]],
     admission: AdmissionDecision | None = None,
+    *,
+    saturated: bool = False,
 ) -> tuple[list[PlanCluster], PlanRoute]:
     """The clusters of one route and its route entry.
 
@@ -282,6 +284,7 @@ def compile_route(
         tenant_header=policy.spec.service_classes.tenant_header
         if policy.spec.service_classes is not None
         else "",
+        saturated=saturated,
     )
     classes = policy.spec.service_classes
     queues = tuple(
@@ -337,12 +340,14 @@ class RouteMemo:
         state: PolicyState,
         weights: Mapping[str, Mapping[str, WeightDecision]],
         admission: AdmissionDecision | None = None,
+        *,
+        saturated: bool = False,
     ) -> MemoEntry:
         """The compiled route, reused when its inputs are unchanged."""
         route_weights = weights if route.balancing == "telemetry" else {}
         names = [target.pool for tier in route.tiers for target in tier.pools]
         inputs = (
-            (route, policy.spec.service_classes, admission),
+            (route, policy.spec.service_classes, admission, saturated),
             index,
             *(state.pools.get(name) for name in names),
             *(state.registered.get(name) for name in names),
@@ -353,14 +358,16 @@ class RouteMemo:
         if (
             entry is not None
             and len(entry.inputs) == len(inputs)
-            # The route, its policy's service classes and its admission are small, and
+            # The route, its policy's service classes, admission and saturation are small, and
             # a policy edit makes them all new objects: compare them by value; the rest is large
             # and compared by identity.
             and entry.inputs[0] == inputs[0]
             and all(a is b for a, b in zip(entry.inputs[1:], inputs[1:], strict=True))
         ):
             return entry
-        clusters, plan_route = compile_route(policy, route, state, weights, admission)
+        clusters, plan_route = compile_route(
+            policy, route, state, weights, admission, saturated=saturated
+        )
         return MemoEntry(
             inputs, route_diagnostics(policy, index, route, state), clusters, plan_route
         )

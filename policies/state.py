@@ -10,6 +10,7 @@ from typing import Any
 
 from policies.admission import AdmissionDecision
 from policies.models import Endpoint, Fleet, PolicyObject, Pool, Rollout, RoutingPolicy
+from policies.saturation import SaturationDecision
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision
 
@@ -29,6 +30,8 @@ class PolicyState:
     """``RoutingPlan.weights`` of the previous compile, for hysteresis."""
     previous_admission: Mapping[str, AdmissionDecision] = field(default_factory=dict)
     """``RoutingPlan.admission`` of the previous compile, for hysteresis."""
+    previous_saturation: Mapping[str, SaturationDecision] = field(default_factory=dict)
+    """``RoutingPlan.saturation`` of the previous compile, for hysteresis."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)

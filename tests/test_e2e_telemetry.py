@@ -19,7 +19,7 @@ import httpx
 import pytest
 from harness.agent import MetricsBackend, start_agent_process
 from harness.auth import ADMIN
-from harness.builders import FAST_HEALTH_CHECK, policy, pool, route
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, route
 from harness.envoy import endpoint_weights, health_flags
 from harness.status import metric
 from harness.traffic import served_by
@@ -30,6 +30,8 @@ from controlplane.agent import Agent, AgentConfig, Target
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, free_port
 from controlplane.store import Store
+from policies.saturation import MIN_DWELL
+from xdsserver.translate import SATURATED_SUFFIX
 
 pytestmark = pytest.mark.e2e
 
@@ -229,6 +231,56 @@ async def test_on_an_affinity_route_a_slow_replica_gets_less_of_the_ring_and_a_q
     # The slow replica holds 35/235 of the ring: about 18 of 120 sessions, not 40.
     assert counts[setup.backends[0].id] <= 30, counts
     assert sum(counts.values()) == 120, counts
+
+
+async def test_saturated_replicas_tighten_bounded_load_and_every_session_keeps_its_replica(
+    make_setup: Callable[..., Any],
+) -> None:
+    setup: Setup = await make_setup("telemetry", affinity=True, max_age="60s")
+    usual, tight = CLUSTER + "/affinity", CLUSTER + SATURATED_SUFFIX
+    for twin in (usual, tight):
+        await setup.wait_weights(dict.fromkeys(setup.ports, 100), 30, f"{twin} in Envoy", twin)
+
+    def placement() -> dict[str, str]:
+        """Which replica answers each of 24 sessions."""
+        with httpx.Client(timeout=10) as client:
+            return {
+                session: client.post(
+                    setup.url, json=chat(), headers={"x-session-id": session}
+                ).headers.get("x-backend-id", "none")
+                for session in (f"session-{index}" for index in range(24))
+            }
+
+    def served_by_twin(twin: str) -> bool:
+        """The next session request is answered through `twin`."""
+        before = int(setup.envoy.stats().get(f"cluster.{twin}.upstream_rq_total", 0))
+        httpx.post(setup.url, json=chat(), headers={"x-session-id": "probe"}, timeout=10)
+        return int(setup.envoy.stats().get(f"cluster.{twin}.upstream_rq_total", 0)) > before
+
+    async def batches(running: float) -> None:
+        for port in setup.ports:
+            await setup.put(port, running=running, max_running=8)
+
+    calm = await asyncio.to_thread(placement)
+    assert await asyncio.to_thread(served_by_twin, usual)
+    assert len(set(calm.values())) > 1, calm
+
+    # Every batch full: session requests take the twin bounded at 100%.
+    await batches(8)
+    await poll(lambda: asyncio.to_thread(served_by_twin, tight), 15, "the saturated twin")
+    route = {"route": CLUSTER}
+    assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 1
+    assert metric(setup.kvpilot.api_url, "kvpilot_route_batch_fill", **route) == 1.0
+    # Both twins hash the same ring: no session changes replica when the bound does.
+    assert await asyncio.to_thread(placement) == calm
+
+    # Room again: back to the usual bound once the pool has been saturated for the dwell.
+    await batches(1)
+    await poll(
+        lambda: asyncio.to_thread(served_by_twin, usual), MIN_DWELL + 15, "the usual twin again"
+    )
+    assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 0
+    assert await asyncio.to_thread(placement) == calm
 
 
 async def test_stale_telemetry_falls_back_to_the_static_weight(

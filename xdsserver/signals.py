@@ -37,7 +37,7 @@ from google.protobuf import duration_pb2
 
 from policies.names import LOCAL_SUFFIX
 from policies.rollout import PoolSignals
-from xdsserver.translate import AFFINITY_SUFFIX
+from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,12 @@ class PoolResolver(Protocol):
 
 
 def route_cluster(cluster: str) -> str:
-    """The route cluster an Envoy cluster belongs to (its hash twin, or its replicas part)."""
-    return cluster.removesuffix(AFFINITY_SUFFIX).removesuffix(LOCAL_SUFFIX)
+    """The route cluster an Envoy cluster belongs to (a hash twin, or its replicas part)."""
+    return (
+        cluster.removesuffix(AFFINITY_SUFFIX)
+        .removesuffix(SATURATED_SUFFIX)
+        .removesuffix(LOCAL_SUFFIX)
+    )
 
 
 def _seconds(value: duration_pb2.Duration) -> float:

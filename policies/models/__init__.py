@@ -82,6 +82,7 @@ from policies.models.rollout import (
 from policies.models.route import (
     DEFAULT_RETRY_ON,
     TELEMETRY_HASH_BALANCE_FACTOR,
+    TELEMETRY_SATURATED_HASH_BALANCE_FACTOR,
     Balancing,
     HashAlgorithm,
     HeaderMatch,
@@ -109,6 +110,7 @@ __all__ = [
     "PATH_KINDS",
     "TELEMETRY_HASH_BALANCE_FACTOR",
     "TELEMETRY_MAX_AGE",
+    "TELEMETRY_SATURATED_HASH_BALANCE_FACTOR",
     "TLS",
     "TTFT_SHARE",
     "Analysis",

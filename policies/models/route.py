@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 
 from policies.models.fields import Duration, HeaderName, Model, Name
 
@@ -112,10 +113,16 @@ HashAlgorithm = Literal["ring_hash", "maglev"]
 
 TELEMETRY_HASH_BALANCE_FACTOR = 125
 """Bounded load of a ``balancing: telemetry`` route that does not set its own: spill, not
-evict. A hot replica's excess turns go to the next replica on the ring before a queue builds
-there, and every session keeps its place; telemetry keeps the ring itself for capacity. In
-the scenario benchmark it cut TTFT p99 against 150 in most scenarios, for a point or two of
-prefix-cache hit rate and more turns answered away from their replica (README, Benchmarks)."""
+evict. A hot replica's excess turns go to another replica before a queue builds there, and
+every session keeps its place; telemetry keeps the ring itself for capacity. In the scenario
+benchmark it cut TTFT p99 against 150 in most scenarios, for a point or two of prefix-cache
+hit rate and more turns answered away from their replica (README, Benchmarks)."""
+
+TELEMETRY_SATURATED_HASH_BALANCE_FACTOR = 100
+"""Bounded load of a ``balancing: telemetry`` route while its replicas are saturated
+(``policies.saturation``), unless the route sets its own: no host above the mean. With full
+batches a queue at one replica while another has a free slot is what costs, and in the
+scenario benchmark's overload 100 cut TTFT p99 to under half of 125's."""
 
 
 class SessionAffinity(Model):
@@ -139,6 +146,16 @@ class SessionAffinity(Model):
         "150 = no host above 1.5x average). 0 turns bounded load off. Default: 150; 125 on a "
         "route with balancing: telemetry.",
     )
+    saturated_hash_balance_factor: int = Field(
+        0,
+        ge=0,
+        description="Bounded load while the route's replicas are saturated (their batches on "
+        "average 70% full or more, from live telemetry), in percent like hashBalanceFactor: "
+        "tighter, so no replica queues while another has a free slot. Both bounds share one "
+        "ring, so a session keeps its replica when the bound changes. Needs balancing: "
+        "telemetry. 0 keeps hashBalanceFactor always. Default: 100 on a route with balancing: "
+        "telemetry, else 0.",
+    )
     prefix_hash_chars: int = Field(
         0,
         ge=0,
@@ -148,11 +165,12 @@ class SessionAffinity(Model):
         "Default: 0.",
     )
 
-    @field_validator("hash_balance_factor")
+    @field_validator("hash_balance_factor", "saturated_hash_balance_factor")
     @classmethod
-    def _factor(cls, value: int) -> int:
+    def _factor(cls, value: int, info: ValidationInfo) -> int:
         if 0 < value < 100:
-            raise ValueError("hashBalanceFactor must be 0 (off) or at least 100 (percent)")
+            name = to_camel(info.field_name or "")
+            raise ValueError(f"{name} must be 0 (off) or at least 100 (percent)")
         return value
 
 
@@ -237,17 +255,29 @@ class Route(Model):
     @model_validator(mode="before")
     @classmethod
     def _telemetry_spills_sooner(cls, data: Any) -> Any:
-        """A telemetry route's session affinity without its own factor gets
-        `TELEMETRY_HASH_BALANCE_FACTOR` (written out, so a stored route shows it)."""
+        """A telemetry route's session affinity without its own factors gets
+        `TELEMETRY_HASH_BALANCE_FACTOR` and `TELEMETRY_SATURATED_HASH_BALANCE_FACTOR`
+        (written out, so a stored route shows them)."""
         if not isinstance(data, dict) or data.get("balancing") != "telemetry":
             return data
         key = "sessionAffinity" if "sessionAffinity" in data else "session_affinity"
         affinity = data.get(key)
-        if isinstance(affinity, dict) and not {"hashBalanceFactor", "hash_balance_factor"} & set(
-            affinity
-        ):
-            return {**data, key: {**affinity, "hashBalanceFactor": TELEMETRY_HASH_BALANCE_FACTOR}}
-        return data
+        if not isinstance(affinity, dict):
+            return data
+        defaults = {
+            ("hashBalanceFactor", "hash_balance_factor"): TELEMETRY_HASH_BALANCE_FACTOR,
+            (
+                "saturatedHashBalanceFactor",
+                "saturated_hash_balance_factor",
+            ): TELEMETRY_SATURATED_HASH_BALANCE_FACTOR,
+        }
+        missing = {
+            names[0]: value for names, value in defaults.items() if not set(names) & set(affinity)
+        }
+        if affinity.get("hashBalanceFactor", affinity.get("hash_balance_factor")) == 0:
+            # Bounded load turned off stays off, saturated or not.
+            missing.pop("saturatedHashBalanceFactor", None)
+        return {**data, key: {**affinity, **missing}} if missing else data
 
     @model_validator(mode="after")
     def _check(self) -> Route:
@@ -261,5 +291,14 @@ class Route(Model):
             raise ValueError(
                 "sessionAffinity and balancing 'orca' exclude each other: a cluster has one "
                 "load-balancing policy"
+            )
+        if (
+            self.session_affinity is not None
+            and self.session_affinity.saturated_hash_balance_factor
+            and self.balancing != "telemetry"
+        ):
+            raise ValueError(
+                "sessionAffinity.saturatedHashBalanceFactor needs balancing: telemetry "
+                "(saturation is read from the replicas' live telemetry)"
             )
         return self

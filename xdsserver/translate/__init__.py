@@ -22,6 +22,7 @@ from policies.plan import FleetPlan, PlanCluster
 from xdsserver import resources
 from xdsserver.translate.clusters import (
     AFFINITY_SUFFIX,
+    SATURATED_SUFFIX,
     aggregate_clusters,
     translate_cluster,
     translate_endpoints,
@@ -101,6 +102,7 @@ def _authenticated_providers(plan: FleetPlan) -> list[PlanCluster]:
 __all__ = [
     "AFFINITY_SUFFIX",
     "PREFIX_KEY_HEADER",
+    "SATURATED_SUFFIX",
     "FleetResources",
     "prefix_key_lua",
     "translate",

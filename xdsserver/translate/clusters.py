@@ -33,6 +33,9 @@ from xdsserver.translate.protos import (
 
 AFFINITY_SUFFIX = "/affinity"
 """Suffix of the consistent-hash twin of a route cluster (same endpoints, same EDS resource)."""
+SATURATED_SUFFIX = "/affinity-saturated"
+"""Suffix of the consistent-hash twin that bounds load tighter, for session requests while
+the route's replicas are saturated (``SessionAffinity.saturated_hash_balance_factor``)."""
 INTERNAL_SUFFIX = "/internal"
 """Suffix of the internal listener (and its cluster) in front of an authenticated provider."""
 
@@ -55,10 +58,10 @@ _LB_POLICY = {
 
 def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[cluster_pb2.Cluster]:
     """The route's replicas cluster, plus a consistent-hash twin when the route has session
-    affinity.
+    affinity (two when its bounded load tightens under saturation).
 
-    Both read the same ClusterLoadAssignment (``eds_cluster_config.service_name``), so a
-    weight change is one EDS update. Requests with the session header go to the twin;
+    All read the same ClusterLoadAssignment (``eds_cluster_config.service_name``), so a
+    weight change is one EDS update. Requests with the session header go to a twin;
     requests without it keep the route's balancing mode instead of landing on a random host.
     """
     base = cluster_base(cluster, cluster.name, trusted_ca_file)
@@ -76,19 +79,29 @@ def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[clu
     else:
         base.common_lb_config.locality_weighted_lb_config.SetInParent()
     out = [base]
-    if cluster.affinity is not None:
-        twin = cluster_base(cluster, cluster.name + AFFINITY_SUFFIX, trusted_ca_file)
-        if cluster.affinity.algorithm == "maglev":
-            twin.lb_policy = cluster_pb2.Cluster.MAGLEV
-        else:
-            twin.lb_policy = cluster_pb2.Cluster.RING_HASH
-            twin.ring_hash_lb_config.minimum_ring_size.value = 1024
-        if cluster.affinity.hash_balance_factor:
-            # Bounded load: no host above factor% of the average in-flight load.
-            twin.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = (
-                cluster.affinity.hash_balance_factor
+    affinity = cluster.affinity
+    if affinity is not None:
+        # The saturated twin has the same endpoints, weights and hash keys, so the same
+        # ring: a session keeps its replica whichever twin its request takes. Each twin
+        # counts its own requests in flight.
+        for suffix in affinity_suffixes(cluster):
+            factor = (
+                affinity.saturated_hash_balance_factor
+                if suffix == SATURATED_SUFFIX
+                else affinity.hash_balance_factor
             )
-        out.append(twin)
+            twin = cluster_base(cluster, cluster.name + suffix, trusted_ca_file)
+            if affinity.algorithm == "maglev":
+                twin.lb_policy = cluster_pb2.Cluster.MAGLEV
+            else:
+                twin.lb_policy = cluster_pb2.Cluster.RING_HASH
+                twin.ring_hash_lb_config.minimum_ring_size.value = 1024
+            if factor:
+                # Bounded load: no host above factor% of the average in-flight load.
+                twin.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = (
+                    factor
+                )
+            out.append(twin)
     for name, queue in cluster.queues:
         # A queued service class: with http1 each request in flight holds a connection of
         # its own, so a connection limit is a concurrency limit, and a request that finds
@@ -152,12 +165,13 @@ def aggregate_clusters(
         for member in cluster.members
     )
     variants = [(cluster.name, members)]
-    if cluster.affinity is not None:
+    suffixes = affinity_suffixes(cluster)
+    for suffix in suffixes:
         variants.append(
             (
-                cluster.name + AFFINITY_SUFFIX,
+                cluster.name + suffix,
                 tuple(
-                    member + AFFINITY_SUFFIX if member == cluster.name + LOCAL_SUFFIX else member
+                    member + suffix if member == cluster.name + LOCAL_SUFFIX else member
                     for member in members
                 ),
             )
@@ -175,6 +189,15 @@ def aggregate_clusters(
         )
         out.append(aggregate)
     return out
+
+
+def affinity_suffixes(cluster: PlanCluster) -> tuple[str, ...]:
+    """The name suffixes of a cluster's consistent-hash twins (none without affinity)."""
+    if cluster.affinity is None:
+        return ()
+    if cluster.affinity.saturated_hash_balance_factor:
+        return (AFFINITY_SUFFIX, SATURATED_SUFFIX)
+    return (AFFINITY_SUFFIX,)
 
 
 def cluster_base(cluster: PlanCluster, name: str, trusted_ca_file: str) -> cluster_pb2.Cluster:

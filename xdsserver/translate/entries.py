@@ -11,7 +11,7 @@ from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
 from google.protobuf import wrappers_pb2
 
 from policies.plan import PlanRoute
-from xdsserver.translate.clusters import AFFINITY_SUFFIX
+from xdsserver.translate.clusters import AFFINITY_SUFFIX, SATURATED_SUFFIX
 from xdsserver.translate.listeners import (
     LOCAL_RATELIMIT,
     MODEL_METADATA_KEY,
@@ -74,8 +74,11 @@ def route_entry(
     body_limit: int,
 ) -> route_components_pb2.Route:
     """One route entry; ``affinity`` names the header to hash on (consistent-hash cluster)."""
+    suffix = ""
+    if affinity:
+        suffix = SATURATED_SUFFIX if route.saturated else AFFINITY_SUFFIX
     action = route_components_pb2.RouteAction(
-        cluster=route.cluster + (AFFINITY_SUFFIX if affinity else ""),
+        cluster=route.cluster + suffix,
         timeout=duration(route.timeouts.request),
         idle_timeout=duration(route.timeouts.idle),
         retry_policy=_retry_policy(route, affinity=affinity is not None),
