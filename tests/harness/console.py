@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,15 +50,21 @@ ONCALL_TOKEN = "oncall-token-0123456789abcdef"
 
 
 def chromium() -> Path:
-    """Debian's chromium, installed on first use (the test machine may be fresh)."""
+    """Debian's chromium, installed on first use (the test machine may be fresh).
+
+    Browser test modules run on several workers at once: the first to get here installs,
+    the others wait on a lock for it (a second apt-get would fail at once on dpkg's lock)."""
     if not CHROMIUM.exists() and shutil.which("apt-get"):
-        subprocess.run(
-            "apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium",
-            shell=True,
-            capture_output=True,
-            timeout=600,
-            check=False,
-        )
+        with open(Path(tempfile.gettempdir()) / "kvpilot-chromium-install.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not CHROMIUM.exists():
+                subprocess.run(
+                    "apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium",
+                    shell=True,
+                    capture_output=True,
+                    timeout=600,
+                    check=False,
+                )
     if not CHROMIUM.exists():
         pytest.skip(
             "Debian's chromium is not installed and `apt-get install chromium` failed "
