@@ -8,7 +8,12 @@ from __future__ import annotations
 from policies.admission import AdmissionDecision, decide, pool_signals, pressure_of
 from policies.models import TELEMETRY_MAX_AGE, Endpoint, Route
 from policies.names import cluster_name
-from policies.saturation import SaturationDecision, batch_fill, decide_saturation
+from policies.saturation import (
+    SaturationDecision,
+    batch_fill,
+    decide_saturation,
+    saturated_fill,
+)
 from policies.state import PolicyState, is_external, pool_endpoints
 from policies.telemetry import TelemetryRecord
 from policies.weights import WeightDecision, WeightParams, pool_weights
@@ -111,5 +116,6 @@ def saturation_decisions(state: PolicyState) -> dict[str, SaturationDecision]:
                 state.previous_saturation.get(name),
                 batch_fill(endpoints, telemetry, now=state.now, max_age=max_age),
                 now=state.now,
+                bound=saturated_fill(affinity.hash_balance_factor),
             )
     return out

@@ -25,10 +25,14 @@ The signal
 ----------
 Batch fill: for each fresh record (younger than the pool's ``maxAge``) of the route's
 first tier that knows its batch size, ``(running + waiting) / max_running``; the pool's fill
-is their mean. Saturated from ``SATURATED_FILL``; calm again at ``CALM_FILL`` or below, and
-not before ``MIN_DWELL`` seconds in the saturated state (the band and the dwell keep a pool
-near the bound from switching twins every round). Without a record that knows its batch
-size (``kvpilot agent --max-running``) there is no fill, and the route stays calm.
+is their mean. Saturated from the fill at which the usual bound lets a replica's batch
+overflow: ``100 / hashBalanceFactor`` (0.8 at 125%; a replica may carry 1.25 times the mean,
+so at a mean fill of 0.8 the busiest one queues while others have room). Calm again at
+``CALM_SHARE`` of that or below (0.6 at 125%), and not before ``MIN_DWELL`` seconds in the
+saturated state: the band and the dwell keep a pool near the bound from switching twins
+every round. In the scenario benchmark chat at 75% of capacity peaked at a fill of 0.70 and
+the 110% overload held 0.75 to 1.1. Without a record that knows its batch size
+(``kvpilot agent --max-running``) there is no fill, and the route stays calm.
 """
 
 from __future__ import annotations
@@ -41,12 +45,16 @@ from dataclasses import dataclass, field
 from policies.models import Endpoint
 from policies.telemetry import TelemetryRecord
 
-SATURATED_FILL = 0.7
-"""Mean batch fill at which a pool counts as saturated."""
-CALM_FILL = 0.5
-"""Mean batch fill at or below which a saturated pool counts as calm again ..."""
+CALM_SHARE = 0.75
+"""A saturated pool is calm again at this share of the fill that saturates it ..."""
 MIN_DWELL = 5.0
 """... once it has been saturated for at least this many seconds."""
+
+
+def saturated_fill(hash_balance_factor: int) -> float:
+    """The mean batch fill at which a route bounded at `hash_balance_factor` percent counts
+    as saturated: where its busiest replica may reach a full batch (1.0 without a bound)."""
+    return min(1.0, 100 / hash_balance_factor) if hash_balance_factor else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +65,18 @@ class SaturationDecision:
     """Session requests go to the tighter twin."""
     since: float = -math.inf
     """Wall-clock time of the last change."""
-    # For operators; changes nothing Envoy is sent, so it is left out of equality.
+    # For operators; they change nothing Envoy is sent, so they are left out of equality.
     fill: float | None = field(default=None, compare=False)
     """Mean batch fill this round; ``None`` without a fresh record that knows its batch."""
+    bound: float = field(default=1.0, compare=False)
+    """The fill at which the route counts as saturated (``saturated_fill``)."""
 
     @property
     def calm_at(self) -> float:
-        """When a saturated route whose fill is already down to ``CALM_FILL`` turns calm if
+        """When a saturated route whose fill is already down to the calm bound turns calm if
         nothing changes (its dwell ends): the control plane rebuilds then even if no telemetry
         arrives. Infinite otherwise."""
-        if self.saturated and self.fill is not None and self.fill <= CALM_FILL:
+        if self.saturated and self.fill is not None and self.fill <= self.bound * CALM_SHARE:
             return self.since + MIN_DWELL
         return math.inf
 
@@ -91,27 +101,28 @@ def batch_fill(
 
 
 def decide_saturation(
-    previous: SaturationDecision | None, fill: float | None, *, now: float
+    previous: SaturationDecision | None, fill: float | None, *, now: float, bound: float
 ) -> SaturationDecision:
-    """This round's decision from the last one and the pool's batch fill."""
+    """This round's decision from the last one and the pool's batch fill; `bound` is the
+    fill that saturates the route (``saturated_fill``)."""
     before = previous or SaturationDecision()
     saturated = before.saturated
     if fill is None:
         # No evidence: fail calm, as stale weights go neutral.
         saturated = False
-    elif not saturated and fill >= SATURATED_FILL:
+    elif not saturated and fill >= bound:
         saturated = True
-    elif saturated and fill <= CALM_FILL and now - before.since >= MIN_DWELL:
+    elif saturated and fill <= bound * CALM_SHARE and now - before.since >= MIN_DWELL:
         saturated = False
     since = before.since if saturated == before.saturated else now
-    return SaturationDecision(saturated=saturated, since=since, fill=fill)
+    return SaturationDecision(saturated=saturated, since=since, fill=fill, bound=bound)
 
 
 __all__ = [
-    "CALM_FILL",
+    "CALM_SHARE",
     "MIN_DWELL",
-    "SATURATED_FILL",
     "SaturationDecision",
     "batch_fill",
     "decide_saturation",
+    "saturated_fill",
 ]

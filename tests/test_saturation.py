@@ -13,12 +13,12 @@ from pydantic import ValidationError
 from policies.compile import PolicyState, compile_plan
 from policies.models import Pool, Route, RoutingPolicy
 from policies.saturation import (
-    CALM_FILL,
+    CALM_SHARE,
     MIN_DWELL,
-    SATURATED_FILL,
     SaturationDecision,
     batch_fill,
     decide_saturation,
+    saturated_fill,
 )
 from policies.telemetry import TelemetryRecord
 from xdsserver.translate import SATURATED_SUFFIX, translate
@@ -33,20 +33,37 @@ def record(running: float, waiting: float = 0.0, *, at: float = NOW - 1, batch: 
 
 # --------------------------------------------------------------------------- the decision
 
+BOUND = saturated_fill(125)
+CALM_FILL = BOUND * CALM_SHARE
 SATURATED = SaturationDecision(saturated=True, since=NOW - MIN_DWELL - 1)
 JUST_SATURATED = SaturationDecision(saturated=True, since=NOW - 1)
 CALM = SaturationDecision(saturated=False, since=NOW - 100)
 
 
 @pytest.mark.parametrize(
+    ("factor", "fill"),
+    [
+        pytest.param(125, 0.8, id="125%: the busiest replica full at a mean fill of 0.8"),
+        pytest.param(150, 100 / 150, id="150%: at two thirds"),
+        pytest.param(100, 1.0, id="100%: only when every batch is full"),
+        pytest.param(0, 1.0, id="no bound: only when every batch is full"),
+    ],
+)
+def test_a_route_saturates_where_its_usual_bound_lets_a_batch_overflow(
+    factor: int, fill: float
+) -> None:
+    assert saturated_fill(factor) == pytest.approx(fill)
+
+
+@pytest.mark.parametrize(
     ("previous", "fill", "saturated"),
     [
         pytest.param(None, None, False, id="no telemetry: calm"),
-        pytest.param(None, 0.3, False, id="room in the batches: calm"),
-        pytest.param(None, SATURATED_FILL, True, id="batches full enough: saturated at once"),
+        pytest.param(None, 0.7, False, id="room in the batches: calm"),
+        pytest.param(None, BOUND, True, id="batches full enough: saturated at once"),
         pytest.param(CALM, 1.4, True, id="queues: saturated"),
-        pytest.param(CALM, SATURATED_FILL - 0.01, False, id="just under the bound: stays calm"),
-        pytest.param(SATURATED, 0.6, True, id="between the bounds: stays saturated"),
+        pytest.param(CALM, BOUND - 0.01, False, id="just under the bound: stays calm"),
+        pytest.param(SATURATED, CALM_FILL + 0.01, True, id="between the bounds: stays saturated"),
         pytest.param(SATURATED, CALM_FILL, False, id="down to the calm bound: calm again"),
         pytest.param(JUST_SATURATED, 0.2, True, id="calm too soon after saturating: held"),
         pytest.param(JUST_SATURATED, None, False, id="telemetry gone: calm at once"),
@@ -55,7 +72,7 @@ CALM = SaturationDecision(saturated=False, since=NOW - 100)
 def test_saturation_follows_batch_fill_with_hysteresis(
     previous: SaturationDecision | None, fill: float | None, saturated: bool
 ) -> None:
-    decision = decide_saturation(previous, fill, now=NOW)
+    decision = decide_saturation(previous, fill, now=NOW, bound=BOUND)
     assert decision.saturated is saturated
     assert decision.fill == fill
     changed = saturated != (previous.saturated if previous else False)
@@ -209,8 +226,8 @@ def test_saturated_replicas_send_session_requests_to_the_tighter_twin_of_the_sam
 
 
 def test_a_saturated_route_already_calm_is_rebuilt_when_its_dwell_ends() -> None:
-    held = decide_saturation(JUST_SATURATED, 0.2, now=NOW)
+    held = decide_saturation(JUST_SATURATED, 0.2, now=NOW, bound=BOUND)
     assert held.saturated and held.calm_at == JUST_SATURATED.since + MIN_DWELL
-    assert decide_saturation(JUST_SATURATED, 0.6, now=NOW).calm_at == float("inf")
-    assert decide_saturation(CALM, 0.2, now=NOW).calm_at == float("inf")
-    assert decide_saturation(held, 0.2, now=held.calm_at).saturated is False
+    assert decide_saturation(JUST_SATURATED, 0.7, now=NOW, bound=BOUND).calm_at == float("inf")
+    assert decide_saturation(CALM, 0.2, now=NOW, bound=BOUND).calm_at == float("inf")
+    assert decide_saturation(held, 0.2, now=held.calm_at, bound=BOUND).saturated is False

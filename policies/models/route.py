@@ -149,9 +149,11 @@ class SessionAffinity(Model):
     saturated_hash_balance_factor: int = Field(
         0,
         ge=0,
-        description="Bounded load while the route's replicas are saturated (their batches on "
-        "average 70% full or more, from live telemetry), in percent like hashBalanceFactor: "
-        "tighter, so no replica queues while another has a free slot. Both bounds share one "
+        description="Bounded load while the route's replicas are saturated, in percent like "
+        "hashBalanceFactor: tighter, so no replica queues while another has a free slot. "
+        "Saturated is read from live telemetry: the replicas' batches on average as full as "
+        "hashBalanceFactor lets the busiest one be full (80% at 125), until they are back "
+        "under three quarters of that for 5 s. Both bounds share one "
         "ring, so a session keeps its replica when the bound changes. Needs balancing: "
         "telemetry. 0 keeps hashBalanceFactor always. Default: 100 on a route with balancing: "
         "telemetry, else 0.",
