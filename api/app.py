@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Any
@@ -31,7 +32,7 @@ from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
 from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
 from controlplane.keys import InvalidName, UnknownKind, ValueTooLarge
 from controlplane.store import AlreadyExists, Contended, InvalidValue, NotFound, RevisionMismatch
-from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError
+from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError, RoutingPlan
 from policies.validate import field_path
 
 __all__ = ["ApiContext", "create_app"]
@@ -237,6 +238,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
             "rollouts": rollout_summaries(context),
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
             "restrictedClasses": restricted_classes(plan),
+            "saturation": _saturation(plan),
             "lastBuild": {
                 "revision": build.revision,
                 "at": build.at or None,
@@ -248,6 +250,23 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "defaultFleet": reconciler.cache.default_fleet,
             },
         }
+
+
+def _saturation(plan: RoutingPlan | None) -> list[dict[str, Any]]:
+    """Per telemetry route with a saturated bound: whether its session requests take it now,
+    the batch fill that decided it, the fill that saturates the route, and since when."""
+    if plan is None:
+        return []
+    return [
+        {
+            "route": route,
+            "saturated": decision.saturated,
+            "batchFill": decision.fill,
+            "saturatedAt": decision.bound,
+            "since": decision.since if math.isfinite(decision.since) else None,
+        }
+        for route, decision in sorted(plan.saturation.items())
+    ]
 
 
 def _add_audit_routes(app: FastAPI, context: ApiContext) -> None:

@@ -271,6 +271,11 @@ async def test_saturated_replicas_tighten_bounded_load_and_every_session_keeps_i
     route = {"route": CLUSTER}
     assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 1
     assert metric(setup.kvpilot.api_url, "kvpilot_route_batch_fill", **route) == 1.0
+    async with httpx.AsyncClient(base_url=setup.kvpilot.api_url, headers=ADMIN) as api:
+        status = (await api.get("/v1/status")).json()
+    assert [
+        (s["route"], s["saturated"], s["batchFill"], s["saturatedAt"]) for s in status["saturation"]
+    ] == [(CLUSTER, True, 1.0, 0.8)]
     # Both twins hash the same ring: no session changes replica when the bound does.
     assert await asyncio.to_thread(placement) == calm
 
