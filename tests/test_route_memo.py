@@ -41,6 +41,13 @@ BASE_DOCS: dict[str, dict[str, Any]] = {
     ),
     "b": _pool("b", {"models": ["m"], "endpoints": [{"address": "10.0.1.1", "port": 8000}]}),
     "c": _pool("c", {"endpoints": [{"address": "10.0.2.1", "port": 8000}]}),
+    "d": _pool(
+        "d",
+        {
+            "endpoints": [{"address": "10.0.3.1", "port": 8000}],
+            "telemetry": {"format": "vllm", "maxAge": "10s"},
+        },
+    ),
     "p": {
         "apiVersion": "kvpilot.io/v1",
         "kind": "RoutingPolicy",
@@ -67,6 +74,15 @@ BASE_DOCS: dict[str, dict[str, Any]] = {
                     "match": {"models": ["live"]},
                     "tiers": [["a"]],
                     "balancing": "telemetry",
+                },
+                # Telemetry with session affinity: the bound its session entries take follows
+                # its replicas' batch fill (``policies.saturation``).
+                {
+                    "name": "sticky",
+                    "match": {"models": ["sticky"]},
+                    "tiers": [["d"]],
+                    "balancing": "telemetry",
+                    "sessionAffinity": {},
                 },
             ],
         },
@@ -179,6 +195,13 @@ CASES: dict[str, Callable[[], PolicyState]] = {
                 {"10.0.0.1:8000": _record(500, 0.99), "10.0.0.2:8000": _record(500, 0.99)}
             ),
             "b": MappingProxyType({"10.0.1.1:8000": _record(500, 0.99)}),
+        }
+    ),
+    "telemetry fills the batches (saturated bound)": lambda: state(
+        telemetry={
+            "d": MappingProxyType(
+                {"10.0.3.1:8000": TelemetryRecord(at=NOW - 1, running=8, max_running=8)}
+            ),
         }
     ),
     # every field of the route, and the policy around it
