@@ -17,9 +17,10 @@ serving.
 Telemetry: records under ``telemetry/{pool}/{endpoint_id}`` feed the weight function
 (``policies.weights``), admission per service class (``policies.admission``) and the
 saturation of telemetry routes (``policies.saturation``) through compile; their previous
-decisions are kept here for hysteresis. Admission and saturation change only route entries,
-so they take the routes path (RDS), and a rebuild is scheduled for the moment the
-admission level would take its next step, so it moves even when telemetry stays the same.
+decisions are kept for hysteresis (``controlplane.livedecisions``). Admission and
+saturation change only route entries, so they take the routes path (RDS), and a rebuild is
+scheduled for the moment the admission level would take its next step, or a saturated
+route's dwell ends, so they move even when telemetry stays the same.
 Rebuilds caused only by telemetry are capped at one per ``min_push_interval``, and a rebuild
 is also scheduled when fresh telemetry is about to pass its ``max_age`` (an agent that stopped
 writing but whose lease lives on), so weights fall back to neutral without any etcd change.
@@ -42,14 +43,11 @@ from prometheus_client import CollectorRegistry
 from controlplane.decode import DecodedState, DecodeError
 from controlplane.etcd import KeyValue
 from controlplane.keys import ENDPOINTS, STATUS, TELEMETRY
+from controlplane.livedecisions import LiveDecisions
 from controlplane.mirror import StateChange
 from controlplane.reconcilemetrics import ReconcileMetrics
 from controlplane.telemetryhistory import TelemetryHistory
 from policies import PolicyState, RouteMemo, RoutingPlan, compile_plan
-from policies.admission import AdmissionDecision
-from policies.models import TELEMETRY_MAX_AGE
-from policies.saturation import SaturationDecision
-from policies.weights import WeightDecision
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
 from xdsserver.snapshot import SnapshotCache
 
@@ -116,12 +114,7 @@ class Reconciler:
         self._memo = RouteMemo()
         self._applied: dict[str, bytes] = {}
         """The value each present key was last decoded from."""
-        self._weights: Mapping[str, Mapping[str, WeightDecision]] = {}
-        self._admission: Mapping[str, AdmissionDecision] = {}
-        self._saturation: Mapping[str, SaturationDecision] = {}
-        self._next_stale_at = math.inf
-        self._next_admission_at = math.inf
-        self._next_saturation_at = math.inf
+        self._live = LiveDecisions(self.metrics)
         self._last_telemetry_build = -math.inf
         self._last_build = -math.inf
         """``time.monotonic()`` when the last rebuild finished."""
@@ -161,17 +154,14 @@ class Reconciler:
         neutral although nothing in etcd changed), until admission takes its next step, or
         until a saturated route's dwell ends."""
         while not self._dirty.is_set():
-            delay = (
-                min(self._next_stale_at, self._next_admission_at, self._next_saturation_at)
-                - self.clock()
-            )
+            delay = self._live.due_at - self.clock()
             if math.isinf(delay):
                 await self._dirty.wait()
                 return
             try:
                 await asyncio.wait_for(self._dirty.wait(), max(delay, 0.0))
             except TimeoutError:
-                self._next_stale_at = self._next_admission_at = self._next_saturation_at = math.inf
+                self._live.due_at = math.inf
                 self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
 
     @property
@@ -263,9 +253,9 @@ class Reconciler:
             else:
                 self._applied[key] = value
         state = self._decoded.policy_state(
-            previous_weights=self._weights,
-            previous_admission=self._admission,
-            previous_saturation=self._saturation,
+            previous_weights=self._live.weights,
+            previous_admission=self._live.admission,
+            previous_saturation=self._live.saturation,
             now=self.clock(),
         )
         plan = compile_plan(state, self._memo)
@@ -287,9 +277,7 @@ class Reconciler:
         for stale in set(self.cache.fleets()) - set(fleets):
             self.cache.delete_snapshot(stale)
         self._report(plan)
-        self._track_weights(state, plan)
-        self._track_admission(plan)
-        self._track_saturation(plan)
+        self._live.track(state, plan)
         self.metrics.count_endpoints(state, plan)
         self.plan = plan
         self.state = state
@@ -350,98 +338,6 @@ class Reconciler:
                 "; its last valid version keeps serving" if serving else "",
             )
         self.errors[key] = ObjectError(key, message, kv.mod_revision, serving)
-
-    def _track_weights(self, state: PolicyState, plan: RoutingPlan) -> None:
-        """Keep telemetry decisions for hysteresis, count changes, and schedule the rebuild
-        that returns the first fresh record to neutral when it goes stale."""
-        next_stale = math.inf
-        for pool, decisions in plan.weights.items():
-            before = self._weights.get(pool, {})
-            spec = state.pools[pool].spec.telemetry if pool in state.pools else None
-            max_age = spec.max_age if spec is not None else TELEMETRY_MAX_AGE
-            for endpoint_id, decision in decisions.items():
-                old = before.get(endpoint_id)
-                if old is None or old.weight != decision.weight:
-                    self.metrics.telemetry_weight.labels(pool, endpoint_id).set(decision.weight)
-                if old is not None and (old.weight, old.degraded) != (
-                    decision.weight,
-                    decision.degraded,
-                ):
-                    self.metrics.weight_changes.labels(pool).inc()
-                if not decision.neutral and decision.age is not None:
-                    next_stale = min(next_stale, state.now - decision.age + max_age)
-            self.metrics.degraded.labels(pool).set(sum(d.degraded for d in decisions.values()))
-        # The gauges hold exactly the last decisions: drop the series of endpoints and pools
-        # that have none now.
-        for pool, decisions in self._weights.items():
-            kept = plan.weights.get(pool, {})
-            for endpoint_id in decisions.keys() - kept.keys():
-                self.metrics.telemetry_weight.remove(pool, endpoint_id)
-            if pool not in plan.weights:
-                self.metrics.degraded.remove(pool)
-        self._weights = plan.weights
-        # A little after the deadline, so the record is stale by then on any rounding.
-        self._next_stale_at = next_stale + 0.05
-
-    def _track_admission(self, plan: RoutingPlan) -> None:
-        """Keep admission decisions for hysteresis, export them, and schedule the rebuild at
-        which the level would take its next step."""
-        metrics = self.metrics
-        for route, decision in plan.admission.items():
-            before = self._admission.get(route)
-            metrics.admission_pressure.labels(route).set(
-                math.nan if decision.pressure is None else decision.pressure
-            )
-            for service_class, share in (decision.admitted or {}).items():
-                metrics.admission_admitted.labels(route, service_class).set(share)
-            if before is not None and before.level != decision.level:
-                direction = "restrict" if decision.level > before.level else "readmit"
-                metrics.admission_changes.labels(route, direction).inc()
-                log.info(
-                    "admission on %s: level %d -> %d at pressure %s; admitted %s",
-                    route,
-                    before.level,
-                    decision.level,
-                    decision.pressure,
-                    dict(decision.admitted or {}),
-                )
-        for route, decision in self._admission.items():
-            if route not in plan.admission:
-                metrics.admission_pressure.remove(route)
-                for service_class in decision.admitted or {}:
-                    with contextlib.suppress(KeyError):
-                        metrics.admission_admitted.remove(route, service_class)
-        self._admission = plan.admission
-        # A little after the step is due, so the interval has passed on any rounding.
-        self._next_admission_at = (
-            min((d.next_step_at for d in plan.admission.values()), default=math.inf) + 0.05
-        )
-
-    def _track_saturation(self, plan: RoutingPlan) -> None:
-        """Keep saturation decisions for hysteresis, export them and log each change."""
-        metrics = self.metrics
-        for route, decision in plan.saturation.items():
-            metrics.saturated.labels(route).set(int(decision.saturated))
-            metrics.batch_fill.labels(route).set(
-                math.nan if decision.fill is None else decision.fill
-            )
-            before = self._saturation.get(route)
-            if before is not None and before.saturated != decision.saturated:
-                log.info(
-                    "%s: replicas %s at batch fill %s; session requests take the %s bound",
-                    route,
-                    "saturated" if decision.saturated else "calm again",
-                    decision.fill,
-                    "saturated" if decision.saturated else "usual",
-                )
-        for route in self._saturation.keys() - plan.saturation.keys():
-            metrics.saturated.remove(route)
-            metrics.batch_fill.remove(route)
-        self._saturation = plan.saturation
-        # A little after the dwell ends, so it has passed on any rounding.
-        self._next_saturation_at = (
-            min((d.calm_at for d in plan.saturation.values()), default=math.inf) + 0.05
-        )
 
     def _report(self, plan: RoutingPlan) -> None:
         previous = set(self.plan.diagnostics) if self.plan is not None else set()
