@@ -279,16 +279,19 @@ def test_status_watch_redraws_until_interrupted(server: str) -> None:
     import subprocess
     import sys
 
-    def inherit_a_deaf_ear() -> None:
-        # The worst a parent can hand down (a test runner's worker did): SIGINT ignored and
-        # blocked. Ctrl-C must end the watch anyway.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-
+    # The worst a parent can hand down (a test runner's worker did): SIGINT ignored and
+    # blocked, which both survive exec. Ctrl-C must end the watch anyway. A small program
+    # sets them and execs the command: a preexec_fn would run Python in the child of this
+    # multi-threaded process (gRPC's threads), which crashed it once.
+    deaf_ear = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
     process = subprocess.Popen(
-        [sys.executable, "-m", "commands.cli", "--server", server, "--token", READ_TOKEN,
-         "status", "--watch", "--interval", "0.2"],
-        stdout=subprocess.PIPE, text=True, preexec_fn=inherit_a_deaf_ear,
+        [sys.executable, "-c", deaf_ear, sys.executable, "-m", "commands.cli",
+         "--server", server, "--token", READ_TOKEN, "status", "--watch", "--interval", "0.2"],
+        stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert process.stdout is not None
