@@ -153,7 +153,7 @@ class SessionAffinity(Model):
         "hashBalanceFactor: tighter, so no replica queues while another has a free slot. "
         "Saturated is read from live telemetry: the replicas' batches on average as full as "
         "hashBalanceFactor lets the busiest one be full (80% at 125), until they are back "
-        "under three quarters of that for 5 s. Both bounds share one "
+        "at three quarters of that, no sooner than 5 s after. Both bounds share one "
         "ring, so a session keeps its replica when the bound changes. Needs balancing: "
         "telemetry. 0 keeps hashBalanceFactor always. Default: 100 on a route with balancing: "
         "telemetry, else 0.",
