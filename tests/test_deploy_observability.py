@@ -101,7 +101,8 @@ def test_every_metric_in_the_dashboard_and_the_alerts_exists_in_a_live_scrape(
     replicas = backends(2, id_prefix="obs")
     ports = [replica.port for replica in replicas.replicas]
     listener = free_port()
-    telemetry_route = route("chat", name="chat", balancing="telemetry")
+    # With session affinity, so the saturation series exist too.
+    telemetry_route = route("chat", name="chat", balancing="telemetry", sessionAffinity={})
     with api_client(kvpilot) as api:
         chat_pool = pool("chat", ports, health_check=FAST_HEALTH_CHECK)
         assert api.put("/v1/pools/chat", json=chat_pool).status_code == 201
