@@ -239,3 +239,39 @@ def test_the_service_classes_view_shows_batch_shed_under_saturation_then_readmit
         with console.api() as api:
             api.delete("/v1/routingpolicies/svc")
             api.delete("/v1/pools/svc")
+
+
+def test_the_header_says_when_a_telemetry_route_is_saturated_and_when_it_is_calm_again(
+    browser: Any, console: Console
+) -> None:
+    # Its own pool over the same replicas, so the telemetry written here moves nothing else.
+    ports = console.ports
+    sticky = policy(
+        "sticky",
+        free_port(),
+        [{"name": "chat", "balancing": "telemetry", "sessionAffinity": {}, "tiers": [["sticky"]]}],
+    )
+
+    def batches(running: float) -> None:
+        record = {"at": time.time(), "running": running, "max_running": 8.0}
+        console.put_telemetry("sticky", {port: record for port in ports})
+
+    with console.api() as api:
+        body = pool("sticky", ports, models=["sim-model"], telemetry={"maxAge": "60s"})
+        assert api.put("/v1/pools/sticky", json=body).status_code in (200, 201)
+        assert api.put("/v1/routingpolicies/sticky", json=sticky).status_code in (200, 201)
+    batches(2)
+    page = open_console(browser, console.kvpilot.api_url, READ_TOKEN)
+    try:
+        pill = page.locator('#health [data-saturated="1"]')
+        batches(8)  # every batch full
+        pill.wait_for(timeout=15_000)
+        assert pill.inner_text() == "sticky/chat saturated · batches 100% full"
+        assert "saturated bounded load" in (pill.get_attribute("title") or "")
+        shoot(page, "route-saturated")
+        batches(1)  # room again: calm after the dwell
+        pill.wait_for(state="detached", timeout=20_000)
+    finally:
+        page.close()
+        with console.api() as api:
+            api.delete("/v1/routingpolicies/sticky")

@@ -75,6 +75,14 @@ function renderHealth(status) {
     const text = restricted.map((c) => `${c.class} ${c.state} on ${c.route}`).join("; ");
     pills.push(`<a class="pill ${worst}" href="#classes" data-restricted="${restricted.length}" title="${esc(text)}">${restricted.length === 1 ? esc(text) : `${restricted.length} classes restricted`}</a>`);
   }
+  // Telemetry routes whose replicas are saturated: their session requests take the tighter
+  // bounded load (saturatedHashBalanceFactor) until the batches have room again.
+  const saturated = (status.saturation || []).filter((s) => s.saturated);
+  if (saturated.length) {
+    const text = saturated.map((s) => `${s.route} saturated · batches ${Math.round(s.batchFill * 100)}% full`).join("; ");
+    const why = `${text}: session requests take the saturated bounded load`;
+    pills.push(`<span class="pill warn" data-saturated="${saturated.length}" title="${esc(why)}">${saturated.length === 1 ? esc(text) : `${saturated.length} routes saturated`}</span>`);
+  }
   const invalid = (status.invalidObjects || []).length;
   const errors = (status.diagnostics || []).filter((d) => d.severity === "error").length;
   if (invalid || errors) pills.push(`<span class="pill warn" title="see kvpilot status">${invalid} invalid · ${errors} errors</span>`);
