@@ -194,7 +194,11 @@ async def test_on_an_affinity_route_a_slow_replica_gets_less_of_the_ring_and_a_q
         # Stamped when written: waiting for the first record's compile may take seconds on a
         # loaded machine, and a second record stamped before that wait could already be stale.
         at = time.time() - earlier
-        for port in ports:
+        # The slow replica's record last: a change that finds kvpilot idle is compiled at
+        # once, and a compile that saw the slow record beside only one other (median 0.06,
+        # speed 0.67, inside the band) would count it as no evidence. An agent writes a
+        # round in one transaction; these are separate puts.
+        for port in [*ports[1:], ports[0]]:
             slow = port == ports[0]
             await setup.put(
                 port, at=at, waiting=40 if slow else 0, time_per_output_token=0.09 if slow else 0.03
