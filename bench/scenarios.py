@@ -64,6 +64,9 @@ RECOMMENDED = "kvpilot"
 """The README's recommended LLM route: the policy the targets are checked on."""
 
 _STANDARD = standard_policies(AFFINITY)
+_RECOMMENDED_AFFINITY = {
+    key: value for key, value in AFFINITY.items() if key != "hashBalanceFactor"
+}
 SUITE_POLICIES: tuple[Policy, ...] = (
     _STANDARD["round_robin"],
     _STANDARD["affinity"],
@@ -75,17 +78,12 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         title="affinity + bounded load (second copy, A/A)",
     ),
     # The README's recommended route, with its fields and nothing else: telemetry balancing
-    # and session affinity at kvpilot's defaults for it (bounded load 125%), plus the
-    # prompt-prefix hashing the documents of the mix scenario need.
+    # and session affinity at kvpilot's defaults for it (bounded load 125%, 100% while
+    # saturated), plus the prompt-prefix hashing the documents of the mix scenario need.
     Policy(
         RECOMMENDED,
         "kvpilot: affinity + telemetry",
-        {
-            "balancing": "telemetry",
-            "sessionAffinity": {
-                key: value for key, value in AFFINITY.items() if key != "hashBalanceFactor"
-            },
-        },
+        {"balancing": "telemetry", "sessionAffinity": _RECOMMENDED_AFFINITY},
     ),
     # The recommended route before its bounded-load default: capacity weights alone.
     bounded_load(
@@ -99,10 +97,7 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         "kvpilot, one bound (125%, none tighter when saturated)",
         {
             "balancing": "telemetry",
-            "sessionAffinity": {
-                **{key: value for key, value in AFFINITY.items() if key != "hashBalanceFactor"},
-                "saturatedHashBalanceFactor": 0,
-            },
+            "sessionAffinity": {**_RECOMMENDED_AFFINITY, "saturatedHashBalanceFactor": 0},
         },
         default=False,
     ),

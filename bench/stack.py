@@ -249,14 +249,13 @@ def _suffix(name: str) -> str:
     return ""
 
 
-def _policy_live(stack: Stack, body: Mapping[str, Any]) -> bool:
-    """Envoy's clusters balance as the policy `body` asks, and every replica is healthy in
-    each."""
+def _policy_live(stack: Stack, expected: Mapping[str, tuple[str, int]]) -> bool:
+    """Envoy's clusters balance as `expected` (``_expected_clusters``) says, and every replica
+    is healthy in each."""
     try:
         clusters = _clusters_in_envoy(stack.envoy)
     except Exception:
         return False
-    expected = _expected_clusters(body)
     # A queued service class has a cluster of its own, the route's with other circuit breakers.
     queues = [signature for name, signature in clusters.items() if QUEUE_INFIX in name]
     seen = {
@@ -282,7 +281,8 @@ def apply_policy(stack: Stack, key: str, route: Mapping[str, Any], **spec: Any) 
     body = _policy_body(stack, route)
     body["spec"].update(spec)
     stack.put(body)
-    wait_until(lambda: _policy_live(stack, body), 60, f"Envoy to serve {key}")
+    expected = _expected_clusters(body)
+    wait_until(lambda: _policy_live(stack, expected), 60, f"Envoy to serve {key}")
 
 
 def _probe(stack: Stack) -> bool:
