@@ -16,7 +16,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from controlplane.etcd import CompactedError, EtcdClient, EtcdError, EventType, KeyValue, WatchBatch
+from controlplane.etcd import (
+    CompactedError,
+    EtcdClient,
+    EtcdClosed,
+    EtcdError,
+    EventType,
+    KeyValue,
+    WatchBatch,
+)
 from controlplane.keys import DEFAULT_PREFIX, Keys
 
 log = logging.getLogger(__name__)
@@ -129,6 +137,11 @@ class StateMirror:
                     backoff = self._backoff_initial
                     await self._apply(batch)
                 raise EtcdError("the watch ended without an error")
+            except EtcdClosed:
+                # Shutting down: a cancellation that reached a gRPC call in flight can come
+                # back as a failed call instead of CancelledError, and retrying would never end.
+                log.info("etcd client closed; the mirror stops at revision %d", self.revision)
+                return
             except (CompactedError, _HistoryWentBack) as err:
                 self._lost()
                 self.last_error = str(err)

@@ -350,6 +350,19 @@ async def test_mirror_relists_after_compaction_while_disconnected(
             assert resync.changed == {"objects/pools/a", "objects/pools/c"}
 
 
+async def test_mirror_stops_when_its_client_is_closed(etcd: EmbeddedEtcd, etcd_prefix: str) -> None:
+    # A closed client never works again: retrying would keep a shutting-down process (or a
+    # test's teardown) waiting forever on a mirror whose cancellation a gRPC call swallowed.
+    c = EtcdClient([etcd.endpoint], timeout=1.0)
+    await c.connect()
+    mirror = StateMirror(c, etcd_prefix, backoff_max=0.2)
+    task = asyncio.create_task(mirror.run())
+    await mirror.wait_synced(10)
+    await c.close()
+    await asyncio.wait_for(task, 10)
+    assert task.exception() is None
+
+
 async def test_mirror_with_dead_first_endpoint(etcd: EmbeddedEtcd, etcd_prefix: str) -> None:
     async with EtcdClient([f"127.0.0.1:{free_port()}", etcd.endpoint]) as c:
         store = Store(c, etcd_prefix)

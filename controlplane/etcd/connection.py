@@ -38,6 +38,7 @@ from controlplane.etcd.security import AuthToken, EtcdSecurity, access_problem, 
 from controlplane.etcd.types import (
     CompactedError,
     EtcdAccessDenied,
+    EtcdClosed,
     EtcdError,
     EtcdOutcomeUnknown,
     EtcdUnavailable,
@@ -183,7 +184,7 @@ class EtcdConnection:
     async def _conn(self) -> Conn:
         if not self._conns:
             if self._closed:
-                raise EtcdError("the etcd client is closed")
+                raise EtcdClosed("the etcd client is closed")
             await self.connect()
         return self._conns[self._current]
 

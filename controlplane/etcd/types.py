@@ -12,6 +12,7 @@ __all__ = [
     "CompactedError",
     "ConflictError",
     "EtcdAccessDenied",
+    "EtcdClosed",
     "EtcdError",
     "EtcdOutcomeUnknown",
     "EtcdStatus",
@@ -27,6 +28,11 @@ __all__ = [
 
 class EtcdError(Exception):
     """Base class for etcd failures; the message says what to do about it."""
+
+
+class EtcdClosed(EtcdError):
+    """The client was closed: nothing will succeed on it again, so a loop stops instead of
+    retrying."""
 
 
 class EtcdUnavailable(EtcdError):
