@@ -216,3 +216,30 @@ def test_envoy_dials_the_xds_port_speaking_http2(envoy_factory: EnvoyFactory, de
                     break
                 received += chunk
     assert received == preface
+
+
+def test_kvpilot_picks_other_ports_when_a_picked_one_is_taken_before_it_binds(
+    etcd: EmbeddedEtcd, etcd_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from controlplane.launchers import kvpilot as kvpilot_launcher
+
+    # The race a free port can lose: another process binds it between the pick and the
+    # child's bind. The first pick is made to lose it for sure; real ports after that.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        picks = iter([free_port(), port])  # the ADS port, then the API's
+        monkeypatch.setattr(
+            kvpilot_launcher, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port()
+        )
+        kvpilot = kvpilot_launcher.KvpilotProcess(
+            tmp_path, etcd_endpoints=[etcd.endpoint], prefix=etcd_prefix, insecure_no_auth=True
+        )
+        assert kvpilot.api_port == port
+        try:
+            kvpilot.start()
+            assert kvpilot.api_port != port
+            assert httpx.get(f"{kvpilot.api_url}/readyz", timeout=5).status_code == 200
+        finally:
+            kvpilot.stop()

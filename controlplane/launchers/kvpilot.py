@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Self
 
 from controlplane.etcd import EtcdSecurity
-from controlplane.launchers.process import Launcher, ManagedProcess, free_port, http_get, repo_root
+from controlplane.launchers.process import (
+    Launcher,
+    LauncherError,
+    ManagedProcess,
+    free_port,
+    http_get,
+    repo_root,
+)
 from xdsserver.identity import TlsFiles
 
 
@@ -54,6 +61,8 @@ class KvpilotProcess(Launcher):
         self.host = host
         self.xds_port = xds_port or free_port(host)
         self.api_port = api_port or free_port(host)
+        self._picked_ports = xds_port is None and api_port is None
+        """Both ports were picked here, so another pair may be picked if one is taken."""
         self.env = dict(env or {})
         self.insecure_no_auth = insecure_no_auth
         self.extra_args = list(extra_args)
@@ -122,7 +131,20 @@ class KvpilotProcess(Launcher):
         env = {**os.environ, **self.env}
         if self.etcd_security is not None and self.etcd_security.password is not None:
             env["KVPILOT_ETCD_PASSWORD"] = self.etcd_security.password
-        self._process = ManagedProcess(self._argv(), self.log_path, env=env, cwd=self.cwd)
-        self._process.spawn()
-        self._process.wait_for(self._ready, timeout, "GET /readyz answers 200")
-        return self
+        for attempt in range(3):
+            self._process = ManagedProcess(self._argv(), self.log_path, env=env, cwd=self.cwd)
+            self._process.spawn()
+            try:
+                self._process.wait_for(self._ready, timeout, "GET /readyz answers 200")
+                return self
+            except LauncherError as error:
+                # A free port can be taken by another process between picking and binding;
+                # ports picked here are picked again.
+                taken = any(
+                    text in str(error).lower()
+                    for text in ("address already in use", "failed to bind")
+                )
+                if not self._picked_ports or attempt == 2 or not taken:
+                    raise
+                self.xds_port, self.api_port = free_port(self.host), free_port(self.host)
+        raise AssertionError("unreachable")
