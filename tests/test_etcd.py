@@ -207,6 +207,17 @@ async def test_keepalive_forever_regrants_lost_lease_and_retries_owner(
         assert regranted == [keeper.lease_id] * 2 and keeper.regrants == 1
 
 
+async def test_keepalive_forever_stops_when_its_client_is_closed(etcd: EmbeddedEtcd) -> None:
+    # A closed client never works again: retrying would keep the owner's exit (or a test's
+    # teardown) waiting on a keeper whose cancellation a gRPC call swallowed.
+    c = EtcdClient([etcd.endpoint], timeout=1.0)
+    await c.connect()
+    async with c.keepalive_forever(1, revoke_on_exit=False) as keeper:
+        await c.close()
+        await poll(lambda: not keeper.running, message="the keeper to stop")
+        assert keeper.last_error is None
+
+
 async def collect(
     watch: AsyncIterator[WatchBatch], count: int, within: float = 10.0
 ) -> list[WatchBatch]:

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from controlplane.etcd.types import EtcdError
+from controlplane.etcd.types import EtcdClosed, EtcdError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,12 @@ class LeaseKeeper:
         self.last_error: str | None = None
         """The last failure to refresh the lease, ``None`` after a success."""
 
+    @property
+    def running(self) -> bool:
+        """Whether the lease is being kept alive: it stops on its own only when the client is
+        closed."""
+        return self._task is not None and not self._task.done()
+
     async def __aenter__(self) -> LeaseKeeper:
         if not self.lease_id:
             self.lease_id = await self._client.grant_lease(self.ttl)
@@ -87,6 +93,11 @@ class LeaseKeeper:
                     owner_behind = False
                 self.last_error = None
                 wait = interval
+            except EtcdClosed:
+                # Shutting down: nothing succeeds on a closed client again, and a cancellation
+                # that a gRPC call in flight turned into a failed call would leave this retrying.
+                log.info("etcd client closed; lease %x is no longer kept alive", self.lease_id)
+                return
             except EtcdError as err:
                 self.last_error = str(err)
                 log.warning("lease %x keepalive failed: %s", self.lease_id, err)
