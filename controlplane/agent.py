@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from controlplane.etcd import (
+    EtcdClosed,
     EtcdError,
     EtcdSecurity,
     LeaseKeeper,
@@ -162,14 +163,21 @@ class Agent:
                 self.config.interval,
             )
             loop = asyncio.get_running_loop()
-            while True:
-                started = loop.time()
-                records = await asyncio.gather(*(self._tick(http, t) for t in self.config.targets))
-                await self._write(
-                    [(t, r) for t, r in zip(self.config.targets, records, strict=True) if r]
-                )
-                self.scrapes += 1
-                await asyncio.sleep(max(0.0, self.config.interval - (loop.time() - started)))
+            try:
+                while True:
+                    started = loop.time()
+                    records = await asyncio.gather(
+                        *(self._tick(http, t) for t in self.config.targets)
+                    )
+                    await self._write(
+                        [(t, r) for t, r in zip(self.config.targets, records, strict=True) if r]
+                    )
+                    self.scrapes += 1
+                    await asyncio.sleep(max(0.0, self.config.interval - (loop.time() - started)))
+            except EtcdClosed:
+                # Shutting down: nothing succeeds on a closed client again, and a cancellation
+                # that a gRPC call in flight turned into a failed call would leave this retrying.
+                log.info("etcd client closed; the agent stops after %d scrapes", self.scrapes)
 
     async def _tick(self, http: httpx.AsyncClient, target: Target) -> TelemetryRecord | None:
         """Scrape one backend (registering it first when asked); the record to write, or None
@@ -202,6 +210,8 @@ class Agent:
                 )
                 target.registered = True
                 log.info("registered %s in pool %s", target.endpoint_id, target.pool)
+        except EtcdClosed:
+            raise
         except EtcdError as error:
             # The lease keeper re-grants a lost lease and calls _rewrite; until then, retry
             # on the next tick.
@@ -227,6 +237,8 @@ class Agent:
                 [(t.pool, t.endpoint_id, json.loads(r.to_json())) for t, r in writes],
                 lease=self.lease_id,
             )
+        except EtcdClosed:
+            raise
         except EtcdError as error:
             log.warning("writing telemetry of %d backend(s) failed: %s", len(writes), error)
             for target, _ in writes:
@@ -243,6 +255,8 @@ class Agent:
         try:
             await self.store.delete_endpoint(target.pool, target.endpoint_id)
             await self.store.delete_telemetry(target.pool, target.endpoint_id)
+        except EtcdClosed:
+            raise
         except EtcdError as error:
             log.warning("withdrawing %s failed: %s", target.endpoint_id, error)
             return

@@ -160,6 +160,35 @@ async def test_a_failing_backend_is_withdrawn_and_registered_again_when_it_answe
         await asyncio.gather(task, return_exceptions=True)
 
 
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(200, 200), (200, 503), (503, 200)],
+    ids=["writes-telemetry", "withdraws-a-failing-backend", "registers-a-backend-that-answers"],
+)
+async def test_the_agent_stops_when_its_etcd_client_is_closed(
+    store: Store, metrics_backends: Callable[..., MetricsBackend], before: int, after: int
+) -> None:
+    """A closed client never works again: retrying would keep the agent's exit (or a test's
+    teardown) waiting on a loop whose cancellation a gRPC call swallowed. Each case meets the
+    closed client on another of the agent's writes: the backend's status before and after."""
+    backend = metrics_backends()
+    backend.status = before
+    target = Target(pool="p", url=backend.url)
+    # refresh=0: an answering backend's record is written every round.
+    config = AgentConfig([], [target], interval=0.05, refresh=0, register=True, unregister_after=1)
+    agent = Agent(store, config)
+    task = asyncio.create_task(agent.run())
+    try:
+        await poll(lambda: agent.scrapes >= 1, message="a first round")
+        assert target.registered == (before == 200)
+        await store.client.close()
+        backend.status = after
+        await asyncio.wait_for(task, 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_a_killed_agent_s_keys_expire_with_its_lease(
     store: Store, etcd: EmbeddedEtcd, etcd_prefix: str, metrics_backends: Any
 ) -> None:
