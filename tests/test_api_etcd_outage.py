@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from harness.api import Harness, running_api
 from harness.builders import pool
+from harness.processes import frozen
 from harness.wait import poll
 
 from controlplane.launchers import EmbeddedEtcd
@@ -34,35 +34,6 @@ async def api(own_etcd: EmbeddedEtcd, etcd_prefix: str) -> AsyncIterator[Harness
     async with running_api(own_etcd.endpoint, etcd_prefix) as harness:
         harness.client.timeout = 1.0
         yield harness
-
-
-def wait_until_stopped(pid: int, timeout: float = 10.0) -> None:
-    """SIGSTOP lands when each thread next leaves the kernel: a request in flight can still
-    be answered after kill() returns. Wait until every thread shows the stopped state."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(FileNotFoundError):
-                # The state follows the parenthesised command name, which may hold spaces.
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-        if states and all(state in ("T", "t") for state in states):
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"etcd (pid {pid}) did not stop within {timeout} s")
-
-
-@contextlib.contextmanager
-def frozen(server: EmbeddedEtcd) -> Iterator[None]:
-    """etcd stops answering but keeps its connections: requests are sent, never confirmed."""
-    pid = server.pid
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        wait_until_stopped(pid)
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 async def test_a_write_etcd_never_confirmed_says_its_outcome_is_unknown_and_how_to_check(

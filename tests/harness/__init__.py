@@ -10,7 +10,7 @@
 - ``xdsclient``: an ADS test client and server, and xDS message builders;
 - ``agent``, ``gated_backend``: model-server stand-ins the tests control;
 - ``auth``, ``wait``, ``processes``: the test tokens, waiting with a deadline, finding
-  processes.
+  processes and freezing etcd.
 
 No test module imports another: a helper two modules need lives here.
 """
