@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from harness.processes import frozen
 from harness.wait import poll
 
 from controlplane.etcd import (
     CompactedError,
     ConflictError,
     EtcdClient,
+    EtcdClosed,
     EtcdUnavailable,
     EventType,
     LeaseNotFoundError,
@@ -290,6 +292,46 @@ async def test_cancelling_watch_task_cancels_watch(client: EtcdClient, prefix: b
     with pytest.raises(asyncio.CancelledError):
         await task
     await client.put(prefix + b"after", b"x")  # the client still works
+
+
+async def test_a_watch_under_way_when_its_client_closes_raises_etcd_closed(
+    etcd: EmbeddedEtcd, prefix: bytes
+) -> None:
+    # Closing a channel cancels its calls in flight, and gRPC raises that as a CancelledError
+    # in a task nobody cancelled: a loop would end as if cancelled instead of on EtcdClosed.
+    c = EtcdClient([etcd.endpoint], timeout=5.0)
+    await c.connect()
+    opened = asyncio.Event()
+
+    async def follow() -> None:
+        async for _ in c.watch_prefix(prefix, start_revision=0):
+            opened.set()
+
+    task = asyncio.create_task(follow())
+    async with asyncio.timeout(5):
+        await opened.wait()
+    await c.close()
+    with pytest.raises(EtcdClosed):
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_read_under_way_when_its_client_closes_raises_etcd_closed_unless_cancelled(
+    tmp_path: Path,
+) -> None:
+    server = EmbeddedEtcd(tmp_path).start()
+    try:
+        c = EtcdClient([server.endpoint], timeout=30.0)
+        await c.connect()
+        await c.get(b"/k")  # the channel is up
+        with frozen(server):
+            left, cancelled = (asyncio.create_task(c.get(b"/k")) for _ in range(2))
+            await asyncio.sleep(0)  # one turn of the loop sends both; etcd answers neither
+            cancelled.cancel()
+            await c.close()
+            outcomes = await asyncio.gather(left, cancelled, return_exceptions=True)
+        assert [type(outcome) for outcome in outcomes] == [EtcdClosed, asyncio.CancelledError]
+    finally:
+        server.stop()
 
 
 async def test_status_reports_revision_and_leader(client: EtcdClient, prefix: bytes) -> None:

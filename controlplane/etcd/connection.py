@@ -188,6 +188,13 @@ class EtcdConnection:
             await self.connect()
         return self._conns[self._current]
 
+    def _closed_under_call(self) -> bool:
+        """Whether a CancelledError out of a call means this client was closed under it:
+        closing cancels the calls in flight, and gRPC raises that in the caller's task although
+        nobody cancelled the task."""
+        task = asyncio.current_task()
+        return self._closed and task is not None and not task.cancelling()
+
     def _rotate(self, failed: Conn) -> None:
         """Move to the next endpoint, unless another call already moved away from ``failed``."""
         if self._conns and self._conns[self._current] is failed:
@@ -233,6 +240,10 @@ class EtcdConnection:
                 if self.security.user is not None and conn.token.value is None:
                     await self._authenticate(conn, per_attempt)
                 return await attempt(conn, per_attempt)
+            except asyncio.CancelledError:
+                if self._closed_under_call():
+                    raise EtcdClosed(f"the etcd client was closed during {what}") from None
+                raise
             except grpc.aio.AioRpcError as err:
                 code = err.code()
                 if is_bad_token(err) and not renewed:

@@ -14,6 +14,7 @@ from aetcd import rpc
 from controlplane.etcd.connection import Conn, EtcdConnection, is_compacted, raise_for_status
 from controlplane.etcd.types import (
     CompactedError,
+    EtcdClosed,
     EtcdError,
     EtcdUnavailable,
     EventType,
@@ -63,6 +64,12 @@ class EtcdWatch(EtcdConnection):
             while True:
                 try:
                     response = await call.read()
+                except asyncio.CancelledError:
+                    if self._closed_under_call():
+                        raise EtcdClosed(
+                            f"the etcd client was closed under the watch on {prefix!r}"
+                        ) from None
+                    raise
                 except grpc.aio.AioRpcError as err:
                     raise self._watch_broken(conn, prefix, err) from None
                 if response is grpc.aio.EOF:
