@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
-from controlplane.etcd import EtcdError, KeyValue
+from controlplane.etcd import EtcdClosed, EtcdError, KeyValue
 from controlplane.keys import STATUS, decode_json
 from controlplane.store import Store
 from xdsserver.status import ConnectionRegistry, ConnectionStatus, Event
@@ -105,6 +105,12 @@ class StatusPublisher:
                     batch, self._dirty = self._dirty, {}
                     try:
                         await self._flush(batch)
+                    except EtcdClosed:
+                        # Shutting down: nothing succeeds on a closed client again, and a
+                        # cancellation that a gRPC call in flight turned into a failed call
+                        # would leave this retrying.
+                        log.info("etcd client closed; Envoy status is no longer published")
+                        return
                     except EtcdError as error:
                         log.warning("cannot publish Envoy status to etcd (will retry): %s", error)
                         for key, status in batch.items():

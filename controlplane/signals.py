@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 from urllib.parse import quote, unquote
 
-from controlplane.etcd import EtcdError, KeyValue
+from controlplane.etcd import EtcdClosed, EtcdError, KeyValue
 from controlplane.keys import STATUS, decode_json, encode_json
 from controlplane.store import Store
 from policies import RoutingPlan
@@ -150,6 +150,12 @@ class SignalPublisher:
                             encode_json(self.record(cluster)),
                             lease=self._lease,
                         )
+                except EtcdClosed:
+                    # Shutting down: nothing succeeds on a closed client again, and a
+                    # cancellation that a gRPC call in flight turned into a failed call would
+                    # leave this retrying.
+                    log.info("etcd client closed; data-plane signals are no longer published")
+                    return
                 except EtcdError as error:
                     log.warning("cannot publish data-plane signals (will retry): %s", error)
                     self.book.changed.update(changed)

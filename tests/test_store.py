@@ -1,22 +1,29 @@
-"""Store and StateMirror against a real etcd, including etcd restarts and compaction."""
+"""Store, StateMirror and the replica's publishers against a real etcd, including etcd restarts
+and compaction."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import shutil
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 from harness.builders import pool
 from harness.wait import poll
+from prometheus_client import CollectorRegistry
 
+from controlplane.envoystatus import StatusPublisher
 from controlplane.etcd import ConflictError, EtcdClient
 from controlplane.keys import InvalidName, Keys, UnknownKind, decode_json
 from controlplane.launchers import EmbeddedEtcd, free_port
 from controlplane.mirror import StateChange, StateMirror
+from controlplane.signals import SignalPublisher, signals_key
 from controlplane.store import AlreadyExists, InvalidValue, NotFound, RevisionMismatch, Store
+from xdsserver.signals import SignalBook
+from xdsserver.status import ConnectionRegistry
 
 pytestmark = pytest.mark.e2e
 
@@ -361,6 +368,57 @@ async def test_mirror_stops_when_its_client_is_closed(etcd: EmbeddedEtcd, etcd_p
     await c.close()
     await asyncio.wait_for(task, 10)
     assert task.exception() is None
+
+
+class Publishing(NamedTuple):
+    """A publisher's loop, what makes it write, and the record that write leaves in etcd."""
+
+    run: Coroutine[Any, Any, None]
+    poke: Callable[[], object]
+    key: str
+
+
+def envoy_status(store: Store) -> Publishing:
+    connections = ConnectionRegistry(registry=CollectorRegistry())
+    publisher = StatusPublisher(store, connections, "r1", interval=0.05, settle=0.01)
+
+    def connect() -> None:
+        connections.open(node_id="envoy-1", fleet="default", peer="127.0.0.1:1", mode="sotw")
+
+    return Publishing(publisher.run(), connect, store.keys.envoy_status("r1", "envoy-1"))
+
+
+def data_plane_signals(store: Store) -> Publishing:
+    book = SignalBook(lambda cluster, address, port: None)
+    publisher = SignalPublisher(store, book, "r1", interval=0.05)
+    return Publishing(
+        publisher.run(), lambda: book.changed.add("main/all"), signals_key("r1", "main/all")
+    )
+
+
+@pytest.mark.parametrize("publishing", [envoy_status, data_plane_signals])
+async def test_a_publisher_stops_when_its_client_is_closed(
+    etcd: EmbeddedEtcd, etcd_prefix: str, publishing: Callable[[Store], Publishing]
+) -> None:
+    # As the mirror: a publisher that retried on a closed client would never end.
+    c = EtcdClient([etcd.endpoint], timeout=1.0)
+    await c.connect()
+    store = Store(c, etcd_prefix)
+    publisher = publishing(store)
+    task = asyncio.create_task(publisher.run)
+    try:
+
+        async def published() -> bool:
+            publisher.poke()  # again until the loop is listening
+            return await c.get(store.keys.absolute(publisher.key)) is not None
+
+        await poll(published, message="a first record")
+        await c.close()
+        publisher.poke()  # its next write meets the closed client
+        await asyncio.wait_for(task, 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_mirror_with_dead_first_endpoint(etcd: EmbeddedEtcd, etcd_prefix: str) -> None:
