@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from controlplane.election import LeaderElection, heartbeat_key, leader_key
-from controlplane.etcd import EtcdClient, EtcdError
+from controlplane.etcd import EtcdClient, EtcdClosed, EtcdError
 from controlplane.keys import Keys, decode_json, encode_json
 from controlplane.rolloutanalysis import PrometheusQueries
 from controlplane.rolloutstate import (
@@ -116,6 +116,12 @@ class RolloutController:
                             await self.election.beat()
                         if self.leading:
                             await self.drive_all()
+                    except EtcdClosed:
+                        # Shutting down: nothing succeeds on a closed client again, and a
+                        # cancellation that a gRPC call in flight turned into a failed call
+                        # would leave this retrying.
+                        log.info("etcd client closed; rollouts are no longer driven")
+                        return
                     except EtcdError as error:
                         log.warning("rollouts: etcd: %s; retrying", error)
                     await asyncio.sleep(

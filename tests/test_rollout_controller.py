@@ -152,3 +152,34 @@ async def test_a_follower_takes_the_key_from_a_silent_leader_before_its_lease_ru
     # It waits for 0.6 of the 2 s TTL without a heartbeat, not for the lease's 60 s (the bound
     # within the TTL is the SIGKILL test's; here the machine's load must not fail the test).
     assert 1.2 <= took < 30, f"took the key {took:.2f}s after the leader went silent"
+
+
+@pytest.mark.parametrize("leading", [True, False], ids=["leader", "follower"])
+async def test_the_controller_stops_when_its_client_is_closed(
+    etcd: EmbeddedEtcd, etcd_prefix: str, leading: bool
+) -> None:
+    # A closed client never works again: a leader beating its heartbeat, or a follower
+    # campaigning, that retried on it would keep a shutting-down replica waiting for ever.
+    async with contextlib.AsyncExitStack() as stack:
+        if not leading:
+            other, _ = await stack.enter_async_context(
+                controller(etcd.endpoint, etcd_prefix, "other")
+            )
+            await poll(lambda: other.leading, within=10)
+        client = EtcdClient([etcd.endpoint], timeout=1.0)
+        await client.connect()
+        mirror = StateMirror(client, etcd_prefix)
+        watch = asyncio.create_task(mirror.run())
+        await mirror.wait_synced(10)
+        driver = RolloutController(
+            client, Store(client, etcd_prefix).keys, lambda: mirror.items, "a", lease_ttl=2
+        )
+        task = asyncio.create_task(driver.run())
+        try:
+            await poll(lambda: driver.election.lease != 0 and driver.leading == leading, within=10)
+            await client.close()
+            await asyncio.wait_for(task, 10)
+        finally:
+            for running in (task, watch):
+                running.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
