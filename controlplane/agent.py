@@ -126,8 +126,9 @@ class AgentConfig:
 
 
 class Agent:
-    """The scrape-and-write loop. ``run()`` until cancelled; the lease is revoked on a clean
-    exit, and simply expires when the process is killed."""
+    """The scrape-and-write loop. ``run()`` until cancelled or until its etcd client is closed;
+    the lease is revoked on a clean exit, and simply expires when the process is killed (or
+    the client was closed first)."""
 
     def __init__(
         self, store: Store, config: AgentConfig, *, http: httpx.AsyncClient | None = None

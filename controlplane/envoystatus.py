@@ -93,7 +93,8 @@ class StatusPublisher:
         self._wake.set()
 
     async def run(self) -> None:
-        """Publish until cancelled; on exit the lease is revoked and the records vanish."""
+        """Publish until cancelled or until the etcd client is closed; on exit the lease is
+        revoked and the records vanish (with a closed client, when the lease expires)."""
         remove = self.connections.add_listener(self._on_event)
         try:
             async with self.store.keep_lease(self.ttl, on_regrant=self._republish_all) as keeper:

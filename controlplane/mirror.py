@@ -118,7 +118,7 @@ class StateMirror:
         await asyncio.wait_for(self._synced.wait(), timeout)
 
     async def run(self) -> None:
-        """Mirror etcd until cancelled."""
+        """Mirror etcd until cancelled or until the client is closed."""
         backoff = self._backoff_initial
         need_list = True
         while True:

@@ -98,7 +98,8 @@ class RolloutController:
         return self.election.leadership is not None
 
     async def run(self) -> None:
-        """Campaign, and drive rollouts while leader, until cancelled."""
+        """Campaign, and drive rollouts while leader, until cancelled or until the etcd client
+        is closed."""
         async with self.client.keepalive_forever(
             self.election.ttl, on_regrant=self.election.on_regrant
         ) as keeper:

@@ -135,7 +135,8 @@ class SignalPublisher:
         self.book.changed.update(self.book.counters)
 
     async def run(self) -> None:
-        """Publish until cancelled; on exit the lease is revoked and the records vanish."""
+        """Publish until cancelled or until the etcd client is closed; on exit the lease is
+        revoked and the records vanish (with a closed client, when the lease expires)."""
         async with self.store.client.keepalive_forever(
             self.ttl, on_regrant=self._republish_all
         ) as keeper:
