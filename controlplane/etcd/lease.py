@@ -70,6 +70,8 @@ class LeaseKeeper:
         if self._revoke_on_exit and self.lease_id:
             try:
                 await self._client.revoke_lease(self.lease_id)
+            except EtcdClosed:
+                log.info("etcd client closed; lease %x is left to expire", self.lease_id)
             except EtcdError as err:
                 log.warning("could not revoke lease %x on exit: %s", self.lease_id, err)
 
