@@ -11,7 +11,13 @@ import pytest
 
 from controlplane.launchers import find_binary, repo_root
 from policies import PolicyError, PolicyState, compile_plan, load_objects, parse_object
-from policies.admission import AdmissionDecision, decide, pool_pressure, pool_signals
+from policies.admission import (
+    AdmissionDecision,
+    decide,
+    pool_pressure,
+    pool_signals,
+    pressure_of,
+)
 from policies.models import Endpoint, Saturation, ServiceClass, ServiceClasses
 from policies.telemetry import TelemetryRecord
 from xdsserver.static import validate_with_envoy
@@ -221,6 +227,22 @@ def test_busiest_takes_each_signal_over_the_busiest_share_of_the_replicas() -> N
     assert pool_pressure(endpoints, records, now=100.0, max_age=10.0, saturation=quarter) == 1.0
     one = Saturation(busiest=1)  # at least one replica: the busiest
     assert pool_signals(endpoints, records, now=100.0, max_age=10.0, saturation=one)[0].mean == 6
+
+
+def test_busiest_leaves_the_time_to_first_token_a_pool_mean() -> None:
+    # One replica prefills a long prompt (its TTFT is that prompt's own prefill); the pool
+    # has room. Over the busiest quarter the TTFT would read 0.8 against a 0.5 bound.
+    endpoints = [Endpoint(address="10.0.0.1", port=p) for p in (1, 2, 3, 4)]
+    records = {
+        f"10.0.0.1:{port}": TelemetryRecord(at=100.0, waiting=0, ttft=ttft)
+        for port, ttft in ((1, 0.8), (2, 0.1), (3, 0.1), (4, 0.2))
+    }
+    quarter = Saturation(busiest=25)
+    signals = pool_signals(
+        endpoints, records, now=100.0, max_age=10.0, saturation=quarter, ttft_bound=0.5
+    )
+    assert [(s.name, s.mean) for s in signals][-1] == ("ttft", pytest.approx(0.3))
+    assert pressure_of(signals) == 0.6
 
 
 def test_the_mean_time_to_first_token_saturates_at_half_the_first_class_objective() -> None:

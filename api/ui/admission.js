@@ -131,7 +131,7 @@ function policyHtml(policy, now) {
   ].filter(Boolean);
   return (
     `<section class="policy" data-policy="${esc(policy.name)}"><header><h2>${esc(policy.name)}</h2>` +
-    `<span class="muted">saturated at ${esc(bounds.join(" · "))} (${s.busiest ? `mean over the busiest ${s.busiest}% of the replicas` : "mean per replica"})</span>` +
+    `<span class="muted">saturated at ${esc(bounds.join(" · "))} (${s.busiest ? `queue and KV-cache over the busiest ${s.busiest}% of the replicas, TTFT over all` : "mean per replica"})</span>` +
     `<span class="muted">at pressure ≥ ${num(s.high, 2)} restrict the excess over it (in ${s.step}% steps), at most every ${interval(s.shedInterval)}; give back ${s.step}% at ≤ ${num(s.low, 2)} after ${interval(s.recoverInterval)}</span>` +
     `<span class="muted">tenant header <code>${esc(policy.tenantHeader)}</code></span></header>` +
     policy.routes.map((route) => routeHtml(route, policy, now)).join("") +

@@ -182,10 +182,12 @@ class Saturation(Model):
         None,
         ge=1,
         le=100,
-        description="Percent of the replicas, the busiest by each signal, that the means "
-        "are taken over: 25 reads each signal on the busiest quarter. With session affinity "
-        "a replica may carry half again the mean load (bounded load), and its sessions wait "
-        "while the pool mean still has room. Default: every replica (the pool mean).",
+        description="Percent of the replicas, the busiest by each signal, that the queue, "
+        "KV-cache and pending-token means are taken over: 25 reads each on the busiest "
+        "quarter. With session affinity a replica may carry half again the mean load "
+        "(bounded load), and its sessions wait while the pool mean still has room. The "
+        "time to first token is always the pool mean: a replica's includes the long "
+        "prompts' own prefill. Default: every replica (the pool mean).",
     )
     high: float = Field(
         1.0,
