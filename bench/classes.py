@@ -142,16 +142,16 @@ POLICIES: tuple[Policy, ...] = (
         title="affinity + service classes, batch shed on the queue alone",
         default=False,
     ),
-    # Sensitivity, run only when named: the same shedding on the busiest quarter of the
-    # replicas rather than the pool mean (`Saturation.busiest`).
+    # Sensitivity, run only when named: the same shedding with the queue and KV-cache use
+    # read over the whole pool rather than its busiest quarter (`Saturation.busiest`).
     replace(
         _AFFINITY,
-        key="classes_busiest",
-        title="affinity + service classes, batch shed on the busiest quarter",
+        key="classes_mean",
+        title="affinity + service classes, batch shed on the pool mean",
         default=False,
     ),
 )
-CLASS_POLICIES = ("classes", "classes_queue", "classes_queue_bound", "classes_busiest")
+CLASS_POLICIES = ("classes", "classes_queue", "classes_queue_bound", "classes_mean")
 """The policies with service classes, each checked against the targets."""
 REFERENCE = replace(_AFFINITY, key="reference", title="affinity, interactive alone (no batch)")
 
@@ -182,10 +182,11 @@ def default_config(short: bool = False) -> ClassesConfig:
     # replica, the rest waiting), and bounds beyond the default rule (mean engine TTFT at
     # half the interactive objective) for a pool whose engines run 8 sequences at most:
     # half a request waiting per replica (a chat turn that waits for a batch slot waits
-    # about as long as a slot takes to free, most of a second here). A step is given back
-    # at 0.7 of the bounds, not 0.5: batch prompts' own first tokens (0.5 s and more of
-    # prefill) raise the mean TTFT of a pool that has room.
-    saturation: dict[str, Any] = {"queue": 0.5, "low": 0.7}
+    # about as long as a slot takes to free, most of a second here), read on the busiest
+    # quarter of the replicas, where the sessions that bounded load lets pile up wait
+    # first. A step is given back at 0.7 of the bounds, not 0.5: batch prompts' own first
+    # tokens (0.5 s and more of prefill) raise the mean TTFT of a pool that has room.
+    saturation: dict[str, Any] = {"queue": 0.5, "low": 0.7, "busiest": 25}
     interactive = {"name": INTERACTIVE, "objective": {"ttft": "1s"}}
     batch = {
         "name": BATCH,
@@ -207,8 +208,8 @@ def default_config(short: bool = False) -> ClassesConfig:
                 {**batch, "whenSaturated": "queue", "queue": {"concurrency": 16}},
             ],
         },
-        "classes_busiest": {
-            "saturation": {**saturation, "busiest": 25},
+        "classes_mean": {
+            "saturation": {key: value for key, value in saturation.items() if key != "busiest"},
             "classes": [
                 interactive,
                 {**batch, "whenSaturated": "shed", "retryAfter": "30s"},
