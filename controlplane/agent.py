@@ -176,8 +176,6 @@ class Agent:
                     self.scrapes += 1
                     await asyncio.sleep(max(0.0, self.config.interval - (loop.time() - started)))
             except EtcdClosed:
-                # Shutting down: nothing succeeds on a closed client again, and a cancellation
-                # that a gRPC call in flight turned into a failed call would leave this retrying.
                 log.info("etcd client closed; the agent stops after %d scrapes", self.scrapes)
 
     async def _tick(self, http: httpx.AsyncClient, target: Target) -> TelemetryRecord | None:

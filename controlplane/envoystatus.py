@@ -107,9 +107,6 @@ class StatusPublisher:
                     try:
                         await self._flush(batch)
                     except EtcdClosed:
-                        # Shutting down: nothing succeeds on a closed client again, and a
-                        # cancellation that a gRPC call in flight turned into a failed call
-                        # would leave this retrying.
                         log.info("etcd client closed; Envoy status is no longer published")
                         return
                     except EtcdError as error:

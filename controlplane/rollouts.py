@@ -118,9 +118,6 @@ class RolloutController:
                         if self.leading:
                             await self.drive_all()
                     except EtcdClosed:
-                        # Shutting down: nothing succeeds on a closed client again, and a
-                        # cancellation that a gRPC call in flight turned into a failed call
-                        # would leave this retrying.
                         log.info("etcd client closed; rollouts are no longer driven")
                         return
                     except EtcdError as error:

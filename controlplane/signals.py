@@ -152,9 +152,6 @@ class SignalPublisher:
                             lease=self._lease,
                         )
                 except EtcdClosed:
-                    # Shutting down: nothing succeeds on a closed client again, and a
-                    # cancellation that a gRPC call in flight turned into a failed call would
-                    # leave this retrying.
                     log.info("etcd client closed; data-plane signals are no longer published")
                     return
                 except EtcdError as error:

@@ -96,8 +96,6 @@ class LeaseKeeper:
                 self.last_error = None
                 wait = interval
             except EtcdClosed:
-                # Shutting down: nothing succeeds on a closed client again, and a cancellation
-                # that a gRPC call in flight turned into a failed call would leave this retrying.
                 log.info("etcd client closed; lease %x is no longer kept alive", self.lease_id)
                 return
             except EtcdError as err:

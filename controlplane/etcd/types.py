@@ -32,7 +32,8 @@ class EtcdError(Exception):
 
 class EtcdClosed(EtcdError):
     """The client was closed: nothing will succeed on it again, so a loop stops instead of
-    retrying."""
+    retrying. A call under way when the client closes raises it too, not the CancelledError
+    that gRPC raises in a task nobody cancelled."""
 
 
 class EtcdUnavailable(EtcdError):
