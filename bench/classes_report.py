@@ -101,6 +101,27 @@ def summarize(results: list[RequestResult], config: ClassesConfig) -> dict[str, 
     }
 
 
+def slower_by_phase(
+    per_request: Sequence[dict[str, Any]], bound: float, config: ClassesConfig
+) -> dict[str, int]:
+    """How many served interactive requests of each measured phase took longer than `bound`
+    (engine TTFT, simulated seconds) to their first token."""
+    counts: dict[str, int] = {}
+    for row in per_request:
+        ttft = row["engine_ttft"] if row.get("engine_ttft") is not None else row.get("ttft")
+        phase = config.phase_at(row["start"])
+        if (
+            row["class"] == INTERACTIVE
+            and row["status"] == 200
+            and row["start"] >= config.ramp
+            and phase is not None
+            and ttft is not None
+            and ttft > bound
+        ):
+            counts[phase] = counts.get(phase, 0) + 1
+    return counts
+
+
 def engine_phases(
     samples: Sequence[dict[str, float]], config: ClassesConfig
 ) -> dict[str, dict[str, float | None]]:
@@ -257,6 +278,22 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
             for name in measured_phases
         ]
         lines.append(f"| {titles[key]} | " + " | ".join(cells) + " |")
+    ref = _p99(results, "reference")
+    if ref is not None:
+        bound = 1.5 * ref
+        lines += [
+            "",
+            f"Interactive requests slower than 1.5x the reference's p99 ({bound:.3f}s), by "
+            "phase: the target leaves 1% of the requests for it. Those of the phases with "
+            "room are what the batch admitted there costs (nothing may be shed then).",
+            "",
+            "| policy | " + " | ".join(measured_phases) + " | in all |",
+            "|---|" + "---:|" * (len(measured_phases) + 1),
+        ]
+        for key, summary in results.items():
+            counts = slower_by_phase(summary["per_request"], bound, config)
+            cells = [str(counts.get(name, 0)) for name in measured_phases]
+            lines.append(f"| {titles[key]} | " + " | ".join(cells) + f" | {sum(counts.values())} |")
     lines += [
         "",
         f"The engines' own counters per phase (means over the replicas; a sample is saturated "

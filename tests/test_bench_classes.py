@@ -4,7 +4,7 @@ and the target rows, on hand-made request results (the run itself is `make bench
 from __future__ import annotations
 
 from bench.classes import BATCH, INTERACTIVE, Phase, default_config
-from bench.classes_report import engine_phases, summarize, targets
+from bench.classes_report import engine_phases, slower_by_phase, summarize, targets
 from bench.loadgen import RequestResult
 
 
@@ -104,3 +104,23 @@ def test_targets_compare_the_runs_side_by_side() -> None:
         }
     )
     assert [met for _, met, _ in rows] == [False, False, False, False, False]
+
+
+def test_slow_interactive_requests_are_counted_by_the_phase_they_started_in() -> None:
+    config = type(default_config())(
+        phases=(
+            Phase("ramp", 5, 0.4, 0.1, measured=False),
+            Phase("calm", 10, 0.4, 0.1),
+            Phase("overload", 10, 0.6, 0.7),
+        ),
+    )
+    results = [
+        _ok("s7-1", 1.0, 0.9),  # slow, but in the ramp: not measured
+        _ok("s7-2", 6.0, 0.5),  # slow, calm
+        _ok("s7-3", 7.0, 0.2),  # within the bound
+        _ok("s7-4", 16.0, 0.4),  # slow, overload
+        _ok("s7-5", 17.0, 0.6),  # slow, overload
+        _ok("d101-1", 18.0, 0.9),  # batch: not counted
+    ]
+    per_request = summarize(results, config)["per_request"]
+    assert slower_by_phase(per_request, 0.3, config) == {"calm": 1, "overload": 2}
