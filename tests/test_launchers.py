@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import pytest
@@ -243,3 +246,49 @@ def test_kvpilot_picks_other_ports_when_a_picked_one_is_taken_before_it_binds(
             assert httpx.get(f"{kvpilot.api_url}/readyz", timeout=5).status_code == 200
         finally:
             kvpilot.stop()
+
+
+@contextlib.contextmanager
+def port_held_elsewhere() -> Iterator[int]:
+    """A loopback port that another socket binds and listens on until the block ends."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
+def hand_out_first(monkeypatch: pytest.MonkeyPatch, module: ModuleType, *ports: int) -> None:
+    """Make `module`'s port picker hand out `ports` first, then free ports.
+
+    The race a picked port can lose (another process binds it between the pick and the child's
+    bind) cannot be produced on demand: a picker that hands out a taken port loses it for sure.
+    """
+    picks = iter(ports)
+    monkeypatch.setattr(
+        module, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port()
+    )
+
+
+def test_etcd_keeps_a_given_port_when_it_picks_another_for_a_taken_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from controlplane.launchers import etcd as etcd_launcher
+
+    given = free_port()
+    with port_held_elsewhere() as port:
+        hand_out_first(monkeypatch, etcd_launcher, port)  # the peer port
+        etcd = etcd_launcher.EmbeddedEtcd(tmp_path, client_port=given)
+        assert etcd.peer_port == port
+        with etcd:
+            assert etcd.client_port == given
+            assert etcd.peer_port != port
+            assert httpx.get(f"{etcd.client_url}/health", timeout=5).json()["health"] == "true"
+
+
+def test_etcd_fails_naming_a_given_port_that_is_taken(tmp_path: Path) -> None:
+    with port_held_elsewhere() as port:
+        etcd = EmbeddedEtcd(tmp_path, client_port=port)  # the peer port is picked
+        with pytest.raises(LauncherError, match=f"client port {port}, given to EmbeddedEtcd"):
+            etcd.start(timeout=20)
+        assert etcd.client_port == port
+        assert not etcd.running()

@@ -3,6 +3,7 @@ the demo and the tests."""
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,16 +16,21 @@ from controlplane.launchers.process import (
     find_binary,
     free_port,
     http_get,
-    port_in_use,
 )
 from xdsserver.identity import TlsFiles
+
+_PORT_TAKEN = re.compile(r"listen tcp \S+:(\d+): bind: address already in use")
+"""How etcd reports a port another process holds: `listen tcp 127.0.0.1:2380: bind: address
+already in use`."""
 
 
 class EmbeddedEtcd(Launcher):
     """A single-member etcd for local use and tests, with its data and log under `state_dir`.
 
     Ports are fixed at construction (picked free when not given) and kept across
-    `stop()`/`kill()` and `start()`, so clients can reconnect to a restarted etcd.
+    `stop()`/`kill()` and `start()`, so clients can reconnect to a restarted etcd. Only on the
+    first start, a port picked here that another process took before etcd bound it is picked
+    again; a port the caller gave is never replaced.
     """
 
     def __init__(
@@ -46,7 +52,10 @@ class EmbeddedEtcd(Launcher):
         self.host = host
         self.name = name
         self.extra_args = list(extra_args)
-        self._auto_ports = client_port is None or peer_port is None
+        self._picked_ports = frozenset(
+            name for name, port in (("client", client_port), ("peer", peer_port)) if port is None
+        )
+        """The ports picked here ("client", "peer"), which a first start may pick again."""
         self.client_port = client_port if client_port is not None else free_port(host)
         self.peer_port = peer_port if peer_port is not None else free_port(host)
         self.data_dir = self.state_dir / "etcd-data"
@@ -120,19 +129,30 @@ class EmbeddedEtcd(Launcher):
         if self.running():
             return self
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        attempts = 3 if self._auto_ports and not self._started_once else 1
+        attempts = 3 if self._picked_ports and not self._started_once else 1
         for attempt in range(attempts):
             self._process = ManagedProcess(self._argv(), self.log_path)
             log_size = self.log_path.stat().st_size if self.log_path.exists() else 0
             self._process.spawn()
             try:
                 self._process.wait_for(self._healthy, timeout, "etcd reports healthy")
-            except LauncherError:
+            except LauncherError as error:
                 new_log = self.log_path.read_bytes()[log_size:].decode(errors="replace")
-                if attempt + 1 < attempts and port_in_use(new_log):
+                reported = {int(port) for port in _PORT_TAKEN.findall(new_log)}
+                ports = {"client": self.client_port, "peer": self.peer_port}
+                taken = [name for name, port in ports.items() if port in reported]
+                for name in taken:
+                    if name not in self._picked_ports:
+                        raise LauncherError(
+                            f"etcd's {name} port {ports[name]}, given to EmbeddedEtcd, is in use "
+                            f"by another process; {error}"
+                        ) from error
+                if attempt + 1 < attempts and taken:
                     # Another process took a port between free_port() and etcd's bind.
-                    self.client_port = free_port(self.host)
-                    self.peer_port = free_port(self.host)
+                    if "client" in taken:
+                        self.client_port = free_port(self.host)
+                    if "peer" in taken:
+                        self.peer_port = free_port(self.host)
                     continue
                 raise
             break
