@@ -11,17 +11,12 @@ from typing import Self
 
 from controlplane.launchers.process import (
     Launcher,
-    LauncherError,
     ManagedProcess,
     find_binary,
     free_port,
     http_get,
 )
 from xdsserver.identity import TlsFiles
-
-_PORT_TAKEN = re.compile(r"listen tcp \S+:(\d+): bind: address already in use")
-"""How etcd reports a port another process holds: `listen tcp 127.0.0.1:2380: bind: address
-already in use`."""
 
 
 class EmbeddedEtcd(Launcher):
@@ -32,6 +27,9 @@ class EmbeddedEtcd(Launcher):
     first start, a port picked here that another process took before etcd bound it is picked
     again; a port the caller gave is never replaced.
     """
+
+    # `listen tcp 127.0.0.1:2380: bind: address already in use`
+    _port_taken = (re.compile(r"listen tcp \S+:(\d+): bind: address already in use"),)
 
     def __init__(
         self,
@@ -52,17 +50,12 @@ class EmbeddedEtcd(Launcher):
         self.host = host
         self.name = name
         self.extra_args = list(extra_args)
-        self._picked_ports = frozenset(
-            name for name, port in (("client", client_port), ("peer", peer_port)) if port is None
-        )
-        """The ports picked here ("client", "peer"), which a first start may pick again."""
-        self.client_port = client_port if client_port is not None else free_port(host)
-        self.peer_port = peer_port if peer_port is not None else free_port(host)
+        self.client_port = self._port("client_port", client_port)
+        self.peer_port = self._port("peer_port", peer_port)
         self.data_dir = self.state_dir / "etcd-data"
         self.log_path = self.state_dir / "etcd.log"
         """etcd's stdout and stderr."""
         self._process = None
-        self._started_once = False
 
     @property
     def endpoint(self) -> str:
@@ -129,34 +122,12 @@ class EmbeddedEtcd(Launcher):
         if self.running():
             return self
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        attempts = 3 if self._picked_ports and not self._started_once else 1
-        for attempt in range(attempts):
-            self._process = ManagedProcess(self._argv(), self.log_path)
-            log_size = self.log_path.stat().st_size if self.log_path.exists() else 0
-            self._process.spawn()
-            try:
-                self._process.wait_for(self._healthy, timeout, "etcd reports healthy")
-            except LauncherError as error:
-                new_log = self.log_path.read_bytes()[log_size:].decode(errors="replace")
-                reported = {int(port) for port in _PORT_TAKEN.findall(new_log)}
-                ports = {"client": self.client_port, "peer": self.peer_port}
-                taken = [name for name, port in ports.items() if port in reported]
-                for name in taken:
-                    if name not in self._picked_ports:
-                        raise LauncherError(
-                            f"etcd's {name} port {ports[name]}, given to EmbeddedEtcd, is in use "
-                            f"by another process; {error}"
-                        ) from error
-                if attempt + 1 < attempts and taken:
-                    # Another process took a port between free_port() and etcd's bind.
-                    if "client" in taken:
-                        self.client_port = free_port(self.host)
-                    if "peer" in taken:
-                        self.peer_port = free_port(self.host)
-                    continue
-                raise
-            break
-        self._started_once = True
+        self._start_child(
+            lambda: ManagedProcess(self._argv(), self.log_path),
+            self._healthy,
+            timeout,
+            "etcd reports healthy",
+        )
         return self
 
 
