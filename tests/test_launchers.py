@@ -317,3 +317,32 @@ def test_a_given_port_that_is_taken_fails_the_start_naming_it(
             launcher.start(timeout=20)
         assert getattr(launcher, given) == port
         assert not launcher.running()
+
+
+@pytest.mark.parametrize("kind", ["etcd", "kvpilot"])
+def test_the_start_gives_up_when_every_port_picked_is_taken(
+    launch: Launch, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    with port_held_elsewhere() as port:
+        monkeypatch.setattr(launcher_process, "free_port", lambda host="127.0.0.1": port)
+        launcher = launch(kind)
+        with pytest.raises(LauncherError, match=rf"gave up after 3 starts: .*\(last \w+ {port}\)"):
+            launcher.start(timeout=20)
+        assert not launcher.running()
+
+
+@pytest.mark.parametrize("kind", ["etcd", "kvpilot"])
+def test_a_restart_keeps_its_ports_and_fails_naming_one_taken_meanwhile(
+    launch: Launch, kind: str
+) -> None:
+    launcher = launch(kind).start()
+    first = {name: getattr(launcher, name) for name in PORTS[kind]}
+    launcher.stop()
+    name = PORTS[kind][0]
+    with (
+        port_held_elsewhere(first[name]) as port,
+        pytest.raises(LauncherError, match=f"{name} {port} is in use .* keeps the ports"),
+    ):
+        launcher.start(timeout=20)
+    assert {name: getattr(launcher, name) for name in PORTS[kind]} == first
+    assert not launcher.running()

@@ -425,8 +425,8 @@ class Launcher:
         A port from `free_port` is free when picked, but another process may bind it before the
         child does. When the child reports such a port taken on the first start, only that port
         is picked again and a new `child()` (built on the current ports) started, up to
-        `PORT_TRIES` starts. A port the caller gave is never replaced (one taken fails the
-        start, naming it), nor any port after a first start succeeded.
+        `PORT_TRIES` starts. A port the caller gave is never replaced, nor any port after a
+        first start succeeded: one of those taken fails the start, naming it.
         """
         launcher = type(self).__name__
         for attempt in range(1, PORT_TRIES + 1):
@@ -436,14 +436,26 @@ class Launcher:
                 process.wait_for(ready, timeout, what)
             except LauncherError as error:
                 taken = self._ports_taken(process.output())
+                if not taken:
+                    raise
                 for name in taken:
+                    port = getattr(self, name)
                     if name not in self._picked_ports:
                         raise LauncherError(
-                            f"{name} {getattr(self, name)}, given to {launcher}, is in use by "
-                            f"another process; {error}"
+                            f"{name} {port}, given to {launcher}, is in use by another process "
+                            f"(give a free port, or none to have one picked); {error}"
                         ) from error
-                if not taken or self._started_once or attempt == PORT_TRIES:
-                    raise
+                    if self._started_once:
+                        raise LauncherError(
+                            f"{name} {port} is in use by another process, and {launcher} keeps "
+                            f"the ports of its first start, which its clients know; {error}"
+                        ) from error
+                if attempt == PORT_TRIES:
+                    raise LauncherError(
+                        f"{launcher} gave up after {PORT_TRIES} starts: each time another "
+                        f"process took a port picked for it before the child bound it (last "
+                        f"{taken[0]} {getattr(self, taken[0])}); {error}"
+                    ) from error
                 for name in taken:
                     setattr(self, name, free_port(self.host))
             else:
