@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +22,7 @@ from harness.wait import wait_until
 from controlplane.launchers import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
+    KvpilotProcess,
     LauncherError,
     find_binary,
     free_port,
@@ -218,28 +221,128 @@ def test_envoy_dials_the_xds_port_speaking_http2(envoy_factory: EnvoyFactory, de
     assert received == preface
 
 
-def test_kvpilot_picks_other_ports_when_a_picked_one_is_taken_before_it_binds(
-    etcd: EmbeddedEtcd, etcd_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from controlplane.launchers import kvpilot as kvpilot_launcher
+PORTS = {"etcd": ("client_port", "peer_port"), "kvpilot": ("xds_port", "api_port")}
+"""Each launcher's ports, in the order it picks them."""
 
-    # The race a free port can lose: another process binds it between the pick and the
-    # child's bind. The first pick is made to lose it for sure; real ports after that.
+Launch = Callable[..., EmbeddedEtcd | KvpilotProcess]
+
+
+@pytest.fixture
+def launch(etcd: EmbeddedEtcd, etcd_prefix: str, tmp_path: Path) -> Iterator[Launch]:
+    """`launch(kind, **ports)`: an EmbeddedEtcd or a KvpilotProcess (on the session etcd), not
+    started, with the ports given; the others are picked. All are stopped at teardown."""
+    made: list[EmbeddedEtcd | KvpilotProcess] = []
+
+    def make(kind: str, **ports: int) -> EmbeddedEtcd | KvpilotProcess:
+        launcher: EmbeddedEtcd | KvpilotProcess
+        if kind == "etcd":
+            launcher = EmbeddedEtcd(tmp_path / "etcd", **ports)
+        else:
+            launcher = KvpilotProcess(
+                tmp_path / "kvpilot",
+                etcd_endpoints=[etcd.endpoint],
+                prefix=etcd_prefix,
+                insecure_no_auth=True,
+                **ports,
+            )
+        made.append(launcher)
+        return launcher
+
+    yield make
+    for launcher in made:
+        launcher.stop()
+
+
+@contextlib.contextmanager
+def port_held_elsewhere(port: int = 0) -> Iterator[int]:
+    """A loopback port (`port`, or any free one) that another socket listens on until the block
+    ends. SO_REUSEADDR lets it take a port a stopped child left connections in TIME_WAIT on."""
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", port))
         taken.listen()
-        port = taken.getsockname()[1]
-        picks = iter([free_port(), port])  # the ADS port, then the API's
-        monkeypatch.setattr(
-            kvpilot_launcher, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port()
-        )
-        kvpilot = kvpilot_launcher.KvpilotProcess(
-            tmp_path, etcd_endpoints=[etcd.endpoint], prefix=etcd_prefix, insecure_no_auth=True
-        )
-        assert kvpilot.api_port == port
-        try:
-            kvpilot.start()
-            assert kvpilot.api_port != port
-            assert httpx.get(f"{kvpilot.api_url}/readyz", timeout=5).status_code == 200
-        finally:
-            kvpilot.stop()
+        yield taken.getsockname()[1]
+
+
+def hand_out(monkeypatch: pytest.MonkeyPatch, *ports: int) -> None:
+    """Make the launchers' port picker hand out `ports` first, then free ports.
+
+    The race a picked port can lose (another process binds it between the pick and the child's
+    bind) cannot be produced on demand: a picker that hands out a taken port loses it for sure.
+    """
+    picks = iter(ports)
+    monkeypatch.setattr(
+        launcher_process, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port()
+    )
+
+
+def listens(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=5):
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("kind", "given", "taken"),
+    [
+        ("kvpilot", None, "api_port"),
+        ("kvpilot", "api_port", "xds_port"),
+        ("etcd", None, "peer_port"),
+        ("etcd", "client_port", "peer_port"),
+    ],
+)
+def test_a_picked_port_taken_before_the_child_binds_is_picked_again_and_a_given_one_kept(
+    launch: Launch, monkeypatch: pytest.MonkeyPatch, kind: str, given: str | None, taken: str
+) -> None:
+    ports = {given: free_port()} if given else {}
+    with port_held_elsewhere() as port:
+        picked = [name for name in PORTS[kind] if name not in ports]
+        hand_out(monkeypatch, *(port if name == taken else free_port() for name in picked))
+        launcher = launch(kind, **ports)
+        assert getattr(launcher, taken) == port
+        with launcher:
+            assert getattr(launcher, taken) != port
+            assert listens(getattr(launcher, taken))
+            for name, value in ports.items():
+                assert getattr(launcher, name) == value
+
+
+@pytest.mark.parametrize(("kind", "given"), [("etcd", "client_port"), ("kvpilot", "api_port")])
+def test_a_given_port_that_is_taken_fails_the_start_naming_it(
+    launch: Launch, kind: str, given: str
+) -> None:
+    with port_held_elsewhere() as port:
+        launcher = launch(kind, **{given: port})  # the other port is picked
+        with pytest.raises(LauncherError, match=f"{given} {port}, given to"):
+            launcher.start(timeout=20)
+        assert getattr(launcher, given) == port
+        assert not launcher.running()
+
+
+@pytest.mark.parametrize("kind", ["etcd", "kvpilot"])
+def test_the_start_gives_up_when_every_port_picked_is_taken(
+    launch: Launch, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    with port_held_elsewhere() as port:
+        monkeypatch.setattr(launcher_process, "free_port", lambda host="127.0.0.1": port)
+        launcher = launch(kind)
+        with pytest.raises(LauncherError, match=rf"gave up after 3 starts: .*\(last \w+ {port}\)"):
+            launcher.start(timeout=20)
+        assert not launcher.running()
+
+
+@pytest.mark.parametrize("kind", ["etcd", "kvpilot"])
+def test_a_restart_keeps_its_ports_and_fails_naming_one_taken_meanwhile(
+    launch: Launch, kind: str
+) -> None:
+    launcher = launch(kind).start()
+    first = {name: getattr(launcher, name) for name in PORTS[kind]}
+    launcher.stop()
+    name = PORTS[kind][0]
+    with (
+        port_held_elsewhere(first[name]) as port,
+        pytest.raises(LauncherError, match=f"{name} {port} is in use .* keeps the ports"),
+    ):
+        launcher.start(timeout=20)
+    assert {name: getattr(launcher, name) for name in PORTS[kind]} == first
+    assert not launcher.running()

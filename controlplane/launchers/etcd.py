@@ -3,6 +3,7 @@ the demo and the tests."""
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,12 +11,10 @@ from typing import Self
 
 from controlplane.launchers.process import (
     Launcher,
-    LauncherError,
     ManagedProcess,
     find_binary,
     free_port,
     http_get,
-    port_in_use,
 )
 from xdsserver.identity import TlsFiles
 
@@ -24,8 +23,13 @@ class EmbeddedEtcd(Launcher):
     """A single-member etcd for local use and tests, with its data and log under `state_dir`.
 
     Ports are fixed at construction (picked free when not given) and kept across
-    `stop()`/`kill()` and `start()`, so clients can reconnect to a restarted etcd.
+    `stop()`/`kill()` and `start()`, so clients can reconnect to a restarted etcd. Only on the
+    first start, a port picked here that another process took before etcd bound it is picked
+    again; a port the caller gave is never replaced.
     """
+
+    # `listen tcp 127.0.0.1:2380: bind: address already in use`
+    _port_taken = (re.compile(r"listen tcp \S+:(\d+): bind: address already in use"),)
 
     def __init__(
         self,
@@ -46,14 +50,12 @@ class EmbeddedEtcd(Launcher):
         self.host = host
         self.name = name
         self.extra_args = list(extra_args)
-        self._auto_ports = client_port is None or peer_port is None
-        self.client_port = client_port if client_port is not None else free_port(host)
-        self.peer_port = peer_port if peer_port is not None else free_port(host)
+        self.client_port = self._port("client_port", client_port)
+        self.peer_port = self._port("peer_port", peer_port)
         self.data_dir = self.state_dir / "etcd-data"
         self.log_path = self.state_dir / "etcd.log"
         """etcd's stdout and stderr."""
         self._process = None
-        self._started_once = False
 
     @property
     def endpoint(self) -> str:
@@ -120,23 +122,12 @@ class EmbeddedEtcd(Launcher):
         if self.running():
             return self
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        attempts = 3 if self._auto_ports and not self._started_once else 1
-        for attempt in range(attempts):
-            self._process = ManagedProcess(self._argv(), self.log_path)
-            log_size = self.log_path.stat().st_size if self.log_path.exists() else 0
-            self._process.spawn()
-            try:
-                self._process.wait_for(self._healthy, timeout, "etcd reports healthy")
-            except LauncherError:
-                new_log = self.log_path.read_bytes()[log_size:].decode(errors="replace")
-                if attempt + 1 < attempts and port_in_use(new_log):
-                    # Another process took a port between free_port() and etcd's bind.
-                    self.client_port = free_port(self.host)
-                    self.peer_port = free_port(self.host)
-                    continue
-                raise
-            break
-        self._started_once = True
+        self._start_child(
+            lambda: ManagedProcess(self._argv(), self.log_path),
+            self._healthy,
+            timeout,
+            "etcd reports healthy",
+        )
         return self
 
 

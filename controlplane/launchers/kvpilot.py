@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,9 +12,7 @@ from typing import Self
 from controlplane.etcd import EtcdSecurity
 from controlplane.launchers.process import (
     Launcher,
-    LauncherError,
     ManagedProcess,
-    free_port,
     http_get,
     repo_root,
 )
@@ -26,8 +25,17 @@ class KvpilotProcess(Launcher):
     Without `etcd_endpoints` it runs on serve's default, an embedded etcd under `state_dir`.
 
     What production runs, started the way the demo and end-to-end tests need it: ready means
-    `GET /readyz` answers 200 (etcd reachable and the first snapshot built).
+    `GET /readyz` answers 200 (etcd reachable and the first snapshot built). Ports not given
+    are picked free, and on the first start picked again if another process takes one first.
     """
+
+    _port_taken = (
+        # gRPC, for the ADS port: `Failed to bind to address 127.0.0.1:18000; set ...`
+        re.compile(r"Failed to bind to address \S+:(\d+);"),
+        # uvicorn, for the API port:
+        # `... bind on address ('127.0.0.1', 8080): address already in use`
+        re.compile(r"bind on address \('[^']*', (\d+)\): address already in use"),
+    )
 
     def __init__(
         self,
@@ -59,10 +67,8 @@ class KvpilotProcess(Launcher):
         self.etcd_endpoints = list(etcd_endpoints)
         self.prefix = prefix
         self.host = host
-        self.xds_port = xds_port or free_port(host)
-        self.api_port = api_port or free_port(host)
-        self._picked_ports = xds_port is None and api_port is None
-        """Both ports were picked here, so another pair may be picked if one is taken."""
+        self.xds_port = self._port("xds_port", xds_port)
+        self.api_port = self._port("api_port", api_port)
         self.env = dict(env or {})
         self.insecure_no_auth = insecure_no_auth
         self.extra_args = list(extra_args)
@@ -131,20 +137,10 @@ class KvpilotProcess(Launcher):
         env = {**os.environ, **self.env}
         if self.etcd_security is not None and self.etcd_security.password is not None:
             env["KVPILOT_ETCD_PASSWORD"] = self.etcd_security.password
-        for attempt in range(3):
-            self._process = ManagedProcess(self._argv(), self.log_path, env=env, cwd=self.cwd)
-            self._process.spawn()
-            try:
-                self._process.wait_for(self._ready, timeout, "GET /readyz answers 200")
-                return self
-            except LauncherError as error:
-                # A free port can be taken by another process between picking and binding;
-                # ports picked here are picked again.
-                taken = any(
-                    text in str(error).lower()
-                    for text in ("address already in use", "failed to bind")
-                )
-                if not self._picked_ports or attempt == 2 or not taken:
-                    raise
-                self.xds_port, self.api_port = free_port(self.host), free_port(self.host)
-        raise AssertionError("unreachable")
+        self._start_child(
+            lambda: ManagedProcess(self._argv(), self.log_path, env=env, cwd=self.cwd),
+            self._ready,
+            timeout,
+            "GET /readyz answers 200",
+        )
+        return self

@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Literal, Self
+from typing import IO, ClassVar, Literal, Self
 
 import httpx
 
@@ -43,6 +44,8 @@ from xdsserver.identity import TlsFiles
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 POLL_INTERVAL = 0.05
 _HTTP_TIMEOUT = 1.0
+PORT_TRIES = 3
+"""Starts a launcher makes when ports it picked are taken before its child binds them."""
 
 
 class LauncherError(RuntimeError):
@@ -62,7 +65,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that nothing listens on right now.
 
     The port is released before returning, so another process may take it before ours binds:
-    the launchers retry with a fresh port when that happens.
+    the launchers pick another and start again when that happens (`Launcher._start_child`).
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -218,6 +221,7 @@ class ManagedProcess:
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_start = 0
 
     @property
     def pid(self) -> int | None:
@@ -240,6 +244,7 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.ExitStack() as files:
             log: IO[bytes] = files.enter_context(self.log_path.open("ab"))
+            self._log_start = log.seek(0, os.SEEK_END)
             out: IO[bytes] = log
             if self.stdout_path is not None:
                 out = files.enter_context(self.stdout_path.open("wb"))
@@ -321,6 +326,17 @@ class ManagedProcess:
         text = data[-256 * 1024 :].decode("utf-8", errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
+    def output(self) -> str:
+        """What the child wrote to its log since it was last spawned: earlier runs' lines, which
+        `log_tail` may show, are left out."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_start)
+                data = log.read()
+        except OSError:
+            return ""
+        return data.decode("utf-8", errors="replace")
+
     def wait_for(
         self,
         check: Callable[[], bool],
@@ -364,15 +380,87 @@ def http_get(url: str, tls: TlsFiles | None = None) -> httpx.Response | None:
         return None
 
 
-def port_in_use(log: str) -> bool:
-    return "address already in use" in log.lower()
-
-
 class Launcher:
     """Context-manager and lifecycle plumbing shared by every launcher (EmbeddedEtcd,
     EmbeddedEnvoy, KvpilotProcess, the benchmarks' simulated replicas)."""
 
     _process: ManagedProcess | None
+    host: str
+    """The address the child listens on, where `_port()` picks free ports."""
+
+    _port_taken: ClassVar[tuple[re.Pattern[str], ...]] = ()
+    """How the child says that another process holds one of its ports: patterns whose one
+    group is the port number. Without them a start never picks other ports."""
+    _port_names: tuple[str, ...] = ()
+    """The attributes holding the child's ports, set with `_port()`."""
+    _picked_ports: frozenset[str] = frozenset()
+    """Those of `_port_names` whose port was picked here rather than given."""
+    _started_once = False
+    """True once a start succeeded: from then on the ports stay, as clients know them."""
+
+    def _port(self, name: str, given: int | None) -> int:
+        """The port for the attribute `name`: `given`, else a free port on `self.host`, which
+        `_start_child` picks again if another process takes it before the child binds it."""
+        self._port_names += (name,)
+        if given is not None:
+            return given
+        self._picked_ports |= {name}
+        return free_port(self.host)
+
+    def _ports_taken(self, output: str) -> list[str]:
+        """The port attributes whose port the child's `output` reports held by another process."""
+        reported = {int(port) for pattern in self._port_taken for port in pattern.findall(output)}
+        return [name for name in self._port_names if getattr(self, name) in reported]
+
+    def _start_child(
+        self,
+        child: Callable[[], ManagedProcess],
+        ready: Callable[[], bool],
+        timeout: float,
+        what: str,
+    ) -> None:
+        """Spawn `child()` and wait until `ready()` (`what`, for errors); LauncherError if the
+        child exits or times out first.
+
+        A port from `free_port` is free when picked, but another process may bind it before the
+        child does. When the child reports such a port taken on the first start, only that port
+        is picked again and a new `child()` (built on the current ports) started, up to
+        `PORT_TRIES` starts. A port the caller gave is never replaced, nor any port after a
+        first start succeeded: one of those taken fails the start, naming it.
+        """
+        launcher = type(self).__name__
+        for attempt in range(1, PORT_TRIES + 1):
+            self._process = process = child()
+            process.spawn()
+            try:
+                process.wait_for(ready, timeout, what)
+            except LauncherError as error:
+                taken = self._ports_taken(process.output())
+                if not taken:
+                    raise
+                for name in taken:
+                    port = getattr(self, name)
+                    if name not in self._picked_ports:
+                        raise LauncherError(
+                            f"{name} {port}, given to {launcher}, is in use by another process "
+                            f"(give a free port, or none to have one picked); {error}"
+                        ) from error
+                    if self._started_once:
+                        raise LauncherError(
+                            f"{name} {port} is in use by another process, and {launcher} keeps "
+                            f"the ports of its first start, which its clients know; {error}"
+                        ) from error
+                if attempt == PORT_TRIES:
+                    raise LauncherError(
+                        f"{launcher} gave up after {PORT_TRIES} starts: each time another "
+                        f"process took a port picked for it before the child bound it (last "
+                        f"{taken[0]} {getattr(self, taken[0])}); {error}"
+                    ) from error
+                for name in taken:
+                    setattr(self, name, free_port(self.host))
+            else:
+                self._started_once = True
+                return
 
     def start(self, timeout: float = 30.0) -> Self:
         raise NotImplementedError
