@@ -5,6 +5,7 @@ Pure functions of what the replay and the replicas recorded."""
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from dataclasses import replace
 from typing import Any
@@ -20,7 +21,10 @@ Timeline = list[tuple[float, list[float]]]
 
 def weight_moves(timeline: Timeline, event: SlowEvent | None) -> dict[str, Any]:
     """How often kvpilot changed a replica's weight during the run, and around a slowdown
-    how long the slowed replica's weight took to fall and to come back."""
+    how long the slowed replica's weight took to fall and to come back, and its share of the
+    ring from 5 s after the slowdown to its end against its share before (``ring_share_drop``:
+    what a new session's chance to land there became, free of the few sessions a window
+    holds)."""
     changes = 0
     for (_, before), (_, after) in itertools.pairwise(timeline):
         changes += sum(1 for a, b in zip(before, after, strict=True) if a != b)
@@ -31,6 +35,17 @@ def weight_moves(timeline: Timeline, event: SlowEvent | None) -> dict[str, Any]:
         back = next((t for t, w in timeline if t >= event.end and w[event.replica] >= full), None)
         out["fell_after"] = None if fell is None else fell - event.start
         out["back_after"] = None if back is None else back - event.end
+
+        def share(start: float, end: float) -> float | None:
+            shares = [
+                w[event.replica] / total
+                for t, w in timeline
+                if start <= t < end and (total := sum(w)) > 0
+            ]
+            return statistics.fmean(shares) if shares else None
+
+        usual, slowed = share(-math.inf, event.start), share(event.start + 5.0, event.end)
+        out["ring_share_drop"] = slowed / usual if usual and slowed is not None else None
     return out
 
 
@@ -133,9 +148,14 @@ def measure(
         def p99(start: float, end: float) -> float | None:
             return percentile([t for r in window(start, end) if (t := ttft[id(r)]) is not None], 99)
 
-        def new_share(start: float, end: float) -> float | None:
+        def new_sessions(start: float, end: float) -> tuple[int, int]:
+            """(first turns the slowed replica answered, all first turns) in the window."""
             first = [r for r in window(start, end) if r.turn == 0]
-            return sum(1 for r in first if r.replica == slowed) / len(first) if first else None
+            return sum(1 for r in first if r.replica == slowed), len(first)
+
+        def new_share(start: float, end: float) -> float | None:
+            mine, every = new_sessions(start, end)
+            return mine / every if every else None
 
         out["slow"] = {
             "ttft_p99_before": p99(0, event.start),
@@ -145,6 +165,10 @@ def measure(
             "new_share_first_5s": new_share(event.start, event.start + 5.0),
             "new_share_after_5s": new_share(event.start + 5.0, event.end),
             "new_share_recovered": new_share(event.end, float("inf")),
+            # The counts behind the two shares the target compares, to pool seeds by: each
+            # window holds a few dozen new sessions, the slowed replica's share of them a few.
+            "new_sessions_before": new_sessions(0, event.start),
+            "new_sessions_after_5s": new_sessions(event.start + 5.0, event.end),
         }
     out["per_request"] = [r.to_json() for r in run.results]
     return out

@@ -4,6 +4,7 @@ issue's targets checked on the recommended policy, a JSON file and every request
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -111,6 +112,7 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
         value: Callable[[dict[str, Any]], float | None],
         ok: Callable[[float], bool],
         pattern: str,
+        evidence: Callable[[Runs], str] | None = None,
     ) -> None:
         runs = results.get(scenario, {}).get(RECOMMENDED)
         if runs is None:
@@ -118,6 +120,8 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
         stats = median_spread([value(m) for m in runs])
         met = None if stats is None else ok(stats[0])
         text = "n/a" if stats is None else cell(runs, value, pattern)
+        if evidence is not None:
+            text += evidence(runs)
         out.append((scenario, claim, met, text))
 
     def ttft_p99(m: dict[str, Any]) -> float | None:
@@ -172,6 +176,7 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
         lambda m: _share_drop(m),
         lambda r: r <= 0.5,
         "{:.2f}x",
+        _share_evidence,
     )
     check(
         "slowdown",
@@ -210,6 +215,31 @@ def _share_drop(m: dict[str, Any]) -> float | None:
     if before is None or after is None or not before:
         return None
     return float(after) / float(before)
+
+
+def _share_evidence(runs: Runs) -> str:
+    """The new-session share drop with the seeds' counts pooled, and the ring share's drop
+    (the chance a new session had), beside the per-seed median: a window's few sessions make
+    each seed's ratio coarse."""
+    counts = [
+        (m["slow"].get("new_sessions_before"), m["slow"].get("new_sessions_after_5s"))
+        for m in runs
+        if m.get("slow")
+    ]
+    text = ""
+    if counts and all(before and after for before, after in counts):
+        mine_b, all_b = (sum(c[0][i] for c in counts) for i in (0, 1))
+        mine_a, all_a = (sum(c[1][i] for c in counts) for i in (0, 1))
+        if mine_b and all_b and all_a:
+            pooled = (mine_a / all_a) / (mine_b / all_b)
+            text += (
+                f"; seeds pooled {pooled:.2f}x ({mine_b} of {all_b} new sessions before, "
+                f"{mine_a} of {all_a} after)"
+            )
+    rings = [d for m in runs if (d := (m.get("weights") or {}).get("ring_share_drop")) is not None]
+    if rings:
+        text += f"; ring share {statistics.median(rings):.2f}x"
+    return text
 
 
 def _measured_seeds(results: dict[str, dict[str, Runs]]) -> list[int]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from bench.scenarios import SlowEvent
 from bench.suite_measure import weight_moves
-from bench.suite_report import pooled_p99
+from bench.suite_report import _share_evidence, pooled_p99
 
 
 def _request(ttft: float, *, ok: bool = True) -> dict[str, Any]:
@@ -27,10 +27,42 @@ def test_weight_moves_counts_changes_and_times_the_slowed_replica() -> None:
         (5.0, [100.0, 100.0]),
         (9.0, [100.0, 100.0]),
         (11.5, [35.0, 100.0]),
+        (15.0, [35.0, 100.0]),
         (21.0, [35.0, 100.0]),
         (24.0, [50.0, 100.0]),
         (27.0, [100.0, 100.0]),
     ]
     moves = weight_moves(timeline, event)
-    assert moves == {"weight_changes": 3, "fell_after": 3.5, "back_after": 7.0}
+    # The ring share from 5 s after the slowdown to its end (the sample at 15 s; 21 s is
+    # after it): 35/135 against 1/2 before.
+    assert moves == {
+        "weight_changes": 3,
+        "fell_after": 3.5,
+        "back_after": 7.0,
+        "ring_share_drop": (35 / 135) / 0.5,
+    }
     assert weight_moves(timeline[:2], event)["fell_after"] is None
+
+
+def test_the_share_of_new_sessions_is_also_given_with_the_seeds_pooled_and_as_a_ring_share() -> (
+    None
+):
+    runs = [
+        {
+            "slow": {"new_sessions_before": [2, 14], "new_sessions_after_5s": [2, 26]},
+            "weights": {"ring_share_drop": 0.38},
+        },
+        {
+            "slow": {"new_sessions_before": [0, 12], "new_sessions_after_5s": [1, 18]},
+            "weights": {"ring_share_drop": 0.53},
+        },
+        {
+            "slow": {"new_sessions_before": [2, 16], "new_sessions_after_5s": [0, 27]},
+            "weights": {"ring_share_drop": 0.38},
+        },
+    ]
+    # 3 of 71 after against 4 of 42 before; a seed with none before has no ratio of its own.
+    assert _share_evidence(runs) == (
+        "; seeds pooled 0.44x (4 of 42 new sessions before, 3 of 71 after); ring share 0.38x"
+    )
+    assert _share_evidence([{"slow": {}, "weights": {}}]) == ""
