@@ -14,6 +14,7 @@ fullest engine is the one that preempts first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -22,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 
 Samples = dict[str, list[float]]
-"""Sample name (``vllm:num_requests_waiting``) -> the values of its series."""
+"""Sample name (``vllm:num_requests_waiting``) -> the values of its series. A histogram's
+bucket series are also kept by bound, under `bucket_key` (``name_bucket{le=0.025}``)."""
 
 
 class TelemetryRecord(BaseModel):
@@ -49,6 +51,14 @@ class TelemetryRecord(BaseModel):
         gt=0,
         description="Mean seconds between output tokens since the previous scrape: the "
         "replica's speed, which the weight function compares across a pool.",
+    )
+    median_time_per_output_token: float | None = Field(
+        None,
+        gt=0,
+        description="Median seconds between output tokens since the previous scrape, "
+        "interpolated within the histogram's buckets. A few long steps (a long prompt's "
+        "prefill stalls every sequence of the batch) move the mean but not the median, so "
+        "the median tells a slow replica from a busy one.",
     )
     ttft: float | None = Field(
         None,
@@ -88,6 +98,8 @@ class MetricMap:
     """Sum of a time-per-output-token histogram; with ``token_count`` gives the mean time per
     output token between scrapes."""
     token_count: tuple[str, ...] = ()
+    token_buckets: tuple[str, ...] = ()
+    """Bucket series of that histogram (``..._bucket``): the median time per output token."""
     ttft_seconds: tuple[str, ...] = ()
     """Sum of a time-to-first-token histogram; with ``ttft_count`` gives the mean time to
     first token of the requests that got one between scrapes."""
@@ -133,6 +145,10 @@ VLLM = MetricMap(
         "vllm:time_per_output_token_seconds_count",
         "vllm:inter_token_latency_seconds_count",
     ),
+    token_buckets=(
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+    ),
     ttft_seconds=("vllm:time_to_first_token_seconds_sum",),
     ttft_count=("vllm:time_to_first_token_seconds_count",),
 )
@@ -166,7 +182,65 @@ def parse_samples(text: str) -> Samples:
             if sample.name.endswith("_created"):
                 continue
             out.setdefault(sample.name, []).append(float(sample.value))
+            bound = sample.labels.get("le") if sample.name.endswith("_bucket") else None
+            if bound is not None:
+                out.setdefault(bucket_key(sample.name, float(bound)), []).append(
+                    float(sample.value)
+                )
     return out
+
+
+def bucket_key(name: str, bound: float) -> str:
+    """Where `parse_samples` keeps the bucket series of histogram ``name`` (``..._bucket``)
+    with upper bound ``bound``: ``name{le=bound}``."""
+    return f"{name}{{le={bound!r}}}"
+
+
+Buckets = tuple[tuple[float, float], ...]
+"""A cumulative histogram: (upper bound, observations at or below it), bounds ascending,
+the last one infinite."""
+
+
+def _buckets(samples: Samples, names: Iterable[str]) -> Buckets | None:
+    """The first histogram of ``names`` found, its series summed bucket by bucket."""
+    for name in names:
+        prefix = f"{name}{{le="
+        found = [
+            (float(key[len(prefix) : -1]), sum(values))
+            for key, values in samples.items()
+            if key.startswith(prefix)
+        ]
+        if found:
+            return tuple(sorted(found))
+    return None
+
+
+MEDIAN_MIN_OBSERVATIONS = 20
+"""Fewer observations than this between two scrapes give no median: too few to tell."""
+
+
+def _median(now: Buckets | None, before: Buckets | None) -> float | None:
+    """The median of what a cumulative histogram observed between two scrapes, linearly
+    interpolated within its bucket (as Prometheus's ``histogram_quantile`` does; the first
+    bucket starts at 0). None on too few observations, a restart or changed bounds."""
+    if now is None or before is None or [b for b, _ in now] != [b for b, _ in before]:
+        return None
+    grown = [(bound, count - old) for (bound, count), (_, old) in zip(now, before, strict=True)]
+    if not grown or any(count < 0 for _, count in grown) or not math.isinf(grown[-1][0]):
+        return None
+    total = grown[-1][1]
+    if total < MEDIAN_MIN_OBSERVATIONS:
+        return None
+    rank = total / 2
+    lower, below = 0.0, 0.0
+    for bound, count in grown:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            inside = count - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, count
+    return None
 
 
 def _first(samples: Samples, names: Iterable[str]) -> list[float] | None:
@@ -189,6 +263,8 @@ class Counters:
     """Sum of the time-per-output-token histogram."""
     token_count: float | None = None
     """Output tokens observed by that histogram."""
+    token_buckets: Buckets | None = None
+    """Its buckets."""
     ttft_seconds: float | None = None
     """Sum of the time-to-first-token histogram when a first token was last seen."""
     ttft_count: float | None = None
@@ -242,6 +318,7 @@ def extract(
         hits=total(metric_map.prefix_hits),
         token_seconds=total(metric_map.token_seconds),
         token_count=total(metric_map.token_count),
+        token_buckets=_buckets(samples, metric_map.token_buckets),
         ttft_seconds=total(metric_map.ttft_seconds),
         ttft_count=total(metric_map.ttft_count),
     )
@@ -257,6 +334,9 @@ def extract(
         tokens = _delta(counters.token_count, previous.token_count)
         if tokens and seconds:
             values["time_per_output_token"] = seconds / tokens
+        median = _median(counters.token_buckets, previous.token_buckets)
+        if median:
+            values["median_time_per_output_token"] = median
     return TelemetryRecord.model_validate(values), counters
 
 
@@ -308,14 +388,17 @@ def metric_map_for(format: str, custom: MetricMap | None = None) -> MetricMap:
 
 
 __all__ = [
+    "MEDIAN_MIN_OBSERVATIONS",
     "METRIC_MAPS",
     "SGLANG",
     "TGI",
     "VLLM",
+    "Buckets",
     "Counters",
     "MetricMap",
     "Samples",
     "TelemetryRecord",
+    "bucket_key",
     "extract",
     "metric_map_for",
     "parse_samples",
@@ -379,10 +462,16 @@ class WriteBand:
         return False
 
     def speed_moved(self, last: TelemetryRecord, record: TelemetryRecord) -> bool:
-        """True when the time per output token moved beyond ``speed`` (or appeared or went).
-        An agent writes the record after such a move too, whatever it holds: the capacity
-        weights wait for two records in a row before they act on a speed change."""
+        """True when the time per output token, its mean or its median, moved beyond ``speed``
+        (or the mean appeared or went). An agent writes the record after such a move too,
+        whatever it holds: the capacity weights wait for two records in a row before they
+        act on a speed change. The median comes and goes with the traffic (it needs
+        `MEDIAN_MIN_OBSERVATIONS` tokens between scrapes), so only a move of it counts."""
         old, new = last.time_per_output_token, record.time_per_output_token
         if old is None or new is None:
-            return (old is None) != (new is None)
-        return abs(new - old) > self.speed * max(old, new)
+            if (old is None) != (new is None):
+                return True
+        elif abs(new - old) > self.speed * max(old, new):
+            return True
+        old, new = last.median_time_per_output_token, record.median_time_per_output_token
+        return old is not None and new is not None and abs(new - old) > self.speed * max(old, new)

@@ -19,9 +19,16 @@ sets only what changes slowly: how fast each replica is.
 - Speed: each record's mean time per output token (TPOT) against the pool's median TPOT;
   ``speed_e = median_j tpot_j / tpot_e``. A replica at half speed, or slowed by a noisy
   neighbour, takes longer per token whatever its load; a busy replica only a little longer.
+- Slow, not busy: a step that prefills a long prompt stalls every sequence of the batch, so
+  a replica busy with long prompts has a higher mean TPOT at full speed. Where the model
+  server exports the TPOT histogram, its median between scrapes (a few long steps do not
+  move it) must agree: the replica counts as slower only when its median TPOT too is
+  beyond ``capacity_band`` of the pool's median median (the buckets are coarse, about 2x
+  apart, so the median says whether, the mean says how much).
 - Capacity factor, on a ladder of levels (``capacity_levels``: 1, 0.7, 0.5, 0.35, 0.25). It
   falls only after ``capacity_confirm`` consecutive records put the replica below
-  ``capacity_band`` times its level, straight to the level nearest their mean speed; it rises
+  ``capacity_band`` times its level, straight to the level nearest the last one's speed
+  (the first of them may still hold time from before a slowdown); it rises
   one level at a time after as many records at ``capacity_rise`` times the next level or
   faster, so sessions come back to a recovered replica gradually instead of in one spike.
   The fall band is wide (0.65): a replica that only looks slower because it is busier
@@ -295,6 +302,12 @@ def capacity_weights(
         if record.time_per_output_token is not None
     }
     reference = statistics.median(tpots.values()) if len(tpots) >= 2 else None
+    medians = {
+        key: record.median_time_per_output_token
+        for key, record in fresh.items()
+        if record.median_time_per_output_token is not None
+    }
+    typical_reference = statistics.median(medians.values()) if len(medians) >= 2 else None
     levels = sorted(params.capacity_levels, reverse=True)
     out: dict[str, WeightDecision] = {}
     for endpoint in endpoints:
@@ -310,19 +323,22 @@ def capacity_weights(
         seen_at = before.seen_at if before is not None else None
         tpot = tpots.get(key)
         if reference is not None and tpot is not None and record.at != seen_at:
-            last, speed, seen_at = speed, reference / tpot, record.at
+            speed, seen_at = reference / tpot, record.at
             higher = [level for level in levels if level > factor]
-            if speed < factor * params.capacity_band:
+            median = medians.get(key)
+            slow_median = typical_reference is None or (
+                median is not None and typical_reference / median < params.capacity_band
+            )
+            if speed < factor * params.capacity_band and slow_median:
                 streak = min(streak, 0) - 1
             elif higher and speed >= min(higher) * params.capacity_rise:
                 streak = max(streak, 0) + 1
             else:
                 streak = 0
             if streak <= -params.capacity_confirm:
-                # Straight to the level nearest the evidence (log scale): one ring change.
-                evidence = speed if last is None else (speed + last) / 2
+                # Straight to the level nearest the last speed (log scale): one ring change.
                 lower = [level for level in levels if level < factor] or [factor]
-                factor = min(lower, key=lambda level: abs(math.log(level / evidence)))
+                factor = min(lower, key=lambda level: abs(math.log(level / speed)))
                 streak = 0
             elif streak >= params.capacity_confirm:
                 # Up one level at a time: sessions return to a recovered replica gradually.

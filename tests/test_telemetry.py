@@ -223,6 +223,62 @@ def test_time_per_output_token_is_the_mean_between_scrapes() -> None:
     assert idle.time_per_output_token is None  # no token generated: no evidence
 
 
+def test_median_time_per_output_token_shrugs_off_a_few_long_prefill_steps() -> None:
+    """Two engines of one replica (summed bucket by bucket), vLLM V1's histogram name. Between
+    the scrapes 200 tokens came at about 14 ms and 16 in steps stalled by a long prefill
+    (0.256 s): the mean nearly doubles, the median stays in the first bucket of note."""
+
+    def scrape(fast: int, slow: int, seconds: float) -> str:
+        name = "vllm:inter_token_latency_seconds"
+        lines = [f"# TYPE {name} histogram"]
+        for engine, share in (("0", 0.5), ("1", 0.5)):
+            counts = {"0.01": 0, "0.025": fast, "0.05": fast, "0.3": fast + slow}
+            counts = {bound: int(value * share) for bound, value in counts.items()}
+            labels = f'engine="{engine}"'
+            lines += [f'{name}_bucket{{{labels},le="{b}"}} {c}' for b, c in counts.items()]
+            lines += [
+                f'{name}_bucket{{{labels},le="+Inf"}} {int((fast + slow) * share)}',
+                f"{name}_sum{{{labels}}} {seconds * share}",
+                f"{name}_count{{{labels}}} {int((fast + slow) * share)}",
+            ]
+        return "\n".join(lines) + "\n"
+
+    _, counters = extract(parse_samples(scrape(1000, 20, 19.1)), VLLM, at=1.0)
+    record, counters = extract(
+        parse_samples(scrape(1200, 36, 19.1 + 200 * 0.014 + 16 * 0.256)),
+        VLLM,
+        at=2.0,
+        previous=counters,
+    )
+    assert record.time_per_output_token == pytest.approx((200 * 0.014 + 16 * 0.256) / 216)
+    # Rank 108 of 216, all of the first 200 within (0.01, 0.025]: 0.01 + 0.015 * 108 / 200.
+    assert record.median_time_per_output_token == pytest.approx(0.0181)
+    few, _ = extract(
+        parse_samples(scrape(1210, 36, 19.1 + 210 * 0.014 + 16 * 0.256)),
+        VLLM,
+        at=3.0,
+        previous=counters,
+    )
+    assert few.median_time_per_output_token is None  # 10 tokens: too few to tell
+    assert few.time_per_output_token == pytest.approx(0.014)
+    restarted, _ = extract(parse_samples(scrape(10, 0, 0.14)), VLLM, at=4.0, previous=counters)
+    assert restarted.median_time_per_output_token is None
+
+
+def test_a_move_of_the_median_is_written_its_coming_and_going_is_not() -> None:
+    band = WriteBand()
+    record = TelemetryRecord(at=0, time_per_output_token=0.03, median_time_per_output_token=0.018)
+    assert band.speed_moved(
+        record, record.model_copy(update={"median_time_per_output_token": 0.04})
+    )
+    assert not band.speed_moved(
+        record, record.model_copy(update={"median_time_per_output_token": 0.02})
+    )
+    assert not band.speed_moved(
+        record, record.model_copy(update={"median_time_per_output_token": None})
+    )
+
+
 def test_time_to_first_token_is_the_mean_since_the_last_first_token_while_the_replica_works() -> (
     None
 ):

@@ -322,15 +322,27 @@ CAPACITY_ENDPOINTS = [Endpoint(address="10.0.0.1", port=9000 + i) for i in range
 """Four replicas; the first is the one whose speed changes."""
 
 
-def _rounds(tpots: list[float], others: float = 0.03) -> list[int]:
-    """Feed one record per round (replica 0's TPOT, the others at `others`); replica 0's
-    weight after each round."""
+def _rounds(
+    tpots: list[float],
+    others: float = 0.03,
+    medians: list[float | None] | None = None,
+    others_median: float | None = None,
+) -> list[int]:
+    """Feed one record per round (replica 0's TPOT, the others at `others`; with `medians`,
+    replica 0's median TPOT, the others' at `others_median`); replica 0's weight after each
+    round."""
     previous: dict[str, WeightDecision] = {}
     weights = []
     for index, tpot in enumerate(tpots):
         at = NOW + index
         telemetry = {
-            e.key: TelemetryRecord(at=at, time_per_output_token=tpot if i == 0 else others)
+            e.key: TelemetryRecord(
+                at=at,
+                time_per_output_token=tpot if i == 0 else others,
+                median_time_per_output_token=(
+                    None if medians is None else medians[index] if i == 0 else others_median
+                ),
+            )
             for i, e in enumerate(CAPACITY_ENDPOINTS)
         }
         previous = pool_weights(
@@ -353,6 +365,11 @@ def _rounds(tpots: list[float], others: float = 0.03) -> list[int]:
             [100, 35, 35],
             id="3x slower twice in a row: straight to the nearest level, one ring change",
         ),
+        pytest.param(
+            [0.05, 0.09, 0.09],
+            [100, 35, 35],
+            id="the last record picks the level: the first may hold time before a slowdown",
+        ),
         pytest.param([0.06, 0.06, 0.06], [100, 50, 50], id="half speed: half the weight"),
         pytest.param(
             [0.043] * 4, [100] * 4, id="a third slower (busier steps, not a slower GPU): no move"
@@ -371,6 +388,22 @@ def _rounds(tpots: list[float], others: float = 0.03) -> list[int]:
 )
 def test_capacity_weights_follow_speed(tpots: list[float], weights: list[int]) -> None:
     assert _rounds(tpots) == weights
+
+
+def test_a_replica_busy_with_long_prompts_is_not_slow() -> None:
+    """Its long prefill steps triple the mean TPOT, but most of its tokens come at the usual
+    pace: the median (0.0177 s, like the others') says it is busy, not slow."""
+    assert _rounds([0.09] * 4, medians=[0.0177] * 4, others_median=0.0177) == [100] * 4
+
+
+def test_the_median_says_whether_the_mean_says_how_much() -> None:
+    """A 3x slower replica's median lands one coarse bucket up (about 2x): slow enough to
+    count, and the mean picks the level."""
+    assert _rounds([0.09] * 3, medians=[0.0375] * 3, others_median=0.0177) == [100, 35, 35]
+
+
+def test_a_record_without_a_median_is_no_evidence_where_the_pool_has_them() -> None:
+    assert _rounds([0.09] * 4, medians=[None] * 4, others_median=0.0177) == [100] * 4
 
 
 def test_a_record_counts_once_however_often_the_pool_is_recompiled() -> None:
