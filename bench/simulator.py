@@ -118,6 +118,7 @@ class Engine:
         self.generation_tokens = 0
         self.finished = 0
         self.busy_seconds = 0.0
+        self.prefill_seconds = 0.0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.started_at = time.monotonic()
@@ -242,6 +243,7 @@ class Engine:
             due += step * config.time_scale
             await asyncio.sleep(max(0.0, due - started))
             self.busy_seconds += step
+            self.prefill_seconds += config.prefill_per_token * prefill_tokens * self.slow_factor
             now = time.monotonic()
             decoded = 0
             for seq in decoding:
@@ -346,6 +348,12 @@ class Engine:
                 "counter",
                 "Simulated seconds the engine spent stepping.",
                 self.busy_seconds,
+            ),
+            (
+                "kvpilot_sim_prefill_seconds_total",
+                "counter",
+                "Simulated seconds of those steps spent computing prompt tokens.",
+                self.prefill_seconds,
             ),
             (
                 "kvpilot_sim_elapsed_seconds",

@@ -136,6 +136,17 @@ def measure(
     out["goodput_per_s"] = good / makespan if makespan else None
     out["goodput_share"] = good / len(run.results) if run.results else None
     out["hit_vs_oracle"] = (summary["hit_rate"] or 0.0) / oracle if oracle else None
+    out["oracle_hit_rate"] = oracle
+    out["engine_hit_rate"] = summary["hit_rate"]
+    # How much of the engines' time went to prompt tokens: what a better cache hit rate can
+    # give back at full batches (the rest is decode steps, the same for every router).
+    busy = sum(m.get("kvpilot_sim_busy_seconds_total", 0.0) for m in metrics.values())
+    prefill = [
+        m["kvpilot_sim_prefill_seconds_total"]
+        for m in metrics.values()
+        if "kvpilot_sim_prefill_seconds_total" in m
+    ]
+    out["prefill_share"] = sum(prefill) / busy if prefill and busy else None
     out["moved"] = moved
     out["moved_share"] = moved / len(later) if later else 0.0
     event = scenario.event

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from bench.scenarios import SlowEvent
 from bench.suite_measure import weight_moves
-from bench.suite_report import _share_evidence, pooled_p99
+from bench.suite_report import _share_evidence, capacity_ceiling, pooled_p99, targets
 
 
 def _request(ttft: float, *, ok: bool = True) -> dict[str, Any]:
@@ -66,3 +68,28 @@ def test_the_share_of_new_sessions_is_also_given_with_the_seeds_pooled_and_as_a_
         "; seeds pooled 0.44x (4 of 42 new sessions before, 3 of 71 after); ring share 0.38x"
     )
     assert _share_evidence([{"slow": {}, "weights": {}}]) == ""
+
+
+def test_the_overload_target_says_what_any_router_could_reach_at_most() -> None:
+    """Round robin spent 20% of its engines' time on prompt tokens at a hit rate of 80%; the
+    oracle's 95% leaves a quarter of those tokens: 1 / (1 - 0.2 * 0.75) = 1.176x."""
+    rr = {"prefill_share": 0.2, "engine_hit_rate": 0.8, "oracle_hit_rate": 0.95}
+    assert capacity_ceiling(rr) == pytest.approx(1 / (1 - 0.2 * 0.75))
+    assert capacity_ceiling({**rr, "prefill_share": None}) is None
+    assert capacity_ceiling({**rr, "engine_hit_rate": 0.97}) == 1.0  # past the oracle
+
+    def run(requests_per_s: float, **engine: float) -> dict[str, Any]:
+        return {"requests_per_s": requests_per_s, "ttft_p99": 1.0, "hit_rate": 0.9, **engine}
+
+    results = {
+        "overload": {
+            "round_robin": [run(10.0, **rr)],
+            "affinity": [run(10.5)],
+            "kvpilot": [run(10.6)],
+        }
+    }
+    (found,) = [t for t in targets(results) if "req/s" in t[1]]
+    assert found[2] is False
+    assert "1.06x" in found[3]
+    assert "ceiling for any router 1.18x" in found[3]
+    assert "spent 20% of their time on prompt tokens" in found[3]
