@@ -23,8 +23,8 @@ sets only what changes slowly: how fast each replica is.
   a replica busy with long prompts has a higher mean TPOT at full speed. Where the model
   server exports the TPOT histogram, its median between scrapes (a few long steps do not
   move it) must agree: the replica counts as slower only when its median TPOT too is
-  beyond ``capacity_band`` of the pool's median median (the buckets are coarse, about 2x
-  apart, so the median says whether, the mean says how much).
+  beyond ``capacity_band`` of the median of the pool's medians (the buckets are coarse,
+  about 2x apart, so the median says whether, the mean says how much).
 - Capacity factor, on a ladder of levels (``capacity_levels``: 1, 0.7, 0.5, 0.35, 0.25). It
   falls only after ``capacity_confirm`` consecutive records put the replica below
   ``capacity_band`` times its level, straight to the level nearest the last one's speed
@@ -40,9 +40,9 @@ sets only what changes slowly: how fast each replica is.
   prefixes the others keep. Its share of the ring is cut to the ladder level nearest its
   capacity against the pool's median (half the cache, half the share); a bigger cache
   counts as the median. It is configuration, so it needs no confirming.
-- ``weight_e = static_weight_e * min(factor_e, kv_factor_e)``. Bounded load takes the weight into account too
-  (a host's share of in-flight requests is capped in proportion to its weight), so a slow
-  replica gets both fewer sessions and a smaller share of the spill.
+- ``weight_e = static_weight_e * min(factor_e, kv_factor_e)``. Bounded load takes the
+  weight into account too (a host's share of in-flight requests is capped in proportion to
+  its weight), so a slow replica gets both fewer sessions and a smaller share of the spill.
 - Never DEGRADED for load: degrading a ring-hash host moves all its sessions at once (evict);
   bounded load instead spills only the requests the host cannot take (spill).
 

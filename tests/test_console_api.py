@@ -58,6 +58,31 @@ async def test_endpoints_view_shows_weights_health_telemetry_and_why(api: Harnes
     assert 'kvpilot_pool_endpoints{health="healthy",pool="chat"} 3.0' in metrics
 
 
+async def test_a_capacity_weight_says_whether_speed_or_cache_cut_it(api: Harness) -> None:
+    """Behind session affinity telemetry sets capacity, not load: the view says which."""
+    await api.http.put("/v1/pools/chat", json=pool("chat", [8001, 8002, 8003]))
+    body = policy(
+        "main", routes=[route("chat", name="chat", balancing="telemetry", sessionAffinity={})]
+    )
+    await api.http.put("/v1/routingpolicies/main", json=body)
+    now = time.time()
+    for port, cache in ((8001, 24576.0), (8002, 49152.0), (8003, 49152.0)):
+        record = {"at": now, "running": 2.0, "time_per_output_token": 0.02, "kv_capacity": cache}
+        await api.store.put_telemetry("chat", f"127.0.0.1:{port}", record)
+
+    async def cut() -> dict[str, Any] | None:
+        rows = await view(api)
+        small = rows.get("127.0.0.1:8001")
+        return rows if small is not None and small["effectiveWeight"] == 50 else None
+
+    rows = await poll(cut, message="the smaller cache to halve the weight")
+    assert rows["127.0.0.1:8001"]["reasons"] == [
+        "smaller KV cache than the pool's median: capacity 50% of static"
+    ]
+    assert rows["127.0.0.1:8002"]["effectiveWeight"] == 100
+    assert rows["127.0.0.1:8002"]["reasons"] == []
+
+
 @pytest.mark.parametrize("endpoint_id", ["127.0.0.1:8001", "r1"])
 async def test_drain_and_undrain_an_endpoint(api: Harness, endpoint_id: str) -> None:
     await api.http.put("/v1/pools/chat", json=pool("chat", [8001, 8002]))
