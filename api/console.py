@@ -64,19 +64,12 @@ def _reasons(
                 reasons.append(
                     f"telemetry stale ({decision.age:.0f}s old, max {max_age:g}s): static weight"
                 )
-        elif decision.speed is not None or decision.kv_factor < 1:
-            # A pool behind session affinity: capacity, not load.
-            if decision.factor < 1:
-                speed = "" if decision.speed is None else f" (last speed {decision.speed:.2f})"
-                reasons.append(
-                    f"slower than the pool's median{speed}: capacity {decision.factor:.0%} "
-                    "of static"
-                )
-            if decision.kv_factor < 1:
-                reasons.append(
-                    f"smaller KV cache than the pool's median: capacity "
-                    f"{decision.kv_factor:.0%} of static"
-                )
+        elif decision.factor < 1 and decision.speed is not None:
+            # A pool behind session affinity: capacity, learned from speed, not load.
+            reasons.append(
+                f"slower than the pool's median (last speed {decision.speed:.2f}): capacity "
+                f"{decision.factor:.0%} of static"
+            )
         elif decision.factor < 1:
             reasons.append(
                 f"load {decision.load:.2f}: weight cut to {decision.factor:.0%} of static"

@@ -376,11 +376,6 @@ class Engine:
             "# HELP vllm:time_per_output_token_seconds Time per output token, simulated seconds.",
             "# TYPE vllm:time_per_output_token_seconds histogram",
             *self.tpot.lines("vllm:time_per_output_token_seconds", labels),
-            # vLLM publishes its cache configuration as the labels of an info gauge.
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
-            "# TYPE vllm:cache_config_info gauge",
-            f'vllm:cache_config_info{{block_size="{self.config.block_size}",'
-            f'num_gpu_blocks="{self.cache.capacity}"}} 1.0',
         ]
         return lines
 

@@ -24,8 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Samples = dict[str, list[float]]
 """Sample name (``vllm:num_requests_waiting``) -> the values of its series. A histogram's
-bucket series are also kept by bound, under `bucket_key` (``name_bucket{le=0.025}``), and an
-info gauge's numeric labels under `label_key` (``vllm:cache_config_info{num_gpu_blocks}``)."""
+bucket series are also kept by bound, under `bucket_key` (``name_bucket{le=0.025}``)."""
 
 
 class TelemetryRecord(BaseModel):
@@ -68,12 +67,6 @@ class TelemetryRecord(BaseModel):
         "since the last scrape that saw one, while the replica has work: what admission "
         "compares with the service-class objective. Unset on an idle replica.",
     )
-    kv_capacity: float | None = Field(
-        None,
-        gt=0,
-        description="KV-cache capacity in tokens (vLLM: num_gpu_blocks x block_size): a "
-        "replica with a smaller cache holds fewer conversations and their prefixes.",
-    )
     format: str = Field("", description="Metric map the record was read with.")
 
     def to_json(self) -> str:
@@ -107,11 +100,6 @@ class MetricMap:
     token_count: tuple[str, ...] = ()
     token_buckets: tuple[str, ...] = ()
     """Bucket series of that histogram (``..._bucket``): the median time per output token."""
-    kv_capacity: tuple[str, ...] = ()
-    """KV-cache capacity: a gauge in tokens, or an info gauge's numeric label as
-    ``name{label}`` (`label_key`); with ``kv_block_size`` a count of blocks."""
-    kv_block_size: tuple[str, ...] = ()
-    """Tokens per KV block, when ``kv_capacity`` counts blocks."""
     ttft_seconds: tuple[str, ...] = ()
     """Sum of a time-to-first-token histogram; with ``ttft_count`` gives the mean time to
     first token of the requests that got one between scrapes."""
@@ -163,8 +151,6 @@ VLLM = MetricMap(
     ),
     ttft_seconds=("vllm:time_to_first_token_seconds_sum",),
     ttft_count=("vllm:time_to_first_token_seconds_count",),
-    kv_capacity=("vllm:cache_config_info{num_gpu_blocks}",),
-    kv_block_size=("vllm:cache_config_info{block_size}",),
 )
 SGLANG = MetricMap(
     waiting=("sglang:num_queue_reqs",),
@@ -201,19 +187,7 @@ def parse_samples(text: str) -> Samples:
                 out.setdefault(bucket_key(sample.name, float(bound)), []).append(
                     float(sample.value)
                 )
-            if sample.name.endswith("_info"):
-                for label, text in sample.labels.items():
-                    try:
-                        number = float(text)
-                    except ValueError:
-                        continue
-                    out.setdefault(label_key(sample.name, label), []).append(number)
     return out
-
-
-def label_key(name: str, label: str) -> str:
-    """Where `parse_samples` keeps the numeric ``label`` of info gauge ``name`` (``..._info``)."""
-    return f"{name}{{{label}}}"
 
 
 def bucket_key(name: str, bound: float) -> str:
@@ -334,10 +308,6 @@ def extract(
         values["max_running"] = max_running
     if values.get("max_running") == 0:
         del values["max_running"]
-    capacity = _first(samples, metric_map.kv_capacity)
-    block = _first(samples, metric_map.kv_block_size) if metric_map.kv_block_size else [1.0]
-    if capacity is not None and block is not None and sum(capacity) * max(block) > 0:
-        values["kv_capacity"] = sum(capacity) * max(block)
 
     def total(names: Iterable[str]) -> float | None:
         found = _first(samples, names)
@@ -430,7 +400,6 @@ __all__ = [
     "TelemetryRecord",
     "bucket_key",
     "extract",
-    "label_key",
     "metric_map_for",
     "parse_samples",
 ]
@@ -465,11 +434,7 @@ class WriteBand:
 
     def moved(self, last: TelemetryRecord, record: TelemetryRecord) -> bool:
         """True when `record` differs from `last` beyond the band (the time does not count)."""
-        if (last.max_running, last.kv_capacity, last.format) != (
-            record.max_running,
-            record.kv_capacity,
-            record.format,
-        ):
+        if (last.max_running, last.format) != (record.max_running, record.format):
             return True
         counts = (
             (last.waiting, record.waiting, self.requests),

@@ -35,14 +35,9 @@ sets only what changes slowly: how fast each replica is.
   (its steps carry more prefill) stays put, a half-speed or 3x-slowed one does not. The
   agents write a record that moved the speed and the one after it (``WriteBand.speed``),
   so two records in a row arrive within two scrape intervals.
-- KV cache: a replica with a smaller cache (``TelemetryRecord.kv_capacity``, vLLM's
-  ``num_gpu_blocks``) holds fewer conversations, queues for cache blocks and evicts
-  prefixes the others keep. Its share of the ring is cut to the ladder level nearest its
-  capacity against the pool's median (half the cache, half the share); a bigger cache
-  counts as the median. It is configuration, so it needs no confirming.
-- ``weight_e = static_weight_e * min(factor_e, kv_factor_e)``. Bounded load takes the
-  weight into account too (a host's share of in-flight requests is capped in proportion to
-  its weight), so a slow replica gets both fewer sessions and a smaller share of the spill.
+- ``weight_e = static_weight_e * factor_e``. Bounded load takes the weight into account too
+  (a host's share of in-flight requests is capped in proportion to its weight), so a slow
+  replica gets both fewer sessions and a smaller share of the spill.
 - Never DEGRADED for load: degrading a ring-hash host moves all its sessions at once (evict);
   bounded load instead spills only the requests the host cannot take (spill).
 
@@ -173,8 +168,6 @@ class WeightDecision:
     often the pool is recompiled."""
     streak: int = 0
     """Capacity weights: consecutive records below (negative) or above (positive) the band."""
-    kv_factor: float = 1.0
-    """Capacity weights: the share a smaller KV cache than the pool's median leaves."""
 
     @property
     def neutral(self) -> bool:
@@ -315,10 +308,6 @@ def capacity_weights(
         if record.median_time_per_output_token is not None
     }
     typical_reference = statistics.median(medians.values()) if len(medians) >= 2 else None
-    caches = {
-        key: record.kv_capacity for key, record in fresh.items() if record.kv_capacity is not None
-    }
-    cache_reference = statistics.median(caches.values()) if len(caches) >= 2 else None
     levels = sorted(params.capacity_levels, reverse=True)
     out: dict[str, WeightDecision] = {}
     for endpoint in endpoints:
@@ -355,19 +344,14 @@ def capacity_weights(
                 # Up one level at a time: sessions return to a recovered replica gradually.
                 factor = min(higher, default=factor)
                 streak = 0
-        kv_factor = 1.0
-        if cache_reference is not None and key in caches:
-            share = min(1.0, caches[key] / cache_reference)
-            kv_factor = min(levels, key=lambda level: abs(math.log(level / share)))
         out[key] = WeightDecision(
-            weight=max(1, round(endpoint.weight * min(factor, kv_factor))),
+            weight=max(1, round(endpoint.weight * factor)),
             factor=factor,
             load=0.0,
             age=ages[key],
             speed=None if speed is None else round(speed, 4),
             seen_at=seen_at,
             streak=streak,
-            kv_factor=kv_factor,
         )
     return out
 

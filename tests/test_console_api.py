@@ -58,26 +58,32 @@ async def test_endpoints_view_shows_weights_health_telemetry_and_why(api: Harnes
     assert 'kvpilot_pool_endpoints{health="healthy",pool="chat"} 3.0' in metrics
 
 
-async def test_a_capacity_weight_says_whether_speed_or_cache_cut_it(api: Harness) -> None:
-    """Behind session affinity telemetry sets capacity, not load: the view says which."""
+async def test_a_capacity_weight_says_the_replica_is_slower_not_loaded(api: Harness) -> None:
+    """Behind session affinity telemetry sets capacity from speed, not load: the view says so."""
     await api.http.put("/v1/pools/chat", json=pool("chat", [8001, 8002, 8003]))
     body = policy(
         "main", routes=[route("chat", name="chat", balancing="telemetry", sessionAffinity={})]
     )
     await api.http.put("/v1/routingpolicies/main", json=body)
-    now = time.time()
-    for port, cache in ((8001, 24576.0), (8002, 49152.0), (8003, 49152.0)):
-        record = {"at": now, "running": 2.0, "time_per_output_token": 0.02, "kv_capacity": cache}
-        await api.store.put_telemetry("chat", f"127.0.0.1:{port}", record)
 
     async def cut() -> dict[str, Any] | None:
+        # Like an agent: a round of records, the first replica 3x slower, until two rounds
+        # in a row have reached the weight function and the capacity factor moves.
+        now = time.time()
+        await api.store.put_telemetry_many(
+            [
+                ("chat", f"127.0.0.1:{port}", {"at": now, "time_per_output_token": tpot})
+                for port, tpot in ((8001, 0.09), (8002, 0.03), (8003, 0.03))
+            ],
+            lease=0,
+        )
         rows = await view(api)
-        small = rows.get("127.0.0.1:8001")
-        return rows if small is not None and small["effectiveWeight"] == 50 else None
+        slow = rows.get("127.0.0.1:8001")
+        return rows if slow is not None and slow["effectiveWeight"] == 35 else None
 
-    rows = await poll(cut, message="the smaller cache to halve the weight")
+    rows = await poll(cut, message="the 3x slower replica's weight to fall to 35")
     assert rows["127.0.0.1:8001"]["reasons"] == [
-        "smaller KV cache than the pool's median: capacity 50% of static"
+        "slower than the pool's median (last speed 0.33): capacity 35% of static"
     ]
     assert rows["127.0.0.1:8002"]["effectiveWeight"] == 100
     assert rows["127.0.0.1:8002"]["reasons"] == []

@@ -265,24 +265,6 @@ def test_median_time_per_output_token_shrugs_off_a_few_long_prefill_steps() -> N
     assert restarted.median_time_per_output_token is None
 
 
-def test_kv_capacity_comes_from_vllms_cache_config_labels() -> None:
-    text = (
-        "# TYPE vllm:cache_config_info gauge\n"
-        'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="3072",'
-        'enable_prefix_caching="True"} 1.0\n'
-        'vllm:num_requests_running{model_name="m"} 1\n'
-    )
-    record, _ = extract(parse_samples(text), VLLM, at=1.0)
-    assert record.kv_capacity == 3072 * 16
-    no_info, _ = extract(parse_samples('vllm:num_requests_running{model_name="m"} 1\n'), VLLM, at=1)
-    assert no_info.kv_capacity is None
-    custom = MetricMap.from_mapping({"kv_capacity": "engine_kv_tokens"})
-    tokens, _ = extract(parse_samples("engine_kv_tokens 65536\n"), custom, at=1.0)
-    assert tokens.kv_capacity == 65536
-    band = WriteBand()
-    assert band.moved(record, record.model_copy(update={"kv_capacity": 1536 * 16}))
-
-
 def test_a_move_of_the_median_is_written_its_coming_and_going_is_not() -> None:
     band = WriteBand()
     record = TelemetryRecord(at=0, time_per_output_token=0.03, median_time_per_output_token=0.018)

@@ -406,30 +406,6 @@ def test_a_record_without_a_median_is_no_evidence_where_the_pool_has_them() -> N
     assert _rounds([0.09] * 4, medians=[None] * 4, others_median=0.0177) == [100] * 4
 
 
-def test_a_smaller_kv_cache_gets_a_smaller_share_at_once_and_keeps_it() -> None:
-    """Replica 0 has half the pool's cache and replica 1 twice: half the share, and no more
-    than the median's. The speed ladder stays where it is, and the smaller factor counts."""
-    caches = {0: 24576.0, 1: 98304.0, 2: 49152.0, 3: 49152.0}
-    decisions: dict[str, WeightDecision] = {}
-    for round_ in range(3):
-        telemetry = {
-            e.key: TelemetryRecord(
-                at=NOW + round_,
-                time_per_output_token=0.09 if i == 3 else 0.03,
-                kv_capacity=caches[i],
-            )
-            for i, e in enumerate(CAPACITY_ENDPOINTS)
-        }
-        decisions = pool_weights(
-            CAPACITY_ENDPOINTS, telemetry, now=NOW + round_, previous=decisions, affinity=True
-        )
-        weights = [decisions[e.key].weight for e in CAPACITY_ENDPOINTS]
-        # Replica 3 is the 3x slower one: it falls after two records, to 0.35.
-        assert weights == [50, 100, 100, 100 if round_ == 0 else 35]
-    assert decisions[CAPACITY_ENDPOINTS[0].key].factor == 1.0  # the speed ladder untouched
-    assert decisions[CAPACITY_ENDPOINTS[0].key].kv_factor == 0.5
-
-
 def test_a_record_counts_once_however_often_the_pool_is_recompiled() -> None:
     slow = {
         e.key: TelemetryRecord(at=NOW, time_per_output_token=0.09 if i == 0 else 0.03)
