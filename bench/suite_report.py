@@ -221,7 +221,7 @@ def capacity_ceiling(m: dict[str, Any]) -> float | None:
     share, hit, oracle = m.get("prefill_share"), m.get("engine_hit_rate"), m.get("oracle_hit_rate")
     if share is None or hit is None or oracle is None or hit >= 1.0:
         return None
-    left = (1.0 - oracle) / (1.0 - hit)
+    left = (1.0 - float(oracle)) / (1.0 - float(hit))
     return 1.0 / (1.0 - float(share) * (1.0 - min(1.0, left)))
 
 
