@@ -54,6 +54,12 @@ from policies.telemetry import (
 
 log = logging.getLogger("kvpilot.agent")
 
+CONFIRM_WRITES = 2
+"""Records an agent writes after one that moved a replica's speed, whatever they hold. The
+capacity weights act on two slow records in a row, and the first record after a slowdown
+often still holds time from before it (or a median that has not moved yet): with only one
+record after it, the second slow record would wait for the next ``refresh``."""
+
 MAX_SCRAPE_BYTES = 8 * 1024 * 1024
 """A /metrics answer larger than this is refused rather than held in memory."""
 
@@ -81,8 +87,9 @@ class Target:
     last_written: TelemetryRecord | None = field(default=None, repr=False)
     failures: int = field(default=0, repr=False)
     registered: bool = field(default=False, repr=False)
-    confirm: bool = field(default=False, repr=False)
-    """The last record written moved the replica's speed: write the next one too."""
+    confirm: int = field(default=0, repr=False)
+    """Records still to write whatever they hold, after one that moved the replica's speed
+    (`CONFIRM_WRITES`)."""
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -246,7 +253,10 @@ class Agent:
             return
         for target, record in writes:
             last = target.last_written
-            target.confirm = last is not None and self.config.band.speed_moved(last, record)
+            if last is not None and self.config.band.speed_moved(last, record):
+                target.confirm = CONFIRM_WRITES
+            else:
+                target.confirm = max(0, target.confirm - 1)
             target.last_written = record
 
     async def _withdraw(self, target: Target) -> None:

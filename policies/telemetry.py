@@ -215,8 +215,10 @@ def _buckets(samples: Samples, names: Iterable[str]) -> Buckets | None:
     return None
 
 
-MEDIAN_MIN_OBSERVATIONS = 20
-"""Fewer observations than this between two scrapes give no median: too few to tell."""
+MEDIAN_MIN_OBSERVATIONS = 8
+"""Fewer observations than this between two scrapes give no median: too few to tell. Low
+enough for a replica decoding one sequence at a third of its speed (about 15 tokens a
+second), whose slowdown must show; a few long steps among eight still leave the median."""
 
 
 def _median(now: Buckets | None, before: Buckets | None) -> float | None:

@@ -24,7 +24,9 @@ sets only what changes slowly: how fast each replica is.
   server exports the TPOT histogram, its median between scrapes (a few long steps do not
   move it) must agree: the replica counts as slower only when its median TPOT too is
   beyond ``capacity_band`` of the median of the pool's medians (the buckets are coarse,
-  about 2x apart, so the median says whether, the mean says how much).
+  about 2x apart, so the median says whether, the mean says how much). A record with too
+  few tokens for a median (a slowed replica decoding one sequence) is no evidence either
+  way: it neither counts towards a fall nor breaks a run of slow records.
 - Capacity factor, on a ladder of levels (``capacity_levels``: 1, 0.7, 0.5, 0.35, 0.25). It
   falls only after ``capacity_confirm`` consecutive records put the replica below
   ``capacity_band`` times its level, straight to the level nearest the last one's speed
@@ -329,7 +331,9 @@ def capacity_weights(
             slow_median = typical_reference is None or (
                 median is not None and typical_reference / median < params.capacity_band
             )
-            if speed < factor * params.capacity_band and slow_median:
+            if speed < factor * params.capacity_band and median is None and not slow_median:
+                pass  # slower by the mean, too few tokens for a median: no evidence either way
+            elif speed < factor * params.capacity_band and slow_median:
                 streak = min(streak, 0) - 1
             elif higher and speed >= min(higher) * params.capacity_rise:
                 streak = max(streak, 0) + 1

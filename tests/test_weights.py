@@ -404,6 +404,10 @@ def test_the_median_says_whether_the_mean_says_how_much() -> None:
 
 def test_a_record_without_a_median_is_no_evidence_where_the_pool_has_them() -> None:
     assert _rounds([0.09] * 4, medians=[None] * 4, others_median=0.0177) == [100] * 4
+    # Nor does it break a run of slow records: a slowed replica decoding one sequence has
+    # intervals with too few tokens for a median.
+    slow = [0.0375, None, 0.0375]
+    assert _rounds([0.09] * 3, medians=slow, others_median=0.0177) == [100, 100, 35]
 
 
 def test_a_record_counts_once_however_often_the_pool_is_recompiled() -> None:
