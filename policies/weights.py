@@ -35,8 +35,8 @@ sets only what changes slowly: how fast each replica is.
   faster, so sessions come back to a recovered replica gradually instead of in one spike.
   The fall band is wide (0.65): a replica that only looks slower because it is busier
   (its steps carry more prefill) stays put, a half-speed or 3x-slowed one does not. The
-  agents write a record that moved the speed and the one after it (``WriteBand.speed``),
-  so two records in a row arrive within two scrape intervals.
+  agents write a record that moved the speed and the two after it (``WriteBand.speed``),
+  so two slow records in a row arrive within three scrape intervals.
 - ``weight_e = static_weight_e * factor_e``. Bounded load takes the weight into account too
   (a host's share of in-flight requests is capped in proportion to its weight), so a slow
   replica gets both fewer sessions and a smaller share of the spill.
