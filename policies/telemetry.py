@@ -467,8 +467,9 @@ class WriteBand:
         """True when the time per output token, its mean or its median, moved beyond ``speed``
         (or the mean appeared or went). An agent writes the two records after such a move
         too, whatever they hold: the capacity weights wait for two slow records in a row
-        before they act on a speed change. The median comes and goes with the traffic (it needs
-        `MEDIAN_MIN_OBSERVATIONS` tokens between scrapes), so only a move of it counts."""
+        before they act on a speed change. The median comes and goes with the traffic (it
+        needs `MEDIAN_MIN_OBSERVATIONS` tokens between scrapes), so only a move of it
+        counts."""
         old, new = last.time_per_output_token, record.time_per_output_token
         if old is None or new is None:
             if (old is None) != (new is None):

@@ -328,12 +328,15 @@ def capacity_weights(
             speed, seen_at = reference / tpot, record.at
             higher = [level for level in levels if level > factor]
             median = medians.get(key)
-            slow_median = typical_reference is None or (
-                median is not None and typical_reference / median < params.capacity_band
-            )
-            if speed < factor * params.capacity_band and median is None and not slow_median:
-                pass  # slower by the mean, too few tokens for a median: no evidence either way
-            elif speed < factor * params.capacity_band and slow_median:
+            if typical_reference is None:
+                median_says = True  # no medians in the pool: the mean decides alone
+            elif median is None:
+                median_says = None  # too few tokens for one: no evidence either way
+            else:
+                median_says = typical_reference / median < params.capacity_band
+            if speed < factor * params.capacity_band and median_says is None:
+                pass
+            elif speed < factor * params.capacity_band and median_says:
                 streak = min(streak, 0) - 1
             elif higher and speed >= min(higher) * params.capacity_rise:
                 streak = max(streak, 0) + 1
