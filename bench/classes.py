@@ -31,6 +31,7 @@ interactive class's time to first token.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,14 @@ from bench.routes import Policy, standard_policies
 from bench.routing import BenchConfig, calibrate
 from bench.routing import default_config as routing_config
 from bench.scenarios import SUITE_MAX_BATCH
+from bench.stack import POOL
 from bench.workload import Session, Workload, WorkloadConfig, generate
 
 INTERACTIVE, BATCH = "interactive", "batch"
+BATCH_HEADER = ("x-priority", "batch")
+"""The header every batch request carries, which the batch class matches."""
+LANE_POOL = f"{POOL}-batch"
+"""The pool of a batch lane's replicas."""
 TENANTS = ("evals", "nightly-etl", "backfill")
 
 
@@ -88,6 +94,10 @@ class ClassesConfig:
     policies: tuple[str, ...] = ()
     """Keys of the policies to run after the reference (`POLICIES`); empty: those run by
     default."""
+    lanes: dict[str, int] = field(default_factory=dict)
+    """Replicas set aside for batch, by the key of each policy that has a batch lane: the
+    last that many replicas form a pool of their own, which a route for the batch class
+    takes, and the interactive route takes the others."""
 
     @property
     def ramp(self) -> float:
@@ -134,6 +144,11 @@ POLICIES: tuple[Policy, ...] = (
     replace(_AFFINITY, title="affinity alone"),
     replace(_AFFINITY, key="classes", title="affinity + service classes, batch shed"),
     replace(_AFFINITY, key="classes_queue", title="affinity + service classes, batch queued"),
+    replace(
+        _AFFINITY,
+        key="classes_lane",
+        title="affinity + service classes, batch on a lane of its own, shed",
+    ),
     # Sensitivity, run only when named: the same shedding with the engines' TTFT, which
     # mixes the classes, as good as out of the rule (a bound of 2 s), so the queue decides.
     replace(
@@ -151,7 +166,13 @@ POLICIES: tuple[Policy, ...] = (
         default=False,
     ),
 )
-CLASS_POLICIES = ("classes", "classes_queue", "classes_queue_bound", "classes_mean")
+CLASS_POLICIES = (
+    "classes",
+    "classes_queue",
+    "classes_lane",
+    "classes_queue_bound",
+    "classes_mean",
+)
 """The policies with service classes, each checked against the targets."""
 REFERENCE = replace(_AFFINITY, key="reference", title="affinity, interactive alone (no batch)")
 
@@ -190,7 +211,7 @@ def default_config(short: bool = False) -> ClassesConfig:
     interactive = {"name": INTERACTIVE, "objective": {"ttft": "1s"}}
     batch = {
         "name": BATCH,
-        "match": {"headers": [{"name": "x-priority", "value": "batch"}]},
+        "match": {"headers": [{"name": BATCH_HEADER[0], "value": BATCH_HEADER[1]}]},
         "objective": {"ttft": "30s"},
     }
     service_classes = {
@@ -223,7 +244,17 @@ def default_config(short: bool = False) -> ClassesConfig:
             ],
         },
     }
-    config = ClassesConfig(service_classes=service_classes, routing=base)
+    # A batch lane: one replica of the eight serves batch and nothing else, the other seven
+    # the sessions. A batch prompt's 2,048-token prefill chunk is an engine step of half a
+    # second in which every other sequence of its replica waits, so interactive turns keep
+    # their latency only where no batch prefills. The lane's own saturation decides what
+    # batch is shed: no more than a batch's worth waiting (8), and a first token within half
+    # the batch objective; interactive is never restricted, so the bounds are batch's.
+    service_classes["classes_lane"] = {
+        "saturation": {"queue": SUITE_MAX_BATCH, "ttft": "15s"},
+        "classes": [interactive, {**batch, "whenSaturated": "shed", "retryAfter": "30s"}],
+    }
+    config = ClassesConfig(service_classes=service_classes, routing=base, lanes={"classes_lane": 1})
     if short:
         config = replace(
             config,
@@ -243,6 +274,18 @@ def default_config(short: bool = False) -> ClassesConfig:
             ),
         )
     return config
+
+
+def lane_route(route: Mapping[str, Any]) -> dict[str, Any]:
+    """The route of a batch lane: the batch requests, with `route`'s balancing fields, to the
+    lane's pool; the policy lists it before the route of everything else."""
+    header = {"name": BATCH_HEADER[0], "value": BATCH_HEADER[1]}
+    return {
+        **route,
+        "name": BATCH,
+        "match": {"pathPrefix": "/v1/", "headers": [header]},
+        "tiers": [[LANE_POOL]],
+    }
 
 
 # --------------------------------------------------------------------------- workloads
@@ -309,7 +352,7 @@ def build_workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str
             replace(
                 session,
                 start=session.start + offset,
-                extra_headers=(("x-priority", "batch"), ("x-tenant-id", TENANTS[n % 3])),
+                extra_headers=(BATCH_HEADER, ("x-tenant-id", TENANTS[n % 3])),
             )
             for n, session in enumerate(docs.sessions)
         ]

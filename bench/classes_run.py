@@ -10,6 +10,7 @@ import json
 import pickle
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,13 @@ from typing import Any
 import httpx
 
 from bench.classes import (
+    BATCH,
+    LANE_POOL,
     POLICIES,
     REFERENCE,
     ClassesConfig,
     build_workloads,
+    lane_route,
 )
 from bench.classes_report import engine_phases, markdown, summarize, targets
 from bench.classes_signals import SignalSampler, lead_table
@@ -30,11 +34,13 @@ from bench.routes import Policy
 from bench.routing import BenchConfig
 from bench.stack import (
     MODEL,
+    POOL,
     Stack,
     apply_policy,
     put_pool,
     ready_for_replay,
     replica_metrics,
+    start_agent,
     start_stack,
 )
 from bench.workload import Workload
@@ -42,11 +48,20 @@ from controlplane.launchers import LauncherError, wait_until
 
 
 def _apply(stack: Stack, policy: Policy, config: ClassesConfig) -> None:
+    """Apply `policy` (its pools first, with a batch lane if it has one) and wait until
+    Envoy serves it."""
     service_classes = config.service_classes.get(policy.key)
-    if service_classes is None:
-        apply_policy(stack, policy.key, policy.route)
+    spec: dict[str, Any] = {} if service_classes is None else {"serviceClasses": service_classes}
+    replicas = len(stack.backends.replicas)
+    lane = config.lanes.get(policy.key, 0)
+    put_pool(stack, POOL, range(replicas - lane))
+    if lane:
+        put_pool(stack, LANE_POOL, range(replicas - lane, replicas))
+        sizes = {POOL: replicas - lane, LANE_POOL: lane}
+        before = [lane_route(policy.route)]
+        apply_policy(stack, policy.key, policy.route, before=before, pools=sizes, **spec)
     else:
-        apply_policy(stack, policy.key, policy.route, serviceClasses=service_classes)
+        apply_policy(stack, policy.key, policy.route, **spec)
     classified = service_classes is not None
     wait_until(
         lambda: _classes_in_envoy(stack) == classified, 60, f"Envoy's routes for {policy.key}"
@@ -73,11 +88,41 @@ def _all_admitted(stack: Stack) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _lane_agent(stack: Stack, config: ClassesConfig, lane: int) -> Iterator[None]:
+    """A second `kvpilot agent` while a batch lane runs: the lane's replicas' telemetry under
+    the lane's pool, which its route's admission reads (the stack's agent writes every
+    replica under the main pool)."""
+    if not lane:
+        yield
+        return
+    sim = config.routing.sim
+    agent = start_agent(
+        stack.state_dir / "lane-agent",
+        stack.etcd_endpoint,
+        [replica.url for replica in stack.backends.replicas[-lane:]],
+        pool=LANE_POOL,
+        interval=config.routing.agent_interval * sim.time_scale,
+        max_running=sim.max_batch,
+    )
+    try:
+        yield
+    finally:
+        agent.stop()
+
+
 def run_one(
     stack: Stack, policy: Policy, workload: Workload, config: ClassesConfig
 ) -> dict[str, Any]:
-    sim = config.routing.sim
     print(f"\n== {policy.title}: {workload.requests} requests", flush=True)
+    with _lane_agent(stack, config, config.lanes.get(policy.key, 0)):
+        return _run_one(stack, policy, workload, config)
+
+
+def _run_one(
+    stack: Stack, policy: Policy, workload: Workload, config: ClassesConfig
+) -> dict[str, Any]:
+    sim = config.routing.sim
     _apply(stack, policy, config)
     ready_for_replay(stack, workload.system_prompts(), idle_timeout=120)
     # Warming prefills every long system prompt at once, which saturates the pool for a
@@ -89,6 +134,7 @@ def run_one(
         [url for _, url in replicas],
         sim.time_scale,
         interval=config.routing.agent_interval * sim.time_scale,
+        route=BATCH if config.lanes.get(policy.key) else "chat",
     ) as sampler:
         run = asyncio.run(
             replay(

@@ -50,9 +50,16 @@ class SignalSampler:
     """Reads kvpilot's admission gauges and the replicas' metrics while a run lasts."""
 
     def __init__(
-        self, api_url: str, replica_urls: Sequence[str], time_scale: float, interval: float
+        self,
+        api_url: str,
+        replica_urls: Sequence[str],
+        time_scale: float,
+        interval: float,
+        route: str = "chat",
     ) -> None:
         self.api_url = api_url
+        self.route = route
+        """The route of the policy whose admission gauges are read: the one batch takes."""
         self.replica_urls = list(replica_urls)
         self.time_scale = time_scale
         self.interval = interval
@@ -79,7 +86,7 @@ class SignalSampler:
         self._thread.join(5)
 
     def _run(self) -> None:
-        route = f"{POLICY_NAME}/chat"
+        route = f"{POLICY_NAME}/{self.route}"
         ttft_before: tuple[float, float] | None = None
         with httpx.Client(timeout=2.0) as client:
             while not self._stop.wait(self.interval):

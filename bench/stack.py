@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,7 +35,7 @@ from controlplane.launchers import (
     wait_until,
 )
 from policies.models import RoutingPolicy
-from policies.names import QUEUE_INFIX
+from policies.names import QUEUE_INFIX, cluster_name
 from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
 
 MODEL = "sim-model"
@@ -61,6 +61,8 @@ class Stack:
     agent: ManagedProcess
     token: str
     listener_port: int
+    etcd_endpoint: str
+    state_dir: Path
 
     @property
     def url(self) -> str:
@@ -114,7 +116,16 @@ def start_stack(state_dir: Path, config: StackSettings) -> Iterator[Stack]:
             max_running=sim.max_batch,
         )
         stack.callback(agent.stop)
-        yield Stack(local.kvpilot, local.envoy, backends, agent, local.admin_token, free_port())
+        yield Stack(
+            local.kvpilot,
+            local.envoy,
+            backends,
+            agent,
+            local.admin_token,
+            free_port(),
+            local.etcd.endpoint,
+            state_dir,
+        )
 
 
 def start_agent(
@@ -157,19 +168,22 @@ def start_agent(
 # --------------------------------------------------------------------------- configuration
 
 
-def put_pool(stack: Stack) -> None:
-    """The pool of the stack's replicas, and the default fleet without access logs."""
+def put_pool(stack: Stack, name: str = POOL, replicas: Sequence[int] | None = None) -> None:
+    """The pool `name` of the stack's replicas at the indices `replicas` (default: all of
+    them), and the default fleet without access logs."""
+    every = stack.backends.replicas
+    indices = range(len(every)) if replicas is None else replicas
     stack.put(
         {
             "apiVersion": "kvpilot.io/v1",
             "kind": "Pool",
-            "metadata": {"name": POOL},
+            "metadata": {"name": name},
             "spec": {
                 "models": [MODEL],
                 # Named, so the ring places replica i at the same points in every run.
                 "endpoints": [
-                    {"address": r.host, "port": r.port, "name": f"replica-{index}"}
-                    for index, r in enumerate(stack.backends.replicas)
+                    {"address": every[i].host, "port": every[i].port, "name": f"replica-{i}"}
+                    for i in indices
                 ],
                 "healthCheck": {"path": "/health", "interval": "1s", "timeout": "500ms"},
                 # Read by routes with balancing 'telemetry' only; the others keep static weights.
@@ -187,24 +201,30 @@ def put_pool(stack: Stack) -> None:
     )
 
 
-def _policy_body(stack: Stack, route: Mapping[str, Any]) -> dict[str, Any]:
-    """The benchmark's RoutingPolicy: one route to the pool with `route`'s balancing fields."""
+def policy_body(
+    listener_port: int, route: Mapping[str, Any], before: Sequence[Mapping[str, Any]] = ()
+) -> dict[str, Any]:
+    """The benchmark's RoutingPolicy: one route to the pool with `route`'s balancing fields,
+    after the routes `before` (whole routes, matched first)."""
     chat = {"name": "chat", "match": {"pathPrefix": "/v1/"}, "tiers": [[POOL]], **route}
     return {
         "apiVersion": "kvpilot.io/v1",
         "kind": "RoutingPolicy",
         "metadata": {"name": POLICY_NAME},
         "spec": {
-            "listener": {"address": "127.0.0.1", "port": stack.listener_port},
-            "routes": [chat],
+            "listener": {"address": "127.0.0.1", "port": listener_port},
+            "routes": [*before, chat],
         },
     }
 
 
 # --------------------------------------------------------------------------- what Envoy serves
 
+Signature = tuple[str, int]
+"""(load balancer, bounded-load factor) of a cluster."""
 
-def _lb_signature(cluster: dict[str, Any]) -> tuple[str, int]:
+
+def _lb_signature(cluster: dict[str, Any]) -> Signature:
     """(load balancer, bounded-load factor) of a cluster from Envoy's /config_dump."""
     custom = cluster.get("load_balancing_policy", {}).get("policies", [])
     if custom:
@@ -215,9 +235,9 @@ def _lb_signature(cluster: dict[str, Any]) -> tuple[str, int]:
     return lb, int(hashing.get("hash_balance_factor", 0))
 
 
-def _clusters_in_envoy(envoy: EmbeddedEnvoy) -> dict[str, tuple[str, int]]:
+def _clusters_in_envoy(envoy: EmbeddedEnvoy) -> dict[str, Signature]:
     """{cluster name: load-balancer signature} of Envoy's active dynamic clusters."""
-    out: dict[str, tuple[str, int]] = {}
+    out: dict[str, Signature] = {}
     for config in envoy.config_dump()["configs"]:
         for entry in config.get("dynamic_active_clusters", []):
             cluster = entry.get("cluster", {})
@@ -225,63 +245,77 @@ def _clusters_in_envoy(envoy: EmbeddedEnvoy) -> dict[str, tuple[str, int]]:
     return out
 
 
-def _expected_clusters(body: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
-    """The load-balancer signatures Envoy shows once the policy `body` is applied, by name
-    suffix (the route's defaults as kvpilot fills them in)."""
-    route = RoutingPolicy.model_validate(body).spec.routes[0]
-    base = {
-        "round_robin": "ROUND_ROBIN",
-        "orca": "client_side_weighted_round_robin",
-    }.get(route.balancing, "LEAST_REQUEST")
-    out = {"": (base, 0)}
-    affinity = route.session_affinity
-    if affinity is not None:
-        out[AFFINITY_SUFFIX] = ("RING_HASH", affinity.hash_balance_factor)
-        if affinity.saturated_hash_balance_factor:
-            out[SATURATED_SUFFIX] = ("RING_HASH", affinity.saturated_hash_balance_factor)
+def expected_clusters(
+    body: Mapping[str, Any], pool_sizes: Mapping[str, int]
+) -> dict[str, tuple[Signature, int]]:
+    """{cluster name: (load-balancer signature, hosts)} that Envoy shows once the policy
+    `body` is applied (each route's defaults as kvpilot fills them in), with the pools'
+    endpoint counts `pool_sizes`. A queued service class's cluster is not listed: it is its
+    route's cluster with other circuit breakers."""
+    policy = RoutingPolicy.model_validate(body)
+    out: dict[str, tuple[Signature, int]] = {}
+    for route in policy.spec.routes:
+        name = cluster_name(policy.metadata.name, route.name)
+        hosts = sum(pool_sizes[target.pool] for tier in route.tiers for target in tier.pools)
+        base = {
+            "round_robin": "ROUND_ROBIN",
+            "orca": "client_side_weighted_round_robin",
+        }.get(route.balancing, "LEAST_REQUEST")
+        out[name] = ((base, 0), hosts)
+        affinity = route.session_affinity
+        if affinity is not None:
+            out[name + AFFINITY_SUFFIX] = (("RING_HASH", affinity.hash_balance_factor), hosts)
+            if affinity.saturated_hash_balance_factor:
+                signature = ("RING_HASH", affinity.saturated_hash_balance_factor)
+                out[name + SATURATED_SUFFIX] = (signature, hosts)
     return out
 
 
-def _suffix(name: str) -> str:
-    for suffix in (AFFINITY_SUFFIX, SATURATED_SUFFIX):
-        if name.endswith(suffix):
-            return suffix
-    return ""
-
-
-def _policy_live(stack: Stack, expected: Mapping[str, tuple[str, int]]) -> bool:
-    """Envoy's clusters balance as `expected` (``_expected_clusters``) says, and every replica
-    is healthy in each."""
+def _policy_live(stack: Stack, expected: Mapping[str, tuple[Signature, int]]) -> bool:
+    """Envoy's clusters balance as `expected` (``expected_clusters``) says, and every
+    endpoint is healthy in each."""
     try:
         clusters = _clusters_in_envoy(stack.envoy)
     except Exception:
         return False
     # A queued service class has a cluster of its own, the route's with other circuit breakers.
-    queues = [signature for name, signature in clusters.items() if QUEUE_INFIX in name]
-    seen = {
-        _suffix(name): signature for name, signature in clusters.items() if QUEUE_INFIX not in name
+    want = {
+        name: expected.get(name.split(QUEUE_INFIX, 1)[0] if QUEUE_INFIX in name else name)
+        for name in clusters
     }
-    if len(clusters) != len(seen) + len(queues) or seen != expected:
+    plain = {name for name in clusters if QUEUE_INFIX not in name}
+    if plain != set(expected) or any(
+        w is None or w[0] != clusters[name] for name, w in want.items()
+    ):
         return False
-    if any(signature != expected[""] for signature in queues):
-        return False
-    # Every replica healthy in every cluster, and the listener answering.
-    hosts = [
-        line
-        for line in stack.envoy.clusters().splitlines()
-        if "::health_flags::" in line and line.split("::", 1)[0] in clusters
-    ]
-    want_hosts = len(clusters) * len(stack.backends.replicas)
-    return len(hosts) == want_hosts and all(line.endswith("::healthy") for line in hosts)
+    # Every endpoint healthy in every cluster.
+    healthy: dict[str, int] = dict.fromkeys(clusters, 0)
+    for line in stack.envoy.clusters().splitlines():
+        name = line.split("::", 1)[0]
+        if "::health_flags::" in line and name in healthy:
+            if not line.endswith("::healthy"):
+                return False
+            healthy[name] += 1
+    return all(healthy[name] == w[1] for name, w in want.items() if w is not None)
 
 
-def apply_policy(stack: Stack, key: str, route: Mapping[str, Any], **spec: Any) -> None:
-    """Apply the benchmark's RoutingPolicy with `route` (and the further `spec` fields, such
-    as ``serviceClasses``), and wait until Envoy serves it."""
-    body = _policy_body(stack, route)
+def apply_policy(
+    stack: Stack,
+    key: str,
+    route: Mapping[str, Any],
+    *,
+    before: Sequence[Mapping[str, Any]] = (),
+    pools: Mapping[str, int] | None = None,
+    **spec: Any,
+) -> None:
+    """Apply the benchmark's RoutingPolicy with `route` after the routes `before` (and the
+    further `spec` fields, such as ``serviceClasses``), and wait until Envoy serves it;
+    `pools` gives each pool's endpoint count (default: one pool of every replica)."""
+    body = policy_body(stack.listener_port, route, before)
     body["spec"].update(spec)
     stack.put(body)
-    expected = _expected_clusters(body)
+    sizes = {POOL: len(stack.backends.replicas)} if pools is None else pools
+    expected = expected_clusters(body, sizes)
     wait_until(lambda: _policy_live(stack, expected), 60, f"Envoy to serve {key}")
 
 

@@ -1,11 +1,23 @@
 """The service-class benchmark's arithmetic: per-class goodput, shed counts, time to recover
-and the target rows, on hand-made request results (the run itself is `make bench`)."""
+and the target rows, on hand-made request results (the run itself is `make bench`); and the
+policy a batch lane applies."""
 
 from __future__ import annotations
 
-from bench.classes import BATCH, INTERACTIVE, Phase, default_config
+from bench.classes import (
+    BATCH,
+    BATCH_HEADER,
+    INTERACTIVE,
+    LANE_POOL,
+    POLICIES,
+    Phase,
+    default_config,
+    lane_route,
+)
 from bench.classes_report import engine_phases, slower_by_phase, summarize, targets
 from bench.loadgen import RequestResult
+from bench.stack import POOL, expected_clusters, policy_body
+from policies.models import RoutingPolicy
 
 
 def _ok(session: str, start: float, ttft: float) -> RequestResult:
@@ -124,3 +136,24 @@ def test_slow_interactive_requests_are_counted_by_the_phase_they_started_in() ->
     ]
     per_request = summarize(results, config)["per_request"]
     assert slower_by_phase(per_request, 0.3, config) == {"calm": 1, "overload": 2}
+
+
+def test_a_batch_lane_sends_batch_to_its_own_replicas_and_the_sessions_to_the_others() -> None:
+    config = default_config()
+    policy = next(p for p in POLICIES if p.key == "classes_lane")
+    lane = config.lanes[policy.key]
+    body = policy_body(10000, policy.route, before=[lane_route(policy.route)])
+    body["spec"]["serviceClasses"] = config.service_classes[policy.key]
+    routes = RoutingPolicy.model_validate(body).spec.routes
+    assert [(r.name, [t.pool for t in r.tiers[0].pools]) for r in routes] == [
+        ("batch", [LANE_POOL]),
+        ("chat", [POOL]),
+    ]
+    # Only batch requests take the lane: the route matches their header.
+    assert [(h.name, h.value) for h in routes[0].match.headers] == [BATCH_HEADER]
+    assert not routes[1].match.headers
+    sizes = {POOL: config.replicas - lane, LANE_POOL: lane}
+    clusters = expected_clusters(body, sizes)
+    assert clusters["bench/batch"][1] == lane
+    assert clusters["bench/chat"][1] == config.replicas - lane
+    assert clusters["bench/chat/affinity"] == (("RING_HASH", 150), config.replicas - lane)
