@@ -64,6 +64,16 @@ def mtls(
     api = api_client(kvpilot)
     ports = {"fleet-a": free_port(), "fleet-b": free_port()}
     apply(api, *fleet_policies(ports))
+    # Until a fleet's policy is compiled its Envoys are served the default fleet's (empty)
+    # config; the tests below are about identities, so they start once both fleets are built.
+    for fleet in ports:
+        wait_until(
+            lambda fleet=fleet: (
+                api.get(f"/v1/fleets/{fleet}/config").json().get("servedFrom") == fleet
+            ),
+            30,
+            message=f"{fleet}'s policy to be compiled",
+        )
     yield {
         "ca": ca,
         "root": root,
