@@ -101,6 +101,18 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         },
         default=False,
     ),
+    # The recommended route with popular prompt prefixes spread over replicas
+    # (`hotPrefixShare` at about one replica's even share of eight). What a hot document
+    # held on one replica at its bounded load is measured against.
+    Policy(
+        "kvpilot_spread",
+        "kvpilot, hot prompt prefixes spread (13%)",
+        {
+            "balancing": "telemetry",
+            "sessionAffinity": {**_RECOMMENDED_AFFINITY, "hotPrefixShare": 13},
+        },
+        default=False,
+    ),
     replace(_STANDARD["least_request"], default=False),
     replace(_STANDARD["orca"], default=False),
 )

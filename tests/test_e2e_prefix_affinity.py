@@ -70,3 +70,51 @@ def test_requests_sharing_a_long_prompt_prefix_land_on_one_replica(
         for _ in range(6)
     )
     assert len(spread) == 3, spread
+
+
+def test_a_hot_prompt_prefix_spreads_over_replicas_while_a_rare_one_keeps_its_replica(
+    rig: Rig, backends: BackendFactory
+) -> None:
+    replicas = backends(3, id_prefix="hot")
+    # Each 10% of the prefix-hashed requests is worth a ring point: a prefix with nine
+    # tenths of them gets nine, which fall on one replica of three with p < 1e-4.
+    affinity = {"prefixHashChars": 1024, "hotPrefixShare": 10}
+    rig.apply(
+        pool("hot", ports_of(replicas)),
+        policy(
+            "hot",
+            rig.listener_port,
+            [route("hot", name="chat", balancing="round_robin", sessionAffinity=affinity)],
+        ),
+    )
+    url = rig.url()
+    # One connection, so one Envoy worker, whose Lua state counts every request.
+    client = httpx.Client(timeout=10)
+
+    def ask(prompt: int, question: str) -> str:
+        body = {
+            "model": "sim-model",
+            "messages": [
+                {"role": "system", "content": SYSTEM.format(n=prompt)},
+                {"role": "user", "content": question},
+            ],
+        }
+        reply = client.post(url, json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.headers["x-backend-id"]
+
+    wait_until(lambda: ask(1, "warm-up"), 30, message="the policy to reach Envoy")
+    # The first 200 keyed requests only count: until then even the hot prefix keeps one
+    # replica, as every prefix did before.
+    early: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    late: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for n in range(400):
+        prompt = 0 if n % 10 else 1 + (n // 10) % 4  # prompt 0 hot, 1-4 rare
+        placement = early if n < 150 else late if n >= 250 else None
+        backend = ask(prompt, f"question {n}")
+        if placement is not None:
+            placement[prompt][backend] += 1
+    assert all(len(counts) == 1 for counts in early.values()), early
+    assert len(late[0]) >= 2, late
+    # The rare prefixes keep their replica.
+    assert all(len(late[prompt]) == 1 for prompt in range(1, 5)), late

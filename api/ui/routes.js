@@ -22,7 +22,7 @@ function routeHtml(route, index) {
   const settings = [
     `<span class="chip">${esc(route.balancing)}</span>`,
     affinity
-      ? `<span class="chip aff">affinity ${affinity.prefixHashChars ? `prompt prefix ${affinity.prefixHashChars} chars` : `header ${esc(affinity.header)}`} · ${esc(affinity.algorithm)}${affinity.hashBalanceFactor ? ` · bounded load ${affinity.hashBalanceFactor}%` : ""}</span>`
+      ? `<span class="chip aff">affinity ${affinity.prefixHashChars ? `prompt prefix ${affinity.prefixHashChars} chars${affinity.hotPrefixShare ? `, prefixes over ${affinity.hotPrefixShare}% spread` : ""}` : `header ${esc(affinity.header)}`} · ${esc(affinity.algorithm)}${affinity.hashBalanceFactor ? ` · bounded load ${affinity.hashBalanceFactor}%` : ""}</span>`
       : "",
     limit ? `<span class="chip limit">${num(limit.requests)}/${esc(limit.unit)}${limit.burst ? ` burst ${num(limit.burst)}` : ""}${limit.tenantHeader ? ` per ${esc(limit.tenantHeader)}` : ""}</span>` : "",
     route.retries ? `<span class="chip">${route.retries.attempts} retries</span>` : "",

@@ -166,6 +166,16 @@ class SessionAffinity(Model):
         "prompt instead, so requests sharing a long prefix meet the same cache. 0 turns it off. "
         "Default: 0.",
     )
+    hot_prefix_share: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description="With prefixHashChars: a prompt prefix that takes more than this percent of "
+        "the recent prefix-hashed requests (a popular document) is spread over as many "
+        "replicas as it has such shares, each of which then caches it, instead of holding one "
+        "replica at its bounded load. Counted per Envoy worker over about the last 200 "
+        "requests. 0 turns it off. Default: 0.",
+    )
 
     @field_validator("hash_balance_factor", "saturated_hash_balance_factor")
     @classmethod
@@ -174,6 +184,14 @@ class SessionAffinity(Model):
             name = to_camel(info.field_name or "")
             raise ValueError(f"{name} must be 0 (off) or at least 100 (percent)")
         return value
+
+    @model_validator(mode="after")
+    def _hot_prefixes(self) -> SessionAffinity:
+        if self.hot_prefix_share and not self.prefix_hash_chars:
+            raise ValueError(
+                "hotPrefixShare spreads prompt prefixes and needs prefixHashChars above 0"
+            )
+        return self
 
 
 Balancing = Literal["round_robin", "least_request", "random", "telemetry", "orca"]

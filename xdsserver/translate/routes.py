@@ -159,7 +159,11 @@ def _entries(
             pack(
                 lua_pb2.LuaPerRoute(
                     source_code=base_pb2.DataSource(
-                        inline_string=prefix_key_lua(affinity.header, affinity.prefix_hash_chars)
+                        inline_string=prefix_key_lua(
+                            affinity.header,
+                            affinity.prefix_hash_chars,
+                            affinity.hot_prefix_share,
+                        )
                     )
                 )
             )
@@ -177,7 +181,7 @@ def _entries(
     return entries
 
 
-def prefix_key_lua(session_header: str, chars: int) -> str:
+def prefix_key_lua(session_header: str, chars: int, hot_share: int = 0) -> str:
     """Lua run by Envoy on requests without a session header: a hash of the first ``chars``
     characters of the prompt (from the ``messages`` or ``prompt`` field on, as sent) becomes
     the PREFIX_KEY_HEADER, so requests that share a long prefix (a system prompt, a document)
@@ -188,9 +192,61 @@ def prefix_key_lua(session_header: str, chars: int) -> str:
     large and requests sharing a long prefix still differ within the window and scatter.
     The hash is computed in Lua so the header stays short and printable whatever the prompt
     holds; Envoy then hashes the header onto the ring like a session ID.
+
+    With ``hot_share`` (percent), a prefix that takes more than that share of the recent
+    prefix-hashed requests is spread over ``ceil(share / hot_share)`` ring points: its key
+    gets a suffix drawn per request, the first point being the unsuffixed key, so a cooling
+    prefix falls back to the replica it always had. One popular document then loads several
+    replicas as evenly as the rest of the traffic, each caching it once, instead of holding
+    one replica at its bounded load. Shares are counted per Envoy worker (each Lua state has
+    its own table) over about the last ``_HOT_WINDOW`` requests, and only once that many
+    have been seen, so a cold start spreads nothing.
     """
-    return f"""-- kvpilot: prompt-prefix affinity key ({chars} characters)
-function envoy_on_request(handle)
+    header = f"""-- kvpilot: prompt-prefix affinity key ({chars} characters)
+"""
+    spread = ""
+    if hot_share:
+        header = f"""-- kvpilot: prompt-prefix affinity key ({chars} characters), prefixes over \
+{hot_share}% of requests spread
+local decay = 1 - 1 / {_HOT_WINDOW}
+local seen, total, requests = {{}}, 0, 0
+
+-- The key's share of recent requests, counted with exponential decay: one request weighs
+-- `decay` less with each request that follows it.
+local function share(key)
+  requests = requests + 1
+  total = total * decay + 1
+  local entry = seen[key]
+  if entry == nil then
+    entry = {{0, requests}}
+    seen[key] = entry
+  end
+  entry[1] = entry[1] * decay ^ (requests - entry[2]) + 1
+  entry[2] = requests
+  if requests % {_HOT_WINDOW} == 0 then
+    for other, e in pairs(seen) do
+      if e[1] * decay ^ (requests - e[2]) < 0.05 then
+        seen[other] = nil
+      end
+    end
+  end
+  if requests < {_HOT_WINDOW} then
+    return 0
+  end
+  return entry[1] / total
+end
+"""
+        spread = f"""  local points = math.ceil(share(key) * 100 / {hot_share} - 1e-9)
+  if points > 1 then
+    local point = math.random(points) - 1
+    if point > 0 then
+      key = key .. "-" .. point
+    end
+  end
+"""
+    return (
+        header
+        + f"""function envoy_on_request(handle)
   local headers = handle:headers()
   if headers:get("{session_header}") ~= nil or headers:get("{PREFIX_KEY_HEADER}") ~= nil then
     return
@@ -209,10 +265,18 @@ function envoy_on_request(handle)
   for i = 1, #window do
     hash = (hash * 31 + string.byte(window, i)) % 2147483647
   end
-  -- Header handles taken before body() are invalid after it yields: fetch them again.
-  handle:headers():add("{PREFIX_KEY_HEADER}", string.format("%x", hash))
+  local key = string.format("%x", hash)
+"""
+        + spread
+        + f"""  -- Header handles taken before body() are invalid after it yields: fetch them again.
+  handle:headers():add("{PREFIX_KEY_HEADER}", key)
 end
 """
+    )
+
+
+_HOT_WINDOW = 200
+"""Requests over which a prompt prefix's share is counted (the decay's time constant)."""
 
 
 def _unknown_model_route() -> route_components_pb2.Route:
