@@ -69,7 +69,8 @@ def test_all_examples_applied_through_the_cli_are_accepted_by_envoy(
 
     expected = {"listener-10001", "listener-10002"}
     if fleet == "default":
-        expected.add("listener-10000")  # the demo policy applies to the default fleet only
+        # The demo, service-class and batch-lane policies name no fleet: the default one.
+        expected |= {"listener-10000", "listener-10003", "listener-10004"}
     wait_until(
         lambda: expected <= active_listeners(envoy),
         30,
