@@ -32,6 +32,7 @@ test: lint typecheck
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
 	test -n "$(BENCH_ARGS)" || $(BIN)/python -m bench rollout
+	test -n "$(BENCH_ARGS)" || $(BIN)/python -m bench classes
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

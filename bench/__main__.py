@@ -20,13 +20,14 @@ a JSON file, every request's measurements and PNG plots under ``bench/results/``
 the report's path. Policies: round_robin, least_request, affinity, affinity_telemetry, orca,
 docs_round_robin, docs_prefix; and on request affinity_125 and affinity_200, bounded-load
 sensitivity checks. `classes` overloads 8 replicas with batch work on top of interactive chat
-and compares round robin, affinity alone and affinity with service classes (batch shed, and
-batch queued in Envoy): round_robin, affinity, classes, classes_queue, each after the
-reference (interactive alone).
+and compares round robin, affinity alone and affinity with service classes (batch shed,
+batch queued in Envoy, and batch shed on a lane of one replica of its own): round_robin,
+affinity, classes, classes_queue, classes_lane, each after the reference (interactive
+alone).
 
 `rollout` replays multi-turn chat at 70% load against a bad canary twice: under a blind 90/10
-split and under a kvpilot Rollout that watches the data plane; `make bench` runs it after
-the scenarios.
+split and under a kvpilot Rollout that watches the data plane. `make bench` runs the
+scenarios, then `rollout`, then `classes`.
 """
 
 from __future__ import annotations
