@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import re
+import time
 from typing import Any
 
 import httpx
@@ -20,6 +21,8 @@ from harness.wait import wait_until
 from controlplane.launchers import free_port
 
 pytestmark = pytest.mark.e2e
+WORKERS = 4
+"""Clients of the kill test, each with one request in flight at a time."""
 
 
 TWO_TIERS = [{"name": "all", "tiers": [["primary"], ["secondary"]]}]
@@ -94,7 +97,9 @@ def test_a_tier_answering_429_is_left_for_the_next_tier(rig: Rig, backends: Any)
     assert rejected(primary, "primary-0", 429) == 20
 
 
-def test_a_tier_killed_under_concurrent_load_fails_no_request(rig: Rig, backends: Any) -> None:
+def test_a_tier_killed_under_concurrent_load_fails_no_request_it_could_retry(
+    rig: Rig, backends: Any
+) -> None:
     primary = backends(2, id_prefix="primary")
     secondary = backends(1, id_prefix="secondary")
     rig.apply(
@@ -108,17 +113,25 @@ def test_a_tier_killed_under_concurrent_load_fails_no_request(rig: Rig, backends
         policy("chat", rig.listener_port, TWO_TIERS),
     )
     rig.wait_ready("chat/all", ports_of(primary) + ports_of(secondary))
-    with Traffic(rig.url(), workers=4) as traffic:
+    with Traffic(rig.url(), workers=WORKERS) as traffic:
         traffic.wait_for(40)
         # SIGKILL while four clients keep requests in flight: requests already sent to a
         # primary replica are reset, new ones meet refused connections until health checks
         # (three probes a second apart) take the replicas out.
+        kill_time = time.time()
         primary.kill()
         killed_at = traffic.finished()
         rig.wait_down("chat/all", ports_of(primary), 60)
         traffic.wait_for(traffic.finished() + 40)
     results = traffic.results
-    assert [r for r in results if r[0] != 200] == [], collections.Counter(results)
+    # Envoy retries a request whose replica died before answering. One whose answer had begun
+    # when the replica died cannot be retried by any proxy: its client sees the connection
+    # cut. Those are the only failures allowed, at most one per client, at the kill itself.
+    # Every other request answers 200; an HTTP error (a 503 from retries that gave up) or a
+    # cut connection later on fails the test.
+    cut = [(at, by) for at, _, status, by in traffic.records if status == 0]
+    assert all(status in (0, 200) for status, _ in results), collections.Counter(results)
+    assert len(cut) <= WORKERS and all(at - kill_time < 2.0 for at, _ in cut), cut
     assert {replica for _, replica in results[:killed_at]} <= {r.id for r in primary.replicas}
     assert results[-20:] == [(200, "secondary-0")] * 20, results[-20:]
     retried = rig.envoy.stats().get("cluster.chat/all.upstream_rq_retry_success", 0)

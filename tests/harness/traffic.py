@@ -62,11 +62,11 @@ class Traffic:
     """Chat requests sent back to back from threads, from `with` (or `start()`) until its end.
 
     Every finished request is kept in `records`, in order of completion; a request that got
-    no HTTP answer (connection reset, timeout) counts as status 0 with the exception's name as
-    replica, so a test can count every failure a user would have seen. With `sessions`, the
-    requests carry `x-session-id` s0, s1, ... in turn; with `fresh_connections` each goes on
-    a new connection (so a Service in front of several Envoys spreads them); `limit` bounds
-    the requests of each worker and `pause` spaces them.
+    no HTTP answer (connection reset, timeout) counts as status 0 with the exception's name
+    and message as replica, so a test can count every failure a user would have seen. With
+    `sessions`, the requests carry `x-session-id` s0, s1, ... in turn; with
+    `fresh_connections` each goes on a new connection (so a Service in front of several
+    Envoys spreads them); `limit` bounds the requests of each worker and `pause` spaces them.
     """
 
     def __init__(
@@ -103,7 +103,7 @@ class Traffic:
                     response = client.post(self.url, json=chat(), headers=headers)
                     status, replica = response.status_code, answered_by(response)
                 except httpx.HTTPError as exc:
-                    status, replica = 0, type(exc).__name__
+                    status, replica = 0, f"{type(exc).__name__}: {exc}"
                 with self._lock:
                     self.records.append((time.time(), session, status, replica))
                 if self._pause:
