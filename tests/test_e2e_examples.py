@@ -15,7 +15,7 @@ from harness.rig import api_client
 from harness.wait import wait_until
 
 from commands.cli import main as kvpilot_cli
-from controlplane.launchers import EmbeddedEnvoy, repo_root
+from controlplane.launchers import EmbeddedEnvoy, free_port, repo_root
 
 pytestmark = pytest.mark.e2e
 
@@ -36,25 +36,33 @@ def rejected_updates(envoy: EmbeddedEnvoy) -> dict[str, int | str]:
     return {name: value for name, value in stats if name.endswith("update_rejected") and value}
 
 
-def stage_examples(tmp_path: Path) -> Path:
-    """The examples, with every fleet's secrets directory pointing at a test directory that
-    holds the provider's secret file. Fleets go first: Envoy rejects a credential listener
-    whose secret file does not exist on its host."""
+def stage_examples(tmp_path: Path) -> tuple[Path, dict[str, set[str]]]:
+    """The examples, staged for one test: every fleet's secrets directory points at a test
+    directory that holds the provider's secret file (fleets go first: Envoy rejects a
+    credential listener whose secret file does not exist on its host), and every policy's
+    listener port is a free one. Returns the directory and, by fleet name (or "*"), the
+    listeners its policies serve."""
     secrets = tmp_path / "secrets"
     secrets.mkdir()
     (secrets / "provider-key.yaml").write_text(json.dumps(SECRET_FILE))
     staged = tmp_path / "policies"
     staged.mkdir()
     fleets: list[dict[str, Any]] = [{"kind": "Fleet", "metadata": {"name": "default"}}]
+    listeners: dict[str, set[str]] = {}
     for path in sorted(EXAMPLES.glob("*.yaml")):
         documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
         fleets += [d for d in documents if d["kind"] == "Fleet"]
         others = [d for d in documents if d["kind"] != "Fleet"]
+        for policy in (d for d in others if d["kind"] == "RoutingPolicy"):
+            port = free_port()
+            policy["spec"]["listener"]["port"] = port
+            for fleet in policy["spec"].get("fleets", ["default"]):
+                listeners.setdefault(fleet, set()).add(f"listener-{port}")
         (staged / path.name).write_text(yaml.safe_dump_all(others))
     for fleet in fleets:
         fleet.setdefault("spec", {})["secretsDir"] = str(secrets)
     (staged / "00-fleets.yaml").write_text(yaml.safe_dump_all(fleets))
-    return staged
+    return staged, listeners
 
 
 @pytest.mark.parametrize("fleet", ["default", "edge"])
@@ -63,14 +71,12 @@ def test_all_examples_applied_through_the_cli_are_accepted_by_envoy(
 ) -> None:
     kvpilot = kvpilot_factory(etcd_prefix)
     envoy = envoy_factory(xds_port=kvpilot.xds_port, fleet=fleet)
-    staged = stage_examples(tmp_path)
+    staged, listeners = stage_examples(tmp_path)
     command = ["--server", kvpilot.api_url, "--token", ADMIN_TOKEN, "apply", "-f", str(staged)]
     assert kvpilot_cli(command) == 0
 
-    expected = {"listener-10001", "listener-10002"}
-    if fleet == "default":
-        # The demo, service-class and batch-lane policies name no fleet: the default one.
-        expected |= {"listener-10000", "listener-10003", "listener-10004"}
+    expected = listeners.get(fleet, set()) | listeners.get("*", set())
+    assert len(expected) >= 2, listeners  # each fleet is served more than one example
     wait_until(
         lambda: expected <= active_listeners(envoy),
         30,
