@@ -113,6 +113,19 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         },
         default=False,
     ),
+    # The recommended route on Maglev rather than a ring. Envoy's weighted ring keeps about
+    # `minimum_ring_size` points in all, so a weight cut on one host gives every other host
+    # more points, which take sessions from one untouched replica to another; this measures
+    # whether Maglev's table moves fewer.
+    Policy(
+        "kvpilot_maglev",
+        "kvpilot on Maglev",
+        {
+            "balancing": "telemetry",
+            "sessionAffinity": {**_RECOMMENDED_AFFINITY, "algorithm": "maglev"},
+        },
+        default=False,
+    ),
     replace(_STANDARD["least_request"], default=False),
     replace(_STANDARD["orca"], default=False),
 )
