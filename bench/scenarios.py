@@ -67,6 +67,18 @@ _STANDARD = standard_policies(AFFINITY)
 _RECOMMENDED_AFFINITY = {
     key: value for key, value in AFFINITY.items() if key != "hashBalanceFactor"
 }
+
+
+def _recommended_with(key: str, title: str, **affinity: Any) -> Policy:
+    """The recommended route with `affinity` fields changed, run only when named."""
+    return Policy(
+        key,
+        title,
+        {"balancing": "telemetry", "sessionAffinity": {**_RECOMMENDED_AFFINITY, **affinity}},
+        default=False,
+    )
+
+
 SUITE_POLICIES: tuple[Policy, ...] = (
     _STANDARD["round_robin"],
     _STANDARD["affinity"],
@@ -92,40 +104,22 @@ SUITE_POLICIES: tuple[Policy, ...] = (
     # The recommended route with one bounded load whatever the load: 125%, the calm bound,
     # without the tighter one for saturated replicas. What the saturated bound is measured
     # against.
-    Policy(
+    _recommended_with(
         "kvpilot_static",
         "kvpilot, one bound (125%, none tighter when saturated)",
-        {
-            "balancing": "telemetry",
-            "sessionAffinity": {**_RECOMMENDED_AFFINITY, "saturatedHashBalanceFactor": 0},
-        },
-        default=False,
+        saturatedHashBalanceFactor=0,
     ),
     # The recommended route with popular prompt prefixes spread over replicas
     # (`hotPrefixShare` at about one replica's even share of eight). What a hot document
     # held on one replica at its bounded load is measured against.
-    Policy(
-        "kvpilot_spread",
-        "kvpilot, hot prompt prefixes spread (13%)",
-        {
-            "balancing": "telemetry",
-            "sessionAffinity": {**_RECOMMENDED_AFFINITY, "hotPrefixShare": 13},
-        },
-        default=False,
+    _recommended_with(
+        "kvpilot_spread", "kvpilot, hot prompt prefixes spread (13%)", hotPrefixShare=13
     ),
     # The recommended route on Maglev rather than a ring. Envoy's weighted ring keeps about
     # `minimum_ring_size` points in all, so a weight cut on one host gives every other host
     # more points, which take sessions from one untouched replica to another; this measures
     # whether Maglev's table moves fewer.
-    Policy(
-        "kvpilot_maglev",
-        "kvpilot on Maglev",
-        {
-            "balancing": "telemetry",
-            "sessionAffinity": {**_RECOMMENDED_AFFINITY, "algorithm": "maglev"},
-        },
-        default=False,
-    ),
+    _recommended_with("kvpilot_maglev", "kvpilot on Maglev", algorithm="maglev"),
     replace(_STANDARD["least_request"], default=False),
     replace(_STANDARD["orca"], default=False),
 )

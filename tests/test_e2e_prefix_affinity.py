@@ -19,43 +19,45 @@ pytestmark = pytest.mark.e2e
 SYSTEM = "You are assistant number {n}. " + "Follow the house style guide carefully. " * 40
 
 
+def apply_prefix_route(rig: Rig, name: str, ports: list[int], affinity: dict[str, int]) -> None:
+    """A pool `name` and a round-robin route to it with `affinity` as its sessionAffinity."""
+    rig.apply(
+        pool(name, ports),
+        policy(
+            name,
+            rig.listener_port,
+            [route(name, name="chat", balancing="round_robin", sessionAffinity=affinity)],
+        ),
+    )
+
+
+def ask(client: httpx.Client, url: str, prompt: int, question: str) -> str:
+    """Send a chat turn whose system prompt is prompt number `prompt`; the replica that
+    answered."""
+    body = {
+        "model": "sim-model",
+        "messages": [
+            {"role": "system", "content": SYSTEM.format(n=prompt)},
+            {"role": "user", "content": question},
+        ],
+    }
+    reply = client.post(url, json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.headers["x-backend-id"]
+
+
 def test_requests_sharing_a_long_prompt_prefix_land_on_one_replica(
     rig: Rig, backends: BackendFactory
 ) -> None:
     replicas = backends(3, id_prefix="px")
-    affinity = {"prefixHashChars": 1024}
-    rig.apply(
-        pool("px", ports_of(replicas)),
-        policy(
-            "px",
-            rig.listener_port,
-            [route("px", name="chat", balancing="round_robin", sessionAffinity=affinity)],
-        ),
-    )
+    apply_prefix_route(rig, "px", ports_of(replicas), {"prefixHashChars": 1024})
     url = rig.url()
     client = httpx.Client(timeout=10)
-
-    def ask(prompt: int, question: str, content_type: str = "application/json") -> str:
-        body = {
-            "model": "sim-model",
-            "messages": [
-                {"role": "system", "content": SYSTEM.format(n=prompt)},
-                {"role": "user", "content": question},
-            ],
-        }
-        reply = client.post(
-            url,
-            content=httpx.Request("POST", url, json=body).content,
-            headers={"content-type": content_type},
-        )
-        assert reply.status_code == 200, reply.text
-        return reply.headers["x-backend-id"]
-
-    wait_until(lambda: ask(0, "warm-up"), 30, message="the policy to reach Envoy")
+    wait_until(lambda: ask(client, url, 0, "warm-up"), 30, message="the policy to reach Envoy")
     placement: dict[int, collections.Counter[str]] = {}
     for prompt in range(16):
         placement[prompt] = collections.Counter(
-            ask(prompt, f"question {turn} for prompt {prompt}") for turn in range(4)
+            ask(client, url, prompt, f"question {turn} for prompt {prompt}") for turn in range(4)
         )
     # Every prompt stays on one replica although its requests differ after the prefix ...
     assert all(len(counts) == 1 for counts in placement.values()), placement
@@ -78,32 +80,13 @@ def test_a_hot_prompt_prefix_spreads_over_replicas_while_a_rare_one_keeps_its_re
     replicas = backends(3, id_prefix="hot")
     # Each 10% of the prefix-hashed requests is worth a ring point: a prefix with nine
     # tenths of them gets nine, which fall on one replica of three with p < 1e-4.
-    affinity = {"prefixHashChars": 1024, "hotPrefixShare": 10}
-    rig.apply(
-        pool("hot", ports_of(replicas)),
-        policy(
-            "hot",
-            rig.listener_port,
-            [route("hot", name="chat", balancing="round_robin", sessionAffinity=affinity)],
-        ),
+    apply_prefix_route(
+        rig, "hot", ports_of(replicas), {"prefixHashChars": 1024, "hotPrefixShare": 10}
     )
     url = rig.url()
     # One connection, so one Envoy worker, whose Lua state counts every request.
     client = httpx.Client(timeout=10)
-
-    def ask(prompt: int, question: str) -> str:
-        body = {
-            "model": "sim-model",
-            "messages": [
-                {"role": "system", "content": SYSTEM.format(n=prompt)},
-                {"role": "user", "content": question},
-            ],
-        }
-        reply = client.post(url, json=body)
-        assert reply.status_code == 200, reply.text
-        return reply.headers["x-backend-id"]
-
-    wait_until(lambda: ask(1, "warm-up"), 30, message="the policy to reach Envoy")
+    wait_until(lambda: ask(client, url, 1, "warm-up"), 30, message="the policy to reach Envoy")
     # The first 200 keyed requests only count: until then even the hot prefix keeps one
     # replica, as every prefix did before.
     early: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -111,7 +94,7 @@ def test_a_hot_prompt_prefix_spreads_over_replicas_while_a_rare_one_keeps_its_re
     for n in range(400):
         prompt = 0 if n % 10 else 1 + (n // 10) % 4  # prompt 0 hot, 1-4 rare
         placement = early if n < 150 else late if n >= 250 else None
-        backend = ask(prompt, f"question {n}")
+        backend = ask(client, url, prompt, f"question {n}")
         if placement is not None:
             placement[prompt][backend] += 1
     assert all(len(counts) == 1 for counts in early.values()), early

@@ -181,6 +181,10 @@ def _entries(
     return entries
 
 
+_HOT_WINDOW = 200
+"""Requests over which a prompt prefix's share is counted (the decay's time constant)."""
+
+
 def prefix_key_lua(session_header: str, chars: int, hot_share: int = 0) -> str:
     """Lua run by Envoy on requests without a session header: a hash of the first ``chars``
     characters of the prompt (from the ``messages`` or ``prompt`` field on, as sent) becomes
@@ -273,10 +277,6 @@ end
 end
 """
     )
-
-
-_HOT_WINDOW = 200
-"""Requests over which a prompt prefix's share is counted (the decay's time constant)."""
 
 
 def _unknown_model_route() -> route_components_pb2.Route:
