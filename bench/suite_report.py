@@ -362,11 +362,15 @@ def markdown(
             noise = paired(
                 by_policy["affinity_copy"], by_policy["affinity"], lambda m: m["ttft_p99"]
             )
+            moved_noise = paired(
+                by_policy["affinity_copy"], by_policy["affinity"], lambda m: m["moved"]
+            )
             lines += [
                 "",
                 f"Noise (A/A): the second copy of affinity alone at {_ratio_text(noise)} of the "
                 "first's TTFT p99 (all seeds pooled: "
-                f"{_pooled_ratio(by_policy['affinity_copy'], by_policy['affinity'])}).",
+                f"{_pooled_ratio(by_policy['affinity_copy'], by_policy['affinity'])}), and at "
+                f"{_ratio_text(moved_noise)} of its turns moved.",
             ]
     check = targets(results)
     if check:
@@ -434,7 +438,9 @@ def write_suite_report(
 def rerender(report_json: Path, slo_ttft: float | None = None) -> Path:
     """Write a run's report again from its JSON and requests files (with another goodput
     objective if given): for reading a finished run in another way without running it again.
-    Recomputes the request-level numbers; the replicas' counters come from the JSON."""
+    Recomputes goodput; every other number comes from the JSON (completed requests also
+    count requests of the ramp-up that finished in the measured window, which the requests
+    file does not hold)."""
     from bench.scenarios import SCENARIOS, SUITE_POLICIES
     from bench.simulator import SimConfig
 
@@ -456,29 +462,26 @@ def rerender(report_json: Path, slo_ttft: float | None = None) -> Path:
     for scenario, by_policy in results.items():
         for policy, runs in by_policy.items():
             for measured, per_request in zip(runs, requests[scenario][policy], strict=True):
-                measured.update(_request_numbers(per_request, slo))
+                measured.update(goodput(per_request, slo, measured["makespan_s"]))
                 measured["per_request"] = per_request
     policies = [p for p in SUITE_POLICIES if p.key in config.policies]
     return write_suite_report(config, policies, data["workloads"], results)
 
 
-def _request_numbers(per_request: list[dict[str, Any]], slo: float) -> dict[str, Any]:
-    """Completed req/s and goodput from one run's requests, as `bench.suite_measure.measure`."""
+def goodput(per_request: list[dict[str, Any]], slo: float, window: float) -> dict[str, Any]:
+    """Goodput at objective `slo` from one run's measured requests, as
+    `bench.suite_measure.measure` counts it: requests whose first token came within `slo`
+    (as the engines timed it), per second of the measured window (the run's ``makespan_s``)."""
+
+    def ttft(r: dict[str, Any]) -> float:
+        value = r.get("engine_ttft")
+        return float(value if value is not None else r["ttft"] or 0.0)
+
     ok = [r for r in per_request if r["status"] == 200 and not r["error"]]
-    if not ok:
-        return {}
-
-    def engine(r: dict[str, Any], key: str) -> float:
-        value = r.get(f"engine_{key}")
-        return float(value if value is not None else r[key] or 0.0)
-
-    makespan = max(r["start"] + engine(r, "latency") for r in ok) - min(r["start"] for r in ok)
-    good = sum(1 for r in ok if engine(r, "ttft") <= slo)
+    good = sum(1 for r in ok if ttft(r) <= slo)
     return {
-        "makespan_s": makespan,
-        "requests_per_s": len(ok) / makespan if makespan else None,
-        "goodput_per_s": good / makespan if makespan else None,
-        "goodput_share": good / len(per_request),
+        "goodput_per_s": good / window if window else None,
+        "goodput_share": good / len(per_request) if per_request else None,
     }
 
 

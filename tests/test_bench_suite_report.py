@@ -8,7 +8,7 @@ import pytest
 
 from bench.scenarios import SlowEvent
 from bench.suite_measure import weight_moves
-from bench.suite_report import _share_evidence, capacity_ceiling, pooled_p99, targets
+from bench.suite_report import _share_evidence, capacity_ceiling, goodput, pooled_p99, targets
 
 
 def _request(ttft: float, *, ok: bool = True) -> dict[str, Any]:
@@ -93,3 +93,21 @@ def test_the_overload_target_says_what_any_router_could_reach_at_most() -> None:
     assert "1.06x" in found[3]
     assert "ceiling for any router 1.18x" in found[3]
     assert "spent 20% of their time on prompt tokens" in found[3]
+
+
+def test_goodput_at_another_objective_counts_over_the_measured_window() -> None:
+    """A report read again at another objective divides by the run's measured window, as
+    the run itself did, not by the span from the first request to the last answer."""
+    per_request = [
+        {**_request(0.2), "ttft": 9.0, "start": 30.0, "engine_latency": 60.0},
+        {**_request(0.6), "ttft": 0.6, "start": 40.0, "engine_latency": 5.0},
+        {**_request(None), "ttft": 0.1, "start": 50.0, "engine_latency": 5.0},
+        _request(0.1, ok=False),
+    ]
+    # The engines' 0.2 s counts, not the client's 9 s; without an engine time, the client's.
+    assert goodput(per_request, 0.5, window=55.0) == {
+        "goodput_per_s": 2 / 55.0,
+        "goodput_share": 2 / 4,
+    }
+    assert goodput(per_request, 1.0, window=55.0)["goodput_per_s"] == 3 / 55.0
+    assert goodput([], 1.0, window=55.0)["goodput_share"] is None
