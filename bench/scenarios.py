@@ -120,6 +120,14 @@ SUITE_POLICIES: tuple[Policy, ...] = (
     # more points, which take sessions from one untouched replica to another; this measures
     # whether Maglev's table moves fewer.
     _recommended_with("kvpilot_maglev", "kvpilot on Maglev", algorithm="maglev"),
+    # The recommended route with another calm bound (the saturated one unchanged): looser,
+    # towards affinity alone's 150% and its turns moved; tighter, towards an even load.
+    *(
+        _recommended_with(
+            f"kvpilot_c{factor}", f"kvpilot, calm bound {factor}%", hashBalanceFactor=factor
+        )
+        for factor in (100, 110, 135, 150)
+    ),
     replace(_STANDARD["least_request"], default=False),
     replace(_STANDARD["orca"], default=False),
 )
