@@ -79,8 +79,8 @@ def measure(
     summary["ttft_p50"] = percentile(ttfts, 50)
     summary["ttft_p99"] = percentile(ttfts, 99)
     summary["latency_p99"] = percentile([t for t in latency if t is not None], 99)
-    good = sum(1 for t in ttfts if t <= slo)
-    rows = classify([r.to_json() for r in run.results])
+    per_request = [r.to_json() for r in run.results]
+    rows = classify(per_request)
     later = [r for r in rows if int(r["turn"]) > 0]
     moved = sum(1 for r in later if r["kind"] == "moved")
     out = {
@@ -133,8 +133,7 @@ def measure(
     out["ttft_mean"] = statistics.fmean(ttfts) if ttfts else None
     out["client_ttft_p50"] = client["ttft_p50"]
     out["client_ttft_p99"] = client["ttft_p99"]
-    out["goodput_per_s"] = good / makespan if makespan else None
-    out["goodput_share"] = good / len(run.results) if run.results else None
+    out.update(goodput(per_request, slo, makespan))
     out["hit_vs_oracle"] = (summary["hit_rate"] or 0.0) / oracle if oracle else None
     out["oracle_hit_rate"] = oracle
     out["engine_hit_rate"] = summary["hit_rate"]
@@ -181,8 +180,28 @@ def measure(
             "new_sessions_before": new_sessions(0, event.start),
             "new_sessions_after_5s": new_sessions(event.start + 5.0, event.end),
         }
-    out["per_request"] = [r.to_json() for r in run.results]
+    out["per_request"] = per_request
     return out
+
+
+def goodput(per_request: list[dict[str, Any]], slo: float, window: float) -> dict[str, Any]:
+    """Goodput at objective `slo`: the requests (as `RequestResult.to_json` gives them) that
+    succeeded with their first token within `slo` as the engines timed it (the client's time
+    where an engine gave none), per second of the measured `window`, and as a share of all."""
+
+    def ttft(r: dict[str, Any]) -> float | None:
+        value = r["engine_ttft"] if r.get("engine_ttft") is not None else r["ttft"]
+        return None if value is None else float(value)
+
+    good = sum(
+        1
+        for r in per_request
+        if r["status"] == 200 and not r["error"] and (t := ttft(r)) is not None and t <= slo
+    )
+    return {
+        "goodput_per_s": good / window if window else None,
+        "goodput_share": good / len(per_request) if per_request else None,
+    }
 
 
 def summary_line(m: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 
 from bench.routes import Policy
 from bench.scenarios import RECOMMENDED, SuiteConfig, config_dict, dump, median_spread
+from bench.suite_measure import goodput
 
 Runs = list[dict[str, Any]]
 """One policy's measurements in one scenario, one per seed (in seed order)."""
@@ -466,23 +467,6 @@ def rerender(report_json: Path, slo_ttft: float | None = None) -> Path:
                 measured["per_request"] = per_request
     policies = [p for p in SUITE_POLICIES if p.key in config.policies]
     return write_suite_report(config, policies, data["workloads"], results)
-
-
-def goodput(per_request: list[dict[str, Any]], slo: float, window: float) -> dict[str, Any]:
-    """Goodput at objective `slo` from one run's measured requests, as
-    `bench.suite_measure.measure` counts it: requests whose first token came within `slo`
-    (as the engines timed it), per second of the measured window (the run's ``makespan_s``)."""
-
-    def ttft(r: dict[str, Any]) -> float:
-        value = r.get("engine_ttft")
-        return float(value if value is not None else r["ttft"] or 0.0)
-
-    ok = [r for r in per_request if r["status"] == 200 and not r["error"]]
-    good = sum(1 for r in ok if ttft(r) <= slo)
-    return {
-        "goodput_per_s": good / window if window else None,
-        "goodput_share": good / len(per_request) if per_request else None,
-    }
 
 
 if __name__ == "__main__":

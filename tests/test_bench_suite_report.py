@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 
 from bench.scenarios import SlowEvent
-from bench.suite_measure import weight_moves
-from bench.suite_report import _share_evidence, capacity_ceiling, goodput, pooled_p99, targets
+from bench.suite_measure import goodput, weight_moves
+from bench.suite_report import _share_evidence, capacity_ceiling, pooled_p99, targets
 
 
-def _request(ttft: float, *, ok: bool = True) -> dict[str, Any]:
+def _request(ttft: float | None, *, ok: bool = True) -> dict[str, Any]:
     return {"status": 200 if ok else 503, "error": "" if ok else "HTTP 503", "engine_ttft": ttft}
 
 
