@@ -175,7 +175,8 @@ def _add_health_routes(app: FastAPI, context: ApiContext) -> None:
     )
     async def readyz() -> JSONResponse:
         try:
-            await asyncio.wait_for(context.store.status(), READINESS_ETCD_TIMEOUT)
+            async with asyncio.timeout(READINESS_ETCD_TIMEOUT):
+                await context.store.status()
         except (EtcdError, TimeoutError) as error:
             reason = str(error) or f"etcd did not answer within {READINESS_ETCD_TIMEOUT:g}s"
             return JSONResponse({"detail": f"etcd is unreachable: {reason}"}, status_code=503)

@@ -123,7 +123,8 @@ async def completion_response(
                         # Coalesce the next tokens: one chunk per interval, not per token,
                         # but the last one as soon as the sequence ends (exact latency).
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(seq.done.wait(), engine.config.stream_interval)
+                            async with asyncio.timeout(engine.config.stream_interval):
+                                await seq.done.wait()
                         continue
                 if seq.finished:
                     break

@@ -8,6 +8,7 @@ It keeps every key, even one holding garbage, and leaves decoding to the consume
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import random
@@ -115,7 +116,8 @@ class StateMirror:
 
     async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Wait for the first full load; ``TimeoutError`` if it does not happen in time."""
-        await asyncio.wait_for(self._synced.wait(), timeout)
+        async with asyncio.timeout(timeout):
+            await self._synced.wait()
 
     async def run(self) -> None:
         """Mirror etcd until cancelled or until the client is closed."""
@@ -126,16 +128,19 @@ class StateMirror:
                 if need_list:
                     await self._relist()
                     need_list = False
-                async for batch in self._client.watch_prefix(
-                    self._keys.root, start_revision=self.revision + 1
-                ):
-                    if batch.header_revision < self.revision:
-                        # etcd has less history than we have seen: restored or replaced.
-                        raise _HistoryWentBack(batch.header_revision, self.revision)
-                    self.connected = True
-                    self._lost_at = None
-                    backoff = self._backoff_initial
-                    await self._apply(batch)
+                # Closed on the way out, so a watch left by an error is cancelled at once,
+                # not whenever the generator is collected.
+                async with contextlib.aclosing(
+                    self._client.watch_prefix(self._keys.root, start_revision=self.revision + 1)
+                ) as batches:
+                    async for batch in batches:
+                        if batch.header_revision < self.revision:
+                            # etcd has less history than we have seen: restored or replaced.
+                            raise _HistoryWentBack(batch.header_revision, self.revision)
+                        self.connected = True
+                        self._lost_at = None
+                        backoff = self._backoff_initial
+                        await self._apply(batch)
                 raise EtcdError("the watch ended without an error")
             except EtcdClosed:
                 # Shutting down: a cancellation that reached a gRPC call in flight can come

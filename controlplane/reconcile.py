@@ -159,7 +159,8 @@ class Reconciler:
                 await self._dirty.wait()
                 return
             try:
-                await asyncio.wait_for(self._dirty.wait(), max(delay, 0.0))
+                async with asyncio.timeout(max(delay, 0.0)):
+                    await self._dirty.wait()
             except TimeoutError:
                 self._live.due_at = math.inf
                 self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)

@@ -84,7 +84,8 @@ async def test_shutdown_ends_streams_cleanly() -> None:
         await recv_well_formed(s)
         assert server.metric("kvpilot_xds_streams", mode="sotw") == 1
         await server.stop(grace=5)
-        await asyncio.wait_for(s.ended.wait(), 5)
+        async with asyncio.timeout(5):
+            await s.ended.wait()
         assert await s.call.code() == grpc.StatusCode.OK
     assert server.status.connections() == []
     assert server.metric("kvpilot_xds_streams", mode="sotw") == 0

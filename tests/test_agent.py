@@ -184,7 +184,8 @@ async def test_the_agent_stops_when_its_etcd_client_is_closed(
         assert target.registered == (before == 200)
         await store.client.close()
         backend.status = after
-        await asyncio.wait_for(task, 10)
+        async with asyncio.timeout(10):
+            await task
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -317,7 +317,8 @@ async def test_a_watch_under_way_when_its_client_closes_raises_etcd_closed(
         await opened.wait()
     await c.close()
     with pytest.raises(EtcdClosed):
-        await asyncio.wait_for(task, 10)
+        async with asyncio.timeout(10):
+            await task
 
 
 async def test_a_read_under_way_when_its_client_closes_raises_etcd_closed_unless_cancelled(

@@ -168,3 +168,32 @@ async def test_a_lone_change_is_built_at_once_and_a_burst_is_folded(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_reconciler_cancelled_as_a_change_arrives_stops(
+    built: tuple[Reconciler, Items],
+) -> None:
+    """A cancellation that lands in the same step as a change, while the loop waits for fresh
+    telemetry to go stale, ends the loop: the daemon's shutdown waits for it."""
+    reconciler, items = built
+    policy = items.body("objects/routingpolicies/inference")
+    policy["spec"]["routes"][0]["balancing"] = "telemetry"
+    items.put("objects/routingpolicies/inference", policy)
+
+    def report(endpoint: str, waiting: int) -> str:
+        return items.put(
+            f"telemetry/llama-70b-a/{endpoint}", {"at": time.time(), "waiting": waiting}
+        )
+
+    for endpoint, waiting in (("10.0.1.10:8000", 0), ("10.0.1.11:8000", 8), ("10.0.1.12:8000", 0)):
+        report(endpoint, waiting)
+    reconciler.rebuild(items)
+    assert reconciler._live.due_at < float("inf")  # the loop waits with a deadline
+    task = asyncio.create_task(reconciler.run())
+    await asyncio.sleep(0)  # the loop runs up to that wait
+    key = report("10.0.1.11:8000", 0)
+    reconciler.on_change(StateChange(items.revision, frozenset({key}), False), items)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(5):
+            await task

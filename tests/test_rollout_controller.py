@@ -178,7 +178,8 @@ async def test_the_controller_stops_when_its_client_is_closed(
         try:
             await poll(lambda: driver.election.lease != 0 and driver.leading == leading, within=10)
             await client.close()
-            await asyncio.wait_for(task, 10)
+            async with asyncio.timeout(10):
+                await task
         finally:
             for running in (task, watch):
                 running.cancel()

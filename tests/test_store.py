@@ -57,8 +57,10 @@ async def running(mirror: StateMirror) -> AsyncIterator[StateMirror]:
         yield mirror
     finally:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # Bounded: a mirror that ignores its cancellation fails here, not at the suite's timeout.
+        async with asyncio.timeout(10):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 # -- key layout ------------------------------------------------------------------------------
@@ -366,7 +368,8 @@ async def test_mirror_stops_when_its_client_is_closed(etcd: EmbeddedEtcd, etcd_p
     task = asyncio.create_task(mirror.run())
     await mirror.wait_synced(10)
     await c.close()
-    await asyncio.wait_for(task, 10)
+    async with asyncio.timeout(10):
+        await task
     assert task.exception() is None
 
 
@@ -415,7 +418,8 @@ async def test_a_publisher_stops_when_its_client_is_closed(
         await poll(published, message="a first record")
         await c.close()
         publisher.poke()  # its next write meets the closed client
-        await asyncio.wait_for(task, 10)
+        async with asyncio.timeout(10):
+            await task
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

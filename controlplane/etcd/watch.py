@@ -5,7 +5,7 @@ caller can re-list or resume."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -34,7 +34,7 @@ class EtcdWatch(EtcdConnection):
 
     async def watch_prefix(
         self, prefix: bytes, *, start_revision: int
-    ) -> AsyncIterator[WatchBatch]:
+    ) -> AsyncGenerator[WatchBatch, None]:
         """Follow changes under ``prefix`` from ``start_revision`` (0 = from now).
 
         Yields one ``WatchBatch`` per etcd ``WatchResponse``, so the events of one revision
@@ -95,8 +95,9 @@ class EtcdWatch(EtcdConnection):
         async def attempt(conn: Conn, seconds: float) -> tuple[Any, Any, Conn]:
             call = conn.watch.Watch(metadata=_REQUIRE_LEADER)
             try:
-                await asyncio.wait_for(call.write(create), seconds)
-                created = await asyncio.wait_for(call.read(), seconds)
+                async with asyncio.timeout(seconds):
+                    await call.write(create)
+                    created = await call.read()
                 if created is grpc.aio.EOF:
                     await raise_for_status(call)
                     raise EtcdUnavailable(f"etcd closed the watch on {prefix!r} while opening it")

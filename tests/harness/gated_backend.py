@@ -65,7 +65,8 @@ class GatedReplica:
 
     async def wait_gate(self) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.gate.wait(), HOLD_LIMIT)
+            async with asyncio.timeout(HOLD_LIMIT):
+                await self.gate.wait()
 
 
 def build_app(replica: GatedReplica) -> Starlette:

@@ -81,7 +81,8 @@ class _Stream:
 
     async def recv(self, within: float = DEFAULT_TIMEOUT) -> Any:
         """The next response; fails the test if none arrives within `within` seconds."""
-        return await asyncio.wait_for(self._responses.get(), within)
+        async with asyncio.timeout(within):
+            return await self._responses.get()
 
     async def recv_type(self, type_url: str, within: float = DEFAULT_TIMEOUT) -> Any:
         """The next response of `type_url`, skipping other types."""
@@ -94,7 +95,8 @@ class _Stream:
     async def expect_silence(self, within: float = 0.3) -> None:
         """Assert that no response arrives within `within` seconds (the one bounded wait tests use)."""
         try:
-            response = await asyncio.wait_for(self._responses.get(), within)
+            async with asyncio.timeout(within):
+                response = await self._responses.get()
         except TimeoutError:
             return
         raise AssertionError(f"unexpected response: {response}")
