@@ -124,3 +124,29 @@ def test_versions_are_equal_across_processes() -> None:
         outputs.append(json.loads(done.stdout))
     assert outputs[0], "no fleet translated"
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_update_mode_writes_the_files_then_fails_asking_for_a_review(tmp_path: Path) -> None:
+    expected = {"case.default.routes.yaml": "- name: new\n"}
+    (tmp_path / "case.default.routes.yaml").write_text("- name: old\n")
+    with pytest.raises(AssertionError, match=r"Review the change with `git diff tests/golden`"):
+        check(expected, tmp_path, update=True)
+    assert (tmp_path / "case.default.routes.yaml").read_text() == "- name: new\n"
+    # Once reviewed, the same files pass, with or without the flag.
+    check(expected, tmp_path, update=False)
+    check(expected, tmp_path, update=True)
+    (tmp_path / "case.default.routes.yaml").write_text("- name: edited by hand\n")
+    with pytest.raises(AssertionError, match="regenerate with KVPILOT_UPDATE_GOLDEN=1"):
+        check(expected, tmp_path, update=False)
+    assert (tmp_path / "case.default.routes.yaml").read_text() == "- name: edited by hand\n"
+
+
+def test_orphans_are_reported_and_deleted_only_in_update_mode(tmp_path: Path) -> None:
+    for name in ("case.default.routes.yaml", "case.gone-fleet.routes.yaml"):
+        (tmp_path / name).write_text("[]\n")
+    produced = {"case.default.routes.yaml"}
+    assert orphans(produced, tmp_path) == ["case.gone-fleet.routes.yaml"]
+    assert (tmp_path / "case.gone-fleet.routes.yaml").exists()
+    assert orphans(produced, tmp_path, update=True) == ["case.gone-fleet.routes.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["case.default.routes.yaml"]
+    assert orphans(produced, tmp_path) == []
