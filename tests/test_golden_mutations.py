@@ -169,6 +169,13 @@ MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
         {"endpoints"},
     ),
     (
+        "capacity weights behind session affinity (history)",
+        "telemetry-capacity",
+        ("history", 1, "telemetry", "llama", "10.0.0.3:8000", "time_per_output_token"),
+        0.02,
+        {"endpoints"},
+    ),
+    (
         "saturated twin",
         "saturated-twin",
         (*SATURATED, "running"),
@@ -187,6 +194,13 @@ MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
         "saturation-calm",
         (*SATURATED, "waiting"),
         20,
+        {"routes"},
+    ),
+    (
+        "saturation dwell (the clock)",
+        "saturation-dwell",
+        ("now",),
+        2004.0,
         {"routes"},
     ),
     (

@@ -12,7 +12,8 @@ import yaml
 from harness.golden import case_document, load_case
 
 from commands.cli import main
-from xdsserver.render import render_input
+from policies import PolicyError
+from xdsserver.render import parse_render_input, render_input
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -159,3 +160,25 @@ def test_a_missing_telemetry_file_is_an_error(
     assert code == 1
     assert "nope.json" in err
     assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ({"objects": [], "clock": 1}, "clock: unknown key"),
+        ({"now": "soon"}, "now: must be a number"),
+        ({"objects": [{"kind": "Pool", "metadata": {"name": "p"}}]}, "objects[0].spec"),
+        ({"endpoints": {"p": [{"address": "10.0.0.1", "port": 0}]}}, "endpoints.p[0].port"),
+        (
+            {"history": [{"now": 1, "telemetry": {"p": {"a:1": {}}}}]},
+            "history[0].telemetry.p.a:1.at",
+        ),
+        ({"history": [{"at": 1}]}, "history[0]: must be a mapping with now and telemetry"),
+    ],
+    ids=["unknown key", "clock", "object", "endpoint", "history record", "history round"],
+)
+def test_a_bad_render_input_names_the_field(document: dict[str, Any], message: str) -> None:
+    with pytest.raises(PolicyError) as caught:
+        parse_render_input(document, source="case.yaml")
+    assert message in str(caught.value)
+    assert str(caught.value).startswith("case.yaml: ")

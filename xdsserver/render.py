@@ -13,6 +13,11 @@ deterministic). Telemetry files and golden inputs hold records by pool and endpo
     telemetry:
       <pool>:
         <address:port>: {at: 1000.0, running: 12, waiting: 3, max_running: 16, ...}
+
+Decisions with hysteresis (capacity weights behind session affinity, a saturated route's
+dwell, admission steps) depend on the rounds before. ``history`` holds earlier rounds, each a
+``now`` and the telemetry then; they are compiled oldest first, each handing its decisions to
+the next, as the daemon's reconcile loop does, and the last round is ``now`` and ``telemetry``.
 """
 
 from __future__ import annotations
@@ -37,8 +42,11 @@ from policies import (
     compile_plan,
     parse_object,
 )
+from policies.admission import AdmissionDecision
+from policies.saturation import SaturationDecision
 from policies.telemetry import TelemetryRecord
 from policies.validate import field_errors
+from policies.weights import WeightDecision
 from xdsserver import resources
 from xdsserver.snapshot import Snapshot
 from xdsserver.translate import FleetResources, translate
@@ -53,6 +61,22 @@ Registered = dict[str, dict[str, Endpoint]]
 """Pool name -> endpoint id (``address:port``) -> a registered endpoint."""
 
 
+Decisions = tuple[
+    Mapping[str, Mapping[str, WeightDecision]],
+    Mapping[str, AdmissionDecision],
+    Mapping[str, SaturationDecision],
+]
+"""A compile's live decisions (weights, admission, saturation), handed to the next one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One earlier compile: its clock and the telemetry it read."""
+
+    now: float
+    telemetry: Telemetry = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class RenderInput:
     """Everything a rendering reads: objects plus the live inputs the daemon would have."""
@@ -64,11 +88,28 @@ class RenderInput:
     """The agents' latest records."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
+    history: Sequence[Round] = ()
+    """Earlier rounds, oldest first, whose decisions the last one starts from."""
 
     def state(self) -> PolicyState:
-        """What compilation takes (no previous decisions: a first round, as after a restart)."""
+        """What the last round's compilation takes: the decisions of the rounds in
+        ``history`` (none without a history: a first round, as after a restart)."""
+        previous: Decisions = ({}, {}, {})
+        for earlier in self.history:
+            plan = compile_plan(self._state(earlier, previous))
+            previous = (plan.weights, plan.admission, plan.saturation)
+        return self._state(Round(now=self.now, telemetry=self.telemetry), previous)
+
+    def _state(self, round_: Round, previous: Decisions) -> PolicyState:
+        weights, admission, saturation = previous
         return PolicyState.from_objects(
-            self.objects, registered=self.endpoints, telemetry=self.telemetry, now=self.now
+            self.objects,
+            registered=self.endpoints,
+            telemetry=round_.telemetry,
+            now=round_.now,
+            previous_weights=weights,
+            previous_admission=admission,
+            previous_saturation=saturation,
         )
 
 
@@ -182,7 +223,7 @@ def newest_record(telemetry: Telemetry) -> float | None:
     return max(times) if times else None
 
 
-INPUT_KEYS = ("description", "now", "objects", "endpoints", "telemetry")
+INPUT_KEYS = ("description", "now", "objects", "endpoints", "telemetry", "history")
 """The keys of a rendering input document (a golden test's ``in/<case>.yaml``)."""
 
 
@@ -196,10 +237,7 @@ def parse_render_input(data: Any, *, source: str = "") -> RenderInput:
         for key in data
         if key not in INPUT_KEYS
     ]
-    now = data.get("now", 0.0)
-    if isinstance(now, bool) or not isinstance(now, int | float):
-        errors.append(FieldError("now", "must be a number of seconds (Unix time)"))
-        now = 0.0
+    now = _seconds(data.get("now", 0.0), "now", errors)
     objects: list[PolicyObject] = []
     documents = data.get("objects") or []
     if not isinstance(documents, list):
@@ -223,9 +261,42 @@ def parse_render_input(data: Any, *, source: str = "") -> RenderInput:
         telemetry = parse_telemetry(data.get("telemetry"))
     except PolicyError as error:
         errors.extend(error.errors)
+    history = _history(data.get("history"), errors)
     if errors:
         raise PolicyError(errors, source)
-    return RenderInput(objects=objects, endpoints=endpoints, telemetry=telemetry, now=float(now))
+    return RenderInput(
+        objects=objects, endpoints=endpoints, telemetry=telemetry, now=now, history=history
+    )
+
+
+def _seconds(value: Any, path: str, errors: list[FieldError]) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        errors.append(FieldError(path, "must be a number of seconds (Unix time)"))
+        return 0.0
+    return float(value)
+
+
+def _history(data: Any, errors: list[FieldError]) -> list[Round]:
+    """``history: [{now, telemetry}, ...]``, oldest first."""
+    if data is None:
+        return []
+    if not isinstance(data, list):
+        errors.append(FieldError("history", "must be a list of rounds {now, telemetry}"))
+        return []
+    rounds = []
+    for index, entry in enumerate(data):
+        path = f"history[{index}]"
+        if not isinstance(entry, Mapping) or set(entry) - {"now", "telemetry"}:
+            errors.append(FieldError(path, "must be a mapping with now and telemetry"))
+            continue
+        now = _seconds(entry.get("now"), f"{path}.now", errors)
+        try:
+            telemetry = parse_telemetry(entry.get("telemetry"), path=f"{path}.telemetry")
+        except PolicyError as error:
+            errors.extend(error.errors)
+            continue
+        rounds.append(Round(now=now, telemetry=telemetry))
+    return rounds
 
 
 def _resource_name(key: str, resource: dict[str, Any]) -> str:
@@ -277,6 +348,7 @@ __all__ = [
     "RESOURCE_KEYS",
     "Registered",
     "RenderInput",
+    "Round",
     "Telemetry",
     "message_json",
     "newest_record",
