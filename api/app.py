@@ -27,13 +27,13 @@ from api.console import add_console_routes
 from api.context import PATH_RULES, ApiContext, ApiError, FleetName, Reader, unprocessable
 from api.endpoints import WeightChange, add_endpoint_routes
 from api.objects import add_object_routes, add_preview_route
-from api.preview import snapshot_json
 from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
 from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
 from controlplane.keys import InvalidName, UnknownKind, ValueTooLarge
 from controlplane.store import AlreadyExists, Contended, InvalidValue, NotFound, RevisionMismatch
 from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError, RoutingPlan
 from policies.validate import field_path
+from xdsserver.render import snapshot_json
 
 __all__ = ["ApiContext", "create_app"]
 

@@ -27,12 +27,12 @@ from api.context import (
     parse_for_kind,
     read,
 )
-from api.preview import preview, resource_changes
 from controlplane.decode import DecodedState
 from controlplane.keys import ENDPOINTS, OBJECTS
 from controlplane.store import Actor, Store, StoredObject
 from policies import FieldError, PolicyError, PolicyObject, Rollout, parse_object
 from policies.rollout import reference_errors
+from xdsserver.render import render, resource_changes
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ async def _dry_run(
         state.objects.pop(key, None)
     else:
         state.objects[key] = replacement
-    return {"dryRun": True, **preview(state.policy_state())}
+    return {"dryRun": True, **render(state.policy_state())}
 
 
 def add_preview_route(app: FastAPI, context: ApiContext) -> None:
@@ -148,7 +148,7 @@ def add_preview_route(app: FastAPI, context: ApiContext) -> None:
         if errors:
             raise PolicyError(errors)
         state = DecodedState.from_values(await store.values((OBJECTS, ENDPOINTS)))
-        before = preview(state.policy_state())
+        before = render(state.policy_state())
         outcomes = []
         for obj in proposed:
             key = store.keys.object(obj.kind, obj.metadata.name)
@@ -162,7 +162,7 @@ def add_preview_route(app: FastAPI, context: ApiContext) -> None:
             )
             outcomes.append({"kind": obj.kind, "name": obj.metadata.name, "outcome": outcome})
             state.objects[key] = obj
-        after = preview(state.policy_state())
+        after = render(state.policy_state())
         return {
             "objects": outcomes,
             "diagnostics": after["diagnostics"],
