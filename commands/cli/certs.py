@@ -149,8 +149,9 @@ def _report(out: Path, args: argparse.Namespace, fleets: Sequence[str]) -> str:
         f"under {out} (valid until {_expiry(server / 'tls.crt')}; run `kvpilot certs` again "
         "with a new --out to renew).",
         "",
-        "1. Start kvpilot with mutual TLS on ADS:",
+        "1. Start kvpilot with mutual TLS on ADS (the REST API needs a token: choose one):",
         "",
+        "   export KVPILOT_ADMIN_TOKEN=change-me",
         f"   kvpilot serve --xds-address {q(xds)} \\",
         f"     --xds-cert {q(str(server / 'tls.crt'))} \\",
         f"     --xds-key {q(str(server / 'tls.key'))} \\",
