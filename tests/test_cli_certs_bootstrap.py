@@ -146,15 +146,34 @@ def test_completion_directory_option_completes_directories(
     assert complete(bash_script, "kvpilot bootstrap --tls-dir cer") == ["certs-dir"]
 
 
-def test_zsh_completion_is_valid_zsh(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_zsh_completion_offers_what_the_parser_accepts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     code, out, _ = run(capsys, "completion", "zsh")
     assert code == 0
     assert "bashcompinit" in out and "complete -o default -F _kvpilot kvpilot" in out
     if shutil.which("zsh") is None:
         pytest.skip("zsh is not installed: only the script's shape was checked")
     (tmp_path / "kvpilot.zsh").write_text(out)
-    result = subprocess.run(["zsh", "-n", str(tmp_path / "kvpilot.zsh")], capture_output=True)
+    # What zsh's _bash_complete does on <Tab>, without a terminal: zsh then filters the
+    # candidates by the word typed itself.
+    program = f"""
+source {tmp_path / "kvpilot.zsh"}
+words=(kvpilot --server x bootstrap --d); CURRENT=$#words
+COMP_WORDS=("${{words[@]}}"); COMP_CWORD=$((CURRENT - 1))
+compgen -F _kvpilot -- "${{words[CURRENT]}}"
+"""
+    result = subprocess.run(
+        ["zsh", "-f", "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stderr
+    offered = set(result.stdout.split())
+    assert {"--delta", "--fleet", "--tls-dir"} <= offered, result.stdout
+    assert "serve" not in offered
 
 
 # -- certs --------------------------------------------------------------------------------------

@@ -70,9 +70,8 @@ class GeneratedEnvoy(EmbeddedEnvoy):
 
 
 @pytest.fixture
-def generated_envoys(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[list[GeneratedEnvoy]]:
+def generated_envoys() -> Iterator[list[GeneratedEnvoy]]:
+    """Envoys a test started from generated bootstraps; all stop at teardown."""
     started: list[GeneratedEnvoy] = []
     yield started
     for envoy in started:
