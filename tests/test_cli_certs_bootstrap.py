@@ -389,3 +389,28 @@ def test_bootstrap_default_tls_dir_is_the_reference_one(capsys: pytest.CaptureFi
     context = xds["transport_socket"]["typed_config"]["common_tls_context"]
     path = context["validation_context_sds_secret_config"]["sds_config"]["path_config_source"]
     assert path["path"] == f"{REFERENCE_SDS_DIR}/validation.yaml"
+
+
+def test_certs_default_output_is_what_the_compose_file_mounts_and_binds(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`kvpilot certs --out deploy/tls` is the compose recipe: every TLS directory compose
+    mounts exists, and the identity compose binds is the one the Envoy certificate carries."""
+    compose = yaml.safe_load((repo_root() / "deploy" / "compose.yaml").read_text())["services"]
+    code, out, err = run(capsys, "certs", "--out", str(tmp_path / "tls"))
+    assert code == 0, err
+    mounts = [
+        volume.split(":")[0]
+        for service in ("kvpilot", "envoy")
+        for volume in compose[service]["volumes"]
+        if volume.startswith("./tls/")
+    ]
+    assert len(mounts) == 2
+    for mount in mounts:
+        assert (tmp_path / mount / "tls.key").is_file(), mount
+    (binding,) = [
+        arg.split("=", 1)[1]
+        for arg in compose["kvpilot"]["command"]
+        if arg.startswith("--xds-identity-fleet=")
+    ]
+    assert f"--xds-identity-fleet {binding}" in out
