@@ -314,7 +314,7 @@ def add_parsers(add_parser: AddParser) -> None:
         "bootstrap",
         help="print an Envoy bootstrap (YAML) for one fleet, fed by kvpilot over ADS",
         description="Print a ready Envoy bootstrap to stdout: "
-        "kvpilot bootstrap --fleet edge --xds 127.0.0.1:18000 --tls-dir certs/envoy-edge "
+        "kvpilot bootstrap --fleet edge --xds 127.0.0.1:18000 --tls-dir kvpilot-certs/envoy-edge "
         "> envoy.yaml && envoy -c envoy.yaml --use-dynamic-base-id",
     )
     parser.add_argument("--fleet", required=True, help="the fleet (node.cluster) of this Envoy")
