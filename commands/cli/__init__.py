@@ -3,20 +3,22 @@
 Exit codes: 0 success, 1 error (one line on stderr), 2 usage error.
 
 The commands live in groups, one module each: ``objects`` (apply, diff, get, delete,
-set-weight), ``status`` (status, audit), ``rollout``, ``translate`` (offline); ``common`` holds
-what they share. ``serve`` is ``commands.serve``; ``agent`` is ``controlplane.agentcli``.
+set-weight), ``status`` (status, audit), ``rollout``, ``translate`` (offline), ``certs`` and
+``bootstrap`` (mutual TLS and Envoy start-up, offline), ``completion``; ``common`` holds what
+they share. ``serve`` is ``commands.serve``; ``agent`` is ``controlplane.agentcli``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from api.client import DEFAULT_SERVER, ClientError
-from commands.cli import objects, rollout, status, translate
+from commands.cli import bootstrap, certs, completion, objects, rollout, status, translate
 from commands.cli.common import AddParser, CliError, load_files
 from commands.cli.objects import wait_for_envoys
 from commands.cli.rollout import render_rollout
@@ -48,11 +50,20 @@ def _add_global_options(parser: argparse.ArgumentParser, server: Any, token: Any
     parser.add_argument("--token", default=token, help="API bearer token (env KVPILOT_TOKEN)")
 
 
+def version() -> str:
+    """kvpilot's version, from the installed package's metadata (pyproject's version)."""
+    try:
+        return importlib.metadata.version("kvpilot")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpilot",
         description="LLM-inference-aware control plane for Envoy.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     _add_global_options(
         parser, os.environ.get("KVPILOT_SERVER", DEFAULT_SERVER), os.environ.get("KVPILOT_TOKEN")
     )
@@ -79,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parsers(add_parser)
     rollout.add_parsers(add_parser)
     translate.add_parsers(add_parser)
+    certs.add_parsers(add_parser)
+    bootstrap.add_parsers(add_parser)
+    completion.add_parsers(add_parser, parser)
     return parser
 
 
