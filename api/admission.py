@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from policies import PolicyState, RoutingPlan
-from policies.admission import AdmissionDecision, steps_per_class
+from compiler import RoutingPlan
+from compiler.plan import PlanClass, PlanRoute
 from policies.models import RoutingPolicy, Saturation, ServiceClass
 from policies.names import cluster_name
-from policies.plan import PlanClass, PlanRoute
+from signals import PolicyState
+from signals.admission import AdmissionDecision, steps_per_class
 from xdsserver.translate.classes import admission_runtime_key, class_stats
 
 RESTRICTED_STATE = {"shed": "shed", "divert": "diverted", "queue": "queued"}

@@ -29,10 +29,17 @@ from api.endpoints import WeightChange, add_endpoint_routes
 from api.objects import add_object_routes, add_preview_route
 from api.preview import snapshot_json
 from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
+from compiler import RoutingPlan
 from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
-from controlplane.keys import InvalidName, UnknownKind, ValueTooLarge
-from controlplane.store import AlreadyExists, Contended, InvalidValue, NotFound, RevisionMismatch
-from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError, RoutingPlan
+from controlplane.etcd.keys import InvalidName, UnknownKind, ValueTooLarge
+from controlplane.etcd.store import (
+    AlreadyExists,
+    Contended,
+    InvalidValue,
+    NotFound,
+    RevisionMismatch,
+)
+from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError
 from policies.validate import field_path
 
 __all__ = ["ApiContext", "create_app"]

@@ -28,11 +28,11 @@ from api.context import (
     read,
 )
 from api.preview import preview, resource_changes
+from compiler.rollout import reference_errors
 from controlplane.decode import DecodedState
-from controlplane.keys import ENDPOINTS, OBJECTS
-from controlplane.store import Actor, Store, StoredObject
+from controlplane.etcd.keys import ENDPOINTS, OBJECTS
+from controlplane.etcd.store import Actor, Store, StoredObject
 from policies import FieldError, PolicyError, PolicyObject, Rollout, parse_object
-from policies.rollout import reference_errors
 
 log = logging.getLogger(__name__)
 

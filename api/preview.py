@@ -13,11 +13,8 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from policies import (
-    PolicyState,
-    RoutingPlan,
-    compile_plan,
-)
+from compiler import RoutingPlan, compile_plan
+from signals import PolicyState
 from xdsserver import resources
 from xdsserver.snapshot import Snapshot
 from xdsserver.translate import FleetResources, translate

@@ -10,11 +10,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from compiler import DEFAULT_FLEET
 from controlplane.audit import DEFAULT_RETENTION
 from controlplane.etcd import EtcdSecurity
-from controlplane.etcdsettings import add_etcd_arguments, etcd_settings
-from controlplane.keys import DEFAULT_PREFIX
-from policies import DEFAULT_FLEET
+from controlplane.etcd.keys import DEFAULT_PREFIX
+from controlplane.etcd.settings import add_etcd_arguments, etcd_settings
 from xdsserver.identity import FleetBinding, TlsFiles
 
 

@@ -19,7 +19,7 @@ from harness.processes import process_gone
 from harness.rig import EnvoyFactory
 from harness.wait import wait_until
 
-from controlplane.launchers import (
+from controlplane.local import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
     KvpilotProcess,
@@ -28,7 +28,7 @@ from controlplane.launchers import (
     free_port,
     repo_root,
 )
-from controlplane.launchers import process as launcher_process
+from controlplane.local import process as launcher_process
 
 
 def b64(text: str) -> str:
@@ -183,7 +183,7 @@ PARENT_SCRIPT = """
 import os, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from controlplane.launchers import EmbeddedEtcd
+from controlplane.local import EmbeddedEtcd
 etcd = EmbeddedEtcd(Path({state!r})).start()
 print(etcd.pid, flush=True)
 os._exit(1)  # no atexit, no cleanup: as if the parent were killed

@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 from harness.builders import service_classes
 
-from policies import Endpoint, PolicyState, RouteMemo, compile_plan, parse_object
+from compiler import RouteMemo, compile_plan
+from policies import Endpoint, parse_object
 from policies.models import PolicyObject
-from policies.telemetry import TelemetryRecord
+from signals import PolicyState
+from signals.telemetry import TelemetryRecord
 
 NOW = 1_000_000.0
 

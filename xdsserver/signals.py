@@ -35,8 +35,8 @@ import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import duration_pb2
 
+from compiler.rollout import PoolSignals
 from policies.names import LOCAL_SUFFIX
-from policies.rollout import PoolSignals
 from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
 
 log = logging.getLogger(__name__)

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent = add_parser(
         "agent", help="scrape backends' metrics into etcd telemetry (and register them)"
     )
-    from controlplane import agentcli as agent_command
+    from commands import agent as agent_command
 
     agent_command.add_arguments(agent)
     agent.set_defaults(func=agent_command.run)

@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 from commands.cli.common import AddParser, CliError, dump, load_files
-from policies import (
-    PolicyState,
-)
+from signals import PolicyState
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
