@@ -3,7 +3,7 @@
 The command line of ``controlplane.agent``: its flags (each with an environment variable for
 containers), their check into an ``AgentConfig`` with a sentence for every bad input, and a run
 until SIGINT or SIGTERM that revokes the lease on the way out. Runs as ``kvpilot agent`` or
-``python -m controlplane.agentcli``.
+``python -m commands.agent``.
 """
 
 from __future__ import annotations

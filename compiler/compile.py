@@ -13,12 +13,12 @@ Design choices, each forced by what Envoy does:
 - Compilation is best effort: a broken reference is reported as a diagnostic and everything
   else still ships.
 - Routes with ``balancing: telemetry`` take their endpoint weights and DEGRADED health from
-  live telemetry (``policies.weights``); every other route keeps the static weights.
+  live telemetry (``signals.weights``); every other route keeps the static weights.
 - Routes of a policy with service classes take each class's admitted share from the pressure
-  of their first tier's replicas (``policies.admission``); it becomes route entries (RDS).
+  of their first tier's replicas (``signals.admission``); it becomes route entries (RDS).
 - Telemetry routes with session affinity send their session requests to a tighter-bounded
   twin of their hash cluster while their first tier's batches are full
-  (``policies.saturation``); that, too, is a route entry's cluster (RDS).
+  (``signals.saturation``); that, too, is a route entry's cluster (RDS).
 
 This module runs the stages in order; each lives in a module of its own: ``state`` (what
 compilation reads), ``live`` (telemetry weights, admission and saturation), ``routes`` (one route's

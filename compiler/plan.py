@@ -1,6 +1,6 @@
 """The routing plan: what every fleet of Envoys should do, as plain immutable data.
 
-``policies.compile`` builds it from validated objects, registered endpoints and telemetry;
+``compiler.compile`` builds it from validated objects, registered endpoints and telemetry;
 ``xdsserver.translate`` turns it into Envoy resources. Nothing here does I/O, and nothing here
 knows about protobuf: the plan is what a reviewer reads to see what kvpilot decided.
 """

@@ -5,7 +5,7 @@ would produce) both decode through here, so the two cannot disagree on what a va
 on whether it is valid. Pure: keys and bytes in, validated objects out.
 
 A key is relative to the store's prefix (``objects/pools/a``, ``endpoints/pool/id``,
-``telemetry/pool/id``; see ``controlplane.keys``). Keys of other sections (Envoy status
+``telemetry/pool/id``; see ``controlplane.etcd.keys``). Keys of other sections (Envoy status
 records) are not policy state and decode to nothing.
 """
 

@@ -1,7 +1,7 @@
 """The live stage of compilation: endpoint weights from telemetry for the pools of
-``balancing: telemetry`` routes (``policies.weights``), the admitted share of each class
-for the routes of policies with service classes (``policies.admission``), and which bounded
-load the session requests of a telemetry route take (``policies.saturation``)."""
+``balancing: telemetry`` routes (``signals.weights``), the admitted share of each class
+for the routes of policies with service classes (``signals.admission``), and which bounded
+load the session requests of a telemetry route take (``signals.saturation``)."""
 
 from __future__ import annotations
 

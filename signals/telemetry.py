@@ -3,7 +3,7 @@
 An agent scrapes a model server's Prometheus endpoint, reads a handful of numbers through a
 ``MetricMap`` (built in for vLLM, SGLang and Hugging Face TGI, or user-defined) and writes one
 ``TelemetryRecord`` per endpoint to ``{prefix}/telemetry/{pool}/{endpoint_id}``, where the
-endpoint id is ``address:port``. ``policies.weights`` turns those records into endpoint
+endpoint id is ``address:port``. ``signals.weights`` turns those records into endpoint
 weights and health. Nothing here does I/O.
 
 Aggregation: a server may export a metric several times with different labels (one series per

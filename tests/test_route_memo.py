@@ -78,7 +78,7 @@ BASE_DOCS: dict[str, dict[str, Any]] = {
                     "balancing": "telemetry",
                 },
                 # Telemetry with session affinity: the bound its session entries take follows
-                # its replicas' batch fill (``policies.saturation``).
+                # its replicas' batch fill (``signals.saturation``).
                 {
                     "name": "sticky",
                     "match": {"models": ["sticky"]},

@@ -4,7 +4,7 @@ Exit codes: 0 success, 1 error (one line on stderr), 2 usage error.
 
 The commands live in groups, one module each: ``objects`` (apply, diff, get, delete,
 set-weight), ``status`` (status, audit), ``rollout``, ``translate`` (offline); ``common`` holds
-what they share. ``serve`` is ``commands.serve``; ``agent`` is ``controlplane.agentcli``.
+what they share. ``serve`` is ``commands.serve``; ``agent`` is ``commands.agent``.
 """
 
 from __future__ import annotations

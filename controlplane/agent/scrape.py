@@ -1,9 +1,9 @@
 """The telemetry agent: scrape model servers' metrics into etcd, under a lease (its command
-line, `kvpilot agent`, is ``controlplane.agentcli``).
+line, `kvpilot agent`, is ``commands.agent``).
 
 Runs beside one model server, or centrally for many. Every ``--interval`` it scrapes each
 backend's Prometheus endpoint, reads it through a metric map (vLLM, SGLang, TGI or a
-user-defined one, see ``policies.telemetry``) and writes a compact ``TelemetryRecord`` to
+user-defined one, see ``signals.telemetry``) and writes a compact ``TelemetryRecord`` to
 ``{prefix}/telemetry/{pool}/{address:port}``. With ``--register`` it also registers each
 backend as an endpoint of its pool under ``{prefix}/endpoints/{pool}/{address:port}``.
 
@@ -16,7 +16,7 @@ its registration is withdrawn; it is registered again when it answers.
 
 Cheap by design: one HTTP client for all backends, a cap on the size of a scrape, a scrape
 timeout shorter than the interval, and a record is written only when it moved beyond its
-band (``policies.telemetry.WriteBand``) from the one last written, or every ``--refresh``
+band (``signals.telemetry.WriteBand``) from the one last written, or every ``--refresh``
 seconds to keep it fresh: at 10,000 endpoints that keeps etcd well under 2,000 writes a second
 (``python -m bench controlplane``).
 """

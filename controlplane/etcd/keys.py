@@ -1,5 +1,5 @@
 """kvpilot's data in etcd: the key layout, the keys' names, and how values are encoded
-(the store that reads and writes them is ``controlplane.store``).
+(the store that reads and writes them is ``controlplane.etcd.store``).
 
 Key layout
 ----------

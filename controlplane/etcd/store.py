@@ -1,5 +1,5 @@
 """The store every etcd access goes through: declarative objects, endpoint registrations,
-telemetry and status records, over the keys of ``controlplane.keys`` (the daemon's watched
+telemetry and status records, over the keys of ``controlplane.etcd.keys`` (the daemon's watched
 mirror of them is ``controlplane.mirror``).
 
 An object's etcd ``mod_revision`` is its revision, used as the REST ETag: writes that carry an

@@ -1,6 +1,7 @@
-"""Local etcd, Envoy and `kvpilot serve` processes for the demo, the benchmarks and the
-end-to-end tests, one module for what each launches; `process` holds the child-process
-handling they share (process groups, parent-death signal, readiness polling).
+"""Development only: local etcd, Envoy and `kvpilot serve` processes for the demo, the
+benchmarks and the end-to-end tests, one module for what each launches; `process` holds the
+child-process handling they share (process groups, parent-death signal, readiness polling),
+and `pki` the throwaway certificate authority of the local stack's mutual TLS.
 """
 
 from controlplane.local.envoy import (

@@ -1,6 +1,6 @@
-"""What telemetry decided at the last compile: endpoint weights (``policies.weights``),
-admission per service class (``policies.admission``) and the saturation of telemetry routes
-(``policies.saturation``). The reconciler hands them to the next compile for hysteresis; this
+"""What telemetry decided at the last compile: endpoint weights (``signals.weights``),
+admission per service class (``signals.admission``) and the saturation of telemetry routes
+(``signals.saturation``). The reconciler hands them to the next compile for hysteresis; this
 module exports them as metrics, logs their changes, and says when a rebuild is due although
 nothing in etcd changed (a record going stale, an admission step, a saturated route's dwell
 ending)."""

@@ -15,9 +15,9 @@ skipped with a logged error visible in status; the last valid version of that ob
 serving.
 
 Telemetry: records under ``telemetry/{pool}/{endpoint_id}`` feed the weight function
-(``policies.weights``), admission per service class (``policies.admission``) and the
-saturation of telemetry routes (``policies.saturation``) through compile; their previous
-decisions are kept for hysteresis (``controlplane.livedecisions``). Admission and
+(``signals.weights``), admission per service class (``signals.admission``) and the
+saturation of telemetry routes (``signals.saturation``) through compile; their previous
+decisions are kept for hysteresis (``controlplane.reconcile.live``). Admission and
 saturation change only route entries, so they take the routes path (RDS), and a rebuild is
 scheduled for the moment the admission level would take its next step, or a saturated
 route's dwell ends, so they move even when telemetry stays the same.

@@ -1,6 +1,6 @@
 """A rollout's record in etcd, and what any replica reads of it.
 
-The driver (``controlplane.rollouts``) writes each rollout's progress at
+The driver (``controlplane.rollouts.controller``) writes each rollout's progress at
 ``{prefix}/status/rollouts/{name}`` and consumes commands from
 ``{prefix}/status/rollout-commands/{name}``; every replica (status, metrics, the CLI through
 the REST API) reads them from its etcd mirror with the functions here: the keys, which
