@@ -28,6 +28,7 @@ from controlplane.local import (
     free_port,
     repo_root,
 )
+from controlplane.local import launcher as launcher_module
 from controlplane.local import process as launcher_process
 
 
@@ -272,7 +273,7 @@ def hand_out(monkeypatch: pytest.MonkeyPatch, *ports: int) -> None:
     """
     picks = iter(ports)
     monkeypatch.setattr(
-        launcher_process, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port()
+        launcher_module, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port()
     )
 
 
@@ -324,7 +325,7 @@ def test_the_start_gives_up_when_every_port_picked_is_taken(
     launch: Launch, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     with port_held_elsewhere() as port:
-        monkeypatch.setattr(launcher_process, "free_port", lambda host="127.0.0.1": port)
+        monkeypatch.setattr(launcher_module, "free_port", lambda host="127.0.0.1": port)
         launcher = launch(kind)
         with pytest.raises(LauncherError, match=rf"gave up after 3 starts: .*\(last \w+ {port}\)"):
             launcher.start(timeout=20)

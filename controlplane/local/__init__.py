@@ -1,7 +1,8 @@
 """Development only: local etcd, Envoy and `kvpilot serve` processes for the demo, the
-benchmarks and the end-to-end tests, one module for what each launches; `process` holds the
-child-process handling they share (process groups, parent-death signal, readiness polling),
-and `pki` the throwaway certificate authority of the local stack's mutual TLS.
+benchmarks and the end-to-end tests, one module for what each launches. `launcher` holds the
+lifecycle they share (context manager, ports picked again when taken, readiness over HTTP),
+`process` the child-process handling beneath it (binaries, process groups, parent-death
+signal), and `pki` the throwaway certificate authority of the local stack's mutual TLS.
 """
 
 from controlplane.local.envoy import (
@@ -12,8 +13,8 @@ from controlplane.local.envoy import (
 )
 from controlplane.local.etcd import EmbeddedEtcd, EmbeddedEtcdCluster
 from controlplane.local.kvpilot import KvpilotProcess
+from controlplane.local.launcher import Launcher
 from controlplane.local.process import (
-    Launcher,
     LauncherError,
     ManagedProcess,
     find_binary,

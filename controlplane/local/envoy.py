@@ -10,13 +10,12 @@ from typing import Any, Self
 import httpx
 import yaml
 
+from controlplane.local.launcher import Launcher, http_get
 from controlplane.local.process import (
     POLL_INTERVAL,
-    Launcher,
     LauncherError,
     ManagedProcess,
     find_binary,
-    http_get,
     repo_root,
 )
 

@@ -9,13 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
-from controlplane.local.process import (
-    Launcher,
-    ManagedProcess,
-    find_binary,
-    free_port,
-    http_get,
-)
+from controlplane.local.launcher import Launcher, http_get
+from controlplane.local.process import ManagedProcess, find_binary, free_port
 from xdsserver.identity import TlsFiles
 
 

@@ -10,12 +10,8 @@ from pathlib import Path
 from typing import Self
 
 from controlplane.etcd import EtcdSecurity
-from controlplane.local.process import (
-    Launcher,
-    ManagedProcess,
-    http_get,
-    repo_root,
-)
+from controlplane.local.launcher import Launcher, http_get
+from controlplane.local.process import ManagedProcess, repo_root
 from xdsserver.identity import TlsFiles
 
 
