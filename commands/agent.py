@@ -1,7 +1,7 @@
 """`kvpilot agent`: scrape model servers' metrics into etcd, under a lease.
 
-The command line of ``controlplane.agent``: its flags (each with an environment variable for
-containers), their check into an ``AgentConfig`` with a sentence for every bad input, and a run
+The command line of ``controlplane.agent``: its flags (etcd's, the pool and the log level also
+from the environment, for containers), their check into an ``AgentConfig`` with a sentence for every bad input, and a run
 until SIGINT or SIGTERM that revokes the lease on the way out. Runs as ``kvpilot agent`` or
 ``python -m commands.agent``.
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from commands.flags import env_flag, log_level_flag
 from controlplane.agent.scrape import Agent, AgentConfig, Target
 from controlplane.etcd import EtcdAccessDenied
 from controlplane.etcd.settings import add_etcd_arguments, etcd_settings, open_client
@@ -30,15 +31,15 @@ log = logging.getLogger("kvpilot.agent")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `agent` subcommand's flags; each has an environment variable for containers."""
-    env = os.environ.get
+    """The `agent` subcommand's flags; etcd's, the pool and the log level read an environment
+    variable too, for containers."""
     add_etcd_arguments(
         parser,
         default_endpoints="127.0.0.1:2379",
         endpoints_help="comma-separated host:port list of the etcd cluster "
         "(env KVPILOT_ETCD_ENDPOINTS)",
     )
-    parser.add_argument("--pool", default=env("KVPILOT_POOL"), help="pool of the backends")
+    env_flag(parser, "--pool", help="pool of the backends")
     parser.add_argument(
         "--backend",
         action="append",
@@ -106,9 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="withdraw a registration after this many failed scrapes in a row (default 3)",
     )
-    parser.add_argument(
-        "--log-level", default=env("KVPILOT_LOG_LEVEL", "info"), help="debug, info, warning"
-    )
+    log_level_flag(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
