@@ -5,8 +5,10 @@ COPY pyproject.toml README.md ./
 COPY api api
 COPY bench bench
 COPY commands commands
+COPY compiler compiler
 COPY controlplane controlplane
 COPY policies policies
+COPY signals signals
 COPY xdsserver xdsserver
 COPY deploy deploy
 RUN pip install --no-cache-dir . && useradd --system --uid 10001 kvpilot

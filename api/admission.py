@@ -1,7 +1,7 @@
 """The console's view of service classes: per route and class, what kvpilot admits now, why,
 and since when (``GET /v1/admission``).
 
-Admission is decided each round from telemetry (``policies.admission``) and travels to Envoy
+Admission is decided each round from telemetry (``signals.admission``) and travels to Envoy
 in RDS; this view shows the decision the served plan holds, beside what it was made from: the
 route's pressure signals against their bounds and the hysteresis band. kvpilot does not count
 requests itself, so each class names the Envoy counters that do (admitted, shed, diverted,
@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from policies import PolicyState, RoutingPlan
-from policies.admission import AdmissionDecision, steps_per_class
+from compiler import RoutingPlan
+from compiler.plan import PlanClass, PlanRoute
 from policies.models import RoutingPolicy, Saturation, ServiceClass
 from policies.names import cluster_name
-from policies.plan import PlanClass, PlanRoute
+from signals import PolicyState
+from signals.admission import AdmissionDecision, steps_per_class
 from xdsserver.translate.classes import admission_runtime_key, class_stats
 
 RESTRICTED_STATE = {"shed": "shed", "divert": "diverted", "queue": "queued"}

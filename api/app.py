@@ -28,10 +28,17 @@ from api.context import PATH_RULES, ApiContext, ApiError, FleetName, Reader, unp
 from api.endpoints import WeightChange, add_endpoint_routes
 from api.objects import add_object_routes, add_preview_route
 from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
+from compiler import RoutingPlan
 from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
-from controlplane.keys import InvalidName, UnknownKind, ValueTooLarge
-from controlplane.store import AlreadyExists, Contended, InvalidValue, NotFound, RevisionMismatch
-from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError, RoutingPlan
+from controlplane.etcd.keys import InvalidName, UnknownKind, ValueTooLarge
+from controlplane.etcd.store import (
+    AlreadyExists,
+    Contended,
+    InvalidValue,
+    NotFound,
+    RevisionMismatch,
+)
+from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError
 from policies.validate import field_path
 from xdsserver.render import snapshot_json
 

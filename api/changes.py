@@ -23,9 +23,9 @@ import yaml
 
 from controlplane.audit import AuditLog
 from controlplane.etcd import CompactedError, KeyValue
-from controlplane.keys import decode_json
-from controlplane.rolloutstate import state_key
-from controlplane.store import Store
+from controlplane.etcd.keys import decode_json
+from controlplane.etcd.store import Store
+from controlplane.rollouts.state import state_key
 from policies import KIND_PATHS
 
 HISTORY_DEPTH = 20

@@ -28,13 +28,15 @@ from fastapi.staticfiles import StaticFiles
 from api.admission import admission_view
 from api.auth import Principal, require
 from api.changes import ChangeLog
+from compiler import RoutingPlan
 from controlplane.audit import AuditLog
-from controlplane.reconcile import Reconciler
-from controlplane.store import Store
-from controlplane.telemetryhistory import TelemetryHistory
-from policies import Endpoint, PolicyState, RoutingPlan
-from policies.state import is_external, pool_endpoints
-from policies.weights import WeightDecision
+from controlplane.etcd.store import Store
+from controlplane.reconcile.history import TelemetryHistory
+from controlplane.reconcile.loop import Reconciler
+from policies import Endpoint
+from signals import PolicyState
+from signals.state import is_external, pool_endpoints
+from signals.weights import WeightDecision
 
 UI_DIR = Path(__file__).with_name("ui")
 """The console's static files."""

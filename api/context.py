@@ -20,9 +20,9 @@ from fastapi.responses import JSONResponse
 from api.auth import AuthConfig, Principal, WriteRateLimit, require
 from controlplane.audit import AuditLog
 from controlplane.etcd import EtcdOutcomeUnknown, EtcdUnavailable, KeyValue
+from controlplane.etcd.store import Store
 from controlplane.mirror import StateMirror
-from controlplane.reconcile import Reconciler
-from controlplane.store import Store
+from controlplane.reconcile.loop import Reconciler
 from policies import Endpoint, FieldError, PolicyError, PolicyObject, jsondoc, parse_object
 from policies.models import ENDPOINT_ID_PATTERN, ENDPOINT_ID_RULE, NAME_PATTERN, NAME_RULE
 from xdsserver.status import ConnectionRegistry

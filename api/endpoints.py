@@ -24,7 +24,7 @@ from api.context import (
     read,
 )
 from controlplane.etcd import LeaseNotFoundError
-from controlplane.store import Actor, Store, StoredObject
+from controlplane.etcd.store import Actor, Store, StoredObject
 from policies import Endpoint, EndpointHealth, PolicyError, Pool
 from policies.validate import field_errors
 

@@ -27,11 +27,11 @@ from api.context import (
     parse_for_kind,
     read,
 )
+from compiler.rollout import reference_errors
 from controlplane.decode import DecodedState
-from controlplane.keys import ENDPOINTS, OBJECTS
-from controlplane.store import Actor, Store, StoredObject
+from controlplane.etcd.keys import ENDPOINTS, OBJECTS
+from controlplane.etcd.store import Actor, Store, StoredObject
 from policies import FieldError, PolicyError, PolicyObject, Rollout, parse_object
-from policies.rollout import reference_errors
 from xdsserver.render import render, resource_changes
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,11 @@ from fastapi import FastAPI, Path
 from fastapi.responses import JSONResponse
 
 from api.context import Admin, ApiContext, ApiError, Reader, parse_for_kind
+from compiler.rollout import COMMANDS
 from controlplane.election import leader_key
-from controlplane.keys import decode_json
-from controlplane.rolloutstate import (
+from controlplane.etcd.keys import decode_json
+from controlplane.etcd.store import Actor
+from controlplane.rollouts.state import (
     LEADER_JOB,
     allowed,
     command_key,
@@ -21,9 +23,7 @@ from controlplane.rolloutstate import (
     state_key,
     summary,
 )
-from controlplane.store import Actor
 from policies import PolicyError, Rollout
-from policies.rollout import COMMANDS
 
 log = logging.getLogger(__name__)
 

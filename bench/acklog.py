@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from controlplane.launchers import KvpilotProcess
+from controlplane.local import KvpilotProcess
 
 CHANGE_TIMEOUT = 60.0
 """Seconds one change may take to reach every Envoy before the run fails."""

@@ -27,7 +27,7 @@ import httpx
 from bench.replica import DEFAULT_MODEL, Replica, build_app
 from bench.simulator import Engine, SimConfig
 from controlplane.asgi import ServerGroup, UvicornServer, read_announcement
-from controlplane.launchers import Launcher, LauncherError, ManagedProcess
+from controlplane.local import Launcher, LauncherError, ManagedProcess
 
 # --------------------------------------------------------------------------- serving
 

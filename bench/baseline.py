@@ -36,7 +36,7 @@ from bench.acklog import AckLogKvpilot, Change, summarize
 from bench.controlplane import Bench, BenchConfig
 from bench.pools import rebuild_input
 from bench.rebuild_probe import MEASURES
-from controlplane.launchers import free_port, repo_root
+from controlplane.local import free_port, repo_root
 
 PROBE = Path(__file__).with_name("rebuild_probe.py")
 SETTLE_TIMEOUT = 600.0

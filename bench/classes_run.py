@@ -44,7 +44,7 @@ from bench.stack import (
     start_stack,
 )
 from bench.workload import Workload
-from controlplane.launchers import LauncherError, wait_until
+from controlplane.local import LauncherError, wait_until
 
 
 def _apply(stack: Stack, policy: Policy, config: ClassesConfig) -> None:

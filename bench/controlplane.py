@@ -48,7 +48,7 @@ from bench.acklog import (
     summarize,
 )
 from bench.pools import FLEET, POLICY, pools_and_policy, rebuild_input
-from controlplane.launchers import (
+from controlplane.local import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
     ManagedProcess,

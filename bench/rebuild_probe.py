@@ -29,7 +29,7 @@ def measure(values: dict[str, Any], repeats: int = 5) -> dict[str, Any]:
     """Median wall and CPU milliseconds of each rebuild in `MEASURES`, over `repeats` runs,
     for the state `values` (etcd key relative to the prefix -> JSON value)."""
     from controlplane.etcd import KeyValue
-    from controlplane.reconcile import Reconciler
+    from controlplane.reconcile.loop import Reconciler
     from xdsserver.snapshot import SnapshotCache
 
     items: dict[str, Any] = {}

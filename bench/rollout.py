@@ -38,7 +38,7 @@ from bench.routing import BenchConfig, calibrate, default_config
 from bench.stack import MODEL, chat_url, say
 from bench.summary import percentile
 from bench.workload import Workload
-from controlplane.launchers import LocalStack, free_port, local_stack, wait_until
+from controlplane.local import LocalStack, free_port, local_stack, wait_until
 
 CANARY_FAILURE = {"status": 500, "fraction": 0.2}
 STEPS = (10, 25, 50, 100)

@@ -49,7 +49,7 @@ from bench.workload import (
     generate,
     oracle_hit_rate,
 )
-from controlplane.launchers import wait_until
+from controlplane.local import wait_until
 
 _STANDARD = standard_policies()
 POLICIES: tuple[Policy, ...] = (

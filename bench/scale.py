@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 
-from controlplane.agent import AgentConfig
+from controlplane.agent.scrape import AgentConfig
 from controlplane.etcd import EtcdClient, EtcdError
-from controlplane.store import Store
-from policies.telemetry import TelemetryRecord
+from controlplane.etcd.store import Store
+from signals.telemetry import TelemetryRecord
 
 # -- telemetry at scale ----------------------------------------------------------------------
 

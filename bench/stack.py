@@ -25,7 +25,7 @@ from api.client import KvpilotClient
 from bench.backend import BackendProcess
 from bench.loadgen import parse_metrics
 from bench.simulator import SimConfig
-from controlplane.launchers import (
+from controlplane.local import (
     EmbeddedEnvoy,
     KvpilotProcess,
     ManagedProcess,

@@ -58,7 +58,7 @@ from bench.suite_measure import Timeline, measure, summary_line, weight_moves
 from bench.suite_replay import replay_all, start_workers
 from bench.suite_report import write_suite_report
 from bench.workload import Workload, oracle_hit_rate
-from controlplane.launchers import ManagedProcess, free_port, local_stack
+from controlplane.local import ManagedProcess, free_port, local_stack
 
 # --------------------------------------------------------------------------- the run
 

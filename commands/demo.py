@@ -28,7 +28,7 @@ import httpx
 
 from api.client import KvpilotClient
 from bench.backend import BackendProcess
-from controlplane.launchers import (
+from controlplane.local import (
     EmbeddedEnvoy,
     LocalStack,
     free_port,

@@ -29,16 +29,16 @@ from controlplane.audit import AuditLog
 from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdAccessDenied
-from controlplane.etcdsettings import open_client
-from controlplane.launchers import EmbeddedEtcd
+from controlplane.etcd.settings import open_client
+from controlplane.etcd.store import Store
+from controlplane.local import EmbeddedEtcd
 from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
-from controlplane.reconcile import Reconciler
-from controlplane.reconcilemetrics import ReconcileMetrics
-from controlplane.rollouts import RolloutController
-from controlplane.rolloutstate import register_metrics as register_rollout_metrics
-from controlplane.signals import PlanResolver, SignalPublisher
-from controlplane.store import Store
+from controlplane.reconcile.loop import Reconciler
+from controlplane.reconcile.metrics import ReconcileMetrics
+from controlplane.rollouts.controller import RolloutController
+from controlplane.rollouts.signals import PlanResolver, SignalPublisher
+from controlplane.rollouts.state import register_metrics as register_rollout_metrics
 from xdsserver.identity import FleetBinding
 from xdsserver.server import AdsServer
 from xdsserver.signals import AccessLogServer, SignalBook

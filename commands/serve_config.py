@@ -1,5 +1,6 @@
-"""The settings of `kvpilot serve`: its flags (each with an environment variable, for
-containers), the checks that refuse settings that cannot work, and the ServeConfig they make."""
+"""The settings of `kvpilot serve`: its flags (those a container sets with an environment
+variable, see ``commands.flags``; their defaults are ServeConfig's), the checks that refuse
+settings that cannot work, and the ServeConfig they make."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import argparse
 import math
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
+from commands.flags import env_flag, env_list_flag, log_level_flag
+from compiler import DEFAULT_FLEET
 from controlplane.audit import DEFAULT_RETENTION
 from controlplane.etcd import EtcdSecurity
-from controlplane.etcdsettings import add_etcd_arguments, etcd_settings
-from controlplane.keys import DEFAULT_PREFIX
-from policies import DEFAULT_FLEET
+from controlplane.etcd.keys import DEFAULT_PREFIX
+from controlplane.etcd.settings import add_etcd_arguments, etcd_settings
 from xdsserver.identity import FleetBinding, TlsFiles
 
 
@@ -78,65 +81,61 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _default(name: str) -> Any:
+    """The default of ServeConfig's field `name`: a flag's default is the config's."""
+    default = next(f.default for f in fields(ServeConfig) if f.name == name)
+    assert default is not MISSING, name
+    return default
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `serve` subcommand's flags; each has an environment variable for containers."""
-    env = os.environ.get
+    """The `serve` subcommand's flags; those a container needs read an environment variable."""
     add_etcd_arguments(
         parser,
         default_endpoints="",
         endpoints_help="comma-separated host:port list of an etcd cluster; empty starts an "
         "embedded etcd under --state-dir (env KVPILOT_ETCD_ENDPOINTS)",
     )
-    parser.add_argument(
-        "--xds-address",
-        default=env("KVPILOT_XDS_ADDRESS", "0.0.0.0:18000"),
-        help="ADS gRPC listen address (env KVPILOT_XDS_ADDRESS)",
-    )
-    parser.add_argument(
-        "--api-address",
-        default=env("KVPILOT_API_ADDRESS", "0.0.0.0:8080"),
-        help="REST API listen address (env KVPILOT_API_ADDRESS)",
-    )
-    parser.add_argument(
+    for flag, what in (("--xds-address", "ADS gRPC"), ("--api-address", "REST API")):
+        side = flag.removeprefix("--").partition("-")[0]
+        env_flag(
+            parser,
+            flag,
+            default=f"{_default(f'{side}_host')}:{_default(f'{side}_port')}",
+            help=f"{what} listen address",
+        )
+    env_flag(
+        parser,
         "--state-dir",
         type=Path,
-        default=Path(env("KVPILOT_STATE_DIR", ".state")),
-        help="data of the embedded etcd (env KVPILOT_STATE_DIR)",
+        default=str(_default("state_dir")),
+        help="data of the embedded etcd",
     )
-    parser.add_argument(
+    env_flag(
+        parser,
         "--tokens-file",
         type=Path,
-        default=env("KVPILOT_TOKENS_FILE"),
-        help="YAML/JSON file of API bearer tokens and roles (env KVPILOT_TOKENS_FILE); KVPILOT_ADMIN_TOKEN and KVPILOT_READ_TOKEN also work",
+        help="YAML/JSON file of API bearer tokens and roles; KVPILOT_ADMIN_TOKEN and "
+        "KVPILOT_READ_TOKEN also work",
     )
     parser.add_argument(
         "--insecure-no-auth",
         action="store_true",
         help="serve the REST API without authentication (logs a warning)",
     )
-    parser.add_argument(
+    env_flag(
+        parser,
         "--xds-cert",
-        default=env("KVPILOT_XDS_CERT"),
-        help="PEM certificate of the ADS server (env KVPILOT_XDS_CERT); re-read when it changes",
+        help="PEM certificate of the ADS server, re-read when it changes",
     )
-    parser.add_argument(
-        "--xds-key",
-        default=env("KVPILOT_XDS_KEY"),
-        help="PEM private key of the ADS server (env KVPILOT_XDS_KEY)",
-    )
-    parser.add_argument(
-        "--xds-client-ca",
-        default=env("KVPILOT_XDS_CLIENT_CA"),
-        help="PEM CA bundle that signs Envoys' client certificates (env KVPILOT_XDS_CLIENT_CA)",
-    )
-    parser.add_argument(
+    env_flag(parser, "--xds-key", help="PEM private key of the ADS server")
+    env_flag(parser, "--xds-client-ca", help="PEM CA bundle that signs Envoys' client certificates")
+    env_list_flag(
+        parser,
         "--xds-identity-fleet",
-        action="append",
-        default=[e for e in env("KVPILOT_XDS_IDENTITY_FLEETS", "").split(",") if e],
         metavar="IDENTITY=FLEET",
         help="an Envoy whose client certificate has the SAN IDENTITY (a SPIFFE ID or DNS name) "
-        "may receive FLEET ('*': every fleet); repeatable (env KVPILOT_XDS_IDENTITY_FLEETS, "
-        "comma-separated). A node claiming any other fleet is refused",
+        "may receive FLEET ('*': every fleet); a node claiming any other fleet is refused",
     )
     parser.add_argument(
         "--xds-insecure-plaintext",
@@ -144,79 +143,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve ADS without TLS: anyone who reaches the port can read any fleet's config "
         "(logs a warning; for a trusted machine only)",
     )
-    parser.add_argument(
+    env_flag(
+        parser,
         "--audit-retention",
         type=int,
-        default=int(env("KVPILOT_AUDIT_RETENTION", str(DEFAULT_RETENTION))),
-        help=f"audit log entries kept in etcd (env KVPILOT_AUDIT_RETENTION; default "
-        f"{DEFAULT_RETENTION})",
+        default=_default("audit_retention"),
+        help="audit log entries kept in etcd",
     )
-    parser.add_argument(
+    env_flag(
+        parser,
         "--write-rate-limit",
         type=float,
-        default=float(env("KVPILOT_WRITE_RATE_LIMIT", "20")),
-        help="REST writes per second allowed to each token, beyond its burst; more get 429 "
-        "(env KVPILOT_WRITE_RATE_LIMIT; default 20)",
+        default=_default("write_rate"),
+        help="REST writes per second allowed to each token, beyond its burst; more get 429",
     )
-    parser.add_argument(
+    env_flag(
+        parser,
         "--write-burst",
         type=int,
-        default=int(env("KVPILOT_WRITE_BURST", "100")),
-        help="REST writes a token may make at once (env KVPILOT_WRITE_BURST; default 100)",
+        default=_default("write_burst"),
+        help="REST writes a token may make at once",
     )
-    parser.add_argument(
+    env_list_flag(
+        parser,
         "--cors-origin",
-        action="append",
-        default=[e for e in env("KVPILOT_CORS_ORIGINS", "").split(",") if e],
         metavar="ORIGIN",
         help="a browser origin (https://console.example.com) allowed to call the REST API; "
-        "repeatable (env KVPILOT_CORS_ORIGINS, comma-separated). None: CORS stays closed",
+        "none: CORS stays closed",
     )
-    parser.add_argument(
-        "--quiet-period",
-        type=_seconds,
-        default=0.02,
-        help="debounce: seconds without changes before a rebuild (default 0.02)",
-    )
-    parser.add_argument(
-        "--max-wait",
-        type=_seconds,
-        default=0.25,
-        help="debounce: longest delay from a change to its rebuild, seconds (default 0.25)",
-    )
-    parser.add_argument(
-        "--telemetry-push-interval",
-        type=_seconds,
-        default=1.0,
-        help="rebuilds caused by telemetry alone (weights, admission) at most once per this many "
-        "seconds; config changes are not held (default 1.0)",
-    )
+    for flag, help in (
+        ("--quiet-period", "debounce: seconds without changes before a rebuild"),
+        ("--max-wait", "debounce: longest delay from a change to its rebuild, seconds"),
+        (
+            "--telemetry-push-interval",
+            "rebuilds caused by telemetry alone (weights, admission) at most once per this "
+            "many seconds; config changes are not held",
+        ),
+    ):
+        default = _default(flag.removeprefix("--").replace("-", "_"))
+        parser.add_argument(
+            flag, type=_seconds, default=default, help=f"{help} (default {default})"
+        )
     parser.add_argument(
         "--default-fleet",
-        default=DEFAULT_FLEET,
+        default=_default("default_fleet"),
         help="fleet served to Envoys whose node.cluster has no config of its own",
     )
-    parser.add_argument(
+    env_list_flag(
+        parser,
         "--node-fleet",
-        action="append",
-        default=[e for e in env("KVPILOT_NODE_FLEETS", "").split(",") if e],
         metavar="NODE_ID=FLEET",
-        help="serve this Envoy the config of FLEET whatever its node.cluster; repeatable "
-        "(env KVPILOT_NODE_FLEETS, comma-separated)",
+        help="serve this Envoy the config of FLEET whatever its node.cluster",
     )
-    parser.add_argument(
+    env_flag(
+        parser,
         "--rollout-lease-ttl",
         type=int,
-        default=int(env("KVPILOT_ROLLOUT_LEASE_TTL", "10")),
+        default=_default("rollout_lease_ttl"),
         help="lease of the replica driving rollouts, seconds: when it stops, another takes "
         "over within this time (after 0.6 of it without the driver's heartbeat, renewed every "
-        "tenth of it) (env KVPILOT_ROLLOUT_LEASE_TTL, default 10)",
+        "tenth of it)",
     )
-    parser.add_argument(
-        "--log-level",
-        default=env("KVPILOT_LOG_LEVEL", "info"),
-        help="debug, info, warning or error",
-    )
+    log_level_flag(parser)
 
 
 def _node_fleets(values: list[str]) -> dict[str, str]:
@@ -264,8 +252,8 @@ def check_xds(config: ServeConfig) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Turn parsed flags into a ServeConfig."""
-    xds_host, xds_port = _host_port(args.xds_address, 18000)
-    api_host, api_port = _host_port(args.api_address, 8080)
+    xds_host, xds_port = _host_port(args.xds_address, _default("xds_port"))
+    api_host, api_port = _host_port(args.api_address, _default("api_port"))
     try:
         FleetBinding.parse(args.xds_identity_fleet)
     except ValueError as error:

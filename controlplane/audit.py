@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 from controlplane.etcd import EtcdClient, EtcdError
-from controlplane.keys import decode_json, encode_json
-from controlplane.store import WriteRecord
+from controlplane.etcd.keys import decode_json, encode_json
+from controlplane.etcd.store import WriteRecord
 
 log = logging.getLogger(__name__)
 

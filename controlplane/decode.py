@@ -5,7 +5,7 @@ would produce) both decode through here, so the two cannot disagree on what a va
 on whether it is valid. Pure: keys and bytes in, validated objects out.
 
 A key is relative to the store's prefix (``objects/pools/a``, ``endpoints/pool/id``,
-``telemetry/pool/id``; see ``controlplane.keys``). Keys of other sections (Envoy status
+``telemetry/pool/id``; see ``controlplane.etcd.keys``). Keys of other sections (Envoy status
 records) are not policy state and decode to nothing.
 """
 
@@ -16,20 +16,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Generic, TypeVar
 
-from controlplane.keys import ENDPOINTS, OBJECTS, TELEMETRY
-from policies import (
-    PATH_KINDS,
-    Endpoint,
-    PolicyError,
-    PolicyObject,
-    PolicyState,
-    jsondoc,
-    parse_object,
-)
-from policies.admission import AdmissionDecision
-from policies.saturation import SaturationDecision
-from policies.telemetry import TelemetryRecord
-from policies.weights import WeightDecision
+from controlplane.etcd.keys import ENDPOINTS, OBJECTS, TELEMETRY
+from policies import PATH_KINDS, Endpoint, PolicyError, PolicyObject, jsondoc, parse_object
+from signals import PolicyState
+from signals.admission import AdmissionDecision
+from signals.saturation import SaturationDecision
+from signals.telemetry import TelemetryRecord
+from signals.weights import WeightDecision
 
 Decoded = PolicyObject | Endpoint | TelemetryRecord
 _V = TypeVar("_V", Endpoint, TelemetryRecord)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from controlplane.etcd import ConflictError, EtcdClient, EtcdError, KeyValue
-from controlplane.keys import STATUS, decode_json, encode_json
+from controlplane.etcd.keys import STATUS, decode_json, encode_json
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 from urllib.parse import quote
 
 from controlplane.etcd import EtcdClosed, EtcdError, KeyValue
-from controlplane.keys import STATUS, decode_json
-from controlplane.store import Store
+from controlplane.etcd.keys import STATUS, decode_json
+from controlplane.etcd.store import Store
 from xdsserver.status import ConnectionRegistry, ConnectionStatus, Event
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from controlplane.etcd import (
     KeyValue,
     WatchBatch,
 )
-from controlplane.keys import DEFAULT_PREFIX, Keys
+from controlplane.etcd.keys import DEFAULT_PREFIX, Keys
 
 log = logging.getLogger(__name__)
 

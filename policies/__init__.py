@@ -1,6 +1,6 @@
-"""Policy objects, their validation, and compilation to a routing plan (no I/O)."""
+"""Policy objects and their validation (no I/O): the models, the names derived from them
+and the JSON document reader. The live signals are ``signals``; the plan is ``compiler``."""
 
-from policies.compile import RouteMemo, compile_plan
 from policies.models import (
     API_VERSION,
     KIND_PATHS,
@@ -16,32 +16,23 @@ from policies.models import (
     kind_named,
 )
 from policies.names import cluster_name, listener_name
-from policies.plan import DEFAULT_FLEET, Diagnostic, FleetPlan, RoutingPlan
-from policies.state import PolicyState
 from policies.validate import FieldError, PolicyError, decode_documents, load_objects, parse_object
 
 __all__ = [
     "API_VERSION",
-    "DEFAULT_FLEET",
     "KINDS",
     "KIND_PATHS",
     "PATH_KINDS",
-    "Diagnostic",
     "Endpoint",
     "EndpointHealth",
     "FieldError",
     "Fleet",
-    "FleetPlan",
     "PolicyError",
     "PolicyObject",
-    "PolicyState",
     "Pool",
     "Rollout",
-    "RouteMemo",
-    "RoutingPlan",
     "RoutingPolicy",
     "cluster_name",
-    "compile_plan",
     "decode_documents",
     "kind_named",
     "listener_name",

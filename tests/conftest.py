@@ -23,7 +23,7 @@ from harness.rig import BackendFactory, EnvoyFactory, KvpilotFactory, Rig
 from harness.xdsclient import RunningServer
 
 from bench.backend import BackendProcess
-from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
+from controlplane.local import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -15,11 +15,11 @@ import pytest
 from harness.agent import MetricsBackend, start_agent_process
 from harness.wait import poll
 
-from controlplane.agent import Agent, AgentConfig, Target
-from controlplane.agentcli import add_arguments, config_from_args
+from commands.agent import add_arguments, config_from_args
+from controlplane.agent.scrape import Agent, AgentConfig, Target
 from controlplane.etcd import EtcdClient, KeyValue
-from controlplane.launchers import EmbeddedEtcd
-from controlplane.store import Store
+from controlplane.etcd.store import Store
+from controlplane.local import EmbeddedEtcd
 
 pytestmark = pytest.mark.e2e
 

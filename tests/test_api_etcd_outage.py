@@ -14,7 +14,7 @@ from harness.builders import pool
 from harness.processes import frozen
 from harness.wait import poll
 
-from controlplane.launchers import EmbeddedEtcd
+from controlplane.local import EmbeddedEtcd
 
 pytestmark = pytest.mark.e2e
 

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.context import MAX_BODY_BYTES
-from controlplane.launchers import EmbeddedEtcd
+from controlplane.local import EmbeddedEtcd
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from harness.api import Harness, running_api
 from harness.builders import policy, pool
 from harness.wait import poll
 
-from controlplane.launchers import EmbeddedEtcd
+from controlplane.local import EmbeddedEtcd
 
 pytestmark = pytest.mark.e2e
 
@@ -126,7 +126,7 @@ async def test_readyz_is_503_before_the_first_snapshot(
 
 
 async def test_etcd_unreachable_is_a_503_sentence(etcd_prefix: str) -> None:
-    from controlplane.launchers import free_port
+    from controlplane.local import free_port
 
     async with running_api(f"127.0.0.1:{free_port()}", etcd_prefix) as api:
         api.client.timeout = 0.3

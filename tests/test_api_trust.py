@@ -19,9 +19,9 @@ from harness.builders import fleet, policy, pool, rollout
 
 from api.auth import AuthConfig, TokenReloader, WriteRateLimit
 from controlplane.audit import AuditLog, diff
-from controlplane.launchers import EmbeddedEtcd
-from controlplane.rolloutstate import state_key
-from controlplane.store import Actor, Store
+from controlplane.etcd.store import Actor, Store
+from controlplane.local import EmbeddedEtcd
+from controlplane.rollouts.state import state_key
 
 WRITE_METHODS = {"post", "put", "delete", "patch"}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.launchers import repo_root
+from controlplane.local import repo_root
 
 
 @pytest.mark.e2e

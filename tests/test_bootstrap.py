@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controlplane.launchers import EmbeddedEnvoy, LauncherError, find_binary, free_port, repo_root
-from controlplane.pki import Ca, CertDir
+from controlplane.local import EmbeddedEnvoy, LauncherError, find_binary, free_port, repo_root
+from controlplane.local.pki import Ca, CertDir
 
 BOOTSTRAPS = ["bootstrap.yaml", "bootstrap-delta.yaml"]
 

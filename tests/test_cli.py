@@ -18,7 +18,7 @@ from harness.auth import ADMIN_TOKEN, READ_TOKEN
 from harness.wait import wait_until
 
 from commands.cli import main
-from controlplane.launchers import EmbeddedEtcd, free_port
+from controlplane.local import EmbeddedEtcd, free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "policies" / "examples"
 

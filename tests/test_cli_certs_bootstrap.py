@@ -18,7 +18,7 @@ from cryptography import x509
 
 from commands.cli import build_parser, main
 from commands.cli.bootstrap import REFERENCE_SDS_DIR
-from controlplane.launchers import find_binary, repo_root
+from controlplane.local import find_binary, repo_root
 
 DEPLOY = repo_root() / "deploy" / "envoy"
 

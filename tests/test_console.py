@@ -20,7 +20,7 @@ from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, service_clas
 from harness.console import UI_BOUND_S, Console, open_console, shoot
 from harness.wait import wait_until
 
-from controlplane.launchers import free_port
+from controlplane.local import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from commands import serve
-from controlplane.launchers import XDS_TLS_DIR, XDS_TLS_SDS_DIR, repo_root
+from controlplane.local import XDS_TLS_DIR, XDS_TLS_SDS_DIR, repo_root
 
 DEPLOY = repo_root() / "deploy"
 

@@ -19,8 +19,8 @@ from harness.wait import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.etcd import EtcdClient
-from controlplane.launchers import free_port, repo_root
-from controlplane.store import Store
+from controlplane.etcd.store import Store
+from controlplane.local import free_port, repo_root
 
 pytestmark = pytest.mark.e2e
 

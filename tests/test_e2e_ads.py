@@ -22,7 +22,7 @@ from harness.status import TYPES, acked_everything, envoy_types, envoys, metric,
 from harness.traffic import replicas_behind
 from harness.wait import wait_until
 
-from controlplane.launchers import EmbeddedEnvoy, free_port
+from controlplane.local import EmbeddedEnvoy, free_port
 
 pytestmark = pytest.mark.e2e
 

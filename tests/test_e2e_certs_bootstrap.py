@@ -21,8 +21,8 @@ from harness.rig import BackendFactory, api_client, apply, ports_of
 from harness.traffic import replicas_behind
 from harness.wait import wait_until
 
-from controlplane.launchers import EmbeddedEnvoy, find_binary, free_port
-from policies.compile import listener_name
+from compiler.compile import listener_name
+from controlplane.local import EmbeddedEnvoy, find_binary, free_port
 from xdsserver.identity import TlsFiles
 
 pytestmark = pytest.mark.e2e

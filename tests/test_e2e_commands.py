@@ -20,7 +20,7 @@ from harness.rig import Rig
 from harness.traffic import send
 from harness.wait import wait_until
 
-from controlplane.launchers import free_port, repo_root
+from controlplane.local import free_port, repo_root
 
 MARKER = "KVPILOT_TEST_RUN"
 """An environment variable set on a command under test: everything it starts inherits it."""

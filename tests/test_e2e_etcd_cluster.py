@@ -28,7 +28,7 @@ from harness.traffic import Traffic
 from harness.wait import wait_until
 
 from controlplane.etcd import EtcdClient, EtcdError
-from controlplane.launchers import (
+from controlplane.local import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
     EmbeddedEtcdCluster,

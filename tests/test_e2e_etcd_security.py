@@ -32,9 +32,9 @@ from controlplane.etcd import (
     EtcdSecurity,
     prefix_range_end,
 )
-from controlplane.launchers import EmbeddedEtcd, KvpilotProcess, ManagedProcess, repo_root
-from controlplane.pki import Ca, CertDir
-from controlplane.store import Store
+from controlplane.etcd.store import Store
+from controlplane.local import EmbeddedEtcd, KvpilotProcess, ManagedProcess, repo_root
+from controlplane.local.pki import Ca, CertDir
 from xdsserver.identity import TlsFiles
 
 pytestmark = pytest.mark.e2e
@@ -134,7 +134,7 @@ async def test_an_agent_role_writes_its_pools_telemetry_and_not_policy(
         [
             sys.executable,
             "-m",
-            "controlplane.agentcli",
+            "commands.agent",
             "--etcd-endpoints",
             secure_etcd.etcd.endpoint,
             "--etcd-prefix",

@@ -15,7 +15,7 @@ from harness.rig import api_client
 from harness.wait import wait_until
 
 from commands.cli import main as kvpilot_cli
-from controlplane.launchers import EmbeddedEnvoy, free_port, repo_root
+from controlplane.local import EmbeddedEnvoy, free_port, repo_root
 
 pytestmark = pytest.mark.e2e
 

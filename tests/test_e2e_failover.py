@@ -18,7 +18,7 @@ from harness.rig import Rig, ports_of
 from harness.traffic import Traffic, send
 from harness.wait import wait_until
 
-from controlplane.launchers import free_port
+from controlplane.local import free_port
 
 pytestmark = pytest.mark.e2e
 WORKERS = 4

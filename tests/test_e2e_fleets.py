@@ -11,7 +11,7 @@ from harness.envoy import active_listeners
 from harness.rig import api_client, apply
 from harness.wait import wait_until
 
-from controlplane.launchers import free_port
+from controlplane.local import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
 from harness.rig import api_client
 from harness.wait import wait_until
 
-from controlplane.launchers import free_port
+from controlplane.local import free_port
 
 pytestmark = pytest.mark.e2e
 

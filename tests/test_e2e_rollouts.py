@@ -31,7 +31,7 @@ from harness.rollouts import (
 from harness.wait import wait_until
 
 from commands.cli import main
-from controlplane.launchers import KvpilotProcess
+from controlplane.local import KvpilotProcess
 
 pytestmark = pytest.mark.e2e
 

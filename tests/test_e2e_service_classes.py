@@ -26,8 +26,8 @@ from harness.wait import wait_until
 
 from bench.simulator import SimConfig
 from controlplane.etcd import EtcdClient
-from controlplane.launchers import EmbeddedEtcd
-from controlplane.store import Store
+from controlplane.etcd.store import Store
+from controlplane.local import EmbeddedEtcd
 
 pytestmark = pytest.mark.e2e
 

@@ -21,7 +21,7 @@ from harness.traffic import replicas_behind
 from harness.wait import wait_until
 
 from controlplane.etcd import EtcdClient
-from controlplane.launchers import EmbeddedEtcd, free_port
+from controlplane.local import EmbeddedEtcd, free_port
 
 pytestmark = pytest.mark.e2e
 

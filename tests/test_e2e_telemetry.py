@@ -26,11 +26,11 @@ from harness.traffic import served_by
 from harness.wait import poll
 from harness.xdsclient import sent_endpoint_weights
 
-from controlplane.agent import Agent, AgentConfig, Target
+from controlplane.agent.scrape import Agent, AgentConfig, Target
 from controlplane.etcd import EtcdClient
-from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, free_port
-from controlplane.store import Store
-from policies.saturation import MIN_DWELL
+from controlplane.etcd.store import Store
+from controlplane.local import EmbeddedEnvoy, EmbeddedEtcd, free_port
+from signals.saturation import MIN_DWELL
 from xdsserver.translate import SATURATED_SUFFIX
 
 pytestmark = pytest.mark.e2e

@@ -26,8 +26,8 @@ from harness.envoy import active_listeners
 from harness.rig import api_client, apply
 from harness.wait import wait_until
 
-from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
-from controlplane.pki import Ca, CertDir
+from controlplane.local import EmbeddedEnvoy, KvpilotProcess, free_port
+from controlplane.local.pki import Ca, CertDir
 from xdsserver.identity import TlsFiles
 from xdsserver.resources import LISTENER
 

@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
-from policies import PolicyError, PolicyState, compile_plan
+from compiler import compile_plan
+from policies import PolicyError
 from policies.validate import parse_object
+from signals import PolicyState
 from xdsserver.translate import translate
 
 

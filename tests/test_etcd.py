@@ -25,7 +25,7 @@ from controlplane.etcd import (
     WatchEvent,
     prefix_range_end,
 )
-from controlplane.launchers import EmbeddedEtcd, free_port
+from controlplane.local import EmbeddedEtcd, free_port
 
 pytestmark = pytest.mark.e2e
 

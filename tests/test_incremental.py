@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from policies import FleetPlan
+from compiler import FleetPlan
+from compiler.plan import PlanCluster, PlanEndpoint
 from policies.models import CircuitBreakers, HealthCheck, OutlierDetection
-from policies.plan import PlanCluster, PlanEndpoint
 from xdsserver import resources
 from xdsserver.incremental import build_snapshot
 

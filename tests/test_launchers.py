@@ -19,7 +19,7 @@ from harness.processes import process_gone
 from harness.rig import EnvoyFactory
 from harness.wait import wait_until
 
-from controlplane.launchers import (
+from controlplane.local import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
     KvpilotProcess,
@@ -28,7 +28,8 @@ from controlplane.launchers import (
     free_port,
     repo_root,
 )
-from controlplane.launchers import process as launcher_process
+from controlplane.local import launcher as launcher_module
+from controlplane.local import process as launcher_process
 
 
 def b64(text: str) -> str:
@@ -183,7 +184,7 @@ PARENT_SCRIPT = """
 import os, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from controlplane.launchers import EmbeddedEtcd
+from controlplane.local import EmbeddedEtcd
 etcd = EmbeddedEtcd(Path({state!r})).start()
 print(etcd.pid, flush=True)
 os._exit(1)  # no atexit, no cleanup: as if the parent were killed
@@ -272,7 +273,7 @@ def hand_out(monkeypatch: pytest.MonkeyPatch, *ports: int) -> None:
     """
     picks = iter(ports)
     monkeypatch.setattr(
-        launcher_process, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port()
+        launcher_module, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port()
     )
 
 
@@ -324,7 +325,7 @@ def test_the_start_gives_up_when_every_port_picked_is_taken(
     launch: Launch, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     with port_held_elsewhere() as port:
-        monkeypatch.setattr(launcher_process, "free_port", lambda host="127.0.0.1": port)
+        monkeypatch.setattr(launcher_module, "free_port", lambda host="127.0.0.1": port)
         launcher = launch(kind)
         with pytest.raises(LauncherError, match=rf"gave up after 3 starts: .*\(last \w+ {port}\)"):
             launcher.start(timeout=20)

@@ -12,9 +12,9 @@ import pytest
 from harness.wait import poll
 
 from controlplane.etcd import KeyValue
-from controlplane.launchers import repo_root
+from controlplane.local import repo_root
 from controlplane.mirror import StateChange
-from controlplane.reconcile import Reconciler
+from controlplane.reconcile.loop import Reconciler
 from policies import KIND_PATHS, load_objects
 from xdsserver import resources
 from xdsserver.snapshot import Snapshot, SnapshotCache

@@ -16,12 +16,12 @@ from harness.wait import poll
 
 from controlplane.election import leader_key
 from controlplane.etcd import EtcdClient
-from controlplane.keys import decode_json
-from controlplane.launchers import EmbeddedEtcd
+from controlplane.etcd.keys import decode_json
+from controlplane.etcd.store import Store
+from controlplane.local import EmbeddedEtcd
 from controlplane.mirror import StateMirror
-from controlplane.rollouts import RolloutController
-from controlplane.rolloutstate import LEADER_JOB, state_key
-from controlplane.store import Store
+from controlplane.rollouts.controller import RolloutController
+from controlplane.rollouts.state import LEADER_JOB, state_key
 
 pytestmark = pytest.mark.e2e
 

@@ -16,15 +16,17 @@ from harness.builders import policy, pool, rollout
 from harness.jsonserver import json_server
 
 from commands.cli import render_rollout
+from compiler import compile_plan
+from compiler.rollout import BUCKET_BOUNDS, PoolSignals, evaluate, quantile
+from compiler.rolloutweights import policy_with, tier_weights
 from controlplane.etcd import KeyValue
-from controlplane.keys import encode_json
-from controlplane.launchers import EmbeddedEtcd
-from controlplane.rolloutanalysis import PrometheusQueries
-from controlplane.rolloutweights import policy_with, tier_weights
-from controlplane.signals import SignalPublisher, collect, signals_key
-from policies import PolicyError, PolicyState, Rollout, RoutingPolicy, compile_plan, parse_object
+from controlplane.etcd.keys import encode_json
+from controlplane.local import EmbeddedEtcd
+from controlplane.rollouts.analysis import PrometheusQueries
+from controlplane.rollouts.signals import SignalPublisher, collect, signals_key
+from policies import PolicyError, Rollout, RoutingPolicy, parse_object
 from policies.models import AnalysisRule
-from policies.rollout import BUCKET_BOUNDS, PoolSignals, evaluate, quantile
+from signals import PolicyState
 from xdsserver.signals import SignalBook
 from xdsserver.translate.listeners import SIGNALS_CLUSTER, translate_listener
 

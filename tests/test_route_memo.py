@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 from harness.builders import service_classes
 
-from policies import Endpoint, PolicyState, RouteMemo, compile_plan, parse_object
+from compiler import RouteMemo, compile_plan
+from policies import Endpoint, parse_object
 from policies.models import PolicyObject
-from policies.telemetry import TelemetryRecord
+from signals import PolicyState
+from signals.telemetry import TelemetryRecord
 
 NOW = 1_000_000.0
 
@@ -76,7 +78,7 @@ BASE_DOCS: dict[str, dict[str, Any]] = {
                     "balancing": "telemetry",
                 },
                 # Telemetry with session affinity: the bound its session entries take follows
-                # its replicas' batch fill (``policies.saturation``).
+                # its replicas' batch fill (``signals.saturation``).
                 {
                     "name": "sticky",
                     "match": {"models": ["sticky"]},

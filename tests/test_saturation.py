@@ -10,9 +10,9 @@ import pytest
 from harness.builders import policy, pool
 from pydantic import ValidationError
 
-from policies.compile import PolicyState, compile_plan
+from compiler.compile import PolicyState, compile_plan
 from policies.models import Pool, Route, RoutingPolicy
-from policies.saturation import (
+from signals.saturation import (
     CALM_SHARE,
     MIN_DWELL,
     SaturationDecision,
@@ -20,7 +20,7 @@ from policies.saturation import (
     decide_saturation,
     saturated_fill,
 )
-from policies.telemetry import TelemetryRecord
+from signals.telemetry import TelemetryRecord
 from xdsserver.translate import SATURATED_SUFFIX, translate
 
 NOW = 1000.0

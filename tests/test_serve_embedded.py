@@ -13,7 +13,7 @@ import pytest
 from harness.auth import ADMIN, ADMIN_TOKEN
 from harness.wait import wait_until
 
-from controlplane.launchers import ManagedProcess, free_port, repo_root
+from controlplane.local import ManagedProcess, free_port, repo_root
 from controlplane.logs import CHATTY_LOGGERS, setup_logging
 
 

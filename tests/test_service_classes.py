@@ -9,17 +9,19 @@ from typing import Any
 
 import pytest
 
-from controlplane.launchers import find_binary, repo_root
-from policies import PolicyError, PolicyState, compile_plan, load_objects, parse_object
-from policies.admission import (
+from compiler import compile_plan
+from controlplane.local import find_binary, repo_root
+from policies import PolicyError, load_objects, parse_object
+from policies.models import Endpoint, Saturation, ServiceClass, ServiceClasses
+from signals import PolicyState
+from signals.admission import (
     AdmissionDecision,
     decide,
     pool_pressure,
     pool_signals,
     pressure_of,
 )
-from policies.models import Endpoint, Saturation, ServiceClass, ServiceClasses
-from policies.telemetry import TelemetryRecord
+from signals.telemetry import TelemetryRecord
 from xdsserver.static import validate_with_envoy
 from xdsserver.translate import translate
 from xdsserver.translate.listeners import SHED_STATUS

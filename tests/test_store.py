@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry
 
 from controlplane.envoystatus import StatusPublisher
 from controlplane.etcd import ConflictError, EtcdClient
-from controlplane.keys import InvalidName, Keys, UnknownKind, decode_json
-from controlplane.launchers import EmbeddedEtcd, free_port
+from controlplane.etcd.keys import InvalidName, Keys, UnknownKind, decode_json
+from controlplane.etcd.store import AlreadyExists, InvalidValue, NotFound, RevisionMismatch, Store
+from controlplane.local import EmbeddedEtcd, free_port
 from controlplane.mirror import StateChange, StateMirror
-from controlplane.signals import SignalPublisher, signals_key
-from controlplane.store import AlreadyExists, InvalidValue, NotFound, RevisionMismatch, Store
+from controlplane.rollouts.signals import SignalPublisher, signals_key
 from xdsserver.signals import SignalBook
 from xdsserver.status import ConnectionRegistry
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.telemetry import (
+from signals.telemetry import (
     SGLANG,
     TGI,
     VLLM,

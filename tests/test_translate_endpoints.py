@@ -8,9 +8,11 @@ import dataclasses
 from envoy.config.endpoint.v3 import endpoint_pb2
 from google.protobuf import json_format, wrappers_pb2
 
-from controlplane.launchers import repo_root
-from policies import PolicyState, compile_plan, load_objects
-from policies.plan import PlanCluster, PlanEndpoint
+from compiler import compile_plan
+from compiler.plan import PlanCluster, PlanEndpoint
+from controlplane.local import repo_root
+from policies import load_objects
+from signals import PolicyState
 from xdsserver.translate.clusters import _varint, translate_endpoints
 
 

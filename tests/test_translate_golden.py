@@ -28,8 +28,10 @@ from harness.golden import (
     updating,
 )
 
-from controlplane.launchers import find_binary, repo_root
-from policies import PolicyState, compile_plan, load_objects
+from compiler import compile_plan
+from controlplane.local import find_binary, repo_root
+from policies import load_objects
+from signals import PolicyState
 from xdsserver.static import validate_with_envoy
 from xdsserver.translate import translate
 
@@ -91,7 +93,9 @@ def test_all_examples_together_pass_envoy_validation(tmp_path: Path) -> None:
 VERSIONS_SCRIPT = """
 import json, sys
 from pathlib import Path
-from policies import PolicyState, compile_plan, load_objects
+from signals import PolicyState
+from compiler import compile_plan
+from policies import load_objects
 from xdsserver.snapshot import Snapshot
 from xdsserver.translate import translate
 plan = compile_plan(PolicyState.from_objects(load_objects(Path(sys.argv[1]))))

@@ -16,8 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from policies.models import TELEMETRY_HASH_BALANCE_FACTOR, Endpoint
-from policies.telemetry import TelemetryRecord
-from policies.weights import WeightDecision, WeightParams, pool_weights
+from signals.telemetry import TelemetryRecord
+from signals.weights import WeightDecision, WeightParams, pool_weights
 
 NOW = 1000.0
 PORTS = {"a": 8001, "b": 8002, "c": 8003}
@@ -250,7 +250,7 @@ def test_weights_stay_between_the_floor_and_the_static_weight(
 
 
 def _state(now: float, waiting: dict[int, float], *, affinity: bool = False) -> Any:
-    from policies.compile import PolicyState
+    from compiler.compile import PolicyState
     from policies.models import Pool, RoutingPolicy
 
     pool = Pool.model_validate(
@@ -281,7 +281,7 @@ def _cluster_weights(plan: Any, name: str) -> dict[int, tuple[int, str]]:
 
 
 def test_compile_applies_telemetry_weights_only_to_telemetry_routes() -> None:
-    from policies.compile import compile_plan
+    from compiler.compile import compile_plan
 
     plan = compile_plan(_state(NOW, {8001: 40, 8002: 0, 8003: 0}))
     assert _cluster_weights(plan, "r/static") == dict.fromkeys(PORTS.values(), (100, "healthy"))
@@ -296,7 +296,7 @@ def test_compile_applies_telemetry_weights_only_to_telemetry_routes() -> None:
 def test_compile_carries_hysteresis_through_previous_weights() -> None:
     from dataclasses import replace
 
-    from policies.compile import compile_plan
+    from compiler.compile import compile_plan
 
     first = compile_plan(_state(NOW, {8001: 4, 8002: 0, 8003: 0}))
     assert _cluster_weights(first, "r/live")[8001] == (60, "healthy")
@@ -310,7 +310,7 @@ def test_compile_carries_hysteresis_through_previous_weights() -> None:
 
 
 def test_compile_gives_capacity_weights_when_the_telemetry_route_has_affinity() -> None:
-    from policies.compile import compile_plan
+    from compiler.compile import compile_plan
 
     plan = compile_plan(_state(NOW, {8001: 40, 8002: 0, 8003: 0}, affinity=True))
     assert _cluster_weights(plan, "r/live")[8001] == (100, "healthy")
@@ -447,7 +447,7 @@ def _affinity_factor(plan: Any, name: str) -> int:
 
 
 def test_a_telemetry_route_spills_at_125_unless_told_otherwise() -> None:
-    from policies.compile import compile_plan
+    from compiler.compile import compile_plan
     from policies.models import Route
 
     plan = compile_plan(_state(NOW, {8001: 0, 8002: 0, 8003: 0}, affinity=True))

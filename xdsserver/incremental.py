@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from policies import FleetPlan
+from compiler import FleetPlan
 from xdsserver import resources
 from xdsserver.snapshot import Snapshot
 from xdsserver.translate import (

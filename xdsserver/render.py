@@ -32,21 +32,14 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from pydantic import ValidationError
 
-from policies import (
-    Endpoint,
-    FieldError,
-    PolicyError,
-    PolicyObject,
-    PolicyState,
-    RoutingPlan,
-    compile_plan,
-    parse_object,
-)
-from policies.admission import AdmissionDecision
-from policies.saturation import SaturationDecision
-from policies.telemetry import TelemetryRecord
+from compiler import RoutingPlan, compile_plan
+from policies import Endpoint, FieldError, PolicyError, PolicyObject, parse_object
 from policies.validate import field_errors
-from policies.weights import WeightDecision
+from signals import PolicyState
+from signals.admission import AdmissionDecision
+from signals.saturation import SaturationDecision
+from signals.telemetry import TelemetryRecord
+from signals.weights import WeightDecision
 from xdsserver import resources
 from xdsserver.snapshot import Snapshot
 from xdsserver.translate import FleetResources, translate

@@ -20,9 +20,9 @@ Why ALS, and not load reports (LRS) or the metrics service:
 kvpilot turns the upstream log on only on listeners whose routes a Rollout watches
 (``PlanListener.upstream_signals``), so Envoys send nothing for the rest of the traffic. Envoy
 buffers entries and sends them in batches (``SIGNALS_FLUSH_INTERVAL``); parsing one entry costs
-microseconds. Entries are folded into per-pool counters (``policies.rollout.PoolSignals``) as
-they arrive; ``controlplane.signals`` publishes those counters to etcd, where the replica that
-drives rollouts sums them over every replica.
+microseconds. Entries are folded into per-pool counters (``compiler.rollout.PoolSignals``) as
+they arrive; ``controlplane.rollouts.signals`` publishes those counters to etcd, where the
+replica that drives rollouts sums them over every replica.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import duration_pb2
 
+from compiler.rollout import PoolSignals
 from policies.names import LOCAL_SUFFIX
-from policies.rollout import PoolSignals
 from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ Exit codes: 0 success, 1 error (one line on stderr), 2 usage error.
 The commands live in groups, one module each: ``objects`` (apply, diff, get, delete,
 set-weight), ``status`` (status, audit), ``rollout``, ``translate`` (offline), ``certs`` and
 ``bootstrap`` (mutual TLS and Envoy start-up, offline), ``completion``; ``common`` holds what
-they share. ``serve`` is ``commands.serve``; ``agent`` is ``controlplane.agentcli``.
+they share. ``serve`` is ``commands.serve``; ``agent`` is ``commands.agent``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent = add_parser(
         "agent", help="scrape backends' metrics into etcd telemetry (and register them)"
     )
-    from controlplane import agentcli as agent_command
+    from commands import agent as agent_command
 
     agent_command.add_arguments(agent)
     agent.set_defaults(func=agent_command.run)

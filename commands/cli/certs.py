@@ -55,7 +55,7 @@ def spiffe_id(trust_domain: str, fleet: str) -> str:
 def _pki() -> ModuleType:
     """The local stack's CA module, or a sentence on how to install what it needs."""
     try:
-        from controlplane import pki
+        from controlplane.local import pki
     except ImportError as error:
         if (error.name or "").split(".")[0] == "cryptography":
             raise CliError(INSTALL_HINT) from None

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from commands.cli.common import AddParser, api_client, bar, dump
-from policies.rollout import COMMANDS, TERMINAL
+from compiler.rollout import COMMANDS, TERMINAL
 
 
 def render_rollout(status: dict[str, Any], now: float) -> str:

@@ -120,7 +120,7 @@ hit rate and more turns answered away from their replica (README, Benchmarks).""
 
 TELEMETRY_SATURATED_HASH_BALANCE_FACTOR = 100
 """Bounded load of a ``balancing: telemetry`` route while its replicas are saturated
-(``policies.saturation``), unless the route sets its own: no host above the mean. With full
+(``signals.saturation``), unless the route sets its own: no host above the mean. With full
 batches a queue at one replica while another has a free slot is what costs, and in the
 scenario benchmark's overload 100 cut TTFT p99 to under half of 125's."""
 

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from controlplane.launchers import free_port, repo_root
+from controlplane.local import free_port, repo_root
 
 
 class MetricsBackend:
@@ -123,7 +123,7 @@ def agent_argv(
     return [
         sys.executable,
         "-m",
-        "controlplane.agentcli",
+        "commands.agent",
         "--etcd-endpoints",
         etcd_endpoint,
         "--etcd-prefix",

@@ -16,10 +16,10 @@ from api import ApiContext, create_app
 from api.auth import AuthConfig, WriteRateLimit
 from controlplane.audit import AuditLog
 from controlplane.etcd import EtcdClient
+from controlplane.etcd.store import Store
 from controlplane.mirror import StateChange, StateMirror
-from controlplane.reconcile import Reconciler
-from controlplane.reconcilemetrics import ReconcileMetrics
-from controlplane.store import Store
+from controlplane.reconcile.loop import Reconciler
+from controlplane.reconcile.metrics import ReconcileMetrics
 from harness.auth import ADMIN, auth_config
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry

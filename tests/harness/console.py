@@ -24,8 +24,8 @@ import pytest
 
 from bench.backend import BackendProcess
 from controlplane.etcd import EtcdClient
-from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess, free_port
-from controlplane.store import Store
+from controlplane.etcd.store import Store
+from controlplane.local import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess, free_port
 from harness.auth import ADMIN_TOKEN, TOKEN_ENV
 from harness.builders import FAST_HEALTH_CHECK, policy, pool
 from harness.envoy import envoy_hosts

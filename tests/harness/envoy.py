@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import collections
 
-from controlplane.launchers import EmbeddedEnvoy
-from policies.compile import listener_name
+from compiler.compile import listener_name
+from controlplane.local import EmbeddedEnvoy
 
 
 def envoy_hosts(envoy: EmbeddedEnvoy, cluster: str) -> dict[int, dict[str, str]]:

@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from controlplane.asgi import ServerGroup, read_announcement
-from controlplane.launchers import ManagedProcess
+from controlplane.local import ManagedProcess
 
 STREAM_CHUNKS = 6
 """Content chunks of a streamed answer, before `data: [DONE]`."""

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from controlplane.launchers import EmbeddedEtcd
+from controlplane.local import EmbeddedEtcd
 
 
 def process_gone(pid: int) -> bool:

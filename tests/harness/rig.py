@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from bench.backend import BackendProcess
-from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
+from controlplane.local import EmbeddedEnvoy, KvpilotProcess, free_port
 from harness.auth import ADMIN
 from harness.envoy import envoy_hosts, serves_listener
 from harness.traffic import CHAT

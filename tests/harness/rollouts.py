@@ -15,13 +15,13 @@ from typing import Any
 
 import httpx
 
-from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
+from compiler.compile import listener_name
+from controlplane.local import EmbeddedEnvoy, KvpilotProcess, free_port
 from harness import builders
 from harness.builders import FAST_HEALTH_CHECK, chat, pool
 from harness.envoy import envoy_hosts
 from harness.rig import api_client
 from harness.wait import wait_until
-from policies.compile import listener_name
 from xdsserver.translate import AFFINITY_SUFFIX
 
 LEASE_TTL = 3

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from controlplane.launchers import EmbeddedEnvoy
+from controlplane.local import EmbeddedEnvoy
 
 TYPES = {"CDS": "clusters", "EDS": "endpoints", "LDS": "listeners", "RDS": "routes"}
 """Short type name in /v1/status -> key of the versions in /v1/fleets/{fleet}/config."""

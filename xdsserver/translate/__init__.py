@@ -18,7 +18,7 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from google.protobuf.message import Message
 
-from policies.plan import FleetPlan, PlanCluster
+from compiler.plan import FleetPlan, PlanCluster
 from xdsserver import resources
 from xdsserver.translate.clusters import (
     AFFINITY_SUFFIX,

@@ -11,7 +11,7 @@ from envoy.config.route.v3 import route_components_pb2
 from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from envoy.type.v3 import percent_pb2
 
-from policies.plan import PlanClass, PlanRoute
+from compiler.plan import PlanClass, PlanRoute
 from xdsserver.translate.entries import route_entry
 from xdsserver.translate.listeners import SERVICE_CLASS, SHED_STATUS
 from xdsserver.translate.protos import pack

@@ -22,8 +22,8 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import wrappers_pb2
 
+from compiler.plan import PlanCluster, PlanEndpoint
 from policies.names import LOCAL_SUFFIX
-from policies.plan import PlanCluster, PlanEndpoint
 from xdsserver.translate.protos import (
     HTTP_PROTOCOL_OPTIONS,
     ads_source,

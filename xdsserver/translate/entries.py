@@ -10,7 +10,7 @@ from envoy.type.matcher.v3 import metadata_pb2, string_pb2
 from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
 from google.protobuf import wrappers_pb2
 
-from policies.plan import PlanRoute
+from compiler.plan import PlanRoute
 from xdsserver.translate.clusters import AFFINITY_SUFFIX, SATURATED_SUFFIX
 from xdsserver.translate.listeners import (
     LOCAL_RATELIMIT,

@@ -24,7 +24,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.type.matcher.v3 import regex_pb2 as regex_matcher_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
-from policies.plan import PlanListener
+from compiler.plan import PlanListener
 from xdsserver.translate.protos import ads_source, duration, http_filter_chain, pack, socket_address
 
 MODEL_METADATA_NAMESPACE = "envoy.lb"

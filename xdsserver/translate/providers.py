@@ -20,7 +20,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.http.injected_credentials.generic.v3 import generic_pb2
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 
-from policies.plan import PlanCluster
+from compiler.plan import PlanCluster
 from xdsserver.translate.clusters import INTERNAL_SUFFIX, cluster_base, translate_endpoints
 from xdsserver.translate.listeners import local_replies
 from xdsserver.translate.protos import duration, http_filter_chain, pack

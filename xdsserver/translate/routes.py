@@ -11,7 +11,7 @@ from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.type.matcher.v3 import string_pb2
 
-from policies.plan import PlanClass, PlanListener, PlanRoute, PlanVirtualHost
+from compiler.plan import PlanClass, PlanListener, PlanRoute, PlanVirtualHost
 from xdsserver.translate.classes import class_stat_prefix, restricted_entry, selects, with_class
 from xdsserver.translate.entries import match_of, route_entry, with_header
 from xdsserver.translate.listeners import LUA, SERVICE_CLASS

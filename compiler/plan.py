@@ -1,0 +1,270 @@
+"""The routing plan: what every fleet of Envoys should do, as plain immutable data.
+
+``compiler.compile`` builds it from validated objects, registered endpoints and telemetry;
+``xdsserver.translate`` turns it into Envoy resources. Nothing here does I/O, and nothing here
+knows about protobuf: the plan is what a reviewer reads to see what kvpilot decided.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from policies.models import (
+    TLS,
+    AuthHeader,
+    Balancing,
+    CircuitBreakers,
+    ClassAction,
+    ClassBudget,
+    ClassQueue,
+    EndpointHealth,
+    HealthCheck,
+    OutlierDetection,
+    Protocol,
+    RateLimit,
+    Retries,
+    SessionAffinity,
+    Timeouts,
+)
+from signals.admission import AdmissionDecision
+from signals.saturation import SaturationDecision
+from signals.weights import WeightDecision
+
+DEFAULT_FLEET = "default"
+"""The fleet whose config an Envoy gets when its node.cluster has no config of its own."""
+
+
+class PlanEndpoint(NamedTuple):
+    """One upstream host in one priority of a cluster.
+
+    A named tuple rather than a frozen dataclass: a fleet has one per endpoint and route, and a
+    tuple is built several times faster (a frozen dataclass sets each field through
+    ``object.__setattr__``), which at 10,000 endpoints is a good part of a compile."""
+
+    pool: str
+    address: str
+    port: int
+    weight: int
+    priority: int
+    health: EndpointHealth = "healthy"
+    region: str = ""
+    zone: str = ""
+    hostname: str = ""
+    """Host header for this endpoint when its pool rewrites it (Envoy's auto_host_rewrite)."""
+    hash_key: str = ""
+    """Where consistent hashing places this endpoint on the ring (the endpoint's ``name``);
+    empty: by its address."""
+
+
+ClusterKind = Literal["eds", "dns", "aggregate"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCluster:
+    """An Envoy cluster.
+
+    - ``eds``: the route's replicas, tier k at priority k, endpoints over EDS;
+    - ``dns``: one external provider pool, resolved by Envoy (EDS carries only IP addresses);
+    - ``aggregate``: failover across ``members`` in order, when a route ends in providers.
+    """
+
+    name: str
+    protocol: Protocol
+    balancing: Balancing
+    affinity: SessionAffinity | None
+    connect_timeout: float
+    health_check: HealthCheck
+    outlier_detection: OutlierDetection
+    circuit_breakers: CircuitBreakers
+    tls: TLS | None
+    auth: AuthHeader | None
+    endpoints: tuple[PlanEndpoint, ...]
+    kind: ClusterKind = "eds"
+    eds_service: str = ""
+    """Name of the ClusterLoadAssignment an ``eds`` cluster reads (default: its own name)."""
+    members: tuple[str, ...] = ()
+    """Clusters of an ``aggregate``, highest priority first."""
+    queues: tuple[tuple[str, ClassQueue], ...] = ()
+    """Twins of an ``eds`` cluster (same endpoints, same EDS resource) whose circuit breakers
+    hold queued service classes: (twin cluster name, bounds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanClass:
+    """One service class on one route: how Envoy tells its requests and what it admits."""
+
+    name: str
+    headers: tuple[tuple[str, str], ...]
+    """Exact header matches; with ``tenants``, all must hold. Both empty: the route's
+    fallback class, which takes whatever no other class claimed."""
+    tenants: tuple[str, ...]
+    action: ClassAction
+    admitted: float
+    """Share of the class's requests Envoy admits, 0 to 1; the rest are shed or diverted."""
+    retry_after: int
+    """Seconds, for the Retry-After of shed requests."""
+    target_cluster: str = ""
+    """Cluster that takes diverted requests (``action: divert``) or queues them (``queue``)."""
+    budget: ClassBudget | None = None
+
+    @property
+    def sheds(self) -> bool:
+        """True when some of the class's requests are turned away or diverted now."""
+        return self.action != "admit" and self.admitted < 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRoute:
+    """One route entry of a virtual host."""
+
+    name: str
+    cluster: str
+    models: tuple[str, ...]
+    path_prefix: str
+    headers: tuple[tuple[str, str], ...]
+    affinity: SessionAffinity | None
+    retries: Retries
+    timeouts: Timeouts
+    rate_limit: RateLimit | None
+    host_rewrite: bool
+    """Rewrite the Host header to the chosen endpoint's hostname (providers, hostRewrite)."""
+    tiers: int
+    served_models: tuple[str, ...] = ()
+    """What a client may ask this route for (sorted): its ``match.models``, or without them
+    the ``models`` of its pools. Listed by ``GET /v1/models``."""
+    classes: tuple[PlanClass, ...] = ()
+    """Service classes in the order Envoy tries them, the route's fallback class last; empty
+    when the policy declares none."""
+    tenant_header: str = ""
+    """Header naming the tenant, for class matches by tenant and class budgets."""
+    saturated: bool = False
+    """Session requests take the affinity cluster's saturated twin (its tighter bounded load,
+    ``SessionAffinity.saturated_hash_balance_factor``)."""
+
+    @property
+    def short_name(self) -> str:
+        """The route's name within its policy (``name`` is ``policy/route``)."""
+        return self.name.rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanVirtualHost:
+    """The routes of one RoutingPolicy on one listener."""
+
+    name: str
+    domains: tuple[str, ...]
+    model_header: str
+    routes: tuple[PlanRoute, ...]
+
+    @property
+    def routes_by_model(self) -> bool:
+        """True when some route selects requests by model name."""
+        return any(route.models for route in self.routes)
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """Every model a route of this virtual host serves, sorted."""
+        return tuple(sorted({model for route in self.routes for model in route.served_models}))
+
+
+@dataclass(frozen=True, slots=True)
+class PlanListener:
+    """A listener and its route configuration (both named after the port)."""
+
+    name: str
+    address: str
+    port: int
+    virtual_hosts: tuple[PlanVirtualHost, ...]
+    max_request_body_bytes: int
+    access_log: bool
+    drain_timeout: float
+    upstream_signals: bool = False
+    """Report every upstream attempt (pool host, status, time to first byte) to kvpilot over
+    Envoy's gRPC access log service: some route here is under a Rollout that reads the
+    data plane."""
+
+    @property
+    def routes_by_model(self) -> bool:
+        """True when the listener must read the request body's ``model`` field."""
+        return any(vhost.routes_by_model for vhost in self.virtual_hosts)
+
+    @property
+    def prefix_hashing(self) -> bool:
+        """True when some route hashes a prompt prefix for affinity (Envoy's Lua filter)."""
+        return any(
+            route.affinity is not None and route.affinity.prefix_hash_chars > 0
+            for vhost in self.virtual_hosts
+            for route in vhost.routes
+        )
+
+    @property
+    def rate_limited(self) -> bool:
+        """True when some route on the listener has a rate limit or a class budget."""
+        return any(
+            route.rate_limit is not None or any(c.budget for c in route.classes)
+            for vhost in self.virtual_hosts
+            for route in vhost.routes
+        )
+
+    @property
+    def classified(self) -> bool:
+        """True when some route has service classes. The listener then always carries what
+        shedding needs (the counting filter, the shed reply), whether or not anything is shed
+        now, so that admission changes stay in RDS and never touch the listener."""
+        return any(route.classes for vhost in self.virtual_hosts for route in vhost.routes)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetPlan:
+    """Everything one fleet of Envoys is sent."""
+
+    fleet: str
+    listeners: tuple[PlanListener, ...]
+    clusters: tuple[PlanCluster, ...]
+    secrets_dir: str = "/etc/envoy/secrets"
+    """Where this fleet's Envoys find secret files (SDS) named by pools' ``auth``."""
+    trusted_ca_file: str = "/etc/ssl/certs/ca-certificates.crt"
+    """CA bundle on this fleet's Envoy hosts for TLS pools without a caFile of their own."""
+
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnostic:
+    """Something a user should fix; the rest of the plan still ships (best effort)."""
+
+    severity: Severity
+    kind: str
+    name: str
+    message: str
+    path: str = ""
+
+    def __str__(self) -> str:
+        where = f"{self.kind}/{self.name}" + (f" at {self.path}" if self.path else "")
+        return f"{self.severity}: {where}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPlan:
+    """The compiled plan for every fleet, plus what could not be compiled and why."""
+
+    fleets: tuple[FleetPlan, ...]
+    diagnostics: tuple[Diagnostic, ...] = field(default=())
+    weights: Mapping[str, Mapping[str, WeightDecision]] = field(default_factory=dict, hash=False)
+    """What telemetry decided, for telemetry-balanced pools: pool -> endpoint key -> decision."""
+    admission: Mapping[str, AdmissionDecision] = field(default_factory=dict, hash=False)
+    """What telemetry decided for routes with service classes: route (``policy/route``) ->
+    decision."""
+    saturation: Mapping[str, SaturationDecision] = field(default_factory=dict, hash=False)
+    """What telemetry decided for routes whose bounded load tightens under saturation:
+    route (``policy/route``) -> decision."""
+
+    def fleet(self, name: str) -> FleetPlan | None:
+        """The plan of fleet ``name``, or None."""
+        for plan in self.fleets:
+            if plan.fleet == name:
+                return plan
+        return None

@@ -1,0 +1,377 @@
+"""Compile one route: its clusters (one EDS cluster with failover tier k at priority k, a DNS
+cluster per external provider, an aggregate over them), its route entry with its service
+classes, its diagnostics, and a memo that recompiles a route only when its inputs changed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from compiler.plan import Diagnostic, PlanClass, PlanCluster, PlanEndpoint, PlanRoute
+from policies.models import (
+    ClassQueue,
+    Pool,
+    PoolSpec,
+    Route,
+    RoutingPolicy,
+    Tier,
+)
+from policies.names import LOCAL_SUFFIX, cluster_name, queue_cluster_name
+from signals.admission import AdmissionDecision
+from signals.state import PolicyState, is_external, pool_endpoints
+from signals.weights import WeightDecision
+
+SPLIT_SCALE = 100
+"""Resolution of a split: a pool's endpoints share ``pool weight x SPLIT_SCALE`` weight units."""
+
+
+def _plan_classes(
+    policy: RoutingPolicy, route: Route, admission: AdmissionDecision | None
+) -> tuple[PlanClass, ...]:
+    """The route's classes in the order Envoy tries them: those with a match, most important
+    first, then the route's fallback class (its serviceClass, else the policy's default)."""
+    classes = policy.spec.service_classes
+    if classes is None:
+        return ()
+    decision = admission or AdmissionDecision()
+
+    def plan_class(index: int, *, fallback: bool) -> PlanClass:
+        service_class = classes.classes[index]
+        match = service_class.match
+        divert = service_class.divert_to
+        action = service_class.when_saturated
+        if divert == route.name:
+            # A route cannot divert to itself: this class is what it takes in.
+            action, divert = "admit", None
+        target = cluster_name(policy.metadata.name, divert) if divert else ""
+        if action == "queue":
+            target = queue_cluster_name(
+                cluster_name(policy.metadata.name, route.name), service_class.name
+            )
+        return PlanClass(
+            name=service_class.name,
+            headers=()
+            if fallback or match is None
+            else tuple((h.name, h.value) for h in match.headers),
+            tenants=() if fallback or match is None else tuple(match.tenants),
+            action=action,
+            admitted=decision.share(service_class.name) if action != "admit" else 1.0,
+            retry_after=max(1, math.ceil(service_class.retry_after)),
+            target_cluster=target,
+            budget=service_class.budget,
+        )
+
+    names = classes.names()
+    matched = [plan_class(i, fallback=False) for i, c in enumerate(classes.classes) if c.match]
+    fallback = plan_class(names.index(route.service_class or classes.default), fallback=True)
+    return (*matched, fallback)
+
+
+def _tier_endpoints(
+    tier: Tier,
+    priority: int,
+    state: PolicyState,
+    weights: Mapping[str, Mapping[str, WeightDecision]],
+) -> list[PlanEndpoint]:
+    members = []
+    for target in tier.pools:
+        pool = state.pools.get(target.pool)
+        if pool is None or target.weight == 0 or is_external(pool):
+            continue
+        endpoints = pool_endpoints(pool, state.registered.get(target.pool, {}))
+        decisions = weights.get(target.pool)
+        # (endpoint, weight, health): telemetry decisions override the registered values.
+        rows = [
+            (endpoint, endpoint.weight, endpoint.health)
+            if decisions is None or (decision := decisions.get(endpoint.key)) is None
+            else (endpoint, decision.weight, "degraded" if decision.degraded else endpoint.health)
+            for endpoint in endpoints
+        ]
+        if rows:
+            members.append((target.weight, pool, rows))
+    out: list[PlanEndpoint] = []
+    single = len(members) == 1
+    for pool_weight, pool, rows in members:
+        total = sum(weight for _, weight, _ in rows)
+        name = pool.metadata.name
+        hostname = pool.spec.host_rewrite or ""
+        # Positional, in one comprehension: this runs once per endpoint and route.
+        out.extend(
+            PlanEndpoint(
+                name,
+                endpoint.address,
+                endpoint.port,
+                weight if single else max(1, round(weight * pool_weight * SPLIT_SCALE / total)),
+                priority,
+                health,
+                endpoint.locality.region if endpoint.locality else "",
+                endpoint.locality.zone if endpoint.locality else "",
+                hostname,
+                endpoint.name or "",
+            )
+            for endpoint, weight, health in rows
+        )
+    return out
+
+
+def route_diagnostics(
+    policy: RoutingPolicy, index: int, route: Route, state: PolicyState
+) -> list[Diagnostic]:
+    name = policy.metadata.name
+    out = []
+    protocols = set()
+    seen_external = False
+    for tier_index, tier in enumerate(route.tiers):
+        for pool_index, target in enumerate(tier.pools):
+            path = f"spec.routes[{index}].tiers[{tier_index}].pools[{pool_index}]"
+            pool = state.pools.get(target.pool)
+            if pool is None:
+                out.append(
+                    Diagnostic(
+                        "warning",
+                        "RoutingPolicy",
+                        name,
+                        f"pool {target.pool!r} does not exist (yet); route {route.name!r} "
+                        "skips it until it is created",
+                        path,
+                    )
+                )
+                continue
+            if is_external(pool):
+                seen_external = True
+            else:
+                protocols.add(pool.spec.protocol)
+                if seen_external:
+                    out.append(
+                        Diagnostic(
+                            "warning",
+                            "RoutingPolicy",
+                            name,
+                            f"pool {target.pool!r} follows an external provider pool; replicas "
+                            "are always tried before external providers, in tier order",
+                            path,
+                        )
+                    )
+            if not pool.spec.endpoints and not state.registered.get(target.pool):
+                out.append(
+                    Diagnostic(
+                        "warning",
+                        "RoutingPolicy",
+                        name,
+                        f"pool {target.pool!r} has no endpoints",
+                        path,
+                    )
+                )
+    if len(protocols) > 1:
+        out.append(
+            Diagnostic(
+                "error",
+                "RoutingPolicy",
+                name,
+                f"route {route.name!r} mixes http1 and http2 pools; one Envoy cluster speaks "
+                "one protocol, so the first tier's protocol is used",
+                f"spec.routes[{index}]",
+            )
+        )
+    return out
+
+
+def _cluster(
+    name: str,
+    route: Route,
+    spec: PoolSpec,
+    endpoints: Iterable[PlanEndpoint],
+    **extra: Any,
+) -> PlanCluster:
+    return PlanCluster(
+        name=name,
+        protocol=spec.protocol,
+        balancing=route.balancing,
+        affinity=route.session_affinity,
+        connect_timeout=spec.connect_timeout,
+        health_check=spec.health_check,
+        outlier_detection=spec.outlier_detection,
+        circuit_breakers=spec.circuit_breakers,
+        tls=spec.tls,
+        auth=spec.auth,
+        endpoints=tuple(endpoints),
+        **extra,
+    )
+
+
+def _provider_cluster(name: str, route: Route, pool: Pool, state: PolicyState) -> PlanCluster:
+    endpoints = [
+        PlanEndpoint(
+            pool=pool.metadata.name,
+            address=endpoint.address,
+            port=endpoint.port,
+            weight=endpoint.weight,
+            priority=0,
+            health=endpoint.health,
+            hostname=pool.spec.host_rewrite or endpoint.address,
+        )
+        for endpoint in pool_endpoints(pool, state.registered.get(pool.metadata.name, {}))
+    ]
+    # Hashing does not apply to a provider: it keeps its own cache.
+    cluster = _cluster(name, route, pool.spec, endpoints, kind="dns")
+    return replace(cluster, affinity=None, balancing="round_robin")
+
+
+def compile_route(
+    policy: RoutingPolicy,
+    route: Route,
+    state: PolicyState,
+    weights: Mapping[str, Mapping[str, WeightDecision]],
+    admission: AdmissionDecision | None = None,
+    *,
+    saturated: bool = False,
+) -> tuple[list[PlanCluster], PlanRoute]:
+    """The clusters of one route and its route entry.
+
+    Replicas (IP endpoints) of every tier go into one EDS cluster at priority = tier. External
+    provider pools get a DNS cluster each; when a route has any, an aggregate cluster puts the
+    replicas first and the providers after them, in tier order.
+    """
+    name = cluster_name(policy.metadata.name, route.name)
+    route_weights = weights if route.balancing == "telemetry" else {}
+    endpoints: list[PlanEndpoint] = []
+    providers: list[Pool] = []
+    for priority, tier in enumerate(route.tiers):
+        endpoints.extend(_tier_endpoints(tier, priority, state, route_weights))
+        providers.extend(
+            pool
+            for target in tier.pools
+            if (pool := state.pools.get(target.pool)) is not None
+            and is_external(pool)
+            and target.weight > 0
+        )
+    local = [
+        state.pools[target.pool]
+        for tier in route.tiers
+        for target in tier.pools
+        if target.pool in state.pools and not is_external(state.pools[target.pool])
+    ]
+    # Cluster-wide settings of the replicas' cluster come from the first pool, tier 0 first.
+    spec = local[0].spec if local else PoolSpec()
+    uses_hostname = any(pool.spec.host_rewrite for pool in local) or bool(providers)
+    plan_route = PlanRoute(
+        name=name,
+        cluster=name,
+        models=tuple(route.match.models),
+        path_prefix=route.match.path_prefix,
+        headers=tuple((header.name, header.value) for header in route.match.headers),
+        affinity=route.session_affinity,
+        retries=route.retries,
+        timeouts=route.timeouts,
+        rate_limit=route.rate_limit,
+        host_rewrite=uses_hostname,
+        tiers=len(route.tiers),
+        served_models=tuple(
+            sorted(
+                set(route.match.models)
+                or {
+                    model
+                    for tier in route.tiers
+                    for target in tier.pools
+                    if (pool := state.pools.get(target.pool)) is not None
+                    for model in pool.spec.models
+                }
+            )
+        ),
+        classes=_plan_classes(policy, route, admission),
+        tenant_header=policy.spec.service_classes.tenant_header
+        if policy.spec.service_classes is not None
+        else "",
+        saturated=saturated,
+    )
+    classes = policy.spec.service_classes
+    queues = tuple(
+        (queue_cluster_name(name, c.name), c.queue or ClassQueue())
+        for c in (classes.queued if classes is not None else [])
+    )
+    if not providers:
+        return [_cluster(name, route, spec, endpoints, queues=queues)], plan_route
+    members: list[str] = []
+    clusters: list[PlanCluster] = []
+    if local:
+        local_name = name + LOCAL_SUFFIX
+        clusters.append(
+            _cluster(local_name, route, spec, endpoints, eds_service=name, queues=queues)
+        )
+        members.append(local_name)
+    for pool in providers:
+        provider = _provider_cluster(f"{name}/provider/{pool.metadata.name}", route, pool, state)
+        clusters.append(provider)
+        members.append(provider.name)
+    aggregate = _cluster(name, route, spec, (), kind="aggregate", members=tuple(members))
+    return [aggregate, *clusters], plan_route
+
+
+@dataclass(frozen=True, slots=True)
+class MemoEntry:
+    inputs: tuple[object, ...]
+    diagnostics: list[Diagnostic]
+    clusters: list[PlanCluster]
+    route: PlanRoute
+
+
+class RouteMemo:
+    """What `compile_plan` built for each route last time, and the objects it read to build it.
+
+    A route is compiled again only when it changed, or when one of its other inputs is not the
+    very object it was last time: for each pool it names the pool, its registered endpoints and its
+    telemetry weights. Callers that keep unchanged objects (the reconciler's decoded state
+    replaces a pool's endpoint mapping only when one of them changes) pay for what changed, not
+    for the fleet; an endpoint change recompiles the routes of its pool alone, and the plan's
+    other clusters stay the same objects, which translation compares by identity first. Inputs
+    are held, so an identity is never that of a collected object.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, MemoEntry] = {}
+
+    def route(
+        self,
+        policy: RoutingPolicy,
+        index: int,
+        route: Route,
+        state: PolicyState,
+        weights: Mapping[str, Mapping[str, WeightDecision]],
+        admission: AdmissionDecision | None = None,
+        *,
+        saturated: bool = False,
+    ) -> MemoEntry:
+        """The compiled route, reused when its inputs are unchanged."""
+        route_weights = weights if route.balancing == "telemetry" else {}
+        names = [target.pool for tier in route.tiers for target in tier.pools]
+        inputs = (
+            (route, policy.spec.service_classes, admission, saturated),
+            index,
+            *(state.pools.get(name) for name in names),
+            *(state.registered.get(name) for name in names),
+            *(route_weights.get(name) for name in names),
+        )
+        name = cluster_name(policy.metadata.name, route.name)
+        entry = self._entries.get(name)
+        if (
+            entry is not None
+            and len(entry.inputs) == len(inputs)
+            # The route, its policy's service classes, admission and saturation are small, and
+            # a policy edit makes them all new objects: compare them by value; the rest is large
+            # and compared by identity.
+            and entry.inputs[0] == inputs[0]
+            and all(a is b for a, b in zip(entry.inputs[1:], inputs[1:], strict=True))
+        ):
+            return entry
+        clusters, plan_route = compile_route(
+            policy, route, state, weights, admission, saturated=saturated
+        )
+        return MemoEntry(
+            inputs, route_diagnostics(policy, index, route, state), clusters, plan_route
+        )
+
+    def keep(self, entries: dict[str, MemoEntry]) -> None:
+        """Remember exactly this compile's routes (dropping the ones that are gone)."""
+        self._entries = entries

@@ -1,0 +1,142 @@
+"""What telemetry decided at the last compile: endpoint weights (``signals.weights``),
+admission per service class (``signals.admission``) and the saturation of telemetry routes
+(``signals.saturation``). The reconciler hands them to the next compile for hysteresis; this
+module exports them as metrics, logs their changes, and says when a rebuild is due although
+nothing in etcd changed (a record going stale, an admission step, a saturated route's dwell
+ending)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Mapping
+
+from compiler import RoutingPlan
+from controlplane.reconcile.metrics import ReconcileMetrics
+from policies.models import TELEMETRY_MAX_AGE
+from signals import PolicyState
+from signals.admission import AdmissionDecision
+from signals.saturation import SaturationDecision
+from signals.weights import WeightDecision
+
+log = logging.getLogger(__name__)
+
+
+class LiveDecisions:
+    """The last compile's live decisions, their metrics and when they next need a rebuild."""
+
+    def __init__(self, metrics: ReconcileMetrics) -> None:
+        self.metrics = metrics
+        self.weights: Mapping[str, Mapping[str, WeightDecision]] = {}
+        self.admission: Mapping[str, AdmissionDecision] = {}
+        self.saturation: Mapping[str, SaturationDecision] = {}
+        self._stale_at = math.inf
+        self._step_at = math.inf
+        self._calm_at = math.inf
+
+    @property
+    def due_at(self) -> float:
+        """When a rebuild is due although nothing changes (``self.clock()`` of the
+        reconciler; infinite when none is)."""
+        return min(self._stale_at, self._step_at, self._calm_at)
+
+    @due_at.setter
+    def due_at(self, value: float) -> None:
+        self._stale_at = self._step_at = self._calm_at = value
+
+    def track(self, state: PolicyState, plan: RoutingPlan) -> None:
+        """Take the decisions of the compile of `state` into `plan`."""
+        self._track_weights(state, plan)
+        self._track_admission(plan)
+        self._track_saturation(plan)
+
+    def _track_weights(self, state: PolicyState, plan: RoutingPlan) -> None:
+        """Keep telemetry decisions for hysteresis, count changes, and schedule the rebuild
+        that returns the first fresh record to neutral when it goes stale."""
+        next_stale = math.inf
+        for pool, decisions in plan.weights.items():
+            before = self.weights.get(pool, {})
+            spec = state.pools[pool].spec.telemetry if pool in state.pools else None
+            max_age = spec.max_age if spec is not None else TELEMETRY_MAX_AGE
+            for endpoint_id, decision in decisions.items():
+                old = before.get(endpoint_id)
+                if old is None or old.weight != decision.weight:
+                    self.metrics.telemetry_weight.labels(pool, endpoint_id).set(decision.weight)
+                if old is not None and (old.weight, old.degraded) != (
+                    decision.weight,
+                    decision.degraded,
+                ):
+                    self.metrics.weight_changes.labels(pool).inc()
+                if not decision.neutral and decision.age is not None:
+                    next_stale = min(next_stale, state.now - decision.age + max_age)
+            self.metrics.degraded.labels(pool).set(sum(d.degraded for d in decisions.values()))
+        # The gauges hold exactly the last decisions: drop the series of endpoints and pools
+        # that have none now.
+        for pool, decisions in self.weights.items():
+            kept = plan.weights.get(pool, {})
+            for endpoint_id in decisions.keys() - kept.keys():
+                self.metrics.telemetry_weight.remove(pool, endpoint_id)
+            if pool not in plan.weights:
+                self.metrics.degraded.remove(pool)
+        self.weights = plan.weights
+        # A little after the deadline, so the record is stale by then on any rounding.
+        self._stale_at = next_stale + 0.05
+
+    def _track_admission(self, plan: RoutingPlan) -> None:
+        """Keep admission decisions for hysteresis, export them, and schedule the rebuild at
+        which the level would take its next step."""
+        metrics = self.metrics
+        for route, decision in plan.admission.items():
+            before = self.admission.get(route)
+            metrics.admission_pressure.labels(route).set(
+                math.nan if decision.pressure is None else decision.pressure
+            )
+            for service_class, share in (decision.admitted or {}).items():
+                metrics.admission_admitted.labels(route, service_class).set(share)
+            if before is not None and before.level != decision.level:
+                direction = "restrict" if decision.level > before.level else "readmit"
+                metrics.admission_changes.labels(route, direction).inc()
+                log.info(
+                    "admission on %s: level %d -> %d at pressure %s; admitted %s",
+                    route,
+                    before.level,
+                    decision.level,
+                    decision.pressure,
+                    dict(decision.admitted or {}),
+                )
+        for route, decision in self.admission.items():
+            if route not in plan.admission:
+                metrics.admission_pressure.remove(route)
+                for service_class in decision.admitted or {}:
+                    with contextlib.suppress(KeyError):
+                        metrics.admission_admitted.remove(route, service_class)
+        self.admission = plan.admission
+        # A little after the step is due, so the interval has passed on any rounding.
+        self._step_at = (
+            min((d.next_step_at for d in plan.admission.values()), default=math.inf) + 0.05
+        )
+
+    def _track_saturation(self, plan: RoutingPlan) -> None:
+        """Keep saturation decisions for hysteresis, export them and log each change."""
+        metrics = self.metrics
+        for route, decision in plan.saturation.items():
+            metrics.saturated.labels(route).set(int(decision.saturated))
+            metrics.batch_fill.labels(route).set(
+                math.nan if decision.fill is None else decision.fill
+            )
+            before = self.saturation.get(route)
+            if before is not None and before.saturated != decision.saturated:
+                log.info(
+                    "%s: replicas %s at batch fill %s; session requests take the %s bound",
+                    route,
+                    "saturated" if decision.saturated else "calm again",
+                    decision.fill,
+                    "saturated" if decision.saturated else "usual",
+                )
+        for route in self.saturation.keys() - plan.saturation.keys():
+            metrics.saturated.remove(route)
+            metrics.batch_fill.remove(route)
+        self.saturation = plan.saturation
+        # A little after the dwell ends, so it has passed on any rounding.
+        self._calm_at = min((d.calm_at for d in plan.saturation.values()), default=math.inf) + 0.05

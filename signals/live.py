@@ -1,0 +1,121 @@
+"""The live stage of compilation: endpoint weights from telemetry for the pools of
+``balancing: telemetry`` routes (``signals.weights``), the admitted share of each class
+for the routes of policies with service classes (``signals.admission``), and which bounded
+load the session requests of a telemetry route take (``signals.saturation``)."""
+
+from __future__ import annotations
+
+from policies.models import TELEMETRY_MAX_AGE, Endpoint, Route
+from policies.names import cluster_name
+from signals.admission import AdmissionDecision, decide, pool_signals, pressure_of
+from signals.saturation import (
+    SaturationDecision,
+    batch_fill,
+    decide_saturation,
+    saturated_fill,
+)
+from signals.state import PolicyState, is_external, pool_endpoints
+from signals.telemetry import TelemetryRecord
+from signals.weights import WeightDecision, WeightParams, pool_weights
+
+
+def telemetry_weights(state: PolicyState) -> dict[str, dict[str, WeightDecision]]:
+    """Weights from telemetry for every pool that a ``balancing: telemetry`` route uses: pool
+    name -> endpoint key -> decision. A pool behind session affinity in any such route is
+    quantized coarsely (it shares one ClusterLoadAssignment with its hash cluster)."""
+    affinity: dict[str, bool] = {}
+    for policy in state.policies.values():
+        for route in policy.spec.routes:
+            if route.balancing != "telemetry":
+                continue
+            for tier in route.tiers:
+                for target in tier.pools:
+                    affinity[target.pool] = affinity.get(target.pool, False) or (
+                        route.session_affinity is not None
+                    )
+    out: dict[str, dict[str, WeightDecision]] = {}
+    for name in sorted(affinity):
+        pool = state.pools.get(name)
+        if pool is None:
+            continue
+        source = pool.spec.telemetry
+        out[name] = pool_weights(
+            pool_endpoints(pool, state.registered.get(name, {})),
+            state.telemetry.get(name, {}),
+            now=state.now,
+            previous=state.previous_weights.get(name, {}),
+            params=WeightParams(max_age=source.max_age) if source else WeightParams(),
+            affinity=affinity[name],
+        )
+    return out
+
+
+def _first_tier(
+    state: PolicyState, route: Route
+) -> tuple[list[Endpoint], dict[str, TelemetryRecord], float]:
+    """The replicas of a route's first tier (external providers and pools weighted 0 left
+    out), their telemetry by endpoint key and the shortest ``maxAge`` of their pools."""
+    endpoints: list[Endpoint] = []
+    telemetry: dict[str, TelemetryRecord] = {}
+    max_age = TELEMETRY_MAX_AGE
+    for target in route.tiers[0].pools:
+        pool = state.pools.get(target.pool)
+        if pool is None or is_external(pool) or target.weight == 0:
+            continue
+        endpoints.extend(pool_endpoints(pool, state.registered.get(target.pool, {})))
+        telemetry.update(state.telemetry.get(target.pool, {}))
+        if pool.spec.telemetry is not None:
+            max_age = min(max_age, pool.spec.telemetry.max_age)
+    return endpoints, telemetry, max_age
+
+
+def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
+    """Admission for every route of every policy with service classes: route cluster name
+    (``policy/route``) -> decision, from the pressure of the route's first-tier replicas."""
+    out: dict[str, AdmissionDecision] = {}
+    for policy_name in sorted(state.policies):
+        spec = state.policies[policy_name].spec
+        classes = spec.service_classes
+        if classes is None:
+            continue
+        for route in spec.routes:
+            endpoints, telemetry, max_age = _first_tier(state, route)
+            signals = pool_signals(
+                endpoints,
+                telemetry,
+                now=state.now,
+                max_age=max_age,
+                saturation=classes.saturation,
+                ttft_bound=classes.ttft_bound,
+            )
+            name = cluster_name(policy_name, route.name)
+            out[name] = decide(
+                state.previous_admission.get(name),
+                pressure_of(signals),
+                classes.classes,
+                now=state.now,
+                saturation=classes.saturation,
+                signals=signals,
+            )
+    return out
+
+
+def saturation_decisions(state: PolicyState) -> dict[str, SaturationDecision]:
+    """Saturation for every route whose bounded load tightens when its replicas are
+    saturated (``sessionAffinity.saturatedHashBalanceFactor``): route cluster name
+    (``policy/route``) -> decision, from the batch fill of the route's first-tier replicas."""
+    out: dict[str, SaturationDecision] = {}
+    for policy_name in sorted(state.policies):
+        for route in state.policies[policy_name].spec.routes:
+            affinity = route.session_affinity
+            if affinity is None or not affinity.saturated_hash_balance_factor:
+                continue
+            endpoints, telemetry, max_age = _first_tier(state, route)
+            name = cluster_name(policy_name, route.name)
+            out[name] = decide_saturation(
+                state.previous_saturation.get(name),
+                batch_fill(endpoints, telemetry, now=state.now, max_age=max_age),
+                now=state.now,
+                bound=saturated_fill(affinity.hash_balance_factor),
+            )
+    return out

@@ -1,0 +1,75 @@
+"""What compilation reads: validated objects filed by kind plus the live inputs (registered
+endpoints, telemetry, the previous compile's decisions), and a pool's endpoints as
+compilation sees them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.models import Endpoint, Fleet, PolicyObject, Pool, Rollout, RoutingPolicy
+from signals.admission import AdmissionDecision
+from signals.saturation import SaturationDecision
+from signals.telemetry import TelemetryRecord
+from signals.weights import WeightDecision
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """Everything compilation needs, already validated."""
+
+    pools: Mapping[str, Pool] = field(default_factory=dict)
+    policies: Mapping[str, RoutingPolicy] = field(default_factory=dict)
+    fleets: Mapping[str, Fleet] = field(default_factory=dict)
+    registered: Mapping[str, Mapping[str, Endpoint]] = field(default_factory=dict)
+    """Endpoints registered through the API or by agents: pool name -> endpoint id -> endpoint."""
+    telemetry: Mapping[str, Mapping[str, TelemetryRecord]] = field(default_factory=dict)
+    """Latest telemetry: pool name -> endpoint id (``address:port``) -> record."""
+    previous_weights: Mapping[str, Mapping[str, WeightDecision]] = field(default_factory=dict)
+    """``RoutingPlan.weights`` of the previous compile, for hysteresis."""
+    previous_admission: Mapping[str, AdmissionDecision] = field(default_factory=dict)
+    """``RoutingPlan.admission`` of the previous compile, for hysteresis."""
+    previous_saturation: Mapping[str, SaturationDecision] = field(default_factory=dict)
+    """``RoutingPlan.saturation`` of the previous compile, for hysteresis."""
+    now: float = 0.0
+    """Wall-clock seconds that telemetry ages are measured against."""
+    rollouts: Mapping[str, Rollout] = field(default_factory=dict)
+    """Rollouts: their routes' listeners report every upstream attempt to kvpilot."""
+
+    @classmethod
+    def from_objects(cls, objects: Iterable[PolicyObject], **live: Any) -> PolicyState:
+        """File validated objects by kind (a later object replaces an earlier one of the same
+        kind and name); ``live`` gives the other fields (registered endpoints, telemetry...)."""
+        by_kind: dict[type[PolicyObject], dict[str, Any]] = {
+            Pool: {},
+            RoutingPolicy: {},
+            Fleet: {},
+            Rollout: {},
+        }
+        for obj in objects:
+            by_kind[type(obj)][obj.metadata.name] = obj
+        return cls(
+            pools=by_kind[Pool],
+            policies=by_kind[RoutingPolicy],
+            fleets=by_kind[Fleet],
+            rollouts=by_kind[Rollout],
+            **live,
+        )
+
+
+def is_external(pool: Pool) -> bool:
+    """An external provider pool (``PoolSpec.external``): TLS or DNS-named endpoints."""
+    return pool.spec.external
+
+
+def pool_endpoints(pool: Pool, registered: Mapping[str, Endpoint]) -> list[Endpoint]:
+    """Static endpoints of a pool plus registered ones; a registration overrides a static entry
+    with the same address and port."""
+    static = pool.spec.by_key
+    if not registered:
+        return list(static.values())
+    merged = dict(static)
+    for endpoint in registered.values():
+        merged[endpoint.key] = endpoint
+    return [merged[key] for key in sorted(merged)]
