@@ -4,6 +4,7 @@ reference files in deploy/envoy/ say."""
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
 import os
 import shutil
@@ -215,6 +216,25 @@ def test_certs_makes_fleet_identities_and_prints_the_flags_to_use_them(
     assert f"--xds-client-ca {out_dir}/kvpilot/ca.crt" in out
     assert (out_dir / "kvpilot" / "ca.crt").read_bytes() == (out_dir / "ca.crt").read_bytes()
     assert not [p for p in out_dir.iterdir() if p.name.startswith(".")]
+    # 90 days by default, and the CA outlives the certificates it signed.
+    ca = x509.load_pem_x509_certificate((out_dir / "ca.crt").read_bytes())
+    lifetime = server.not_valid_after_utc - server.not_valid_before_utc
+    assert datetime.timedelta(days=90) <= lifetime <= datetime.timedelta(days=90, minutes=10)
+    assert ca.not_valid_after_utc > server.not_valid_after_utc
+
+
+def test_certs_days_sets_the_lifetime_and_refuses_nonsense(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _, err = run(capsys, "certs", "--out", str(tmp_path / "a"), "--days", "7")
+    assert code == 0, err
+    cert = x509.load_pem_x509_certificate((tmp_path / "a" / "kvpilot" / "tls.crt").read_bytes())
+    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
+    assert datetime.timedelta(days=7) <= lifetime <= datetime.timedelta(days=7, minutes=10)
+    for bad in ("0", "seven", "4000"):
+        code, _, err = run(capsys, "certs", "--out", str(tmp_path / "b"), "--days", bad)
+        assert code == 2 and "--days" in err
+        assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize(

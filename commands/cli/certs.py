@@ -106,7 +106,8 @@ def _check(args: argparse.Namespace) -> list[str]:
 def _write_certs(
     pki: ModuleType, out: Path, staging: Path, args: argparse.Namespace, fleets: Sequence[str]
 ) -> None:
-    ca = pki.Ca("kvpilot local CA")
+    # The CA outlives its leaves by a day, so the last leaf never outlives its issuer.
+    ca = pki.Ca("kvpilot local CA", days=args.days + 1)
     (staging / "ca.crt").write_bytes(ca.cert)
     server = pki.CertDir(
         staging / SERVER_DIR,
@@ -114,6 +115,7 @@ def _write_certs(
             "kvpilot",
             dns=tuple(dict.fromkeys((*SERVER_DNS, *args.server_dns))),
             ips=tuple(dict.fromkeys((*SERVER_IPS, *args.server_ip))),
+            days=args.days,
         ),
         ca.cert,
     )
@@ -122,7 +124,7 @@ def _write_certs(
         name = fleet_dir(fleet)
         envoy = pki.CertDir(
             staging / name,
-            ca.issue(f"envoy-{fleet}", uris=(spiffe_id(args.trust_domain, fleet),)),
+            ca.issue(f"envoy-{fleet}", uris=(spiffe_id(args.trust_domain, fleet),), days=args.days),
             ca.cert,
         )
         keys.append(envoy.key)
@@ -131,6 +133,16 @@ def _write_certs(
             (envoy.path / file).write_text(yaml.safe_dump(content, sort_keys=False))
     for key in keys:
         os.chmod(key.resolve(), 0o600)
+
+
+def _days(value: str) -> int:
+    try:
+        days = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of days") from None
+    if not 1 <= days <= 3650:
+        raise argparse.ArgumentTypeError(f"{days} is outside 1-3650 days")
+    return days
 
 
 def _expiry(path: Path) -> str:
@@ -265,6 +277,13 @@ def add_parsers(add_parser: AddParser) -> None:
         default="127.0.0.1:18000",
         metavar="HOST:PORT",
         help="kvpilot's ADS address, for the printed commands (default 127.0.0.1:18000)",
+    )
+    parser.add_argument(
+        "--days",
+        type=_days,
+        default=90,
+        metavar="N",
+        help="how long the certificates are valid, in days (default 90; the CA a day longer)",
     )
     parser.add_argument(
         "--envoy-tls-path",

@@ -44,7 +44,7 @@ class Leaf:
 class Ca:
     """A self-signed CA that issues server and client certificates."""
 
-    def __init__(self, name: str = "kvpilot test CA") -> None:
+    def __init__(self, name: str = "kvpilot test CA", *, days: int = 2) -> None:
         self._key = _key()
         self._name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         now = datetime.datetime.now(datetime.UTC)
@@ -55,7 +55,7 @@ class Ca:
             .public_key(self._key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=2))
+            .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
@@ -82,8 +82,10 @@ class Ca:
         dns: tuple[str, ...] = (),
         uris: tuple[str, ...] = (),
         ips: tuple[str, ...] = (),
+        days: int = 1,
     ) -> Leaf:
-        """A certificate for both TLS server and client use, with the given SANs."""
+        """A certificate for both TLS server and client use, with the given SANs, valid for
+        `days` (short by default: the tests and the demo make new ones every run)."""
         key = _key()
         now = datetime.datetime.now(datetime.UTC)
         names: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
@@ -96,7 +98,7 @@ class Ca:
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(
                 x509.ExtendedKeyUsage(
                     [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
