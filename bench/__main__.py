@@ -40,7 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from bench.routing import POLICIES, default_config, run_routing
+from bench.routing.sequential import POLICIES, default_config, run_routing
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -93,8 +93,8 @@ def _routing(args: argparse.Namespace) -> int:
 
 
 def _scenarios(args: argparse.Namespace) -> int:
-    from bench.scenarios import SUITE_POLICIES, default_suite
-    from bench.suite import run_suite
+    from bench.routing.scenarios import SUITE_POLICIES, default_suite
+    from bench.routing.suite import run_suite
 
     config = _with_out(default_suite(short=args.short), args)
     if args.seeds:
@@ -113,12 +113,12 @@ def _scenarios(args: argparse.Namespace) -> int:
 
 
 def _controlplane(args: argparse.Namespace) -> int:
-    from bench.controlplane import default_config as controlplane_config
-    from bench.controlplane import run_controlplane
+    from bench.controlplane.run import default_config as controlplane_config
+    from bench.controlplane.run import run_controlplane
 
     config = _with_out(controlplane_config(short=args.short), args)
     if args.baseline:
-        from bench.baseline import (
+        from bench.controlplane.baseline import (
             ack_side_by_side,
             acks_markdown,
             markdown,
@@ -143,9 +143,9 @@ def _controlplane(args: argparse.Namespace) -> int:
 
 
 def _classes(args: argparse.Namespace) -> int:
-    from bench.classes import POLICIES as CLASSES_POLICIES
-    from bench.classes import default_config as classes_config
-    from bench.classes_run import run_classes
+    from bench.classes.config import POLICIES as CLASSES_POLICIES
+    from bench.classes.config import default_config as classes_config
+    from bench.classes.run import run_classes
 
     config = _with_out(classes_config(short=args.short), args)
     if args.policies:
@@ -155,7 +155,7 @@ def _classes(args: argparse.Namespace) -> int:
 
 
 def _rollout(args: argparse.Namespace) -> int:
-    from bench.rollout import default_rollout_config, run_rollout_bench
+    from bench.rollout.run import default_rollout_config, run_rollout_bench
 
     config = _with_out(default_rollout_config(short=args.short), args)
     print(f"\nreport: {run_rollout_bench(config, state_dir=args.state_dir)}")

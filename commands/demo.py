@@ -27,7 +27,6 @@ from typing import Any
 import httpx
 
 from api.client import KvpilotClient
-from bench.backend import BackendProcess
 from controlplane.launchers import (
     EmbeddedEnvoy,
     LocalStack,
@@ -37,6 +36,7 @@ from controlplane.launchers import (
     wait_until,
 )
 from policies import load_objects
+from replicasim.backend import BackendProcess
 
 EXAMPLE = repo_root() / "policies" / "examples" / "demo.yaml"
 

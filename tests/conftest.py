@@ -22,8 +22,8 @@ from harness.gated_backend import GatedBackend
 from harness.rig import BackendFactory, EnvoyFactory, KvpilotFactory, Rig
 from harness.xdsclient import RunningServer
 
-from bench.backend import BackendProcess
 from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
+from replicasim.backend import BackendProcess
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

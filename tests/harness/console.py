@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.backend import BackendProcess
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess, free_port
 from controlplane.store import Store
@@ -30,6 +29,7 @@ from harness.auth import ADMIN_TOKEN, TOKEN_ENV
 from harness.builders import FAST_HEALTH_CHECK, policy, pool
 from harness.envoy import envoy_hosts
 from harness.wait import wait_until
+from replicasim.backend import BackendProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [

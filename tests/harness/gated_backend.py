@@ -1,6 +1,6 @@
 """Model replicas that hold requests until the test opens a gate, for end-to-end routing tests.
 
-`bench.backend` answers at once (or after simulated GPU time), so a test cannot know that a set
+`replicasim.backend` answers at once (or after simulated GPU time), so a test cannot know that a set
 of requests is in flight at the same moment. Bounded load is about exactly that: where Envoy
 puts a request depends on how many requests each host holds right now. These replicas count
 requests in flight and keep them until `POST /admin/gate {"open": true}`, so a test can send
