@@ -35,8 +35,8 @@ from controlplane.launchers import (
     repo_root,
     wait_until,
 )
+from controlplane.launchers.replicas import BackendProcess
 from policies import load_objects
-from replicasim.backend import BackendProcess
 
 EXAMPLE = repo_root() / "policies" / "examples" / "demo.yaml"
 

@@ -2,5 +2,6 @@
 prefix caching, continuous batching in simulated time and vLLM's Prometheus metrics.
 
 Used by the demo, the tests and the benchmarks; it imports no other package of this project,
-so anything may start it (`replicasim.backend.BackendProcess`).
+so anything may start it (`python -m replicasim`; from Python,
+`controlplane.launchers.replicas.BackendProcess`).
 """

@@ -1,5 +1,5 @@
 """One simulated OpenAI-compatible model replica: its state, switches and counters, and its
-HTTP app (Starlette). `replicasim.backend` serves several of them in one process.
+HTTP app (Starlette). `replicasim.server` serves several of them in one process.
 
 The app serves:
 

@@ -23,7 +23,7 @@ from harness.rig import BackendFactory, EnvoyFactory, KvpilotFactory, Rig
 from harness.xdsclient import RunningServer
 
 from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
-from replicasim.backend import BackendProcess
+from controlplane.launchers.replicas import BackendProcess
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -10,7 +10,7 @@ from harness.rig import BackendFactory
 from harness.wait import wait_until
 
 from bench.rig.loadgen import parse_metrics
-from replicasim.backend import BackendProcess
+from controlplane.launchers.replicas import BackendProcess
 from replicasim.simulator import SimConfig
 
 SYSTEM = "alpha beta gamma delta " * 100

@@ -32,9 +32,9 @@ from controlplane.launchers import (
     repo_root,
     wait_until,
 )
+from controlplane.launchers.replicas import BackendProcess
 from policies.models import RoutingPolicy
 from policies.names import QUEUE_INFIX, cluster_name
-from replicasim.backend import BackendProcess
 from replicasim.simulator import SimConfig
 from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
 

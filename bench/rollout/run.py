@@ -38,7 +38,7 @@ from bench.rig.summary import percentile
 from bench.rig.workload import Workload
 from bench.routing.sequential import BenchConfig, calibrate, default_config
 from controlplane.launchers import LocalStack, free_port, local_stack, wait_until
-from replicasim.backend import BackendProcess
+from controlplane.launchers.replicas import BackendProcess
 
 CANARY_FAILURE = {"status": 500, "fraction": 0.2}
 STEPS = (10, 25, 50, 100)

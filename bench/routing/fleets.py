@@ -15,7 +15,7 @@ from bench.rig.loadgen import parse_metrics
 from bench.rig.routes import Policy
 from bench.rig.stack import MODEL
 from bench.routing.scenarios import Scenario
-from replicasim.backend import BackendProcess, ReplicaInfo
+from controlplane.launchers.replicas import BackendProcess, ReplicaInfo
 from replicasim.simulator import SimConfig
 
 

@@ -58,7 +58,7 @@ from bench.routing.report import write_suite_report
 from bench.routing.scenarios import SCENARIOS, SUITE_POLICIES, Scenario, SuiteConfig, default_suite
 from bench.routing.sequential import BenchConfig, calibrate
 from controlplane.launchers import ManagedProcess, free_port, local_stack
-from replicasim.backend import BackendProcess
+from controlplane.launchers.replicas import BackendProcess
 
 # --------------------------------------------------------------------------- the run
 

@@ -24,12 +24,12 @@ import pytest
 
 from controlplane.etcd import EtcdClient
 from controlplane.launchers import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess, free_port
+from controlplane.launchers.replicas import BackendProcess
 from controlplane.store import Store
 from harness.auth import ADMIN_TOKEN, TOKEN_ENV
 from harness.builders import FAST_HEALTH_CHECK, policy, pool
 from harness.envoy import envoy_hosts
 from harness.wait import wait_until
-from replicasim.backend import BackendProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [

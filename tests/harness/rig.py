@@ -10,12 +10,12 @@ from typing import Any
 import httpx
 
 from controlplane.launchers import EmbeddedEnvoy, KvpilotProcess, free_port
+from controlplane.launchers.replicas import BackendProcess
 from harness.auth import ADMIN
 from harness.envoy import envoy_hosts, serves_listener
 from harness.traffic import CHAT
 from harness.wait import wait_until
 from policies import KIND_PATHS
-from replicasim.backend import BackendProcess
 
 EnvoyFactory = Callable[..., EmbeddedEnvoy]
 """What the `envoy_factory` fixture returns: keyword arguments of EmbeddedEnvoy -> started Envoy."""

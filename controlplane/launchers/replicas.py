@@ -1,123 +1,33 @@
-"""Simulated OpenAI-compatible model replicas, several per process, for tests and the demo.
+"""Simulated model replicas (`python -m replicasim`) as a child process, for the demo, the
+benchmarks and the tests.
 
-Each replica (`replicasim.replica`: its endpoints, switches and counters) listens on its own port
-and says who it is (`x-backend-id` header and a `backend` field), so tests behind Envoy can
-assert which replica answered. With `--simulate` each runs a `replicasim.simulator.Engine` instead
-of answering at once.
-
-Run it:  python -m replicasim.backend --replicas 3 --host 127.0.0.1 --ports 0 --id-prefix be
-         [--simulate [--sim-config '{"time_scale": 2.0, "orca": true}']]
-It prints one JSON line `{"replicas": [{"id": "be-0", "port": 12345}, ...]}` once every replica
-listens, then serves until SIGTERM or SIGINT. `BackendProcess` does that from Python.
+A launcher like those of etcd, Envoy and kvpilot. It starts the replicas by module name and
+passes the simulator's settings as JSON, so this package does not import `replicasim` (which
+stands beside the layers and imports none of them).
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import httpx
 
-from controlplane.asgi import ServerGroup, UvicornServer, read_announcement
-from controlplane.launchers import Launcher, LauncherError, ManagedProcess
-from replicasim.replica import DEFAULT_MODEL, Replica, build_app
-from replicasim.simulator import Engine, SimConfig
+from controlplane.asgi import read_announcement
+from controlplane.launchers.process import Launcher, LauncherError, ManagedProcess
 
-# --------------------------------------------------------------------------- serving
-
-
-async def serve(replicas: Sequence[Replica], host: str, ports: Sequence[int]) -> None:
-    """Serve each replica on its port until SIGTERM/SIGINT; announce ports on stdout once up."""
-    group = ServerGroup([build_app(replica) for replica in replicas], host, ports)
-    engines = [
-        asyncio.create_task(replica.engine.run())
-        for replica in replicas
-        if replica.engine is not None
-    ]
-
-    def dying(server: UvicornServer) -> Callable[[], None]:
-        def stop() -> None:
-            # A dead replica drops its connections instead of draining them.
-            server.config.timeout_graceful_shutdown = 0
-            server.should_exit = True
-            server.force_exit = True
-
-        return stop
-
-    for replica, server in zip(replicas, group.servers, strict=True):
-        replica.on_death = dying(server)
-    if await group.start():
-        group.announce([replica.id for replica in replicas])
-    # One replica stopping (a signal, or a crash) stops them all; a replica told to die
-    # (`/admin/die`) stops alone.
-    pending = set(group.tasks)
-    while pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if any(not replicas[group.tasks.index(task)].dead for task in done):
-            break
-    group.request_exit()
-    await group.wait()
-    for task in engines:
-        task.cancel()
-    await asyncio.gather(*engines, return_exceptions=True)
+DEFAULT_MODEL = "sim-model"
+"""The model the replicas serve unless told otherwise (`replicasim.replica.DEFAULT_MODEL`)."""
 
 
-def parse_ports(text: str, replicas: int) -> list[int]:
-    ports = [int(p) for p in text.split(",") if p.strip()]
-    if ports == [0]:
-        return [0] * replicas
-    if len(ports) != replicas:
-        raise ValueError(f"--ports lists {len(ports)} ports for {replicas} replicas")
-    return ports
+class SimulatorSettings(Protocol):
+    """What the launcher needs of the engine settings (`replicasim.simulator.SimConfig`)."""
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m replicasim.backend", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument(
-        "--ports", default="0", help="0 for free ports, or a comma list, one per replica"
-    )
-    parser.add_argument("--id-prefix", default="be")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument(
-        "--simulate", action="store_true", help="run a simulated vLLM engine per replica"
-    )
-    parser.add_argument(
-        "--sim-config", default="{}", help="SimConfig fields as JSON, with --simulate"
-    )
-    args = parser.parse_args(argv)
-    try:
-        ports = parse_ports(args.ports, args.replicas)
-    except ValueError as exc:
-        parser.error(str(exc))
-    sim_config = SimConfig.from_json(args.sim_config) if args.simulate else None
-
-    async def run() -> None:
-        # Engines hold asyncio events: create them inside the running loop.
-        replicas = [
-            Replica(
-                id=f"{args.id_prefix}-{i}",
-                model=args.model,
-                engine=Engine(sim_config, args.model) if sim_config else None,
-            )
-            for i in range(args.replicas)
-        ]
-        await serve(replicas, args.host, ports)
-
-    asyncio.run(run())
-    return 0
-
-
-# --------------------------------------------------------------------------- Python API
+    def to_json(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -134,7 +44,7 @@ class ReplicaInfo:
 
 
 class BackendProcess(Launcher):
-    """`python -m replicasim.backend` as a child process, for tests and the demo.
+    """`python -m replicasim` as a child process, for tests, the benchmarks and the demo.
 
     A launcher like those of etcd and Envoy: own process group, killed with its parent,
     stopped at interpreter exit; `kill()` SIGKILLs every replica at once, as a crash would.
@@ -151,7 +61,7 @@ class BackendProcess(Launcher):
         id_prefix: str = "be",
         model: str = DEFAULT_MODEL,
         state_dir: Path | None = None,
-        simulator: SimConfig | None = None,
+        simulator: SimulatorSettings | None = None,
     ) -> None:
         self.host = host
         self.id_prefix = id_prefix
@@ -164,7 +74,7 @@ class BackendProcess(Launcher):
         argv = [
             sys.executable,
             "-m",
-            "replicasim.backend",
+            "replicasim",
             "--replicas",
             str(replicas),
             "--host",
@@ -244,7 +154,3 @@ class BackendProcess(Launcher):
             body["kv_blocks"] = kv_blocks
         for info in [self.replica(replica_id)] if replica_id else self.replicas:
             self._admin(info.id, "/admin/reset", body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
