@@ -55,9 +55,7 @@ def serve_with_ack_log(argv: list[str]) -> int:
             super().acked(status, type_url, version=version)
             out.write(f"{time.monotonic():.6f} {status.node_id} {short_name(type_url)} {version}\n")
 
-    # The daemon builds its own registry; this is the one seam a benchmark may take.
-    setattr(serve_module, "ConnectionRegistry", AckLogRegistry)  # noqa: B010
-    return serve_module.run(args)
+    return serve_module.run(args, connection_registry=AckLogRegistry)
 
 
 @dataclass
