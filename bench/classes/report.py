@@ -25,8 +25,8 @@ from bench.classes.config import (
 )
 from bench.classes.signals import admission_summary, signals_markdown
 from bench.rig.loadgen import RequestResult
+from bench.rig.report import json_block, num, table
 from bench.rig.summary import percentile
-from bench.routing.sequential_report import json_block, num
 
 SATURATED_RUNNING = 0.9
 """Share of ``max_batch`` the mean replica must run, with requests waiting, for a sample to
@@ -238,46 +238,63 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
         f"{config.objectives[INTERACTIVE]:g}s, batch {config.objectives[BATCH]:g}s. Times in "
         "simulated seconds; TTFT as the engines timed it (client-side p99 beside it).",
         "",
-        "| policy | class | requests | ok | shed | diverted | errors | TTFT p50 | TTFT p99 "
-        "| client p99 | goodput/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for key, summary in results.items():
-        for name, row in summary["classes"].items():
-            if not row["requests"]:
-                continue
-            lines.append(
-                f"| {titles[key]} | {name} | {row['requests']} | {row['ok']} | {row['shed']} "
-                f"| {row['diverted']} | {row['errors']} | {num(row['ttft_p50'])} "
-                f"| {num(row['ttft_p99'])} | {num(row.get('client_ttft_p99'))} "
-                f"| {row['goodput_per_s']:.2f} |"
+    lines += table(
+        (
+            "policy", "class", "requests", "ok", "shed", "diverted", "errors", "TTFT p50",
+            "TTFT p99", "client p99", "goodput/s",
+        ),
+        (
+            (
+                titles[key], name, row["requests"], row["ok"], row["shed"], row["diverted"],
+                row["errors"], num(row["ttft_p50"]), num(row["ttft_p99"]),
+                num(row.get("client_ttft_p99")), f"{row['goodput_per_s']:.2f}",
             )
+            for key, summary in results.items()
+            for name, row in summary["classes"].items()
+            if row["requests"]
+        ),
+        "llrrrrrrrrr",
+    )  # fmt: skip
     overload = config.window(config.peak.name)
-    lines += [
-        "",
-        "| policy | total goodput/s | time to recover (s) | admission |",
-        "|---|---:|---:|---|",
-    ]
-    for key, summary in results.items():
-        lines.append(
-            f"| {titles[key]} | {summary['goodput_per_s']:.2f} | {summary['recovery_s']:.1f} "
-            f"| {admission_summary(summary.get('admission', []), overload)} |"
-        )
+    lines.append("")
+    lines += table(
+        ("policy", "total goodput/s", "time to recover (s)", "admission"),
+        (
+            (
+                titles[key],
+                f"{summary['goodput_per_s']:.2f}",
+                f"{summary['recovery_s']:.1f}",
+                admission_summary(summary.get("admission", []), overload),
+            )
+            for key, summary in results.items()
+        ),
+        "lrrl",
+    )
     measured_phases = [phase.name for phase in config.phases if phase.measured]
     lines += [
         "",
         "Interactive TTFT p99 by phase (engine, simulated seconds; requests in brackets):",
         "",
-        "| policy | " + " | ".join(measured_phases) + " |",
-        "|---|" + "---:|" * len(measured_phases),
     ]
-    for key, summary in results.items():
-        phases = summary["classes"][INTERACTIVE].get("by_phase", {})
-        cells = [
-            f"{num(phases.get(name, {}).get('ttft_p99'))} ({phases.get(name, {}).get('requests', 0)})"
-            for name in measured_phases
-        ]
-        lines.append(f"| {titles[key]} | " + " | ".join(cells) + " |")
+    by_phase = {
+        key: summary["classes"][INTERACTIVE].get("by_phase", {}) for key, summary in results.items()
+    }
+    lines += table(
+        ("policy", *measured_phases),
+        (
+            (
+                titles[key],
+                *(
+                    f"{num(phases.get(name, {}).get('ttft_p99'))} "
+                    f"({phases.get(name, {}).get('requests', 0)})"
+                    for name in measured_phases
+                ),
+            )
+            for key, phases in by_phase.items()
+        ),
+        "l" + "r" * len(measured_phases),
+    )
     ref = _p99(results, "reference")
     if ref is not None:
         bound = 1.5 * ref
@@ -287,34 +304,54 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
             "phase: the target leaves 1% of the requests for it. Those of the phases with "
             "room are what the batch admitted there costs (nothing may be shed then).",
             "",
-            "| policy | " + " | ".join(measured_phases) + " | in all |",
-            "|---|" + "---:|" * (len(measured_phases) + 1),
         ]
-        for key, summary in results.items():
-            counts = slower_by_phase(summary["per_request"], bound, config)
-            cells = [str(counts.get(name, 0)) for name in measured_phases]
-            lines.append(f"| {titles[key]} | " + " | ".join(cells) + f" | {sum(counts.values())} |")
+        slower = {
+            key: slower_by_phase(summary["per_request"], bound, config)
+            for key, summary in results.items()
+        }
+        lines += table(
+            ("policy", *measured_phases, "in all"),
+            (
+                (
+                    titles[key],
+                    *(counts.get(name, 0) for name in measured_phases),
+                    sum(counts.values()),
+                )
+                for key, counts in slower.items()
+            ),
+            "l" + "r" * (len(measured_phases) + 1),
+        )
     lines += [
         "",
         f"The engines' own counters per phase (means over the replicas; a sample is saturated "
         f"when the mean replica runs {SATURATED_RUNNING:.0%} of its {config.routing.sim.max_batch}"
         "-sequence batch or more with requests waiting):",
         "",
-        "| policy | phase | running/replica | waiting/replica | KV-cache use | saturated samples |",
-        "|---|---|---:|---:|---:|---:|",
     ]
-    for key, summary in results.items():
-        for name, row in summary.get("engines", {}).items():
-            share = row.get("saturated_share")
-            lines.append(
-                f"| {titles[key]} | {name} | {num(row.get('running'), '{:.1f}')} "
-                f"| {num(row.get('waiting'), '{:.2f}')} | {num(row.get('kv_cache'), '{:.2f}')} "
-                f"| {'n/a' if share is None else f'{share:.0%}'} |"
+    lines += table(
+        (
+            "policy", "phase", "running/replica", "waiting/replica", "KV-cache use",
+            "saturated samples",
+        ),
+        (
+            (
+                titles[key], name, num(row.get("running"), "{:.1f}"),
+                num(row.get("waiting"), "{:.2f}"), num(row.get("kv_cache"), "{:.2f}"),
+                num(row.get("saturated_share"), "{:.0%}"),
             )
-    lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
-    for what, met, measured in targets(results):
-        verdict = "n/a" if met is None else ("met" if met else "not met")
-        lines.append(f"| {what} | {verdict} | {measured} |")
+            for key, summary in results.items()
+            for name, row in summary.get("engines", {}).items()
+        ),
+        "llrrrr",
+    )  # fmt: skip
+    lines += ["", "## Targets", ""]
+    lines += table(
+        ("target", "met", "measured"),
+        (
+            (what, "n/a" if met is None else ("met" if met else "not met"), measured)
+            for what, met, measured in targets(results)
+        ),
+    )
     signals = results.get("affinity", {}).get("signals")
     if signals:
         lines += ["", *signals_markdown(signals, config)]

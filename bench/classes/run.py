@@ -29,6 +29,7 @@ from bench.classes.config import (
 from bench.classes.report import engine_phases, markdown, summarize, targets
 from bench.classes.signals import SignalSampler, lead_table
 from bench.rig.loadgen import replay
+from bench.rig.report import num
 from bench.rig.routes import Policy
 from bench.rig.stack import (
     MODEL,
@@ -43,7 +44,6 @@ from bench.rig.stack import (
 )
 from bench.rig.workload import Workload
 from bench.routing.sequential import BenchConfig
-from bench.routing.sequential_report import num
 from controlplane.launchers import LauncherError, wait_until
 
 

@@ -26,9 +26,9 @@ import httpx
 
 from bench.classes.config import BATCH, INTERACTIVE, ClassesConfig, class_of
 from bench.rig.loadgen import RequestResult, parse_metrics
+from bench.rig.report import num, table
 from bench.rig.stack import POLICY_NAME
 from bench.rig.summary import percentile
-from bench.routing.sequential_report import num
 
 LAGS = (0.0, 0.5, 1.0, 2.0, 3.0)
 """Simulated seconds between the signal and the requests it is compared with."""
@@ -187,8 +187,6 @@ def signals_markdown(signals: dict[str, Any], config: ClassesConfig) -> list[str
         "quarter of them) with the interactive TTFT p90 of the requests arriving that many "
         f"simulated seconds later (over {WINDOW:g}s of arrivals):",
         "",
-        "| signal | peak | " + " | ".join(f"lag {lag:g}s" for lag in LAGS) + " | best lag |",
-        "|---|---:|" + "---:|" * len(LAGS) + "---:|",
     ]
     names = {
         "waiting": "requests waiting",
@@ -198,13 +196,19 @@ def signals_markdown(signals: dict[str, Any], config: ClassesConfig) -> list[str
         "waiting_top": "requests waiting, busiest quarter",
         "kv_cache_top": "KV-cache use, busiest quarter",
     }
-    for signal, row in signals.items():
-        cells = " | ".join(num(row["correlation_by_lag"].get(f"{lag:g}"), "{:.2f}") for lag in LAGS)
-        best = row["best_lag"]
-        lines.append(
-            f"| {names.get(signal, signal)} | {num(row['peak'])} | {cells} "
-            f"| {'n/a' if best is None else best + 's'} |"
-        )
+    lines += table(
+        ("signal", "peak", *(f"lag {lag:g}s" for lag in LAGS), "best lag"),
+        (
+            (
+                names.get(signal, signal),
+                num(row["peak"]),
+                *(num(row["correlation_by_lag"].get(f"{lag:g}"), "{:.2f}") for lag in LAGS),
+                "n/a" if row["best_lag"] is None else row["best_lag"] + "s",
+            )
+            for signal, row in signals.items()
+        ),
+        "lr" + "r" * len(LAGS) + "r",
+    )
     return lines
 
 

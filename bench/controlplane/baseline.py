@@ -36,6 +36,7 @@ from bench.controlplane.acklog import AckLogKvpilot, Change, summarize
 from bench.controlplane.pools import rebuild_input
 from bench.controlplane.rebuild_probe import MEASURES
 from bench.controlplane.run import Bench, BenchConfig
+from bench.rig.report import table
 from controlplane.launchers import free_port, repo_root
 
 PROBE = Path(__file__).with_name("rebuild_probe.py")
@@ -124,15 +125,22 @@ def markdown(results: dict[str, Any]) -> str:
         f"this tree alternately, median of {results['rounds']} rounds (each the median of "
         "several rebuilds), wall clock and CPU time of the process:",
         "",
-        "| rebuild | baseline ms | new ms | speed-up | baseline CPU ms | new CPU ms | speed-up |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for measure, label in labels.items():
-        wall, cpu = rows[f"{measure}_ms"], rows[f"{measure}_cpu_ms"]
-        lines.append(
-            f"| {label} | {wall['baseline']} | {wall['new']} | {wall['speedup']}x "
-            f"| {cpu['baseline']} | {cpu['new']} | {cpu['speedup']}x |"
-        )
+    lines += table(
+        (
+            "rebuild", "baseline ms", "new ms", "speed-up", "baseline CPU ms", "new CPU ms",
+            "speed-up",
+        ),
+        (
+            (
+                label, wall["baseline"], wall["new"], f"{wall['speedup']}x", cpu["baseline"],
+                cpu["new"], f"{cpu['speedup']}x",
+            )
+            for measure, label in labels.items()
+            for wall, cpu in [(rows[f"{measure}_ms"], rows[f"{measure}_cpu_ms"])]
+        ),
+        "lrrrrrr",
+    )  # fmt: skip
     return "\n".join([*lines, ""])
 
 
@@ -213,14 +221,21 @@ def acks_markdown(results: dict[str, Any]) -> str:
         f"({sides['new']['changes']} changes each): time from the REST write until every Envoy "
         "ACKed.",
         "",
-        "| side | p50 ms | p99 ms | p99/p50 | first ACK p50 ms |",
-        "|---|---:|---:|---:|---:|",
     ]
-    for side, row in sides.items():
-        lines.append(
-            f"| {side} | {row['p50_ms']} | {row['p99_ms']} | "
-            f"{round(row['p99_ms'] / row['p50_ms'], 1)} | {row['first_ack_p50_ms']} |"
-        )
+    lines += table(
+        ("side", "p50 ms", "p99 ms", "p99/p50", "first ACK p50 ms"),
+        (
+            (
+                side,
+                row["p50_ms"],
+                row["p99_ms"],
+                round(row["p99_ms"] / row["p50_ms"], 1),
+                row["first_ack_p50_ms"],
+            )
+            for side, row in sides.items()
+        ),
+        "lrrrr",
+    )
     lines += [
         "",
         f"Speed-up: p50 {results['p50_speedup']}x, p99 {results['p99_speedup']}x.",

@@ -47,6 +47,7 @@ from bench.controlplane.acklog import (
     summarize,
 )
 from bench.controlplane.pools import FLEET, POLICY, pools_and_policy, rebuild_input
+from bench.rig.report import table
 from controlplane.launchers import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
@@ -359,27 +360,39 @@ def markdown(results: dict[str, Any]) -> str:
         "Time from a write through the REST API to every client ACKing the new version "
         f"({results['config']['changes']} changes each).",
         "",
-        "| clients | p50 ms | p99 ms | max ms | first ACK p50 ms | kvpilot RSS MiB |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
-    for row in results["envoys"]:
-        lines.append(
-            f"| {row['clients']} | {row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} "
-            f"| {row['first_ack_p50_ms']} | {row['rss_mib']} |"
-        )
+    lines += table(
+        ("clients", "p50 ms", "p99 ms", "max ms", "first ACK p50 ms", "kvpilot RSS MiB"),
+        (
+            (
+                row["clients"], row["p50_ms"], row["p99_ms"], row["max_ms"],
+                row["first_ack_p50_ms"], row["rss_mib"],
+            )
+            for row in results["envoys"]
+        ),
+        "lrrrrr",
+    )  # fmt: skip
     t = results["translation"]
     lines += [
         "",
         f"Rebuild at {t['endpoints']} endpoints ({t['clusters']} clusters, "
         f"{t['serialized_kib']} KiB serialized), in process:",
         "",
-        "| rebuild | ms |",
-        "|---|---:|",
-        f"| full: decode, validate, compile, translate, serialize (Snapshot) | "
-        f"{t['full_rebuild_ms']} |",
-        f"| the same, the process's first (nothing cached yet) | {t['first_full_rebuild_ms']} |",
-        f"| EDS fast path: one endpoint changed | {t['fast_path_ms']} |",
-        f"| routes path: one route timeout changed (LDS, RDS) | {t['routes_path_ms']} |",
+    ]
+    lines += table(
+        ("rebuild", "ms"),
+        (
+            (
+                "full: decode, validate, compile, translate, serialize (Snapshot)",
+                t["full_rebuild_ms"],
+            ),
+            ("the same, the process's first (nothing cached yet)", t["first_full_rebuild_ms"]),
+            ("EDS fast path: one endpoint changed", t["fast_path_ms"]),
+            ("routes path: one route timeout changed (LDS, RDS)", t["routes_path_ms"]),
+        ),
+        "lr",
+    )
+    lines += [
         "",
         "kvpilot RSS MiB: " + ", ".join(f"{k} {v}" for k, v in results["memory_mib"].items()),
         "",

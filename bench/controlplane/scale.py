@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from bench.rig.report import table
 from controlplane.agent import AgentConfig
 from controlplane.etcd import EtcdClient, EtcdError
 from controlplane.store import Store
@@ -203,23 +204,28 @@ async def _telemetry_pushes(metrics_url: str) -> float:
 
 def telemetry_markdown(results: dict[str, Any]) -> str:
     r = results
+    rows = (
+        ("etcd writes/s, agent's write band", r["etcd_writes_per_s"]),
+        (
+            "etcd writes/s the baseline rule would make (any change, 3 s refresh)",
+            r["baseline_rule_writes_per_s"],
+        ),
+        (
+            f"etcd transactions/s (one per agent of {AGENT_BACKENDS} backends)",
+            r["etcd_txns_per_s"],
+        ),
+        ("kvpilot CPU, cores (over the run)", r["kvpilot_cpu_cores"]),
+        ("kvpilot CPU seconds per simulated second", r["kvpilot_cpu_s_per_round"]),
+        ("snapshot pushes/s caused by telemetry", r["telemetry_pushes_per_s"]),
+        ("per 1,000 endpoints", r["pushes_per_s_per_1000_endpoints"]),
+    )
     return "\n".join(
         [
             f"Telemetry at scale: {r['endpoints']} endpoints scraped every second, "
             f"{r['rounds']} rounds in {r['seconds']} s (simulated agents writing to etcd, "
             "kvpilot serving; rates per simulated second):",
             "",
-            "| measure | value |",
-            "|---|---:|",
-            f"| etcd writes/s, agent's write band | {r['etcd_writes_per_s']} |",
-            f"| etcd writes/s the baseline rule would make (any change, 3 s refresh) | "
-            f"{r['baseline_rule_writes_per_s']} |",
-            f"| etcd transactions/s (one per agent of {AGENT_BACKENDS} backends) | "
-            f"{r['etcd_txns_per_s']} |",
-            f"| kvpilot CPU, cores (over the run) | {r['kvpilot_cpu_cores']} |",
-            f"| kvpilot CPU seconds per simulated second | {r['kvpilot_cpu_s_per_round']} |",
-            f"| snapshot pushes/s caused by telemetry | {r['telemetry_pushes_per_s']} |",
-            f"| per 1,000 endpoints | {r['pushes_per_s_per_1000_endpoints']} |",
+            *table(("measure", "value"), rows, "lr"),
             "",
         ]
     )

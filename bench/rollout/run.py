@@ -32,6 +32,7 @@ import httpx
 
 from api.client import KvpilotClient
 from bench.rig.loadgen import RequestResult, replay
+from bench.rig.report import table
 from bench.rig.routes import SESSION_AFFINITY
 from bench.rig.stack import MODEL, chat_url, say
 from bench.rig.summary import percentile
@@ -276,13 +277,28 @@ def markdown(results: dict[str, dict[str, Any]], calibration: dict[str, Any]) ->
         f"Multi-turn chat at 70% of cache-blind capacity ({calibration}), 3 stable replicas "
         "and 1 canary, session affinity with bounded load, retries off.",
         "",
-        "| run | requests | failed | canary answered | time to detect | steps reached |",
-        "|---|---:|---:|---:|---:|---|",
-        f"| blind 90/10 split | {blind['requests']} | {blind['failed']} | "
-        f"{blind['canary_answered']} | never | |",
-        f"| kvpilot rollout 10/25/50/100 | {rollout['requests']} | {rollout['failed']} | "
-        f"{rollout['canary_answered']} | {rollout.get('time_to_detect_s', '-')} s | "
-        f"{rollout.get('steps_reached')} ({rollout.get('phase')}) |",
+        *table(
+            ("run", "requests", "failed", "canary answered", "time to detect", "steps reached"),
+            (
+                (
+                    "blind 90/10 split",
+                    blind["requests"],
+                    blind["failed"],
+                    blind["canary_answered"],
+                    "never",
+                    "",
+                ),
+                (
+                    "kvpilot rollout 10/25/50/100",
+                    rollout["requests"],
+                    rollout["failed"],
+                    rollout["canary_answered"],
+                    f"{rollout.get('time_to_detect_s', '-')} s",
+                    f"{rollout.get('steps_reached')} ({rollout.get('phase')})",
+                ),
+            ),
+            "lrrrrl",
+        ),
         "",
         "Sessions moved at each weight change (forced: to or from the canary; unforced: "
         "between stable replicas; stayed: kept their replica):",

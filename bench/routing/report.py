@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.rig.report import table
 from bench.rig.routes import Policy
 from bench.routing.measure import goodput
 from bench.routing.scenarios import RECOMMENDED, SuiteConfig, config_dict, dump, median_spread
@@ -305,8 +306,7 @@ def markdown(
         "turn before. Load max/mean: the busiest replica's mean in-flight requests over the "
         "fleet's mean.",
     ]
-    header = "| policy | " + " | ".join(name for name, _, _ in COLUMNS) + " |"
-    rule = "|---|" + "---|" * len(COLUMNS)
+    header = ("policy", *(name for name, _, _ in COLUMNS))
     for key, by_policy in results.items():
         scenario = scenarios[key]
         summaries = workloads.get(key, [])
@@ -322,15 +322,17 @@ def markdown(
             if requests and oracle
             else "",
             "",
-            header,
-            rule,
         ]
-        for policy, runs in by_policy.items():
-            lines.append(
-                f"| {titles.get(policy, policy)} | "
-                + " | ".join(cell(runs, value, pattern) for _, pattern, value in COLUMNS)
-                + " |"
-            )
+        lines += table(
+            header,
+            (
+                (
+                    titles.get(policy, policy),
+                    *(cell(runs, value, pattern) for _, pattern, value in COLUMNS),
+                )
+                for policy, runs in by_policy.items()
+            ),
+        )
         pooled = [
             f"{titles.get(policy, policy)} {value:.3f} s"
             for policy, runs in by_policy.items()
@@ -342,23 +344,17 @@ def markdown(
                 "TTFT p99 over the requests of all seeds pooled: " + "; ".join(pooled) + ".",
             ]
         if scenario.event is not None:
-            lines += [
-                "",
-                "| policy | TTFT p99 before | during | 10 s after | new-session share before | first 5 s | after 5 s | recovered |",
-                "|---|---|---|---|---|---|---|---|",
-            ]
-            for policy, runs in by_policy.items():
-                slow = [m["slow"] for m in runs]
-                row = [
-                    cell(slow, lambda s: s["ttft_p99_before"], "{:.3f}"),
-                    cell(slow, lambda s: s["ttft_p99_during"], "{:.3f}"),
-                    cell(slow, lambda s: s["ttft_p99_after"], "{:.3f}"),
-                    cell(slow, lambda s: s["new_share_before"], "{:.0%}"),
-                    cell(slow, lambda s: s["new_share_first_5s"], "{:.0%}"),
-                    cell(slow, lambda s: s["new_share_after_5s"], "{:.0%}"),
-                    cell(slow, lambda s: s["new_share_recovered"], "{:.0%}"),
-                ]
-                lines.append(f"| {titles.get(policy, policy)} | " + " | ".join(row) + " |")
+            lines.append("")
+            lines += table(
+                (
+                    "policy", "TTFT p99 before", "during", "10 s after",
+                    "new-session share before", "first 5 s", "after 5 s", "recovered",
+                ),
+                (
+                    (titles.get(policy, policy), *_slow_cells([m["slow"] for m in runs]))
+                    for policy, runs in by_policy.items()
+                ),
+            )  # fmt: skip
         if "affinity" in by_policy and "affinity_copy" in by_policy:
             noise = paired(
                 by_policy["affinity_copy"], by_policy["affinity"], lambda m: m["ttft_p99"]
@@ -382,13 +378,28 @@ def markdown(
             "Ratios are paired seed by seed (both policies replayed the same workload at the same "
             "time): median (min-max).",
             "",
-            "| scenario | target | met | measured |",
-            "|---|---|---|---|",
         ]
-        for key, claim, met, measured in check:
-            mark = "n/a" if met is None else ("met" if met else "NOT met")
-            lines.append(f"| {key} | {claim} | {mark} | {measured} |")
+        lines += table(
+            ("scenario", "target", "met", "measured"),
+            (
+                (key, claim, "n/a" if met is None else ("met" if met else "NOT met"), measured)
+                for key, claim, met, measured in check
+            ),
+        )
     return "\n".join(lines) + "\n"
+
+
+def _slow_cells(slow: list[dict[str, Any]]) -> list[str]:
+    """The slowdown table's cells for one policy's runs (their ``slow`` sections)."""
+    return [
+        cell(slow, lambda s: s["ttft_p99_before"], "{:.3f}"),
+        cell(slow, lambda s: s["ttft_p99_during"], "{:.3f}"),
+        cell(slow, lambda s: s["ttft_p99_after"], "{:.3f}"),
+        cell(slow, lambda s: s["new_share_before"], "{:.0%}"),
+        cell(slow, lambda s: s["new_share_first_5s"], "{:.0%}"),
+        cell(slow, lambda s: s["new_share_after_5s"], "{:.0%}"),
+        cell(slow, lambda s: s["new_share_recovered"], "{:.0%}"),
+    ]
 
 
 def write_suite_report(

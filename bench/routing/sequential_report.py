@@ -9,19 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.rig.analysis import describe, tail_breakdown
+from bench.rig.report import json_block, num, table
 
 BASELINE = "round_robin"
 KVPILOT = "affinity"
-
-
-def num(value: float | None, fmt: str = "{:.3f}") -> str:
-    """`value` in a report's cell: formatted by `fmt`, or "n/a" when there is none."""
-    return "n/a" if value is None else fmt.format(value)
-
-
-def json_block(data: Any, indent: int = 1) -> list[str]:
-    """`data` as a fenced JSON block of a Markdown report, and the blank line after it."""
-    return ["```json", json.dumps(data, indent=indent), "```", ""]
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -79,43 +70,36 @@ class WorkloadGroup:
 
 def _table(group: WorkloadGroup, titles: dict[str, str]) -> list[str]:
     base = group.baseline
-    lines = [
-        "| policy | hit rate | vs oracle | TTFT p50 | TTFT p90 | TTFT p99 | tokens/s | "
-        "p50 vs RR | p99 vs RR | tokens/s vs RR | load max/mean | served max/mean | busy | "
-        "errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    header = (
+        "policy", "hit rate", "vs oracle", "TTFT p50", "TTFT p90", "TTFT p99", "tokens/s",
+        "p50 vs RR", "p99 vs RR", "tokens/s vs RR", "load max/mean", "served max/mean", "busy",
+        "errors",
+    )  # fmt: skip
+    rows = [
+        [
+            titles.get(key, key),
+            num(r["hit_rate"], "{:.1%}"),
+            num(_ratio(r["hit_rate"], group.oracle), "{:.2f}"),
+            num(r["ttft_p50"], "{:.3f}s"),
+            num(r["ttft_p90"], "{:.3f}s"),
+            num(r["ttft_p99"], "{:.3f}s"),
+            num(r["throughput_tokens_per_s"], "{:.0f}"),
+            num(_ratio(r["ttft_p50"], base.get("ttft_p50")), "{:.2f}x"),
+            num(_ratio(r["ttft_p99"], base.get("ttft_p99")), "{:.2f}x"),
+            num(
+                _ratio(r["throughput_tokens_per_s"], base.get("throughput_tokens_per_s")),
+                "{:.2f}x",
+            ),
+            num(r["load_max_over_mean"], "{:.2f}"),
+            num(r["served_max_over_mean"], "{:.2f}"),
+            num(r["busy_fraction_mean"], "{:.0%}"),
+            f"{r['errors']}/{r['requests']}",
+        ]
+        for key, r in group.results.items()
     ]
-    for key, r in group.results.items():
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    titles.get(key, key),
-                    num(r["hit_rate"], "{:.1%}"),
-                    num(_ratio(r["hit_rate"], group.oracle), "{:.2f}"),
-                    num(r["ttft_p50"], "{:.3f}s"),
-                    num(r["ttft_p90"], "{:.3f}s"),
-                    num(r["ttft_p99"], "{:.3f}s"),
-                    num(r["throughput_tokens_per_s"], "{:.0f}"),
-                    num(_ratio(r["ttft_p50"], base.get("ttft_p50")), "{:.2f}x"),
-                    num(_ratio(r["ttft_p99"], base.get("ttft_p99")), "{:.2f}x"),
-                    num(
-                        _ratio(r["throughput_tokens_per_s"], base.get("throughput_tokens_per_s")),
-                        "{:.2f}x",
-                    ),
-                    num(r["load_max_over_mean"], "{:.2f}"),
-                    num(r["served_max_over_mean"], "{:.2f}"),
-                    num(r["busy_fraction_mean"], "{:.0%}"),
-                    f"{r['errors']}/{r['requests']}",
-                ]
-            )
-            + " |"
-        )
-    lines.append(
-        f"| oracle (perfect affinity, infinite cache) | {group.oracle:.1%} | 1.00 | n/a | n/a | "
-        "n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |"
-    )
-    return lines
+    oracle = ["oracle (perfect affinity, infinite cache)", f"{group.oracle:.1%}", "1.00"]
+    rows.append(oracle + ["n/a"] * (len(header) - len(oracle)))
+    return table(header, rows)
 
 
 def _workload_line(summary: dict[str, Any], calibration: dict[str, Any]) -> str:
