@@ -22,8 +22,8 @@ def json_block(data: Any, indent: int = 1) -> list[str]:
 
 
 def row(cells: Iterable[object]) -> str:
-    """One Markdown table row: ``| a | b |``."""
-    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+    """One Markdown table row: ``| a | b |`` (an empty cell is ``| |``)."""
+    return "|" + "|".join(f" {cell} " if str(cell) else " " for cell in cells) + "|"
 
 
 def table(header: Sequence[str], rows: Iterable[Iterable[object]], align: str = "") -> list[str]:
