@@ -41,7 +41,7 @@ from bench.rig.routes import Policy, standard_policies
 from bench.rig.stack import POOL
 from bench.rig.workload import Session, Workload, WorkloadConfig, generate
 from bench.routing.scenarios import SUITE_MAX_BATCH
-from bench.routing.sequential import BenchConfig, calibrate
+from bench.routing.sequential import RoutingConfig, calibrate
 from bench.routing.sequential import default_config as routing_config
 
 INTERACTIVE, BATCH = "interactive", "batch"
@@ -89,7 +89,7 @@ class ClassesConfig:
     deadline: float = 300.0
     """Wall-clock limit of one policy's replay."""
     out_dir: Path = Path("bench/results")
-    routing: BenchConfig = field(default_factory=lambda: routing_config())
+    routing: RoutingConfig = field(default_factory=lambda: routing_config())
     """The routing benchmark's simulator, chat workload and agent settings, reused."""
     policies: tuple[str, ...] = ()
     """Keys of the policies to run after the reference (`POLICIES`); empty: those run by
@@ -189,7 +189,7 @@ def default_config(short: bool = False) -> ClassesConfig:
     # search.) The agent scrapes every 0.25 s.
     #
     # Eight sequences a batch, as in the scenario suite, and capacity taken at full batches
-    # (`BenchConfig.capacity_batch`): so "130%" is more than the engines can serve (full
+    # (`RoutingConfig.capacity_batch`): so "130%" is more than the engines can serve (full
     # batches, then a queue), which the report checks with their own running and waiting
     # counts per phase.
     base = replace(

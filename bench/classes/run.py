@@ -43,7 +43,7 @@ from bench.rig.stack import (
     start_stack,
 )
 from bench.rig.workload import Workload
-from bench.routing.sequential import BenchConfig
+from bench.routing.sequential import RoutingConfig
 from controlplane.launchers import LauncherError, wait_until
 
 
@@ -198,7 +198,7 @@ def _workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str, Any
 
 
 def _start_stack(
-    exits: contextlib.ExitStack, state_dir: Path, routing: BenchConfig, tries: int = 3
+    exits: contextlib.ExitStack, state_dir: Path, routing: RoutingConfig, tries: int = 3
 ) -> Stack:
     """`start_stack`, tried again when a process is not ready in time: at load averages of
     30 on 2 cores, kvpilot once took longer than its launcher waits."""

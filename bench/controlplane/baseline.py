@@ -35,7 +35,7 @@ from typing import Any
 from bench.controlplane.acklog import AckLogKvpilot, Change, summarize
 from bench.controlplane.pools import rebuild_input
 from bench.controlplane.rebuild_probe import MEASURES
-from bench.controlplane.run import Bench, BenchConfig
+from bench.controlplane.run import Bench, ControlPlaneConfig
 from bench.rig.report import table
 from controlplane.launchers import free_port, repo_root
 
@@ -167,7 +167,7 @@ def ack_side_by_side(
 ) -> dict[str, Any]:
     """One endpoint change to `envoys` real Envoys holding `endpoints` endpoints, the baseline
     `ref` and this tree alternately: p50/p99 of the time to every Envoy's ACK, and old/new."""
-    config = BenchConfig(endpoints=endpoints, big_envoys=envoys, changes=changes)
+    config = ControlPlaneConfig(endpoints=endpoints, big_envoys=envoys, changes=changes)
     samples: dict[str, list[Change]] = {"baseline": [], "new": []}
     with baseline_tree(ref) as tree, tempfile.TemporaryDirectory(prefix="kvp-acks-") as tmp:
         benches = {

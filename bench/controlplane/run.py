@@ -64,7 +64,7 @@ START_TIMEOUT = 120.0
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class ControlPlaneConfig:
     envoys: tuple[int, ...] = (1, 10, 50)
     streams: int = 1000
     endpoints: int = 10_000
@@ -74,9 +74,9 @@ class BenchConfig:
     out_dir: Path = RESULTS_DIR
 
 
-def default_config(*, short: bool = False) -> BenchConfig:
+def default_config(*, short: bool = False) -> ControlPlaneConfig:
     if short:
-        return BenchConfig(
+        return ControlPlaneConfig(
             envoys=(1, 3),
             streams=100,
             endpoints=1000,
@@ -84,7 +84,7 @@ def default_config(*, short: bool = False) -> BenchConfig:
             changes=8,
             telemetry_seconds=4.0,
         )
-    return BenchConfig()
+    return ControlPlaneConfig()
 
 
 def rss_mib(pid: int | None) -> float:
@@ -104,7 +104,7 @@ class Bench:
 
     def __init__(
         self,
-        config: BenchConfig,
+        config: ControlPlaneConfig,
         state_dir: Path,
         kvpilot: Callable[..., AckLogKvpilot] | None = None,
     ) -> None:
@@ -404,7 +404,7 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_controlplane(config: BenchConfig, state_dir: Path | None = None) -> Path:
+def run_controlplane(config: ControlPlaneConfig, state_dir: Path | None = None) -> Path:
     """Run every scenario; print the Markdown table; write and return the JSON path."""
     with contextlib.ExitStack() as stack:
         if state_dir is None:

@@ -74,7 +74,7 @@ class Stack:
 
 
 class StackSettings(Protocol):
-    """What the rig takes from a benchmark's settings (`bench.routing.sequential.BenchConfig` has it)."""
+    """What the rig takes from a benchmark's settings (`bench.routing.sequential.RoutingConfig` has it)."""
 
     @property
     def replicas(self) -> int:

@@ -24,7 +24,7 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from bench.rig.routes import SESSION_AFFINITY
 from bench.rig.stack import MODEL, chat_url, say
 from bench.rig.summary import percentile
 from bench.rig.workload import Workload
-from bench.routing.sequential import BenchConfig, calibrate, default_config
+from bench.routing.sequential import RoutingConfig, calibrate, default_config
 from controlplane.launchers import LocalStack, free_port, local_stack, wait_until
 from controlplane.launchers.replicas import BackendProcess
 
@@ -63,7 +63,7 @@ class Rig:
 
 
 @contextlib.contextmanager
-def start(state_dir: Path, config: BenchConfig) -> Iterator[Rig]:
+def start(state_dir: Path, config: RoutingConfig) -> Iterator[Rig]:
     with contextlib.ExitStack() as stack:
         local = stack.enter_context(
             local_stack(state_dir, node_id="bench-envoy", etcd_args=["--unsafe-no-fsync"])
@@ -181,16 +181,49 @@ def _prepare(rig: Rig, canary_weight: int) -> None:
         httpx.post(f"{replica.url}/admin/fail", json=CANARY_FAILURE, timeout=5)
 
 
-def _moves(
-    results: list[RequestResult], changes: list[float], canary_ids: set[str]
-) -> list[dict[str, int]]:
+@dataclass
+class Moves:
+    """Sessions with a turn on each side of one weight change."""
+
+    forced: int = 0
+    """Moved to or from the canary."""
+    unforced: int = 0
+    """Moved between stable replicas."""
+    stayed: int = 0
+    """Kept their replica."""
+
+
+@dataclass
+class ArmResult:
+    """One arm's numbers (the blind split, or the rollout)."""
+
+    requests: int
+    failed: int
+    failed_500: int
+    canary_answered: int
+    ttft_p50_stable: float | None
+    ttft_p50_canary: float | None
+    wall_seconds: float = 0.0
+    phase: str | None = None
+    """The rollout's phase at the end (the rollout arm only, as are the fields below)."""
+    steps_reached: list[int] | None = None
+    """The canary's weight at each step taken."""
+    reported_canary_failures: int | None = None
+    """The failed canary requests the rollout's status counted."""
+    time_to_detect_s: float | None = None
+    """From the first step to the rollback, when there was one."""
+    sessions_moved: dict[str, Moves] | None = None
+    """Per weight change (``to 25%``, ``rollback``), the sessions it moved."""
+
+
+def _moves(results: list[RequestResult], changes: list[float], canary_ids: set[str]) -> list[Moves]:
     """Per weight change (simulated time), sessions whose consecutive answered turns straddle
     it and came from different replicas: to/from the canary (forced) or stable to stable."""
     by_session: dict[str, list[RequestResult]] = {}
     for result in results:
         if result.ok:
             by_session.setdefault(result.session, []).append(result)
-    out = [{"forced": 0, "unforced": 0, "stayed": 0} for _ in changes]
+    out = [Moves() for _ in changes]
     for turns in by_session.values():
         turns.sort(key=lambda r: r.start)
         for before, after in itertools.pairwise(turns):
@@ -199,30 +232,30 @@ def _moves(
                 continue
             index = crossed[-1]
             if before.replica == after.replica:
-                out[index]["stayed"] += 1
+                out[index].stayed += 1
             elif before.replica in canary_ids or after.replica in canary_ids:
-                out[index]["forced"] += 1
+                out[index].forced += 1
             else:
-                out[index]["unforced"] += 1
+                out[index].unforced += 1
     return out
 
 
-def _summary(results: list[RequestResult], canary_ids: set[str]) -> dict[str, Any]:
+def _summary(results: list[RequestResult], canary_ids: set[str]) -> ArmResult:
     failed = [r for r in results if r.status != 200]
     canary = [r for r in results if r.replica in canary_ids]
     stable_ttft = [r.ttft for r in results if r.ok and r.replica not in canary_ids and r.ttft]
     canary_ttft = [r.ttft for r in canary if r.ok and r.ttft]
-    return {
-        "requests": len(results),
-        "failed": len(failed),
-        "failed_500": sum(1 for r in failed if r.status == 500),
-        "canary_answered": len(canary),
-        "ttft_p50_stable": percentile(stable_ttft, 50),
-        "ttft_p50_canary": percentile(canary_ttft, 50),
-    }
+    return ArmResult(
+        requests=len(results),
+        failed=len(failed),
+        failed_500=sum(1 for r in failed if r.status == 500),
+        canary_answered=len(canary),
+        ttft_p50_stable=percentile(stable_ttft, 50),
+        ttft_p50_canary=percentile(canary_ttft, 50),
+    )
 
 
-def run_arm(rig: Rig, workload: Workload, config: BenchConfig, arm: str) -> dict[str, Any]:
+def run_arm(rig: Rig, workload: Workload, config: RoutingConfig, arm: str) -> ArmResult:
     say(f"\n== {arm}")
     _prepare(rig, 10 if arm == "blind" else 0)
     canary_ids = {r.id for r in rig.canary.replicas}
@@ -240,37 +273,38 @@ def run_arm(rig: Rig, workload: Workload, config: BenchConfig, arm: str) -> dict
         )
     )
     summary = _summary(run.results, canary_ids)
-    summary["wall_seconds"] = round(run.wall_seconds, 1)
+    summary.wall_seconds = round(run.wall_seconds, 1)
     if arm == "rollout":
         status = client._request("GET", "/v1/rollouts/canary/status").json()
         history = status.get("history", [])
         steps = [e for e in history if e["event"] == "step"]
         rollback = next((e for e in history if e["event"] == "rollback"), None)
-        summary["phase"] = status.get("phase")
-        summary["steps_reached"] = [e["weights"]["canary"] for e in steps]
-        summary["reported_canary_failures"] = status.get("failedRequests")
+        summary.phase = status.get("phase")
+        summary.steps_reached = [e["weights"]["canary"] for e in steps]
+        summary.reported_canary_failures = status.get("failedRequests")
         if rollback is not None and steps:
-            summary["time_to_detect_s"] = round(rollback["at"] - steps[0]["at"], 2)
+            summary.time_to_detect_s = round(rollback["at"] - steps[0]["at"], 2)
         changes = [e["at"] for e in steps] + ([rollback["at"]] if rollback else [])
         sim_changes = [(at - t0) / config.sim.time_scale for at in changes]
         labels = [f"to {e['weights']['canary']}%" for e in steps] + (
             ["rollback"] if rollback else []
         )
-        summary["sessions_moved"] = dict(
+        summary.sessions_moved = dict(
             zip(labels, _moves(run.results, sim_changes, canary_ids), strict=True)
         )
-    say("   " + json.dumps(summary))
+    say("   " + json.dumps(asdict(summary)))
     return summary
 
 
-def default_rollout_config(short: bool = False) -> BenchConfig:
+def default_rollout_config(short: bool = False) -> RoutingConfig:
     base = default_config(short=short)
     workload = replace(base.workload, duration=30.0 if short else 150.0)
     return replace(base, workload=workload, target_load=0.7, plots=False)
 
 
-def markdown(results: dict[str, dict[str, Any]], calibration: dict[str, Any]) -> str:
+def markdown(results: dict[str, ArmResult], calibration: dict[str, Any]) -> str:
     blind, rollout = results["blind"], results["rollout"]
+    detect = "-" if rollout.time_to_detect_s is None else rollout.time_to_detect_s
     lines = [
         "# Rollout benchmark: a bad canary (500 on 20% of requests)",
         "",
@@ -282,19 +316,19 @@ def markdown(results: dict[str, dict[str, Any]], calibration: dict[str, Any]) ->
             (
                 (
                     "blind 90/10 split",
-                    blind["requests"],
-                    blind["failed"],
-                    blind["canary_answered"],
+                    blind.requests,
+                    blind.failed,
+                    blind.canary_answered,
                     "never",
                     "",
                 ),
                 (
                     "kvpilot rollout 10/25/50/100",
-                    rollout["requests"],
-                    rollout["failed"],
-                    rollout["canary_answered"],
-                    f"{rollout.get('time_to_detect_s', '-')} s",
-                    f"{rollout.get('steps_reached')} ({rollout.get('phase')})",
+                    rollout.requests,
+                    rollout.failed,
+                    rollout.canary_answered,
+                    f"{detect} s",
+                    f"{rollout.steps_reached} ({rollout.phase})",
                 ),
             ),
             "lrrrrl",
@@ -304,17 +338,17 @@ def markdown(results: dict[str, dict[str, Any]], calibration: dict[str, Any]) ->
         "between stable replicas; stayed: kept their replica):",
         "",
     ]
-    for label, moved in (rollout.get("sessions_moved") or {}).items():
-        lines.append(f"- {label}: {moved}")
-    if blind["failed"]:
+    for label, moved in (rollout.sessions_moved or {}).items():
+        lines.append(f"- {label}: {asdict(moved)}")
+    if blind.failed:
         lines += [
             "",
-            f"Failed requests, rollout / blind: {rollout['failed'] / blind['failed']:.2f}",
+            f"Failed requests, rollout / blind: {rollout.failed / blind.failed:.2f}",
         ]
     return "\n".join(lines) + "\n"
 
 
-def run_rollout_bench(config: BenchConfig, state_dir: Path | None = None) -> Path:
+def run_rollout_bench(config: RoutingConfig, state_dir: Path | None = None) -> Path:
     """Both runs side by side; returns the Markdown report's path."""
     workload, calibration = calibrate(replace(config, replicas=4), config.workload)
     say(f"workload: {workload.requests} requests, {calibration}")
@@ -330,6 +364,9 @@ def run_rollout_bench(config: BenchConfig, state_dir: Path | None = None) -> Pat
     report = config.out_dir / f"rollout-{stamp}.md"
     report.write_text(markdown(results, calibration))
     report.with_suffix(".json").write_text(
-        json.dumps({"calibration": calibration, "results": results}, indent=2)
+        json.dumps(
+            {"calibration": calibration, "results": {k: asdict(v) for k, v in results.items()}},
+            indent=2,
+        )
     )
     return report

@@ -78,7 +78,7 @@ POLICIES: tuple[Policy, ...] = (
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class RoutingConfig:
     """One benchmark run."""
 
     replicas: int = 4
@@ -107,7 +107,7 @@ class BenchConfig:
     """Batch at which capacity is estimated (`cache_blind_cost`); None: half the max batch."""
 
 
-def default_config(short: bool = False) -> BenchConfig:
+def default_config(short: bool = False) -> RoutingConfig:
     """The `make bench` settings, or the smoke-test ones with `short`."""
     sim = SimConfig(
         max_batch=32,
@@ -135,7 +135,7 @@ def default_config(short: bool = False) -> BenchConfig:
             workload, duration=6.0, max_turns=3, think_mean=1.0, answer_median=60, length_cap=200
         )
         docs = replace(docs, duration=3.0, answer_median=60, length_cap=200)
-        return BenchConfig(
+        return RoutingConfig(
             sim=sim,
             workload=workload,
             docs_workload=docs,
@@ -143,10 +143,10 @@ def default_config(short: bool = False) -> BenchConfig:
             plots=False,
             policies=("round_robin", "affinity", "affinity_telemetry", "orca", "docs_prefix"),
         )
-    return BenchConfig(sim=sim, workload=workload, docs_workload=docs)
+    return RoutingConfig(sim=sim, workload=workload, docs_workload=docs)
 
 
-def calibrate(config: BenchConfig, base: WorkloadConfig) -> tuple[Workload, dict[str, Any]]:
+def calibrate(config: RoutingConfig, base: WorkloadConfig) -> tuple[Workload, dict[str, Any]]:
     """`base` at the arrival rate that offers `target_load` of cache-blind capacity.
 
     The rate is the session rate of a chat workload, the document request rate of a
@@ -193,7 +193,7 @@ def calibrate(config: BenchConfig, base: WorkloadConfig) -> tuple[Workload, dict
 
 
 def run_policy(
-    stack: Stack, policy: Policy, workload: Workload, config: BenchConfig
+    stack: Stack, policy: Policy, workload: Workload, config: RoutingConfig
 ) -> dict[str, Any]:
     say(f"\n== {policy.title}: apply RoutingPolicy/{POLICY_NAME} {json.dumps(policy.route)}")
     apply_policy(stack, policy.key, policy.route)
@@ -264,7 +264,7 @@ class WorkloadRun:
     results: dict[str, Any] = field(default_factory=dict)
 
 
-def run_routing(config: BenchConfig, state_dir: Path | None = None) -> Path:
+def run_routing(config: RoutingConfig, state_dir: Path | None = None) -> Path:
     """Run the benchmark; returns the Markdown report's path."""
     bases = {"chat": config.workload, "docs": config.docs_workload}
     wanted = [p for p in POLICIES if p.key in config.policies]

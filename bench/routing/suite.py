@@ -56,7 +56,7 @@ from bench.routing.measure import Timeline, measure, summary_line, weight_moves
 from bench.routing.replay import replay_all, start_workers
 from bench.routing.report import write_suite_report
 from bench.routing.scenarios import SCENARIOS, SUITE_POLICIES, Scenario, SuiteConfig, default_suite
-from bench.routing.sequential import BenchConfig, calibrate
+from bench.routing.sequential import RoutingConfig, calibrate
 from controlplane.launchers import ManagedProcess, free_port, local_stack
 from controlplane.launchers.replicas import BackendProcess
 
@@ -152,7 +152,7 @@ def _calibrate(
 ) -> tuple[Workload, dict[str, Any]]:
     """The scenario's workload at its offered load of the fleet's capacity."""
     capacity = scenario.capacity(config.replicas)
-    bench = BenchConfig(
+    bench = RoutingConfig(
         replicas=config.replicas,
         sim=config.sim,
         target_load=scenario.load * capacity / config.replicas,
