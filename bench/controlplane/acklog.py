@@ -128,16 +128,29 @@ def measure(
     return Change(max(first.values()) - started, min(first.values()) - started), version
 
 
-def summarize(changes: list[Change]) -> dict[str, float]:
+@dataclass(frozen=True)
+class AckTimes:
+    """The time from a write until the clients ACKed it, over several changes."""
+
+    changes: int
+    p50_ms: float
+    """Until every client ACKed, median."""
+    p99_ms: float
+    max_ms: float
+    first_ack_p50_ms: float
+    """Until the first client ACKed, median."""
+
+
+def summarize(changes: list[Change]) -> AckTimes:
     alls = sorted(c.all_acked for c in changes)
     firsts = sorted(c.first_acked for c in changes)
-    return {
-        "changes": len(changes),
-        "p50_ms": round(statistics.median(alls) * 1000, 1),
-        "p99_ms": round(_percentile(alls, 0.99) * 1000, 1),
-        "max_ms": round(alls[-1] * 1000, 1),
-        "first_ack_p50_ms": round(statistics.median(firsts) * 1000, 1),
-    }
+    return AckTimes(
+        changes=len(changes),
+        p50_ms=round(statistics.median(alls) * 1000, 1),
+        p99_ms=round(_percentile(alls, 0.99) * 1000, 1),
+        max_ms=round(alls[-1] * 1000, 1),
+        first_ack_p50_ms=round(statistics.median(firsts) * 1000, 1),
+    )
 
 
 def _percentile(ordered: list[float], q: float) -> float:

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +203,7 @@ def ack_side_by_side(
                     + ", ".join(f"{s} {samples[s][-1].all_acked * 1000:.0f} ms" for s in order),
                     flush=True,
                 )
-    rows = {side: summarize(changes) for side, changes in samples.items()}
+    rows = {side: asdict(summarize(changes)) for side, changes in samples.items()}
     return {
         "baseline": ref,
         "endpoints": endpoints,

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from bench.controlplane.acklog import (
     CHANGE_TIMEOUT,
     AckLog,
     AckLogKvpilot,
+    AckTimes,
     Change,
     measure,
     summarize,
@@ -87,6 +88,62 @@ def default_config(*, short: bool = False) -> ControlPlaneConfig:
     return ControlPlaneConfig()
 
 
+@dataclass(frozen=True)
+class Scale:
+    """How big the run was (the JSON file's ``config``)."""
+
+    envoys: list[int]
+    streams: int
+    endpoints: int
+    big_envoys: int
+    changes: int
+
+    @classmethod
+    def of(cls, config: ControlPlaneConfig) -> Scale:
+        return cls(
+            list(config.envoys),
+            config.streams,
+            config.endpoints,
+            config.big_envoys,
+            config.changes,
+        )
+
+
+@dataclass(frozen=True)
+class ClientsRow:
+    """One row of the change-to-ACK table: which clients, their ACK times, kvpilot's RSS."""
+
+    clients: str
+    changes: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    first_ack_p50_ms: float
+    rss_mib: float
+
+    @classmethod
+    def of(cls, clients: str, times: AckTimes, rss_mib: float) -> ClientsRow:
+        return cls(clients, **asdict(times), rss_mib=rss_mib)
+
+    def measured(self) -> dict[str, Any]:
+        """The row without its label, as the progress lines print it."""
+        return {k: v for k, v in asdict(self).items() if k != "clients"}
+
+
+@dataclass
+class ControlPlaneResults:
+    """Everything the control-plane benchmark measured; the JSON file is its `asdict`."""
+
+    config: Scale
+    envoys: list[ClientsRow] = field(default_factory=list)
+    memory_mib: dict[str, float] = field(default_factory=dict)
+    """kvpilot's RSS at named points of the run."""
+    translation: dict[str, Any] = field(default_factory=dict)
+    """`rebuild_probe.measure`'s numbers (a dict: older commits run that file too)."""
+    telemetry: dict[str, Any] | None = None
+    """`bench.controlplane.scale.telemetry_at_scale`'s numbers."""
+
+
 def rss_mib(pid: int | None) -> float:
     if pid is None:
         return float("nan")
@@ -119,7 +176,7 @@ class Bench:
         self.weight = 100
         self.pools = 1
         """Pools (and so clusters bench/r0, bench/r1, ...) in the applied configuration."""
-        self.results: dict[str, Any] = {"config": {}, "envoys": [], "memory_mib": {}}
+        self.results = ControlPlaneResults(Scale.of(config))
 
     # setup
 
@@ -134,7 +191,7 @@ class Bench:
         ).start(START_TIMEOUT)
         self.api = httpx.Client(base_url=self.kvpilot.api_url, timeout=60)
         self.acks = AckLog(self.kvpilot.ack_log)
-        self.results["memory_mib"]["idle"] = rss_mib(self.kvpilot.pid)
+        self.results.memory_mib["idle"] = rss_mib(self.kvpilot.pid)
 
     def stop(self) -> None:
         if self.api is not None:
@@ -272,50 +329,49 @@ class Bench:
 
     # scenarios
 
-    def run(self) -> dict[str, Any]:
-        config = self.config
-        self.results["config"] = {
-            "envoys": list(config.envoys),
-            "streams": config.streams,
-            "endpoints": config.endpoints,
-            "big_envoys": config.big_envoys,
-            "changes": config.changes,
-        }
+    def run(self) -> ControlPlaneResults:
+        config, results = self.config, self.results
         assert self.kvpilot is not None
         listener_port = free_port()
         self.apply(3, listener_port)
         for count in config.envoys:
             with self.envoys(count, f"n{count}") as nodes:
-                row = summarize(self.run_changes(nodes))
-                row["rss_mib"] = rss_mib(self.kvpilot.pid)
-            self.results["envoys"].append({"clients": f"{count} Envoy", **row})
-            print(f"  {count} Envoys: {row}", flush=True)
+                row = ClientsRow.of(
+                    f"{count} Envoy", summarize(self.run_changes(nodes)), self._rss()
+                )
+            results.envoys.append(row)
+            print(f"  {count} Envoys: {row.measured()}", flush=True)
 
         with self.streams(config.streams, listener_port) as nodes:
-            row = summarize(self.run_changes(nodes))
-            row["rss_mib"] = rss_mib(self.kvpilot.pid)
-        self.results["envoys"].append({"clients": f"{config.streams} simulated streams", **row})
-        print(f"  {config.streams} streams: {row}", flush=True)
+            row = ClientsRow.of(
+                f"{config.streams} simulated streams",
+                summarize(self.run_changes(nodes)),
+                self._rss(),
+            )
+        results.envoys.append(row)
+        print(f"  {config.streams} streams: {row.measured()}", flush=True)
 
-        self.results["translation"] = translation_bench(config.endpoints)
-        print(f"  translation: {self.results['translation']}", flush=True)
+        results.translation = translation_bench(config.endpoints)
+        print(f"  translation: {results.translation}", flush=True)
 
         self.apply(config.endpoints, listener_port)
-        self.results["memory_mib"][f"{config.endpoints} endpoints"] = rss_mib(self.kvpilot.pid)
+        results.memory_mib[f"{config.endpoints} endpoints"] = self._rss()
         with self.envoys(config.big_envoys, "big") as nodes:
             eds = summarize(self.run_changes(nodes, "EDS"))
             rds = summarize(self.run_changes(nodes, "RDS"))
-            rss = rss_mib(self.kvpilot.pid)
+            rss = self._rss()
         label = f"{config.big_envoys} Envoy, {config.endpoints} endpoints"
-        self.results["envoys"].append(
-            {"clients": f"{label}, endpoint change", **eds, "rss_mib": rss}
-        )
-        self.results["envoys"].append({"clients": f"{label}, route change", **rds, "rss_mib": rss})
-        print(f"  {label}: EDS {eds} RDS {rds}", flush=True)
-        self.results["telemetry"] = self.telemetry(listener_port)
-        print(f"  telemetry: {self.results['telemetry']}", flush=True)
-        self.results["memory_mib"]["end"] = rss_mib(self.kvpilot.pid)
-        return self.results
+        results.envoys.append(ClientsRow.of(f"{label}, endpoint change", eds, rss))
+        results.envoys.append(ClientsRow.of(f"{label}, route change", rds, rss))
+        print(f"  {label}: EDS {asdict(eds)} RDS {asdict(rds)}", flush=True)
+        results.telemetry = self.telemetry(listener_port)
+        print(f"  telemetry: {results.telemetry}", flush=True)
+        results.memory_mib["end"] = self._rss()
+        return results
+
+    def _rss(self) -> float:
+        assert self.kvpilot is not None
+        return rss_mib(self.kvpilot.pid)
 
     def telemetry(self, listener_port: int) -> dict[str, Any]:
         """Every route telemetry-balanced, every endpoint reporting each second."""
@@ -353,26 +409,23 @@ def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
 # -- report ------------------------------------------------------------------------------------
 
 
-def markdown(results: dict[str, Any]) -> str:
+def markdown(results: ControlPlaneResults) -> str:
     lines = [
         "## kvpilot control plane",
         "",
         "Time from a write through the REST API to every client ACKing the new version "
-        f"({results['config']['changes']} changes each).",
+        f"({results.config.changes} changes each).",
         "",
     ]
     lines += table(
         ("clients", "p50 ms", "p99 ms", "max ms", "first ACK p50 ms", "kvpilot RSS MiB"),
         (
-            (
-                row["clients"], row["p50_ms"], row["p99_ms"], row["max_ms"],
-                row["first_ack_p50_ms"], row["rss_mib"],
-            )
-            for row in results["envoys"]
+            (row.clients, row.p50_ms, row.p99_ms, row.max_ms, row.first_ack_p50_ms, row.rss_mib)
+            for row in results.envoys
         ),
         "lrrrrr",
-    )  # fmt: skip
-    t = results["translation"]
+    )
+    t = results.translation
     lines += [
         "",
         f"Rebuild at {t['endpoints']} endpoints ({t['clusters']} clusters, "
@@ -394,13 +447,13 @@ def markdown(results: dict[str, Any]) -> str:
     )
     lines += [
         "",
-        "kvpilot RSS MiB: " + ", ".join(f"{k} {v}" for k, v in results["memory_mib"].items()),
+        "kvpilot RSS MiB: " + ", ".join(f"{k} {v}" for k, v in results.memory_mib.items()),
         "",
     ]
-    if "telemetry" in results:
+    if results.telemetry is not None:
         from bench.controlplane.scale import telemetry_markdown
 
-        lines.append(telemetry_markdown(results["telemetry"]))
+        lines.append(telemetry_markdown(results.telemetry))
     return "\n".join(lines)
 
 
@@ -417,6 +470,6 @@ def run_controlplane(config: ControlPlaneConfig, state_dir: Path | None = None) 
             bench.stop()
     config.out_dir.mkdir(parents=True, exist_ok=True)
     path = config.out_dir / "controlplane.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    path.write_text(json.dumps(asdict(results), indent=2) + "\n")
     print(markdown(results))
     return path
