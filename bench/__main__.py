@@ -45,7 +45,10 @@ def print_written(written: Written) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     benchmarks = by_name()
-    if not argv or (argv[0] not in benchmarks and argv[0] not in ("-h", "--help")):
+    if argv and not argv[0].startswith("-") and argv[0] not in benchmarks:
+        print(f"unknown benchmark {argv[0]!r}; known: {', '.join(benchmarks)}")
+        return 2
+    if not argv or argv[0] not in (*benchmarks, "-h", "--help"):
         argv = [DEFAULT, *argv]
     args = parser().parse_args(argv)
     try:
