@@ -27,7 +27,6 @@ from typing import Any
 import httpx
 
 from api.client import KvpilotClient
-from bench.backend import BackendProcess
 from controlplane.local import (
     EmbeddedEnvoy,
     LocalStack,
@@ -36,6 +35,7 @@ from controlplane.local import (
     repo_root,
     wait_until,
 )
+from controlplane.local.replicas import BackendProcess
 from policies import load_objects
 
 EXAMPLE = repo_root() / "policies" / "examples" / "demo.yaml"

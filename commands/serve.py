@@ -50,8 +50,11 @@ __all__ = ["ServeConfig", "add_arguments", "config_from_args", "run", "serve"]
 log = logging.getLogger("kvpilot")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Entry point of `kvpilot serve`."""
+def run(
+    args: argparse.Namespace, *, connection_registry: type[ConnectionRegistry] = ConnectionRegistry
+) -> int:
+    """Entry point of `kvpilot serve`. `connection_registry` is the class that records every
+    ADS stream's events (the control-plane benchmark passes one that also logs each ACK)."""
     setup_logging(args.log_level)
     config = config_from_args(args)
     check_xds(config)
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, connection_registry=connection_registry))
     except EtcdAccessDenied as error:
         log.error("%s", error)
         return 2
@@ -87,7 +90,12 @@ async def _drive_rollouts(mirror: StateMirror, controller: RolloutController) ->
     await controller.run()
 
 
-async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) -> None:
+async def serve(
+    config: ServeConfig,
+    *,
+    started: asyncio.Event | None = None,
+    connection_registry: type[ConnectionRegistry] = ConnectionRegistry,
+) -> None:
     """Run the daemon until SIGINT/SIGTERM (or cancellation)."""
     auth = (
         AuthConfig.disabled()
@@ -96,7 +104,7 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     )
     registry = CollectorRegistry()
     cache = SnapshotCache(default_fleet=config.default_fleet, node_overrides=config.node_fleets)
-    connections = ConnectionRegistry(registry=registry)
+    connections = connection_registry(registry=registry)
     reconciler = Reconciler(
         cache,
         quiet_period=config.quiet_period,

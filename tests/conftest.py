@@ -22,8 +22,8 @@ from harness.gated_backend import GatedBackend
 from harness.rig import BackendFactory, EnvoyFactory, KvpilotFactory, Rig
 from harness.xdsclient import RunningServer
 
-from bench.backend import BackendProcess
 from controlplane.local import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
+from controlplane.local.replicas import BackendProcess
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -10,7 +10,8 @@ from harness.processes import process_gone
 from harness.rig import BackendFactory
 from harness.wait import wait_until
 
-from bench.backend import BackendProcess, parse_ports
+from controlplane.local.replicas import BackendProcess
+from replicasim.server import parse_ports
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from bench.analysis import classify, own_prefill_seconds, tail_breakdown
-from bench.simulator import SimConfig
-from bench.workload import WorkloadConfig, cache_blind_cost, generate, oracle_hit_rate
+from bench.rig.analysis import classify, own_prefill_seconds, tail_breakdown
+from bench.rig.workload import WorkloadConfig, cache_blind_cost, generate, oracle_hit_rate
+from replicasim.simulator import SimConfig
 
 SIM = asdict(SimConfig(max_batched_tokens=2048, decode_base=0.02, prefill_per_token=1 / 4000))
 

@@ -4,7 +4,7 @@ policy a batch lane applies."""
 
 from __future__ import annotations
 
-from bench.classes import (
+from bench.classes.config import (
     BATCH,
     BATCH_HEADER,
     INTERACTIVE,
@@ -14,9 +14,9 @@ from bench.classes import (
     default_config,
     lane_route,
 )
-from bench.classes_report import engine_phases, slower_by_phase, summarize, targets
-from bench.loadgen import RequestResult
-from bench.stack import POOL, expected_clusters, policy_body
+from bench.classes.report import engine_phases, slower_by_phase, summarize, targets
+from bench.rig.loadgen import RequestResult
+from bench.rig.stack import POOL, expected_clusters, policy_body
 from policies.models import RoutingPolicy
 
 

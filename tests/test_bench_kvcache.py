@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.chat import render_chat, synth_answer
-from bench.kvcache import BLOCK_SIZE, KVCache, block_hashes, blocks_for, tokenize
+from replicasim.chat import render_chat, synth_answer
+from replicasim.kvcache import BLOCK_SIZE, KVCache, block_hashes, blocks_for, tokenize
 
 
 def toks(n: int, start: int = 0) -> list[int]:

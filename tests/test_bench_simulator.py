@@ -9,9 +9,9 @@ import pytest
 from harness.rig import BackendFactory
 from harness.wait import wait_until
 
-from bench.backend import BackendProcess
-from bench.loadgen import parse_metrics
-from bench.simulator import SimConfig
+from bench.rig.loadgen import parse_metrics
+from controlplane.local.replicas import BackendProcess
+from replicasim.simulator import SimConfig
 
 SYSTEM = "alpha beta gamma delta " * 100
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from bench.scenarios import SlowEvent
-from bench.suite_measure import goodput, weight_moves
-from bench.suite_report import _share_evidence, capacity_ceiling, pooled_p99, targets
+from bench.routing.measure import goodput, weight_moves
+from bench.routing.report import _share_evidence, capacity_ceiling, pooled_p99, targets
+from bench.routing.scenarios import SlowEvent
 
 
 def _request(ttft: float | None, *, ok: bool = True) -> dict[str, Any]:

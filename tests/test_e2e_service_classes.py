@@ -24,10 +24,10 @@ from harness.rig import Rig
 from harness.traffic import send
 from harness.wait import wait_until
 
-from bench.simulator import SimConfig
 from controlplane.etcd import EtcdClient
 from controlplane.etcd.store import Store
 from controlplane.local import EmbeddedEtcd
+from replicasim.simulator import SimConfig
 
 pytestmark = pytest.mark.e2e
 

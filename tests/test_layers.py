@@ -25,8 +25,7 @@ LAYERS = ("policies", "signals", "compiler", "xdsserver", "controlplane", "api",
 SIMULATOR = "replicasim"
 BENCH = "bench"
 # replicasim is created beside this layout change; until it lands the graph goes without it.
-HAS_SIMULATOR = (ROOT / SIMULATOR).is_dir()
-PACKAGES = (*LAYERS, *((SIMULATOR,) if HAS_SIMULATOR else ()), BENCH)
+PACKAGES = (*LAYERS, SIMULATOR, BENCH)
 MAY_IMPORT_SIMULATOR = {"commands", BENCH}
 MAX_LINES = 500
 
@@ -101,16 +100,7 @@ def _wrong_import(module: str, target: str) -> bool:
     return _rank(target) > _rank(module)
 
 
-# Until replicasim lands, the demo still starts its replicas from bench: the one wrong import
-# left, expected to fail (strict: the mark goes once replicasim exists and the demo uses it).
-PENDING = pytest.mark.xfail(
-    not HAS_SIMULATOR, reason="commands.demo -> bench.backend until replicasim", strict=True
-)
-
-
-@pytest.mark.parametrize(
-    "package", [pytest.param(p, marks=PENDING) if p == "commands" else p for p in PACKAGES]
-)
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_runs_up_a_layer(package: str) -> None:
     wrong = [
         f"{module} -> {target}"
@@ -131,12 +121,12 @@ def test_no_import_runs_up_a_layer(package: str) -> None:
         ("signals.live", "compiler.plan", True),
         ("xdsserver.snapshot", "compiler.plan", False),
         ("controlplane.reconcile.loop", "api.app", True),
-        ("commands.demo", "replicasim.backend", False),
+        ("commands.demo", "replicasim.server", False),
         ("commands.demo", "bench.stack", True),
-        ("controlplane.local.stack", "replicasim.backend", True),
-        ("replicasim.backend", "policies.models", True),
+        ("controlplane.local.stack", "replicasim.server", True),
+        ("replicasim.server", "policies.models", True),
         ("bench.rig.stack", "commands.serve", False),
-        ("bench.rig.stack", "replicasim.backend", False),
+        ("bench.rig.stack", "replicasim.server", False),
     ],
 )
 def test_the_rules_tell_a_wrong_import(module: str, target: str, wrong: bool) -> None:

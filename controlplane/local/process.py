@@ -192,7 +192,7 @@ class ManagedProcess:
     """One child process in its own process group, with its output in a log file.
 
     The shared machinery behind `EmbeddedEtcd`, `EmbeddedEnvoy`, `KvpilotProcess` and the
-    simulated backends (`bench.backend.BackendProcess`, the tests' gated backend).
+    simulated backends (`controlplane.local.replicas.BackendProcess`, the tests' gated backend).
     """
 
     def __init__(

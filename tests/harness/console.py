@@ -22,10 +22,10 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.backend import BackendProcess
 from controlplane.etcd import EtcdClient
 from controlplane.etcd.store import Store
 from controlplane.local import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess, free_port
+from controlplane.local.replicas import BackendProcess
 from harness.auth import ADMIN_TOKEN, TOKEN_ENV
 from harness.builders import FAST_HEALTH_CHECK, policy, pool
 from harness.envoy import envoy_hosts

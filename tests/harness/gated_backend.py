@@ -1,6 +1,6 @@
 """Model replicas that hold requests until the test opens a gate, for end-to-end routing tests.
 
-`bench.backend` answers at once (or after simulated GPU time), so a test cannot know that a set
+`replicasim` answers at once (or after simulated GPU time), so a test cannot know that a set
 of requests is in flight at the same moment. Bounded load is about exactly that: where Envoy
 puts a request depends on how many requests each host holds right now. These replicas count
 requests in flight and keep them until `POST /admin/gate {"open": true}`, so a test can send
@@ -38,8 +38,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from controlplane.asgi import ServerGroup, read_announcement
+from controlplane.asgi import read_announcement
 from controlplane.local import ManagedProcess
+from replicasim.group import ServerGroup
 
 STREAM_CHUNKS = 6
 """Content chunks of a streamed answer, before `data: [DONE]`."""

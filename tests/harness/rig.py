@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from bench.backend import BackendProcess
 from controlplane.local import EmbeddedEnvoy, KvpilotProcess, free_port
+from controlplane.local.replicas import BackendProcess
 from harness.auth import ADMIN
 from harness.envoy import envoy_hosts, serves_listener
 from harness.traffic import CHAT

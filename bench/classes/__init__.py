@@ -1,0 +1,1 @@
+"""The service-class benchmark: interactive chat while batch work overloads the fleet."""

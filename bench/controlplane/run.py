@@ -1,0 +1,475 @@
+"""The control-plane benchmark: how fast a change reaches every Envoy, what a big config costs,
+and how much memory kvpilot holds.
+
+    python -m bench controlplane [--short] [--out DIR]
+
+It starts an embedded etcd and `kvpilot serve` (as a child process, with one addition: every
+ACK it receives is appended with its `time.monotonic()` to a log file, see `bench.controlplane.acklog`).
+Then, on the configuration of `bench.controlplane.pools`:
+
+- **real Envoys** (1, 10, 50; `--concurrency 1` each): ~20 times, one registered endpoint's
+  weight is changed through the REST API, and the time from just before the PUT until every
+  Envoy has ACKed the new EDS version is recorded (p50, p99, and the first Envoy's ACK);
+- **simulated streams** (1,000 SotW ADS streams from a separate process, asyncio gRPC, 50
+  streams per HTTP/2 connection, each ACKing every response at once): the same changes;
+- **10,000 endpoints**: in this process, the reconciler's full rebuild (decode, validate,
+  compile, translate, serialize once into a Snapshot), its EDS fast path for one endpoint
+  change and its routes path for one route change (LDS and RDS translated, every cluster and
+  endpoint reused); then end to end, 10 real Envoys holding that config, the time from an
+  endpoint change (EDS) and from a route change (RDS) to every Envoy's ACK;
+- kvpilot's resident memory (`VmRSS` of the daemon) at each stage.
+
+It prints a Markdown table and writes `bench/results/controlplane.json`. `--short` (1 and 3
+Envoys, 100 streams, 1,000 endpoints, 8 changes) is the smoke test the suite runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.controlplane.acklog import (
+    CHANGE_TIMEOUT,
+    AckLog,
+    AckLogKvpilot,
+    AckTimes,
+    Change,
+    measure,
+    summarize,
+)
+from bench.controlplane.pools import FLEET, POLICY, pools_and_policy, rebuild_input
+from bench.rig.report import table
+from controlplane.local import (
+    EmbeddedEnvoy,
+    EmbeddedEtcd,
+    ManagedProcess,
+    free_port,
+    repo_root,
+)
+
+RESULTS_DIR = repo_root() / "bench" / "results"
+CHANGE_POOL = "p0"
+CHANGE_ENDPOINT = "moving"
+START_TIMEOUT = 120.0
+"""Seconds kvpilot may take to answer /readyz: on a loaded machine its imports alone take 30."""
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    envoys: tuple[int, ...] = (1, 10, 50)
+    streams: int = 1000
+    endpoints: int = 10_000
+    big_envoys: int = 10
+    changes: int = 20
+    telemetry_seconds: float = 30.0
+    out_dir: Path = RESULTS_DIR
+
+
+def default_config(*, short: bool = False) -> ControlPlaneConfig:
+    if short:
+        return ControlPlaneConfig(
+            envoys=(1, 3),
+            streams=100,
+            endpoints=1000,
+            big_envoys=3,
+            changes=8,
+            telemetry_seconds=4.0,
+        )
+    return ControlPlaneConfig()
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How big the run was (the JSON file's ``config``)."""
+
+    envoys: list[int]
+    streams: int
+    endpoints: int
+    big_envoys: int
+    changes: int
+
+    @classmethod
+    def of(cls, config: ControlPlaneConfig) -> Scale:
+        return cls(
+            list(config.envoys),
+            config.streams,
+            config.endpoints,
+            config.big_envoys,
+            config.changes,
+        )
+
+
+@dataclass(frozen=True)
+class ClientsRow:
+    """One row of the change-to-ACK table: which clients, their ACK times, kvpilot's RSS."""
+
+    clients: str
+    changes: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    first_ack_p50_ms: float
+    rss_mib: float
+
+    @classmethod
+    def of(cls, clients: str, times: AckTimes, rss_mib: float) -> ClientsRow:
+        return cls(clients, **asdict(times), rss_mib=rss_mib)
+
+    def measured(self) -> dict[str, Any]:
+        """The row without its label, as the progress lines print it."""
+        return {k: v for k, v in asdict(self).items() if k != "clients"}
+
+
+@dataclass
+class ControlPlaneResults:
+    """Everything the control-plane benchmark measured; the JSON file is its `asdict`."""
+
+    config: Scale
+    envoys: list[ClientsRow] = field(default_factory=list)
+    memory_mib: dict[str, float] = field(default_factory=dict)
+    """kvpilot's RSS at named points of the run."""
+    translation: dict[str, Any] = field(default_factory=dict)
+    """`rebuild_probe.measure`'s numbers (a dict: older commits run that file too)."""
+    telemetry: dict[str, Any] | None = None
+    """`bench.controlplane.scale.telemetry_at_scale`'s numbers."""
+
+
+def rss_mib(pid: int | None) -> float:
+    if pid is None:
+        return float("nan")
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+class Bench:
+    """One etcd, one kvpilot; scenarios add and remove Envoys or simulated streams."""
+
+    def __init__(
+        self,
+        config: ControlPlaneConfig,
+        state_dir: Path,
+        kvpilot: Callable[..., AckLogKvpilot] | None = None,
+    ) -> None:
+        self.config = config
+        self.state_dir = state_dir
+        self.kvpilot_factory = kvpilot or AckLogKvpilot
+        """Makes the kvpilot under test (``bench.controlplane.baseline`` starts an older commit's)."""
+        self.etcd = EmbeddedEtcd(state_dir / "etcd", extra_args=["--unsafe-no-fsync"])
+        self.kvpilot: AckLogKvpilot | None = None
+        self.api: httpx.Client | None = None
+        self.acks: AckLog | None = None
+        self.weight = 100
+        self.pools = 1
+        """Pools (and so clusters bench/r0, bench/r1, ...) in the applied configuration."""
+        self.results = ControlPlaneResults(Scale.of(config))
+
+    # setup
+
+    def start(self) -> None:
+        self.etcd.start()
+        self.kvpilot = self.kvpilot_factory(
+            self.state_dir / "kvpilot",
+            etcd_endpoints=[self.etcd.endpoint],
+            prefix="/bench",
+            insecure_no_auth=True,
+            extra_args=["--log-level", "warning"],
+        ).start(START_TIMEOUT)
+        self.api = httpx.Client(base_url=self.kvpilot.api_url, timeout=60)
+        self.acks = AckLog(self.kvpilot.ack_log)
+        self.results.memory_mib["idle"] = rss_mib(self.kvpilot.pid)
+
+    def stop(self) -> None:
+        if self.api is not None:
+            self.api.close()
+        if self.kvpilot is not None:
+            self.kvpilot.stop()
+        self.etcd.stop()
+
+    def apply(self, endpoints: int, listener_port: int) -> None:
+        assert self.api is not None
+        objects = pools_and_policy(endpoints, listener_port)
+        for path, body in objects:
+            self.api.put(path, json=body).raise_for_status()
+        self.pools = len(objects) - 1
+        self._move_endpoint()
+
+    def served(self, kind: str) -> str:
+        assert self.api is not None
+        key = {"EDS": "endpoints", "RDS": "routes", "CDS": "clusters", "LDS": "listeners"}[kind]
+        deadline = time.monotonic() + CHANGE_TIMEOUT
+        while True:
+            response = self.api.get(f"/v1/fleets/{FLEET}/config")
+            if response.status_code == 200:
+                return str(response.json()["versions"][key])
+            if time.monotonic() > deadline:
+                response.raise_for_status()
+            time.sleep(0.05)
+
+    def settled(self, kind: str = "EDS") -> str:
+        """The served version of `kind` once the reconciler has quieted down."""
+        assert self.api is not None
+        previous = ""
+        while True:
+            # Two reads a debounce window apart that agree: no rebuild is pending.
+            version = self.served(kind)
+            if version == previous:
+                return version
+            previous = version
+            time.sleep(0.3)
+
+    def _move_endpoint(self) -> None:
+        """One change: the weight of a registered endpoint (EDS fast path)."""
+        assert self.api is not None
+        self.weight = 100 + (self.weight - 99) % 900
+        response = self.api.put(
+            f"/v1/pools/{CHANGE_POOL}/endpoints/{CHANGE_ENDPOINT}",
+            json={"address": "127.0.0.1", "port": 9, "weight": self.weight},
+        )
+        response.raise_for_status()
+
+    def run_changes(self, nodes: set[str], kind: str = "EDS") -> list[Change]:
+        version = self.prepared(nodes, kind)
+        changes = []
+        for _ in range(self.config.changes):
+            change, version = self.change(nodes, kind, version)
+            changes.append(change)
+        return changes
+
+    def prepared(self, nodes: set[str], kind: str = "EDS", timeout: float = CHANGE_TIMEOUT) -> str:
+        """The settled version of `kind`, once every node has ACKed it."""
+        assert self.acks is not None
+        version = self.settled(kind)
+        self.acks.wait_all(nodes, kind, version, timeout)
+        return version
+
+    def change(
+        self, nodes: set[str], kind: str, version: str, timeout: float = CHANGE_TIMEOUT
+    ) -> tuple[Change, str]:
+        """One endpoint change (EDS) or route change (RDS) after `version`, timed until every
+        node ACKs it; the new version."""
+        assert self.acks is not None
+        write = self._move_endpoint if kind == "EDS" else self._change_route
+        return measure(self.acks, nodes, kind, version, write, timeout)
+
+    def _change_route(self) -> None:
+        """One change that is not endpoints only: a route timeout (routes path, RDS)."""
+        assert self.api is not None
+        body = self.api.get(f"/v1/routingpolicies/{POLICY}").json()
+        self.weight += 1
+        body["spec"]["routes"][0]["timeouts"] = {"request": f"{self.weight}s"}
+        self.api.put(f"/v1/routingpolicies/{POLICY}", json=body).raise_for_status()
+
+    @contextlib.contextmanager
+    def envoys(self, count: int, tag: str) -> Iterator[set[str]]:
+        assert self.kvpilot is not None
+        started: list[EmbeddedEnvoy] = []
+        kvpilot = self.kvpilot
+
+        def start(index: int) -> EmbeddedEnvoy:
+            envoy = EmbeddedEnvoy(
+                self.state_dir / f"envoy-{tag}-{index}",
+                xds_address="127.0.0.1",
+                xds_port=kvpilot.xds_port,
+                node_id=f"envoy-{tag}-{index}",
+                fleet=FLEET,
+                extra_args=["--concurrency", "1"],
+            )
+            started.append(envoy)
+            return envoy.start(60)
+
+        try:
+            # From this thread: launchers set PR_SET_PDEATHSIG, which fires when the thread that
+            # spawned a child exits, so a thread pool would kill its Envoys on the way out.
+            for index in range(count):
+                start(index)
+            yield {e.node_id for e in started}
+        finally:
+            for envoy in started:
+                envoy.stop()
+
+    @contextlib.contextmanager
+    def streams(self, count: int, listener_port: int) -> Iterator[set[str]]:
+        assert self.kvpilot is not None
+        nodes = [f"stream-{i}" for i in range(count)]
+        process = ManagedProcess(
+            [
+                sys.executable,
+                "-m",
+                "bench.controlplane.ads_streams",
+                f"127.0.0.1:{self.kvpilot.xds_port}",
+                str(count),
+                "--eds",
+                ",".join(f"{POLICY}/r{p}" for p in range(self.pools)),
+                "--rds",
+                f"listener-{listener_port}",
+            ],
+            self.state_dir / "streams.log",
+            cwd=repo_root(),
+        )
+        process.spawn()
+        try:
+            yield set(nodes)
+        finally:
+            process.stop()
+
+    # scenarios
+
+    def run(self) -> ControlPlaneResults:
+        config, results = self.config, self.results
+        assert self.kvpilot is not None
+        listener_port = free_port()
+        self.apply(3, listener_port)
+        for count in config.envoys:
+            with self.envoys(count, f"n{count}") as nodes:
+                row = ClientsRow.of(
+                    f"{count} Envoy", summarize(self.run_changes(nodes)), self._rss()
+                )
+            results.envoys.append(row)
+            print(f"  {count} Envoys: {row.measured()}", flush=True)
+
+        with self.streams(config.streams, listener_port) as nodes:
+            row = ClientsRow.of(
+                f"{config.streams} simulated streams",
+                summarize(self.run_changes(nodes)),
+                self._rss(),
+            )
+        results.envoys.append(row)
+        print(f"  {config.streams} streams: {row.measured()}", flush=True)
+
+        results.translation = translation_bench(config.endpoints)
+        print(f"  translation: {results.translation}", flush=True)
+
+        self.apply(config.endpoints, listener_port)
+        results.memory_mib[f"{config.endpoints} endpoints"] = self._rss()
+        with self.envoys(config.big_envoys, "big") as nodes:
+            eds = summarize(self.run_changes(nodes, "EDS"))
+            rds = summarize(self.run_changes(nodes, "RDS"))
+            rss = self._rss()
+        label = f"{config.big_envoys} Envoy, {config.endpoints} endpoints"
+        results.envoys.append(ClientsRow.of(f"{label}, endpoint change", eds, rss))
+        results.envoys.append(ClientsRow.of(f"{label}, route change", rds, rss))
+        print(f"  {label}: EDS {asdict(eds)} RDS {asdict(rds)}", flush=True)
+        results.telemetry = self.telemetry(listener_port)
+        print(f"  telemetry: {results.telemetry}", flush=True)
+        results.memory_mib["end"] = self._rss()
+        return results
+
+    def _rss(self) -> float:
+        assert self.kvpilot is not None
+        return rss_mib(self.kvpilot.pid)
+
+    def telemetry(self, listener_port: int) -> dict[str, Any]:
+        """Every route telemetry-balanced, every endpoint reporting each second."""
+        from bench.controlplane.scale import telemetry_at_scale
+
+        assert self.api is not None and self.kvpilot is not None and self.kvpilot.pid
+        objects = pools_and_policy(self.config.endpoints, listener_port, balancing="telemetry")
+        path, body = objects[-1]
+        self.api.put(path, json=body).raise_for_status()
+        endpoints = [
+            (pool_body["metadata"]["name"], f"{e['address']}:{e['port']}")
+            for _, pool_body in objects[:-1]
+            for e in pool_body["spec"]["endpoints"]
+        ]
+        return asyncio.run(
+            telemetry_at_scale(
+                self.etcd.endpoint,
+                "/bench",
+                endpoints,
+                self.kvpilot.pid,
+                f"{self.kvpilot.api_url}/metrics",
+                seconds=self.config.telemetry_seconds,
+            )
+        )
+
+
+def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
+    """The reconciler's full rebuild, EDS fast path and routes path over `endpoints` endpoints
+    (no I/O; ``bench.controlplane.rebuild_probe``)."""
+    from bench.controlplane import rebuild_probe
+
+    return {"endpoints": endpoints, **rebuild_probe.measure(rebuild_input(endpoints), repeats)}
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def markdown(results: ControlPlaneResults) -> str:
+    lines = [
+        "## kvpilot control plane",
+        "",
+        "Time from a write through the REST API to every client ACKing the new version "
+        f"({results.config.changes} changes each).",
+        "",
+    ]
+    lines += table(
+        ("clients", "p50 ms", "p99 ms", "max ms", "first ACK p50 ms", "kvpilot RSS MiB"),
+        (
+            (row.clients, row.p50_ms, row.p99_ms, row.max_ms, row.first_ack_p50_ms, row.rss_mib)
+            for row in results.envoys
+        ),
+        "lrrrrr",
+    )
+    t = results.translation
+    lines += [
+        "",
+        f"Rebuild at {t['endpoints']} endpoints ({t['clusters']} clusters, "
+        f"{t['serialized_kib']} KiB serialized), in process:",
+        "",
+    ]
+    lines += table(
+        ("rebuild", "ms"),
+        (
+            (
+                "full: decode, validate, compile, translate, serialize (Snapshot)",
+                t["full_rebuild_ms"],
+            ),
+            ("the same, the process's first (nothing cached yet)", t["first_full_rebuild_ms"]),
+            ("EDS fast path: one endpoint changed", t["fast_path_ms"]),
+            ("routes path: one route timeout changed (LDS, RDS)", t["routes_path_ms"]),
+        ),
+        "lr",
+    )
+    lines += [
+        "",
+        "kvpilot RSS MiB: " + ", ".join(f"{k} {v}" for k, v in results.memory_mib.items()),
+        "",
+    ]
+    if results.telemetry is not None:
+        from bench.controlplane.scale import telemetry_markdown
+
+        lines.append(telemetry_markdown(results.telemetry))
+    return "\n".join(lines)
+
+
+def run_controlplane(config: ControlPlaneConfig, state_dir: Path | None = None) -> Path:
+    """Run every scenario; print the Markdown table; write and return the JSON path."""
+    with contextlib.ExitStack() as stack:
+        if state_dir is None:
+            state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvp-cp-")))
+        bench = Bench(config, state_dir)
+        try:
+            bench.start()
+            results = bench.run()
+        finally:
+            bench.stop()
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    path = config.out_dir / "controlplane.json"
+    path.write_text(json.dumps(asdict(results), indent=2) + "\n")
+    print(markdown(results))
+    return path
