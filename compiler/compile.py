@@ -41,6 +41,7 @@ from compiler.plan import (
     RoutingPlan,
 )
 from compiler.routes import MemoEntry, RouteMemo
+from policies.difficultyplan import plan_virtual_models
 from policies.models import FleetSpec, RoutingPolicy
 from policies.names import cluster_name, listener_name
 from signals.live import admission_decisions, saturation_decisions, telemetry_weights
@@ -103,6 +104,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 domains=tuple(policy.spec.hosts),
                 model_header=policy.spec.model_header,
                 routes=tuple(routes),
+                virtual_models=plan_virtual_models(policy, state.difficulty),
             ),
         )
 
@@ -153,6 +155,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         weights=weights,
         admission=admission,
         saturation=saturation,
+        difficulty=state.difficulty,
     )
 
 
