@@ -14,6 +14,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from policies.models.fields import Duration, HeaderName, Model
 
@@ -124,7 +125,19 @@ class Scorer(Model):
     @model_validator(mode="after")
     def _external(self) -> Scorer:
         if self.type == "external" and self.external is None:
-            raise ValueError("type external needs the external field (url, timeout, fallback)")
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "value_error",
+                            "type external needs this field (url, timeout, fallback)",
+                        ),
+                        loc=("external",),
+                        input=None,
+                    )
+                ],
+            )
         return self
 
 
@@ -167,14 +180,35 @@ class VirtualModel(Model):
 
     @model_validator(mode="after")
     def _check(self) -> VirtualModel:
+        errors: list[tuple[str, str]] = []
         if self.small == self.large:
-            raise ValueError("small and large must be different models")
+            errors.append(("large", "small and large must be different models"))
         if self.name in (self.small, self.large):
-            raise ValueError("a virtual model cannot be its own target")
+            errors.append(("name", "a virtual model cannot be its own target"))
         if self.cap_percent < self.floor_percent:
-            raise ValueError(f"cap ({self.cap_percent:g}) is below floor ({self.floor_percent:g})")
+            errors.append(
+                ("cap", f"cap ({self.cap_percent:g}) is below floor ({self.floor_percent:g})")
+            )
         if self.share is not None and not self.floor_percent <= self.share <= self.cap_percent:
-            raise ValueError(f"share {self.share:g} is outside floor and cap")
+            errors.append(
+                (
+                    "share",
+                    f"share {self.share:g} is outside floor ({self.floor_percent:g}) and cap "
+                    f"({self.cap_percent:g})",
+                )
+            )
+        if errors:
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError("value_error", message.replace("{", "{{")),
+                        loc=(field,),
+                        input=None,
+                    )
+                    for field, message in errors
+                ],
+            )
         return self
 
     @property
