@@ -82,9 +82,9 @@ class ShareController:
         share: float,
         threshold: float,
         *,
-        window: float = 20.0,
+        window: float = 10.0,
         min_samples: int = 50,
-        deadband: float = 1.0,
+        deadband: float = 2.0,
         max_samples: int = 20_000,
     ) -> None:
         self.share = share
