@@ -4,6 +4,7 @@ request by Envoy's Lua scorer; the body's ``model`` rewritten, the answering mod
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -112,3 +113,52 @@ def test_a_virtual_model_sends_easy_prompts_to_the_small_model_and_hard_ones_to_
     assert "x-kvpilot-model" not in direct.headers
     models = client.get(rig.url("/v1/models")).json()
     assert {"llama-auto", "llama-small", "llama-large"} <= {m["id"] for m in models["data"]}
+
+
+CALM = [0.9, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05]
+"""Scores of a block of ten requests with one hard prompt: a 20% share needs a threshold
+between 0.4 and 0.45."""
+BUSY = [0.9, 0.85, 0.8, 0.75, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05]
+"""Four hard prompts in ten: the threshold must move up to between 0.8 and 0.85."""
+
+
+def large_share(client: httpx.Client, url: str, scores: list[float], blocks: int) -> float:
+    """Percent of `blocks` blocks of requests with these stated scores that the large model
+    took."""
+    large = 0
+    for _ in range(blocks):
+        for value in scores:
+            reply = post(client, url, EASY, **{"x-kvpilot-difficulty": f"{value}"})
+            assert reply.status_code == 200, reply.text
+            large += reply.headers["x-kvpilot-model"] == "llama-large"
+    return 100 * large / (blocks * len(scores))
+
+
+def test_kvpilot_moves_the_threshold_so_the_large_share_holds_when_the_mix_changes(
+    rig: Rig, backends: BackendFactory
+) -> None:
+    small, large = backends(1, id_prefix="sm"), backends(1, id_prefix="lg")
+    virtual_policy(rig, ports_of(small), ports_of(large), share=20, scorer={"type": "header"})
+    url = rig.url()
+    client = httpx.Client(timeout=10)
+    wait_until(lambda: post(client, url, EASY).status_code == 200, 30, message="the virtual model")
+    # With the configured threshold (0.5) one request in ten goes large; kvpilot learns the
+    # scores and moves the threshold until two in ten do.
+    wait_until(
+        lambda: large_share(client, url, CALM, 5) == 20,
+        60,
+        message="the calm mix to reach a 20% large share",
+    )
+    assert abs(large_share(client, url, CALM, 20) - 20) <= 3
+    # Four hard prompts in ten: the threshold moves up.
+    started = time.monotonic()
+    wait_until(
+        lambda: large_share(client, url, BUSY, 5) == 20,
+        60,
+        message="the busy mix to get back to a 20% large share",
+    )
+    print(f"busy mix back at a 20% large share after {time.monotonic() - started:.1f} s")
+    assert abs(large_share(client, url, BUSY, 20) - 20) <= 3
+    metrics = rig.api.get("/metrics").text
+    assert 'kvpilot_virtual_model_threshold{virtual_model="main/llama-auto"} 0.8' in metrics
+    assert "kvpilot_virtual_model_requests_total" in metrics

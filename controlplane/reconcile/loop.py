@@ -48,6 +48,7 @@ from controlplane.mirror import StateChange
 from controlplane.reconcile.history import TelemetryHistory
 from controlplane.reconcile.live import LiveDecisions
 from controlplane.reconcile.metrics import ReconcileMetrics
+from policies.difficultyshare import ShareDecision
 from signals import PolicyState
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
 from xdsserver.snapshot import SnapshotCache
@@ -116,6 +117,8 @@ class Reconciler:
         self._applied: dict[str, bytes] = {}
         """The value each present key was last decoded from."""
         self._live = LiveDecisions(self.metrics)
+        self.difficulty: Mapping[str, ShareDecision] = {}
+        """Thresholds that hold virtual models' shares (``controlplane.difficulty``)."""
         self._last_telemetry_build = -math.inf
         self._last_build = -math.inf
         """``time.monotonic()`` when the last rebuild finished."""
@@ -165,6 +168,14 @@ class Reconciler:
             except TimeoutError:
                 self._live.due_at = math.inf
                 self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
+
+    def set_difficulty(self, decisions: Mapping[str, ShareDecision]) -> None:
+        """New thresholds for virtual models: rebuilt like a telemetry change (at most once
+        per ``min_push_interval``)."""
+        if decisions == self.difficulty:
+            return
+        self.difficulty = dict(decisions)
+        self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
 
     @property
     def ready(self) -> bool:
@@ -258,6 +269,7 @@ class Reconciler:
             previous_weights=self._live.weights,
             previous_admission=self._live.admission,
             previous_saturation=self._live.saturation,
+            difficulty=self.difficulty,
             now=self.clock(),
         )
         plan = compile_plan(state, self._memo)
