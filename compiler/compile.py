@@ -104,7 +104,9 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 domains=tuple(policy.spec.hosts),
                 model_header=policy.spec.model_header,
                 routes=tuple(routes),
-                virtual_models=plan_virtual_models(policy, state.difficulty),
+                virtual_models=plan_virtual_models(
+                    policy, state.difficulty, routes, policy_clusters
+                ),
             ),
         )
 

@@ -164,6 +164,25 @@ class PlanScorerService:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanEscalation:
+    """Retry a virtual model's small-model failures once on the large model."""
+
+    cluster: str
+    """The aggregate of the two targets' route clusters, small first."""
+    members: tuple[str, str]
+    protocol: Protocol
+    retry_on: tuple[str, ...]
+    """Envoy retry conditions."""
+    per_try_timeout: float
+    timeout: float
+    idle_timeout: float
+    large_hosts: tuple[str, ...] = ()
+    """``address:port`` of the large model's endpoints: a try that lands on one of them
+    carries the large model's name, whether it is the retry or the small model's pools were
+    down from the start (then Envoy fails over to the large priorities at once)."""
+
+
+@dataclass(frozen=True, slots=True)
 class PlanVirtualModel:
     """A model name that Envoy answers with one of two target models, chosen per request."""
 
@@ -185,6 +204,7 @@ class PlanVirtualModel:
     floor: float
     """Percent bounds of the large model's share, held by each Envoy worker."""
     service: PlanScorerService | None = None
+    escalation: PlanEscalation | None = None
 
 
 @dataclass(frozen=True, slots=True)

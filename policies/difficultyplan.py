@@ -3,12 +3,18 @@ threshold in force (the configured one, or the one kvpilot learned to hold the s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
-from compiler.plan import PlanScorerService, PlanVirtualModel
+from compiler.plan import (
+    PlanCluster,
+    PlanEscalation,
+    PlanRoute,
+    PlanScorerService,
+    PlanVirtualModel,
+)
 from policies.difficultyshare import ShareDecision
-from policies.models import RoutingPolicy
+from policies.models import RoutingPolicy, VirtualModel
 
 SCORER_CLUSTER_PREFIX = "difficulty-scorer/"
 
@@ -18,11 +24,59 @@ def virtual_key(policy: str, name: str) -> str:
     return f"{policy}/{name}"
 
 
+ESCALATION_CLUSTER_PREFIX = "difficulty-escalate/"
+_RETRY_ON = {
+    "5xx": "5xx",
+    "reset": "reset",
+    "connect-failure": "connect-failure",
+    "timeout": "gateway-error",
+}
+
+
+def _escalation(
+    key: str,
+    virtual: VirtualModel,
+    routes: Sequence[PlanRoute],
+    clusters: Mapping[str, PlanCluster],
+) -> PlanEscalation | None:
+    escalation = virtual.escalation
+    if escalation is None:
+        return None
+    small = next((r for r in routes if virtual.small in r.models), None)
+    large = next((r for r in routes if virtual.large in r.models), None)
+    if small is None or large is None or small.cluster not in clusters:
+        return None
+    return PlanEscalation(
+        cluster=ESCALATION_CLUSTER_PREFIX + key,
+        members=(small.cluster, large.cluster),
+        protocol=clusters[small.cluster].protocol,
+        retry_on=tuple(dict.fromkeys(_RETRY_ON[condition] for condition in escalation.retry_on)),
+        per_try_timeout=escalation.timeout,
+        timeout=small.timeouts.request,
+        idle_timeout=small.timeouts.idle,
+        large_hosts=tuple(
+            sorted(
+                {
+                    f"[{e.address}]:{e.port}" if ":" in e.address else f"{e.address}:{e.port}"
+                    for e in clusters[large.cluster].endpoints
+                }
+            )
+        )
+        if large.cluster in clusters
+        else (),
+    )
+
+
 def plan_virtual_models(
-    policy: RoutingPolicy, decisions: Mapping[str, ShareDecision]
+    policy: RoutingPolicy,
+    decisions: Mapping[str, ShareDecision],
+    routes: Sequence[PlanRoute] = (),
+    clusters: Sequence[PlanCluster] = (),
 ) -> tuple[PlanVirtualModel, ...]:
     """The policy's virtual models, each with the threshold ``decisions`` holds for it (those
-    with a share), else its configured threshold."""
+    with a share), else its configured threshold, and its escalation over the targets'
+    route clusters (``routes`` and ``clusters`` compiled from the same policy)."""
+    by_name = {cluster.name: cluster for cluster in clusters}
     out = []
     for virtual in policy.spec.virtual_models:
         key = virtual_key(policy.metadata.name, virtual.name)
@@ -54,6 +108,7 @@ def plan_virtual_models(
                 cap=virtual.cap_percent,
                 floor=virtual.floor_percent,
                 service=service,
+                escalation=_escalation(key, virtual, routes, by_name),
             )
         )
     return tuple(out)

@@ -40,6 +40,12 @@ BAD = [
     pytest.param({"share": 120}, "spec.virtualModels[0].share", "0 to 100", id="share-high"),
     pytest.param({"share": -1}, "spec.virtualModels[0].share", "0 to 100", id="share-low"),
     pytest.param({"share": 50, "cap": 40}, "spec.virtualModels[0].share", "cap", id="over-cap"),
+    pytest.param(
+        {"escalation": {"retryOn": ["timeout"]}},
+        "spec.virtualModels[0].escalation.timeout",
+        "timeout above 0",
+        id="escalation-timeout",
+    ),
     pytest.param({"cap": 101}, "spec.virtualModels[0].cap", "0 to 100", id="cap"),
     pytest.param({"name": "llama-small"}, "spec.virtualModels[0].name", "target", id="name"),
     pytest.param(
@@ -86,3 +92,14 @@ async def test_the_api_refuses_a_bad_virtual_model_and_leaves_etcd_untouched(
         assert response.status_code == 422, response.text
         assert location in [error["loc"] for error in response.json()["detail"]]
     assert await api.raw("objects/routingpolicies/main") == before
+
+
+def test_escalation_needs_a_single_tier_on_the_small_model_route() -> None:
+    document = virtual_policy(escalation={})
+    document["spec"]["routes"][0]["tiers"] = [["small"], ["spare"]]
+    with pytest.raises(PolicyError) as caught:
+        parse_object(document)
+    assert any(
+        error.path == "spec.virtualModels[0].escalation" and "single tier" in error.message
+        for error in caught.value.errors
+    ), caught.value.errors

@@ -162,3 +162,53 @@ def test_kvpilot_moves_the_threshold_so_the_large_share_holds_when_the_mix_chang
     metrics = rig.api.get("/metrics").text
     assert 'kvpilot_virtual_model_threshold{virtual_model="main/llama-auto"} 0.8' in metrics
     assert "kvpilot_virtual_model_requests_total" in metrics
+
+
+def test_a_request_the_small_model_fails_is_answered_by_the_large_one(
+    rig: Rig, backends: BackendFactory
+) -> None:
+    small, large = backends(1, id_prefix="sm"), backends(1, id_prefix="lg")
+    virtual_policy(
+        rig,
+        ports_of(small),
+        ports_of(large),
+        share=None,
+        threshold=0.5,
+        escalation={"retryOn": ["5xx"]},
+    )
+    url = rig.url()
+    client = httpx.Client(timeout=10)
+    wait_until(
+        lambda: post(client, url, EASY).headers.get("x-kvpilot-model") == "llama-small",
+        30,
+        message="the virtual model with escalation",
+    )
+    healthy = post(client, url, EASY)
+    assert healthy.headers["x-backend-id"].startswith("sm")
+    assert "x-kvpilot-escalated" not in healthy.headers
+
+    port = ports_of(small)[0]
+    httpx.post(f"http://127.0.0.1:{port}/admin/fail", json={"status": 503}).raise_for_status()
+    for _ in range(3):
+        escalated = post(client, url, EASY)
+        assert escalated.status_code == 200, escalated.text
+        assert escalated.headers["x-backend-id"].startswith("lg")
+        # The large model got its own name in the body, and the client is told.
+        assert escalated.json()["model"] == "llama-large"
+        assert escalated.headers["x-kvpilot-model"] == "llama-large"
+        assert escalated.headers["x-kvpilot-escalated"] == "true"
+    # Streaming escalates the same way (the failure comes before the first byte).
+    with client.stream(
+        "POST", url, content=json.dumps({**EASY, "stream": True}).encode()
+    ) as stream:
+        assert stream.status_code == 200
+        lines = list(stream.iter_lines())
+        assert stream.headers["x-kvpilot-model"] == "llama-large", (stream.headers, lines[:3])
+        assert any('"llama-large"' in line for line in lines)
+    # A direct request for the small model is not escalated: only the virtual model's are.
+    assert post(client, url, {**EASY, "model": "llama-small"}).status_code == 503
+    wait_until(
+        lambda: "kvpilot_virtual_model_escalations_total" in rig.api.get("/metrics").text,
+        10,
+        message="escalations reported",
+    )

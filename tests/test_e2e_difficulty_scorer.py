@@ -18,7 +18,7 @@ from harness.rig import BackendFactory, Rig, ports_of
 from harness.wait import wait_until
 from test_e2e_difficulty import EASY, HARD, post, virtual_policy
 
-from controlplane.launchers.process import free_port
+from controlplane.local.process import free_port
 
 pytestmark = pytest.mark.e2e
 

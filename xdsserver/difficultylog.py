@@ -35,6 +35,8 @@ class ScoreReport:
     """header, builtin, external or fallback."""
     forced: str
     """cap or floor when they overrode the scorer, else empty."""
+    escalated: bool = False
+    """The small model failed and the large one answered."""
 
 
 def _text(fields: Any, name: str) -> str:
@@ -67,6 +69,7 @@ def parse(entry: Any) -> ScoreReport | None:
         target=_text(fields, "target"),
         source=_text(fields, "source"),
         forced=_text(fields, "forced"),
+        escalated=entry.response.response_headers.get("x-kvpilot-escalated") == "true",
     )
 
 
@@ -91,6 +94,13 @@ class ScoreBook:
             buckets=[i / 10 for i in range(1, 11)],
             registry=registry,
         )
+        self.escalations = Counter(
+            "kvpilot_virtual_model_escalations",
+            "Requests of a virtual model that the small model failed and the large one "
+            "answered on retry.",
+            ["virtual_model"],
+            registry=registry,
+        )
         self.ignored = 0
         """Entries of the score log that carried no report."""
 
@@ -101,6 +111,8 @@ class ScoreBook:
             self.ignored += 1
             return
         self.requests.labels(report.key, report.target, report.source, report.forced).inc()
+        if report.escalated:
+            self.escalations.labels(report.key).inc()
         if report.score is not None:
             self.scores.labels(report.key).observe(report.score)
         for listener in self.listeners:

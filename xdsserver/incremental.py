@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from compiler import FleetPlan
-from compiler.plan import PlanScorerService
+from compiler.plan import PlanEscalation, PlanScorerService
 from xdsserver import resources
 from xdsserver.snapshot import Snapshot
 from xdsserver.translate import (
@@ -95,12 +95,12 @@ def _routes_only(fleet: FleetPlan, before: Snapshot) -> Snapshot:
     ).with_messages(resources.ROUTE, translate_routes(fleet), replace_all=True)
 
 
-def _services(fleet: FleetPlan) -> list[PlanScorerService]:
-    """Virtual models' classifiers: their clusters come from the listeners' plan (CDS)."""
+def _services(fleet: FleetPlan) -> list[tuple[PlanScorerService | None, PlanEscalation | None]]:
+    """Virtual models' classifiers and escalations: their clusters come from the listeners'
+    plan (CDS)."""
     return [
-        virtual.service
+        (virtual.service, virtual.escalation)
         for listener in fleet.listeners
         for vhost in listener.virtual_hosts
         for virtual in vhost.virtual_models
-        if virtual.service is not None
     ]

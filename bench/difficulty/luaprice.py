@@ -30,9 +30,11 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from controlplane.launchers import find_binary
-from controlplane.launchers.process import free_port
-from policies import PolicyState, compile_plan, parse_object
+from compiler import compile_plan
+from controlplane.local import find_binary
+from controlplane.local.process import free_port
+from policies import parse_object
+from signals import PolicyState
 from xdsserver.difficultylog import ScoreBook
 from xdsserver.signals import AccessLogServer, SignalBook
 from xdsserver.static import static_bootstrap

@@ -100,6 +100,46 @@ class ExternalScorer(Model):
         return value
 
 
+EscalateOn = Literal["5xx", "reset", "connect-failure", "timeout"]
+DEFAULT_ESCALATE_ON: tuple[EscalateOn, ...] = ("5xx", "reset", "connect-failure")
+
+
+class Escalation(Model):
+    """Retry a request the small model failed once on the large model, within the same client
+    request. Envoy does it: the retry goes to the large model's pools with the body's
+    ``model`` rewritten for them. A finish reason cannot trigger it: that is in the response
+    body, which Envoy would have to hold back from a streaming client to read."""
+
+    retry_on: list[EscalateOn] = Field(
+        default_factory=lambda: list(DEFAULT_ESCALATE_ON),
+        min_length=1,
+        description="Failures of the small model that escalate: 5xx, reset, connect-failure, "
+        "timeout (needs timeout above 0). Default: 5xx, reset, connect-failure.",
+    )
+    timeout: Duration = Field(
+        0.0,
+        description="Time the small model has before the request escalates (to the first "
+        "response byte and beyond); 0 = the route's. Default: 0.",
+    )
+
+    @model_validator(mode="after")
+    def _timeout(self) -> Escalation:
+        if "timeout" in self.retry_on and not self.timeout:
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "value_error", "escalating on timeout needs a timeout above 0"
+                        ),
+                        loc=("timeout",),
+                        input=None,
+                    )
+                ],
+            )
+        return self
+
+
 ScorerType = Literal["builtin", "external", "header"]
 
 
@@ -159,6 +199,10 @@ class VirtualModel(Model):
         le=1,
         description="Score above which a request goes to the large model, until kvpilot has "
         "learned the score distribution (or always, with share null). Default: 0.5.",
+    )
+    escalation: Escalation | None = Field(
+        None,
+        description="Retry the small model's failures once on the large model. Default: off.",
     )
     cap: float | None = Field(
         None,

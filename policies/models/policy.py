@@ -90,6 +90,15 @@ class RoutingPolicySpec(Model):
                     ((*where, "name"), f"virtual model {virtual.name!r} is declared twice")
                 )
             seen.add(virtual.name)
+            small_routes = [r for r in self.routes if virtual.small in r.match.models]
+            if virtual.escalation is not None and small_routes and len(small_routes[0].tiers) > 1:
+                errors.append(
+                    (
+                        (*where, "escalation"),
+                        f"escalation retries on the large model's pools, so the route of "
+                        f"{virtual.small!r} ({small_routes[0].name}) needs a single tier",
+                    )
+                )
             for field in ("small", "large"):
                 target = getattr(virtual, field)
                 if target not in served:

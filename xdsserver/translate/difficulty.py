@@ -25,24 +25,40 @@ import json
 from collections.abc import Iterable
 
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import base_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2 as header_mutation_rules_pb2
+from envoy.config.core.v3 import base_pb2, protocol_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.route.v3 import route_components_pb2
+from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
+from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
+from envoy.extensions.filters.http.upstream_codec.v3 import upstream_codec_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, string_pb2
 from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
+from google.protobuf import wrappers_pb2
 
-from compiler.plan import PlanVirtualHost, PlanVirtualModel
+from compiler.plan import PlanEscalation, PlanVirtualHost, PlanVirtualModel
 from policies.difficulty import COUNT_LIMIT, EFFORTS, MATH_WORDS, QUESTION_WORDS, WINDOW
 from policies.difficultyshare import GUARD_WARMUP, GUARD_WINDOW
 from policies.models.difficulty import FEATURES
 from xdsserver.translate.listeners import DIFFICULTY_METADATA as METADATA_NAMESPACE
 from xdsserver.translate.listeners import LUA
-from xdsserver.translate.protos import duration, pack, socket_address
+from xdsserver.translate.protos import HTTP_PROTOCOL_OPTIONS, duration, pack, socket_address
 
 MODEL_RESPONSE_HEADER = "x-kvpilot-model"
 """Response header naming the model that answered a virtual model's request."""
 SCORE_RESPONSE_HEADER = "x-kvpilot-difficulty-score"
+ESCALATE_HEADER = "x-kvpilot-escalate"
+"""Set by the Lua on requests it sends to a small model that escalates (the virtual model's
+key), so they take the escalation entry; a client's own value is removed."""
+ESCALATED_HEADER = "x-kvpilot-escalated"
+"""Response header of a request the large model answered after the small one failed."""
 UNSCORED_BODY = json.dumps(
     {
         "error": {
@@ -114,7 +130,8 @@ def response_headers(vhost: PlanVirtualHost) -> list[base_pb2.HeaderValueOption]
             header=base_pb2.HeaderValue(
                 key=name, value=f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{key})%"
             ),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            # An escalated answer names the large model from the upstream filter; keep it.
+            append_action=base_pb2.HeaderValueOption.ADD_IF_ABSENT,
         )
         for name, key in ((MODEL_RESPONSE_HEADER, "target"), (SCORE_RESPONSE_HEADER, "score"))
     ]
@@ -197,6 +214,7 @@ local SMALL, LARGE = {_lua_string(virtual.small)}, {_lua_string(virtual.large)}
 local SMALL_JSON, LARGE_JSON = {_lua_string(json.dumps(virtual.small))}, {_lua_string(json.dumps(virtual.large))}
 local THRESHOLD, TIE = {virtual.threshold!r}, {virtual.tie!r}
 local CAP, FLOOR = {virtual.cap / 100!r}, {virtual.floor / 100!r}
+local ESCALATES = {"true" if virtual.escalation is not None else "false"}
 local decay = 1 - 1 / {GUARD_WINDOW}
 local large_weight, total_weight, seen = 0, 0, 0
 local EFFORTS = {{low = {EFFORTS["low"]}, medium = {EFFORTS["medium"]}, high = {EFFORTS["high"]}}}
@@ -305,6 +323,189 @@ function envoy_on_request(handle)
   end
   metadata:set("{METADATA_NAMESPACE}", "source", source)
   metadata:set("{METADATA_NAMESPACE}", "forced", forced)
-  handle:headers():replace({_lua_string(model_header)}, target)
+  local out = handle:headers()
+  out:remove("{ESCALATE_HEADER}")
+  if ESCALATES and not large then
+    out:replace("{ESCALATE_HEADER}", {_lua_string(virtual.key)})
+  end
+  out:replace({_lua_string(model_header)}, target)
 end
 """
+
+
+def escalation_entries(vhost: PlanVirtualHost, body_limit: int) -> list[route_components_pb2.Route]:
+    """Entries for requests a virtual model sent to its small model with escalation: to the
+    aggregate of the two targets, retried once on the large one."""
+    out = []
+    for virtual in vhost.virtual_models:
+        escalation = virtual.escalation
+        if escalation is None:
+            continue
+        match = route_components_pb2.RouteMatch(
+            prefix="/",
+            headers=[
+                route_components_pb2.HeaderMatcher(
+                    name=vhost.model_header,
+                    string_match=string_pb2.StringMatcher(exact=virtual.small),
+                ),
+                route_components_pb2.HeaderMatcher(
+                    name=ESCALATE_HEADER,
+                    string_match=string_pb2.StringMatcher(exact=virtual.key),
+                ),
+            ],
+        )
+        policy = route_components_pb2.RetryPolicy(
+            retry_on=",".join(escalation.retry_on),
+            num_retries=wrappers_pb2.UInt32Value(value=1),
+            retry_host_predicate=[
+                route_components_pb2.RetryPolicy.RetryHostPredicate(
+                    name="envoy.retry_host_predicates.previous_hosts",
+                    typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
+                )
+            ],
+            # The aggregate lays the small model's priorities before the large one's: moving
+            # past the priority that failed is moving to the large model (the small model's
+            # route has one tier, which validation holds).
+            retry_priority=route_components_pb2.RetryPolicy.RetryPriority(
+                name="envoy.retry_priorities.previous_priorities",
+                typed_config=pack(
+                    previous_priorities_config_pb2.PreviousPrioritiesConfig(update_frequency=1)
+                ),
+            ),
+        )
+        if escalation.per_try_timeout:
+            policy.per_try_timeout.CopyFrom(duration(escalation.per_try_timeout))
+        entry = route_components_pb2.Route(
+            name=f"{virtual.key}#escalate",
+            match=match,
+            route=route_components_pb2.RouteAction(
+                cluster=escalation.cluster,
+                timeout=duration(escalation.timeout),
+                idle_timeout=duration(escalation.idle_timeout),
+                retry_policy=policy,
+            ),
+        )
+        # The router keeps the body to send it again.
+        entry.request_body_buffer_limit.value = body_limit
+        out.append(entry)
+    return out
+
+
+UPSTREAM_HOST_HEADER = "x-kvpilot-upstream-host"
+"""Set on each try by the escalation aggregate's header mutation: the host Envoy picked."""
+
+
+def escalation_lua(virtual: PlanVirtualModel, escalation: PlanEscalation) -> str:
+    """Upstream Lua of the escalation aggregate, run on every try: a try that lands on the
+    large model's host (the retry, or every try while the small model's pools are down)
+    carries the large model's name in the body, and its answer says it was escalated. The
+    host comes from the header mutation before it (Envoy knows the host in upstream filters,
+    and the aggregate's own name is all ``%UPSTREAM_CLUSTER%`` gives)."""
+    hosts = ", ".join(f"[{_lua_string(host)}] = true" for host in escalation.large_hosts)
+    return f"""-- kvpilot: escalation of virtual model {virtual.name}
+local LARGE_HOSTS = {{{hosts}}}
+
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  local host = headers:get("{UPSTREAM_HOST_HEADER}")
+  headers:remove("{UPSTREAM_HOST_HEADER}")
+  if host == nil or not LARGE_HOSTS[host] then
+    return
+  end
+  local body = handle:body()
+  if body ~= nil then
+    local text = body:getBytes(0, body:length())
+    local rewritten = string.gsub(text, '"model"%s*:%s*"[^"]*"', function()
+      return '"model":' .. {_lua_string(json.dumps(virtual.large))}
+    end, 1)
+    handle:body():setBytes(rewritten)
+  end
+  handle:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", "escalated", "true")
+end
+
+function envoy_on_response(handle)
+  local metadata = handle:streamInfo():dynamicMetadata():get("{METADATA_NAMESPACE}")
+  if metadata ~= nil and metadata["escalated"] == "true" then
+    handle:headers():replace("{MODEL_RESPONSE_HEADER}", {_lua_string(virtual.large)})
+    handle:headers():replace("{ESCALATED_HEADER}", "true")
+  end
+end
+"""
+
+
+def escalation_clusters(vhosts: Iterable[PlanVirtualHost]) -> list[cluster_pb2.Cluster]:
+    """One aggregate per escalating virtual model: its small then its large route cluster,
+    with the upstream Lua that renames the model on the retry."""
+    out = []
+    for vhost in vhosts:
+        for virtual in vhost.virtual_models:
+            escalation = virtual.escalation
+            if escalation is None:
+                continue
+            out.append(_escalation_cluster(virtual, escalation))
+    return out
+
+
+def _escalation_cluster(
+    virtual: PlanVirtualModel, escalation: PlanEscalation
+) -> cluster_pb2.Cluster:
+    aggregate = cluster_pb2.Cluster(
+        name=escalation.cluster,
+        connect_timeout=duration(5),
+        lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
+    )
+    aggregate.cluster_type.name = "envoy.clusters.aggregate"
+    aggregate.cluster_type.typed_config.CopyFrom(
+        pack(aggregate_pb2.ClusterConfig(clusters=list(escalation.members)))
+    )
+    options = http_protocol_options_pb2.HttpProtocolOptions()
+    if escalation.protocol == "http2":
+        options.explicit_http_config.http2_protocol_options.CopyFrom(
+            protocol_pb2.Http2ProtocolOptions()
+        )
+    else:
+        options.explicit_http_config.http_protocol_options.CopyFrom(
+            protocol_pb2.Http1ProtocolOptions()
+        )
+    # Upstream filters run per try, so the retry can carry another model name.
+    options.http_filters.append(
+        hcm_pb2.HttpFilter(
+            name="envoy.filters.http.header_mutation",
+            typed_config=pack(
+                header_mutation_pb2.HeaderMutation(
+                    mutations=header_mutation_pb2.Mutations(
+                        request_mutations=[
+                            header_mutation_rules_pb2.HeaderMutation(
+                                append=base_pb2.HeaderValueOption(
+                                    header=base_pb2.HeaderValue(
+                                        key=UPSTREAM_HOST_HEADER, value="%UPSTREAM_HOST%"
+                                    ),
+                                    append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                                )
+                            )
+                        ]
+                    )
+                )
+            ),
+        )
+    )
+    options.http_filters.append(
+        hcm_pb2.HttpFilter(
+            name=LUA,
+            typed_config=pack(
+                lua_pb2.Lua(
+                    default_source_code=base_pb2.DataSource(
+                        inline_string=escalation_lua(virtual, escalation)
+                    )
+                )
+            ),
+        )
+    )
+    options.http_filters.append(
+        hcm_pb2.HttpFilter(
+            name="envoy.filters.http.upstream_codec",
+            typed_config=pack(upstream_codec_pb2.UpstreamCodec()),
+        )
+    )
+    aggregate.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(pack(options))
+    return aggregate

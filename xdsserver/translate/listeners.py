@@ -196,6 +196,7 @@ def score_log(listener_name: str) -> accesslog_pb2.AccessLog:
         ),
         typed_config=pack(
             als_pb2.HttpGrpcAccessLogConfig(
+                additional_response_headers_to_log=["x-kvpilot-escalated"],
                 common_config=als_pb2.CommonGrpcAccessLogConfig(
                     log_name=f"{DIFFICULTY_LOG}/{listener_name}",
                     transport_api_version=config_source_pb2.V3,
@@ -205,7 +206,7 @@ def score_log(listener_name: str) -> accesslog_pb2.AccessLog:
                         )
                     ),
                     buffer_flush_interval=duration(SIGNALS_FLUSH_INTERVAL),
-                )
+                ),
             )
         ),
     )

@@ -13,7 +13,11 @@ from envoy.type.matcher.v3 import string_pb2
 
 from compiler.plan import PlanClass, PlanListener, PlanRoute, PlanVirtualHost
 from xdsserver.translate.classes import class_stat_prefix, restricted_entry, selects, with_class
-from xdsserver.translate.difficulty import response_headers, virtual_entries
+from xdsserver.translate.difficulty import (
+    escalation_entries,
+    response_headers,
+    virtual_entries,
+)
 from xdsserver.translate.entries import match_of, route_entry, with_header
 from xdsserver.translate.listeners import LUA, SERVICE_CLASS
 from xdsserver.translate.protos import pack
@@ -77,6 +81,7 @@ def _virtual_host(vhost: PlanVirtualHost, body_limit: int) -> route_components_p
     # route could send the request to a replica.
     routes: list[route_components_pb2.Route] = [_models_list_route(vhost.served_models)]
     # Before the routes: a route that takes any model would otherwise take a virtual one.
+    routes.extend(escalation_entries(vhost, body_limit))
     routes.extend(virtual_entries(vhost))
     for route in vhost.routes:
         routes.extend(_routes(route, vhost.model_header, body_limit))
