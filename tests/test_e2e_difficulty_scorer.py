@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
+from harness.difficulty import EASY, HARD, post, virtual_policy
 from harness.jsonserver import json_server
 from harness.rig import BackendFactory, Rig, ports_of
 from harness.wait import wait_until
-from test_e2e_difficulty import EASY, HARD, post, virtual_policy
 
 from controlplane.local.process import free_port
 

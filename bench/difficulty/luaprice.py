@@ -71,7 +71,33 @@ asyncio.run(main())
 """
 
 
-def _policy(listener: int, backend: int) -> list[Any]:
+SCORER = r"""
+import asyncio, sys
+ANSWER = b'{"score": 0.1}'
+async def handle(reader, writer):
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            await reader.readexactly(length)
+            await asyncio.sleep(float(sys.argv[2]))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
+    async with server:
+        await server.serve_forever()
+asyncio.run(main())
+"""
+"""A stand-in classifier that answers after ``argv[2]`` seconds."""
+
+
+def _policy(listener: int, backend: int, scorer: dict[str, Any] | None = None) -> list[Any]:
     def pool(name: str) -> dict[str, Any]:
         return {
             "apiVersion": "kvpilot.io/v1",
@@ -96,15 +122,24 @@ def _policy(listener: int, backend: int) -> list[Any]:
                 {"name": "large", "match": {"models": ["large"]}, "tiers": [["large"]]},
             ],
             "virtualModels": [
-                {"name": "auto", "small": "small", "large": "large", "share": None, "cap": 100}
+                {
+                    "name": "auto",
+                    "small": "small",
+                    "large": "large",
+                    "share": None,
+                    "cap": 100,
+                    **({"scorer": scorer} if scorer else {}),
+                }
             ],
         },
     }
     return [parse_object(pool("small")), parse_object(pool("large")), parse_object(policy)]
 
 
-def _bootstrap(listener: int, backend: int, signals: int, admin: int) -> dict[str, Any]:
-    plan = compile_plan(PolicyState.from_objects(_policy(listener, backend)))
+def _bootstrap(
+    listener: int, backend: int, signals: int, admin: int, scorer: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    plan = compile_plan(PolicyState.from_objects(_policy(listener, backend, scorer)))
     bootstrap: dict[str, Any] = json.loads(
         json_format.MessageToJson(
             static_bootstrap(translate(plan.fleets[0])), preserving_proto_field_name=True
@@ -187,7 +222,7 @@ def _request(conn: http.client.HTTPConnection, body: bytes) -> tuple[float, floa
     return first, time.perf_counter() - start, response.getheader("x-kvpilot-model") or ""
 
 
-def measure(requests: int) -> dict[str, Any]:
+def measure(requests: int, scorer: dict[str, Any] | None = None) -> dict[str, Any]:
     backend, listener, signals, admin = free_port(), free_port(), free_port(), free_port()
     book = ScoreBook()
     ready = threading.Event()
@@ -195,7 +230,7 @@ def measure(requests: int) -> dict[str, Any]:
     ready.wait(10)
     with tempfile.TemporaryDirectory() as workdir:
         config = Path(workdir) / "envoy.json"
-        config.write_text(json.dumps(_bootstrap(listener, backend, signals, admin)))
+        config.write_text(json.dumps(_bootstrap(listener, backend, signals, admin, scorer)))
         upstream = subprocess.Popen(
             [sys.executable, "-c", BACKEND, str(backend)], stdout=subprocess.DEVNULL
         )
@@ -223,12 +258,17 @@ def measure(requests: int) -> dict[str, Any]:
                         raise
                     time.sleep(0.2)
             results: dict[str, Any] = {}
-            for label, size, stream in (
-                ("0.1 KB", 100, False),
-                ("4 KB", 4096, False),
-                ("64 KB", 65536, False),
-                ("0.1 KB streamed", 100, True),
-            ):
+            sizes = (
+                (("0.1 KB", 100, False),)
+                if scorer
+                else (
+                    ("0.1 KB", 100, False),
+                    ("4 KB", 4096, False),
+                    ("64 KB", 65536, False),
+                    ("0.1 KB streamed", 100, True),
+                )
+            )
+            for label, size, stream in sizes:
                 times: dict[str, list[float]] = {"direct": [], "virtual": []}
                 cpu = {"direct": 0.0, "virtual": 0.0}
                 bodies = {
@@ -271,12 +311,38 @@ def measure(requests: int) -> dict[str, Any]:
             upstream.wait(10)
 
 
+def external(requests: int, timeout: float = 0.05) -> dict[str, Any]:
+    """Latency added by an external classifier that is quick, slower than its timeout, or
+    down: the fallback costs at most the timeout."""
+    out: dict[str, Any] = {}
+    for label, delay in (("quick (1 ms)", 0.001), ("slow (1 s)", 1.0), ("down", None)):
+        port = free_port()
+        process = (
+            subprocess.Popen([sys.executable, "-c", SCORER, str(port), str(delay)])
+            if delay is not None
+            else None
+        )
+        try:
+            time.sleep(0.5)
+            scorer = {
+                "type": "external",
+                "external": {"url": f"http://127.0.0.1:{port}/score", "timeout": timeout},
+            }
+            out[label] = measure(requests, scorer)["0.1 KB"]
+        finally:
+            if process is not None:
+                process.terminate()
+                process.wait(10)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.difficulty.luaprice")
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--external", action="store_true", help="the external classifier")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    results = measure(args.requests)
+    results = external(args.requests) if args.external else measure(args.requests)
     text = json.dumps(results, indent=1)
     print(text)
     if args.out is not None:
