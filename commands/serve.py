@@ -26,7 +26,6 @@ from api.auth import AuthConfig, TokenReloader, WriteRateLimit
 from commands.serve_config import ServeConfig, add_arguments, check_xds, config_from_args
 from controlplane.asgi import UvicornServer
 from controlplane.audit import AuditLog
-from controlplane.difficulty import DifficultyLoop, virtual_models_of
 from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdAccessDenied
@@ -35,6 +34,7 @@ from controlplane.etcd.store import Store
 from controlplane.local import EmbeddedEtcd
 from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
+from controlplane.reconcile.difficulty import DifficultyLoop, virtual_models_of
 from controlplane.reconcile.loop import Reconciler
 from controlplane.reconcile.metrics import ReconcileMetrics
 from controlplane.rollouts.controller import RolloutController

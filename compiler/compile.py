@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from compiler.difficulty import plan_virtual_models
 from compiler.fleets import applies, fleet_compiled, fleet_names, merge_listener
 from compiler.plan import (
     Diagnostic,
@@ -41,7 +42,6 @@ from compiler.plan import (
     RoutingPlan,
 )
 from compiler.routes import MemoEntry, RouteMemo
-from policies.difficultyplan import plan_virtual_models
 from policies.models import FleetSpec, RoutingPolicy
 from policies.names import cluster_name, listener_name
 from signals.live import admission_decisions, saturation_decisions, telemetry_weights

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from policies.difficultyshare import ShareDecision
 from policies.models import (
     TLS,
     AuthHeader,
@@ -30,6 +29,7 @@ from policies.models import (
     Timeouts,
 )
 from signals.admission import AdmissionDecision
+from signals.difficultyshare import ShareDecision
 from signals.saturation import SaturationDecision
 from signals.weights import WeightDecision
 

@@ -18,9 +18,9 @@ from typing import Generic, TypeVar
 
 from controlplane.etcd.keys import ENDPOINTS, OBJECTS, TELEMETRY
 from policies import PATH_KINDS, Endpoint, PolicyError, PolicyObject, jsondoc, parse_object
-from policies.difficultyshare import ShareDecision
 from signals import PolicyState
 from signals.admission import AdmissionDecision
+from signals.difficultyshare import ShareDecision
 from signals.saturation import SaturationDecision
 from signals.telemetry import TelemetryRecord
 from signals.weights import WeightDecision

@@ -8,9 +8,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.difficultyshare import ShareDecision
 from policies.models import Endpoint, Fleet, PolicyObject, Pool, Rollout, RoutingPolicy
 from signals.admission import AdmissionDecision
+from signals.difficultyshare import ShareDecision
 from signals.saturation import SaturationDecision
 from signals.telemetry import TelemetryRecord
 from signals.weights import WeightDecision
@@ -35,7 +35,7 @@ class PolicyState:
     """``RoutingPlan.saturation`` of the previous compile, for hysteresis."""
     difficulty: Mapping[str, ShareDecision] = field(default_factory=dict)
     """Thresholds kvpilot learned for virtual models with a share: ``policy/name`` -> decision
-    (``policies.difficultyshare``)."""
+    (``signals.difficultyshare``)."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)

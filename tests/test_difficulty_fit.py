@@ -16,9 +16,9 @@ from commands.cli import main
 from compiler import compile_plan
 from controlplane.local import find_binary
 from policies import load_objects
-from policies.difficulty import score
-from policies.difficultyfit import LabelError, logistic_regression, read_rows, roc_auc
 from signals import PolicyState
+from signals.difficulty import score
+from signals.difficultyfit import LabelError, logistic_regression, read_rows, roc_auc
 from xdsserver.static import validate_with_envoy
 from xdsserver.translate import translate
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from policies.difficultyshare import (
+from signals.difficultyshare import (
     ShareController,
     ShareGuard,
     chooses_large,

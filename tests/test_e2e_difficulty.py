@@ -12,8 +12,8 @@ from harness.difficulty import EASY, HARD, post, virtual_policy
 from harness.rig import BackendFactory, Rig, ports_of
 from harness.wait import wait_until
 
-from policies.difficulty import score
 from policies.models import DEFAULT_BIAS, DEFAULT_WEIGHTS
+from signals.difficulty import score
 
 pytestmark = pytest.mark.e2e
 

@@ -3,7 +3,7 @@
 Each Envoy logs one entry per request that a virtual model's Lua scored
 (``xdsserver.translate.listeners.score_log``), with the score, the target and why in dynamic
 metadata. ``ScoreBook`` parses them (microseconds each), counts them for the metrics and hands
-each to its listeners: the share controller (``controlplane.difficulty``) learns the score
+each to its listeners: the share controller (``controlplane.reconcile.difficulty``) learns the score
 distribution from them. Nothing here is on a request's path: Envoy sends entries in batches
 after the requests finished.
 """

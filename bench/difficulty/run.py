@@ -11,7 +11,7 @@ Policies (each at a target share of large-model calls, except the two fixed ones
 - ``oracle``: knows which prompts the small model fails and sends those first.
 
 Scored policies run through the share loop as it runs in production: scores arrive at
-``RATE`` requests per second, ``policies.difficultyshare.ShareController`` moves the threshold
+``RATE`` requests per second, ``signals.difficultyshare.ShareController`` moves the threshold
 from what it saw, Envoy applies it two seconds later, and each worker's cap and floor
 (``ShareGuard``) hold, so the share a policy reaches is the loop's, not an offline quantile.
 The scores are the Python twin of Envoy's Lua (tests hold the two equal to four decimals).
@@ -28,10 +28,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from bench.difficulty.prompts import Prompt, PromptMix, generate, labelled_lines
-from policies.difficulty import score
-from policies.difficultyfit import fit, read_rows
-from policies.difficultyshare import ShareController, ShareGuard, chooses_large
 from policies.models import DEFAULT_BIAS, DEFAULT_WEIGHTS
+from signals.difficulty import score
+from signals.difficultyfit import fit, read_rows
+from signals.difficultyshare import ShareController, ShareGuard, chooses_large
 
 RATE = 50
 """Requests per second of the simulated stream."""

@@ -24,8 +24,8 @@ from typing import Any
 
 from bench.difficulty.luaprice import BACKEND
 from bench.difficulty.prompts import PromptMix, generate
-from controlplane.launchers import free_port, local_stack
-from controlplane.launchers.process import wait_until
+from controlplane.local import free_port, local_stack
+from controlplane.local.process import wait_until
 
 THREADS = 4
 

@@ -12,7 +12,7 @@ import yaml
 
 from commands.cli.common import AddParser, CliError
 from policies import PolicyError, parse_object
-from policies.difficultyfit import LabelError, fit, read_rows
+from signals.difficultyfit import LabelError, fit, read_rows
 
 
 def _virtual_model(docs: list[Any], name: str, policy: str | None) -> dict[str, Any]:

@@ -48,8 +48,8 @@ from controlplane.mirror import StateChange
 from controlplane.reconcile.history import TelemetryHistory
 from controlplane.reconcile.live import LiveDecisions
 from controlplane.reconcile.metrics import ReconcileMetrics
-from policies.difficultyshare import ShareDecision
 from signals import PolicyState
+from signals.difficultyshare import ShareDecision
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
 from xdsserver.snapshot import SnapshotCache
 
@@ -118,7 +118,7 @@ class Reconciler:
         """The value each present key was last decoded from."""
         self._live = LiveDecisions(self.metrics)
         self.difficulty: Mapping[str, ShareDecision] = {}
-        """Thresholds that hold virtual models' shares (``controlplane.difficulty``)."""
+        """Thresholds that hold virtual models' shares (``controlplane.reconcile.difficulty``)."""
         self._last_telemetry_build = -math.inf
         self._last_build = -math.inf
         """``time.monotonic()`` when the last rebuild finished."""

@@ -5,7 +5,7 @@ The score comes from a scorer chosen per virtual model (built in, evaluated by E
 features of the request; the operator's classifier over HTTP; or a client header), and the
 large model takes the requests that score highest. With ``share`` set, kvpilot moves the
 threshold so the large model keeps that share of requests whatever the traffic mix; ``cap`` and
-``floor`` bound the share in every Envoy whatever the scorer says (``policies.difficulty``).
+``floor`` bound the share in every Envoy whatever the scorer says (``signals.difficulty``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ FEATURES = (
     "maxTokens",
     "reasoningEffort",
 )
-"""Request features the built-in scorer weighs (``policies.difficulty.features`` computes them;
+"""Request features the built-in scorer weighs (``signals.difficulty.features`` computes them;
 Envoy's Lua filter computes the same from the same body)."""
 
 DEFAULT_WEIGHTS: dict[str, float] = {

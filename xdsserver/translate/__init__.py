@@ -27,7 +27,8 @@ from xdsserver.translate.clusters import (
     translate_cluster,
     translate_endpoints,
 )
-from xdsserver.translate.difficulty import escalation_clusters, scorer_clusters
+from xdsserver.translate.difficulty import scorer_clusters
+from xdsserver.translate.escalation import escalation_clusters
 from xdsserver.translate.listeners import translate_listener
 from xdsserver.translate.providers import credential_listener, internal_cluster, provider_cluster
 from xdsserver.translate.routes import (

@@ -13,12 +13,9 @@ from envoy.type.matcher.v3 import string_pb2
 
 from compiler.plan import PlanClass, PlanListener, PlanRoute, PlanVirtualHost
 from xdsserver.translate.classes import class_stat_prefix, restricted_entry, selects, with_class
-from xdsserver.translate.difficulty import (
-    escalation_entries,
-    response_headers,
-    virtual_entries,
-)
+from xdsserver.translate.difficulty import response_headers, virtual_entries
 from xdsserver.translate.entries import match_of, route_entry, with_header
+from xdsserver.translate.escalation import escalation_entries
 from xdsserver.translate.listeners import LUA, SERVICE_CLASS
 from xdsserver.translate.protos import pack
 from xdsserver.translate.ratelimits import class_budget

@@ -1,7 +1,7 @@
 """The loop that holds virtual models' large-model shares: scores in from Envoys, thresholds
 out as configuration.
 
-One ``ShareController`` per virtual model with a ``share`` (``policies.difficultyshare``),
+One ``ShareController`` per virtual model with a ``share`` (``signals.difficultyshare``),
 fed by the ``ScoreBook``. Once a second the loop asks each for its decision and hands the set
 to the reconciler, which rebuilds like a telemetry change when a threshold moved (route
 configuration only, at most once per push interval). The lag from a change of traffic mix to
@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from policies.difficultyplan import virtual_key
-from policies.difficultyshare import ShareController, ShareDecision
+from compiler.difficulty import virtual_key
 from policies.models import RoutingPolicy, VirtualModel
+from signals.difficultyshare import ShareController, ShareDecision
 from xdsserver.difficultylog import ScoreBook, ScoreReport
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Fit the built-in scorer's weights from prompts labelled with whether the small model
-sufficed: logistic regression on the features Envoy computes (``policies.difficulty``).
+sufficed: logistic regression on the features Envoy computes (``signals.difficulty``).
 
 Plain Python, no numpy: seven features and a few thousand rows make Newton's method (iteratively
 reweighted least squares) an 8x8 solve per step, a fraction of a second in all. Features are
@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.difficulty import features, linear, sigmoid
 from policies.models.difficulty import FEATURES
+from signals.difficulty import features, linear, sigmoid
 
 RIDGE = 1e-3
 """L2 penalty on the standardised weights."""

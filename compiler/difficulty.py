@@ -13,8 +13,8 @@ from compiler.plan import (
     PlanScorerService,
     PlanVirtualModel,
 )
-from policies.difficultyshare import ShareDecision
 from policies.models import RoutingPolicy, VirtualModel
+from signals.difficultyshare import ShareDecision
 
 SCORER_CLUSTER_PREFIX = "difficulty-scorer/"
 
