@@ -182,6 +182,7 @@ async def serve(
             audit=audit,
             write_limit=WriteRateLimit(config.write_rate, config.write_burst),
             cors_origins=config.cors_origins,
+            virtual_model_counts=lambda: scores.totals,
         )
     )
     api = UvicornServer(

@@ -121,6 +121,12 @@ def test_kvpilot_moves_the_threshold_so_the_large_share_holds_when_the_mix_chang
     metrics = rig.api.get("/metrics").text
     assert 'kvpilot_virtual_model_threshold{virtual_model="main/llama-auto"} 0.8' in metrics
     assert "kvpilot_virtual_model_requests_total" in metrics
+    # The console's view: the threshold in force and what Envoys reported.
+    (view,) = rig.api.get("/v1/virtualmodels").json()["virtualModels"]
+    assert (view["key"], view["threshold"], view["share"]) == ("main/llama-auto", 0.8, 20)
+    assert view["targets"]["llama-large"] > 0 and view["targets"]["llama-small"] > 0
+    assert view["sources"] == {"header": view["requests"]}
+    assert sum(view["scores"]) == view["requests"]
 
 
 def test_a_request_the_small_model_fails_is_answered_by_the_large_one(

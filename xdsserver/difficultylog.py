@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -73,6 +73,27 @@ def parse(entry: Any) -> ScoreReport | None:
     )
 
 
+@dataclass
+class VirtualModelCounts:
+    """One virtual model's requests by target, source and override, its escalations, and its
+    scores in ten bins of 0.1."""
+
+    targets: dict[str, int] = field(default_factory=dict)
+    sources: dict[str, int] = field(default_factory=dict)
+    forced: dict[str, int] = field(default_factory=dict)
+    escalations: int = 0
+    scores: list[int] = field(default_factory=lambda: [0] * 10)
+
+    def add(self, report: ScoreReport) -> None:
+        self.targets[report.target] = self.targets.get(report.target, 0) + 1
+        self.sources[report.source] = self.sources.get(report.source, 0) + 1
+        if report.forced:
+            self.forced[report.forced] = self.forced.get(report.forced, 0) + 1
+        self.escalations += report.escalated
+        if report.score is not None:
+            self.scores[min(9, int(report.score * 10))] += 1
+
+
 class ScoreBook:
     """Counts reports per virtual model and passes each to its listeners."""
 
@@ -103,6 +124,8 @@ class ScoreBook:
         )
         self.ignored = 0
         """Entries of the score log that carried no report."""
+        self.totals: dict[str, VirtualModelCounts] = {}
+        """Per virtual model, what this replica was told since it started (the console)."""
 
     def observe(self, entry: Any) -> None:
         """Count one access log entry of the score log."""
@@ -111,6 +134,7 @@ class ScoreBook:
             self.ignored += 1
             return
         self.requests.labels(report.key, report.target, report.source, report.forced).inc()
+        self.totals.setdefault(report.key, VirtualModelCounts()).add(report)
         if report.escalated:
             self.escalations.labels(report.key).inc()
         if report.score is not None:
