@@ -235,7 +235,9 @@ def add_console_routes(
         return {
             "revision": build.revision,
             "builtAt": build.at or None,
-            "virtualModels": virtual_models_view(reconciler.state, reconciler.plan, counts),
+            "virtualModels": virtual_models_view(
+                reconciler.state, reconciler.plan, counts, reconciler.difficulty
+            ),
         }
 
     @app.get(

@@ -12,6 +12,7 @@ from compiler import RoutingPlan
 from compiler.difficulty import virtual_key
 from compiler.plan import PlanVirtualModel
 from signals import PolicyState
+from signals.difficultyshare import ShareDecision
 from xdsserver.difficultylog import VirtualModelCounts
 
 
@@ -29,10 +30,11 @@ def virtual_models_view(
     state: PolicyState | None,
     plan: RoutingPlan | None,
     counts: Mapping[str, VirtualModelCounts],
+    decisions: Mapping[str, ShareDecision],
 ) -> list[dict[str, Any]]:
-    """One entry per virtual model of the served state."""
+    """One entry per virtual model of the served state; ``decisions``: the share loop's
+    latest (its threshold is the served one once the plan is rebuilt)."""
     planned = _planned(plan)
-    decisions = plan.difficulty if plan is not None else {}
     out = []
     for policy_name in sorted(state.policies if state is not None else {}):
         policy = state.policies[policy_name]  # type: ignore[union-attr]

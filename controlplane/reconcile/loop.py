@@ -171,11 +171,14 @@ class Reconciler:
 
     def set_difficulty(self, decisions: Mapping[str, ShareDecision]) -> None:
         """New thresholds for virtual models: rebuilt like a telemetry change (at most once
-        per ``min_push_interval``)."""
-        if decisions == self.difficulty:
-            return
+        per ``min_push_interval``), and only when a threshold moved; the rest of a decision
+        (the share it expects, its sample count) is kept for the console."""
+        moved = {key: (d.threshold, d.tie) for key, d in decisions.items()} != {
+            key: (d.threshold, d.tie) for key, d in self.difficulty.items()
+        }
         self.difficulty = dict(decisions)
-        self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
+        if moved:
+            self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
 
     @property
     def ready(self) -> bool:
