@@ -9,9 +9,11 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from harness.builders import policy, route
 
 from controlplane.reconcile.difficulty import DifficultyLoop, virtual_models_of
+from controlplane.reconcile.loop import Reconciler
 from policies import RoutingPolicy, parse_object
 from signals.difficultyshare import ShareDecision
 from xdsserver.difficultylog import ScoreBook, parse
+from xdsserver.snapshot import SnapshotCache
 
 
 def entry(key: str, score: str, target: str, *, escalated: bool = False) -> object:
@@ -87,3 +89,20 @@ def test_the_loop_publishes_a_threshold_that_holds_the_share() -> None:
 def _at(log: object, seconds: float) -> object:
     log.common_properties.start_time.seconds = int(seconds)  # type: ignore[attr-defined]
     return log
+
+
+async def test_the_reconciler_rebuilds_for_a_moved_threshold_only() -> None:
+    reconciler = Reconciler(SnapshotCache())
+    reconciler.difficulty = {
+        "main/auto": ShareDecision(threshold=0.8, tie=0.0, expected=20.0, samples=500)
+    }
+    # The same threshold with another expected share and sample count: nothing to push.
+    reconciler.set_difficulty(
+        {"main/auto": ShareDecision(threshold=0.8, tie=0.0, expected=20.6, samples=530)}
+    )
+    assert not reconciler.pending_rebuild
+    assert reconciler.difficulty["main/auto"].samples == 530
+    reconciler.set_difficulty(
+        {"main/auto": ShareDecision(threshold=0.75, tie=0.0, expected=20.0, samples=540)}
+    )
+    assert reconciler.pending_rebuild

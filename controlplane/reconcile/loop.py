@@ -181,6 +181,11 @@ class Reconciler:
             self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
 
     @property
+    def pending_rebuild(self) -> bool:
+        """True while a change waits for the next rebuild."""
+        return self._dirty.is_set()
+
+    @property
     def ready(self) -> bool:
         """True once a snapshot has been published."""
         return self._built.is_set()
