@@ -87,7 +87,13 @@ def create_app(context: ApiContext) -> FastAPI:
     add_endpoint_routes(app, context)
     add_rollout_routes(app, context)
     _add_status_routes(app, context)
-    add_console_routes(app, context.store, context.reconciler, context.audit)
+    add_console_routes(
+        app,
+        context.store,
+        context.reconciler,
+        context.audit,
+        context.virtual_model_counts,
+    )
     _add_audit_routes(app, context)
     _install_openapi(app)
     return app

@@ -14,10 +14,13 @@ Views:
   against the revision before and who made it (``api.changes``).
 - ``GET /v1/admission``: per route with service classes, what each class is admitted now,
   since when, and the pressure behind it (``api.admission``).
+- ``GET /v1/virtualmodels``: per virtual model the threshold in force, the share it aims at
+  and what Envoys reported: requests by target, scores, escalations (``api.difficulty``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,6 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from api.admission import admission_view
 from api.auth import Principal, require
 from api.changes import ChangeLog
+from api.difficulty import virtual_models_view
 from compiler import RoutingPlan
 from controlplane.audit import AuditLog
 from controlplane.etcd.store import Store
@@ -37,6 +41,7 @@ from policies import Endpoint
 from signals import PolicyState
 from signals.state import is_external, pool_endpoints
 from signals.weights import WeightDecision
+from xdsserver.difficultylog import VirtualModelCounts
 
 UI_DIR = Path(__file__).with_name("ui")
 """The console's static files."""
@@ -152,7 +157,11 @@ def endpoints_view(
 
 
 def add_console_routes(
-    app: FastAPI, store: Store, reconciler: Reconciler, audit: AuditLog | None = None
+    app: FastAPI,
+    store: Store,
+    reconciler: Reconciler,
+    audit: AuditLog | None = None,
+    virtual_model_counts: Callable[[], Mapping[str, VirtualModelCounts]] | None = None,
 ) -> None:
     """The console's read views under /v1, and the page at /ui."""
     tags: list[str | Any] = ["console"]
@@ -210,6 +219,25 @@ def add_console_routes(
             "builtAt": build.at or None,
             "now": reconciler.clock(),
             "policies": admission_view(reconciler.state, reconciler.plan),
+        }
+
+    @app.get(
+        "/v1/virtualmodels",
+        tags=tags,
+        operation_id="virtual_models",
+        summary="Virtual models: targets, scorer, the threshold in force and the large share "
+        "it aims at, and what Envoys reported (requests by target, score sources, cap and "
+        "floor overrides, escalations, score distribution)",
+    )
+    async def virtual_models(_: Reader) -> dict[str, Any]:
+        build = reconciler.last_build
+        counts = virtual_model_counts() if virtual_model_counts is not None else {}
+        return {
+            "revision": build.revision,
+            "builtAt": build.at or None,
+            "virtualModels": virtual_models_view(
+                reconciler.state, reconciler.plan, counts, reconciler.difficulty
+            ),
         }
 
     @app.get(

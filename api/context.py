@@ -25,6 +25,7 @@ from controlplane.mirror import StateMirror
 from controlplane.reconcile.loop import Reconciler
 from policies import Endpoint, FieldError, PolicyError, PolicyObject, jsondoc, parse_object
 from policies.models import ENDPOINT_ID_PATTERN, ENDPOINT_ID_RULE, NAME_PATTERN, NAME_RULE
+from xdsserver.difficultylog import VirtualModelCounts
 from xdsserver.status import ConnectionRegistry
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class ApiContext:
     """Per-token write rate limit; None: unlimited."""
     cors_origins: Sequence[str] = ()
     """Browser origins allowed to call the API; empty: CORS stays closed."""
+    virtual_model_counts: Callable[[], Mapping[str, VirtualModelCounts]] | None = None
+    """What Envoys reported about virtual models' requests to this replica (the console)."""
 
 
 class ApiError(Exception):

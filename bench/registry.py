@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from bench.benchmark import Benchmark
 from bench.classes.entry import BENCHMARK as CLASSES
 from bench.controlplane.entry import BENCHMARK as CONTROLPLANE
+from bench.difficulty.entry import BENCHMARK as DIFFICULTY
 from bench.rollout.entry import BENCHMARK as ROLLOUT
 from bench.routing.entry import BENCHMARK as ROUTING
 
-BENCHMARKS: Sequence[Benchmark] = (ROUTING, CONTROLPLANE, ROLLOUT, CLASSES)
+BENCHMARKS: Sequence[Benchmark] = (ROUTING, CONTROLPLANE, ROLLOUT, CLASSES, DIFFICULTY)
 """Every benchmark, in the order ``--help`` lists them. `make bench` runs the first
 (`DEFAULT`), then ``rollout``, then ``classes``."""
 

@@ -34,11 +34,13 @@ from controlplane.etcd.store import Store
 from controlplane.local import EmbeddedEtcd
 from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
+from controlplane.reconcile.difficulty import DifficultyLoop, virtual_models_of
 from controlplane.reconcile.loop import Reconciler
 from controlplane.reconcile.metrics import ReconcileMetrics
 from controlplane.rollouts.controller import RolloutController
 from controlplane.rollouts.signals import PlanResolver, SignalPublisher
 from controlplane.rollouts.state import register_metrics as register_rollout_metrics
+from xdsserver.difficultylog import ScoreBook
 from xdsserver.identity import FleetBinding
 from xdsserver.server import AdsServer
 from xdsserver.signals import AccessLogServer, SignalBook
@@ -155,7 +157,14 @@ async def serve(
         raise ValueError("ServeConfig needs xds_tls or xds_insecure_plaintext=True")
     ads.add_to(grpc_server)
     signals = SignalBook(PlanResolver(lambda: reconciler.plan))
-    AccessLogServer(signals, fleet_of=cache.served_fleet).add_to(grpc_server)
+    scores = ScoreBook(registry)
+    AccessLogServer(signals, fleet_of=cache.served_fleet, scores=scores).add_to(grpc_server)
+    difficulty = DifficultyLoop(
+        scores,
+        lambda: virtual_models_of(reconciler.state.policies if reconciler.state else {}),
+        reconciler.set_difficulty,
+        registry=registry,
+    )
     register_rollout_metrics(registry, lambda: mirror.items)
 
     app = create_app(
@@ -173,6 +182,7 @@ async def serve(
             audit=audit,
             write_limit=WriteRateLimit(config.write_rate, config.write_burst),
             cors_origins=config.cors_origins,
+            virtual_model_counts=lambda: scores.totals,
         )
     )
     api = UvicornServer(
@@ -210,6 +220,7 @@ async def serve(
         ),
         asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
         asyncio.create_task(reconciler.run(), name="reconcile"),
+        asyncio.create_task(difficulty.run(), name="virtual-model-shares"),
         asyncio.create_task(api.serve(), name="rest-api"),
         publisher,
     ]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from compiler.difficulty import plan_virtual_models
 from compiler.fleets import applies, fleet_compiled, fleet_names, merge_listener
 from compiler.plan import (
     Diagnostic,
@@ -103,6 +104,9 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 domains=tuple(policy.spec.hosts),
                 model_header=policy.spec.model_header,
                 routes=tuple(routes),
+                virtual_models=plan_virtual_models(
+                    policy, state.difficulty, routes, policy_clusters
+                ),
             ),
         )
 
@@ -153,6 +157,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         weights=weights,
         admission=admission,
         saturation=saturation,
+        difficulty=state.difficulty,
     )
 
 

@@ -29,6 +29,7 @@ from policies.models import (
     Timeouts,
 )
 from signals.admission import AdmissionDecision
+from signals.difficultyshare import ShareDecision
 from signals.saturation import SaturationDecision
 from signals.weights import WeightDecision
 
@@ -150,6 +151,63 @@ class PlanRoute:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanScorerService:
+    """The operator's difficulty classifier, as Envoy calls it."""
+
+    cluster: str
+    host: str
+    port: int
+    path: str
+    timeout: float
+    fallback_large: bool
+    """Requests it does not score in time go to the large model (else the small one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanEscalation:
+    """Retry a virtual model's small-model failures once on the large model."""
+
+    cluster: str
+    """The aggregate of the two targets' route clusters, small first."""
+    members: tuple[str, str]
+    protocol: Protocol
+    retry_on: tuple[str, ...]
+    """Envoy retry conditions."""
+    per_try_timeout: float
+    timeout: float
+    idle_timeout: float
+    large_hosts: tuple[str, ...] = ()
+    """``address:port`` of the large model's endpoints: a try that lands on one of them
+    carries the large model's name, whether it is the retry or the small model's pools were
+    down from the start (then Envoy fails over to the large priorities at once)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanVirtualModel:
+    """A model name that Envoy answers with one of two target models, chosen per request."""
+
+    key: str
+    """``policy/name``: how Envoys report its scores and how its threshold is kept."""
+    name: str
+    small: str
+    large: str
+    scorer: str
+    """builtin, external or header (``policies.models.Scorer.type``)."""
+    weights: tuple[tuple[str, float], ...]
+    bias: float
+    header: str
+    """Client header that states the difficulty."""
+    threshold: float
+    tie: float
+    """Probability that a score equal to ``threshold`` takes the large model."""
+    cap: float
+    floor: float
+    """Percent bounds of the large model's share, held by each Envoy worker."""
+    service: PlanScorerService | None = None
+    escalation: PlanEscalation | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PlanVirtualHost:
     """The routes of one RoutingPolicy on one listener."""
 
@@ -157,6 +215,7 @@ class PlanVirtualHost:
     domains: tuple[str, ...]
     model_header: str
     routes: tuple[PlanRoute, ...]
+    virtual_models: tuple[PlanVirtualModel, ...] = ()
 
     @property
     def routes_by_model(self) -> bool:
@@ -165,8 +224,13 @@ class PlanVirtualHost:
 
     @property
     def served_models(self) -> tuple[str, ...]:
-        """Every model a route of this virtual host serves, sorted."""
-        return tuple(sorted({model for route in self.routes for model in route.served_models}))
+        """Every model a route of this virtual host serves, virtual ones included, sorted."""
+        return tuple(
+            sorted(
+                {model for route in self.routes for model in route.served_models}
+                | {virtual.name for virtual in self.virtual_models}
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +262,12 @@ class PlanListener:
             for vhost in self.virtual_hosts
             for route in vhost.routes
         )
+
+    @property
+    def virtual_models(self) -> bool:
+        """True when some virtual host answers a virtual model (Envoy's Lua filter scores
+        its requests and a log reports the scores to kvpilot)."""
+        return any(vhost.virtual_models for vhost in self.virtual_hosts)
 
     @property
     def rate_limited(self) -> bool:
@@ -261,6 +331,8 @@ class RoutingPlan:
     saturation: Mapping[str, SaturationDecision] = field(default_factory=dict, hash=False)
     """What telemetry decided for routes whose bounded load tightens under saturation:
     route (``policy/route``) -> decision."""
+    difficulty: Mapping[str, ShareDecision] = field(default_factory=dict, hash=False)
+    """Thresholds in force for virtual models with a share: ``policy/name`` -> decision."""
 
     def fleet(self, name: str) -> FleetPlan | None:
         """The plan of fleet ``name``, or None."""

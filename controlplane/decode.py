@@ -20,6 +20,7 @@ from controlplane.etcd.keys import ENDPOINTS, OBJECTS, TELEMETRY
 from policies import PATH_KINDS, Endpoint, PolicyError, PolicyObject, jsondoc, parse_object
 from signals import PolicyState
 from signals.admission import AdmissionDecision
+from signals.difficultyshare import ShareDecision
 from signals.saturation import SaturationDecision
 from signals.telemetry import TelemetryRecord
 from signals.weights import WeightDecision
@@ -142,6 +143,7 @@ class DecodedState:
         previous_weights: Mapping[str, Mapping[str, WeightDecision]] | None = None,
         previous_admission: Mapping[str, AdmissionDecision] | None = None,
         previous_saturation: Mapping[str, SaturationDecision] | None = None,
+        difficulty: Mapping[str, ShareDecision] | None = None,
         now: float = 0.0,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
@@ -153,5 +155,6 @@ class DecodedState:
             previous_weights=previous_weights or {},
             previous_admission=previous_admission or {},
             previous_saturation=previous_saturation or {},
+            difficulty=difficulty or {},
             now=now,
         )

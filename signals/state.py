@@ -10,6 +10,7 @@ from typing import Any
 
 from policies.models import Endpoint, Fleet, PolicyObject, Pool, Rollout, RoutingPolicy
 from signals.admission import AdmissionDecision
+from signals.difficultyshare import ShareDecision
 from signals.saturation import SaturationDecision
 from signals.telemetry import TelemetryRecord
 from signals.weights import WeightDecision
@@ -32,6 +33,9 @@ class PolicyState:
     """``RoutingPlan.admission`` of the previous compile, for hysteresis."""
     previous_saturation: Mapping[str, SaturationDecision] = field(default_factory=dict)
     """``RoutingPlan.saturation`` of the previous compile, for hysteresis."""
+    difficulty: Mapping[str, ShareDecision] = field(default_factory=dict)
+    """Thresholds kvpilot learned for virtual models with a share: ``policy/name`` -> decision
+    (``signals.difficultyshare``)."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)

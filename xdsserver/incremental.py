@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from compiler import FleetPlan
+from compiler.plan import PlanEscalation, PlanScorerService
 from xdsserver import resources
 from xdsserver.snapshot import Snapshot
 from xdsserver.translate import (
@@ -50,7 +51,7 @@ def _partial(
         snapshot = _endpoints_only(fleet, old, before)
         if snapshot is not None:
             return snapshot, "fast"
-    if replace(fleet, listeners=old.listeners) == old:
+    if replace(fleet, listeners=old.listeners) == old and _services(fleet) == _services(old):
         return _routes_only(fleet, before), "routes"
     return None, "full"
 
@@ -92,3 +93,14 @@ def _routes_only(fleet: FleetPlan, before: Snapshot) -> Snapshot:
     return before.with_messages(
         resources.LISTENER, translate_listeners(fleet), replace_all=True
     ).with_messages(resources.ROUTE, translate_routes(fleet), replace_all=True)
+
+
+def _services(fleet: FleetPlan) -> list[tuple[PlanScorerService | None, PlanEscalation | None]]:
+    """Virtual models' classifiers and escalations: their clusters come from the listeners'
+    plan (CDS)."""
+    return [
+        (virtual.service, virtual.escalation)
+        for listener in fleet.listeners
+        for vhost in listener.virtual_hosts
+        for virtual in vhost.virtual_models
+    ]

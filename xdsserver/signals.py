@@ -37,7 +37,9 @@ from google.protobuf import duration_pb2
 
 from compiler.rollout import PoolSignals
 from policies.names import LOCAL_SUFFIX
+from xdsserver.difficultylog import ScoreBook
 from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
+from xdsserver.translate.listeners import DIFFICULTY_LOG
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +124,15 @@ class SignalBook:
 class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """``envoy.service.accesslog.v3.AccessLogService`` feeding a SignalBook."""
 
-    def __init__(self, book: SignalBook, fleet_of: Callable[[Any], str] | None = None) -> None:
+    def __init__(
+        self,
+        book: SignalBook,
+        fleet_of: Callable[[Any], str] | None = None,
+        scores: ScoreBook | None = None,
+    ) -> None:
         self.book = book
+        self.scores = scores
+        """Where entries of virtual models' score logs go (``xdsserver.difficultylog``)."""
         self.fleet_of = fleet_of
         """The fleet whose config an Envoy (its ``Node``) is served; ``node.cluster`` without."""
 
@@ -137,11 +146,19 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> als_pb2.StreamAccessLogsResponse:
         fleet = ""
+        scored = False
         async for message in request_iterator:
-            # Envoy names itself in the first message of a stream only.
+            # Envoy names itself in the first message of a stream only; each log config
+            # (upstream signals, a listener's score log) has a stream of its own.
             if message.HasField("identifier"):
                 node = message.identifier.node
                 fleet = self.fleet_of(node) if self.fleet_of is not None else node.cluster
+                scored = message.identifier.log_name.startswith(DIFFICULTY_LOG)
+            if scored:
+                if self.scores is not None:
+                    for entry in message.http_logs.log_entry:
+                        self.scores.observe(entry)
+                continue
             for entry in message.http_logs.log_entry:
                 self.book.observe(entry, fleet)
             for listener in self.book.listeners:

@@ -15,6 +15,7 @@ import { renderFleets } from "./fleets.js";
 import { esc, since } from "./format.js";
 import { commandRollout, loadRolloutHistories, renderRollouts } from "./rollouts.js";
 import { renderRoutes } from "./routes.js";
+import { renderVirtualModels } from "./virtualmodels.js";
 
 // ---------------------------------------------------------------------------------------------
 // sign-in
@@ -125,6 +126,7 @@ async function refresh() {
     renderChanges(await api("/v1/history?limit=100"));
   }
   if (state.tab === "classes") renderAdmission($("#classes"), await api("/v1/admission"), state.rendered.signatures);
+  if (state.tab === "virtual") renderVirtualModels($("#virtual"), await api("/v1/virtualmodels"), state.rendered.signatures);
   if (state.tab === "rollouts") {
     const rollouts = status.rollouts || [];
     await loadRolloutHistories(rollouts);
@@ -165,7 +167,7 @@ async function poll() {
 
 function showTab() {
   const tab = (location.hash || "#endpoints").slice(1);
-  state.tab = ["endpoints", "routes", "fleets", "changes", "rollouts", "classes"].includes(tab) ? tab : "endpoints";
+  state.tab = ["endpoints", "routes", "fleets", "changes", "rollouts", "classes", "virtual"].includes(tab) ? tab : "endpoints";
   document.querySelectorAll(".view").forEach((view) => (view.hidden = view.dataset.view !== state.tab));
   document.querySelectorAll("#tabs a").forEach((a) => a.classList.toggle("active", a.dataset.tab === state.tab));
   delete state.slowAt.changes;

@@ -18,7 +18,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from api.client import DEFAULT_SERVER, ClientError
-from commands.cli import bootstrap, certs, completion, objects, rollout, status, translate
+from commands.cli import (
+    bootstrap,
+    certs,
+    completion,
+    difficulty,
+    objects,
+    rollout,
+    status,
+    translate,
+)
 from commands.cli.common import AddParser, CliError, load_files
 from commands.cli.objects import wait_for_envoys
 from commands.cli.rollout import render_rollout
@@ -93,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_parsers(add_parser)
     bootstrap.add_parsers(add_parser)
     completion.add_parsers(add_parser, parser)
+    difficulty.add_parsers(add_parser)
     return parser
 
 

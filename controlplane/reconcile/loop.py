@@ -49,6 +49,7 @@ from controlplane.reconcile.history import TelemetryHistory
 from controlplane.reconcile.live import LiveDecisions
 from controlplane.reconcile.metrics import ReconcileMetrics
 from signals import PolicyState
+from signals.difficultyshare import ShareDecision
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
 from xdsserver.snapshot import SnapshotCache
 
@@ -116,6 +117,8 @@ class Reconciler:
         self._applied: dict[str, bytes] = {}
         """The value each present key was last decoded from."""
         self._live = LiveDecisions(self.metrics)
+        self.difficulty: Mapping[str, ShareDecision] = {}
+        """Thresholds that hold virtual models' shares (``controlplane.reconcile.difficulty``)."""
         self._last_telemetry_build = -math.inf
         self._last_build = -math.inf
         """``time.monotonic()`` when the last rebuild finished."""
@@ -165,6 +168,22 @@ class Reconciler:
             except TimeoutError:
                 self._live.due_at = math.inf
                 self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
+
+    def set_difficulty(self, decisions: Mapping[str, ShareDecision]) -> None:
+        """New thresholds for virtual models: rebuilt like a telemetry change (at most once
+        per ``min_push_interval``), and only when a threshold moved; the rest of a decision
+        (the share it expects, its sample count) is kept for the console."""
+        moved = {key: (d.threshold, d.tie) for key, d in decisions.items()} != {
+            key: (d.threshold, d.tie) for key, d in self.difficulty.items()
+        }
+        self.difficulty = dict(decisions)
+        if moved:
+            self._mark(frozenset({TELEMETRY_PREFIX}), full=False, revision=0)
+
+    @property
+    def pending_rebuild(self) -> bool:
+        """True while a change waits for the next rebuild."""
+        return self._dirty.is_set()
 
     @property
     def ready(self) -> bool:
@@ -258,6 +277,7 @@ class Reconciler:
             previous_weights=self._live.weights,
             previous_admission=self._live.admission,
             previous_saturation=self._live.saturation,
+            difficulty=self.difficulty,
             now=self.clock(),
         )
         plan = compile_plan(state, self._memo)

@@ -22,6 +22,18 @@ from policies.models.classes import (
     ServiceClass,
     ServiceClasses,
 )
+from policies.models.difficulty import (
+    DEFAULT_BIAS,
+    DEFAULT_WEIGHTS,
+    DIFFICULTY_HEADER,
+    FEATURES,
+    BuiltinScorer,
+    EscalateOn,
+    Escalation,
+    ExternalScorer,
+    Scorer,
+    VirtualModel,
+)
 from policies.models.fields import (
     API_VERSION,
     ENDPOINT_ID_PATTERN,
@@ -100,9 +112,13 @@ from policies.models.route import (
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_BIAS",
     "DEFAULT_RETRY_ON",
+    "DEFAULT_WEIGHTS",
+    "DIFFICULTY_HEADER",
     "ENDPOINT_ID_PATTERN",
     "ENDPOINT_ID_RULE",
+    "FEATURES",
     "KINDS",
     "KIND_PATHS",
     "NAME_PATTERN",
@@ -117,6 +133,7 @@ __all__ = [
     "AnalysisRule",
     "AuthHeader",
     "Balancing",
+    "BuiltinScorer",
     "CircuitBreakers",
     "ClassAction",
     "ClassBudget",
@@ -126,6 +143,9 @@ __all__ = [
     "Duration",
     "Endpoint",
     "EndpointHealth",
+    "EscalateOn",
+    "Escalation",
+    "ExternalScorer",
     "FailureAction",
     "Fleet",
     "FleetSpec",
@@ -159,6 +179,7 @@ __all__ = [
     "RoutingPolicy",
     "RoutingPolicySpec",
     "Saturation",
+    "Scorer",
     "SecretRef",
     "ServiceClass",
     "ServiceClasses",
@@ -167,6 +188,7 @@ __all__ = [
     "TelemetrySource",
     "Tier",
     "Timeouts",
+    "VirtualModel",
     "is_ip",
     "kind_named",
 ]

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from policies.models.classes import ServiceClasses
+from policies.models.difficulty import VirtualModel
 from policies.models.fields import HeaderName, Model, Name
 from policies.models.route import Route
 
@@ -45,6 +46,12 @@ class RoutingPolicySpec(Model):
         description="Classes of service: which requests keep their latency and which are shed "
         "or diverted first when the pool is saturated. Default: none (one class, never shed).",
     )
+    virtual_models: list[VirtualModel] = Field(
+        default_factory=list,
+        description="Model names that no pool serves, each answered by a small or a large "
+        "model that a route of this policy serves, chosen per request by difficulty. "
+        "Default: none.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RoutingPolicySpec:
@@ -52,7 +59,7 @@ class RoutingPolicySpec(Model):
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"route name {name!r} is used twice")
-        errors = self._class_errors(names)
+        errors = self._class_errors(names) + self._virtual_model_errors()
         if errors:
             raise ValidationError.from_exception_data(
                 type(self).__name__,
@@ -66,6 +73,43 @@ class RoutingPolicySpec(Model):
                 ],
             )
         return self
+
+    def _virtual_model_errors(self) -> list[tuple[tuple[str | int, ...], str]]:
+        """Targets of virtual models must be models a route names; names must be new."""
+        errors: list[tuple[tuple[str | int, ...], str]] = []
+        served = sorted({model for route in self.routes for model in route.match.models})
+        seen: set[str] = set()
+        for index, virtual in enumerate(self.virtual_models):
+            where: tuple[str | int, ...] = ("virtualModels", index)
+            if virtual.name in served:
+                errors.append(
+                    ((*where, "name"), f"{virtual.name!r} is already a model a route serves")
+                )
+            if virtual.name in seen:
+                errors.append(
+                    ((*where, "name"), f"virtual model {virtual.name!r} is declared twice")
+                )
+            seen.add(virtual.name)
+            small_routes = [r for r in self.routes if virtual.small in r.match.models]
+            if virtual.escalation is not None and small_routes and len(small_routes[0].tiers) > 1:
+                errors.append(
+                    (
+                        (*where, "escalation"),
+                        f"escalation retries on the large model's pools, so the route of "
+                        f"{virtual.small!r} ({small_routes[0].name}) needs a single tier",
+                    )
+                )
+            for field in ("small", "large"):
+                target = getattr(virtual, field)
+                if target not in served:
+                    errors.append(
+                        (
+                            (*where, field),
+                            f"model {target!r} is not in any route's match.models"
+                            + (f" (served: {', '.join(served)})" if served else ""),
+                        )
+                    )
+        return errors
 
     def _class_errors(self, routes: list[str]) -> list[tuple[tuple[str | int, ...], str]]:
         """References between classes and routes, each with the path of the field at fault."""

@@ -27,6 +27,8 @@ from xdsserver.translate.clusters import (
     translate_cluster,
     translate_endpoints,
 )
+from xdsserver.translate.difficulty import scorer_clusters
+from xdsserver.translate.escalation import escalation_clusters
 from xdsserver.translate.listeners import translate_listener
 from xdsserver.translate.providers import credential_listener, internal_cluster, provider_cluster
 from xdsserver.translate.routes import (
@@ -70,6 +72,9 @@ def translate(plan: FleetPlan) -> FleetResources:
             clusters.append(provider_cluster(cluster, plan.trusted_ca_file))
             if cluster.auth is not None:
                 clusters.append(internal_cluster(cluster))
+    vhosts = [vhost for listener in plan.listeners for vhost in listener.virtual_hosts]
+    clusters.extend(scorer_clusters(vhosts))
+    clusters.extend(escalation_clusters(vhosts))
     return FleetResources(
         clusters=tuple(clusters),
         endpoints=tuple(endpoints),

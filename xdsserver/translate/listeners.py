@@ -21,7 +21,9 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.type.matcher.v3 import metadata_pb2
 from envoy.type.matcher.v3 import regex_pb2 as regex_matcher_pb2
+from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from compiler.plan import PlanListener
@@ -36,6 +38,12 @@ SIGNALS_CLUSTER = "kvpilot_signals"
 SIGNALS_FLUSH_INTERVAL = 0.25
 """Seconds Envoy buffers access log entries before sending them (its default is 1 s)."""
 LUA = "envoy.filters.http.lua"
+DIFFICULTY_METADATA = "kvpilot.difficulty"
+"""Dynamic metadata a virtual model's Lua writes (``xdsserver.translate.difficulty``):
+``virtual`` (policy/name), ``target``, ``score``, ``source`` (header, builtin, external or
+fallback), ``forced`` (cap or floor)."""
+DIFFICULTY_LOG = "kvpilot-difficulty"
+"""``log_name`` prefix of the access log that reports scores (``xdsserver.difficultylog``)."""
 SERVICE_CLASS = "kvpilot.service_class"
 """A second local rate limit filter, for service classes: class budgets with tenant shares,
 and the counter of shed requests. Apart from routes' own rate limits, so both can apply."""
@@ -103,8 +111,9 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
                 typed_config=pack(local_rate_limit_pb2.LocalRateLimit(stat_prefix="service_class")),
             ),
         )
-    if listener.prefix_hashing:
-        # No code at the listener; routes with prompt-prefix affinity bring theirs.
+    if listener.prefix_hashing or listener.virtual_models:
+        # No code at the listener; routes with prompt-prefix affinity and virtual models
+        # bring theirs.
         filters.append(hcm_pb2.HttpFilter(name=LUA, typed_config=pack(lua_pb2.Lua())))
     router = router_pb2.Router()
     if listener.upstream_signals:
@@ -123,6 +132,8 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
     manager.local_reply_config.CopyFrom(
         local_replies(rate_limited=listener.rate_limited, classified=listener.classified)
     )
+    if listener.virtual_models:
+        manager.access_log.append(score_log(listener.name))
     if listener.access_log:
         manager.access_log.append(
             accesslog_pb2.AccessLog(
@@ -165,6 +176,37 @@ def upstream_signal_log(log_name: str) -> accesslog_pb2.AccessLog:
                     ),
                     buffer_flush_interval=duration(SIGNALS_FLUSH_INTERVAL),
                 )
+            )
+        ),
+    )
+
+
+def score_log(listener_name: str) -> accesslog_pb2.AccessLog:
+    """One entry per request that a virtual model scored, to kvpilot's access log service."""
+    return accesslog_pb2.AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        filter=accesslog_pb2.AccessLogFilter(
+            metadata_filter=accesslog_pb2.MetadataFilter(
+                matcher=metadata_pb2.MetadataMatcher(
+                    filter=DIFFICULTY_METADATA,
+                    path=[metadata_pb2.MetadataMatcher.PathSegment(key="virtual")],
+                    value=value_matcher_pb2.ValueMatcher(present_match=True),
+                ),
+            )
+        ),
+        typed_config=pack(
+            als_pb2.HttpGrpcAccessLogConfig(
+                additional_response_headers_to_log=["x-kvpilot-escalated"],
+                common_config=als_pb2.CommonGrpcAccessLogConfig(
+                    log_name=f"{DIFFICULTY_LOG}/{listener_name}",
+                    transport_api_version=config_source_pb2.V3,
+                    grpc_service=grpc_service_pb2.GrpcService(
+                        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(
+                            cluster_name=SIGNALS_CLUSTER
+                        )
+                    ),
+                    buffer_flush_interval=duration(SIGNALS_FLUSH_INTERVAL),
+                ),
             )
         ),
     )

@@ -13,7 +13,9 @@ from envoy.type.matcher.v3 import string_pb2
 
 from compiler.plan import PlanClass, PlanListener, PlanRoute, PlanVirtualHost
 from xdsserver.translate.classes import class_stat_prefix, restricted_entry, selects, with_class
+from xdsserver.translate.difficulty import response_headers, virtual_entries
 from xdsserver.translate.entries import match_of, route_entry, with_header
+from xdsserver.translate.escalation import escalation_entries
 from xdsserver.translate.listeners import LUA, SERVICE_CLASS
 from xdsserver.translate.protos import pack
 from xdsserver.translate.ratelimits import class_budget
@@ -75,12 +77,18 @@ def _virtual_host(vhost: PlanVirtualHost, body_limit: int) -> route_components_p
     # OpenAI clients and chat UIs list models first: Envoy answers from config, before any
     # route could send the request to a replica.
     routes: list[route_components_pb2.Route] = [_models_list_route(vhost.served_models)]
+    # Before the routes: a route that takes any model would otherwise take a virtual one.
+    routes.extend(escalation_entries(vhost, body_limit))
+    routes.extend(virtual_entries(vhost))
     for route in vhost.routes:
         routes.extend(_routes(route, vhost.model_header, body_limit))
     if vhost.routes_by_model:
         routes.append(_unknown_model_route())
     return route_components_pb2.VirtualHost(
-        name=vhost.name, domains=list(vhost.domains), routes=routes
+        name=vhost.name,
+        domains=list(vhost.domains),
+        routes=routes,
+        response_headers_to_add=response_headers(vhost),
     )
 
 

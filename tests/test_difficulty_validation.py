@@ -1,0 +1,105 @@
+"""Bad virtual models get a 422 naming the field, and etcd stays as it was."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from harness.api import Harness
+from harness.builders import policy, route
+
+from policies.validate import PolicyError, parse_object
+
+pytestmark = pytest.mark.e2e
+
+
+def virtual_policy(**virtual: Any) -> dict[str, Any]:
+    document = policy(
+        "main",
+        10000,
+        [
+            route("small", name="small", match={"models": ["llama-small"]}),
+            route("large", name="large", match={"models": ["llama-large"]}),
+        ],
+    )
+    document["spec"]["virtualModels"] = [
+        {"name": "llama-auto", "small": "llama-small", "large": "llama-large", **virtual}
+    ]
+    return document
+
+
+BAD = [
+    pytest.param({"large": "llama-huge"}, "spec.virtualModels[0].large", "llama-huge", id="target"),
+    pytest.param(
+        {"scorer": {"builtin": {"weights": {"promptTokens": 1, "sentiment": 2}}}},
+        "spec.virtualModels[0].scorer.builtin.weights",
+        "sentiment",
+        id="weights",
+    ),
+    pytest.param({"share": 120}, "spec.virtualModels[0].share", "0 to 100", id="share-high"),
+    pytest.param({"share": -1}, "spec.virtualModels[0].share", "0 to 100", id="share-low"),
+    pytest.param({"share": 50, "cap": 40}, "spec.virtualModels[0].share", "cap", id="over-cap"),
+    pytest.param(
+        {"escalation": {"retryOn": ["timeout"]}},
+        "spec.virtualModels[0].escalation.timeout",
+        "timeout above 0",
+        id="escalation-timeout",
+    ),
+    pytest.param({"cap": 101}, "spec.virtualModels[0].cap", "0 to 100", id="cap"),
+    pytest.param({"name": "llama-small"}, "spec.virtualModels[0].name", "target", id="name"),
+    pytest.param(
+        {"scorer": {"type": "external"}},
+        "spec.virtualModels[0].scorer.external",
+        "url",
+        id="no-url",
+    ),
+    pytest.param(
+        {"scorer": {"type": "external", "external": {"url": "ftp://x"}}},
+        "spec.virtualModels[0].scorer.external.url",
+        "http://",
+        id="url",
+    ),
+]
+
+
+@pytest.mark.parametrize(("virtual", "location", "words"), BAD)
+def test_a_bad_virtual_model_is_refused_naming_its_field(
+    virtual: dict[str, Any], location: str, words: str
+) -> None:
+    with pytest.raises(PolicyError) as caught:
+        parse_object(virtual_policy(**virtual))
+    errors = caught.value.errors
+    assert any(error.path == location and words in error.message for error in errors), errors
+
+
+def test_a_good_virtual_model_takes_defaults_for_cap_and_floor() -> None:
+    parsed = parse_object(virtual_policy(share=20))
+    virtual = parsed.spec.virtual_models[0]  # type: ignore[union-attr]
+    assert (virtual.cap_percent, virtual.floor_percent) == (30, 10)
+
+
+async def test_the_api_refuses_a_bad_virtual_model_and_leaves_etcd_untouched(
+    api: Harness,
+) -> None:
+    good = virtual_policy()
+    created = await api.http.post("/v1/routingpolicies", json=good)
+    assert created.status_code == 201, created.text
+    before = await api.raw("objects/routingpolicies/main")
+    for virtual, location, _ in (param.values for param in BAD):
+        bad = copy.deepcopy(virtual_policy(**virtual))  # type: ignore[arg-type]
+        response = await api.http.put("/v1/routingpolicies/main", json=bad)
+        assert response.status_code == 422, response.text
+        assert location in [error["loc"] for error in response.json()["detail"]]
+    assert await api.raw("objects/routingpolicies/main") == before
+
+
+def test_escalation_needs_a_single_tier_on_the_small_model_route() -> None:
+    document = virtual_policy(escalation={})
+    document["spec"]["routes"][0]["tiers"] = [["small"], ["spare"]]
+    with pytest.raises(PolicyError) as caught:
+        parse_object(document)
+    assert any(
+        error.path == "spec.virtualModels[0].escalation" and "single tier" in error.message
+        for error in caught.value.errors
+    ), caught.value.errors
