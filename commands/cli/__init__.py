@@ -4,7 +4,8 @@ Exit codes: 0 success, 1 error (one line on stderr), 2 usage error.
 
 The commands live in groups, one module each: ``objects`` (apply, diff, get, delete,
 set-weight), ``status`` (status, audit), ``rollout``, ``translate`` (offline), ``certs`` and
-``bootstrap`` (mutual TLS and Envoy start-up, offline), ``completion``; ``common`` holds what
+``bootstrap`` (mutual TLS and Envoy start-up, offline), ``docs`` (generated pages),
+``completion``; ``common`` holds what
 they share. ``serve`` is ``commands.serve``; ``agent`` is ``commands.agent``.
 """
 
@@ -18,7 +19,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from api.client import DEFAULT_SERVER, ClientError
-from commands.cli import bootstrap, certs, completion, objects, rollout, status, translate
+from commands.cli import (
+    bootstrap,
+    certs,
+    completion,
+    docs,
+    objects,
+    rollout,
+    status,
+    translate,
+)
 from commands.cli.common import AddParser, CliError, load_files
 from commands.cli.objects import wait_for_envoys
 from commands.cli.rollout import render_rollout
@@ -92,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     translate.add_parsers(add_parser)
     certs.add_parsers(add_parser)
     bootstrap.add_parsers(add_parser)
+    docs.add_parsers(add_parser)
     completion.add_parsers(add_parser, parser)
     return parser
 
