@@ -82,7 +82,10 @@ def _limits(schema: Schema) -> str:
         if key in schema:
             limits.append(f"{word} {schema[key]}")
     if "pattern" in schema:
-        limits.append(f"matches `{schema['pattern']}`")
+        # A pattern may hold a backtick: a double-backtick code span keeps it whole.
+        fence = "``" if "`" in schema["pattern"] else "`"
+        pad = " " if fence == "``" else ""
+        limits.append(f"matches {fence}{pad}{schema['pattern']}{pad}{fence}")
     return f" ({', '.join(limits)})" if limits else ""
 
 
