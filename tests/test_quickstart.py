@@ -50,7 +50,8 @@ PORTS = (
 WHEELHOUSE = repo_root() / ".venv" / "quickstart-wheelhouse"
 SKIP_COPY = shutil.ignore_patterns(
     ".git", ".venv", "*.egg-info", "__pycache__", ".pytest_cache", ".mypy_cache",
-    ".ruff_cache", ".state", "build", "results", "artifacts",
+    ".ruff_cache", ".state", "build", "results", "artifacts", "kvpilot-venv", "kvpilot-certs",
+    "kvpilot-state", "*.log",
 )  # fmt: skip
 
 
