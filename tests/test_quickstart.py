@@ -73,6 +73,35 @@ def test_the_page_has_six_commands_between_install_and_envoy() -> None:
         assert f"${{{port}:=" in blocks[0], f"the ports line gives {port} a default"
 
 
+def test_the_readme_s_six_commands_are_the_quickstart_s() -> None:
+    """README's path to a real fleet is the tested quickstart without the simulated replicas:
+    the same six commands in the same order (a command being its first two words)."""
+    readme = (repo_root() / "README.md").read_text()
+    section = readme.split("## To a real fleet in six commands", 1)[1]
+    block = re.search(r"^```sh\n(.*?)^```", section, re.MULTILINE | re.DOTALL)
+    assert block is not None
+    commands = [line for line in block.group(1).splitlines() if line and not line[0].isspace()]
+    assert len(commands) == 6, commands
+    steps = [
+        b
+        for b in quickstart_blocks(QUICKSTART.read_text())
+        if b.startswith(("python3 -m venv", "kvpilot ", "envoy "))
+    ]
+
+    def words(command: str) -> list[str]:
+        # Environment assignments and the virtualenv's set-up are not the command.
+        tokens = [t for t in command.split() if "=" not in t or t.startswith("-")]
+        for option in ("--token", "--server"):  # kvpilot's global options
+            if option in tokens:
+                at = tokens.index(option)
+                del tokens[at : at + 2]
+        if "pip" in tokens:
+            tokens = tokens[tokens.index("pip") :]
+        return tokens[:2]
+
+    assert [words(c) for c in commands] == [words(s) for s in steps]
+
+
 def _wheelhouse() -> Path:
     """Wheels for `pip install '.[local]'` (and the build backend), fetched once per
     pyproject.toml, so the fresh virtualenv installs offline."""
