@@ -4,7 +4,8 @@ README.md and docs/ are compared with the argparse parsers the commands run.
 - The table of `kvpilot serve`'s flags (docs/operations.md) names every flag serve has and no
   other, with the environment variable and the default `--help` gives.
 - Every `kvpilot COMMAND ... --flag` written in a code block or code span names a flag that
-  COMMAND has.
+  COMMAND has; so does every `python -m bench [NAME] ... --flag` and `make bench
+  BENCH_ARGS="[NAME] ..."` for the benchmark NAME (the default one without a name).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from bench.__main__ import parser as bench_parser
+from bench.registry import DEFAULT as DEFAULT_BENCHMARK
 from commands.cli import build_parser
 from controlplane.etcd.keys import DEFAULT_PREFIX
 from controlplane.local import repo_root
@@ -47,6 +50,7 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
 
 
 COMMANDS = _subparsers(build_parser())
+BENCHMARKS = _subparsers(bench_parser())
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -139,9 +143,31 @@ def test_every_kvpilot_command_shown_uses_flags_it_has(page: Path) -> None:
     assert not wrong, f"{page.name} shows flags the commands do not have: {wrong}"
 
 
+def _bench_invocations(code: str) -> Iterator[tuple[str, list[str]]]:
+    """(benchmark, flags) of each `python -m bench ...` and `BENCH_ARGS="..."` in some code."""
+    for match in re.finditer(r"python -m bench(?![.\w])|BENCH_ARGS=\"?", code):
+        rest = re.split(r"\||&&|;|\)|\n|#|\"", code[match.end() :], maxsplit=1)[0]
+        words = rest.split()
+        name = words[0] if words and words[0] in BENCHMARKS else DEFAULT_BENCHMARK
+        yield name, re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_every_benchmark_command_shown_uses_flags_it_has(page: Path) -> None:
+    wrong = []
+    for code in _code(page.read_text()):
+        for name, flags in _bench_invocations(code):
+            known = _flags(BENCHMARKS[name]) | {"--help", "-h"}
+            wrong += [f"python -m bench {name} {flag}" for flag in flags if flag not in known]
+    assert not wrong, f"{page.name} shows benchmark flags that do not exist: {wrong}"
+
+
 def test_the_checks_catch_a_wrong_flag_and_a_wrong_default() -> None:
     """The comparisons above can fail."""
     assert list(_invocations("kvpilot serve --xds-adress 1")) == [("serve", ["--xds-adress"])]
     assert list(_invocations("kvpilot --token t apply -f x")) == [("apply", [])]
     assert not _matches("0.5 s", 0.25) and _matches("0.25 s", 0.25)
     assert not _matches("off", None) and _matches("none: CORS closed", [])
+    assert list(_bench_invocations('BENCH_ARGS="controlplane --only acks --nope"')) == [
+        ("controlplane", ["--only", "--nope"])
+    ]
