@@ -91,13 +91,40 @@ def _policy_documents(ports: list[int], listener_port: int) -> list[dict[str, An
 @contextlib.contextmanager
 def _stack(state_dir: Path, replicas: int) -> Iterator[tuple[LocalStack, BackendProcess]]:
     _say("starting etcd, kvpilot, replicas and Envoy (all local, free ports) ...")
-    with (
-        local_stack(state_dir, node_id="demo-envoy-1") as stack,
-        BackendProcess(
-            replicas, id_prefix="replica", state_dir=state_dir / "backends"
-        ).start() as backends,
-    ):
-        yield stack, backends
+    backends = BackendProcess(replicas, id_prefix="replica", state_dir=state_dir / "backends")
+    # The replicas need nothing from the stack: they start while etcd, kvpilot and Envoy do.
+    backends.spawn()
+    try:
+        with local_stack(state_dir, node_id="demo-envoy-1") as stack:
+            yield stack, backends.wait_started()
+    finally:
+        backends.stop()
+
+
+QUICKSTART = "docs/quickstart.md"
+
+
+def next_steps(
+    *, api_url: str, token: str, chat_url: str, envoy_admin_url: str, endpoint: str
+) -> str:
+    """What to try once the demo has run: the console, a request through Envoy, a weight
+    change, what Envoy holds, and the quickstart (the same path with your own pieces)."""
+    cli = Path(sys.executable).parent / "kvpilot"
+    with contextlib.suppress(ValueError):
+        cli = cli.relative_to(Path.cwd())
+    body = '{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}'
+    return "\n".join(
+        [
+            f"  the console:      {api_url}/ui/ (sign in with the token {token})",
+            f"  a request:        curl -s {chat_url} -H 'content-type: application/json' \\",
+            f"                      -d '{body}'",
+            f"  a weight change:  {cli} --server {api_url} --token {token} \\",
+            f"                      set-weight demo-pool {endpoint} 300",
+            f"  kvpilot's view:   {cli} --server {api_url} --token {token} status",
+            f"  Envoy's view:     curl -s {envoy_admin_url}/clusters",
+            f"  your own fleet:   {QUICKSTART} (certificates, agent and Envoy in six commands)",
+        ]
+    )
 
 
 def _served_weight(envoy: EmbeddedEnvoy, port: int) -> int | None:
@@ -159,21 +186,25 @@ def run(keep: bool, requests: int, state_dir: Path) -> int:
             _say(
                 f"\nEnvoy {connection.get('node_id')} (fleet {connection.get('fleet')}) is connected over ADS"
             )
+        tries = next_steps(
+            api_url=kvpilot.api_url,
+            token=token,
+            chat_url=url,
+            envoy_admin_url=envoy.admin_url,
+            endpoint=f"127.0.0.1:{first.port}",
+        )
         if keep:
             _say("\nStill running (Ctrl-C stops everything). Try:")
-            _say(
-                f"  curl -s {url} -H 'content-type: application/json' \\\n"
-                '       -d \'{"model":"demo-model","messages":[{"role":"user","content":"hi"}]}\''
-            )
-            _say(f"  curl -s -H 'authorization: Bearer {token}' {kvpilot.api_url}/v1/status")
-            _say(
-                f"  curl -s -H 'authorization: Bearer {token}' {kvpilot.api_url}/v1/fleets/default/config"
-            )
-            _say(f"  curl -s {envoy.admin_url}/clusters")
-            _say(f"  the console: {kvpilot.api_url}/ui/ (sign in with the token {token})")
+            _say(tries)
             with contextlib.suppress(KeyboardInterrupt):
                 while True:
                     time.sleep(3600)
+        else:
+            _say(
+                "\nWhat to try next: `make demo DEMO_ARGS=--keep` keeps it all running, so you can"
+            )
+            _say("try these (the ports change from run to run):")
+            _say(tries)
         _say("\nstopping everything ...")
     return 0
 

@@ -16,13 +16,14 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 
 import grpc
 import uvicorn
 from prometheus_client import CollectorRegistry, Gauge
 
 from api import ApiContext, create_app
-from api.auth import AuthConfig, TokenReloader, WriteRateLimit
+from api.auth import AuthConfig, AuthConfigError, TokenReloader, WriteRateLimit
 from commands.serve_config import ServeConfig, add_arguments, check_xds, config_from_args
 from controlplane.asgi import UvicornServer
 from controlplane.audit import AuditLog
@@ -60,9 +61,17 @@ def run(
     setup_logging(args.log_level)
     config = config_from_args(args)
     check_xds(config)
+    try:
+        _auth(config)
+    except AuthConfigError as error:
+        # Before anything starts (no embedded etcd): one line that says what to set.
+        print(f"kvpilot serve: error: {error}", file=sys.stderr)
+        return 2
     embedded: EmbeddedEtcd | None = None
     if not config.etcd_endpoints:
-        embedded = EmbeddedEtcd(config.state_dir / "etcd")
+        embedded = EmbeddedEtcd(
+            config.state_dir / "etcd", client_port=config.embedded_etcd_port or None
+        )
         log.info(
             "no --etcd-endpoints given: starting an embedded etcd in %s", config.state_dir / "etcd"
         )
@@ -86,6 +95,13 @@ def run(
     return 0
 
 
+def _auth(config: ServeConfig) -> AuthConfig:
+    """The REST API's tokens; AuthConfigError (with what to set) when there are none."""
+    if config.insecure_no_auth:
+        return AuthConfig.disabled()
+    return AuthConfig.from_sources(config.tokens_file, os.environ)
+
+
 async def _drive_rollouts(mirror: StateMirror, controller: RolloutController) -> None:
     """Drive rollouts once the mirror holds etcd's state (decisions read it)."""
     await mirror.wait_synced()
@@ -99,11 +115,7 @@ async def serve(
     connection_registry: type[ConnectionRegistry] = ConnectionRegistry,
 ) -> None:
     """Run the daemon until SIGINT/SIGTERM (or cancellation)."""
-    auth = (
-        AuthConfig.disabled()
-        if config.insecure_no_auth
-        else AuthConfig.from_sources(config.tokens_file, os.environ)
-    )
+    auth = _auth(config)
     registry = CollectorRegistry()
     cache = SnapshotCache(default_fleet=config.default_fleet, node_overrides=config.node_fleets)
     connections = connection_registry(registry=registry)

@@ -34,6 +34,9 @@ class ServeConfig:
     api_host: str = "0.0.0.0"
     api_port: int = 8080
     state_dir: Path = Path(".state")
+    embedded_etcd_port: int = 0
+    """Client port of the embedded etcd on 127.0.0.1; 0 picks a free one. A fixed port lets
+    agents be pointed at it before kvpilot starts (the quickstart does)."""
     tokens_file: Path | None = None
     insecure_no_auth: bool = False
     quiet_period: float = 0.02
@@ -110,6 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=str(_default("state_dir")),
         help="data of the embedded etcd",
+    )
+    env_flag(
+        parser,
+        "--embedded-etcd-port",
+        type=int,
+        default=_default("embedded_etcd_port"),
+        help="client port of the embedded etcd on 127.0.0.1 (0: a free port, printed at start)",
     )
     env_flag(
         parser,
@@ -268,6 +278,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         api_host=api_host,
         api_port=api_port,
         state_dir=args.state_dir,
+        embedded_etcd_port=args.embedded_etcd_port,
         tokens_file=Path(args.tokens_file) if args.tokens_file else None,
         insecure_no_auth=args.insecure_no_auth,
         quiet_period=args.quiet_period,

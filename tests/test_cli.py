@@ -4,7 +4,9 @@ running API (uvicorn on a free port, backed by a real etcd)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,19 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 # -- offline ------------------------------------------------------------------------------------
+
+
+def test_dash_reads_the_policy_from_standard_input_and_names_it_in_errors(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    demo = (EXAMPLES / "demo.yaml").read_bytes()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(demo)))
+    code, out, err = run(capsys, "translate", "-f", "-", "-o", "json")
+    assert code == 0, err
+    assert "demo/chat" in [c["name"] for c in json.loads(out)["default"]["clusters"]]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"kind: Pool\n")))
+    code, _, err = run(capsys, "translate", "-f", "-")
+    assert code == 1 and "<stdin> (document 1)" in err, err
 
 
 def test_translate_prints_the_envoy_resources_of_the_examples(

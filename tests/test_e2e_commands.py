@@ -38,7 +38,7 @@ def test_make_demo_moves_traffic_and_leaves_nothing_running(tmp_path: Path) -> N
     # The demo as `make demo` runs it, with the interpreter running the tests (BIN) and
     # without the install step (-o: the virtualenv is the suite's business, not the demo's).
     result = subprocess.run(
-        ["make", "--no-print-directory", "-o", ".venv/.installed", "demo",
+        ["make", "--no-print-directory", "-o", ".venv/.installed-local", "demo",
          f"BIN={Path(sys.executable).parent}",
          f"DEMO_ARGS=--state-dir {tmp_path} --requests 40"],
         cwd=repo_root(), env={**os.environ, MARKER: run_id},
@@ -55,11 +55,35 @@ def test_make_demo_moves_traffic_and_leaves_nothing_running(tmp_path: Path) -> N
     assert set(equal) == {"replica-0", "replica-1", "replica-2"} and min(equal.values()) >= 10
     assert weighted["replica-0"] >= 24, weighted
     assert removed.get("replica-2", 0) == 0 and sum(removed.values()) == 40, removed
+    # It ends with what to try next: the console, a request through Envoy, a weight change,
+    # the quickstart.
+    tail = result.stdout.split("What to try next", 1)[-1]
+    for what in ("/ui/", "curl -s http://127.0.0.1:", "set-weight demo-pool", "docs/quickstart.md"):
+        assert what in tail, result.stdout[-2000:]
     wait_until(
         lambda: not processes_with_env(MARKER, run_id),
         60,
         message="every process the demo started to be gone",
     )
+
+
+def test_make_demo_installs_the_local_extra_only_and_make_test_the_development_extras(
+    tmp_path: Path,
+) -> None:
+    """On a fresh clone (no virtualenv yet) `make demo` installs `[local]` and nothing for
+    development; `make test` installs `[dev]`. `make -n` prints the recipes without running."""
+
+    def recipes(target: str) -> list[str]:
+        result = subprocess.run(
+            ["make", "--no-print-directory", "-n", target, f"VENV={tmp_path / 'venv'}"],
+            cwd=repo_root(), capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        return [line for line in result.stdout.splitlines() if "pip install" in line]
+
+    demo = recipes("demo")
+    assert len(demo) == 1 and "'.[local]'" in demo[0], demo
+    assert not any("[dev]" in line or "[bench]" in line for line in demo), demo
+    assert any("'.[dev]'" in line for line in recipes("test"))
 
 
 def test_serve_on_its_embedded_etcd_routes_traffic_and_keeps_its_data(

@@ -1,10 +1,13 @@
 """`kvpilot serve` on its embedded defaults tells where its etcd is, so agents can be pointed
-at it; and the daemons keep HTTP client chatter out of their INFO logs."""
+at it; without an API token it says what to set before starting anything; and the daemons
+keep HTTP client chatter out of their INFO logs."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,11 +22,12 @@ from controlplane.logs import CHATTY_LOGGERS, setup_logging
 
 @pytest.mark.e2e
 def test_serve_prints_and_reports_the_embedded_etcd_address(tmp_path: Path) -> None:
-    api_port = free_port()
+    api_port, etcd_port = free_port(), free_port()
     stdout = tmp_path / "serve.out"
     process = ManagedProcess(
         [sys.executable, "-m", "commands.cli", "serve", "--state-dir", str(tmp_path),
-         "--api-address", f"127.0.0.1:{api_port}", "--xds-address", f"127.0.0.1:{free_port()}", "--xds-insecure-plaintext"],
+         "--api-address", f"127.0.0.1:{api_port}", "--xds-address", f"127.0.0.1:{free_port()}", "--xds-insecure-plaintext",
+         "--embedded-etcd-port", str(etcd_port)],
         tmp_path / "serve.log",
         stdout_path=stdout,
         env={"KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN, "PATH": str(Path(sys.executable).parent)},
@@ -41,6 +45,7 @@ def test_serve_prints_and_reports_the_embedded_etcd_address(tmp_path: Path) -> N
             message="serve to print the embedded etcd's address",
         )
         address = printed.group(1)
+        assert address == f"127.0.0.1:{etcd_port}", "--embedded-etcd-port is the port etcd got"
 
         def status() -> dict[str, object] | None:
             response = httpx.get(f"http://127.0.0.1:{api_port}/v1/status", headers=ADMIN)
@@ -57,6 +62,31 @@ def test_serve_prints_and_reports_the_embedded_etcd_address(tmp_path: Path) -> N
         assert httpx.get(f"http://{address}/health", timeout=5).json()["health"] == "true"
     finally:
         process.stop(10)
+
+
+@pytest.mark.parametrize("tokens_file", [False, True], ids=["no-token", "unreadable-file"])
+def test_serve_without_an_api_token_says_what_to_set_and_starts_nothing(
+    tmp_path: Path, tokens_file: bool
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPILOT_")}
+    extra = ["--tokens-file", str(tmp_path / "missing.yaml")] if tokens_file else []
+    result = subprocess.run(
+        [sys.executable, "-m", "commands.cli", "serve", "--state-dir", str(tmp_path / "state"),
+         "--api-address", f"127.0.0.1:{free_port()}", "--xds-address", f"127.0.0.1:{free_port()}",
+         "--xds-insecure-plaintext", *extra],
+        capture_output=True, text=True, env=env, cwd=repo_root(), timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    if tokens_file:
+        assert lines[0].startswith("kvpilot serve: error: cannot read the tokens file")
+    else:
+        assert lines[0].startswith("kvpilot serve: error: no API tokens are configured")
+        for what in ("KVPILOT_ADMIN_TOKEN", "--tokens-file", "--insecure-no-auth"):
+            assert what in lines[0]
+    assert not (tmp_path / "state").exists(), "no embedded etcd was started"
 
 
 def test_http_client_request_logs_are_quiet_at_info_and_shown_at_debug() -> None:

@@ -4,7 +4,8 @@ Exit codes: 0 success, 1 error (one line on stderr), 2 usage error.
 
 The commands live in groups, one module each: ``objects`` (apply, diff, get, delete,
 set-weight), ``status`` (status, audit), ``rollout``, ``translate`` (offline), ``certs`` and
-``bootstrap`` (mutual TLS and Envoy start-up, offline), ``completion``; ``common`` holds what
+``bootstrap`` (mutual TLS and Envoy start-up, offline), ``docs`` (generated pages),
+``completion``; ``common`` holds what
 they share. ``serve`` is ``commands.serve``; ``agent`` is ``commands.agent``.
 """
 
@@ -23,6 +24,7 @@ from commands.cli import (
     certs,
     completion,
     difficulty,
+    docs,
     objects,
     rollout,
     status,
@@ -101,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     translate.add_parsers(add_parser)
     certs.add_parsers(add_parser)
     bootstrap.add_parsers(add_parser)
+    docs.add_parsers(add_parser)
     completion.add_parsers(add_parser, parser)
     difficulty.add_parsers(add_parser)
     return parser

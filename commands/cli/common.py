@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -56,10 +57,16 @@ def bar(fraction: float, width: int = BAR_WIDTH) -> str:
     return "[" + "#" * filled + "-" * (width - filled) + "]"
 
 
+STDIN = Path("-")
+"""``-f -``: the documents come from standard input (a heredoc, a pipe)."""
+
+
 def _files(paths: Sequence[Path]) -> list[Path]:
     files: list[Path] = []
     for path in paths:
-        if path.is_dir():
+        if path == STDIN:
+            files.append(path)
+        elif path.is_dir():
             files.extend(
                 sorted(p for p in path.iterdir() if p.suffix in {".yaml", ".yml", ".json"})
             )
@@ -75,13 +82,14 @@ def load_files(paths: Sequence[Path]) -> list[PolicyObject]:
     objects: list[PolicyObject] = []
     problems: list[str] = []
     for file in _files(paths):
+        data = sys.stdin.buffer.read() if file == STDIN else file.read_bytes()
         try:
-            documents = decode_documents(file.read_bytes(), source=str(file))
+            documents = decode_documents(data, source="<stdin>" if file == STDIN else str(file))
         except PolicyError as error:
             problems.append(str(error))
             continue
         for index, document in enumerate(documents):
-            source = f"{file} (document {index + 1})"
+            source = f"{'<stdin>' if file == STDIN else file} (document {index + 1})"
             try:
                 objects.append(parse_object(document, source=source))
             except PolicyError as error:

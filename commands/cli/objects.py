@@ -286,7 +286,8 @@ def add_parsers(add_parser: AddParser) -> None:
         type=Path,
         action="append",
         required=True,
-        help="a YAML/JSON file (multi-document) or a directory of them; repeatable",
+        help="a YAML/JSON file (multi-document), a directory of them, or - for standard "
+        "input; repeatable",
     )
     apply.add_argument(
         "--wait",

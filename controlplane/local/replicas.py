@@ -105,9 +105,19 @@ class BackendProcess(Launcher):
         """Start the replicas and wait until all of them listen."""
         if self._process.running():
             return self
+        self.spawn()
+        return self.wait_started(timeout)
+
+    def spawn(self) -> None:
+        """Start the replicas without waiting: the caller starts other things meanwhile, then
+        calls `wait_started`. (From the thread that stops them: the child dies with the thread
+        that spawned it.)"""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._stdout_path.unlink(missing_ok=True)
         self._process.spawn()
+
+    def wait_started(self, timeout: float = 30.0) -> Self:
+        """Wait until every replica spawned by `spawn` listens."""
         self._process.wait_for(self._read_announcement, timeout, "the replicas listen")
         return self
 
