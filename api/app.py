@@ -29,6 +29,7 @@ from api.endpoints import WeightChange, add_endpoint_routes
 from api.objects import add_object_routes, add_preview_route
 from api.preview import snapshot_json
 from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
+from api.spend import add_spend_routes
 from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
 from controlplane.keys import InvalidName, UnknownKind, ValueTooLarge
 from controlplane.store import AlreadyExists, Contended, InvalidValue, NotFound, RevisionMismatch
@@ -79,6 +80,7 @@ def create_app(context: ApiContext) -> FastAPI:
     add_preview_route(app, context)
     add_endpoint_routes(app, context)
     add_rollout_routes(app, context)
+    add_spend_routes(app, context)
     _add_status_routes(app, context)
     add_console_routes(app, context.store, context.reconciler, context.audit)
     _add_audit_routes(app, context)

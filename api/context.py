@@ -25,6 +25,7 @@ from controlplane.reconcile import Reconciler
 from controlplane.store import Store
 from policies import Endpoint, FieldError, PolicyError, PolicyObject, jsondoc, parse_object
 from policies.models import ENDPOINT_ID_PATTERN, ENDPOINT_ID_RULE, NAME_PATTERN, NAME_RULE
+from policies.spend import Spend, SpendKey, Window
 from xdsserver.status import ConnectionRegistry
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class ApiContext:
     """Per-token write rate limit; None: unlimited."""
     cors_origins: Sequence[str] = ()
     """Browser origins allowed to call the API; empty: CORS stays closed."""
+    spend: Callable[[Window | None, float], Mapping[SpendKey, Spend]] | None = None
+    """Every replica's spend summed (``controlplane.spend.fleet_spend``): all time (None) or
+    the current calendar window of a kind, at a time."""
 
 
 class ApiError(Exception):

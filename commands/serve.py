@@ -38,12 +38,14 @@ from controlplane.reconcilemetrics import ReconcileMetrics
 from controlplane.rollouts import RolloutController
 from controlplane.rolloutstate import register_metrics as register_rollout_metrics
 from controlplane.signals import PlanResolver, SignalPublisher
+from controlplane.spend import PlanContext, SpendCollector, SpendPublisher, fleet_spend
 from controlplane.store import Store
 from xdsserver.identity import FleetBinding
 from xdsserver.server import AdsServer
 from xdsserver.signals import AccessLogServer, SignalBook
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
+from xdsserver.usage import UsageBook
 
 __all__ = ["ServeConfig", "add_arguments", "config_from_args", "run", "serve"]
 
@@ -147,7 +149,9 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         raise ValueError("ServeConfig needs xds_tls or xds_insecure_plaintext=True")
     ads.add_to(grpc_server)
     signals = SignalBook(PlanResolver(lambda: reconciler.plan))
-    AccessLogServer(signals, fleet_of=cache.served_fleet).add_to(grpc_server)
+    usage = UsageBook(PlanContext(lambda: reconciler.plan, lambda: reconciler.state))
+    registry.register(SpendCollector(usage.ledger))
+    AccessLogServer(signals, fleet_of=cache.served_fleet, usage=usage).add_to(grpc_server)
     register_rollout_metrics(registry, lambda: mirror.items)
 
     app = create_app(
@@ -165,6 +169,9 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
             audit=audit,
             write_limit=WriteRateLimit(config.write_rate, config.write_burst),
             cors_origins=config.cors_origins,
+            spend=lambda window, at: fleet_spend(
+                mirror.items, usage.ledger, config.replica_id, window, at
+            ),
         )
     )
     api = UvicornServer(
@@ -195,12 +202,16 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         config.replica_id,
         lease_ttl=config.rollout_lease_ttl,
     )
+    # Spend records carry no lease: they outlive the replica, which writes its last batch
+    # on the way out (below) and continues from them when started again.
+    spend = asyncio.create_task(SpendPublisher(store, usage, config.replica_id).run(), name="spend")
     tasks = [
         asyncio.create_task(mirror.run(), name="etcd-watch"),
         asyncio.create_task(
             SignalPublisher(store, signals, config.replica_id).run(), name="signals"
         ),
         asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
+        spend,
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(api.serve(), name="rest-api"),
         publisher,
@@ -241,7 +252,8 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         # The publisher revokes its lease on the way out, which removes this replica's Envoy
         # records from etcd at once instead of after the lease TTL: let it, while etcd is open.
         publisher.cancel()
-        await asyncio.wait([publisher], timeout=2.0)
+        spend.cancel()
+        await asyncio.wait([publisher, spend], timeout=3.0)
         for task in tasks:
             task.cancel()
         # Closing the channel ends an etcd watch that is still being opened; waiting for the

@@ -191,6 +191,21 @@ class PlanListener:
         return any(vhost.routes_by_model for vhost in self.virtual_hosts)
 
     @property
+    def tenant_headers(self) -> tuple[str, ...]:
+        """The headers that name a tenant on some route here (sorted): token accounting logs
+        them with every request."""
+        return tuple(
+            sorted(
+                {
+                    route.tenant_header
+                    for vhost in self.virtual_hosts
+                    for route in vhost.routes
+                    if route.tenant_header
+                }
+            )
+        )
+
+    @property
     def prefix_hashing(self) -> bool:
         """True when some route hashes a prompt prefix for affinity (Envoy's Lua filter)."""
         return any(

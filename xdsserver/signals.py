@@ -38,6 +38,8 @@ from google.protobuf import duration_pb2
 from policies.names import LOCAL_SUFFIX
 from policies.rollout import PoolSignals
 from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
+from xdsserver.translate.usage import USAGE_LOG_PREFIX
+from xdsserver.usage import UsageBook
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +124,15 @@ class SignalBook:
 class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     """``envoy.service.accesslog.v3.AccessLogService`` feeding a SignalBook."""
 
-    def __init__(self, book: SignalBook, fleet_of: Callable[[Any], str] | None = None) -> None:
+    def __init__(
+        self,
+        book: SignalBook,
+        fleet_of: Callable[[Any], str] | None = None,
+        usage: UsageBook | None = None,
+    ) -> None:
         self.book = book
+        self.usage = usage
+        """Where entries of the usage logs (``kvpilot.usage/<listener>``) go."""
         self.fleet_of = fleet_of
         """The fleet whose config an Envoy (its ``Node``) is served; ``node.cluster`` without."""
 
@@ -137,11 +146,20 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> als_pb2.StreamAccessLogsResponse:
         fleet = ""
+        usage = False
         async for message in request_iterator:
-            # Envoy names itself in the first message of a stream only.
+            # Envoy names itself (and the log) in the first message of a stream only; each
+            # log has a stream of its own.
             if message.HasField("identifier"):
                 node = message.identifier.node
                 fleet = self.fleet_of(node) if self.fleet_of is not None else node.cluster
+                usage = message.identifier.log_name.startswith(USAGE_LOG_PREFIX)
+            if usage:
+                if self.usage is not None:
+                    for entry in message.http_logs.log_entry:
+                        self.usage.observe(entry)
+                    self.usage.batch_done()
+                continue
             for entry in message.http_logs.log_entry:
                 self.book.observe(entry, fleet)
             for listener in self.book.listeners:

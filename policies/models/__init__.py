@@ -69,6 +69,7 @@ from policies.models.pool import (
     TelemetryFormat,
     TelemetrySource,
 )
+from policies.models.price import CURRENCIES, Money, Price
 from policies.models.rollout import (
     Analysis,
     AnalysisRule,
@@ -100,6 +101,7 @@ from policies.models.route import (
 
 __all__ = [
     "API_VERSION",
+    "CURRENCIES",
     "DEFAULT_RETRY_ON",
     "ENDPOINT_ID_PATTERN",
     "ENDPOINT_ID_RULE",
@@ -137,12 +139,14 @@ __all__ = [
     "Locality",
     "Metadata",
     "Model",
+    "Money",
     "Name",
     "OutlierDetection",
     "PolicyObject",
     "Pool",
     "PoolSpec",
     "PoolTarget",
+    "Price",
     "PrometheusSource",
     "Protocol",
     "RateLimit",

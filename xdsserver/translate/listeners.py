@@ -26,6 +26,7 @@ from google.protobuf import struct_pb2, wrappers_pb2
 
 from policies.plan import PlanListener
 from xdsserver.translate.protos import ads_source, duration, http_filter_chain, pack, socket_address
+from xdsserver.translate.usage import usage_filter, usage_log
 
 MODEL_METADATA_NAMESPACE = "envoy.lb"
 """Where json_to_metadata puts the body's ``model`` field (design.md: namespace envoy.lb)."""
@@ -78,7 +79,8 @@ for example ``no_healthy_upstream`` or ``upstream_reset_before_response_started{
 
 def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
     """A plain-HTTP listener whose routes come over RDS (route configuration of the same name)."""
-    filters: list[hcm_pb2.HttpFilter] = []
+    # Token accounting first: on the way back it sees the response last, as the client does.
+    filters: list[hcm_pb2.HttpFilter] = [usage_filter()]
     if listener.routes_by_model:
         filters.append(
             hcm_pb2.HttpFilter(
@@ -123,6 +125,7 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
     manager.local_reply_config.CopyFrom(
         local_replies(rate_limited=listener.rate_limited, classified=listener.classified)
     )
+    manager.access_log.append(usage_log(listener.name, listener.tenant_headers))
     if listener.access_log:
         manager.access_log.append(
             accesslog_pb2.AccessLog(
