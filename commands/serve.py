@@ -26,6 +26,7 @@ from api.auth import AuthConfig, TokenReloader, WriteRateLimit
 from commands.serve_config import ServeConfig, add_arguments, check_xds, config_from_args
 from controlplane.asgi import UvicornServer
 from controlplane.audit import AuditLog
+from controlplane.budgets import BudgetWatcher
 from controlplane.envoystatus import StatusPublisher
 from controlplane.envoystatus import records as envoy_records
 from controlplane.etcd import EtcdAccessDenied
@@ -205,8 +206,11 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
     # Spend records carry no lease: they outlive the replica, which writes its last batch
     # on the way out (below) and continues from them when started again.
     spend = asyncio.create_task(SpendPublisher(store, usage, config.replica_id).run(), name="spend")
+    budgets = BudgetWatcher(reconciler, usage.ledger, lambda: mirror.items, config.replica_id)
+    usage.listeners.append(budgets.poke)
     tasks = [
         asyncio.create_task(mirror.run(), name="etcd-watch"),
+        asyncio.create_task(budgets.run(), name="budgets"),
         asyncio.create_task(
             SignalPublisher(store, signals, config.replica_id).run(), name="signals"
         ),

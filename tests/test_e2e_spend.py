@@ -4,8 +4,11 @@ REST view, Prometheus, and a restarted replica that continues from what it store
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections import Counter
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -236,3 +239,144 @@ def test_a_restarted_replica_continues_from_the_spend_it_stored(
         wait_counted(rig, sum(first.values()) + sum(second.values()))
         final = {tenant: row["requests"] for tenant, row in by(rig, "tenant").items()}
         assert final == dict(first + second)
+
+
+def budget(name: str, tenant: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "Budget",
+        "metadata": {"name": name},
+        "spec": {"tenant": tenant, **spec},
+    }
+
+
+def test_a_tenant_past_its_budget_gets_429_with_retry_after_and_others_do_not(
+    rig: Rig, backends: BackendFactory
+) -> None:
+    start(rig, backends)
+    rig.apply(budget("acme-hourly", "acme", window="hour", amount="0.0002", currency="USD"))
+    url = rig.url()
+    with httpx.Client(timeout=30) as client:
+
+        def ask(tenant: str) -> httpx.Response:
+            return client.post(
+                url,
+                json=chat("m-paid", "tell me more", max_tokens=16),
+                headers={"x-tenant-id": tenant},
+            )
+
+        refused: list[httpx.Response] = []
+
+        def spent() -> bool:
+            response = ask("acme")
+            if response.status_code == 429:
+                refused.append(response)
+                return True
+            assert response.status_code == 200, response.text
+            return False
+
+        wait_until(spent, 60, message="acme to be refused past its budget")
+        answer = refused[0]
+        error = answer.json()["error"]
+        assert error["code"] == "budget_exceeded"
+        assert error["type"] == "insufficient_quota"
+        assert "acme-hourly" in error["message"]
+        view = spend(rig, window="hour", by="tenant")
+        end = datetime.fromisoformat(view["end"].replace("Z", "+00:00")).timestamp()
+        retry_after = int(answer.headers["retry-after"])
+        assert 0 < retry_after <= end - time.time() + 2
+        assert answer.headers["x-kvpilot-budget"] == "acme-hourly"
+        # Other tenants, and the model of another pool, are not affected.
+        assert ask("globex").status_code == 200
+        # Raising the budget lets the tenant in again.
+        rig.apply(budget("acme-hourly", "acme", window="hour", amount="1000", currency="USD"))
+        wait_until(lambda: ask("acme").status_code == 200, 30, message="acme to be let in")
+
+
+def test_a_tenant_sending_at_five_times_its_budget_overshoots_it_by_at_most_ten_percent(
+    rig: Rig, backends: BackendFactory
+) -> None:
+    """N tokens a minute, sent at 5N a minute from the window's start: the spend past N within
+    the window stays under N/10 (docs/cost.md derives the bound), and a tenant sending beside
+    it is never refused."""
+    start(rig, backends)
+    limit = 3000
+    rig.apply(budget("acme-minute", "acme", window="minute", tokens=limit))
+    # Start early in a minute so that the whole run fits in one window.
+    wait_until(lambda: time.time() % 60 < 30, 40, message="the first half of a minute")
+    window = spend(rig, window="minute")["start"]
+    body = chat("m-paid", "a prompt of some twenty words " * 3, max_tokens=16)
+    results = asyncio.run(paced(rig.url(), body, limit * 5 / 60, stop_after_refused=1.0))
+    other = asyncio.run(paced(rig.url(), body, 2.0, tenant="globex", duration=3.0))
+    assert all(status == 200 for status, _ in other)
+    served = [tokens for status, tokens in results if status == 200]
+    assert any(status == 429 for status, _ in results)
+    wait_until(
+        lambda: (
+            sum(
+                row["requests"]
+                for row in spend(rig, window="minute", by="tenant")["rows"]
+                if row["tenant"] == "acme"
+            )
+            >= len(served)
+        ),
+        30,
+        message="every served request to be counted",
+    )
+    view = spend(rig, window="minute", by="tenant")
+    assert view["start"] == window, "the run crossed a minute boundary"
+    counted = sum(row["tokens"] for row in view["rows"] if row["tenant"] == "acme")
+    assert counted == sum(served)
+    overshoot = counted - limit
+    print(f"budget {limit} tokens/min at 5x: spent {counted}, overshoot {overshoot} tokens")
+    assert overshoot <= limit // 10
+
+
+async def paced(
+    url: str,
+    body: dict[str, Any],
+    tokens_per_second: float,
+    *,
+    tenant: str = "acme",
+    stop_after_refused: float | None = None,
+    duration: float = 60.0,
+) -> list[tuple[int, int]]:
+    """Requests at a steady token rate (estimated from the first answer's usage), each
+    without waiting for the last; until ``duration``, or ``stop_after_refused`` seconds after
+    the first 429. Returns (status, tokens) of each."""
+    results: list[tuple[int, int]] = []
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def one() -> tuple[int, int]:
+            response = await client.post(url, json=body, headers={"x-tenant-id": tenant})
+            if response.status_code != 200:
+                return response.status_code, 0
+            usage = response.json()["usage"]
+            return 200, int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
+
+        first = await one()
+        results.append(first)
+        interval = max(first[1], 1) / tokens_per_second
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        refused_at: float | None = None
+        pending: list[asyncio.Task[tuple[int, int]]] = []
+        sent = 1
+        while loop.time() - started < duration:
+            pending.append(asyncio.create_task(one()))
+            sent += 1
+            done = [task for task in pending if task.done()]
+            for task in done:
+                pending.remove(task)
+                results.append(task.result())
+                if task.result()[0] == 429 and refused_at is None:
+                    refused_at = loop.time()
+            if (
+                refused_at is not None
+                and stop_after_refused is not None
+                and loop.time() - refused_at >= stop_after_refused
+            ):
+                break
+            await asyncio.sleep(max(0.0, started + (sent - 1) * interval - loop.time()))
+        results.extend(await asyncio.gather(*pending))
+    return results

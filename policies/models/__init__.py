@@ -11,6 +11,7 @@ One module per part: ``fields`` (shared field types and the base model), ``pool`
 here: ``from policies.models import Pool``.
 """
 
+from policies.models.budget import BudgetSpec, BudgetWindow, OverBudgetAction
 from policies.models.classes import (
     TTFT_SHARE,
     ClassAction,
@@ -41,6 +42,7 @@ from policies.models.objects import (
     KIND_PATHS,
     KINDS,
     PATH_KINDS,
+    Budget,
     Fleet,
     Metadata,
     PolicyObject,
@@ -119,6 +121,9 @@ __all__ = [
     "AnalysisRule",
     "AuthHeader",
     "Balancing",
+    "Budget",
+    "BudgetSpec",
+    "BudgetWindow",
     "CircuitBreakers",
     "ClassAction",
     "ClassBudget",
@@ -142,6 +147,7 @@ __all__ = [
     "Money",
     "Name",
     "OutlierDetection",
+    "OverBudgetAction",
     "PolicyObject",
     "Pool",
     "PoolSpec",

@@ -54,6 +54,23 @@ SHED_BODY = {
 }
 """A shed request's answer in OpenAI's error format: the message names the class and the
 Retry-After, and the code tells it apart from a rate limit."""
+BUDGET_STATUS = 531
+"""The status of Envoy's direct response to a request past its budget; the local-reply
+mapper answers the client 429 with BUDGET_BODY. A status of its own keeps these apart from
+rate limits and shed requests."""
+BUDGET_RESET_HEADER = "x-kvpilot-budget-reset"
+"""Unix time the budget's window ends; the accounting filter (``xdsserver.translate.usage``) turns it into Retry-After
+seconds on the way out."""
+BUDGET_BODY = {
+    "error": {
+        "message": "%LOCAL_REPLY_BODY%",
+        "type": "insufficient_quota",
+        "param": None,
+        "code": "budget_exceeded",
+    }
+}
+
+
 RATE_LIMITED_BODY = {
     "error": {
         "message": "Rate limit reached for this route; retry after the interval in the "
@@ -206,7 +223,11 @@ def local_replies(*, rate_limited: bool, classified: bool = False) -> hcm_pb2.Lo
     server's: shed requests of service classes (429), 429s from rate limits and class budgets
     (when the listener has any) and 5xx. Mappers see local replies only, so 429s and 5xx that
     replicas send pass through untouched; the first mapper that matches applies."""
-    mappers = []
+    # Budget replies have a status of their own; every listener maps it, since a budget may
+    # be spent at any time and the listener should not change then.
+    budget = _status_mapper(accesslog_pb2.ComparisonFilter.EQ, BUDGET_STATUS, "budget", BUDGET_BODY)
+    budget.status_code.value = 429
+    mappers = [budget]
     if classified:
         shed = _status_mapper(accesslog_pb2.ComparisonFilter.EQ, SHED_STATUS, "shed", SHED_BODY)
         shed.status_code.value = 429

@@ -90,6 +90,12 @@ function envoy_on_request(handle)
 end
 
 function envoy_on_response(handle)
+  local reset = handle:headers():get("x-kvpilot-budget-reset")
+  if reset ~= nil then
+    -- A tenant past its budget: Retry-After in seconds to the window's end.
+    handle:headers():replace("retry-after", tostring(math.max(1, tonumber(reset) - os.time())))
+    return
+  end
   local prompt, cached, completion, model
   local tail = ""
   local meta = handle:streamInfo():dynamicMetadata():get(NS)
