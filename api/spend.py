@@ -4,12 +4,13 @@ over every kvpilot replica, for all time or the current calendar window (UTC).""
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from fastapi import FastAPI, Query
 
 from api.context import ApiContext, ApiError, Reader
-from policies.spend import WINDOWS, Spend, group, window_bounds
+from policies.capacity import pool_costs
+from policies.spend import WINDOWS, Spend, Window, group, window_bounds
 
 GROUPS = ("tenant", "model", "pool", "class", "route")
 """What rows may be grouped by (``class`` is the service class)."""
@@ -29,12 +30,12 @@ def spend_view(
             422, f"by {by!r}: group by one or more of {', '.join(GROUPS)}, comma-separated"
         )
     now = time.time() if at is None else at
-    kind = None if window == "total" else window
-    rows = context.spend(kind, now) if context.spend is not None else {}  # type: ignore[arg-type]
+    kind: Window | None = None if window == "total" else cast(Window, window)
+    rows = context.spend(kind, now) if context.spend is not None else {}
     grouped = group(rows, [*(_FIELDS.get(name, name) for name in names), "currency"])
     body: dict[str, Any] = {"window": window, "by": names}
     if kind is not None:
-        start, end = window_bounds(kind, now)  # type: ignore[arg-type]
+        start, end = window_bounds(kind, now)
         body["start"] = start.isoformat().replace("+00:00", "Z")
         body["end"] = end.isoformat().replace("+00:00", "Z")
     totals: dict[str, Spend] = {}
@@ -46,6 +47,10 @@ def spend_view(
             {**dict(zip(names, labels, strict=True)), "currency": currency, **spend.as_json()}
         )
     body["rows"] = out
+    state = context.reconciler.state
+    if state is not None:
+        elapsed = now - window_bounds(kind, now)[0].timestamp() if kind is not None else None
+        body["pools"] = [cost.as_json() for cost in pool_costs(state, rows, elapsed)]
     body["totals"] = [
         {"currency": currency, **spend.as_json()} for currency, spend in sorted(totals.items())
     ]
