@@ -14,11 +14,13 @@ from typing import Any
 
 import httpx
 import pytest
+from harness.auth import READ_TOKEN
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, route
 from harness.rig import BackendFactory, KvpilotFactory, Rig, ports_of
 from harness.wait import wait_until
 
 from bench.simulator import SimConfig
+from commands.cli import main as cli_main
 
 pytestmark = pytest.mark.e2e
 
@@ -182,7 +184,9 @@ def test_usage_of_every_response_equals_the_replicas_own_counts(
     assert by_model == {"m-paid": total // 2, "m-owned": total // 2}
 
 
-def test_dollars_equal_tokens_times_the_pools_price(rig: Rig, backends: BackendFactory) -> None:
+def test_dollars_equal_tokens_times_the_pools_price(
+    rig: Rig, backends: BackendFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
     start(rig, backends)
     sent, _ = send_mixed(rig, rounds=3)
     wait_counted(rig, sum(sent.values()))
@@ -209,6 +213,15 @@ def test_dollars_equal_tokens_times_the_pools_price(rig: Rig, backends: BackendF
     assert exported == pytest.approx(
         float(sum(Decimal(r["cost"]) for r in rows if r["pool"] == "paid")), rel=1e-9
     )
+    # The CLI shows the same numbers, and the pools' prices.
+    total_paid = sum(Decimal(r["cost"]) for r in rows if r["pool"] == "paid")
+    server = ["--server", rig.kvpilot.api_url, "--token", READ_TOKEN]
+    assert cli_main(["get", "spend", "--by", "pool", *server]) == 0
+    shown = capsys.readouterr().out
+    assert f"{total_paid} USD" in shown and "replica-hour x1" in shown
+    assert cli_main(["get", "pools", *server]) == 0
+    shown = capsys.readouterr().out
+    assert "USD 2.5/10 per 1M (cached 1.25)" in shown and "USD 4.2/replica-hour" in shown
 
 
 def test_a_restarted_replica_continues_from_the_spend_it_stored(
