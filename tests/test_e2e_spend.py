@@ -16,11 +16,12 @@ import httpx
 import pytest
 from harness.auth import READ_TOKEN
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, route
-from harness.rig import BackendFactory, KvpilotFactory, Rig, ports_of
+from harness.rig import BackendFactory, KvpilotFactory, Rig, api_client, ports_of
 from harness.wait import wait_until
 
 from bench.simulator import SimConfig
 from commands.cli import main as cli_main
+from controlplane.launchers import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -393,3 +394,78 @@ async def paced(
             await asyncio.sleep(max(0.0, started + (sent - 1) * interval - loop.time()))
         results.extend(await asyncio.gather(*pending))
     return results
+
+
+def test_two_replicas_share_spend_and_both_enforce_a_budget(
+    etcd_prefix: str,
+    kvpilot_factory: KvpilotFactory,
+    envoy_factory: Any,
+    backends: BackendFactory,
+) -> None:
+    """Envoys of fleet `a` talk to one kvpilot, those of fleet `b` to another: each replica
+    counts its own Envoys' usage, reads the other's from etcd, and both push the block."""
+    first = kvpilot_factory(etcd_prefix, extra_args=["--replica-id", "a"])
+    second = kvpilot_factory(etcd_prefix, extra_args=["--replica-id", "b"])
+    envoys = {
+        "a": envoy_factory(xds_port=first.xds_port, fleet="a"),
+        "b": envoy_factory(xds_port=second.xds_port, fleet="b"),
+    }
+    paid = backends(2, id_prefix="paid", model="m-paid", simulator=FAST_SIM)
+    ports = {"a": free_port(), "b": free_port()}
+    rigs = {
+        name: Rig(kvpilot, envoys[name], api_client(kvpilot), ports[name])
+        for name, kvpilot in (("a", first), ("b", second))
+    }
+    with rigs["a"].api, rigs["b"].api:
+        rigs["a"].apply(
+            pool(
+                "paid",
+                ports_of(paid),
+                models=["m-paid"],
+                health_check=FAST_HEALTH_CHECK,
+                price=PRICE,
+            ),
+            *(
+                policy(f"web-{name}", port, [route("paid", name="paid")], fleets=[name])
+                for name, port in ports.items()
+            ),
+        )
+        for name, rig in rigs.items():
+            rig.wait_ready(f"web-{name}/paid", ports_of(paid))
+        sent: Counter[str] = Counter()
+        with httpx.Client(timeout=30) as client:
+            for i in range(12):
+                name = "ab"[i % 2]
+                response = client.post(
+                    rigs[name].url(),
+                    json=chat("m-paid", "hello", max_tokens=8),
+                    headers={"x-tenant-id": "acme"},
+                )
+                assert response.status_code == 200, response.text
+                sent[name] += 1
+        for rig in rigs.values():
+            wait_until(
+                lambda rig=rig: sum(r["requests"] for r in spend(rig, by="tenant")["rows"]) == 12,
+                30,
+                message="each replica to see both replicas' spend",
+            )
+        assert spend(rigs["a"], by="tenant")["rows"] == spend(rigs["b"], by="tenant")["rows"]
+        spent = spend(rigs["a"], window="hour", by="tenant")["rows"][0]["tokens"]
+        # A budget both replicas already see as spent: both fleets' Envoys refuse acme.
+        rigs["b"].apply(budget("acme", "acme", window="hour", tokens=max(1, spent - 1)))
+        with httpx.Client(timeout=30) as client:
+            for name, rig in rigs.items():
+                wait_until(
+                    lambda rig=rig: (
+                        client.post(
+                            rig.url(), json=chat("m-paid", "hello"), headers={"x-tenant-id": "acme"}
+                        ).status_code
+                        == 429
+                    ),
+                    30,
+                    message=f"fleet {name}'s Envoy to refuse acme",
+                )
+                other = client.post(
+                    rig.url(), json=chat("m-paid", "hello"), headers={"x-tenant-id": "globex"}
+                )
+                assert other.status_code == 200
