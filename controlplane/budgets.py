@@ -61,9 +61,12 @@ class BudgetWatcher:
             over: dict[str, float] = {}
         else:
             at = self.clock()
+            tenants = {budget.spec.tenant for budget in state.budgets.values()}
             over = over_budgets(
                 state.budgets,
-                lambda window: fleet_spend(self.items(), self.ledger, self.replica_id, window, at),
+                lambda window: fleet_spend(
+                    self.items(), self.ledger, self.replica_id, window, at, tenants
+                ),
                 at,
             )
         if over != self.reconciler.over_budget:

@@ -13,9 +13,10 @@ counters from memory, which are newer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -48,17 +49,36 @@ def replica_of(key: str) -> str:
 
 
 def records(
-    items: Mapping[str, KeyValue], *, except_replica: str | None = None
+    items: Mapping[str, KeyValue],
+    *,
+    except_replica: str | None = None,
+    tenants: Collection[str] | None = None,
 ) -> Iterator[Mapping[str, Any]]:
-    """Every replica's spend records in the mirror (but ``except_replica``'s)."""
+    """Every replica's spend records in the mirror (but ``except_replica``'s; of ``tenants``
+    only, told by the key, so other tenants' records are not even decoded)."""
+    wanted = None if tenants is None else {quote(t, safe="") or "%00" for t in tenants}
     for key, kv in items.items():
         if not key.startswith(SPEND_PREFIX):
             continue
-        if except_replica is not None and replica_of(key) == except_replica:
+        replica, _, tenant = key[len(SPEND_PREFIX) :].partition("/")
+        if except_replica is not None and unquote(replica) == except_replica:
             continue
-        body = decode_json(kv)
-        if isinstance(body, dict):
+        if wanted is not None and tenant not in wanted:
+            continue
+        body = _decoded(kv)
+        if body is not None:
             yield body
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse(value: bytes) -> Mapping[str, Any] | None:
+    """A record's JSON, memoized by its bytes: a budget check after every batch reads the
+    other replicas' records, which change at most every SPEND_INTERVAL. Read only."""
+    return decode_json(value)
+
+
+def _decoded(kv: KeyValue) -> Mapping[str, Any] | None:
+    return _parse(kv.value)
 
 
 def fleet_spend(
@@ -67,13 +87,17 @@ def fleet_spend(
     replica_id: str,
     window: Window | None,
     at: float,
+    tenants: Collection[str] | None = None,
 ) -> dict[SpendKey, Spend]:
     """Every replica's spend summed: the others' from etcd, this one's from memory once it has
-    read its stored records back (from etcd until then, so a restart shows no dip)."""
+    read its stored records back (from etcd until then, so a restart shows no dip); of
+    ``tenants`` only, when given."""
     if not ledger.loaded:
-        return sum_records(records(items), window, at)
-    own = [ledger.record(tenant) for tenant in ledger.tenants()]
-    return sum_records([*records(items, except_replica=replica_id), *own], window, at)
+        return sum_records(records(items, tenants=tenants), window, at)
+    out = sum_records(records(items, except_replica=replica_id, tenants=tenants), window, at)
+    for key, spend in ledger.rows(window, at, tenants):
+        out.setdefault(key, Spend()).add(spend)
+    return out
 
 
 class PlanContext:

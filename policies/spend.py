@@ -10,7 +10,7 @@ stored as a decimal string and exported to Prometheus as a float.
 from __future__ import annotations
 
 import calendar
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -137,32 +137,47 @@ def window_id(window: Window, at: float) -> str:
 
 @dataclass(slots=True)
 class WindowSpend:
-    """Counters of the current calendar window of one kind."""
+    """Counters of the current calendar window of one kind, by tenant."""
 
     id: str = ""
-    rows: dict[SpendKey, Spend] = field(default_factory=dict)
+    rows: dict[str, dict[SpendKey, Spend]] = field(default_factory=dict)
+
+
+def _add(into: dict[str, dict[SpendKey, Spend]], key: SpendKey, spend: Spend) -> None:
+    into.setdefault(key.tenant, {}).setdefault(key, Spend()).add(spend)
+
+
+def _rows(rows: Mapping[SpendKey, Spend]) -> list[list[Any]]:
+    return [key.as_list() + spend.as_list() for key, spend in rows.items()]
 
 
 class Ledger:
     """One replica's spend since it was first started: totals and the current window of each
-    kind, by key. Kept per tenant so that a batch writes only the tenants that changed."""
+    kind, by tenant, so that a batch writes only the tenants that changed and a reader sums
+    only the tenants it needs."""
 
     def __init__(self) -> None:
-        self.totals: dict[SpendKey, Spend] = {}
+        self.by_tenant: dict[str, dict[SpendKey, Spend]] = {}
+        """Totals: tenant -> key -> counters."""
         self.windows: dict[Window, WindowSpend] = {window: WindowSpend() for window in WINDOWS}
         self.changed: set[str] = set()
         """Tenants whose counters changed since ``take_changed``."""
         self.loaded = False
         """True once the replica's stored records were read back (``load``)."""
 
+    @property
+    def totals(self) -> dict[SpendKey, Spend]:
+        """Every key's totals (a new mapping of the same counters)."""
+        return {key: spend for rows in self.by_tenant.values() for key, spend in rows.items()}
+
     def add(self, key: SpendKey, spend: Spend, at: float) -> None:
         """Count one response (or a batch of them) at wall-clock time ``at``."""
-        self.totals.setdefault(key, Spend()).add(spend)
+        _add(self.by_tenant, key, spend)
         for window, current in self.windows.items():
             wid = window_id(window, at)
             if current.id != wid:
                 current.id, current.rows = wid, {}
-            current.rows.setdefault(key, Spend()).add(spend)
+            _add(current.rows, key, spend)
         self.changed.add(key.tenant)
 
     def take_changed(self) -> set[str]:
@@ -170,24 +185,29 @@ class Ledger:
         return changed
 
     def tenants(self) -> set[str]:
-        return {key.tenant for key in self.totals}
+        return set(self.by_tenant)
+
+    def rows(
+        self, window: Window | None, at: float, tenants: Collection[str] | None = None
+    ) -> Iterable[tuple[SpendKey, Spend]]:
+        """This ledger's counters: totals, or the window of a kind that holds ``at`` (none
+        when the ledger's window of that kind is an older one); of ``tenants`` only."""
+        if window is None:
+            source = self.by_tenant
+        else:
+            current = self.windows[window]
+            source = current.rows if current.id == window_id(window, at) else {}
+        for tenant, rows in source.items():
+            if tenants is None or tenant in tenants:
+                yield from rows.items()
 
     def record(self, tenant: str) -> dict[str, Any]:
         """The JSON stored for one tenant (``load`` reads it back)."""
         return {
             "tenant": tenant,
-            "totals": [
-                k.as_list() + v.as_list() for k, v in self.totals.items() if k.tenant == tenant
-            ],
+            "totals": _rows(self.by_tenant.get(tenant, {})),
             "windows": {
-                window: {
-                    "id": current.id,
-                    "rows": [
-                        k.as_list() + v.as_list()
-                        for k, v in current.rows.items()
-                        if k.tenant == tenant
-                    ],
-                }
+                window: {"id": current.id, "rows": _rows(current.rows.get(tenant, {}))}
                 for window, current in self.windows.items()
             },
         }
@@ -195,7 +215,7 @@ class Ledger:
     def load(self, record: Mapping[str, Any]) -> None:
         """Continue from a stored record of this replica (after a restart)."""
         for key, spend in parse_rows(record.get("totals")):
-            self.totals.setdefault(key, Spend()).add(spend)
+            _add(self.by_tenant, key, spend)
         windows = record.get("windows")
         for window in WINDOWS:
             stored = windows.get(window) if isinstance(windows, dict) else None
@@ -206,7 +226,7 @@ class Ledger:
                 continue
             current.id = stored["id"]
             for key, spend in parse_rows(stored.get("rows")):
-                current.rows.setdefault(key, Spend()).add(spend)
+                _add(current.rows, key, spend)
 
 
 def parse_rows(rows: Any) -> Iterable[tuple[SpendKey, Spend]]:
@@ -221,11 +241,14 @@ def parse_rows(rows: Any) -> Iterable[tuple[SpendKey, Spend]]:
 
 
 def sum_records(
-    records: Iterable[Mapping[str, Any]], window: Window | None, at: float
+    records: Iterable[Mapping[str, Any]],
+    window: Window | None,
+    at: float,
+    into: dict[SpendKey, Spend] | None = None,
 ) -> dict[SpendKey, Spend]:
-    """Every replica's records summed: totals (``window`` None), or the current calendar
-    window of a kind (records of an older window count nothing)."""
-    out: dict[SpendKey, Spend] = {}
+    """Every replica's records summed (into ``into`` when given): totals (``window`` None),
+    or the current calendar window of a kind (records of an older window count nothing)."""
+    out: dict[SpendKey, Spend] = {} if into is None else into
     wid = window_id(window, at) if window is not None else ""
     for record in records:
         if window is None:

@@ -320,7 +320,10 @@ def test_a_tenant_sending_at_five_times_its_budget_overshoots_it_by_at_most_ten_
     wait_until(lambda: time.time() % 60 < 30, 40, message="the first half of a minute")
     window = spend(rig, window="minute")["start"]
     body = chat("m-paid", "a prompt of some twenty words " * 3, max_tokens=16)
-    results = asyncio.run(paced(rig.url(), body, limit * 5 / 60, stop_after_refused=1.0))
+    timeline: list[tuple[float, float, int, int]] = []
+    results = asyncio.run(
+        paced(rig.url(), body, limit * 5 / 60, stop_after_refused=1.0, timeline=timeline)
+    )
     other = asyncio.run(paced(rig.url(), body, 2.0, tenant="globex", duration=3.0))
     assert all(status == 200 for status, _ in other)
     served = [tokens for status, tokens in results if status == 200]
@@ -342,7 +345,22 @@ def test_a_tenant_sending_at_five_times_its_budget_overshoots_it_by_at_most_ten_
     counted = sum(row["tokens"] for row in view["rows"] if row["tenant"] == "acme")
     assert counted == sum(served)
     overshoot = counted - limit
-    print(f"budget {limit} tokens/min at 5x: spent {counted}, overshoot {overshoot} tokens")
+    # When the budget was crossed (the answer that took the tenant past it) and when the
+    # first request was refused: the decision's lag as a client sees it, to a send interval.
+    total, crossed = 0, None
+    for _, answered, status, tokens in sorted(timeline, key=lambda t: t[1]):
+        total += tokens
+        if status == 200 and crossed is None and total >= limit:
+            crossed = answered
+    refused = min(sent for sent, _, status, _ in timeline if status == 429)
+    in_flight = sum(
+        tokens for sent, _, status, tokens in timeline if status == 200 and sent > (crossed or 0)
+    )
+    print(
+        f"budget {limit} tokens/min at 5x: spent {counted}, overshoot {overshoot} tokens "
+        f"({overshoot / limit:.1%}); first 429 sent {refused - (crossed or refused):.3f}s "
+        f"after the crossing answer; {in_flight} tokens admitted after it"
+    )
     assert overshoot <= limit // 10
 
 
@@ -354,19 +372,25 @@ async def paced(
     tenant: str = "acme",
     stop_after_refused: float | None = None,
     duration: float = 60.0,
+    timeline: list[tuple[float, float, int, int]] | None = None,
 ) -> list[tuple[int, int]]:
     """Requests at a steady token rate (estimated from the first answer's usage), each
     without waiting for the last; until ``duration``, or ``stop_after_refused`` seconds after
-    the first 429. Returns (status, tokens) of each."""
+    the first 429. Returns (status, tokens) of each; ``timeline`` gets (sent, answered,
+    status, tokens) of each, in monotonic seconds."""
     results: list[tuple[int, int]] = []
     async with httpx.AsyncClient(timeout=30) as client:
 
         async def one() -> tuple[int, int]:
+            sent_at = time.monotonic()
             response = await client.post(url, json=body, headers={"x-tenant-id": tenant})
-            if response.status_code != 200:
-                return response.status_code, 0
-            usage = response.json()["usage"]
-            return 200, int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
+            tokens = 0
+            if response.status_code == 200:
+                usage = response.json()["usage"]
+                tokens = int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
+            if timeline is not None:
+                timeline.append((sent_at, time.monotonic(), response.status_code, tokens))
+            return response.status_code, tokens
 
         first = await one()
         results.append(first)
