@@ -493,3 +493,35 @@ def test_two_replicas_share_spend_and_both_enforce_a_budget(
                     rig.url(), json=chat("m-paid", "hello"), headers={"x-tenant-id": "globex"}
                 )
                 assert other.status_code == 200
+
+
+def test_a_tenant_past_a_divert_budget_is_served_by_the_cheaper_route(
+    rig: Rig, backends: BackendFactory
+) -> None:
+    start(rig, backends)
+    rig.apply(
+        budget(
+            "acme-paid",
+            "acme",
+            window="hour",
+            tokens=1,
+            model="m-paid",
+            action="divert",
+            divertTo="owned",
+        )
+    )
+    with httpx.Client(timeout=30) as client:
+
+        def served_by(tenant: str) -> str:
+            response = client.post(
+                rig.url(), json=chat("m-paid", "hello"), headers={"x-tenant-id": tenant}
+            )
+            assert response.status_code == 200, response.text
+            return str(response.json()["backend"])
+
+        wait_until(
+            lambda: served_by("acme").startswith("owned"),
+            30,
+            message="acme's paid-model requests to go to the owned pool",
+        )
+        assert served_by("globex").startswith("paid")
