@@ -39,7 +39,8 @@ def events(text: str) -> list[Any]:
 
 def send_mixed(rig: Rig, rounds: int) -> tuple[Counter[str], list[dict[str, Any]]]:
     """Requests of three tenants to two models: JSON, streams that ask for usage and streams
-    that do not; the same prompts come back (prefix cache hits). Returns requests per tenant
+    that do not (no stream_options, include_usage false, empty or null stream_options); the same
+    prompts come back (prefix cache hits). Returns requests per tenant
     and the usage blocks the clients saw."""
     sent: Counter[str] = Counter()
     seen: list[dict[str, Any]] = []
@@ -49,12 +50,18 @@ def send_mixed(rig: Rig, rounds: int) -> tuple[Counter[str], list[dict[str, Any]
                 for model in ("m-paid", "m-owned"):
                     content = f"{tenant} asks about item {i % 3} " + "with context " * (5 + i % 4)
                     headers = {"x-tenant-id": tenant}
-                    kind = i % 3
+                    kind = i % 6
                     body = chat(model, content, max_tokens=4 + i % 5)
                     if kind == 1:
                         body |= {"stream": True, "stream_options": {"include_usage": True}}
                     elif kind == 2:
                         body |= {"stream": True}
+                    elif kind == 3:
+                        body |= {"stream": True, "stream_options": {"include_usage": False}}
+                    elif kind == 4:
+                        body = {"stream_options": {}, **body, "stream": True}
+                    elif kind == 5:
+                        body |= {"stream": True, "stream_options": None}
                     response = client.post(rig.url(), json=body, headers=headers)
                     assert response.status_code == 200, response.text
                     sent[tenant] += 1

@@ -77,6 +77,14 @@ function envoy_on_request(handle)
   -- A stream that did not ask for usage: ask for it, and take the event out again below.
   local new, n = string.gsub(text, '"include_usage"%s*:%s*false', '"include_usage":true', 1)
   if n == 0 then
+    new, n = string.gsub(text, '"stream_options"%s*:%s*null',
+      '"stream_options":{{"include_usage":true}}', 1)
+  end
+  if n == 0 then
+    new, n = string.gsub(text, '"stream_options"%s*:%s*{{%s*}}',
+      '"stream_options":{{"include_usage":true}}', 1)
+  end
+  if n == 0 then
     new, n = string.gsub(text, '"stream_options"%s*:%s*{{',
       '"stream_options":{{"include_usage":true,', 1)
   end
