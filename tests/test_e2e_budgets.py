@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from harness.auth import READ_TOKEN
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, route
 from harness.rig import BackendFactory, KvpilotFactory, Rig, api_client, ports_of
 from harness.spend import (
@@ -23,13 +24,14 @@ from harness.spend import (
 )
 from harness.wait import wait_until
 
+from commands.cli import main as cli_main
 from controlplane.launchers import free_port
 
 pytestmark = pytest.mark.e2e
 
 
 def test_a_tenant_past_its_budget_gets_429_with_retry_after_and_others_do_not(
-    rig: Rig, backends: BackendFactory
+    rig: Rig, backends: BackendFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     start(rig, backends)
     rig.apply(budget("acme-hourly", "acme", window="hour", amount="0.0002", currency="USD"))
@@ -66,6 +68,10 @@ def test_a_tenant_past_its_budget_gets_429_with_retry_after_and_others_do_not(
         assert answer.headers["x-kvpilot-budget"] == "acme-hourly"
         # Other tenants, and the model of another pool, are not affected.
         assert ask("globex").status_code == 200
+        server = ["--server", rig.kvpilot.api_url, "--token", READ_TOKEN]
+        assert cli_main(["get", "budgets", *server]) == 0
+        shown = capsys.readouterr().out.splitlines()[1].split()
+        assert shown == ["acme-hourly", "acme", "0.0002", "USD", "hour", "(UTC)", "all", "reject"]
         # Raising the budget lets the tenant in again.
         rig.apply(budget("acme-hourly", "acme", window="hour", amount="1000", currency="USD"))
         wait_until(lambda: ask("acme").status_code == 200, 30, message="acme to be let in")
