@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from controlplane.etcd import KeyValue
 from controlplane.reconcile import Reconciler
 from controlplane.spend import fleet_spend
+from policies import PolicyState
 from policies.budgets import over_budgets
 from policies.spend import Ledger
 
@@ -49,26 +50,30 @@ class BudgetWatcher:
         self.clock = clock
         self.recheck = recheck
         self._poked = asyncio.Event()
+        reconciler.budget_verdicts = self.verdicts
 
     def poke(self) -> None:
         """New usage arrived: check soon (called after each batch of access log entries)."""
         self._poked.set()
 
+    def verdicts(self, state: PolicyState) -> dict[str, float]:
+        """The spent budgets of ``state`` now (budget name -> its window's end)."""
+        if not state.budgets:
+            return {}
+        at = self.clock()
+        tenants = {budget.spec.tenant for budget in state.budgets.values()}
+        return over_budgets(
+            state.budgets,
+            lambda window: fleet_spend(
+                self.items(), self.ledger, self.replica_id, window, at, tenants
+            ),
+            at,
+        )
+
     def check(self) -> dict[str, float]:
         """The spent budgets now, handed to the reconciler."""
         state = self.reconciler.state
-        if state is None or not state.budgets:
-            over: dict[str, float] = {}
-        else:
-            at = self.clock()
-            tenants = {budget.spec.tenant for budget in state.budgets.values()}
-            over = over_budgets(
-                state.budgets,
-                lambda window: fleet_spend(
-                    self.items(), self.ledger, self.replica_id, window, at, tenants
-                ),
-                at,
-            )
+        over = self.verdicts(state) if state is not None else {}
         if over != self.reconciler.over_budget:
             log.info("budgets spent now: %s", ", ".join(sorted(over)) or "none")
         self.reconciler.set_over_budget(over)

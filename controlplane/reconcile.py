@@ -133,6 +133,9 @@ class Reconciler:
         self._built = asyncio.Event()
         self.over_budget: dict[str, float] = {}
         """The budget verdicts the next compile takes (``set_over_budget``)."""
+        self.budget_verdicts: Callable[[PolicyState], Mapping[str, float]] | None = None
+        """Decides the verdicts from a state's budgets (``controlplane.budgets``); when set,
+        every compile asks it."""
 
     # -- input ---------------------------------------------------------------------------------
 
@@ -275,6 +278,10 @@ class Reconciler:
             previous_saturation=self._live.saturation,
             now=self.clock(),
         )
+        if self.budget_verdicts is not None:
+            # Decided afresh for every compile, so the first snapshot after a restart already
+            # blocks the tenants past their budget (spend is read back from etcd).
+            self.over_budget = dict(self.budget_verdicts(state))
         if self.over_budget:
             state = dataclasses.replace(state, over_budget=dict(self.over_budget))
         plan = compile_plan(state, self._memo)

@@ -22,6 +22,7 @@ from harness.spend import (
     spend,
     start,
 )
+from harness.status import acked_everything
 from harness.wait import wait_until
 
 from commands.cli import main as cli_main
@@ -72,6 +73,18 @@ def test_a_tenant_past_its_budget_gets_429_with_retry_after_and_others_do_not(
         assert cli_main(["get", "budgets", *server]) == 0
         shown = capsys.readouterr().out.splitlines()[1].split()
         assert shown == ["acme-hourly", "acme", "0.0002", "USD", "hour", "(UTC)", "all", "reject"]
+        # A kvpilot restart does not lift the block: the first snapshot it pushes already
+        # holds it (the spend is read back from etcd before the first compile).
+        rig.kvpilot.stop()
+        assert ask("acme").status_code == 429  # Envoy keeps its config meanwhile
+        rig.kvpilot.start()
+        wait_until(
+            lambda: acked_everything(rig.api, rig.envoy) is not None,
+            30,
+            message="Envoy to ACK the restarted kvpilot's snapshot",
+        )
+        statuses = Counter(ask("acme").status_code for _ in range(40))
+        assert statuses == Counter({429: 40}), statuses
         # Raising the budget lets the tenant in again.
         rig.apply(budget("acme-hourly", "acme", window="hour", amount="1000", currency="USD"))
         wait_until(lambda: ask("acme").status_code == 200, 30, message="acme to be let in")
