@@ -281,6 +281,8 @@ def test_two_replicas_share_spend_and_both_enforce_a_budget(
 def test_a_tenant_past_a_divert_budget_is_served_by_the_cheaper_route(
     rig: Rig, backends: BackendFactory
 ) -> None:
+    """The simulated replicas answer any model, so the owned route stands in for a cheaper
+    pool of the same model here."""
     start(rig, backends)
     rig.apply(
         budget(

@@ -52,7 +52,8 @@ class BudgetSpec(Model):
     divert_to: Name | None = Field(
         None,
         description="With action divert: the route, in the same policy, whose pools take the "
-        "tenant's requests (a cheaper pool, say).",
+        "tenant's requests (a cheaper pool, say). The request keeps its model: the route's "
+        "pools must serve it.",
     )
 
     @model_validator(mode="after")
