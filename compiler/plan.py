@@ -117,6 +117,23 @@ class PlanClass:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanBudgetBlock:
+    """A tenant past its budget on one route: Envoy answers its requests 429 (or sends them
+    to ``divert_cluster``) until ``reset_at``."""
+
+    budget: str
+    tenant: str
+    service_class: str
+    """Only this class's requests (a class with a match of its own); empty: all."""
+    model: str
+    """Only requests for this model (on a route that selects by model); empty: all."""
+    reset_at: int
+    """Unix time the budget's window ends."""
+    message: str
+    divert_cluster: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PlanRoute:
     """One route entry of a virtual host."""
 
@@ -143,6 +160,8 @@ class PlanRoute:
     saturated: bool = False
     """Session requests take the affinity cluster's saturated twin (its tighter bounded load,
     ``SessionAffinity.saturated_hash_balance_factor``)."""
+    budget_blocks: tuple[PlanBudgetBlock, ...] = ()
+    """Tenants past a budget, whose requests Envoy turns away (or diverts) first."""
 
     @property
     def short_name(self) -> str:
@@ -253,6 +272,21 @@ class PlanListener:
     def routes_by_model(self) -> bool:
         """True when the listener must read the request body's ``model`` field."""
         return any(vhost.routes_by_model for vhost in self.virtual_hosts)
+
+    @property
+    def tenant_headers(self) -> tuple[str, ...]:
+        """The headers that name a tenant on some route here (sorted): token accounting logs
+        them with every request."""
+        return tuple(
+            sorted(
+                {
+                    route.tenant_header
+                    for vhost in self.virtual_hosts
+                    for route in vhost.routes
+                    if route.tenant_header
+                }
+            )
+        )
 
     @property
     def prefix_hashing(self) -> bool:

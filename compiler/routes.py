@@ -18,6 +18,7 @@ from policies.models import (
     RoutingPolicy,
     Tier,
 )
+from policies.models.classes import DEFAULT_TENANT_HEADER
 from policies.names import LOCAL_SUFFIX, cluster_name, queue_cluster_name
 from signals.admission import AdmissionDecision
 from signals.state import PolicyState, is_external, pool_endpoints
@@ -283,7 +284,7 @@ def compile_route(
         classes=_plan_classes(policy, route, admission),
         tenant_header=policy.spec.service_classes.tenant_header
         if policy.spec.service_classes is not None
-        else "",
+        else DEFAULT_TENANT_HEADER,
         saturated=saturated,
     )
     classes = policy.spec.service_classes

@@ -6,7 +6,10 @@ decide, each from plain data.
 - ``weights``: per-endpoint weights from telemetry; ``admission``: per-class admission
   entries; ``saturation``: the saturated twin's fill;
 - ``state``: ``PolicyState``, the objects, endpoints, telemetry and decisions the compiler
-  reads; ``live``: the decisions a state's telemetry implies.
+  reads; ``live``: the decisions a state's telemetry implies;
+- ``spend``: token usage, prices and calendar windows (ledgers of spend by tenant, model,
+  pool, class and route); ``budgets``: which budgets are spent; ``capacity``: what priced
+  pools cost over a window.
 """
 
 from signals.admission import AdmissionDecision

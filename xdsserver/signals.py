@@ -40,6 +40,8 @@ from policies.names import LOCAL_SUFFIX
 from xdsserver.difficultylog import ScoreBook
 from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
 from xdsserver.translate.listeners import DIFFICULTY_LOG
+from xdsserver.translate.usage import USAGE_LOG_PREFIX
+from xdsserver.usage import UsageBook
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +131,13 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         book: SignalBook,
         fleet_of: Callable[[Any], str] | None = None,
         scores: ScoreBook | None = None,
+        usage: UsageBook | None = None,
     ) -> None:
         self.book = book
         self.scores = scores
         """Where entries of virtual models' score logs go (``xdsserver.difficultylog``)."""
+        self.usage = usage
+        """Where entries of the usage logs (``kvpilot.usage/<listener>``) go."""
         self.fleet_of = fleet_of
         """The fleet whose config an Envoy (its ``Node``) is served; ``node.cluster`` without."""
 
@@ -146,18 +151,25 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> als_pb2.StreamAccessLogsResponse:
         fleet = ""
-        scored = False
+        log_name = ""
         async for message in request_iterator:
-            # Envoy names itself in the first message of a stream only; each log config
-            # (upstream signals, a listener's score log) has a stream of its own.
+            # Envoy names itself (and the log) in the first message of a stream only; each
+            # log config (upstream signals, a listener's score log, a listener's usage log)
+            # has a stream of its own.
             if message.HasField("identifier"):
                 node = message.identifier.node
                 fleet = self.fleet_of(node) if self.fleet_of is not None else node.cluster
-                scored = message.identifier.log_name.startswith(DIFFICULTY_LOG)
-            if scored:
+                log_name = message.identifier.log_name
+            if log_name.startswith(DIFFICULTY_LOG):
                 if self.scores is not None:
                     for entry in message.http_logs.log_entry:
                         self.scores.observe(entry)
+                continue
+            if log_name.startswith(USAGE_LOG_PREFIX):
+                if self.usage is not None:
+                    for entry in message.http_logs.log_entry:
+                        self.usage.observe(entry)
+                    self.usage.batch_done()
                 continue
             for entry in message.http_logs.log_entry:
                 self.book.observe(entry, fleet)

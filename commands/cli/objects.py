@@ -14,6 +14,7 @@ import yaml
 
 from api.client import KvpilotClient, kind_name
 from commands.cli.common import AddParser, CliError, api_client, bar, dump, load_files, table
+from commands.cli.spend import pool_cost_rows, price_text, spend_rows
 from policies import (
     PolicyError,
     Pool,
@@ -120,7 +121,7 @@ def _join(values: Any, limit: int = 3) -> str:
 def _object_rows(kind: str, items: list[dict[str, Any]]) -> list[list[str]]:
     """A table of objects of one kind: the columns that tell them apart at a glance."""
     if kind == "Pool":
-        rows = [["NAME", "MODELS", "ENDPOINTS", "PROTOCOL", "EXTERNAL"]]
+        rows = [["NAME", "MODELS", "ENDPOINTS", "PROTOCOL", "EXTERNAL", "PRICE"]]
         for item in items:
             spec = item.get("spec", {})
             try:
@@ -135,6 +136,7 @@ def _object_rows(kind: str, items: list[dict[str, Any]]) -> list[list[str]]:
                     str(len(spec.get("endpoints", []))),
                     str(spec.get("protocol", "-")),
                     external,
+                    price_text(spec.get("price")),
                 ]
             )
     elif kind == "RoutingPolicy":
@@ -148,6 +150,31 @@ def _object_rows(kind: str, items: list[dict[str, Any]]) -> list[list[str]]:
                     f"{listener.get('address', '')}:{listener.get('port', '')}",
                     _join(spec.get("fleets")),
                     _join([route.get("name") for route in spec.get("routes", [])]),
+                ]
+            )
+    elif kind == "Budget":
+        rows = [["NAME", "TENANT", "LIMIT", "WINDOW", "SCOPE", "ACTION"]]
+        for item in items:
+            spec = item.get("spec", {})
+            limit = (
+                f"{spec['tokens']} tokens"
+                if spec.get("tokens") is not None
+                else f"{spec.get('amount')} {spec.get('currency', '')}"
+            )
+            scope = ",".join(
+                f"{field}={spec[field]}" for field in ("class", "model") if spec.get(field)
+            )
+            action = spec.get("action", "reject")
+            if action == "divert":
+                action += f" to {spec.get('divertTo')}"
+            rows.append(
+                [
+                    item["metadata"]["name"],
+                    str(spec.get("tenant", "")),
+                    limit,
+                    f"{spec.get('window', '')} (UTC)",
+                    scope or "all",
+                    action,
                 ]
             )
     else:
@@ -200,6 +227,16 @@ def cmd_get(args: argparse.Namespace) -> int:
             else:
                 pools = [p for p in view["pools"] if args.name in (None, p["name"])]
                 dump({"pools": pools}, args.output, out)
+            return 0
+        if args.kind == "spend":
+            view = client.spend(args.window, args.by)
+            if args.output == "table":
+                table(spend_rows(view), out)
+                if view.get("pools"):
+                    out.write("\n")
+                    table(pool_cost_rows(view), out)
+            else:
+                dump(view, args.output, out)
             return 0
         kind = kind_name(args.kind)
         items = [client.get(kind, args.name)] if args.name else client.list_objects(kind)
@@ -308,11 +345,25 @@ def add_parsers(add_parser: AddParser) -> None:
     diff.set_defaults(func=cmd_diff)
 
     get = add_parser("get", help="show objects, or endpoints with their live weight and health")
-    get.add_argument("kind", help="pool, routingpolicy or fleet (plural works too), or endpoints")
+    get.add_argument(
+        "kind",
+        help="pool, routingpolicy, fleet, rollout or budget (plural works too), endpoints, "
+        "or spend",
+    )
     get.add_argument(
         "name", nargs="?", help="one object (for endpoints: one pool); all when left out"
     )
     get.add_argument("-o", "--output", choices=["table", "yaml", "json"], default="table")
+    get.add_argument(
+        "--window",
+        default="total",
+        help="spend: total, or the current UTC minute, hour, day or month (default total)",
+    )
+    get.add_argument(
+        "--by",
+        default="tenant,model,pool",
+        help="spend: group by tenant, model, pool, class, route (default tenant,model,pool)",
+    )
     get.set_defaults(func=cmd_get)
 
     delete = add_parser("delete", help="delete an object")

@@ -11,6 +11,7 @@ One module per part: ``fields`` (shared field types and the base model), ``pool`
 here: ``from policies.models import Pool``.
 """
 
+from policies.models.budget import BudgetSpec, BudgetWindow, OverBudgetAction
 from policies.models.classes import (
     TTFT_SHARE,
     ClassAction,
@@ -53,6 +54,7 @@ from policies.models.objects import (
     KIND_PATHS,
     KINDS,
     PATH_KINDS,
+    Budget,
     Fleet,
     Metadata,
     PolicyObject,
@@ -81,6 +83,7 @@ from policies.models.pool import (
     TelemetryFormat,
     TelemetrySource,
 )
+from policies.models.price import CURRENCIES, Money, Price
 from policies.models.rollout import (
     Analysis,
     AnalysisRule,
@@ -112,6 +115,7 @@ from policies.models.route import (
 
 __all__ = [
     "API_VERSION",
+    "CURRENCIES",
     "DEFAULT_BIAS",
     "DEFAULT_RETRY_ON",
     "DEFAULT_WEIGHTS",
@@ -133,6 +137,9 @@ __all__ = [
     "AnalysisRule",
     "AuthHeader",
     "Balancing",
+    "Budget",
+    "BudgetSpec",
+    "BudgetWindow",
     "BuiltinScorer",
     "CircuitBreakers",
     "ClassAction",
@@ -157,12 +164,15 @@ __all__ = [
     "Locality",
     "Metadata",
     "Model",
+    "Money",
     "Name",
     "OutlierDetection",
+    "OverBudgetAction",
     "PolicyObject",
     "Pool",
     "PoolSpec",
     "PoolTarget",
+    "Price",
     "PrometheusSource",
     "Protocol",
     "RateLimit",

@@ -12,6 +12,7 @@ from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.type.matcher.v3 import string_pb2
 
 from compiler.plan import PlanClass, PlanListener, PlanRoute, PlanVirtualHost
+from xdsserver.translate.budgets import budget_entries
 from xdsserver.translate.classes import class_stat_prefix, restricted_entry, selects, with_class
 from xdsserver.translate.difficulty import response_headers, virtual_entries
 from xdsserver.translate.entries import match_of, route_entry, with_header
@@ -109,13 +110,16 @@ def _routes(
     gets one more entry in front of its set, which matches the restricted share of its
     requests (a runtime fraction) and sheds or diverts them.
     """
-    matches: list[route_components_pb2.RouteMatch] = []
+    models: list[tuple[str, route_components_pb2.RouteMatch]] = []
     if route.models:
         for model in route.models:
-            matches.append(match_of(route, header=(model_header, model)))
-            matches.append(match_of(route, model=model, unless_header=model_header))
+            models.append((model, match_of(route, header=(model_header, model))))
+            models.append((model, match_of(route, model=model, unless_header=model_header)))
     else:
-        matches.append(match_of(route))
+        models.append(("", match_of(route)))
+    matches = [match for _, match in models]
+    # Tenants past a budget first: their entries must win over every class and affinity entry.
+    yield from budget_entries(route, models, body_limit)
     for plan_class in route.classes or (None,):
         for index, base in enumerate(matches):
             name = f"{route.name}#{index}"
