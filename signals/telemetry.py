@@ -69,19 +69,13 @@ class TelemetryRecord(BaseModel):
     )
     format: str = Field("", description="Metric map the record was read with.")
     models: tuple[str, ...] | None = Field(
-        None,
-        description="Base models the server lists (``/v1/models`` or TGI's ``/info``), sorted; "
-        "unset when the agent does not read them.",
+        None, description="Base models the server lists (signals.discovery), sorted."
     )
     adapters: tuple[str, ...] | None = Field(
-        None,
-        description="LoRA adapters the server has loaded (``/v1/models`` entries with a "
-        "``parent``, and the adapters ``vllm:lora_requests_info`` names), sorted.",
+        None, description="LoRA adapters the server has loaded (signals.discovery), sorted."
     )
     models_error: str | None = Field(
-        None,
-        description="Why the last read of the model list failed. ``models`` and ``adapters`` "
-        "then hold the last list that was read.",
+        None, description="Why the model list could not be read; models: the last list read."
     )
 
     def to_json(self) -> str:
