@@ -142,6 +142,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                     upstream_signals=any(
                         route.cluster in watched for vhost in vhosts for route in vhost.routes
                     ),
+                    tracing=settings.tracing,
                 )
             )
         fleets.append(
@@ -151,6 +152,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 clusters=tuple(clusters),
                 secrets_dir=settings.secrets_dir,
                 trusted_ca_file=settings.trusted_ca_file,
+                tracing=settings.tracing,
             )
         )
     memo.keep(entries)

@@ -27,6 +27,7 @@ from policies.models import (
     Retries,
     SessionAffinity,
     Timeouts,
+    Tracing,
 )
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
@@ -159,6 +160,8 @@ class PlanRoute:
     adapters: tuple[tuple[str, str], ...] = ()
     """(adapter, its base model) for the adapters in ``served_models``, for ``GET
     /v1/models``'s ``parent``."""
+    pools: tuple[str, ...] = ()
+    """The route's pools in tier order (for traces)."""
 
     @property
     def short_name(self) -> str:
@@ -271,6 +274,15 @@ class PlanListener:
     """Report every upstream attempt (pool host, status, time to first byte) to kvpilot over
     Envoy's gRPC access log service: some route here is under a Rollout that reads the
     data plane."""
+    tracing: Tracing | None = None
+    """The fleet's OpenTelemetry tracing, when it traces requests."""
+
+    @property
+    def tenant_headers(self) -> tuple[str, ...]:
+        """The headers that name tenants on this listener's routes, sorted."""
+        return tuple(
+            sorted({route.tenant_header for v in self.virtual_hosts for route in v.routes} - {""})
+        )
 
     @property
     def routes_by_model(self) -> bool:
@@ -320,6 +332,8 @@ class FleetPlan:
     """Where this fleet's Envoys find secret files (SDS) named by pools' ``auth``."""
     trusted_ca_file: str = "/etc/ssl/certs/ca-certificates.crt"
     """CA bundle on this fleet's Envoy hosts for TLS pools without a caFile of their own."""
+    tracing: Tracing | None = None
+    """Where this fleet's Envoys send spans, and how many requests they sample."""
 
 
 Severity = Literal["error", "warning"]

@@ -335,6 +335,7 @@ def compile_route(
             for target in tier.pools
         ),
         adapters=tuple(sorted((a, p) for a, p in parents.items() if a in listed)),
+        pools=tuple(target.pool for tier in route.tiers for target in tier.pools),
     )
     classes = policy.spec.service_classes
     queues = tuple(

@@ -38,7 +38,7 @@ from policies import parse_object
 from signals import PolicyState
 from signals.telemetry import TelemetryRecord
 from xdsserver.translate import FleetResources, translate
-from xdsserver.translate.listeners import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
+from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 
 BASE = "llama"
 POOL = "llama"

@@ -48,6 +48,7 @@ from policies.models.fields import (
 )
 from policies.models.fleet import (
     FleetSpec,
+    Tracing,
 )
 from policies.models.objects import (
     KIND_PATHS,
@@ -192,6 +193,7 @@ __all__ = [
     "TelemetrySource",
     "Tier",
     "Timeouts",
+    "Tracing",
     "VirtualModel",
     "is_ip",
     "kind_named",

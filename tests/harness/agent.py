@@ -44,6 +44,8 @@ class MetricsBackend:
         """The JSON `/v1/models` answers; None: 404, as a server that lists nothing."""
         self.models_status = 200
         """Status of `/v1/models` (other than 200: a model list that cannot be read)."""
+        self.received: list[dict[str, str]] = []
+        """The headers of every chat completion request received, in order."""
         self.port = free_port()
         app = Starlette(
             routes=[
@@ -98,6 +100,7 @@ class MetricsBackend:
         return PlainTextResponse("ok", self.status)
 
     async def _complete(self, request: Request) -> Response:
+        self.received.append(dict(request.headers))
         headers = {"x-backend-id": self.id}
         if self.utilization is not None:
             # Envoy's weight is rps_fractional / utilization, and it rejects reports without

@@ -24,7 +24,7 @@ from google.protobuf import wrappers_pb2
 
 from compiler.plan import PlanCluster, PlanEndpoint
 from policies.names import LOCAL_SUFFIX
-from xdsserver.translate.listeners import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
+from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 from xdsserver.translate.protos import (
     HTTP_PROTOCOL_OPTIONS,
     ads_source,

@@ -19,12 +19,12 @@ from xdsserver.translate.entries import match_of, route_entry, with_header
 from xdsserver.translate.escalation import escalation_entries
 from xdsserver.translate.listeners import (
     LUA,
-    MODEL_METADATA_KEY,
-    MODEL_METADATA_NAMESPACE,
     SERVICE_CLASS,
 )
+from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 from xdsserver.translate.protos import pack
 from xdsserver.translate.ratelimits import class_budget
+from xdsserver.translate.tracing import entry_tracing
 
 PREFIX_KEY_HEADER = "x-kvpilot-prefix-key"
 """Set by Envoy's Lua filter from the prompt's first characters when no session header is sent."""
@@ -74,7 +74,7 @@ def translate_route_configuration(listener: PlanListener) -> route_pb2.RouteConf
     config = route_pb2.RouteConfiguration(
         name=listener.name,
         virtual_hosts=[
-            _virtual_host(vhost, listener.max_request_body_bytes)
+            _virtual_host(vhost, listener.max_request_body_bytes, listener.tracing is not None)
             for vhost in listener.virtual_hosts
         ],
     )
@@ -87,7 +87,9 @@ def translate_route_configuration(listener: PlanListener) -> route_pb2.RouteConf
     return config
 
 
-def _virtual_host(vhost: PlanVirtualHost, body_limit: int) -> route_components_pb2.VirtualHost:
+def _virtual_host(
+    vhost: PlanVirtualHost, body_limit: int, traced: bool
+) -> route_components_pb2.VirtualHost:
     # OpenAI clients and chat UIs list models first: Envoy answers from config, before any
     # route could send the request to a replica.
     routes: list[route_components_pb2.Route] = [_models_list_route(vhost.adapters_listed)]
@@ -95,13 +97,13 @@ def _virtual_host(vhost: PlanVirtualHost, body_limit: int) -> route_components_p
     routes.extend(escalation_entries(vhost, body_limit))
     routes.extend(virtual_entries(vhost))
     for route in vhost.routes:
-        routes.extend(_routes(route, vhost.model_header, body_limit))
+        routes.extend(_routes(route, vhost.model_header, body_limit, traced))
     for route in vhost.routes:
         if route.any_model:
             # Adapter fallback 'base': any other model (an adapter no replica has loaded)
             # goes to this route's replicas, once every route's own models had their turn.
             wide = replace(route, name=route.name + "/any-model", models=())
-            routes.extend(_routes(wide, vhost.model_header, body_limit))
+            routes.extend(_routes(wide, vhost.model_header, body_limit, traced))
     if vhost.routes_by_model:
         routes.append(_unknown_model_route())
     return route_components_pb2.VirtualHost(
@@ -113,7 +115,7 @@ def _virtual_host(vhost: PlanVirtualHost, body_limit: int) -> route_components_p
 
 
 def _routes(
-    route: PlanRoute, model_header: str, body_limit: int
+    route: PlanRoute, model_header: str, body_limit: int, traced: bool = False
 ) -> Iterable[route_components_pb2.Route]:
     """Envoy route entries for one plan route.
 
@@ -152,6 +154,16 @@ def _routes(
                     entry.route.metadata_match.filter_metadata[MODEL_METADATA_NAMESPACE].fields[
                         MODEL_METADATA_KEY
                     ].string_value = model
+                if traced:
+                    entry.tracing.CopyFrom(
+                        entry_tracing(
+                            route=route.name.removesuffix("/any-model"),
+                            pools=route.pools,
+                            model=model or "",
+                            service_class=plan_class.name if plan_class is not None else "",
+                            hashed=_hashed(entry.name),
+                        )
+                    )
                 yield entry
 
 
@@ -214,6 +226,15 @@ def _entries(
                     pack(class_budget(plan_class.budget, route.tenant_header, out.stat_prefix))
                 )
     return entries
+
+
+def _hashed(entry: str) -> str:
+    """Which hash picks the replica for a route entry, by its name (``_entries``)."""
+    if entry.endswith("/affinity"):
+        return "session"
+    if entry.endswith("/prefix"):
+        return "prefix"
+    return "none"
 
 
 _HOT_WINDOW = 200
