@@ -17,7 +17,7 @@ import httpx
 import pytest
 from harness.auth import ADMIN, READ_TOKEN
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, service_classes
-from harness.console import UI_BOUND_S, Console, open_console, shoot
+from harness.console import UI_BOUND_S, Console, open_console, row, shoot
 from harness.wait import wait_until
 
 from controlplane.local import free_port
@@ -275,3 +275,37 @@ def test_the_header_says_when_a_telemetry_route_is_saturated_and_when_it_is_calm
         page.close()
         with console.api() as api:
             api.delete("/v1/routingpolicies/sticky")
+
+
+def test_each_endpoint_shows_the_models_and_adapters_its_replica_serves(
+    browser: Any, console: Console
+) -> None:
+    served, broken = console.ports[0], console.ports[1]
+    now = time.time()
+    console.put_telemetry(
+        "chat",
+        {
+            served: {"at": now, "models": ["sim-model"], "adapters": ["sql-lora", "chat-lora"]},
+            broken: {
+                "at": now,
+                "models": ["sim-model"],
+                "adapters": ["sql-lora"],
+                "models_error": "GET http://127.0.0.1/v1/models: 503",
+            },
+        },
+    )
+    page = open_console(browser, console.kvpilot.api_url, READ_TOKEN)
+    try:
+        page.wait_for_function(
+            f"""document.querySelector('[data-endpoint="127.0.0.1:{served}"] .chip.adapter')
+                    !== null""",
+            timeout=10_000,
+        )
+        cell = row(page, served).locator(".served").inner_text()
+        assert "sim-model" in cell and "sql-lora" in cell and "chat-lora" in cell
+        warn = row(page, broken).locator(".chip.warn")
+        assert warn.inner_text() == "model list unread"
+        assert "503" in (warn.get_attribute("title") or "")
+        shoot(page, "endpoints-adapters")
+    finally:
+        page.close()
