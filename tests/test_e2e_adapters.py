@@ -21,8 +21,8 @@ from harness.rig import BackendFactory, Rig, ports_of
 from harness.traffic import answered_by
 from harness.wait import wait_until
 
-from bench.replica import DEFAULT_MODEL
 from controlplane.local import EmbeddedEtcd
+from replicasim.replica import DEFAULT_MODEL
 
 pytestmark = pytest.mark.e2e
 
