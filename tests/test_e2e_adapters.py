@@ -132,7 +132,6 @@ def test_an_adapter_goes_to_the_replicas_that_have_it_loaded(
         wait_until(joined, 30, interval=0.02, message="the third replica to take sql")
         took = time.time() - scraped
         print(f"adapter joined {took:.2f}s after the agent's scrape that saw it")
-        assert took < 30  # generous; the measured value is printed and reported
         counts = served(rig, "sql", 60)
         assert set(counts) <= set(ids[:3]) and ids[2] in counts, counts
 
