@@ -17,7 +17,7 @@ import httpx
 import pytest
 from harness.auth import ADMIN, READ_TOKEN
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, service_classes
-from harness.console import UI_BOUND_S, Console, open_console, row, shoot
+from harness.console import UI_BOUND_S, Console, open_console, shoot
 from harness.wait import wait_until
 
 from controlplane.local import free_port
@@ -277,6 +277,11 @@ def test_the_header_says_when_a_telemetry_route_is_saturated_and_when_it_is_calm
             api.delete("/v1/routingpolicies/sticky")
 
 
+def chat_row(page: Any, port: int) -> Any:
+    """The row of the replica on `port` in pool chat."""
+    return page.locator(f'[data-pool="chat"][data-endpoint="127.0.0.1:{port}"]')
+
+
 def test_each_endpoint_shows_the_models_and_adapters_its_replica_serves(
     browser: Any, console: Console
 ) -> None:
@@ -296,14 +301,16 @@ def test_each_endpoint_shows_the_models_and_adapters_its_replica_serves(
     )
     page = open_console(browser, console.kvpilot.api_url, READ_TOKEN)
     try:
+        # Pool chat's rows: other tests of this module add pools on the same addresses.
         page.wait_for_function(
-            f"""document.querySelector('[data-endpoint="127.0.0.1:{served}"] .chip.adapter')
-                    !== null""",
+            f"""document.querySelector(
+                    '[data-pool="chat"][data-endpoint="127.0.0.1:{served}"] .chip.adapter'
+                ) !== null""",
             timeout=10_000,
         )
-        cell = row(page, served).locator(".served").inner_text()
+        cell = chat_row(page, served).locator(".served").inner_text()
         assert "sim-model" in cell and "sql-lora" in cell and "chat-lora" in cell
-        warn = row(page, broken).locator(".chip.warn")
+        warn = chat_row(page, broken).locator(".chip.warn")
         assert warn.inner_text() == "model list unread"
         assert "503" in (warn.get_attribute("title") or "")
         shoot(page, "endpoints-adapters")
