@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from policies import PolicyError, parse_object
 from replicasim.lora import LoraSlots, UnknownAdapter
 from signals.discovery import Discovered, DiscoveryError, lora_adapters, parse_models
 from signals.telemetry import TelemetryRecord, WriteBand
@@ -111,24 +110,3 @@ def test_lora_config_names_the_bad_field() -> None:
         LoraSlots.from_config({"maxLoras": 3})
     with pytest.raises(ValueError, match="not in this replica's catalog"):
         LoraSlots.from_config({"catalog": ["a"], "loaded": ["b"]})
-
-
-def test_a_route_takes_either_a_model_list_or_its_pools_models() -> None:
-
-    body = {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "RoutingPolicy",
-        "metadata": {"name": "p"},
-        "spec": {
-            "listener": {"port": 10000},
-            "routes": [
-                {"name": "r", "match": {"models": ["m"], "poolModels": True}, "tiers": [["x"]]}
-            ],
-        },
-    }
-    with pytest.raises(PolicyError, match="either models or poolModels"):
-        parse_object(body)
-    body["spec"]["routes"][0]["match"] = {"poolModels": True}
-    body["spec"]["routes"][0]["adapters"] = {"fallback": "nowhere"}
-    with pytest.raises(PolicyError, match=r"adapters\.fallback"):
-        parse_object(body)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from policies.models.fields import Duration, Model
 
@@ -31,6 +31,13 @@ class Tracing(Model):
         max_length=128,
         description="service.name of the spans. Default: kvpilot-envoy.",
     )
+
+    @field_validator("collector")
+    @classmethod
+    def _port(cls, value: str) -> str:
+        if not 1 <= int(value.rsplit(":", 1)[1]) <= 65535:
+            raise ValueError("the collector's port must be 1-65535")
+        return value
 
     @property
     def host(self) -> str:
