@@ -34,6 +34,22 @@ def markdown(document: Mapping[str, Any]) -> str:
             f"| {result['adapterLoads']:.0f} | {result['loadsPer1000']:.1f} "
             f"| {result['errors']} |"
         )
+    if all("steadyTtftP99" in result for result in results.values()):
+        lines += [
+            "",
+            f"Steady state (requests sent after the first {config.get('warmup', 0):g} s, "
+            "loads since then):",
+            "",
+            "| policy | requests | TTFT p50 (s) | TTFT p99 (s) | adapter loads "
+            "| loads per 1,000 requests |",
+            "|---|---|---|---|---|---|",
+        ]
+        for key, result in results.items():
+            lines.append(
+                f"| {key} | {result['steadyRequests']} | {_seconds(result['steadyTtftP50'])} "
+                f"| {_seconds(result['steadyTtftP99'])} | {result['steadyLoads']:.0f} "
+                f"| {result['steadyLoadsPer1000']:.1f} |"
+            )
     blind, aware = results.get("blind"), results.get("aware")
     if blind and aware and blind["loadsPer1000"]:
         ratio = aware["loadsPer1000"] / blind["loadsPer1000"]

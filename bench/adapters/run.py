@@ -26,6 +26,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,10 @@ class AdaptersConfig:
     seed: int = 1
     agent_interval: float = 0.5
     """Seconds between the agent's scrapes (metrics and model lists)."""
+    warmup: float = 20.0
+    """Seconds from the start after which requests count as steady state: the report gives
+    every number for the whole run and for the steady part, when every popular adapter has
+    been loaded somewhere once."""
     sim: SimConfig = field(default_factory=SimConfig)
     policies: tuple[str, ...] = ("blind", "aware")
     out_dir: Path = Path("bench/results")
@@ -69,7 +74,7 @@ class AdaptersConfig:
 
 def default_config(*, short: bool = False) -> AdaptersConfig:
     """The benchmark's settings; ``short`` is a smoke run of a few hundred requests."""
-    return AdaptersConfig(requests=300, rate=20.0) if short else AdaptersConfig()
+    return AdaptersConfig(requests=300, rate=20.0, warmup=5.0) if short else AdaptersConfig()
 
 
 POLICIES: dict[str, dict[str, Any]] = {
@@ -103,6 +108,8 @@ class Outcome:
     status: int
     ttft: float | None
     replica: str
+    offset: float = 0.0
+    """When it was sent, seconds after the start."""
 
 
 async def _one(
@@ -130,19 +137,35 @@ async def _one(
         return Outcome(adapter, 0, None, "")
 
 
-async def replay(url: str, plan: list[tuple[float, str]], max_tokens: int) -> list[Outcome]:
-    """Send every request at its arrival time (open loop) and wait for all answers."""
+async def replay(
+    url: str,
+    plan: list[tuple[float, str]],
+    max_tokens: int,
+    *,
+    warmup: float,
+    at_warmup: Callable[[], dict[str, float]],
+) -> tuple[list[Outcome], dict[str, float]]:
+    """Send every request at its arrival time (open loop) and wait for all answers; also
+    what `at_warmup` returned when the warm-up ended (the replicas' load counters)."""
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         start = time.monotonic()
 
         async def at(offset: float, adapter: str, index: int) -> Outcome:
             await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
-            return await _one(client, url, adapter, index, max_tokens)
+            outcome = await _one(client, url, adapter, index, max_tokens)
+            outcome.offset = offset
+            return outcome
 
-        return await asyncio.gather(
+        async def counters() -> dict[str, float]:
+            await asyncio.sleep(max(0.0, start + warmup - time.monotonic()))
+            return await asyncio.to_thread(at_warmup)
+
+        warm = asyncio.create_task(counters())
+        outcomes = await asyncio.gather(
             *(at(offset, adapter, i) for i, (offset, adapter) in enumerate(plan))
         )
+        return outcomes, await warm
 
 
 def _loads(backends: BackendProcess) -> dict[str, float]:
@@ -171,9 +194,21 @@ def _wait(condition: Any, within: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def summarize(outcomes: list[Outcome], loads: dict[str, float], seconds: float) -> dict[str, Any]:
+def summarize(
+    outcomes: list[Outcome],
+    loads: dict[str, float],
+    seconds: float,
+    *,
+    warmup: float = 0.0,
+    warm_loads: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Every number of one run; the ``steady`` ones count requests sent after ``warmup``
+    and the loads since then."""
     ttfts = [o.ttft for o in outcomes if o.ttft is not None]
+    steady = [o for o in outcomes if o.offset >= warmup]
+    steady_ttfts = [o.ttft for o in steady if o.ttft is not None]
     total_loads = sum(loads.values())
+    steady_loads = total_loads - sum((warm_loads or {}).values())
     served: dict[str, int] = {}
     for outcome in outcomes:
         served[outcome.replica] = served.get(outcome.replica, 0) + 1
@@ -184,6 +219,11 @@ def summarize(outcomes: list[Outcome], loads: dict[str, float], seconds: float) 
         "ttftP99": percentile(ttfts, 99),
         "adapterLoads": total_loads,
         "loadsPer1000": 1000 * total_loads / max(1, len(outcomes)),
+        "steadyRequests": len(steady),
+        "steadyTtftP50": percentile(steady_ttfts, 50),
+        "steadyTtftP99": percentile(steady_ttfts, 99),
+        "steadyLoads": steady_loads,
+        "steadyLoadsPer1000": 1000 * steady_loads / max(1, len(steady)),
         "loadsByReplica": loads,
         "servedByReplica": dict(sorted(served.items())),
         "seconds": round(seconds, 1),
@@ -279,9 +319,23 @@ def run_adapters(config: AdaptersConfig, *, state_dir: Path | None = None) -> Pa
             backends.reset()
             say(f"adapters: {key}: {config.requests} requests at {config.rate:g}/s")
             started = time.monotonic()
-            outcomes = asyncio.run(replay(chat_url(listener_port), plan, config.max_tokens))
+            outcomes, warm_loads = asyncio.run(
+                replay(
+                    chat_url(listener_port),
+                    plan,
+                    config.max_tokens,
+                    warmup=config.warmup,
+                    at_warmup=lambda: _loads(backends),
+                )
+            )
             seconds = time.monotonic() - started
-            results[key] = summarize(outcomes, _loads(backends), seconds)
+            results[key] = summarize(
+                outcomes,
+                _loads(backends),
+                seconds,
+                warmup=config.warmup,
+                warm_loads=warm_loads,
+            )
             say(
                 f"adapters: {key}: TTFT p99 {results[key]['ttftP99']:.3f}s, "
                 f"{results[key]['loadsPer1000']:.0f} loads per 1000 requests"
