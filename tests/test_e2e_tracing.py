@@ -100,3 +100,41 @@ def test_each_sampled_request_gives_one_span_with_kvpilots_decision_and_tracepar
     sent = backend.received[-1]["traceparent"]
     _, sent_trace, sent_parent, _ = sent.split("-")
     assert (sent_trace, sent_parent) == (trace_id, continued.span_id.hex()), sent
+
+
+def test_the_fleets_sampling_rate_decides_and_a_client_cannot_force_a_trace(
+    rig: Rig, metrics_backends: Any, receiver: OtlpReceiver
+) -> None:
+    backend = metrics_backends("sampled")
+    collector = f"127.0.0.1:{receiver.port}"
+    rig.apply(
+        fleet("default", tracing={"collector": collector, "sampling": 0}),
+        pool("llama", [backend.port], health_check=FAST_HEALTH_CHECK),
+        policy("web", rig.listener_port, [route("llama", match={"models": ["m"]})]),
+    )
+    rig.wait_ready("web/all", [backend.port])
+    client_trace = secrets.token_hex(16)
+    with httpx.Client(timeout=10) as client:
+        for _ in range(3):
+            assert client.post(rig.url(), json=chat(model="m")).status_code == 200
+        traceparent = f"00-{client_trace}-{secrets.token_hex(8)}-01"
+        response = client.post(
+            rig.url(), json=chat(model="m"), headers={"traceparent": traceparent}
+        )
+        assert response.status_code == 200
+    # At 0%, the client's trace is continued but not sampled: Envoy passes it on unsampled.
+    unsampled = [h["traceparent"].split("-") for h in backend.received]
+    assert [flags for *_, flags in unsampled] == ["00"] * 4
+    assert unsampled[-1][1] == client_trace
+
+    # At 100%, every request is traced; none of the requests sent at 0% ever is.
+    rig.apply(fleet("default", tracing={"collector": collector, "sampling": 100}))
+
+    def traced() -> bool:
+        with httpx.Client(timeout=10) as client:
+            client.post(rig.url(), json=chat(model="m"))
+        return bool(receiver.spans)
+
+    wait_until(traced, 30, interval=0.5, message="a span once sampling is 100%")
+    earlier = {trace for _, trace, _, _ in unsampled}
+    assert not earlier & {span.trace_id.hex() for _, span in receiver.spans}

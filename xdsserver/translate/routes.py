@@ -74,7 +74,11 @@ def translate_route_configuration(listener: PlanListener) -> route_pb2.RouteConf
     config = route_pb2.RouteConfiguration(
         name=listener.name,
         virtual_hosts=[
-            _virtual_host(vhost, listener.max_request_body_bytes, listener.tracing is not None)
+            _virtual_host(
+                vhost,
+                listener.max_request_body_bytes,
+                listener.tracing.sampling if listener.tracing is not None else None,
+            )
             for vhost in listener.virtual_hosts
         ],
     )
@@ -88,7 +92,7 @@ def translate_route_configuration(listener: PlanListener) -> route_pb2.RouteConf
 
 
 def _virtual_host(
-    vhost: PlanVirtualHost, body_limit: int, traced: bool
+    vhost: PlanVirtualHost, body_limit: int, sampling: float | None
 ) -> route_components_pb2.VirtualHost:
     # OpenAI clients and chat UIs list models first: Envoy answers from config, before any
     # route could send the request to a replica.
@@ -97,13 +101,13 @@ def _virtual_host(
     routes.extend(escalation_entries(vhost, body_limit))
     routes.extend(virtual_entries(vhost))
     for route in vhost.routes:
-        routes.extend(_routes(route, vhost.model_header, body_limit, traced))
+        routes.extend(_routes(route, vhost.model_header, body_limit, sampling))
     for route in vhost.routes:
         if route.any_model:
             # Adapter fallback 'base': any other model (an adapter no replica has loaded)
             # goes to this route's replicas, once every route's own models had their turn.
             wide = replace(route, name=route.name + "/any-model", models=())
-            routes.extend(_routes(wide, vhost.model_header, body_limit, traced))
+            routes.extend(_routes(wide, vhost.model_header, body_limit, sampling))
     if vhost.routes_by_model:
         routes.append(_unknown_model_route())
     return route_components_pb2.VirtualHost(
@@ -115,7 +119,7 @@ def _virtual_host(
 
 
 def _routes(
-    route: PlanRoute, model_header: str, body_limit: int, traced: bool = False
+    route: PlanRoute, model_header: str, body_limit: int, sampling: float | None = None
 ) -> Iterable[route_components_pb2.Route]:
     """Envoy route entries for one plan route.
 
@@ -154,9 +158,10 @@ def _routes(
                     entry.route.metadata_match.filter_metadata[MODEL_METADATA_NAMESPACE].fields[
                         MODEL_METADATA_KEY
                     ].string_value = model
-                if traced:
+                if sampling is not None:
                     entry.tracing.CopyFrom(
                         entry_tracing(
+                            sampling=sampling,
                             route=route.name.removesuffix("/any-model"),
                             pools=route.pools,
                             model=model or "",

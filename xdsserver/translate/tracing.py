@@ -112,8 +112,7 @@ def listener_tracing(
     return hcm_pb2.HttpConnectionManager.Tracing(
         provider=provider,
         random_sampling=percent_pb2.Percent(value=tracing.sampling),
-        # A client's own x-client-trace-id does not force a trace; its traceparent's
-        # sampled flag is honoured by the tracer.
+        # A client's own x-client-trace-id does not force a trace.
         client_sampling=percent_pb2.Percent(value=0),
         overall_sampling=percent_pb2.Percent(value=100),
         custom_tags=tags,
@@ -122,6 +121,7 @@ def listener_tracing(
 
 def entry_tracing(
     *,
+    sampling: float,
     route: str,
     pools: tuple[str, ...],
     model: str,
@@ -137,11 +137,23 @@ def entry_tracing(
         "hash": hashed,
     }
     return route_components_pb2.Tracing(
+        # A route's tracing brings its own sampling, 100% unless set: the fleet's rate again.
+        random_sampling=percent_pb2.FractionalPercent(
+            numerator=round(sampling * 10_000),
+            denominator=percent_pb2.FractionalPercent.MILLION,
+        ),
+        client_sampling=percent_pb2.FractionalPercent(numerator=0),
+        overall_sampling=percent_pb2.FractionalPercent(
+            numerator=100, denominator=percent_pb2.FractionalPercent.HUNDRED
+        ),
         custom_tags=[
             _tag(
                 ATTRIBUTE_PREFIX + name,
                 literal=custom_tag_pb2.CustomTag.Literal(value=value),
             )
             for name, value in literals.items()
-        ]
+            # Envoy refuses an empty literal (the route configuration is NACKed): a route
+            # without service classes, or an entry that takes any model, leaves it out.
+            if value
+        ],
     )
