@@ -43,7 +43,7 @@ def test_each_sampled_request_gives_one_span_with_kvpilots_decision_and_tracepar
     traced = policy(
         "web",
         rig.listener_port,
-        [route("llama", match={"models": ["m"]}, sessionAffinity={})],
+        [route("llama", match={"models": ["m"]}, sessionAffinity={"prefixHashChars": 32})],
     )
     traced["spec"]["serviceClasses"] = classes
     rig.apply(
@@ -90,7 +90,8 @@ def test_each_sampled_request_gives_one_span_with_kvpilots_decision_and_tracepar
     assert session["kvpilot.model_served"] == "m"
     assert session["kvpilot.tenant"] == "acme"
     assert session["kvpilot.endpoint"] == f"127.0.0.1:{backend.port}"
-    batch = by_tenant_hash[("batch", "none")]
+    # Without a session header, the prompt-prefix hash picked the replica.
+    batch = by_tenant_hash[("batch", "prefix")]
     assert batch["kvpilot.tenant"] == "globex"
 
     # The client's trace is continued: the span is its child, and the replica got the
