@@ -33,6 +33,7 @@ from collections.abc import Iterable
 
 from compiler.difficulty import plan_virtual_models
 from compiler.fleets import applies, fleet_compiled, fleet_names, merge_listener
+from compiler.models import served_models
 from compiler.plan import (
     Diagnostic,
     FleetPlan,
@@ -77,6 +78,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
     entries: dict[str, MemoEntry] = {}
     admission = admission_decisions(state)
     saturation = saturation_decisions(state)
+    served = served_models(state)
     for policy_name in sorted(state.policies):
         policy = state.policies[policy_name]
         policy_clusters = []
@@ -92,6 +94,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 weights,
                 admission.get(name),
                 saturated=saturated is not None and saturated.saturated,
+                served=served,
             )
             entries[name] = entry
             diagnostics.extend(entry.diagnostics)
@@ -139,6 +142,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                     upstream_signals=any(
                         route.cluster in watched for vhost in vhosts for route in vhost.routes
                     ),
+                    tracing=settings.tracing,
                 )
             )
         fleets.append(
@@ -148,6 +152,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 clusters=tuple(clusters),
                 secrets_dir=settings.secrets_dir,
                 trusted_ca_file=settings.trusted_ca_file,
+                tracing=settings.tracing,
             )
         )
     memo.keep(entries)

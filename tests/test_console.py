@@ -275,3 +275,44 @@ def test_the_header_says_when_a_telemetry_route_is_saturated_and_when_it_is_calm
         page.close()
         with console.api() as api:
             api.delete("/v1/routingpolicies/sticky")
+
+
+def chat_row(page: Any, port: int) -> Any:
+    """The row of the replica on `port` in pool chat."""
+    return page.locator(f'[data-pool="chat"][data-endpoint="127.0.0.1:{port}"]')
+
+
+def test_each_endpoint_shows_the_models_and_adapters_its_replica_serves(
+    browser: Any, console: Console
+) -> None:
+    served, broken = console.ports[0], console.ports[1]
+    now = time.time()
+    console.put_telemetry(
+        "chat",
+        {
+            served: {"at": now, "models": ["sim-model"], "adapters": ["sql-lora", "chat-lora"]},
+            broken: {
+                "at": now,
+                "models": ["sim-model"],
+                "adapters": ["sql-lora"],
+                "models_error": "GET http://127.0.0.1/v1/models: 503",
+            },
+        },
+    )
+    page = open_console(browser, console.kvpilot.api_url, READ_TOKEN)
+    try:
+        # Pool chat's rows: other tests of this module add pools on the same addresses.
+        page.wait_for_function(
+            f"""document.querySelector(
+                    '[data-pool="chat"][data-endpoint="127.0.0.1:{served}"] .chip.adapter'
+                ) !== null""",
+            timeout=10_000,
+        )
+        cell = chat_row(page, served).locator(".served").inner_text()
+        assert "sim-model" in cell and "sql-lora" in cell and "chat-lora" in cell
+        warn = chat_row(page, broken).locator(".chip.warn")
+        assert warn.inner_text() == "model list unread"
+        assert "503" in (warn.get_attribute("title") or "")
+        shoot(page, "endpoints-adapters")
+    finally:
+        page.close()

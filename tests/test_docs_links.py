@@ -19,8 +19,6 @@ NOT_YET_PRESENT = {
     "docs/cost.md",
     "docs/cost-overflow.md",
     "docs/regions.md",
-    "docs/adapters.md",
-    "docs/tracing.md",
 }
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

@@ -111,7 +111,7 @@ class Console:
             timeout=10,
         )
 
-    def put_telemetry(self, pool: str, records: dict[int, dict[str, float]]) -> None:
+    def put_telemetry(self, pool: str, records: dict[int, dict[str, Any]]) -> None:
         """One telemetry record per replica port of `pool`, as `kvpilot agent` writes them."""
 
         async def write() -> None:
