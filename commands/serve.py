@@ -132,8 +132,10 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         ]
     )
     xds_address = f"{config.xds_host}:{config.xds_port}"
+    binding: FleetBinding | None = None
     if config.xds_tls is not None:
-        ads = AdsServer(cache, connections, binding=FleetBinding.parse(config.xds_identity_fleets))
+        binding = FleetBinding.parse(config.xds_identity_fleets)
+        ads = AdsServer(cache, connections, binding=binding)
         xds_port = grpc_server.add_secure_port(xds_address, config.xds_tls.server_credentials())
     elif config.xds_insecure_plaintext:
         log.warning(
@@ -147,7 +149,7 @@ async def serve(config: ServeConfig, *, started: asyncio.Event | None = None) ->
         raise ValueError("ServeConfig needs xds_tls or xds_insecure_plaintext=True")
     ads.add_to(grpc_server)
     signals = SignalBook(PlanResolver(lambda: reconciler.plan))
-    AccessLogServer(signals, fleet_of=cache.served_fleet).add_to(grpc_server)
+    AccessLogServer(signals, cache, binding=binding, status=connections).add_to(grpc_server)
     register_rollout_metrics(registry, lambda: mirror.items)
 
     app = create_app(

@@ -82,7 +82,8 @@ def _print_status(status: dict[str, Any], output: str, out: TextIO) -> None:
     table(rows, out)
     for refused in status.get("refusedEnvoys", []):
         out.write(
-            f"refused: {refused.get('node_id')} ({refused.get('count')}x, last "
+            f"refused {refused.get('service', 'ads')}: {refused.get('node_id')} "
+            f"({refused.get('count')}x, last "
             f"{_when(refused.get('at'))}): {refused.get('message')}\n"
         )
     build = status.get("lastBuild", {})
