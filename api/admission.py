@@ -15,7 +15,7 @@ from typing import Any
 
 from policies import PolicyState, RoutingPlan
 from policies.admission import AdmissionDecision, steps_per_class
-from policies.models import RoutingPolicy, Saturation, ServiceClass
+from policies.models import RoutingPolicy, ServiceClass, ServiceClasses
 from policies.names import cluster_name
 from policies.plan import PlanClass, PlanRoute
 from xdsserver.translate.classes import admission_runtime_key, class_stats
@@ -37,9 +37,11 @@ def class_state(action: str, admitted: float) -> str:
     return RESTRICTED_STATE[action] if admitted <= 0.0 else "restricted"
 
 
-def _saturation(saturation: Saturation) -> dict[str, Any]:
-    # Seconds as numbers (the python mode), not the "1s" strings of the JSON mode.
-    return saturation.model_dump(by_alias=True)
+def _saturation(classes: ServiceClasses) -> dict[str, Any]:
+    """The saturation bounds, in seconds as numbers (the python mode, not the "1s" strings of
+    the JSON mode); ``ttft`` is the bound in force, also when it comes from the most
+    important class's objective."""
+    return {**classes.saturation.model_dump(by_alias=True), "ttft": classes.ttft_bound}
 
 
 def _plan_routes(plan: RoutingPlan) -> dict[str, tuple[str, PlanRoute]]:
@@ -172,7 +174,7 @@ def admission_view(state: PolicyState | None, plan: RoutingPlan | None) -> list[
                 "name": name,
                 "tenantHeader": classes.tenant_header,
                 "defaultClass": classes.default,
-                "saturation": _saturation(classes.saturation),
+                "saturation": _saturation(classes),
                 "routes": routes,
             }
         )
