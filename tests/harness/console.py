@@ -43,8 +43,6 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 ARTIFACTS = Path(__file__).parents[1] / "artifacts" / "console"
-UI_BOUND_S = 2.0
-"""The issue's bound for a change to show and for 1,000 endpoints to render."""
 ONCALL = "oncall-alice"
 ONCALL_TOKEN = "oncall-token-0123456789abcdef"
 """A named admin token (from a tokens file): the audit log records changes under its name."""
