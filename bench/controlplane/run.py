@@ -16,7 +16,9 @@ Then, on the configuration of `bench.controlplane.pools`:
   compile, translate, serialize once into a Snapshot), its EDS fast path for one endpoint
   change and its routes path for one route change (LDS and RDS translated, every cluster and
   endpoint reused); then end to end, 10 real Envoys holding that config, the time from an
-  endpoint change (EDS) and from a route change (RDS) to every Envoy's ACK;
+  endpoint change (EDS) and from a route change (RDS) to every Envoy's ACK; then, with
+  nothing written for a minute, the xDS responses kvpilot sends per minute (0: versions are
+  content hashes, and a stream sends only what its Envoy does not hold);
 - kvpilot's resident memory (`VmRSS` of the daemon) at each stage.
 
 It prints a Markdown table and writes `bench/results/controlplane.json`. `--short` (1 and 3
@@ -71,6 +73,8 @@ class ControlPlaneConfig:
     endpoints: int = 10_000
     big_envoys: int = 10
     changes: int = 20
+    idle_seconds: float = 60.0
+    """How long the 10,000-endpoint stack is watched idle for xDS responses."""
     telemetry_seconds: float = 30.0
     out_dir: Path = RESULTS_DIR
 
@@ -83,6 +87,7 @@ def default_config(*, short: bool = False) -> ControlPlaneConfig:
             endpoints=1000,
             big_envoys=3,
             changes=8,
+            idle_seconds=5.0,
             telemetry_seconds=4.0,
         )
     return ControlPlaneConfig()
@@ -130,6 +135,15 @@ class ClientsRow:
         return {k: v for k, v in asdict(self).items() if k != "clients"}
 
 
+@dataclass(frozen=True)
+class IdlePushes:
+    """xDS responses kvpilot sent while nothing changed."""
+
+    seconds: float
+    responses: float
+    per_minute: float
+
+
 @dataclass
 class ControlPlaneResults:
     """Everything the control-plane benchmark measured; the JSON file is its `asdict`."""
@@ -142,6 +156,8 @@ class ControlPlaneResults:
     """`rebuild_probe.measure`'s numbers (a dict: older commits run that file too)."""
     telemetry: dict[str, Any] | None = None
     """`bench.controlplane.scale.telemetry_at_scale`'s numbers."""
+    idle: IdlePushes | None = None
+    """xDS responses while the big stack sat idle (0 expected)."""
 
 
 def rss_mib(pid: int | None) -> float:
@@ -360,6 +376,9 @@ class Bench:
             eds = summarize(self.run_changes(nodes, "EDS"))
             rds = summarize(self.run_changes(nodes, "RDS"))
             rss = self._rss()
+            assert self.kvpilot is not None
+            results.idle = idle_pushes(self.kvpilot.api_url, config.idle_seconds)
+        print(f"  idle: {asdict(results.idle)}", flush=True)
         label = f"{config.big_envoys} Envoy, {config.endpoints} endpoints"
         results.envoys.append(ClientsRow.of(f"{label}, endpoint change", eds, rss))
         results.envoys.append(ClientsRow.of(f"{label}, route change", rds, rss))
@@ -396,6 +415,26 @@ class Bench:
                 seconds=self.config.telemetry_seconds,
             )
         )
+
+
+def xds_responses(api_url: str) -> float:
+    """xDS responses kvpilot has sent so far, every type and stream together."""
+    text = httpx.get(f"{api_url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvpilot_xds_pushes_total{")
+    )
+
+
+def idle_pushes(api_url: str, seconds: float) -> IdlePushes:
+    """xDS responses per minute while nothing changes: every Envoy holds the last snapshot
+    (the caller's last change was ACKed by all), and nothing is written for `seconds`.
+    Versions are content hashes and streams send only differences, so this is 0."""
+    before = xds_responses(api_url)
+    time.sleep(seconds)
+    sent = xds_responses(api_url) - before
+    return IdlePushes(seconds, sent, round(sent * 60 / seconds, 2))
 
 
 def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
@@ -450,6 +489,14 @@ def markdown(results: ControlPlaneResults) -> str:
         "kvpilot RSS MiB: " + ", ".join(f"{k} {v}" for k, v in results.memory_mib.items()),
         "",
     ]
+    if results.idle is not None:
+        idle = results.idle
+        lines += [
+            f"Idle at {t['endpoints']} endpoints, {results.config.big_envoys} Envoys: "
+            f"{idle.per_minute:g} xDS pushes per minute ({idle.responses:g} responses in "
+            f"{idle.seconds:g} s with nothing changed).",
+            "",
+        ]
     if results.telemetry is not None:
         from bench.controlplane.scale import telemetry_markdown
 
