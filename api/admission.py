@@ -15,7 +15,7 @@ from typing import Any
 
 from compiler import RoutingPlan
 from compiler.plan import PlanClass, PlanRoute
-from policies.models import RoutingPolicy, Saturation, ServiceClass
+from policies.models import RoutingPolicy, ServiceClass, ServiceClasses
 from policies.names import cluster_name
 from signals import PolicyState
 from signals.admission import AdmissionDecision, steps_per_class
@@ -38,9 +38,11 @@ def class_state(action: str, admitted: float) -> str:
     return RESTRICTED_STATE[action] if admitted <= 0.0 else "restricted"
 
 
-def _saturation(saturation: Saturation) -> dict[str, Any]:
-    # Seconds as numbers (the python mode), not the "1s" strings of the JSON mode.
-    return saturation.model_dump(by_alias=True)
+def _saturation(classes: ServiceClasses) -> dict[str, Any]:
+    """The saturation bounds, in seconds as numbers (the python mode, not the "1s" strings of
+    the JSON mode); ``ttft`` is the bound in force, also when it comes from the most
+    important class's objective."""
+    return {**classes.saturation.model_dump(by_alias=True), "ttft": classes.ttft_bound}
 
 
 def _plan_routes(plan: RoutingPlan) -> dict[str, tuple[str, PlanRoute]]:
@@ -173,7 +175,7 @@ def admission_view(state: PolicyState | None, plan: RoutingPlan | None) -> list[
                 "name": name,
                 "tenantHeader": classes.tenant_header,
                 "defaultClass": classes.default,
-                "saturation": _saturation(classes.saturation),
+                "saturation": _saturation(classes),
                 "routes": routes,
             }
         )

@@ -41,6 +41,7 @@ from controlplane.etcd.store import (
 )
 from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError
 from policies.validate import field_path
+from signals.state import PolicyState
 from xdsserver.render import snapshot_json
 
 __all__ = ["ApiContext", "create_app"]
@@ -255,6 +256,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
             "diagnostics": [dataclasses.asdict(d) for d in plan.diagnostics] if plan else [],
             "restrictedClasses": restricted_classes(plan),
             "saturation": _saturation(plan),
+            "unreadModelLists": _unread_model_lists(reconciler.state),
             "lastBuild": {
                 "revision": build.revision,
                 "at": build.at or None,
@@ -266,6 +268,26 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
                 "defaultFleet": reconciler.cache.default_fleet,
             },
         }
+
+
+def _unread_model_lists(state: PolicyState | None) -> list[dict[str, Any]]:
+    """Endpoints whose agent could not read the model list on its last try: routing keeps
+    the last list read (``models``, ``adapters``) until it can."""
+    if state is None:
+        return []
+    return [
+        {
+            "pool": pool,
+            "endpoint": endpoint,
+            "error": record.models_error,
+            "models": list(record.models or ()),
+            "adapters": list(record.adapters or ()),
+            "at": record.at,
+        }
+        for pool, records in sorted(state.telemetry.items())
+        for endpoint, record in sorted(records.items())
+        if record.models_error
+    ]
 
 
 def _saturation(plan: RoutingPlan | None) -> list[dict[str, Any]]:

@@ -132,6 +132,14 @@ def endpoints_view(
                 "load": decision.load if decision is not None else None,
                 "reasons": _reasons(endpoint, decision, telemetry_balanced, max_age),
                 "telemetry": record.model_dump(exclude_none=True) if record else None,
+                # What the replica serves: its pool's list, else what its agent reports; and
+                # the adapters its agent reports loaded.
+                "models": list(pool.spec.models)
+                or (list(record.models) if record and record.models is not None else None),
+                "adapters": list(record.adapters)
+                if record and record.adapters is not None
+                else None,
+                "modelsError": record.models_error if record else None,
                 "telemetryAge": round(state.now - record.at, 3) if record else None,
             }
             if history is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from bench.adapters.entry import BENCHMARK as ADAPTERS
 from bench.benchmark import Benchmark
 from bench.classes.entry import BENCHMARK as CLASSES
 from bench.controlplane.entry import BENCHMARK as CONTROLPLANE
@@ -17,7 +18,14 @@ from bench.difficulty.entry import BENCHMARK as DIFFICULTY
 from bench.rollout.entry import BENCHMARK as ROLLOUT
 from bench.routing.entry import BENCHMARK as ROUTING
 
-BENCHMARKS: Sequence[Benchmark] = (ROUTING, CONTROLPLANE, ROLLOUT, CLASSES, DIFFICULTY)
+BENCHMARKS: Sequence[Benchmark] = (
+    ROUTING,
+    CONTROLPLANE,
+    ROLLOUT,
+    CLASSES,
+    DIFFICULTY,
+    ADAPTERS,
+)
 """Every benchmark, in the order ``--help`` lists them. `make bench` runs the first
 (`DEFAULT`), then ``rollout``, then ``classes``."""
 

@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--metrics-path", default="/metrics", help="default /metrics")
     parser.add_argument(
+        "--models-path",
+        default=None,
+        help="where the server lists its models and loaded LoRA adapters (default: "
+        "/v1/models for vllm and sglang, /info for tgi; 'none' to not read them)",
+    )
+    parser.add_argument(
         "--interval", type=float, default=1.0, help="seconds between scrapes (default 1)"
     )
     parser.add_argument(
@@ -110,6 +116,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     log_level_flag(parser)
 
 
+def _models_path(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if value == "none":
+        return ""
+    if not value.startswith("/"):
+        raise ValueError(f"--models-path {value!r} must start with '/' (or be 'none')")
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """Turn parsed flags into an AgentConfig; ``ValueError`` with a sentence on bad input."""
     targets: list[Target] = []
@@ -124,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                 weight=args.weight,
                 name=args.name,
                 metrics_path=args.metrics_path,
+                models_path=_models_path(args.models_path),
                 max_running=args.max_running,
             )
         )
@@ -141,6 +158,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                     weight=int(entry.get("weight", args.weight)),
                     name=str(entry.get("name", "")),
                     metrics_path=entry.get("metricsPath", args.metrics_path),
+                    models_path=_models_path(entry.get("modelsPath", args.models_path)),
                     max_running=entry.get("maxRunning", args.max_running),
                 )
             )

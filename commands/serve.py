@@ -157,8 +157,10 @@ async def serve(
         ]
     )
     xds_address = f"{config.xds_host}:{config.xds_port}"
+    binding: FleetBinding | None = None
     if config.xds_tls is not None:
-        ads = AdsServer(cache, connections, binding=FleetBinding.parse(config.xds_identity_fleets))
+        binding = FleetBinding.parse(config.xds_identity_fleets)
+        ads = AdsServer(cache, connections, binding=binding)
         xds_port = grpc_server.add_secure_port(xds_address, config.xds_tls.server_credentials())
     elif config.xds_insecure_plaintext:
         log.warning(
@@ -175,9 +177,9 @@ async def serve(
     scores = ScoreBook(registry)
     usage = UsageBook(PlanContext(lambda: reconciler.plan, lambda: reconciler.state))
     registry.register(SpendCollector(usage.ledger))
-    AccessLogServer(signals, fleet_of=cache.served_fleet, scores=scores, usage=usage).add_to(
-        grpc_server
-    )
+    AccessLogServer(
+        signals, cache, binding=binding, status=connections, scores=scores, usage=usage
+    ).add_to(grpc_server)
     difficulty = DifficultyLoop(
         scores,
         lambda: virtual_models_of(reconciler.state.policies if reconciler.state else {}),

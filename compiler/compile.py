@@ -35,6 +35,7 @@ from dataclasses import replace
 from compiler.budgets import route_blocks
 from compiler.difficulty import plan_virtual_models
 from compiler.fleets import applies, fleet_compiled, fleet_names, merge_listener
+from compiler.models import served_models
 from compiler.plan import (
     Diagnostic,
     FleetPlan,
@@ -79,6 +80,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
     entries: dict[str, MemoEntry] = {}
     admission = admission_decisions(state)
     saturation = saturation_decisions(state)
+    served = served_models(state)
     for policy_name in sorted(state.policies):
         policy = state.policies[policy_name]
         policy_clusters = []
@@ -94,6 +96,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 weights,
                 admission.get(name),
                 saturated=saturated is not None and saturated.saturated,
+                served=served,
             )
             entries[name] = entry
             diagnostics.extend(entry.diagnostics)
@@ -153,6 +156,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                     upstream_signals=any(
                         route.cluster in watched for vhost in vhosts for route in vhost.routes
                     ),
+                    tracing=settings.tracing,
                 )
             )
         fleets.append(
@@ -162,6 +166,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 clusters=tuple(clusters),
                 secrets_dir=settings.secrets_dir,
                 trusted_ca_file=settings.trusted_ca_file,
+                tracing=settings.tracing,
             )
         )
     memo.keep(entries)

@@ -27,6 +27,7 @@ from policies.models import (
     Retries,
     SessionAffinity,
     Timeouts,
+    Tracing,
 )
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
@@ -57,6 +58,9 @@ class PlanEndpoint(NamedTuple):
     hash_key: str = ""
     """Where consistent hashing places this endpoint on the ring (the endpoint's ``name``);
     empty: by its address."""
+    models: tuple[str, ...] = ()
+    """Models and LoRA adapters this endpoint serves, sorted, when its cluster routes by
+    them (``PlanCluster.model_subsets``): its pool's list, or what its agent reports."""
 
 
 ClusterKind = Literal["eds", "dns", "aggregate"]
@@ -90,6 +94,9 @@ class PlanCluster:
     queues: tuple[tuple[str, ClassQueue], ...] = ()
     """Twins of an ``eds`` cluster (same endpoints, same EDS resource) whose circuit breakers
     hold queued service classes: (twin cluster name, bounds)."""
+    model_subsets: bool = False
+    """Requests go to the endpoints that serve the model they ask for (each endpoint's
+    ``models``), any endpoint when none does: adapter-aware routing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +167,18 @@ class PlanRoute:
     saturated: bool = False
     """Session requests take the affinity cluster's saturated twin (its tighter bounded load,
     ``SessionAffinity.saturated_hash_balance_factor``)."""
+    model_subsets: bool = False
+    """The cluster picks among the endpoints that serve the asked model; each model's entries
+    name it (a request that names its model in the override header has no body metadata)."""
+    any_model: bool = False
+    """A ``poolModels`` route whose adapter fallback is ``base``: besides its models, it takes
+    requests for any model, after every other route of its virtual host, so an adapter that
+    no replica has loaded reaches replicas that can load it."""
+    adapters: tuple[tuple[str, str], ...] = ()
+    """(adapter, its base model) for the adapters in ``served_models``, for ``GET
+    /v1/models``'s ``parent``."""
+    pools: tuple[str, ...] = ()
+    """The route's pools in tier order (for traces)."""
     budget_blocks: tuple[PlanBudgetBlock, ...] = ()
     """Tenants past a budget, whose requests Envoy turns away (or diverts) first."""
 
@@ -251,6 +270,13 @@ class PlanVirtualHost:
             )
         )
 
+    @property
+    def adapters_listed(self) -> tuple[tuple[str, ...], Mapping[str, str]]:
+        """What ``GET /v1/models`` lists: the served models, and adapter -> base model."""
+        return self.served_models, {
+            adapter: parent for route in self.routes for adapter, parent in route.adapters
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class PlanListener:
@@ -267,26 +293,21 @@ class PlanListener:
     """Report every upstream attempt (pool host, status, time to first byte) to kvpilot over
     Envoy's gRPC access log service: some route here is under a Rollout that reads the
     data plane."""
+    tracing: Tracing | None = None
+    """The fleet's OpenTelemetry tracing, when it traces requests."""
+
+    @property
+    def tenant_headers(self) -> tuple[str, ...]:
+        """The headers that name tenants on this listener's routes, sorted: traces tag them,
+        token accounting logs them with every request."""
+        return tuple(
+            sorted({route.tenant_header for v in self.virtual_hosts for route in v.routes} - {""})
+        )
 
     @property
     def routes_by_model(self) -> bool:
         """True when the listener must read the request body's ``model`` field."""
         return any(vhost.routes_by_model for vhost in self.virtual_hosts)
-
-    @property
-    def tenant_headers(self) -> tuple[str, ...]:
-        """The headers that name a tenant on some route here (sorted): token accounting logs
-        them with every request."""
-        return tuple(
-            sorted(
-                {
-                    route.tenant_header
-                    for vhost in self.virtual_hosts
-                    for route in vhost.routes
-                    if route.tenant_header
-                }
-            )
-        )
 
     @property
     def prefix_hashing(self) -> bool:
@@ -331,6 +352,8 @@ class FleetPlan:
     """Where this fleet's Envoys find secret files (SDS) named by pools' ``auth``."""
     trusted_ca_file: str = "/etc/ssl/certs/ca-certificates.crt"
     """CA bundle on this fleet's Envoy hosts for TLS pools without a caFile of their own."""
+    tracing: Tracing | None = None
+    """Where this fleet's Envoys send spans, and how many requests they sample."""
 
 
 Severity = Literal["error", "warning"]

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from compiler.models import NO_MODELS, PoolModels
 from compiler.plan import Diagnostic, PlanClass, PlanCluster, PlanEndpoint, PlanRoute
 from policies.models import (
     ClassQueue,
@@ -75,7 +76,10 @@ def _tier_endpoints(
     priority: int,
     state: PolicyState,
     weights: Mapping[str, Mapping[str, WeightDecision]],
+    served: Mapping[str, PoolModels] | None = None,
 ) -> list[PlanEndpoint]:
+    """The endpoints of one tier; with ``served`` (a cluster that routes by model), each
+    carries the models it serves."""
     members = []
     for target in tier.pools:
         pool = state.pools.get(target.pool)
@@ -98,6 +102,25 @@ def _tier_endpoints(
         total = sum(weight for _, weight, _ in rows)
         name = pool.metadata.name
         hostname = pool.spec.host_rewrite or ""
+        if served is not None:
+            models = served.get(name, NO_MODELS)
+            out.extend(
+                PlanEndpoint(
+                    name,
+                    endpoint.address,
+                    endpoint.port,
+                    weight if single else max(1, round(weight * pool_weight * SPLIT_SCALE / total)),
+                    priority,
+                    health,
+                    endpoint.locality.region if endpoint.locality else "",
+                    endpoint.locality.zone if endpoint.locality else "",
+                    hostname,
+                    endpoint.name or "",
+                    models.models if models.static else models.by_endpoint.get(endpoint.key, ()),
+                )
+                for endpoint, weight, health in rows
+            )
+            continue
         # Positional, in one comprehension: this runs once per endpoint and route.
         out.extend(
             PlanEndpoint(
@@ -228,6 +251,7 @@ def compile_route(
     admission: AdmissionDecision | None = None,
     *,
     saturated: bool = False,
+    served: Mapping[str, PoolModels] | None = None,
 ) -> tuple[list[PlanCluster], PlanRoute]:
     """The clusters of one route and its route entry.
 
@@ -237,10 +261,26 @@ def compile_route(
     """
     name = cluster_name(policy.metadata.name, route.name)
     route_weights = weights if route.balancing == "telemetry" else {}
+    served = served or {}
+    pools_served = [
+        served[target.pool]
+        for tier in route.tiers
+        for target in tier.pools
+        if target.pool in served
+    ]
+    # Adapter-aware routing needs what replicas report: a route whose pools all list their
+    # models has nothing to choose between.
+    subsets = (
+        route.adapters.affinity
+        and route.balancing != "orca"
+        and any(not models.static for models in pools_served)
+    )
     endpoints: list[PlanEndpoint] = []
     providers: list[Pool] = []
     for priority, tier in enumerate(route.tiers):
-        endpoints.extend(_tier_endpoints(tier, priority, state, route_weights))
+        endpoints.extend(
+            _tier_endpoints(tier, priority, state, route_weights, served if subsets else None)
+        )
         providers.extend(
             pool
             for target in tier.pools
@@ -257,10 +297,21 @@ def compile_route(
     # Cluster-wide settings of the replicas' cluster come from the first pool, tier 0 first.
     spec = local[0].spec if local else PoolSpec()
     uses_hostname = any(pool.spec.host_rewrite for pool in local) or bool(providers)
+    offered = {model for models in pools_served for model in models.served}
+    models = _route_models(route, offered, discovered=any(not m.static for m in pools_served))
+    static_models = {
+        model
+        for tier in route.tiers
+        for target in tier.pools
+        if (pool := state.pools.get(target.pool)) is not None
+        for model in pool.spec.models
+    }
+    listed = set(models) or (static_models if static_models or route.match.models else offered)
+    parents = dict(pair for models_ in pools_served for pair in models_.parents)
     plan_route = PlanRoute(
         name=name,
         cluster=name,
-        models=tuple(route.match.models),
+        models=models,
         path_prefix=route.match.path_prefix,
         headers=tuple((header.name, header.value) for header in route.match.headers),
         affinity=route.session_affinity,
@@ -269,23 +320,23 @@ def compile_route(
         rate_limit=route.rate_limit,
         host_rewrite=uses_hostname,
         tiers=len(route.tiers),
-        served_models=tuple(
-            sorted(
-                set(route.match.models)
-                or {
-                    model
-                    for tier in route.tiers
-                    for target in tier.pools
-                    if (pool := state.pools.get(target.pool)) is not None
-                    for model in pool.spec.models
-                }
-            )
-        ),
+        served_models=tuple(sorted(listed)),
         classes=_plan_classes(policy, route, admission),
         tenant_header=policy.spec.service_classes.tenant_header
         if policy.spec.service_classes is not None
         else DEFAULT_TENANT_HEADER,
         saturated=saturated,
+        model_subsets=subsets,
+        # A pool that lists its models has no adapters to fall back for.
+        any_model=route.match.pool_models
+        and route.adapters.fallback == "base"
+        and any(
+            not (target.pool in served and served[target.pool].static)
+            for tier in route.tiers
+            for target in tier.pools
+        ),
+        adapters=tuple(sorted((a, p) for a, p in parents.items() if a in listed)),
+        pools=tuple(target.pool for tier in route.tiers for target in tier.pools),
     )
     classes = policy.spec.service_classes
     queues = tuple(
@@ -293,13 +344,23 @@ def compile_route(
         for c in (classes.queued if classes is not None else [])
     )
     if not providers:
-        return [_cluster(name, route, spec, endpoints, queues=queues)], plan_route
+        return [
+            _cluster(name, route, spec, endpoints, queues=queues, model_subsets=subsets)
+        ], plan_route
     members: list[str] = []
     clusters: list[PlanCluster] = []
     if local:
         local_name = name + LOCAL_SUFFIX
         clusters.append(
-            _cluster(local_name, route, spec, endpoints, eds_service=name, queues=queues)
+            _cluster(
+                local_name,
+                route,
+                spec,
+                endpoints,
+                eds_service=name,
+                queues=queues,
+                model_subsets=subsets,
+            )
         )
         members.append(local_name)
     for pool in providers:
@@ -308,6 +369,18 @@ def compile_route(
         members.append(provider.name)
     aggregate = _cluster(name, route, spec, (), kind="aggregate", members=tuple(members))
     return [aggregate, *clusters], plan_route
+
+
+def _route_models(route: Route, offered: set[str], *, discovered: bool) -> tuple[str, ...]:
+    """The models a route's entries match: its own list, or with ``poolModels`` what its
+    pools serve. With fallback ``notFound``, a listed model that no replica reports is left
+    out (Envoy then answers 404) once replicas report anything."""
+    if route.match.pool_models:
+        return tuple(sorted(offered))
+    models = tuple(route.match.models)
+    if route.adapters.fallback == "notFound" and discovered:
+        models = tuple(model for model in models if model in offered)
+    return models
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,12 +416,14 @@ class RouteMemo:
         admission: AdmissionDecision | None = None,
         *,
         saturated: bool = False,
+        served: Mapping[str, PoolModels] | None = None,
     ) -> MemoEntry:
         """The compiled route, reused when its inputs are unchanged."""
         route_weights = weights if route.balancing == "telemetry" else {}
         names = [target.pool for tier in route.tiers for target in tier.pools]
+        route_served = tuple((served or {}).get(name) for name in names)
         inputs = (
-            (route, policy.spec.service_classes, admission, saturated),
+            (route, policy.spec.service_classes, admission, saturated, route_served),
             index,
             *(state.pools.get(name) for name in names),
             *(state.registered.get(name) for name in names),
@@ -359,15 +434,16 @@ class RouteMemo:
         if (
             entry is not None
             and len(entry.inputs) == len(inputs)
-            # The route, its policy's service classes, admission and saturation are small, and
-            # a policy edit makes them all new objects: compare them by value; the rest is large
-            # and compared by identity.
+            # The route, its policy's service classes, admission, saturation and what its
+            # pools serve are small, and a policy edit makes them all new objects (telemetry
+            # makes new served models on every record): compare them by value; the rest is
+            # large and compared by identity.
             and entry.inputs[0] == inputs[0]
             and all(a is b for a, b in zip(entry.inputs[1:], inputs[1:], strict=True))
         ):
             return entry
         clusters, plan_route = compile_route(
-            policy, route, state, weights, admission, saturated=saturated
+            policy, route, state, weights, admission, saturated=saturated, served=served
         )
         return MemoEntry(
             inputs, route_diagnostics(policy, index, route, state), clusters, plan_route

@@ -12,6 +12,11 @@ The app serves:
   (`{"status": 0}` recovers; 429 works too); `"fraction": 0.2` fails every fifth only;
 - `POST /admin/slow {"delay": 0.05}`: wait that many seconds before every answer.
 
+A replica with LoRA slots (`replicasim.lora`) also serves adapters: `GET /v1/models` lists the
+base model and the loaded adapters (each with `parent`), a request for an adapter of its catalog
+that is not loaded waits for its load, a name that is neither gets vLLM's 404, and
+`POST /admin/adapters {"load": [...], "unload": [...]}` loads and unloads them at once.
+
 A replica with an `Engine` (`replicasim.simulator`) answers through it instead of at once:
 continuous batching, a prefix-cached KV cache, simulated prefill and decode times, vLLM's
 metric names (prefix-cache hits, TTFT histogram) and optional ORCA load headers. Such
@@ -42,6 +47,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from replicasim.completions import completion_response
+from replicasim.lora import LoraSlots, UnknownAdapter
 from replicasim.simulator import Engine, EngineError
 
 DEFAULT_MODEL = "sim-model"
@@ -78,6 +84,8 @@ class Replica:
     """Set by `POST /admin/die`: the replica has stopped serving."""
     on_death: Callable[[], None] | None = None
     """Called once by `POST /admin/die`; `serve()` sets it to stop this replica's server."""
+    lora: LoraSlots | None = None
+    """LoRA adapters the replica can load, when it serves any."""
 
     def metrics_text(self) -> str:
         """The replica's metrics in Prometheus text format."""
@@ -91,6 +99,8 @@ class Replica:
                 f'kvpilot_backend_requests_total{{backend="{self.id}",path="{path}",'
                 f'status="{status}"}} {count}'
             )
+        if self.lora is not None:
+            lines += self.lora.metrics_lines()
         if self.engine is not None:
             return "\n".join([*lines, *self.engine.metrics_lines()]) + "\n"
         gauges = [
@@ -167,6 +177,15 @@ def _stream_chunks(replica: Replica, kind: str, model: str) -> Iterator[dict[str
         }
 
 
+async def _releasing(body: Any, lora: LoraSlots, model: str) -> AsyncIterator[Any]:
+    """A streamed answer that holds its adapter until its last chunk is sent."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        lora.release(model)
+
+
 def build_app(replica: Replica) -> Starlette:
     """The HTTP app of one replica."""
     headers = {"x-backend-id": replica.id}
@@ -196,6 +215,38 @@ def build_app(replica: Replica) -> Starlette:
         if not isinstance(payload, dict):
             return error(400, "request body must be a JSON object", path)
         model = str(payload.get("model") or replica.model)
+        lora = replica.lora if model != replica.model else None
+        if lora is not None:
+            try:
+                await lora.acquire(model)
+            except UnknownAdapter:
+                # vLLM's answer for a model it neither serves nor can load.
+                replica.requests[(path, 404)] += 1
+                body = {
+                    "error": {
+                        "message": f"The model `{model}` does not exist.",
+                        "type": "NotFoundError",
+                        "param": "model",
+                        "code": 404,
+                    },
+                    "backend": replica.id,
+                }
+                return JSONResponse(body, status_code=404, headers=headers)
+            try:
+                response = await answer(request, path, kind, model, payload)
+            except BaseException:
+                lora.release(model)
+                raise
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = _releasing(response.body_iterator, lora, model)
+            else:
+                lora.release(model)
+            return response
+        return await answer(request, path, kind, model, payload)
+
+    async def answer(
+        request: Request, path: str, kind: str, model: str, payload: dict[str, Any]
+    ) -> Response:
         if replica.engine is not None:
             try:
                 response = await completion_response(
@@ -219,6 +270,47 @@ def build_app(replica: Replica) -> Starlette:
                 replica.running -= 1
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def models(request: Request) -> Response:
+        entries = [
+            {
+                "id": replica.model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "vllm",
+                "root": replica.model,
+                "parent": None,
+            }
+        ]
+        if replica.lora is not None:
+            entries += replica.lora.models_entries(replica.model)
+        return JSONResponse({"object": "list", "data": entries}, headers=headers)
+
+    async def admin_adapters(request: Request) -> Response:
+        lora = replica.lora
+        try:
+            body = await request.json()
+            load = body.get("load", [])
+            unload = body.get("unload", [])
+            if not all(isinstance(n, str) for n in [*load, *unload]):
+                raise TypeError
+        except (ValueError, TypeError, AttributeError):
+            return JSONResponse(
+                {"error": 'expected {"load": [names], "unload": [names]}'}, 400, headers=headers
+            )
+        if lora is None:
+            return JSONResponse(
+                {"error": "this replica serves no adapters (--lora)"}, 404, headers=headers
+            )
+        try:
+            lora.unload(unload)
+            lora.load(load)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, 409, headers=headers)
+        return JSONResponse(
+            {"id": replica.id, "loaded": sorted(lora.loaded), "loads": lora.loads},
+            headers=headers,
+        )
 
     async def health(request: Request) -> Response:
         status = 200 if replica.healthy else 503
@@ -313,6 +405,8 @@ def build_app(replica: Replica) -> Starlette:
         except EngineError as exc:
             return JSONResponse({"error": str(exc)}, exc.status, headers=headers)
         replica.requests.clear()
+        if replica.lora is not None:
+            replica.lora.reset()
         return JSONResponse({"id": replica.id, **result}, headers=headers)
 
     async def admin_die(request: Request) -> Response:
@@ -328,6 +422,8 @@ def build_app(replica: Replica) -> Starlette:
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/admin/adapters", admin_adapters, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/admin/fail", admin_fail, methods=["POST"]),
             Route("/admin/health", admin_health, methods=["POST"]),

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from replicasim.group import ServerGroup, UvicornServer
+from replicasim.lora import LoraSlots
 from replicasim.replica import DEFAULT_MODEL, Replica, build_app
 from replicasim.simulator import Engine, SimConfig
 
@@ -87,12 +90,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sim-config", default="{}", help="SimConfig fields as JSON, with --simulate"
     )
+    parser.add_argument(
+        "--lora",
+        default=None,
+        help='LoRA adapters each replica can load, as JSON: {"catalog": [names], '
+        '"maxLoaded": 8, "loadTime": 0.3, "loaded": [names]}',
+    )
     args = parser.parse_args(argv)
     try:
         ports = parse_ports(args.ports, args.replicas)
     except ValueError as exc:
         parser.error(str(exc))
     sim_config = SimConfig.from_json(args.sim_config) if args.simulate else None
+    lora: dict[str, Any] | None = None
+    if args.lora:
+        try:
+            lora = json.loads(args.lora)
+            LoraSlots.from_config(lora if isinstance(lora, dict) else {})
+        except ValueError as exc:
+            parser.error(f"--lora: {exc}")
+        if not isinstance(lora, dict):
+            parser.error("--lora takes a JSON object")
 
     async def run() -> None:
         # Engines hold asyncio events: create them inside the running loop.
@@ -101,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 id=f"{args.id_prefix}-{i}",
                 model=args.model,
                 engine=Engine(sim_config, args.model) if sim_config else None,
+                lora=LoraSlots.from_config(lora) if lora is not None else None,
             )
             for i in range(args.replicas)
         ]

@@ -68,6 +68,15 @@ class TelemetryRecord(BaseModel):
         "compares with the service-class objective. Unset on an idle replica.",
     )
     format: str = Field("", description="Metric map the record was read with.")
+    models: tuple[str, ...] | None = Field(
+        None, description="Base models the server lists (signals.discovery), sorted."
+    )
+    adapters: tuple[str, ...] | None = Field(
+        None, description="LoRA adapters the server has loaded (signals.discovery), sorted."
+    )
+    models_error: str | None = Field(
+        None, description="Why the model list could not be read; models: the last list read."
+    )
 
     def to_json(self) -> str:
         """Compact JSON: unset signals are left out."""
@@ -418,7 +427,7 @@ class WriteBand:
     counts every request (the time to first token moves like a count); fractions (KV-cache use, prefix hit rate) when they move by more than
     ``fraction``; the time per output token (a replica's speed, from which pools behind
     session affinity learn their capacity weights) when it moves by more than ``speed`` of
-    the larger value. Capacity and format changes always count.
+    the larger value. Capacity, format and served-model changes always count.
     """
 
     relative: float = 0.1
@@ -437,6 +446,13 @@ class WriteBand:
     def moved(self, last: TelemetryRecord, record: TelemetryRecord) -> bool:
         """True when `record` differs from `last` beyond the band (the time does not count)."""
         if (last.max_running, last.format) != (record.max_running, record.format):
+            return True
+        if (last.models, last.adapters, last.models_error) != (
+            record.models,
+            record.adapters,
+            record.models_error,
+        ):
+            # What a replica serves decides where requests may go: every change counts.
             return True
         counts = (
             (last.waiting, record.waiting, self.requests),

@@ -49,3 +49,6 @@ def test_short_controlplane_benchmark_writes_well_formed_results(tmp_path: Path)
     assert translation["full_rebuild_ms"] > 0 and translation["fast_path_ms"] > 0
     assert translation["routes_path_ms"] > 0
     assert set(results["memory_mib"]) == {"idle", "1000 endpoints", "end"}
+    # Nothing changed while the big stack sat idle: kvpilot sent nothing.
+    assert results["idle"] == {"seconds": 5.0, "responses": 0, "per_minute": 0}
+    assert "0.0 xDS pushes per minute" in done.stdout

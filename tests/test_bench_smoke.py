@@ -54,6 +54,9 @@ def test_short_scenario_suite_writes_a_well_formed_report(tmp_path: Path) -> Non
         assert 0 < measured["hit_rate"] <= 1, policy
         assert measured["ttft_p50"] <= measured["ttft_p99"], policy
         assert len(measured["served"]) == data["config"]["replicas"], policy
-    assert runs["kvpilot"][0]["weights"]["weight_changes"] >= 0
+    # A count read from kvpilot's /metrics (the short run may see no change at all: the
+    # half-speed replicas' weights move only once their telemetry says so).
+    changes = runs["kvpilot"][0]["weights"]["weight_changes"]
+    assert changes >= 0 and changes == int(changes), runs["kvpilot"][0]["weights"]
     # Round robin spreads sessions; affinity keeps them (moved turns are counted per policy).
     assert runs["round_robin"][0]["moved"] > runs["affinity"][0]["moved"]

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import yaml
 from harness.builders import policy, pool, route
+from harness.envoy import xds_updates
 from harness.rig import api_client, apply
 from harness.status import TYPES, acked_everything, envoy_types, envoys, metric, served_versions
 from harness.traffic import replicas_behind
@@ -180,14 +181,10 @@ class TwoServerEnvoy(EmbeddedEnvoy):
 
 
 def applied(envoy: EmbeddedEnvoy) -> dict[str, Any]:
-    """What an Envoy says it applied: per xDS subscription its version and successful updates,
-    and per resource in its config dump the version and the time it was last updated."""
-    stats = {
-        name: value
-        for name, value in envoy.stats().items()
-        if name.endswith((".version_text", ".update_success", ".update_rejected"))
-        # The bootstrap's static clusters re-resolve DNS on their own.
-        and not name.startswith(("cluster.kvpilot_xds.", "cluster.kvpilot_signals."))
+    """What an Envoy says it applied: per xDS subscription its version and the responses it
+    received, applied and rejected (`harness.envoy.xds_updates`), and per resource in its config dump the version and the time it was last updated."""
+    versions = {
+        name: value for name, value in envoy.stats().items() if name.endswith(".version_text")
     }
     resources = {}
     for config in envoy.config_dump(include_eds=True)["configs"]:
@@ -204,7 +201,7 @@ def applied(envoy: EmbeddedEnvoy) -> dict[str, Any]:
                 )
                 name = body.get("name") or body.get("cluster_name")
                 resources[f"{key}/{name}"] = (entry.get("version_info"), entry.get("last_updated"))
-    return {"stats": stats, "resources": resources}
+    return {"stats": versions, "updates": xds_updates(envoy), "resources": resources}
 
 
 def placement(api: httpx.Client) -> dict[str, str]:
@@ -286,6 +283,6 @@ def test_an_envoy_moving_to_another_replica_reloads_nothing_and_status_spans_rep
             30,
             message="the change after the move",
         )
-        assert applied(moving)["stats"] != before["stats"]
+        assert applied(moving)["updates"] != before["updates"]
     finally:
         moving.stop()

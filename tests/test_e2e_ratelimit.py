@@ -45,7 +45,11 @@ def test_rate_limit_per_route_and_per_tenant(rig: Rig, backends: BackendFactory)
     limited = post()
     assert limited.status_code == 429
     assert limited.json()["error"]["code"] == "rate_limit_exceeded"
-    assert "x-ratelimit-limit" in limited.headers
+    # Draft 03 headers: the bucket's size, nothing left, and seconds until the next token
+    # (3 an hour: one every 1,200 s).
+    assert limited.headers["x-ratelimit-limit"] == "3", limited.headers
+    assert limited.headers["x-ratelimit-remaining"] == "0", limited.headers
+    assert 0 < int(limited.headers["x-ratelimit-reset"]) <= 3600 // 3, limited.headers
     assert limited.headers.get("x-backend-id") is None  # answered by Envoy, not the replica
 
     tenant_a = {"x-api": "t", "x-tenant-id": "a"}

@@ -28,17 +28,33 @@ pytestmark = pytest.mark.e2e
 # --------------------------------------------------------------------------- session affinity
 
 
-def test_each_session_sticks_to_one_replica_and_sessions_spread(rig: Rig, backends: Any) -> None:
+def lb_policy(rig: Rig, cluster: str) -> str:
+    """The load-balancing policy Envoy runs `cluster` with, from its config dump."""
+    for config in rig.envoy.config_dump()["configs"]:
+        for entry in config.get("dynamic_active_clusters", []):
+            if entry["cluster"]["name"] == cluster:
+                return str(entry["cluster"].get("lb_policy", "ROUND_ROBIN"))
+    raise AssertionError(f"Envoy has no cluster {cluster}")
+
+
+@pytest.mark.parametrize("algorithm", ["ring_hash", "maglev"])
+def test_each_session_sticks_to_one_replica_and_sessions_spread(
+    rig: Rig, backends: Any, algorithm: str
+) -> None:
     replicas = backends(3, id_prefix="aff")
     ports = ports_of(replicas)
+    affinity = {"algorithm": algorithm}
     rig.apply(
         pool("llm", ports, health_check=FAST_HEALTH_CHECK),
         policy(
-            "chat", rig.listener_port, [{"name": "all", "sessionAffinity": {}, "tiers": [["llm"]]}]
+            "chat",
+            rig.listener_port,
+            [{"name": "all", "sessionAffinity": affinity, "tiers": [["llm"]]}],
         ),
     )
     rig.wait_ready("chat/all", ports)
     rig.wait_ready("chat/all/affinity", ports)
+    assert lb_policy(rig, "chat/all/affinity") == algorithm.upper()
 
     # 24 sessions on a ring shared by 3 replicas: all on one replica has probability < 1e-9.
     sessions = [f"session-{index}" for index in range(24)]
@@ -331,3 +347,37 @@ def test_a_pool_without_replicas_answers_503_in_openai_error_format(rig: Rig) ->
             "code": "no_healthy_upstream",
         }
     }
+
+
+# --------------------------------------------------------------------------- route timeouts
+
+
+def test_a_request_past_the_route_timeout_is_ended_by_envoy(rig: Rig, backends: Any) -> None:
+    replicas = backends(1, id_prefix="slow")
+    ports = ports_of(replicas)
+    [replica] = replicas.replicas
+    httpx.post(f"{replica.url}/admin/slow", json={"delay": 3.0}, timeout=10).raise_for_status()
+
+    def apply(request_timeout: str) -> None:
+        route = {"name": "all", "tiers": [["llm"]], "timeouts": {"request": request_timeout}}
+        rig.apply(
+            pool("llm", ports, health_check=FAST_HEALTH_CHECK),
+            policy("chat", rig.listener_port, [route]),
+        )
+
+    # A replica that answers after 3 s, behind a route that allows 1 s: Envoy answers 504.
+    apply("1s")
+    rig.wait_ready("chat/all", ports)
+    with httpx.Client(timeout=30) as client:
+        response = client.post(rig.url(), json=chat())
+        assert response.status_code == 504, response.text
+        assert "x-backend-id" not in response.headers  # Envoy ended it, not the replica
+        # The same route allowing 10 s: the answer arrives.
+        apply("10s")
+        wait_until(
+            lambda: client.post(rig.url(), json=chat()).status_code == 200,
+            60,
+            message="the longer timeout to reach Envoy and the answer to arrive",
+        )
+        response = client.post(rig.url(), json=chat())
+        assert response.status_code == 200 and answered_by(response) == replica.id

@@ -7,6 +7,8 @@ from SDS files; a rotated certificate file keeps the stream working.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import socket
 import ssl
@@ -19,15 +21,18 @@ import httpx
 import pytest
 from cryptography import x509
 from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from harness.auth import ADMIN
-from harness.builders import fleet_policies, policy, route
+from harness.builders import fleet_policies, policy, pool, route
 from harness.envoy import active_listeners
 from harness.rig import api_client, apply
 from harness.wait import wait_until
 
-from controlplane.local import EmbeddedEnvoy, KvpilotProcess, free_port
+from controlplane.etcd import EtcdClient
+from controlplane.local import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess, free_port
 from controlplane.local.pki import Ca, CertDir
+from controlplane.rollouts.signals import SIGNALS_PREFIX
 from xdsserver.identity import TlsFiles
 from xdsserver.resources import LISTENER
 
@@ -198,6 +203,10 @@ def test_a_client_without_a_certificate_cannot_connect_and_the_server_cert_rotat
     assert response.type_url == LISTENER and len(response.resources) == 1
     connected = httpx.get(f"{kvpilot.api_url}/v1/status", headers=ADMIN).json()
     assert "no-cert" not in {r["node_id"] for r in connected["refusedEnvoys"]}
+    # The handshake refused them, so no refusal reason claims to count them.
+    metrics = httpx.get(f"{kvpilot.api_url}/metrics").text
+    assert 'kvpilot_xds_refused_total{reason="unbound_identity"} 0.0' in metrics
+    assert "no_certificate" not in metrics
 
     # kvpilot's own certificate rotates too: the next handshake presents the new one.
     client = CertDir(mtls["root"] / "probe", good, ca.cert)
@@ -225,3 +234,91 @@ def test_serve_refuses_to_start_without_tls_or_the_plaintext_flag(tmp_path: Path
     )
     assert result.returncode != 0
     assert "--xds-insecure-plaintext" in result.stderr and "--xds-cert" in result.stderr
+
+
+def signal_records(etcd: EmbeddedEtcd, prefix: str) -> dict[str, dict[str, Any]]:
+    """Every replica's published rollout-signal records in etcd, by key."""
+
+    async def read() -> dict[str, dict[str, Any]]:
+        async with EtcdClient([etcd.endpoint]) as client:
+            kvs, _ = await client.get_prefix(f"{prefix}/{SIGNALS_PREFIX}".encode())
+        return {kv.key.decode(): json.loads(kv.value) for kv in kvs}
+
+    return asyncio.run(read())
+
+
+def access_log(fleet: str, errors: int, cluster: str, port: int) -> Any:
+    """A first access-log message naming a node of `fleet`, with `errors` upstream 503s on a
+    host of `cluster` (what a forged stream would send to abort a canary)."""
+    message = als_pb2.StreamAccessLogsMessage()
+    message.identifier.node.id = f"signals-{fleet}"
+    message.identifier.node.cluster = fleet
+    message.identifier.log_name = "kvpilot_signals"
+    for _ in range(errors):
+        entry = message.http_logs.log_entry.add()
+        common = entry.common_properties
+        common.upstream_cluster = cluster
+        common.upstream_remote_address.socket_address.address = "127.0.0.1"
+        common.upstream_remote_address.socket_address.port_value = port
+        entry.response.response_code.value = 503
+    return message
+
+
+def test_signal_streams_are_taken_only_from_a_certificate_bound_to_their_fleet(
+    mtls: dict[str, Any], etcd: EmbeddedEtcd, etcd_prefix: str
+) -> None:
+    ca, kvpilot, api = mtls["ca"], mtls["kvpilot"], mtls["api"]
+    # A host in both fleets' pool, so a counted entry resolves to it and gets published.
+    host = free_port()
+
+    def endpoints_version() -> str:
+        return str(api.get("/v1/fleets/fleet-a/config").json()["versions"]["endpoints"])
+
+    before = endpoints_version()
+    apply(api, pool("p", [host]))
+    wait_until(lambda: endpoints_version() != before, 30, message="the pool's host to be compiled")
+
+    def send(identity: tuple[str, ...], fleet: str) -> Any:
+        cert = ca.issue("signals-client", uris=identity)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca.cert, private_key=cert.key, certificate_chain=cert.cert
+        )
+        options = [("grpc.ssl_target_name_override", "kvpilot")]
+        target = f"127.0.0.1:{kvpilot.xds_port}"
+        with grpc.secure_channel(target, credentials, options=options) as channel:
+            stub = als_pb2_grpc.AccessLogServiceStub(channel)
+            message = access_log(fleet, 20, f"{fleet}/r", host)
+            return stub.StreamAccessLogs(iter([message]), timeout=10)
+
+    # An unbound certificate, and one bound to fleet A, each report 20 503s for fleet B.
+    for identity, reason in (
+        (("spiffe://kvpilot.test/fleet/nobody",), "unbound_identity"),
+        ((FLEET_A_ID,), "fleet_mismatch"),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            send(identity, "fleet-b")
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, reason
+        assert identity[0] in (caught.value.details() or ""), reason
+    refused = [
+        r for r in api.get("/v1/status").json()["refusedEnvoys"] if r["service"] == "signals"
+    ]
+    assert {(r["fleet"], r["reason"]) for r in refused} == {
+        ("fleet-b", "unbound_identity"),
+        ("fleet-b", "fleet_mismatch"),
+    }
+    metrics = api.get("/metrics").text
+    for reason in ("unbound_identity", "fleet_mismatch"):
+        assert f'kvpilot_signals_refused_total{{reason="{reason}"}} 1.0' in metrics
+
+    # The certificate bound to fleet A reporting for fleet A is taken, and published.
+    send((FLEET_A_ID,), "fleet-a")
+    records = wait_until(
+        lambda: signal_records(etcd, etcd_prefix),
+        30,
+        message="the accepted stream's counts to be published to etcd",
+    )
+    # Nothing the refused streams sent was counted: the only record is fleet A's 20.
+    [record] = records.values()
+    assert record["cluster"] == "fleet-a/r"
+    assert set(record["fleets"]) == {"fleet-a"}
+    assert record["pools"]["p"]["requests"] == record["pools"]["p"]["errors"] == 20, record

@@ -294,6 +294,27 @@ MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
         "healthy",
         {"endpoints"},
     ),
+    (
+        "adapter loaded on one more replica",
+        "adapter-routing",
+        ("telemetry", "llama", "10.0.0.2:8000", "adapters"),
+        ["chat-lora", "sql-lora"],
+        {"endpoints"},
+    ),
+    (
+        "adapter fallback",
+        "adapter-fallback-base",
+        ("objects", 2, "spec", "routes", 0, "adapters"),
+        {"fallback": "notFound"},
+        {"routes"},
+    ),
+    (
+        "tracing sampling",
+        "tracing",
+        ("objects", 0, "spec", "tracing", "sampling"),
+        50,
+        {"listeners"},
+    ),
 ]
 
 

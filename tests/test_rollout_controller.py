@@ -82,7 +82,9 @@ async def test_one_driver_steps_through_holding_each_step(
         steps = [e for e in record["history"] if e["event"] == "step"]
         assert [e["weights"]["next"] for e in steps] == [20, 60, 100]
         assert {e["by"] for e in record["history"]} == {"a" if a.leading else "b"}
-        assert all(y["at"] - x["at"] >= 0.3 for x, y in itertools.pairwise(steps))
+        assert all(y["at"] - x["at"] >= 0.3 for x, y in itertools.pairwise(steps)), [
+            (y["at"] - x["at"], x["at"], y["at"]) for x, y in itertools.pairwise(steps)
+        ]
         stored = await store.get("RoutingPolicy", "main")
         assert stored is not None
         tier = stored.body["spec"]["routes"][0]["tiers"][0]["pools"]

@@ -96,12 +96,16 @@ class FleetBinding:
 
     def refusal(self, identity: PeerIdentity | None, fleet: str) -> tuple[str, str] | None:
         """Why an Envoy with ``identity`` may not receive ``fleet``: (reason, sentence), or
-        None when it may. The sentence names the identity and the fleet, never a secret."""
+        None when it may. The sentence names the identity and the fleet, never a secret.
+
+        ``identity`` None (a peer without a certificate) cannot reach this while the TLS
+        handshake requires a client certificate; it is bound to no fleet all the same.
+        """
         if identity is None:
             return (
-                "no_certificate",
-                "the Envoy presented no client certificate; give it one signed by the xDS "
-                "client CA",
+                "unbound_identity",
+                "the peer presented no client certificate, so it is bound to no fleet; give it "
+                "one signed by the xDS client CA",
             )
         allowed = self.fleets(identity)
         who = identity.describe() or "a certificate without SANs"
@@ -119,6 +123,40 @@ class FleetBinding:
             f"{', '.join(sorted(allowed))}; fix the Envoy's --service-cluster (node.cluster) or "
             "the identity binding",
         )
+
+
+REFUSAL_REASONS = ("unbound_identity", "fleet_mismatch")
+"""Every reason ``FleetBinding.refusal`` gives. A client without a certificate signed by the
+client CA never gets this far: the TLS handshake refuses it, before any service runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCheck:
+    """What the identity rule decided for one gRPC stream."""
+
+    identity: str
+    """The peer's identity for logs and status (its first SAN); "" without mutual TLS."""
+    refusal: tuple[str, str] | None
+    """(reason, sentence) when the stream must be refused; None when it may go on."""
+
+
+def check_peer(
+    binding: FleetBinding | None, auth_context: Mapping[str, Iterable[bytes]], fleet: str
+) -> PeerCheck:
+    """The one identity rule of kvpilot's gRPC port, for ADS and the access-log signal
+    service alike: with mutual TLS (``binding`` given) a stream may act for ``fleet`` only
+    if the client certificate is bound to that fleet or to ``*``. Without mutual TLS
+    (plaintext, ``binding`` None) every stream is taken at its word.
+
+    ADS applies it so a node cannot read another fleet's config; the signal service so a
+    certificate cannot write another fleet's rollout signals (forged errors that abort, or
+    clean numbers that push through, another fleet's canary).
+    """
+    if binding is None:
+        return PeerCheck("", None)
+    identity = PeerIdentity.from_auth_context(auth_context)
+    described = identity.describe() if identity is not None else ""
+    return PeerCheck(described, binding.refusal(identity, fleet))
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from xdsserver.delta import DeltaStream
-from xdsserver.identity import FleetBinding, PeerIdentity
+from xdsserver.identity import FleetBinding, check_peer
 from xdsserver.resources import short_name
 from xdsserver.snapshot import SnapshotCache, Watch
 from xdsserver.sotw import SotwStream
@@ -102,30 +102,27 @@ class AdsServer:
         node_id = str(node.id)
         fleet = self.cache.fleet_for(node)
         peer = str(context.peer())
-        identity = ""
-        if self.binding is not None:
-            peer_identity = PeerIdentity.from_auth_context(context.auth_context())
-            identity = peer_identity.describe() if peer_identity is not None else ""
-            refusal = self.binding.refusal(peer_identity, fleet)
-            if refusal is not None:
-                reason, message = refusal
-                log.warning(
-                    "xDS refused node=%s fleet=%s identity=%s peer=%s: %s",
-                    node_id,
-                    fleet,
-                    identity,
-                    peer,
-                    message,
-                )
-                self.status.refused(
-                    node_id=node_id,
-                    fleet=fleet,
-                    identity=identity,
-                    peer=peer,
-                    reason=reason,
-                    message=message,
-                )
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+        check = check_peer(self.binding, context.auth_context(), fleet)
+        identity = check.identity
+        if check.refusal is not None:
+            reason, message = check.refusal
+            log.warning(
+                "xDS refused node=%s fleet=%s identity=%s peer=%s: %s",
+                node_id,
+                fleet,
+                identity,
+                peer,
+                message,
+            )
+            self.status.refused(
+                node_id=node_id,
+                fleet=fleet,
+                identity=identity,
+                peer=peer,
+                reason=reason,
+                message=message,
+            )
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
         watch = self.cache.watch(fleet)
         conn = self.status.open(
             node_id=node_id, fleet=fleet, peer=peer, mode=mode, identity=identity

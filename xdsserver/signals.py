@@ -38,6 +38,9 @@ from google.protobuf import duration_pb2
 from compiler.rollout import PoolSignals
 from policies.names import LOCAL_SUFFIX
 from xdsserver.difficultylog import ScoreBook
+from xdsserver.identity import FleetBinding, PeerCheck, check_peer
+from xdsserver.snapshot import SnapshotCache
+from xdsserver.status import ConnectionRegistry
 from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
 from xdsserver.translate.listeners import DIFFICULTY_LOG
 from xdsserver.translate.usage import USAGE_LOG_PREFIX
@@ -124,26 +127,45 @@ class SignalBook:
 
 
 class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
-    """``envoy.service.accesslog.v3.AccessLogService`` feeding a SignalBook."""
+    """``envoy.service.accesslog.v3.AccessLogService`` feeding a SignalBook.
+
+    With ``binding`` (mutual TLS) a stream is taken only from a certificate bound to the fleet
+    its node claims (or to ``*``): the same rule as ADS (``xdsserver.identity.check_peer``).
+    Otherwise it is refused with PERMISSION_DENIED before any entry is counted, and recorded
+    in ``status``: a certificate must not write another fleet's rollout signals.
+    """
 
     def __init__(
         self,
         book: SignalBook,
-        fleet_of: Callable[[Any], str] | None = None,
+        cache: SnapshotCache | None = None,
+        *,
+        binding: FleetBinding | None = None,
+        status: ConnectionRegistry | None = None,
         scores: ScoreBook | None = None,
         usage: UsageBook | None = None,
     ) -> None:
         self.book = book
+        self.cache = cache
+        """Maps an Envoy's node to the fleet it claims and the fleet whose config it is
+        served; without it both are ``node.cluster``."""
+        self.binding = binding
+        self.status = status
         self.scores = scores
         """Where entries of virtual models' score logs go (``xdsserver.difficultylog``)."""
         self.usage = usage
         """Where entries of the usage logs (``kvpilot.usage/<listener>``) go."""
-        self.fleet_of = fleet_of
-        """The fleet whose config an Envoy (its ``Node``) is served; ``node.cluster`` without."""
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Register the service on a grpc.aio server (beside ADS)."""
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self, server)
+
+    def _fleets(self, node: Any) -> tuple[str, str]:
+        """(claimed, served) fleet of a node: the rule checks the claim, as ADS does; entries
+        count for the fleet whose config the Envoy runs."""
+        if self.cache is None:
+            return str(node.cluster), str(node.cluster)
+        return self.cache.fleet_for(node), self.cache.served_fleet(node)
 
     async def StreamAccessLogs(
         self,
@@ -151,14 +173,20 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> als_pb2.StreamAccessLogsResponse:
         fleet = ""
+        checked = False
         log_name = ""
         async for message in request_iterator:
-            # Envoy names itself (and the log) in the first message of a stream only; each
-            # log config (upstream signals, a listener's score log, a listener's usage log)
-            # has a stream of its own.
-            if message.HasField("identifier"):
+            # Envoy names itself (and the log) in the first message of a stream only; a
+            # stream that does not is checked as a claim of the default fleet before anything
+            # it sent counts. Each log config (upstream signals, a listener's score log, a
+            # listener's usage log) has a stream of its own.
+            if message.HasField("identifier") or not checked:
                 node = message.identifier.node
-                fleet = self.fleet_of(node) if self.fleet_of is not None else node.cluster
+                claimed, fleet = self._fleets(node)
+                check = check_peer(self.binding, context.auth_context(), claimed)
+                if check.refusal is not None:
+                    await self._refuse(context, str(node.id), claimed, check)
+                checked = True
                 log_name = message.identifier.log_name
             if log_name.startswith(DIFFICULTY_LOG):
                 if self.scores is not None:
@@ -176,3 +204,33 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
             for listener in self.book.listeners:
                 listener()
         return als_pb2.StreamAccessLogsResponse()
+
+    async def _refuse(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        node_id: str,
+        fleet: str,
+        check: PeerCheck,
+    ) -> None:
+        assert check.refusal is not None
+        reason, message = check.refusal
+        peer = str(context.peer())
+        log.warning(
+            "access-log signals refused node=%s fleet=%s identity=%s peer=%s: %s",
+            node_id,
+            fleet,
+            check.identity,
+            peer,
+            message,
+        )
+        if self.status is not None:
+            self.status.refused(
+                node_id=node_id,
+                fleet=fleet,
+                identity=check.identity,
+                peer=peer,
+                reason=reason,
+                message=message,
+                service="signals",
+            )
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)

@@ -17,11 +17,14 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from xdsserver.identity import REFUSAL_REASONS
 from xdsserver.resources import short_name
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["sotw", "delta"]
+Service = Literal["ads", "signals"]
+"""The two services on kvpilot's gRPC port that the identity rule guards."""
 Event = Literal["connected", "disconnected", "subscribed", "sent", "acked", "nacked"]
 Listener = Callable[[Event, "ConnectionStatus"], None]
 
@@ -134,12 +137,14 @@ class Refusal:
     identity: str
     peer: str
     reason: str
-    """``no_certificate``, ``unbound_identity`` or ``fleet_mismatch``."""
+    """``unbound_identity`` or ``fleet_mismatch`` (``xdsserver.identity.REFUSAL_REASONS``)."""
     message: str
     at: float
     """Wall-clock time of the latest refusal (seconds since the epoch)."""
     count: int = 1
     """Refusals of this node, claim and identity so far (Envoy retries with backoff)."""
+    service: Service = "ads"
+    """The stream refused: ``ads`` (config) or ``signals`` (access logs for rollouts)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -151,6 +156,7 @@ class Refusal:
             "message": self.message,
             "at": self.at,
             "count": self.count,
+            "service": self.service,
         }
 
 
@@ -176,10 +182,23 @@ class _Metrics:
         )
         self.refused = Counter(
             "kvpilot_xds_refused_total",
-            "ADS streams refused because the client certificate does not allow the claimed fleet.",
+            "ADS streams refused because the client certificate does not allow the claimed "
+            "fleet. A client without a certificate signed by the client CA is not counted: the "
+            "TLS handshake refuses it before any stream opens (its Envoy never connects: "
+            "control_plane.connected_state 0).",
             ["reason"],
             registry=registry,
         )
+        self.signals_refused = Counter(
+            "kvpilot_signals_refused_total",
+            "Access-log signal streams refused because the client certificate does not allow "
+            "the fleet the stream reports for (nothing it sent was counted).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(reason=reason)
+            self.signals_refused.labels(reason=reason)
         self.push_seconds = Histogram(
             "kvpilot_xds_push_seconds",
             "Time from set_snapshot to the response being sent on a stream.",
@@ -228,7 +247,7 @@ class ConnectionRegistry:
         self._connections: dict[int, ConnectionStatus] = {}
         self._listeners: list[Listener] = []
         self._next_id = 0
-        self._refusals: dict[tuple[str, str, str], Refusal] = {}
+        self._refusals: dict[tuple[str, str, str, str], Refusal] = {}
 
     # Reading -------------------------------------------------------------------------------
 
@@ -308,16 +327,26 @@ class ConnectionRegistry:
         return status
 
     def refused(
-        self, *, node_id: str, fleet: str, identity: str, peer: str, reason: str, message: str
+        self,
+        *,
+        node_id: str,
+        fleet: str,
+        identity: str,
+        peer: str,
+        reason: str,
+        message: str,
+        service: Service = "ads",
     ) -> None:
-        """An Envoy was refused (it got nothing). Repeats of one node, claim and identity
-        update one record; the oldest records go when more than `MAX_REFUSALS` are kept."""
-        self._metrics.refused.labels(reason=reason).inc()
-        key = (node_id, fleet, identity)
+        """A stream was refused (its Envoy got nothing, or nothing it sent was counted).
+        Repeats of one service, node, claim and identity update one record; the oldest
+        records go when more than `MAX_REFUSALS` are kept."""
+        counter = self._metrics.refused if service == "ads" else self._metrics.signals_refused
+        counter.labels(reason=reason).inc()
+        key = (service, node_id, fleet, identity)
         known = self._refusals.pop(key, None)
         count = known.count + 1 if known is not None else 1
         self._refusals[key] = Refusal(
-            node_id, fleet, identity, peer, reason, message, self._clock(), count
+            node_id, fleet, identity, peer, reason, message, self._clock(), count, service
         )
         while len(self._refusals) > MAX_REFUSALS:
             del self._refusals[next(iter(self._refusals))]

@@ -128,6 +128,7 @@ function policyHtml(policy, now) {
     `queue ${num(s.queue, 1)}`,
     `KV cache ${num(s.kvCache * 100)}%`,
     s.pendingTokens ? `pending tokens ${num(s.pendingTokens)}` : null,
+    s.ttft ? `TTFT ${interval(s.ttft)}` : null,
   ].filter(Boolean);
   return (
     `<section class="policy" data-policy="${esc(policy.name)}"><header><h2>${esc(policy.name)}</h2>` +

@@ -55,6 +55,18 @@ function weightCell(endpoint, maxWeight) {
   return `<span class="weight"><span class="bar"><i style="width:${share}%"></i></span><span>${num(endpoint.weight)}</span>${arrow}</span>`;
 }
 
+// What the replica serves: its pool's models, or the models and LoRA adapters its agent
+// reports; a model list that could not be read is flagged (the last one read still routes).
+function servedCell(endpoint) {
+  const models = (endpoint.models || []).map((m) => `<span class="chip model">${esc(m)}</span>`);
+  const adapters = (endpoint.adapters || []).map((a) => `<span class="chip adapter" title="LoRA adapter">${esc(a)}</span>`);
+  const error = endpoint.modelsError
+    ? `<span class="chip warn" title="${esc(endpoint.modelsError)}">model list unread</span>`
+    : "";
+  if (!models.length && !adapters.length && !error) return "";
+  return `<span class="served">${models.join("")}${adapters.join("")}${error}</span> `;
+}
+
 function rowCells(pool, endpoint, history, maxWeight, admin) {
   const t = endpoint.telemetry || {};
   const drained = endpoint.health === "draining";
@@ -71,13 +83,21 @@ function rowCells(pool, endpoint, history, maxWeight, admin) {
     `<span class="num">${num(t.pending_tokens)}</span>` +
     `<span>${sparkline(history)}</span>` +
     `<span class="num">${endpoint.telemetryAge === null ? "—" : ago(endpoint.telemetryAge)}</span>` +
-    `<span class="why">${esc(endpoint.reasons.join("; ")) || `<span class="muted">—</span>`}</span>` +
+    `<span class="why">${servedCell(endpoint)}${esc(endpoint.reasons.join("; ")) || `<span class="muted">—</span>`}</span>` +
     `<span class="actions">` +
     // Spans, not form controls: a thousand native inputs and buttons cost seconds of layout.
     `<span class="act" role="button" tabindex="0" data-act="weight" data-pool="${poolName}" data-id="${id}" data-weight="${endpoint.weight}"${disabled}>weight…</span>` +
     `<span class="act drain" role="button" tabindex="0" data-act="${drained ? "undrain" : "drain"}" data-pool="${poolName}" data-id="${id}"${disabled}>${drained ? "undrain" : "drain"}</span>` +
     `</span>`
   );
+}
+
+// A pool's own models, or else the models and adapters its replicas report.
+function poolModels(pool) {
+  if (pool.models.length) return pool.models;
+  const found = new Set();
+  for (const e of pool.endpoints) for (const m of [...(e.models || []), ...(e.adapters || [])]) found.add(m);
+  return [...found].sort();
 }
 
 function poolCard(pool) {
@@ -87,7 +107,7 @@ function poolCard(pool) {
   return (
     `<div class="card${serving ? "" : " bad"}" data-pool="${esc(pool.name)}"><h3><span>${esc(pool.name)}</span>` +
     `<span class="pill ${serving ? "ok" : "bad"}">${serving}/${pool.endpoints.length} serving</span></h3>` +
-    `<div class="meta">${pool.models.map((m) => `<span class="chip model">${esc(m)}</span>`).join("") || "any model"} ` +
+    `<div class="meta">${poolModels(pool).map((m) => `<span class="chip model">${esc(m)}</span>`).join("") || "any model"} ` +
     `${pool.balancing.map((b) => `<span class="chip">${esc(b)}</span>`).join("")}${pool.external ? `<span class="chip">external</span>` : ""}</div>` +
     `<div class="counts"><span class="sync-ok"><b>${counts.healthy}</b> healthy</span><span class="sync-wait"><b>${counts.degraded}</b> degraded</span>` +
     `<span style="color:var(--drain)"><b>${counts.draining}</b> draining</span><span class="sync-bad"><b>${counts.unhealthy}</b> unhealthy</span></div></div>`
@@ -105,7 +125,7 @@ function rowFacts(pool, view) {
     health: e.effectiveHealth,
     weight: e.weight,
     sent: e.effectiveWeight,
-    text: `${pool.name} ${e.id} ${e.effectiveHealth} ${e.reasons.join(" ")}`.toLowerCase(),
+    text: `${pool.name} ${e.id} ${e.effectiveHealth} ${e.reasons.join(" ")} ${(e.models || []).join(" ")} ${(e.adapters || []).join(" ")}`.toLowerCase(),
   };
 }
 

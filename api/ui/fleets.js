@@ -16,14 +16,44 @@ function shortVersion(version) {
   return version ? esc(version.slice(0, 8)) : "—";
 }
 
-function typeCell(envoy, typeUrl, served) {
+// After a cluster (listener) change Envoy asks for the endpoints (routes) of the new set: a
+// rejected CDS (LDS) leaves EDS (RDS) behind what is served, with nothing wrong of its own.
+const LEADER = { EDS: "CDS", RDS: "LDS" };
+const FOLLOWS = { EDS: "endpoints of the new clusters", RDS: "routes of the new listeners" };
+
+function isNacked(t) {
+  return Boolean(t && t.last_nack && t.version_acked !== t.version_sent);
+}
+
+// Why a cell is behind what the fleet is served, in a few words, and as a sentence.
+function waitReason(envoy, name, t) {
+  if (t.version_sent !== t.version_acked) {
+    return ["awaiting ACK", `sent ${t.version_sent}; the Envoy has not ACKed it yet`];
+  }
+  const leader = LEADER[name];
+  const leaderUrl = leader && TYPES.find(([n]) => n === leader)[1];
+  if (leader && isNacked((envoy.types || {})[leaderUrl])) {
+    return [
+      `waits on ${leader} (rejected)`,
+      `the Envoy rejected the new ${leader}, and asks for the ${FOLLOWS[name]} only once it takes it; see its last NACK`,
+    ];
+  }
+  return ["not sent yet", "kvpilot has not sent this version to the Envoy yet"];
+}
+
+function typeCell(envoy, name, typeUrl, served) {
   const t = (envoy.types || {})[typeUrl];
   if (!t) return `<td class="version muted">—</td>`;
-  const nacked = t.last_nack && t.version_acked !== t.version_sent;
+  const nacked = isNacked(t);
   const inSync = t.version_acked && t.version_acked === t.version_sent && (!served || served === t.version_acked);
   const cls = nacked ? "sync-bad" : inSync ? "sync-ok" : "sync-wait";
-  const title = `sent ${t.version_sent || "—"}\nACKed ${t.version_acked || "—"}${served ? `\nserved ${served}` : ""}`;
-  return `<td class="version ${cls}" title="${esc(title)}">${shortVersion(t.version_acked)}${t.version_sent !== t.version_acked ? ` <span class="muted">← ${shortVersion(t.version_sent)}</span>` : ""}</td>`;
+  const [why, sentence] = nacked || inSync ? ["", ""] : waitReason(envoy, name, t);
+  const title = `sent ${t.version_sent || "—"}\nACKed ${t.version_acked || "—"}${served ? `\nserved ${served}` : ""}${sentence ? `\n${sentence}` : ""}`;
+  return (
+    `<td class="version ${cls}" data-type="${name}" title="${esc(title)}">${shortVersion(t.version_acked)}` +
+    `${t.version_sent !== t.version_acked ? ` <span class="muted">← ${shortVersion(t.version_sent)}</span>` : ""}` +
+    `${why ? ` <span class="why" data-why>${esc(why)}</span>` : ""}</td>`
+  );
 }
 
 export function renderFleets(status) {
@@ -64,7 +94,7 @@ export function renderFleets(status) {
         return (
           `<tr data-node="${esc(envoy.node_id)}"><td class="id">${esc(envoy.node_id)}</td><td>${esc(envoy.fleet)}</td><td>${esc(envoy.mode)}</td>` +
           `<td class="muted">${esc(envoy.peer)}</td><td class="num">${ago(now - envoy.connected_since)}</td>` +
-          TYPES.map(([, url]) => typeCell(envoy, url, versions[url])).join("") +
+          TYPES.map(([name, url]) => typeCell(envoy, name, url, versions[url])).join("") +
           `<td class="num">${lastAck ? ago(now - lastAck) : "—"}</td><td class="nackcell">${nackHtml}</td></tr>`
         );
       })

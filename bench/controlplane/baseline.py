@@ -36,7 +36,8 @@ from typing import Any
 from bench.controlplane.acklog import AckLogKvpilot, Change, summarize
 from bench.controlplane.pools import rebuild_input
 from bench.controlplane.rebuild_probe import MEASURES
-from bench.controlplane.run import Bench, ControlPlaneConfig
+from bench.controlplane.results import ControlPlaneConfig
+from bench.controlplane.run import Bench
 from bench.rig.report import table
 from controlplane.local import free_port, repo_root
 

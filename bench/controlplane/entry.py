@@ -32,7 +32,8 @@ class ControlPlaneBenchmark:
         )
 
     def run(self, args: argparse.Namespace) -> Written:
-        from bench.controlplane.run import default_config, run_controlplane
+        from bench.controlplane.results import default_config
+        from bench.controlplane.run import run_controlplane
 
         config = with_out(default_config(short=args.short), args)
         if args.baseline:

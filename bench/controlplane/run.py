@@ -16,7 +16,9 @@ Then, on the configuration of `bench.controlplane.pools`:
   compile, translate, serialize once into a Snapshot), its EDS fast path for one endpoint
   change and its routes path for one route change (LDS and RDS translated, every cluster and
   endpoint reused); then end to end, 10 real Envoys holding that config, the time from an
-  endpoint change (EDS) and from a route change (RDS) to every Envoy's ACK;
+  endpoint change (EDS) and from a route change (RDS) to every Envoy's ACK; then, with
+  nothing written for a minute, the xDS responses kvpilot sends per minute (0: versions are
+  content hashes, and a stream sends only what its Envoy does not hold);
 - kvpilot's resident memory (`VmRSS` of the daemon) at each stage.
 
 It prints a Markdown table and writes `bench/results/controlplane.json`. `--short` (1 and 3
@@ -32,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +44,19 @@ from bench.controlplane.acklog import (
     CHANGE_TIMEOUT,
     AckLog,
     AckLogKvpilot,
-    AckTimes,
     Change,
     measure,
     summarize,
 )
 from bench.controlplane.pools import FLEET, POLICY, pools_and_policy, rebuild_input
-from bench.rig.report import table
+from bench.controlplane.results import (
+    ClientsRow,
+    ControlPlaneConfig,
+    ControlPlaneResults,
+    IdlePushes,
+    Scale,
+    markdown,
+)
 from controlplane.local import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
@@ -57,91 +65,10 @@ from controlplane.local import (
     repo_root,
 )
 
-RESULTS_DIR = repo_root() / "bench" / "results"
 CHANGE_POOL = "p0"
 CHANGE_ENDPOINT = "moving"
 START_TIMEOUT = 120.0
 """Seconds kvpilot may take to answer /readyz: on a loaded machine its imports alone take 30."""
-
-
-@dataclass(frozen=True)
-class ControlPlaneConfig:
-    envoys: tuple[int, ...] = (1, 10, 50)
-    streams: int = 1000
-    endpoints: int = 10_000
-    big_envoys: int = 10
-    changes: int = 20
-    telemetry_seconds: float = 30.0
-    out_dir: Path = RESULTS_DIR
-
-
-def default_config(*, short: bool = False) -> ControlPlaneConfig:
-    if short:
-        return ControlPlaneConfig(
-            envoys=(1, 3),
-            streams=100,
-            endpoints=1000,
-            big_envoys=3,
-            changes=8,
-            telemetry_seconds=4.0,
-        )
-    return ControlPlaneConfig()
-
-
-@dataclass(frozen=True)
-class Scale:
-    """How big the run was (the JSON file's ``config``)."""
-
-    envoys: list[int]
-    streams: int
-    endpoints: int
-    big_envoys: int
-    changes: int
-
-    @classmethod
-    def of(cls, config: ControlPlaneConfig) -> Scale:
-        return cls(
-            list(config.envoys),
-            config.streams,
-            config.endpoints,
-            config.big_envoys,
-            config.changes,
-        )
-
-
-@dataclass(frozen=True)
-class ClientsRow:
-    """One row of the change-to-ACK table: which clients, their ACK times, kvpilot's RSS."""
-
-    clients: str
-    changes: int
-    p50_ms: float
-    p99_ms: float
-    max_ms: float
-    first_ack_p50_ms: float
-    rss_mib: float
-
-    @classmethod
-    def of(cls, clients: str, times: AckTimes, rss_mib: float) -> ClientsRow:
-        return cls(clients, **asdict(times), rss_mib=rss_mib)
-
-    def measured(self) -> dict[str, Any]:
-        """The row without its label, as the progress lines print it."""
-        return {k: v for k, v in asdict(self).items() if k != "clients"}
-
-
-@dataclass
-class ControlPlaneResults:
-    """Everything the control-plane benchmark measured; the JSON file is its `asdict`."""
-
-    config: Scale
-    envoys: list[ClientsRow] = field(default_factory=list)
-    memory_mib: dict[str, float] = field(default_factory=dict)
-    """kvpilot's RSS at named points of the run."""
-    translation: dict[str, Any] = field(default_factory=dict)
-    """`rebuild_probe.measure`'s numbers (a dict: older commits run that file too)."""
-    telemetry: dict[str, Any] | None = None
-    """`bench.controlplane.scale.telemetry_at_scale`'s numbers."""
 
 
 def rss_mib(pid: int | None) -> float:
@@ -360,6 +287,9 @@ class Bench:
             eds = summarize(self.run_changes(nodes, "EDS"))
             rds = summarize(self.run_changes(nodes, "RDS"))
             rss = self._rss()
+            assert self.kvpilot is not None
+            results.idle = idle_pushes(self.kvpilot.api_url, config.idle_seconds)
+        print(f"  idle: {asdict(results.idle)}", flush=True)
         label = f"{config.big_envoys} Envoy, {config.endpoints} endpoints"
         results.envoys.append(ClientsRow.of(f"{label}, endpoint change", eds, rss))
         results.envoys.append(ClientsRow.of(f"{label}, route change", rds, rss))
@@ -398,63 +328,32 @@ class Bench:
         )
 
 
+def xds_responses(api_url: str) -> float:
+    """xDS responses kvpilot has sent so far, every type and stream together."""
+    text = httpx.get(f"{api_url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvpilot_xds_pushes_total{")
+    )
+
+
+def idle_pushes(api_url: str, seconds: float) -> IdlePushes:
+    """xDS responses per minute while nothing changes: every Envoy holds the last snapshot
+    (the caller's last change was ACKed by all), and nothing is written for `seconds`.
+    Versions are content hashes and streams send only differences, so this is 0."""
+    before = xds_responses(api_url)
+    time.sleep(seconds)
+    sent = xds_responses(api_url) - before
+    return IdlePushes(seconds, sent, round(sent * 60 / seconds, 2))
+
+
 def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
     """The reconciler's full rebuild, EDS fast path and routes path over `endpoints` endpoints
     (no I/O; ``bench.controlplane.rebuild_probe``)."""
     from bench.controlplane import rebuild_probe
 
     return {"endpoints": endpoints, **rebuild_probe.measure(rebuild_input(endpoints), repeats)}
-
-
-# -- report ------------------------------------------------------------------------------------
-
-
-def markdown(results: ControlPlaneResults) -> str:
-    lines = [
-        "## kvpilot control plane",
-        "",
-        "Time from a write through the REST API to every client ACKing the new version "
-        f"({results.config.changes} changes each).",
-        "",
-    ]
-    lines += table(
-        ("clients", "p50 ms", "p99 ms", "max ms", "first ACK p50 ms", "kvpilot RSS MiB"),
-        (
-            (row.clients, row.p50_ms, row.p99_ms, row.max_ms, row.first_ack_p50_ms, row.rss_mib)
-            for row in results.envoys
-        ),
-        "lrrrrr",
-    )
-    t = results.translation
-    lines += [
-        "",
-        f"Rebuild at {t['endpoints']} endpoints ({t['clusters']} clusters, "
-        f"{t['serialized_kib']} KiB serialized), in process:",
-        "",
-    ]
-    lines += table(
-        ("rebuild", "ms"),
-        (
-            (
-                "full: decode, validate, compile, translate, serialize (Snapshot)",
-                t["full_rebuild_ms"],
-            ),
-            ("the same, the process's first (nothing cached yet)", t["first_full_rebuild_ms"]),
-            ("EDS fast path: one endpoint changed", t["fast_path_ms"]),
-            ("routes path: one route timeout changed (LDS, RDS)", t["routes_path_ms"]),
-        ),
-        "lr",
-    )
-    lines += [
-        "",
-        "kvpilot RSS MiB: " + ", ".join(f"{k} {v}" for k, v in results.memory_mib.items()),
-        "",
-    ]
-    if results.telemetry is not None:
-        from bench.controlplane.scale import telemetry_markdown
-
-        lines.append(telemetry_markdown(results.telemetry))
-    return "\n".join(lines)
 
 
 def run_controlplane(config: ControlPlaneConfig, state_dir: Path | None = None) -> Path:

@@ -14,12 +14,8 @@ import yaml
 
 from api.client import KvpilotClient, kind_name
 from commands.cli.common import AddParser, CliError, api_client, bar, dump, load_files, table
-from commands.cli.spend import pool_cost_rows, price_text, spend_rows
-from policies import (
-    PolicyError,
-    Pool,
-    parse_object,
-)
+from commands.cli.spend import pool_cost_rows, spend_rows
+from commands.cli.tables import ENDPOINTS_VIEW, kinds_help, object_rows
 
 
 def _ref(kind: str, name: str) -> str:
@@ -112,86 +108,6 @@ def wait_for_envoys(
         time.sleep(interval)
 
 
-def _join(values: Any, limit: int = 3) -> str:
-    items = [str(v) for v in values or []]
-    shown = ",".join(items[:limit])
-    return (shown + f",+{len(items) - limit}" if len(items) > limit else shown) or "-"
-
-
-def _object_rows(kind: str, items: list[dict[str, Any]]) -> list[list[str]]:
-    """A table of objects of one kind: the columns that tell them apart at a glance."""
-    if kind == "Pool":
-        rows = [["NAME", "MODELS", "ENDPOINTS", "PROTOCOL", "EXTERNAL", "PRICE"]]
-        for item in items:
-            spec = item.get("spec", {})
-            try:
-                obj = parse_object(item)
-                external = "yes" if isinstance(obj, Pool) and obj.spec.external else "no"
-            except PolicyError:
-                external = "?"
-            rows.append(
-                [
-                    item["metadata"]["name"],
-                    _join(spec.get("models")),
-                    str(len(spec.get("endpoints", []))),
-                    str(spec.get("protocol", "-")),
-                    external,
-                    price_text(spec.get("price")),
-                ]
-            )
-    elif kind == "RoutingPolicy":
-        rows = [["NAME", "LISTENER", "FLEETS", "ROUTES"]]
-        for item in items:
-            spec = item.get("spec", {})
-            listener = spec.get("listener", {})
-            rows.append(
-                [
-                    item["metadata"]["name"],
-                    f"{listener.get('address', '')}:{listener.get('port', '')}",
-                    _join(spec.get("fleets")),
-                    _join([route.get("name") for route in spec.get("routes", [])]),
-                ]
-            )
-    elif kind == "Budget":
-        rows = [["NAME", "TENANT", "LIMIT", "WINDOW", "SCOPE", "ACTION"]]
-        for item in items:
-            spec = item.get("spec", {})
-            limit = (
-                f"{spec['tokens']} tokens"
-                if spec.get("tokens") is not None
-                else f"{spec.get('amount')} {spec.get('currency', '')}"
-            )
-            scope = ",".join(
-                f"{field}={spec[field]}" for field in ("class", "model") if spec.get(field)
-            )
-            action = spec.get("action", "reject")
-            if action == "divert":
-                action += f" to {spec.get('divertTo')}"
-            rows.append(
-                [
-                    item["metadata"]["name"],
-                    str(spec.get("tenant", "")),
-                    limit,
-                    f"{spec.get('window', '')} (UTC)",
-                    scope or "all",
-                    action,
-                ]
-            )
-    else:
-        rows = [["NAME", "MAX BODY", "SECRETS DIR", "ACCESS LOG"]]
-        for item in items:
-            spec = item.get("spec", {})
-            rows.append(
-                [
-                    item["metadata"]["name"],
-                    str(spec.get("maxRequestBodyBytes", "-")),
-                    str(spec.get("secretsDir", "-")),
-                    str(spec.get("accessLog", "-")).lower(),
-                ]
-            )
-    return rows
-
-
 def _endpoint_rows(view: dict[str, Any], pool: str | None) -> list[list[str]]:
     rows = [["POOL", "ENDPOINT", "HEALTH", "WEIGHT", "SENT", "QUEUE", "KV", "AGE", "WHY"]]
     for entry in view.get("pools", []):
@@ -220,7 +136,7 @@ def _endpoint_rows(view: dict[str, Any], pool: str | None) -> list[list[str]]:
 def cmd_get(args: argparse.Namespace) -> int:
     out = sys.stdout
     with api_client(args) as client:
-        if args.kind in ("endpoints", "endpoint", "ep"):
+        if args.kind in ENDPOINTS_VIEW:
             view = client.endpoints_view()
             if args.output == "table":
                 table(_endpoint_rows(view, args.name), out)
@@ -241,7 +157,7 @@ def cmd_get(args: argparse.Namespace) -> int:
         kind = kind_name(args.kind)
         items = [client.get(kind, args.name)] if args.name else client.list_objects(kind)
     if args.output == "table":
-        table(_object_rows(kind, items), out)
+        table(object_rows(kind, items), out)
     elif args.name:
         dump(items[0], args.output, out)
     elif args.output == "json":
@@ -345,11 +261,7 @@ def add_parsers(add_parser: AddParser) -> None:
     diff.set_defaults(func=cmd_diff)
 
     get = add_parser("get", help="show objects, or endpoints with their live weight and health")
-    get.add_argument(
-        "kind",
-        help="pool, routingpolicy, fleet, rollout or budget (plural works too), endpoints, "
-        "or spend",
-    )
+    get.add_argument("kind", help=kinds_help())
     get.add_argument(
         "name", nargs="?", help="one object (for endpoints: one pool); all when left out"
     )

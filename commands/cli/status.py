@@ -82,9 +82,11 @@ def _print_status(status: dict[str, Any], output: str, out: TextIO) -> None:
     table(rows, out)
     for refused in status.get("refusedEnvoys", []):
         out.write(
-            f"refused: {refused.get('node_id')} ({refused.get('count')}x, last "
+            f"refused {refused.get('service', 'ads')}: {refused.get('node_id')} "
+            f"({refused.get('count')}x, last "
             f"{_when(refused.get('at'))}): {refused.get('message')}\n"
         )
+    _print_rollouts(status, out)
     build = status.get("lastBuild", {})
     out.write(
         f"\nLast build: revision {build.get('revision')} at {_when(build.get('at'))} "
@@ -101,6 +103,40 @@ def _print_status(status: dict[str, Any], output: str, out: TextIO) -> None:
             f"{' at ' + diagnostic['path'] if diagnostic.get('path') else ''}: "
             f"{diagnostic.get('message')}\n"
         )
+
+
+def _print_rollouts(status: dict[str, Any], out: TextIO) -> None:
+    """The rollouts and the replica that drives them (one replica steps every rollout)."""
+    rollouts = status.get("rollouts", [])
+    driver = status.get("rolloutDriver")
+    since = status.get("rolloutDriverSince")
+    who = (
+        f"driven by replica {driver} since {_when(since)}"
+        if driver
+        else "no replica drives rollouts now"
+    )
+    out.write(f"\nRollouts: {len(rollouts)} ({who})\n")
+    if not rollouts:
+        return
+    rows = [["NAME", "TARGET", "PHASE", "STEP", "WEIGHTS", "VERDICT", "MESSAGE"]]
+    for rollout in rollouts:
+        target = rollout.get("target") or {}
+        step = rollout.get("step")
+        steps = rollout.get("steps") or []
+        weights = rollout.get("weights") or {}
+        verdict = rollout.get("verdict") or {}
+        rows.append(
+            [
+                str(rollout.get("name", "")),
+                f"{target.get('policy', '?')}/{target.get('route', '?')}",
+                str(rollout.get("phase", "")),
+                "-" if step is None else f"{step + 1}/{len(steps)}",
+                " ".join(f"{pool}={weight}%" for pool, weight in weights.items()) or "-",
+                str(verdict.get("outcome") or "-"),
+                str(rollout.get("message") or "-")[:80],
+            ]
+        )
+    table(rows, out)
 
 
 def _change(op: dict[str, Any]) -> str:

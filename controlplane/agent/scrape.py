@@ -42,6 +42,13 @@ from controlplane.etcd import (
 )
 from controlplane.etcd.keys import DEFAULT_PREFIX
 from controlplane.etcd.store import Store
+from signals.discovery import (
+    MODELS_PATHS,
+    Discovered,
+    DiscoveryError,
+    lora_adapters,
+    parse_models,
+)
 from signals.telemetry import (
     Counters,
     MetricMap,
@@ -79,6 +86,9 @@ class Target:
     name: str = ""
     """Stable name registered with the endpoint (its place on the hash ring); default none."""
     metrics_path: str = "/metrics"
+    models_path: str | None = None
+    """Where the server lists its models and adapters; None: the format's own
+    (``signals.discovery.MODELS_PATHS``); empty: not read."""
     max_running: float | None = None
     """Batch capacity when the server does not export it (vLLM ``--max-num-seqs``)."""
 
@@ -90,6 +100,8 @@ class Target:
     confirm: int = field(default=0, repr=False)
     """Records still to write whatever they hold, after one that moved the replica's speed
     (`CONFIRM_WRITES`)."""
+    served: Discovered | None = field(default=None, repr=False)
+    """The last model list read: kept, and written, while the list cannot be read."""
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -188,6 +200,16 @@ class Agent:
     async def _tick(self, http: httpx.AsyncClient, target: Target) -> TelemetryRecord | None:
         """Scrape one backend (registering it first when asked); the record to write, or None
         when it failed or stayed within its band since the last write."""
+        models_path = (
+            target.models_path
+            if target.models_path is not None
+            else MODELS_PATHS.get(self.config.format, "")
+        )
+        listing = (
+            asyncio.ensure_future(self._models(http, target.url + models_path))
+            if models_path
+            else None
+        )
         try:
             text = await _scrape(http, target.url + target.metrics_path)
             samples = parse_samples(text)
@@ -197,6 +219,8 @@ class Agent:
                 log.warning("scrape of %s failed: %s", target.url, error)
             if target.registered and target.failures >= self.config.unregister_after:
                 await self._withdraw(target)
+            if listing is not None:
+                listing.cancel()
             return None
         if target.failures:
             log.info("scrape of %s works again after %d failure(s)", target.url, target.failures)
@@ -209,6 +233,8 @@ class Agent:
             format=self.config.format,
             max_running=target.max_running,
         )
+        if listing is not None:
+            record = self._served(target, record, await listing, lora_adapters(text))
         try:
             if self.config.register and not target.registered:
                 await self.store.put_endpoint(
@@ -233,6 +259,43 @@ class Agent:
         ):
             return record
         return None
+
+    async def _models(self, http: httpx.AsyncClient, url: str) -> Discovered | str:
+        """The server's model list, or why it could not be read."""
+        try:
+            return parse_models(self.config.format, json.loads(await _scrape(http, url)))
+        except (httpx.HTTPError, ValueError) as error:
+            # DiscoveryError and json's errors are ValueErrors.
+            kind = "" if isinstance(error, DiscoveryError) else f"{type(error).__name__}: "
+            return f"GET {url}: {kind}{error}"[:500]
+
+    def _served(
+        self,
+        target: Target,
+        record: TelemetryRecord,
+        listing: Discovered | str,
+        in_use: tuple[str, ...] | None,
+    ) -> TelemetryRecord:
+        """The record with what the server serves: the list just read, or the last one read
+        and the reason this one failed (a server whose list cannot be read keeps its last
+        known models rather than dropping out of model routing)."""
+        error: str | None = None
+        if isinstance(listing, str):
+            error = listing
+            last = target.last_written
+            if error != (last.models_error if last is not None else None):
+                log.warning("model list of %s: %s", target.url, error)
+        else:
+            target.served = listing
+        served = target.served
+        if served is None:
+            return record.model_copy(update={"models_error": error})
+        # Adapters with requests running or waiting are loaded even when the model list
+        # was read just before they were.
+        adapters = tuple(sorted(set(served.adapters) | set(in_use or ())))
+        return record.model_copy(
+            update={"models": served.models, "adapters": adapters, "models_error": error}
+        )
 
     async def _write(self, writes: list[tuple[Target, TelemetryRecord]]) -> None:
         """This round's records, batched into as few etcd transactions as they fit in."""

@@ -174,7 +174,12 @@ def access_problem(err: grpc.aio.AioRpcError) -> str | None:
         return "etcd rejected the user name or password (check --etcd-user and the password)"
     if "user name is empty" in lowered or "user name not found" in lowered:
         return "etcd has authentication enabled: pass --etcd-user and the password"
-    if any(word in lowered for word in ("handshake", "certificate", "ssl", "tls")):
+    # "tcp handshaker shutdown" is gRPC giving up on a TCP connect (a busy or restarting
+    # etcd): a connection to retry, not a credential problem, although it says "handshake".
+    if any(
+        word in lowered.replace("tcp handshaker", "")
+        for word in ("handshake", "certificate", "ssl", "tls")
+    ):
         return (
             "the TLS handshake with etcd failed (check --etcd-cacert, --etcd-cert and "
             "--etcd-key, and that the endpoints speak TLS)"

@@ -8,6 +8,7 @@ stands beside the layers and imports none of them).
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -63,6 +64,7 @@ class BackendProcess(Launcher):
         model: str = DEFAULT_MODEL,
         state_dir: Path | None = None,
         simulator: SimulatorSettings | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         self.host = host
         self.id_prefix = id_prefix
@@ -89,6 +91,9 @@ class BackendProcess(Launcher):
         ]
         if simulator is not None:
             argv += ["--simulate", "--sim-config", simulator.to_json()]
+        if lora is not None:
+            # `replicasim.lora.LoraSlots.from_config` checks it.
+            argv += ["--lora", json.dumps(lora)]
         self.simulator = simulator
         """The engine settings when the replicas simulate vLLM, else None."""
         self._process = ManagedProcess(argv, self.log_path, stdout_path=self._stdout_path)
@@ -150,6 +155,12 @@ class BackendProcess(Launcher):
     def die(self, replica_id: str) -> None:
         """Make one simulated replica abort its requests and stop listening."""
         self._admin(replica_id, "/admin/die", {})
+
+    def adapters(
+        self, replica_id: str, *, load: Sequence[str] = (), unload: Sequence[str] = ()
+    ) -> None:
+        """Load and unload LoRA adapters on one replica at once (it must serve adapters)."""
+        self._admin(replica_id, "/admin/adapters", {"load": list(load), "unload": list(unload)})
 
     def reset(
         self,

@@ -158,7 +158,10 @@ class RolloutController:
         """One decision for one rollout."""
         read = await read_records(self.client, self.keys, rollout, created)
         state = read.state
-        now = self.clock()
+        # One time per decision, rounded once: it is both the recorded event time and the
+        # start a step's hold is measured from. Rounding the record alone let two step events
+        # read less than the step's minimum apart (0.3 s held became 0.29999995 in history).
+        now = round(self.clock(), 3)
         if state is None:
             await self._start(rollout, created, read, now)
             return
@@ -235,7 +238,7 @@ class RolloutController:
 
     def _event(self, state: dict[str, Any], now: float, event: str, **fields: Any) -> None:
         history = state.setdefault("history", [])
-        history.append({"at": round(now, 3), "event": event, "by": self.replica_id, **fields})
+        history.append({"at": now, "event": event, "by": self.replica_id, **fields})
         del history[:-HISTORY_LIMIT]
 
     async def _start(self, rollout: Rollout, created: int, read: RolloutRead, now: float) -> None:

@@ -49,6 +49,7 @@ from policies.models.fields import (
 )
 from policies.models.fleet import (
     FleetSpec,
+    Tracing,
 )
 from policies.models.objects import (
     KIND_PATHS,
@@ -98,6 +99,8 @@ from policies.models.route import (
     DEFAULT_RETRY_ON,
     TELEMETRY_HASH_BALANCE_FACTOR,
     TELEMETRY_SATURATED_HASH_BALANCE_FACTOR,
+    AdapterFallback,
+    AdapterRouting,
     Balancing,
     HashAlgorithm,
     HeaderMatch,
@@ -133,6 +136,8 @@ __all__ = [
     "TELEMETRY_SATURATED_HASH_BALANCE_FACTOR",
     "TLS",
     "TTFT_SHARE",
+    "AdapterFallback",
+    "AdapterRouting",
     "Analysis",
     "AnalysisRule",
     "AuthHeader",
@@ -198,6 +203,7 @@ __all__ = [
     "TelemetrySource",
     "Tier",
     "Timeouts",
+    "Tracing",
     "VirtualModel",
     "is_ip",
     "kind_named",

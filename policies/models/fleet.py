@@ -2,9 +2,52 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from policies.models.fields import Duration, Model
+
+
+class Tracing(Model):
+    """Envoy's OpenTelemetry tracer for this fleet's listeners: a span per sampled request,
+    exported over OTLP/gRPC to a collector. A client's W3C ``traceparent`` is continued and
+    passed on to the replica."""
+
+    collector: str = Field(
+        description="host:port of the OpenTelemetry collector's OTLP/gRPC receiver, as each "
+        "Envoy of the fleet reaches it (an IP address or a DNS name).",
+        min_length=3,
+        max_length=261,
+        pattern=r"^[A-Za-z0-9_.\-]+:[0-9]{1,5}$",
+    )
+    sampling: float = Field(
+        1.0,
+        ge=0,
+        le=100,
+        description="Percent of requests traced (Envoy's random sampling). Default: 1.",
+    )
+    service_name: str = Field(
+        "kvpilot-envoy",
+        min_length=1,
+        max_length=128,
+        description="service.name of the spans. Default: kvpilot-envoy.",
+    )
+
+    @field_validator("collector")
+    @classmethod
+    def _port(cls, value: str) -> str:
+        if not 1 <= int(value.rsplit(":", 1)[1]) <= 65535:
+            raise ValueError("the collector's port must be 1-65535")
+        return value
+
+    @property
+    def host(self) -> str:
+        """The collector's host."""
+        return self.collector.rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        """The collector's port."""
+        return int(self.collector.rsplit(":", 1)[1])
 
 
 class FleetSpec(Model):
@@ -24,6 +67,9 @@ class FleetSpec(Model):
         "/etc/envoy/secrets",
         description="Directory on each Envoy host holding the secret files that pools' auth "
         "headers name ({secretsDir}/{name}.yaml). Default: /etc/envoy/secrets.",
+    )
+    tracing: Tracing | None = Field(
+        None, description="OpenTelemetry tracing of this fleet's requests. Default: off."
     )
     trusted_ca_file: str = Field(
         "/etc/ssl/certs/ca-certificates.crt",

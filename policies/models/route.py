@@ -26,10 +26,23 @@ class RouteMatch(Model):
         description="OpenAI model names, read from the JSON body's 'model' field or the "
         "model override header. Default: any model.",
     )
+    pool_models: bool = Field(
+        False,
+        description="Match the models the route's pools serve instead of a fixed list: a "
+        "pool's own 'models' where it lists them, else the models and LoRA adapters its "
+        "replicas report (read by the agent from each replica's model list), so the route "
+        "follows what is loaded. Excludes 'models'. Default: false.",
+    )
     path_prefix: str = Field("/", description="Request path prefix. Default: '/'.")
     headers: list[HeaderMatch] = Field(
         default_factory=list, description="Exact header matches. Default: none."
     )
+
+    @model_validator(mode="after")
+    def _one_model_source(self) -> RouteMatch:
+        if self.pool_models and self.models:
+            raise ValueError("give either models or poolModels: true, not both")
+        return self
 
     @field_validator("path_prefix")
     @classmethod
@@ -244,6 +257,34 @@ class RateLimit(Model):
     )
 
 
+AdapterFallback = Literal["base", "notFound"]
+
+
+class AdapterRouting(Model):
+    """Where a request for a LoRA adapter goes, from what the replicas' agents report loaded.
+
+    vLLM serves many adapters on one base model and loads them at run time; a request for an
+    adapter that a replica has not loaded waits while it loads (and may evict another one).
+    """
+
+    affinity: bool = Field(
+        True,
+        description="Send a request for a model or adapter to the replicas that report it "
+        "loaded (Envoy subset load balancing on the endpoints' reported models; session "
+        "affinity and bounded load then hash within those replicas). Replicas that report "
+        "nothing take no such request while another reports it. Not with balancing: orca. "
+        "Default: true.",
+    )
+    fallback: AdapterFallback = Field(
+        "base",
+        description="A request for a model that no replica reports loaded: 'base' sends it to "
+        "the route's replicas, which load it on demand (or answer 404 themselves when they "
+        "cannot); 'notFound' answers OpenAI's 404 (code model_not_found) from Envoy. On a "
+        "poolModels route, 'base' makes the route take requests for any model, after every "
+        "other route of the policy. Default: base.",
+    )
+
+
 class Route(Model):
     """A set of requests and where they go."""
 
@@ -270,6 +311,10 @@ class Route(Model):
         None,
         description="Class of this route's requests that no class's match claims (see "
         "serviceClasses). Default: the policy's defaultClass.",
+    )
+    adapters: AdapterRouting = Field(
+        default_factory=AdapterRouting,
+        description="Routing by the models and LoRA adapters replicas report loaded.",
     )
 
     @model_validator(mode="before")

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -39,11 +40,18 @@ class MetricsBackend:
         self._token_seconds = 0.0
         self.status = 200
         self.extra_metrics = ""
+        self.models: Any = None
+        """The JSON `/v1/models` answers; None: 404, as a server that lists nothing."""
+        self.models_status = 200
+        """Status of `/v1/models` (other than 200: a model list that cannot be read)."""
+        self.received: list[dict[str, str]] = []
+        """The headers of every chat completion request received, in order."""
         self.port = free_port()
         app = Starlette(
             routes=[
                 Route("/metrics", self._metrics),
                 Route("/health", self._health),
+                Route("/v1/models", self._models),
                 Route("/v1/chat/completions", self._complete, methods=["POST"]),
             ]
         )
@@ -81,10 +89,18 @@ class MetricsBackend:
             return PlainTextResponse("down", self.status)
         return PlainTextResponse(self.metrics)
 
+    async def _models(self, request: Request) -> Response:
+        if self.models is None:
+            return PlainTextResponse("not found", 404)
+        if self.models_status != 200:
+            return PlainTextResponse("broken", self.models_status)
+        return JSONResponse(self.models)
+
     async def _health(self, request: Request) -> Response:
         return PlainTextResponse("ok", self.status)
 
     async def _complete(self, request: Request) -> Response:
+        self.received.append(dict(request.headers))
         headers = {"x-backend-id": self.id}
         if self.utilization is not None:
             # Envoy's weight is rps_fractional / utilization, and it rejects reports without

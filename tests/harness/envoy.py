@@ -51,3 +51,36 @@ def serves_listener(envoy: EmbeddedEnvoy, port: int) -> bool:
     """Whether Envoy serves the policy listener on `port`: it goes active once its routes
     arrived."""
     return listener_name(port) in active_listeners(envoy)
+
+
+BOOTSTRAP_CLUSTERS = ("cluster.kvpilot_xds.", "cluster.kvpilot_signals.")
+"""Stat prefixes of the bootstrap's static clusters. They are STRICT_DNS: Envoy re-resolves
+their address every 5 s (`dns_refresh_rate`) and counts each resolution as an update of the
+cluster, with no xDS involved, so they are not xDS subscriptions."""
+
+
+def xds_updates(envoy: EmbeddedEnvoy) -> dict[str, dict[str, int]]:
+    """Per xDS subscription (CDS, LDS, each EDS cluster, each RDS route config), what Envoy
+    counted: responses it applied (`update_success`), rejected (`update_rejected`), and
+    responses it received at all (`update_attempt` minus `update_failure`).
+
+    Envoy counts an attempt also for each failed connection to the control plane (with an
+    `update_failure` beside it, say while kvpilot restarts); those are not responses, so
+    `received` leaves them out.
+    """
+    stats = envoy.stats()
+    out: dict[str, dict[str, int]] = collections.defaultdict(dict)
+    for name, value in stats.items():
+        subscription, _, counter = name.rpartition(".")
+        if (
+            counter not in ("update_success", "update_rejected", "update_attempt")
+            or name.startswith(BOOTSTRAP_CLUSTERS)
+            or not isinstance(value, int)
+        ):
+            continue
+        if counter == "update_attempt":
+            failures = stats.get(f"{subscription}.update_failure", 0)
+            out[subscription]["received"] = value - int(failures)
+        else:
+            out[subscription][counter.removeprefix("update_")] = value
+    return dict(out)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -34,6 +35,13 @@ class _Stream:
         self._read = read
         self.call: Any = None
         self.ended = asyncio.Event()
+        self.requests_sent = 0
+        """Requests written on this stream so far."""
+        self.received = 0
+        """Responses read off the wire so far."""
+        self.server: RunningServer | None = None
+        """The in-process server this stream talks to (`RunningServer.sotw`/`delta`), which
+        `expect_silence` asks whether it has anything left to send."""
 
     def _open(self) -> Any:
         raise NotImplementedError
@@ -58,6 +66,7 @@ class _Stream:
                 response = await self.call.read()
                 if response is grpc.aio.EOF:
                     break
+                self.received += 1
                 await self._responses.put(response)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
@@ -73,6 +82,7 @@ class _Stream:
         await self.channel.close()
 
     def _with_node(self, request: Any) -> Any:
+        self.requests_sent += 1
         # Like Envoy with set_node_on_first_message_only: the node goes on the first request.
         if not self._node_sent:
             request.node.CopyFrom(self.node)
@@ -92,14 +102,16 @@ class _Stream:
                 if response.type_url == type_url:
                     return response
 
-    async def expect_silence(self, within: float = 0.3) -> None:
-        """Assert that no response arrives within `within` seconds (the one bounded wait tests use)."""
-        try:
-            async with asyncio.timeout(within):
-                response = await self._responses.get()
-        except TimeoutError:
-            return
-        raise AssertionError(f"unexpected response: {response}")
+    async def expect_silence(self) -> None:
+        """Assert that the server sends this stream nothing more: once it has handled every
+        request written here and its writer waits for a change with none pending, every
+        response it sent has arrived, and none is unread. No quiet period: the server's own
+        state says nothing is coming (`RunningServer.idle`)."""
+        if self.server is None:
+            raise RuntimeError("expect_silence needs a stream opened by RunningServer")
+        await self.server.idle(self)
+        if not self._responses.empty():
+            raise AssertionError(f"unexpected response: {self._responses.get_nowait()}")
 
 
 class SotwStream(_Stream):
@@ -359,8 +371,39 @@ def assert_well_formed(response: Any) -> Any:
     return response
 
 
+class _TrackedEvent(asyncio.Event):
+    """An Event that knows whether a task waits on it: a stream's writer waits on its watch's
+    event when it has sent everything it had to send."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = 0
+
+    async def wait(self) -> Literal[True]:
+        self.waiting += 1
+        try:
+            return await super().wait()
+        finally:
+            self.waiting -= 1
+
+
+@dataclass
+class _ServerSide:
+    """What the server has done on one stream (by node id): requests handled, responses
+    sent, and the watch its writer waits on."""
+
+    watch: Any = None
+    handled: int = 0
+    sent: int = 0
+
+
 class RunningServer:
-    """A grpc.aio server with an `AdsServer` on 127.0.0.1 and a free port."""
+    """A grpc.aio server with an `AdsServer` on 127.0.0.1 and a free port.
+
+    It observes each stream from the server's side (requests handled, responses sent, the
+    writer idle), so a test can tell "nothing more is coming" from the server's state rather
+    than from a quiet period.
+    """
 
     def __init__(self, cache: Any = None, status: Any = None) -> None:
         from prometheus_client import CollectorRegistry
@@ -373,6 +416,8 @@ class RunningServer:
         self.cache = cache if cache is not None else SnapshotCache()
         self.status = status if status is not None else ConnectionRegistry(registry=self.registry)
         self.ads = AdsServer(self.cache, self.status)
+        self._sides: dict[str, _ServerSide] = {}
+        self._observe()
         self.server = grpc.aio.server()
         self.ads.add_to(self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
@@ -384,6 +429,56 @@ class RunningServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    def _observe(self) -> None:
+        """Count each stream's handled requests and sent responses, and track its writer."""
+        watch = self.cache.watch
+
+        def tracked_watch(fleet: str) -> Any:
+            made = watch(fleet)
+            made.event = _TrackedEvent()
+            return made
+
+        self.cache.watch = tracked_watch
+        read = self.ads._read
+
+        async def counting_read(requests: Any, stream: Any, watch: Any) -> None:
+            side = self._sides.setdefault(stream.conn.node_id, _ServerSide())
+            side.watch, side.handled = watch, 1  # the first request: handled before this
+
+            async def counted() -> Any:
+                async for request in requests:
+                    yield request
+                    side.handled += 1  # asked for the next one: this one is handled
+
+            await read(counted(), stream, watch)
+
+        self.ads._read = counting_read  # type: ignore[method-assign]
+
+        def on_event(event: str, conn: Any) -> None:
+            if event == "sent":
+                self._sides.setdefault(conn.node_id, _ServerSide()).sent += 1
+
+        self.status.add_listener(on_event)
+
+    async def idle(self, stream: _Stream) -> None:
+        """Wait until the server has nothing more for `stream`: it handled every request the
+        stream wrote, its writer waits on a clear event, and every response it sent has
+        been read off the wire."""
+
+        def done() -> bool:
+            side = self._sides.get(stream.node.id)
+            if side is None or side.watch is None:
+                return stream.requests_sent == 0
+            event = side.watch.event
+            return (
+                side.handled == stream.requests_sent
+                and not event.is_set()
+                and event.waiting > 0
+                and stream.received == side.sent
+            )
+
+        await poll(done, DEFAULT_TIMEOUT * 6, f"the server to be idle on {stream.node.id}'s stream")
 
     def metric(self, name: str, **labels: str) -> float:
         """A sample from this server's own Prometheus registry (0 if absent)."""
@@ -407,10 +502,14 @@ class RunningServer:
         await poll(acked, DEFAULT_TIMEOUT, f"{node_id} ACK of {response.type_url}")
 
     def sotw(self, node_id: str, cluster: str = "default", **kw: Any) -> SotwStream:
-        return SotwStream(self.target, node_id, cluster, **kw)
+        stream = SotwStream(self.target, node_id, cluster, **kw)
+        stream.server = self
+        return stream
 
     def delta(self, node_id: str, cluster: str = "default", **kw: Any) -> DeltaStream:
-        return DeltaStream(self.target, node_id, cluster, **kw)
+        stream = DeltaStream(self.target, node_id, cluster, **kw)
+        stream.server = self
+        return stream
 
 
 async def recv_well_formed(

@@ -36,6 +36,7 @@ from xdsserver.translate.routes import (
     prefix_key_lua,
     translate_route_configuration,
 )
+from xdsserver.translate.tracing import COLLECTOR_CLUSTER, collector_cluster
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,8 @@ def translate(plan: FleetPlan) -> FleetResources:
     vhosts = [vhost for listener in plan.listeners for vhost in listener.virtual_hosts]
     clusters.extend(scorer_clusters(vhosts))
     clusters.extend(escalation_clusters(vhosts))
+    if plan.tracing is not None:
+        clusters.append(collector_cluster(plan.tracing))
     return FleetResources(
         clusters=tuple(clusters),
         endpoints=tuple(endpoints),
@@ -106,6 +109,7 @@ def _authenticated_providers(plan: FleetPlan) -> list[PlanCluster]:
 
 __all__ = [
     "AFFINITY_SUFFIX",
+    "COLLECTOR_CLUSTER",
     "PREFIX_KEY_HEADER",
     "SATURATED_SUFFIX",
     "FleetResources",

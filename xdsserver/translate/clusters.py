@@ -24,6 +24,7 @@ from google.protobuf import wrappers_pb2
 
 from compiler.plan import PlanCluster, PlanEndpoint
 from policies.names import LOCAL_SUFFIX
+from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 from xdsserver.translate.protos import (
     HTTP_PROTOCOL_OPTIONS,
     ads_source,
@@ -78,6 +79,10 @@ def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[clu
         base.load_balancing_policy.CopyFrom(_orca_policy())
     else:
         base.common_lb_config.locality_weighted_lb_config.SetInParent()
+        if cluster.model_subsets:
+            # Pools sharing a tier (a split) keep their locality weights within a subset.
+            # Envoy refuses this without locality-weighted balancing (the hash twins).
+            base.lb_subset_config.locality_weight_aware = True
     out = [base]
     affinity = cluster.affinity
     if affinity is not None:
@@ -200,6 +205,26 @@ def affinity_suffixes(cluster: PlanCluster) -> tuple[str, ...]:
     return (AFFINITY_SUFFIX,)
 
 
+def model_subsets() -> cluster_pb2.Cluster.LbSubsetConfig:
+    """Adapter-aware routing: one subset per model an endpoint lists in ``envoy.lb``
+    ``model`` (a list: ``list_as_any`` makes each element a subset of its own).
+
+    The request names its subset without a route entry doing anything: the router merges the
+    request's ``envoy.lb`` dynamic metadata, where json_to_metadata put the body's ``model``,
+    into the route's metadata match. A model no endpoint lists (an adapter loaded nowhere,
+    or a request before the first report) falls back to any endpoint, which loads it on
+    demand. The subsets use the cluster's own policy: ring hash and bounded load hash within
+    the replicas that have the adapter. Selectors and fallback never change with what is
+    loaded, so a load or unload is an EDS update only (the endpoints' metadata)."""
+    return cluster_pb2.Cluster.LbSubsetConfig(
+        fallback_policy=cluster_pb2.Cluster.LbSubsetConfig.ANY_ENDPOINT,
+        subset_selectors=[
+            cluster_pb2.Cluster.LbSubsetConfig.LbSubsetSelector(keys=[MODEL_METADATA_KEY])
+        ],
+        list_as_any=True,
+    )
+
+
 def cluster_base(cluster: PlanCluster, name: str, trusted_ca_file: str) -> cluster_pb2.Cluster:
     out = cluster_pb2.Cluster(
         name=name,
@@ -211,6 +236,8 @@ def cluster_base(cluster: PlanCluster, name: str, trusted_ca_file: str) -> clust
     )
     # Apply a new host set at once; the 1 s default merge window delays failover.
     out.common_lb_config.update_merge_window.CopyFrom(duration(0))
+    if cluster.model_subsets:
+        out.lb_subset_config.CopyFrom(model_subsets())
     # With active health checks Envoy keeps an endpoint that EDS removed for as long as it
     # passes its checks; a removal through kvpilot must take it out of rotation now.
     out.ignore_health_on_host_removal = True
@@ -352,6 +379,11 @@ def _lb_endpoint_entry(endpoint: PlanEndpoint) -> bytes:
         lb_endpoint.metadata.filter_metadata["envoy.lb"].fields[
             "hash_key"
         ].string_value = endpoint.hash_key
+    if endpoint.models:
+        # The subsets of a cluster that routes by model (`model_subsets`).
+        lb_endpoint.metadata.filter_metadata[MODEL_METADATA_NAMESPACE].fields[
+            MODEL_METADATA_KEY
+        ].list_value.extend(endpoint.models)
     body: bytes = lb_endpoint.SerializeToString(deterministic=True)
     return _LB_ENDPOINTS_TAG + _varint(len(body)) + body
 
@@ -359,7 +391,7 @@ def _lb_endpoint_entry(endpoint: PlanEndpoint) -> bytes:
 def _varint(value: int) -> bytes:
     """Protobuf's base-128 varint encoding of a non-negative integer."""
     if value < 0x80:
-        return bytes((value,))  # an endpoint's encoding is shorter than 128 bytes
+        return bytes((value,))  # most endpoints' encodings are shorter than 128 bytes
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)

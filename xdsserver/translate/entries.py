@@ -14,9 +14,8 @@ from compiler.plan import PlanRoute
 from xdsserver.translate.clusters import AFFINITY_SUFFIX, SATURATED_SUFFIX
 from xdsserver.translate.listeners import (
     LOCAL_RATELIMIT,
-    MODEL_METADATA_KEY,
-    MODEL_METADATA_NAMESPACE,
 )
+from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 from xdsserver.translate.protos import duration, pack
 from xdsserver.translate.ratelimits import rate_limit
 

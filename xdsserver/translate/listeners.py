@@ -27,12 +27,11 @@ from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from compiler.plan import PlanListener
+from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 from xdsserver.translate.protos import ads_source, duration, http_filter_chain, pack, socket_address
+from xdsserver.translate.tracing import listener_tracing
 from xdsserver.translate.usage import usage_filter, usage_log
 
-MODEL_METADATA_NAMESPACE = "envoy.lb"
-"""Where json_to_metadata puts the body's ``model`` field (design.md: namespace envoy.lb)."""
-MODEL_METADATA_KEY = "model"
 LOCAL_RATELIMIT = "envoy.filters.http.local_ratelimit"
 SIGNALS_CLUSTER = "kvpilot_signals"
 """The bootstrap cluster that reaches kvpilot's access log service (deploy/envoy/)."""
@@ -148,6 +147,8 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
         stream_idle_timeout=duration(0),
         drain_timeout=duration(listener.drain_timeout),
     )
+    if listener.tracing is not None:
+        manager.tracing.CopyFrom(listener_tracing(listener.tracing, listener.tenant_headers))
     manager.local_reply_config.CopyFrom(
         local_replies(rate_limited=listener.rate_limited, classified=listener.classified)
     )

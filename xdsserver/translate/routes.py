@@ -4,7 +4,8 @@ retries across tiers, rate limits, service classes."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 from envoy.config.core.v3 import base_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
@@ -17,9 +18,14 @@ from xdsserver.translate.classes import class_stat_prefix, restricted_entry, sel
 from xdsserver.translate.difficulty import response_headers, virtual_entries
 from xdsserver.translate.entries import match_of, route_entry, with_header
 from xdsserver.translate.escalation import escalation_entries
-from xdsserver.translate.listeners import LUA, SERVICE_CLASS
+from xdsserver.translate.listeners import (
+    LUA,
+    SERVICE_CLASS,
+)
+from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 from xdsserver.translate.protos import pack
 from xdsserver.translate.ratelimits import class_budget
+from xdsserver.translate.tracing import entry_tracing
 
 PREFIX_KEY_HEADER = "x-kvpilot-prefix-key"
 """Set by Envoy's Lua filter from the prompt's first characters when no session header is sent."""
@@ -42,14 +48,22 @@ _DIRECT_BODY_DEFAULT_LIMIT = 4096
 """Envoy refuses direct-response bodies over this unless the route configuration raises it."""
 
 
-def models_list_body(models: Iterable[str]) -> str:
-    """OpenAI's ``GET /v1/models`` answer for the models a virtual host serves. ``created`` is
-    0: the models' age is not known to kvpilot, and a stable body keeps the config's hash."""
+def models_list_body(models: Iterable[str], parents: Mapping[str, str] | None = None) -> str:
+    """OpenAI's ``GET /v1/models`` answer for the models a virtual host serves; a LoRA
+    adapter names its base model in ``parent``, as vLLM lists it. ``created`` is 0: the
+    models' age is not known to kvpilot, and a stable body keeps the config's hash."""
+    parents = parents or {}
     return json.dumps(
         {
             "object": "list",
             "data": [
-                {"id": model, "object": "model", "created": 0, "owned_by": "kvpilot"}
+                {
+                    "id": model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kvpilot",
+                    **({"parent": parents[model]} if model in parents else {}),
+                }
                 for model in models
             ],
         }
@@ -61,12 +75,16 @@ def translate_route_configuration(listener: PlanListener) -> route_pb2.RouteConf
     config = route_pb2.RouteConfiguration(
         name=listener.name,
         virtual_hosts=[
-            _virtual_host(vhost, listener.max_request_body_bytes)
+            _virtual_host(
+                vhost,
+                listener.max_request_body_bytes,
+                listener.tracing.sampling if listener.tracing is not None else None,
+            )
             for vhost in listener.virtual_hosts
         ],
     )
     largest = max(
-        (len(models_list_body(vhost.served_models)) for vhost in listener.virtual_hosts),
+        (len(models_list_body(*vhost.adapters_listed)) for vhost in listener.virtual_hosts),
         default=0,
     )
     if largest > _DIRECT_BODY_DEFAULT_LIMIT:
@@ -74,15 +92,23 @@ def translate_route_configuration(listener: PlanListener) -> route_pb2.RouteConf
     return config
 
 
-def _virtual_host(vhost: PlanVirtualHost, body_limit: int) -> route_components_pb2.VirtualHost:
+def _virtual_host(
+    vhost: PlanVirtualHost, body_limit: int, sampling: float | None
+) -> route_components_pb2.VirtualHost:
     # OpenAI clients and chat UIs list models first: Envoy answers from config, before any
     # route could send the request to a replica.
-    routes: list[route_components_pb2.Route] = [_models_list_route(vhost.served_models)]
+    routes: list[route_components_pb2.Route] = [_models_list_route(vhost.adapters_listed)]
     # Before the routes: a route that takes any model would otherwise take a virtual one.
     routes.extend(escalation_entries(vhost, body_limit))
     routes.extend(virtual_entries(vhost))
     for route in vhost.routes:
-        routes.extend(_routes(route, vhost.model_header, body_limit))
+        routes.extend(_routes(route, vhost.model_header, body_limit, sampling))
+    for route in vhost.routes:
+        if route.any_model:
+            # Adapter fallback 'base': any other model (an adapter no replica has loaded)
+            # goes to this route's replicas, once every route's own models had their turn.
+            wide = replace(route, name=route.name + "/any-model", models=())
+            routes.extend(_routes(wide, vhost.model_header, body_limit, sampling))
     if vhost.routes_by_model:
         routes.append(_unknown_model_route())
     return route_components_pb2.VirtualHost(
@@ -94,7 +120,7 @@ def _virtual_host(vhost: PlanVirtualHost, body_limit: int) -> route_components_p
 
 
 def _routes(
-    route: PlanRoute, model_header: str, body_limit: int
+    route: PlanRoute, model_header: str, body_limit: int, sampling: float | None = None
 ) -> Iterable[route_components_pb2.Route]:
     """Envoy route entries for one plan route.
 
@@ -110,18 +136,17 @@ def _routes(
     gets one more entry in front of its set, which matches the restricted share of its
     requests (a runtime fraction) and sheds or diverts them.
     """
-    models: list[tuple[str, route_components_pb2.RouteMatch]] = []
+    matches: list[tuple[route_components_pb2.RouteMatch, str | None]] = []
     if route.models:
-        for model in route.models:
-            models.append((model, match_of(route, header=(model_header, model))))
-            models.append((model, match_of(route, model=model, unless_header=model_header)))
+        for name in route.models:
+            matches.append((match_of(route, header=(model_header, name)), name))
+            matches.append((match_of(route, model=name, unless_header=model_header), name))
     else:
-        models.append(("", match_of(route)))
-    matches = [match for _, match in models]
+        matches.append((match_of(route), None))
     # Tenants past a budget first: their entries must win over every class and affinity entry.
-    yield from budget_entries(route, models, body_limit)
+    yield from budget_entries(route, [(model or "", match) for match, model in matches], body_limit)
     for plan_class in route.classes or (None,):
-        for index, base in enumerate(matches):
+        for index, (base, model) in enumerate(matches):
             name = f"{route.name}#{index}"
             match = base
             if plan_class is not None:
@@ -129,7 +154,25 @@ def _routes(
                 name += f"@{plan_class.name}" + ("" if selects(plan_class) else "/fallback")
                 if plan_class.sheds:
                     yield restricted_entry(route, plan_class, name, match, body_limit)
-            yield from _entries(route, plan_class, name, match, body_limit)
+            for entry in _entries(route, plan_class, name, match, body_limit):
+                if route.model_subsets and model is not None:
+                    # The replicas that serve the model. A body's model is in the request's
+                    # envoy.lb metadata already; the override header's is not.
+                    entry.route.metadata_match.filter_metadata[MODEL_METADATA_NAMESPACE].fields[
+                        MODEL_METADATA_KEY
+                    ].string_value = model
+                if sampling is not None:
+                    entry.tracing.CopyFrom(
+                        entry_tracing(
+                            sampling=sampling,
+                            route=route.name.removesuffix("/any-model"),
+                            pools=route.pools,
+                            model=model or "",
+                            service_class=plan_class.name if plan_class is not None else "",
+                            hashed=_hashed(entry.name),
+                        )
+                    )
+                yield entry
 
 
 def _entries(
@@ -191,6 +234,15 @@ def _entries(
                     pack(class_budget(plan_class.budget, route.tenant_header, out.stat_prefix))
                 )
     return entries
+
+
+def _hashed(entry: str) -> str:
+    """Which hash picks the replica for a route entry, by its name (``_entries``)."""
+    if entry.endswith("/affinity"):
+        return "session"
+    if entry.endswith("/prefix"):
+        return "prefix"
+    return "none"
 
 
 _HOT_WINDOW = 200
@@ -301,7 +353,10 @@ def _unknown_model_route() -> route_components_pb2.Route:
     )
 
 
-def _models_list_route(models: tuple[str, ...]) -> route_components_pb2.Route:
+def _models_list_route(
+    listed: tuple[tuple[str, ...], Mapping[str, str]],
+) -> route_components_pb2.Route:
+    models, parents = listed
     match = route_components_pb2.RouteMatch(
         path=MODELS_PATH,
         headers=[
@@ -310,7 +365,9 @@ def _models_list_route(models: tuple[str, ...]) -> route_components_pb2.Route:
             )
         ],
     )
-    return _json_direct_response("models", match, status=200, body=models_list_body(models))
+    return _json_direct_response(
+        "models", match, status=200, body=models_list_body(models, parents)
+    )
 
 
 def _json_direct_response(
