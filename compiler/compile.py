@@ -19,6 +19,10 @@ Design choices, each forced by what Envoy does:
 - Telemetry routes with session affinity send their session requests to a tighter-bounded
   twin of their hash cluster while their first tier's batches are full
   (``signals.saturation``); that, too, is a route entry's cluster (RDS).
+- A fleet with a locality gets its own view of each route's replicas: own zone, own region,
+  other regions as EDS priorities within each tier, and capacity kinds in a pool's preferred
+  order (``compiler.locality``); a saturated locality spills by its ClusterLoadAssignment's
+  overprovisioning factor (``signals.spill``).
 
 This module runs the stages in order; each lives in a module of its own: ``state`` (what
 compilation reads), ``live`` (telemetry weights, admission and saturation), ``routes`` (one route's
@@ -30,8 +34,10 @@ of compilation use with it.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 from compiler.fleets import applies, fleet_compiled, fleet_names, merge_listener
+from compiler.locality import fleet_view, needs_view, priorities, spill_decision, spill_key
 from compiler.plan import (
     Diagnostic,
     FleetPlan,
@@ -41,9 +47,10 @@ from compiler.plan import (
     RoutingPlan,
 )
 from compiler.routes import MemoEntry, RouteMemo
-from policies.models import FleetSpec, RoutingPolicy
+from policies.models import FleetSpec, Locality, RoutingPolicy
 from policies.names import cluster_name, listener_name
 from signals.live import admission_decisions, saturation_decisions, telemetry_weights
+from signals.spill import SpillDecision
 from signals.state import PolicyState, pool_endpoints
 
 __all__ = [
@@ -108,6 +115,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
 
     watched = rollout_clusters(state)
     fleets = []
+    spill: dict[str, SpillDecision] = {}
     for fleet in fleet_names(state):
         in_fleet = fleet_compiled(state, fleet, compiled, weights, admission)
         fleet_object = state.fleets.get(fleet)
@@ -121,6 +129,12 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         clusters: list[PlanCluster] = []
         for port in sorted(by_port):
             vhosts, port_clusters, port_diagnostics = merge_listener(fleet, by_port[port], in_fleet)
+            if settings.locality is not None or any(
+                p.spec.prefer_capacity for p in state.pools.values()
+            ):
+                port_clusters, vhosts = _fleet_views(
+                    fleet, settings.locality, port_clusters, vhosts, state, spill
+                )
             diagnostics.extend(port_diagnostics)
             clusters.extend(port_clusters)
             listeners.append(
@@ -153,7 +167,46 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         weights=weights,
         admission=admission,
         saturation=saturation,
+        spill=spill,
     )
+
+
+def _fleet_views(
+    fleet: str,
+    where: Locality | None,
+    clusters: list[PlanCluster],
+    vhosts: list[PlanVirtualHost],
+    state: PolicyState,
+    spill: dict[str, SpillDecision],
+) -> tuple[list[PlanCluster], list[PlanVirtualHost]]:
+    """The clusters of one listener as `fleet` (at `where`) gets them, with each spill
+    decision recorded in `spill`; the routes whose cluster now has several priorities retry
+    on the next one (``previous_priorities``), as between tiers."""
+    out: list[PlanCluster] = []
+    levels: dict[str, int] = {}
+    for cluster in clusters:
+        if not needs_view(cluster, where, state.pools):
+            out.append(cluster)
+            continue
+        view = fleet_view(cluster, where, state.pools)
+        count = priorities(view)
+        if count > 1:
+            decision = spill_decision(fleet, view, state)
+            spill[spill_key(fleet, view.eds_service or view.name)] = decision
+            if decision.keep < 1.0:
+                view = replace(view, overprovisioning=decision.overprovisioning)
+        levels[view.eds_service or view.name] = count
+        out.append(view)
+    if not any(count > 1 for count in levels.values()):
+        return out, vhosts
+    views = []
+    for vhost in vhosts:
+        routes = tuple(
+            replace(route, tiers=max(route.tiers, levels.get(route.cluster, 0)))
+            for route in vhost.routes
+        )
+        views.append(replace(vhost, routes=routes) if routes != vhost.routes else vhost)
+    return out, views
 
 
 def _dedupe(diagnostics: Iterable[Diagnostic]) -> tuple[Diagnostic, ...]:

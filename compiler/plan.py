@@ -30,6 +30,7 @@ from policies.models import (
 )
 from signals.admission import AdmissionDecision
 from signals.saturation import SaturationDecision
+from signals.spill import SpillDecision
 from signals.weights import WeightDecision
 
 DEFAULT_FLEET = "default"
@@ -56,6 +57,8 @@ class PlanEndpoint(NamedTuple):
     hash_key: str = ""
     """Where consistent hashing places this endpoint on the ring (the endpoint's ``name``);
     empty: by its address."""
+    capacity: str = ""
+    """How the replica's machine is bought (``Endpoint.capacity``); empty when unknown."""
 
 
 ClusterKind = Literal["eds", "dns", "aggregate"]
@@ -89,6 +92,9 @@ class PlanCluster:
     queues: tuple[tuple[str, ClassQueue], ...] = ()
     """Twins of an ``eds`` cluster (same endpoints, same EDS resource) whose circuit breakers
     hold queued service classes: (twin cluster name, bounds)."""
+    overprovisioning: int = 0
+    """The ClusterLoadAssignment's overprovisioning factor in percent, when kvpilot spills a
+    saturated locality (``signals.spill``); 0: Envoy's default (140), not sent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +267,9 @@ class RoutingPlan:
     saturation: Mapping[str, SaturationDecision] = field(default_factory=dict, hash=False)
     """What telemetry decided for routes whose bounded load tightens under saturation:
     route (``policy/route``) -> decision."""
+    spill: Mapping[str, SpillDecision] = field(default_factory=dict, hash=False)
+    """What share of each located fleet's traffic its own locality keeps, per route cluster:
+    ``fleet/policy/route`` -> decision (``compiler.locality``)."""
 
     def fleet(self, name: str) -> FleetPlan | None:
         """The plan of fleet ``name``, or None."""

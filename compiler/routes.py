@@ -110,6 +110,7 @@ def _tier_endpoints(
                 endpoint.locality.zone if endpoint.locality else "",
                 hostname,
                 endpoint.name or "",
+                endpoint.capacity or "",
             )
             for endpoint, weight, health in rows
         )

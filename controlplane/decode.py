@@ -21,6 +21,7 @@ from policies import PATH_KINDS, Endpoint, PolicyError, PolicyObject, jsondoc, p
 from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.saturation import SaturationDecision
+from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
 from signals.weights import WeightDecision
 
@@ -142,6 +143,7 @@ class DecodedState:
         previous_weights: Mapping[str, Mapping[str, WeightDecision]] | None = None,
         previous_admission: Mapping[str, AdmissionDecision] | None = None,
         previous_saturation: Mapping[str, SaturationDecision] | None = None,
+        previous_spill: Mapping[str, SpillDecision] | None = None,
         now: float = 0.0,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
@@ -153,5 +155,6 @@ class DecodedState:
             previous_weights=previous_weights or {},
             previous_admission=previous_admission or {},
             previous_saturation=previous_saturation or {},
+            previous_spill=previous_spill or {},
             now=now,
         )

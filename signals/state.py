@@ -11,6 +11,7 @@ from typing import Any
 from policies.models import Endpoint, Fleet, PolicyObject, Pool, Rollout, RoutingPolicy
 from signals.admission import AdmissionDecision
 from signals.saturation import SaturationDecision
+from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
 from signals.weights import WeightDecision
 
@@ -32,6 +33,8 @@ class PolicyState:
     """``RoutingPlan.admission`` of the previous compile, for hysteresis."""
     previous_saturation: Mapping[str, SaturationDecision] = field(default_factory=dict)
     """``RoutingPlan.saturation`` of the previous compile, for hysteresis."""
+    previous_spill: Mapping[str, SpillDecision] = field(default_factory=dict)
+    """``RoutingPlan.spill`` of the previous compile, for hysteresis."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)

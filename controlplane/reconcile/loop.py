@@ -258,6 +258,7 @@ class Reconciler:
             previous_weights=self._live.weights,
             previous_admission=self._live.admission,
             previous_saturation=self._live.saturation,
+            previous_spill=self._live.spill,
             now=self.clock(),
         )
         plan = compile_plan(state, self._memo)

@@ -54,9 +54,11 @@ from policies.models.policy import (
     RoutingPolicySpec,
 )
 from policies.models.pool import (
+    CAPACITIES,
     TELEMETRY_MAX_AGE,
     TLS,
     AuthHeader,
+    Capacity,
     CircuitBreakers,
     Endpoint,
     EndpointHealth,
@@ -100,6 +102,7 @@ from policies.models.route import (
 
 __all__ = [
     "API_VERSION",
+    "CAPACITIES",
     "DEFAULT_RETRY_ON",
     "ENDPOINT_ID_PATTERN",
     "ENDPOINT_ID_RULE",
@@ -117,6 +120,7 @@ __all__ = [
     "AnalysisRule",
     "AuthHeader",
     "Balancing",
+    "Capacity",
     "CircuitBreakers",
     "ClassAction",
     "ClassBudget",

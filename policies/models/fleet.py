@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from policies.models.fields import Duration, Model
+from policies.models.pool import Locality
 
 
 class FleetSpec(Model):
@@ -29,4 +30,12 @@ class FleetSpec(Model):
         "/etc/ssl/certs/ca-certificates.crt",
         description="PEM bundle of CAs on each Envoy host that TLS pools trust unless they name "
         "their own caFile. Default: /etc/ssl/certs/ca-certificates.crt.",
+    )
+    locality: Locality | None = Field(
+        None,
+        description="Where this fleet's Envoys run. With a locality, each route's replicas "
+        "are ordered for this fleet: its own zone, then its own region, then other regions "
+        "(EDS priorities), and a locality spills to the next only what it cannot serve "
+        "(unhealthy or saturated replicas). Without one, every locality is alike "
+        "(locality-blind). Default: none.",
     )

@@ -1,0 +1,140 @@
+"""Per-fleet views of a route's replicas: EDS priorities by place and by capacity kind.
+
+A route's cluster lists its replicas with failover tier k at priority k. For a fleet that
+declares where it runs (``Fleet.spec.locality``) each tier is split again, nearest first: the
+fleet's own zone, the rest of its own region, then every other region (endpoints without a
+locality count as far away). For a pool with ``preferCapacity`` each of those is split once
+more by capacity kind, the preferred kind first. The resulting (tier, place, kind) groups
+become priorities 0, 1, 2, ... in that order, without gaps, so Envoy's priority machinery
+does the rest: a priority spills to the next what its health cannot serve (the
+overprovisioning factor, 1.4 by default), a draining or dead replica's share moves at once,
+and a consistent hash chooses the priority with the request's hash, so a session stays in
+the locality that serves it. Saturation, which Envoy cannot see, moves the factor
+(``signals.spill``). Pure: plan clusters in, plan clusters out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from compiler.plan import PlanCluster, PlanEndpoint
+from policies.models import Capacity, Locality, Pool
+from signals.saturation import batch_fill
+from signals.spill import SpillDecision, decide_spill
+from signals.state import PolicyState, pool_endpoints
+
+NEAR, REGION, FAR = 0, 1, 2
+"""Place ranks of an endpoint seen from a fleet: same zone, same region, elsewhere."""
+
+
+def place_rank(endpoint: PlanEndpoint, where: Locality | None) -> int:
+    """How far `endpoint` is from a fleet at `where` (``NEAR``, ``REGION`` or ``FAR``); every
+    endpoint is ``NEAR`` to a fleet without a locality."""
+    if where is None:
+        return NEAR
+    if endpoint.region != where.region or not endpoint.region:
+        return FAR
+    if where.zone and endpoint.zone == where.zone:
+        return NEAR
+    return REGION if where.zone else NEAR
+
+
+def capacity_rank(endpoint: PlanEndpoint, prefer: Sequence[Capacity]) -> int:
+    """Position of the endpoint's capacity kind in its pool's preference (unlisted last)."""
+    for index, kind in enumerate(prefer):
+        if endpoint.capacity == kind:
+            return index
+    return len(prefer)
+
+
+def needs_view(cluster: PlanCluster, where: Locality | None, pools: Mapping[str, Pool]) -> bool:
+    """True when the fleet's view of `cluster` differs from the shared one."""
+    if cluster.kind != "eds" or not cluster.endpoints:
+        return False
+    if where is not None:
+        return True
+    return any(
+        (pool := pools.get(name)) is not None and pool.spec.prefer_capacity
+        for name in {endpoint.pool for endpoint in cluster.endpoints}
+    )
+
+
+def fleet_view(
+    cluster: PlanCluster, where: Locality | None, pools: Mapping[str, Pool]
+) -> PlanCluster:
+    """`cluster` with its endpoints' priorities as a fleet at `where` gets them."""
+    prefer = {
+        name: pool.spec.prefer_capacity
+        for name in {endpoint.pool for endpoint in cluster.endpoints}
+        if (pool := pools.get(name)) is not None
+    }
+
+    def key(endpoint: PlanEndpoint) -> tuple[int, int, int]:
+        return (
+            endpoint.priority,
+            place_rank(endpoint, where),
+            capacity_rank(endpoint, prefer.get(endpoint.pool, [])),
+        )
+
+    levels = {
+        group: index for index, group in enumerate(sorted({key(e) for e in cluster.endpoints}))
+    }
+    endpoints = tuple(e._replace(priority=levels[key(e)]) for e in cluster.endpoints)
+    return replace(cluster, endpoints=endpoints)
+
+
+def priorities(cluster: PlanCluster) -> int:
+    """How many priorities the cluster's endpoints use."""
+    return len({endpoint.priority for endpoint in cluster.endpoints})
+
+
+def spill_key(fleet: str, cluster: str) -> str:
+    """Key of a fleet's spill decision for one cluster (fleet names hold no '/')."""
+    return f"{fleet}/{cluster}"
+
+
+def spill_decision(fleet: str, cluster: PlanCluster, state: PolicyState) -> SpillDecision:
+    """This round's spill for a fleet's view of `cluster`: from the replicas at its priority
+    0 that serve (healthy or degraded) and their telemetry."""
+    serving = [
+        e for e in cluster.endpoints if e.priority == 0 and e.health in ("healthy", "degraded")
+    ]
+    keys = {f"{e.address}:{e.port}" for e in serving}
+    fill = None
+    pools = {e.pool for e in serving}
+    if keys:
+        fills = []
+        for name in sorted(pools):
+            pool = state.pools.get(name)
+            if pool is None or pool.spec.telemetry is None:
+                continue
+            members = [
+                e for e in pool_endpoints(pool, state.registered.get(name, {})) if e.key in keys
+            ]
+            value = batch_fill(
+                members,
+                state.telemetry.get(name, {}),
+                now=state.now,
+                max_age=pool.spec.telemetry.max_age,
+            )
+            if value is not None:
+                fills.append((value, len(members)))
+        if fills:
+            fill = round(sum(v * n for v, n in fills) / sum(n for _, n in fills), 6)
+    key = spill_key(fleet, cluster.eds_service or cluster.name)
+    return decide_spill(state.previous_spill.get(key), local=len(serving), fill=fill, now=state.now)
+
+
+__all__ = [
+    "FAR",
+    "NEAR",
+    "REGION",
+    "capacity_rank",
+    "fleet_view",
+    "needs_view",
+    "place_rank",
+    "priorities",
+    "spill_decision",
+    "spill_key",
+]
