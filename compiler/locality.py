@@ -96,34 +96,43 @@ def spill_key(fleet: str, cluster: str) -> str:
 
 def spill_decision(fleet: str, cluster: PlanCluster, state: PolicyState) -> SpillDecision:
     """This round's spill for a fleet's view of `cluster`: from the replicas at its priority
-    0 that serve (healthy or degraded) and their telemetry."""
-    serving = [
-        e for e in cluster.endpoints if e.priority == 0 and e.health in ("healthy", "degraded")
-    ]
-    keys = {f"{e.address}:{e.port}" for e in serving}
-    fill = None
-    pools = {e.pool for e in serving}
-    if keys:
-        fills = []
-        for name in sorted(pools):
-            pool = state.pools.get(name)
-            if pool is None or pool.spec.telemetry is None:
-                continue
-            members = [
-                e for e in pool_endpoints(pool, state.registered.get(name, {})) if e.key in keys
-            ]
-            value = batch_fill(
-                members,
-                state.telemetry.get(name, {}),
-                now=state.now,
-                max_age=pool.spec.telemetry.max_age,
-            )
-            if value is not None:
-                fills.append((value, len(members)))
-        if fills:
-            fill = round(sum(v * n for v, n in fills) / sum(n for _, n in fills), 6)
+    0 that serve (healthy or degraded), their telemetry, and that of priority 1."""
+    serving = [e for e in cluster.endpoints if e.priority == 0 and e.health in _SERVING]
+    spill_to = [e for e in cluster.endpoints if e.priority == 1 and e.health in _SERVING]
     key = spill_key(fleet, cluster.eds_service or cluster.name)
-    return decide_spill(state.previous_spill.get(key), local=len(serving), fill=fill, now=state.now)
+    return decide_spill(
+        state.previous_spill.get(key),
+        local=len(serving),
+        fill=_fill(serving, state),
+        next_fill=_fill(spill_to, state),
+        now=state.now,
+    )
+
+
+_SERVING = ("healthy", "degraded")
+
+
+def _fill(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
+    """The mean batch fill of `endpoints` from fresh telemetry (``signals.saturation``),
+    weighted by how many each pool has; None when none has a fresh record."""
+    keys = {f"{e.address}:{e.port}" for e in endpoints}
+    fills = []
+    for name in sorted({e.pool for e in endpoints}):
+        pool = state.pools.get(name)
+        if pool is None or pool.spec.telemetry is None:
+            continue
+        members = [e for e in pool_endpoints(pool, state.registered.get(name, {})) if e.key in keys]
+        value = batch_fill(
+            members,
+            state.telemetry.get(name, {}),
+            now=state.now,
+            max_age=pool.spec.telemetry.max_age,
+        )
+        if value is not None:
+            fills.append((value, len(members)))
+    if not fills:
+        return None
+    return round(sum(v * n for v, n in fills) / sum(n for _, n in fills), 6)
 
 
 __all__ = [

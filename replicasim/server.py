@@ -87,6 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sim-config", default="{}", help="SimConfig fields as JSON, with --simulate"
     )
+    parser.add_argument("--region", default="", help="region the replicas simulate running in")
+    parser.add_argument(
+        "--remote-delay",
+        type=float,
+        default=0.0,
+        help="seconds of round trip added to requests from another region (x-client-region)",
+    )
     args = parser.parse_args(argv)
     try:
         ports = parse_ports(args.ports, args.replicas)
@@ -101,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 id=f"{args.id_prefix}-{i}",
                 model=args.model,
                 engine=Engine(sim_config, args.model) if sim_config else None,
+                region=args.region,
+                remote_delay=args.remote_delay,
             )
             for i in range(args.replicas)
         ]

@@ -87,10 +87,17 @@ class SpillDecision:
 
 
 def decide_spill(
-    previous: SpillDecision | None, *, local: int, fill: float | None, now: float
+    previous: SpillDecision | None,
+    *,
+    local: int,
+    fill: float | None,
+    now: float,
+    next_fill: float | None = None,
 ) -> SpillDecision:
     """This round's share for one fleet and route, from the last round's, the number of
-    replicas in the fleet's priority 0 and their batch fill."""
+    replicas in the fleet's priority 0 and their batch fill; `next_fill` is the fill of the
+    priority that would take the spill (a spill into replicas that queue as well gains
+    nothing, so none is added then)."""
     before = previous or SpillDecision()
     keep = before.keep
     if local == 0:
@@ -103,7 +110,8 @@ def decide_spill(
     elif now - before.since < DWELL:
         pass
     elif fill is not None and fill > HIGH_FILL:
-        keep = max(FLOOR, keep * max(MAX_CUT, TARGET_FILL / fill))
+        if next_fill is None or next_fill < HIGH_FILL:
+            keep = max(FLOOR, keep * max(MAX_CUT, TARGET_FILL / fill))
     elif keep < 1.0 and (fill is None or fill < LOW_FILL):
         keep = min(1.0, keep + STEP)
     keep = round(keep, 4)

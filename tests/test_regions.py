@@ -175,3 +175,8 @@ def test_each_fleet_prefers_its_own_region() -> None:
         first = {e.address for e in cluster.endpoints if e.priority == 0}
         assert first and all(address.startswith(own) for address in first)
         assert {e.priority for e in cluster.endpoints} == {0, 1}
+
+
+def test_no_spill_into_a_locality_that_queues_as_well() -> None:
+    assert decide_spill(None, local=4, fill=1.5, now=10.0, next_fill=1.3).keep == 1.0
+    assert decide_spill(None, local=4, fill=1.5, now=10.0, next_fill=0.5).keep == 0.7

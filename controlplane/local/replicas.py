@@ -63,6 +63,8 @@ class BackendProcess(Launcher):
         model: str = DEFAULT_MODEL,
         state_dir: Path | None = None,
         simulator: SimulatorSettings | None = None,
+        region: str = "",
+        remote_delay: float = 0.0,
     ) -> None:
         self.host = host
         self.id_prefix = id_prefix
@@ -89,6 +91,9 @@ class BackendProcess(Launcher):
         ]
         if simulator is not None:
             argv += ["--simulate", "--sim-config", simulator.to_json()]
+        if region:
+            # The replicas add a simulated inter-region round trip to requests from elsewhere.
+            argv += ["--region", region, "--remote-delay", f"{remote_delay:g}"]
         self.simulator = simulator
         """The engine settings when the replicas simulate vLLM, else None."""
         self._process = ManagedProcess(argv, self.log_path, stdout_path=self._stdout_path)
