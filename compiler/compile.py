@@ -190,11 +190,11 @@ def _fleet_views(
             continue
         view = fleet_view(cluster, where, state.pools)
         count = priorities(view)
-        if count > 1:
-            decision = spill_decision(fleet, view, state)
-            spill[spill_key(fleet, view.eds_service or view.name)] = decision
-            if decision.keep < 1.0:
-                view = replace(view, overprovisioning=decision.overprovisioning)
+        decision = spill_decision(fleet, cluster, view, where, state)
+        spill[spill_key(fleet, view.eds_service or view.name)] = decision
+        if count > 1 and decision.keep < 1.0:
+            # With one priority there is nowhere to spill to: Envoy's default stays.
+            view = replace(view, overprovisioning=decision.overprovisioning)
         levels[view.eds_service or view.name] = count
         out.append(view)
     if not any(count > 1 for count in levels.values()):

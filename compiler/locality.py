@@ -94,15 +94,24 @@ def spill_key(fleet: str, cluster: str) -> str:
     return f"{fleet}/{cluster}"
 
 
-def spill_decision(fleet: str, cluster: PlanCluster, state: PolicyState) -> SpillDecision:
-    """This round's spill for a fleet's view of `cluster`: from the replicas at its priority
-    0 that serve (healthy or degraded), their telemetry, and that of priority 1."""
-    serving = [e for e in cluster.endpoints if e.priority == 0 and e.health in _SERVING]
-    spill_to = [e for e in cluster.endpoints if e.priority == 1 and e.health in _SERVING]
+def spill_decision(
+    fleet: str, cluster: PlanCluster, view: PlanCluster, where: Locality | None, state: PolicyState
+) -> SpillDecision:
+    """This round's spill for `fleet`'s `view` of `cluster` (the fleet at `where`): from the
+    replicas of its own locality in the first tier that serve (healthy or degraded), the
+    telemetry of the replicas at the view's priority 0 and that of priority 1. Decided even
+    while the fleet's locality has no replica, so that it ramps back when they return."""
+    home = [
+        e
+        for e in cluster.endpoints
+        if e.priority == 0 and e.health in _SERVING and place_rank(e, where) == NEAR
+    ]
+    serving = [e for e in view.endpoints if e.priority == 0 and e.health in _SERVING]
+    spill_to = [e for e in view.endpoints if e.priority == 1 and e.health in _SERVING]
     key = spill_key(fleet, cluster.eds_service or cluster.name)
     return decide_spill(
         state.previous_spill.get(key),
-        local=len(serving),
+        local=len(home),
         fill=_fill(serving, state),
         next_fill=_fill(spill_to, state),
         now=state.now,
