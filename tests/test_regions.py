@@ -3,6 +3,7 @@ place and kind, and the spill loop (its cut, hold band, floor, dwell and comebac
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -180,3 +181,24 @@ def test_each_fleet_prefers_its_own_region() -> None:
 def test_no_spill_into_a_locality_that_queues_as_well() -> None:
     assert decide_spill(None, local=4, fill=1.5, now=10.0, next_fill=1.3).keep == 1.0
     assert decide_spill(None, local=4, fill=1.5, now=10.0, next_fill=0.5).keep == 0.7
+
+
+def test_a_region_whose_replicas_all_left_takes_its_traffic_back_from_the_floor() -> None:
+    """The fleet's own region empties (its agents withdrew every registration), then its
+    replicas register again: the fleet keeps only half of its traffic at home at first."""
+    gone = _state(fill_us=0.5, now=100.0)
+    pool = gone.pools["llama"]
+    eu_only = pool.model_copy(
+        update={
+            "spec": pool.spec.model_copy(
+                update={
+                    "endpoints": [e for e in pool.spec.endpoints if e.address.startswith("10.0.2.")]
+                }
+            )
+        }
+    )
+    plan = compile_plan(replace(gone, pools={**gone.pools, "llama": eu_only}))
+    assert plan.spill["us/chat/chat"].local == 0
+    assert _factor(plan, "us") == 0  # one priority: nothing to spill to, Envoy's default
+    back = compile_plan(_state(fill_us=0.5, now=101.0, previous_spill=plan.spill))
+    assert _factor(back, "us") == 50
