@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from bench.benchmark import Benchmark
 from bench.classes.entry import BENCHMARK as CLASSES
 from bench.controlplane.entry import BENCHMARK as CONTROLPLANE
+from bench.regions.entry import BENCHMARK as REGIONS
 from bench.rollout.entry import BENCHMARK as ROLLOUT
 from bench.routing.entry import BENCHMARK as ROUTING
 
-BENCHMARKS: Sequence[Benchmark] = (ROUTING, CONTROLPLANE, ROLLOUT, CLASSES)
+BENCHMARKS: Sequence[Benchmark] = (ROUTING, CONTROLPLANE, ROLLOUT, CLASSES, REGIONS)
 """Every benchmark, in the order ``--help`` lists them. `make bench` runs the first
-(`DEFAULT`), then ``rollout``, then ``classes``."""
+(`DEFAULT`), then ``rollout``, then ``classes``, then ``regions``."""
 
 DEFAULT = ROUTING.name
 """What ``python -m bench`` runs when no benchmark is named."""

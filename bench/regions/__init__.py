@@ -3,5 +3,5 @@ one Envoy fleet per region, locality-blind against locality-aware routing throug
 load, a regional overload, a region down and a spot preemption wave (``docs/regions.md``).
 
 ``config`` (settings), ``stack`` (the rig), ``load`` (open-loop load per region), ``run``
-(the phases), ``report`` (the numbers and the Markdown report).
+(the phases), ``marks`` (when what happened), ``report`` (the numbers and the Markdown report).
 """

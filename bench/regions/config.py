@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.simulator import SimConfig
+from replicasim.simulator import SimConfig
 
 POLICIES = ("blind", "aware")
 """``blind``: the fleets have no locality (today's behaviour); ``aware``: each fleet declares

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 CLIENT_REGION_HEADER = "x-client-region"
-"""The header the simulated replicas read (``bench.replica.CLIENT_REGION_HEADER``)."""
+"""The header the simulated replicas read (``replicasim.replica.CLIENT_REGION_HEADER``)."""
 
 
 @dataclass

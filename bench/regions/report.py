@@ -11,7 +11,7 @@ from typing import Any
 
 from bench.regions.config import RegionsConfig
 from bench.regions.load import Sent
-from bench.regions.run import Marks
+from bench.regions.marks import Marks
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:

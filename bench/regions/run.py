@@ -21,7 +21,6 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,25 +28,8 @@ import httpx
 
 from bench.regions.config import RegionsConfig
 from bench.regions.load import CLIENT_REGION_HEADER, OpenLoop, Sent
+from bench.regions.marks import Marks
 from bench.regions.stack import MODEL, POOL, RegionsStack, say, start_regions
-
-
-@dataclass
-class Marks:
-    """When things happened in one policy's run, in seconds since its load started."""
-
-    phases: dict[str, tuple[float, float]] = field(default_factory=dict)
-    killed: float = 0.0
-    restarted: float = 0.0
-    notice: float = 0.0
-    learned: dict[str, float] = field(default_factory=dict)
-    """Spot replica id -> when its registration turned draining in etcd (read through the
-    API every 0.1 s: kvpilot learned of the notice no later)."""
-    gone: float = 0.0
-    capacity: float = 0.0
-    """Requests per second one region serves at full batches."""
-    service: float = 0.0
-    """Seconds of one request served alone in its own region."""
 
 
 async def measure_service_time(stack: RegionsStack, rounds: int = 2) -> float:

@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 
 from api.client import KvpilotClient
-from bench.backend import BackendProcess
 from bench.regions.config import RegionsConfig
 from controlplane.local import (
     EmbeddedEnvoy,
@@ -28,6 +27,7 @@ from controlplane.local import (
     repo_root,
     wait_until,
 )
+from controlplane.local.replicas import BackendProcess
 from policies.models import API_VERSION
 
 MODEL = "sim-model"
