@@ -26,9 +26,10 @@ works).
 
 A locality that comes back
 --------------------------
-When a fleet's priority 0 had no replica and has some again (a region back after an outage),
-``keep`` starts at ``FLOOR`` and rises by ``STEP`` every ``DWELL`` seconds: the region takes its
-traffic back gradually, its caches warm and a replica that is not quite ready is not flooded.
+When a fleet's own locality lost every replica and has some again (a region back after an
+outage), ``keep`` starts at ``FLOOR`` and rises by ``STEP`` every ``DWELL`` seconds: the region
+takes its traffic back gradually, its caches warm, and a replica that is not quite ready is
+not flooded.
 """
 
 from __future__ import annotations
@@ -66,7 +67,11 @@ class SpillDecision:
     since: float = -math.inf
     """Wall-clock time of the last change of ``keep``."""
     local: int = 0
-    """Replicas in the fleet's priority 0 this round (healthy or degraded)."""
+    """Replicas of the fleet's own locality that serve this round (healthy or degraded)."""
+    outage: bool = False
+    """The locality had replicas and lost them all; it ramps back when they return. A fleet
+    whose locality never had any (a new fleet, before its replicas register) is not in an
+    outage and takes its traffic at once."""
     fill: float | None = field(default=None, compare=False)
     """Mean batch fill of those replicas; ``None`` without fresh telemetry."""
 
@@ -101,13 +106,16 @@ def decide_spill(
     before = previous or SpillDecision()
     keep = before.keep
     if local == 0:
-        # Nothing to keep: Envoy sends everything on by health. Remember the outage, so
-        # the locality ramps back from the floor when it returns.
-        keep = FLOOR
-    elif previous is not None and before.local == 0:
+        # Nothing to keep: Envoy sends everything on by health. Remember an outage, so the
+        # locality ramps back from the floor when its replicas return.
+        outage = before.outage or before.local > 0
+        keep = FLOOR if outage else 1.0
+        since = before.since if keep == before.keep else now
+        return SpillDecision(keep=keep, since=since, local=0, fill=fill, outage=outage)
+    if before.outage:
         # Back from an outage: start low, rise by steps from now.
         return SpillDecision(keep=FLOOR, since=now, local=local, fill=fill)
-    elif now - before.since < DWELL:
+    if now - before.since < DWELL:
         pass
     elif fill is not None and fill > HIGH_FILL:
         if next_fill is None or next_fill < HIGH_FILL:

@@ -85,7 +85,9 @@ def test_place_rank(endpoint: PlanEndpoint, where: Locality | None, rank: int) -
         (SpillDecision(keep=0.75, since=5.0, local=4), 4, 0.5, 10.0, 0.75 + STEP),  # room
         (SpillDecision(keep=0.55, since=5.0, local=4), 4, 5.0, 10.0, FLOOR),  # floor holds
         (SpillDecision(keep=0.9, since=5.0, local=4), 0, None, 10.0, FLOOR),  # region down
-        (SpillDecision(keep=FLOOR, since=5.0, local=0), 4, None, 10.0, FLOOR),  # comes back
+        (SpillDecision(keep=FLOOR, since=5.0, local=0, outage=True), 4, None, 10.0, FLOOR),
+        (None, 0, None, 10.0, 1.0),  # a new fleet whose replicas have not registered yet
+        (SpillDecision(keep=1.0, local=0), 4, 0.5, 10.0, 1.0),  # ... and once they have
     ],
 )
 def test_spill_steps(
@@ -197,8 +199,10 @@ def test_a_region_whose_replicas_all_left_takes_its_traffic_back_from_the_floor(
             )
         }
     )
+    before = compile_plan(_state(fill_us=0.5, now=99.0))
+    gone = replace(gone, previous_spill=before.spill)
     plan = compile_plan(replace(gone, pools={**gone.pools, "llama": eu_only}))
-    assert plan.spill["us/chat/chat"].local == 0
+    assert plan.spill["us/chat/chat"].local == 0 and plan.spill["us/chat/chat"].outage
     assert _factor(plan, "us") == 0  # one priority: nothing to spill to, Envoy's default
     back = compile_plan(_state(fill_us=0.5, now=101.0, previous_spill=plan.spill))
     assert _factor(back, "us") == 50
