@@ -26,7 +26,7 @@ class RegionsConfig:
     rtt: float = 0.08
     """Simulated inter-region round trip, seconds (40 ms each way)."""
     sim: SimConfig = field(
-        default_factory=lambda: SimConfig(max_batch=16, kv_blocks=8192, stream_interval=0.25)
+        default_factory=lambda: SimConfig(max_batch=16, kv_blocks=8192, stream_interval=0.5)
     )
     """Batches of 16: a region has 64 slots, enough that its batch fill follows its load
     rather than the luck of a few arrivals."""

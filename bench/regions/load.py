@@ -96,12 +96,19 @@ class OpenLoop:
         self._stop.set()
 
     async def _arrivals(self, client: httpx.AsyncClient, fleet: str) -> None:
+        # Arrivals on an absolute schedule: a busy event loop that wakes late sends the
+        # requests that are due at once instead of lowering the rate.
+        due = time.monotonic()
         while True:
             rate = self.rates[fleet]
             if rate <= 0:
                 await asyncio.sleep(0.05)
+                due = time.monotonic()
                 continue
-            await asyncio.sleep(self._random.expovariate(rate))
+            due += self._random.expovariate(rate)
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
             task = asyncio.create_task(self._one(client, fleet, len(self.records)))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
