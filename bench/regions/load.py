@@ -106,9 +106,12 @@ class OpenLoop:
                 due = time.monotonic()
                 continue
             due += self._random.expovariate(rate)
-            delay = due - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            now = time.monotonic()
+            if due < now - 1.0:
+                due = now  # more than a second behind: drop the backlog, not a burst
+            # Always yields, even when due: a loop that never awaits would starve every
+            # request it starts.
+            await asyncio.sleep(max(0.0, due - now))
             task = asyncio.create_task(self._one(client, fleet, len(self.records)))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
