@@ -172,6 +172,9 @@ def test_a_saturated_region_spills_only_part_of_its_fleets_traffic(
         return _factor(fleets.envoys["us-east"]) == 70
 
     wait_until(us_spills, 30, message="us-east's Envoy to get the spill factor")
+    spill = {e["fleetRoute"]: e for e in fleets.api.get("/v1/status").json()["spill"]}
+    assert spill["us-east/chat-us-east/all"]["keep"] == 0.7
+    assert spill["eu-west/chat-eu-west/all"]["keep"] == 1.0
     count = 400
     answers = _answers(fleets.url("us-east"), count)
     crossed = sum(answer.startswith("eu-west") for answer in answers)
