@@ -37,7 +37,14 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from compiler.fleets import applies, fleet_compiled, fleet_names, merge_listener
-from compiler.locality import fleet_view, needs_view, priorities, spill_decision, spill_key
+from compiler.locality import (
+    fleet_view,
+    needs_view,
+    placed_views,
+    priorities,
+    spill_decision,
+    spill_key,
+)
 from compiler.plan import (
     Diagnostic,
     FleetPlan,
@@ -120,46 +127,40 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         in_fleet = fleet_compiled(state, fleet, compiled, weights, admission)
         fleet_object = state.fleets.get(fleet)
         settings = fleet_object.spec if fleet_object is not None else FleetSpec()
-        by_port: dict[int, list[RoutingPolicy]] = {}
-        for policy_name in sorted(state.policies):
-            policy = state.policies[policy_name]
-            if applies(policy, fleet):
-                by_port.setdefault(policy.spec.listener.port, []).append(policy)
-        listeners = []
-        clusters: list[PlanCluster] = []
-        for port in sorted(by_port):
-            vhosts, port_clusters, port_diagnostics = merge_listener(fleet, by_port[port], in_fleet)
-            if settings.locality is not None or any(
-                p.spec.prefer_capacity for p in state.pools.values()
-            ):
-                port_clusters, vhosts = _fleet_views(
-                    fleet, settings.locality, port_clusters, vhosts, state, spill
+        for name, where in placed_views(fleet, settings, state):
+            listeners = []
+            clusters: list[PlanCluster] = []
+            for port, policies in _by_port(state, fleet).items():
+                vhosts, port_clusters, port_diagnostics = merge_listener(fleet, policies, in_fleet)
+                if where is not None or any(p.spec.prefer_capacity for p in state.pools.values()):
+                    port_clusters, vhosts = _fleet_views(
+                        name, where, port_clusters, vhosts, state, spill
+                    )
+                diagnostics.extend(port_diagnostics)
+                clusters.extend(port_clusters)
+                listeners.append(
+                    PlanListener(
+                        name=listener_name(port),
+                        address=policies[0].spec.listener.address,
+                        port=port,
+                        virtual_hosts=tuple(vhosts),
+                        max_request_body_bytes=settings.max_request_body_bytes,
+                        access_log=settings.access_log,
+                        drain_timeout=settings.drain_timeout,
+                        upstream_signals=any(
+                            route.cluster in watched for vhost in vhosts for route in vhost.routes
+                        ),
+                    )
                 )
-            diagnostics.extend(port_diagnostics)
-            clusters.extend(port_clusters)
-            listeners.append(
-                PlanListener(
-                    name=listener_name(port),
-                    address=by_port[port][0].spec.listener.address,
-                    port=port,
-                    virtual_hosts=tuple(vhosts),
-                    max_request_body_bytes=settings.max_request_body_bytes,
-                    access_log=settings.access_log,
-                    drain_timeout=settings.drain_timeout,
-                    upstream_signals=any(
-                        route.cluster in watched for vhost in vhosts for route in vhost.routes
-                    ),
+            fleets.append(
+                FleetPlan(
+                    fleet=name,
+                    listeners=tuple(listeners),
+                    clusters=tuple(clusters),
+                    secrets_dir=settings.secrets_dir,
+                    trusted_ca_file=settings.trusted_ca_file,
                 )
             )
-        fleets.append(
-            FleetPlan(
-                fleet=fleet,
-                listeners=tuple(listeners),
-                clusters=tuple(clusters),
-                secrets_dir=settings.secrets_dir,
-                trusted_ca_file=settings.trusted_ca_file,
-            )
-        )
     memo.keep(entries)
     return RoutingPlan(
         fleets=tuple(fleets),
@@ -169,6 +170,16 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         saturation=saturation,
         spill=spill,
     )
+
+
+def _by_port(state: PolicyState, fleet: str) -> dict[int, list[RoutingPolicy]]:
+    """The policies `fleet` gets, by listener port, ports and policies in name order."""
+    by_port: dict[int, list[RoutingPolicy]] = {}
+    for policy_name in sorted(state.policies):
+        policy = state.policies[policy_name]
+        if applies(policy, fleet):
+            by_port.setdefault(policy.spec.listener.port, []).append(policy)
+    return dict(sorted(by_port.items()))
 
 
 def _fleet_views(

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from compiler.plan import PlanCluster, PlanEndpoint
-from policies.models import Capacity, Locality, Pool
+from policies.models import Capacity, FleetSpec, Locality, Pool
 from signals.saturation import batch_fill
 from signals.spill import SpillDecision, decide_spill
 from signals.state import PolicyState, pool_endpoints
@@ -82,6 +82,34 @@ def fleet_view(
     }
     endpoints = tuple(e._replace(priority=levels[key(e)]) for e in cluster.endpoints)
     return replace(cluster, endpoints=endpoints)
+
+
+PLACE_SEPARATOR = "@"
+"""Between a fleet's name and a place in the name of that fleet's view for one place
+(``edge@us-east``, ``edge@us-east/us-east-a``): fleet names hold neither '@' nor '/'."""
+
+
+def placed_views(
+    fleet: str, settings: FleetSpec, state: PolicyState
+) -> list[tuple[str, Locality | None]]:
+    """The views `fleet` gets, each a (name, locality): the fleet's own (at its Fleet
+    locality, or none); with ``nodeLocality``, one more for each region and each zone that
+    has replicas, for the Envoys whose node.locality says they run there
+    (``xdsserver.snapshot.SnapshotCache.view_for`` picks it)."""
+    views: list[tuple[str, Locality | None]] = [(fleet, settings.locality)]
+    if not settings.node_locality:
+        return views
+    places: set[tuple[str, str]] = set()
+    for name, pool in state.pools.items():
+        for endpoint in pool_endpoints(pool, state.registered.get(name, {})):
+            if endpoint.locality is not None and endpoint.locality.region:
+                places.add((endpoint.locality.region, ""))
+                if endpoint.locality.zone:
+                    places.add((endpoint.locality.region, endpoint.locality.zone))
+    for region, zone in sorted(places):
+        place = f"{region}/{zone}" if zone else region
+        views.append((f"{fleet}{PLACE_SEPARATOR}{place}", Locality(region=region, zone=zone)))
+    return views
 
 
 def priorities(cluster: PlanCluster) -> int:
@@ -147,11 +175,13 @@ def _fill(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None
 __all__ = [
     "FAR",
     "NEAR",
+    "PLACE_SEPARATOR",
     "REGION",
     "capacity_rank",
     "fleet_view",
     "needs_view",
     "place_rank",
+    "placed_views",
     "priorities",
     "spill_decision",
     "spill_key",

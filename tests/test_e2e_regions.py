@@ -313,3 +313,33 @@ def test_a_drained_replica_takes_no_new_session_and_its_streams_finish(
         assert (status, replica) == (200, drained)
         assert lines[-1] == "data: [DONE]"
     pool.shutdown()
+
+
+def test_envoys_of_one_fleet_get_the_view_of_their_node_locality(
+    etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any, backends: Any
+) -> None:
+    """One fleet whose Envoys say where they run (Fleet nodeLocality, bootstrap
+    node.locality): each Envoy puts its own region's replicas at priority 0."""
+    replicas = {region: backends(1, id_prefix=region) for region in REGIONS}
+    ports = {region: [r.port for r in p.replicas] for region, p in replicas.items()}
+    kvpilot = kvpilot_factory(etcd_prefix)
+    api = api_client(kvpilot)
+    apply(
+        api,
+        located_pool(ports),
+        fleet("edge", nodeLocality=True),
+        policy("chat", free_port(), [{"name": "all", "tiers": [["llm"]]}], fleets=["edge"]),
+    )
+    envoys = {
+        region: envoy_factory(xds_port=kvpilot.xds_port, fleet="edge", locality={"region": region})
+        for region in REGIONS
+    }
+    for region, other in (REGIONS, REGIONS[::-1]):
+        want = {ports[region][0]: 0, ports[other][0]: 1}
+        wait_until(
+            lambda envoy=envoys[region], want=want: _priorities(envoy, "chat/all") == want,
+            30,
+            message=f"the {region} Envoy to put {region} first",
+        )
+    status = api.get("/v1/status").json()
+    assert {e["fleet"] for e in status["envoys"]} == {"edge"}

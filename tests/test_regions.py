@@ -206,3 +206,40 @@ def test_a_region_whose_replicas_all_left_takes_its_traffic_back_from_the_floor(
     assert _factor(plan, "us") == 0  # one priority: nothing to spill to, Envoy's default
     back = compile_plan(_state(fill_us=0.5, now=101.0, previous_spill=plan.spill))
     assert _factor(back, "us") == 50
+
+
+def test_an_envoy_gets_the_view_of_its_node_locality_else_its_fleet() -> None:
+    from envoy.config.core.v3 import base_pb2
+
+    from xdsserver.snapshot import Snapshot, SnapshotCache
+
+    cache = SnapshotCache()
+    for name in ("default", "edge", "edge@us-east", "edge@eu-west/eu-west-b"):
+        cache.set_snapshot(name, Snapshot({}))
+
+    def node(cluster: str, region: str = "", zone: str = "") -> base_pb2.Node:
+        return base_pb2.Node(
+            id="n", cluster=cluster, locality=base_pb2.Locality(region=region, zone=zone)
+        )
+
+    assert cache.served_fleet(node("edge", "us-east", "us-east-a")) == "edge@us-east"
+    assert cache.served_fleet(node("edge", "eu-west", "eu-west-b")) == "edge@eu-west/eu-west-b"
+    assert cache.served_fleet(node("edge", "ap-south")) == "edge"
+    assert cache.served_fleet(node("edge")) == "edge"
+    assert cache.served_fleet(node("other", "us-east")) == "default"
+
+
+def test_a_fleet_with_node_locality_gets_a_view_per_region_and_zone() -> None:
+    state = _state(fill_us=0.5)
+    edge = Fleet.model_validate(
+        {"kind": "Fleet", "metadata": {"name": "us"}, "spec": {"nodeLocality": True}}
+    )
+    plan = compile_plan(replace(state, fleets={**state.fleets, "us": edge}))
+    names = [f.fleet for f in plan.fleets]
+    assert {"us", "us@us", "us@eu"} <= set(names), names
+    eu_view = plan.fleet("us@eu")
+    assert eu_view is not None
+    first = {e.address for e in eu_view.clusters[0].endpoints if e.priority == 0}
+    assert first == {"10.0.2.1", "10.0.2.2"}
+    blind = plan.fleet("us")
+    assert blind is not None and {e.priority for e in blind.clusters[0].endpoints} == {0}

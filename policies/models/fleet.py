@@ -39,3 +39,11 @@ class FleetSpec(Model):
         "(unhealthy or saturated replicas). Without one, every locality is alike "
         "(locality-blind). Default: none.",
     )
+    node_locality: bool = Field(
+        False,
+        description="This fleet's Envoys say where they run in their node.locality (bootstrap "
+        "node.locality.region and .zone): kvpilot computes a view for each region and zone "
+        "that has replicas, and serves each Envoy the view of its place (zone, else region); "
+        "an Envoy without a node locality, or in a place without replicas, gets the fleet's "
+        "own view (at locality, if set). Default: false.",
+    )
