@@ -31,8 +31,8 @@ MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
     (
         "locality spill under saturation",
         "regions-spill",
-        ("telemetry", "llama", "10.0.1.1:8000", "waiting"),
-        0,
+        ("telemetry", "llama", "10.0.1.1:8000"),
+        {"at": 999.5, "running": 4, "max_running": 16},
         {"endpoints"},
     ),
     (

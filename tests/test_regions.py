@@ -78,8 +78,8 @@ def test_place_rank(endpoint: PlanEndpoint, where: Locality | None, rank: int) -
     ("previous", "local", "fill", "now", "keep"),
     [
         (None, 4, 0.5, 10.0, 1.0),  # calm: keep everything
-        (None, 4, 1.5, 10.0, 0.7),  # queueing: cut, at most to 0.7 of itself in a step
-        (None, 4, 1.2, 10.0, 0.75),  # 1.0 x 0.9 / 1.2
+        (None, 4, 1.5, 10.0, 0.85),  # queueing: cut, at most to 0.85 of itself in a step
+        (None, 4, 1.1, 10.0, 0.8636),  # 1.0 x 0.95 / 1.1
         (SpillDecision(keep=0.75, since=9.0, local=4), 4, 2.0, 10.0, 0.75),  # within dwell
         (SpillDecision(keep=0.75, since=5.0, local=4), 4, 0.9, 10.0, 0.75),  # hold band
         (SpillDecision(keep=0.75, since=5.0, local=4), 4, 0.5, 10.0, 0.75 + STEP),  # room
@@ -162,13 +162,16 @@ def _factor(plan: Any, fleet: str) -> int:
 
 def test_only_the_saturated_fleet_spills_and_calm_brings_it_back() -> None:
     plan = compile_plan(_state(fill_us=1.5))
-    assert (_factor(plan, "us"), _factor(plan, "eu")) == (70, 0)
-    # Queueing still after the dwell: cut again, never under the floor.
+    assert (_factor(plan, "us"), _factor(plan, "eu")) == (85, 0)
+    # Still queueing, but within the dwell: no second cut yet.
     plan = compile_plan(_state(fill_us=1.5, now=103.0, previous_spill=plan.spill))
-    assert _factor(plan, "us") == 50
+    assert _factor(plan, "us") == 85
+    # Queueing still after the dwell: cut again.
+    plan = compile_plan(_state(fill_us=1.5, now=106.0, previous_spill=plan.spill))
+    assert _factor(plan, "us") == 72
     # Room again: it takes back by steps.
-    plan = compile_plan(_state(fill_us=0.4, now=106.0, previous_spill=plan.spill))
-    assert _factor(plan, "us") == 55
+    plan = compile_plan(_state(fill_us=0.4, now=112.0, previous_spill=plan.spill))
+    assert _factor(plan, "us") == 82
 
 
 def test_each_fleet_prefers_its_own_region() -> None:
@@ -182,7 +185,7 @@ def test_each_fleet_prefers_its_own_region() -> None:
 
 def test_no_spill_into_a_locality_that_queues_as_well() -> None:
     assert decide_spill(None, local=4, fill=1.5, now=10.0, next_fill=1.3).keep == 1.0
-    assert decide_spill(None, local=4, fill=1.5, now=10.0, next_fill=0.5).keep == 0.7
+    assert decide_spill(None, local=4, fill=1.5, now=10.0, next_fill=0.5).keep == 0.85
 
 
 def test_a_region_whose_replicas_all_left_takes_its_traffic_back_from_the_floor() -> None:
