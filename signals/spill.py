@@ -17,9 +17,11 @@ The loop
 The signal is the batch fill of the fleet's priority-0 replicas (``(running + waiting) /
 max_running``, their mean, as ``signals.saturation``). Above ``HIGH_FILL`` the locality is
 queueing: ``keep`` falls in proportion (``keep x TARGET_FILL / fill``, to no less than
-``MAX_CUT`` of itself a step). Below ``LOW_FILL`` it has room again: ``keep`` rises by ``STEP``. Between
-the two it holds (hysteresis), and it changes at most once per ``DWELL`` seconds, so each step
-is seen in telemetry before the next. ``keep`` never goes below ``FLOOR`` whatever the
+``MAX_CUT`` of itself a step), unless the fill has fallen since the last step (the queue is
+draining: the last cut is working, and cutting again before it shows overshoots). Below
+``LOW_FILL`` it has room again: ``keep`` rises by ``STEP``. Between the two it holds
+(hysteresis), and it changes at most once per ``DWELL`` seconds, so each step is seen in
+telemetry before the next. ``keep`` never goes below ``FLOOR`` whatever the
 telemetry says (a wrong reading cannot send the whole fleet away), and rises back towards 1
 when the fill is unknown (stale or missing telemetry: fail local; Envoy's health spill still
 works).
@@ -78,6 +80,9 @@ class SpillDecision:
     outage and takes its traffic at once."""
     fill: float | None = field(default=None, compare=False)
     """Mean batch fill of those replicas; ``None`` without fresh telemetry."""
+    step_fill: float | None = field(default=None, compare=False)
+    """The fill when ``keep`` last changed: a queue that has shrunk since is draining, and
+    the last cut is left to work before another."""
 
     @property
     def overprovisioning(self) -> int:
@@ -122,13 +127,17 @@ def decide_spill(
     if now - before.since < DWELL:
         pass
     elif fill is not None and fill > HIGH_FILL:
-        if next_fill is None or next_fill < HIGH_FILL:
+        draining = keep < 1.0 and before.step_fill is not None and fill < before.step_fill
+        if not draining and (next_fill is None or next_fill < HIGH_FILL):
             keep = max(FLOOR, keep * max(MAX_CUT, TARGET_FILL / fill))
     elif keep < 1.0 and (fill is None or fill < LOW_FILL):
         keep = min(1.0, keep + STEP)
     keep = round(keep, 4)
-    since = before.since if keep == before.keep else now
-    return SpillDecision(keep=keep, since=since, local=local, fill=fill)
+    if keep == before.keep:
+        return SpillDecision(
+            keep=keep, since=before.since, local=local, fill=fill, step_fill=before.step_fill
+        )
+    return SpillDecision(keep=keep, since=now, local=local, fill=fill, step_fill=fill)
 
 
 __all__ = [

@@ -84,6 +84,10 @@ def test_place_rank(endpoint: PlanEndpoint, where: Locality | None, rank: int) -
         (SpillDecision(keep=0.75, since=5.0, local=4), 4, 0.9, 10.0, 0.75),  # hold band
         (SpillDecision(keep=0.75, since=5.0, local=4), 4, 0.5, 10.0, 0.75 + STEP),  # room
         (SpillDecision(keep=0.55, since=5.0, local=4), 4, 5.0, 10.0, FLOOR),  # floor holds
+        # still queueing, but less than at the last cut: the queue drains, hold
+        (SpillDecision(keep=0.85, since=5.0, local=4, step_fill=1.3), 4, 1.2, 10.0, 0.85),
+        # queueing as much as at the last cut: cut again
+        (SpillDecision(keep=0.85, since=5.0, local=4, step_fill=1.2), 4, 1.2, 10.0, 0.7225),
         (SpillDecision(keep=0.9, since=5.0, local=4), 0, None, 10.0, FLOOR),  # region down
         (SpillDecision(keep=FLOOR, since=5.0, local=0, outage=True), 4, None, 10.0, FLOOR),
         (None, 0, None, 10.0, 1.0),  # a new fleet whose replicas have not registered yet
