@@ -3,9 +3,11 @@ and the JSON document reader. The live signals are ``signals``; the plan is ``co
 
 from policies.models import (
     API_VERSION,
+    CAPACITIES,
     KIND_PATHS,
     KINDS,
     PATH_KINDS,
+    Capacity,
     Endpoint,
     EndpointHealth,
     Fleet,
@@ -20,9 +22,11 @@ from policies.validate import FieldError, PolicyError, decode_documents, load_ob
 
 __all__ = [
     "API_VERSION",
+    "CAPACITIES",
     "KINDS",
     "KIND_PATHS",
     "PATH_KINDS",
+    "Capacity",
     "Endpoint",
     "EndpointHealth",
     "FieldError",

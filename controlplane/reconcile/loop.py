@@ -278,6 +278,7 @@ class Reconciler:
             previous_admission=self._live.admission,
             previous_saturation=self._live.saturation,
             difficulty=self.difficulty,
+            previous_spill=self._live.spill,
             now=self.clock(),
         )
         plan = compile_plan(state, self._memo)

@@ -67,9 +67,11 @@ from policies.models.policy import (
     RoutingPolicySpec,
 )
 from policies.models.pool import (
+    CAPACITIES,
     TELEMETRY_MAX_AGE,
     TLS,
     AuthHeader,
+    Capacity,
     CircuitBreakers,
     Endpoint,
     EndpointHealth,
@@ -115,6 +117,7 @@ from policies.models.route import (
 
 __all__ = [
     "API_VERSION",
+    "CAPACITIES",
     "DEFAULT_BIAS",
     "DEFAULT_RETRY_ON",
     "DEFAULT_WEIGHTS",
@@ -139,6 +142,7 @@ __all__ = [
     "AuthHeader",
     "Balancing",
     "BuiltinScorer",
+    "Capacity",
     "CircuitBreakers",
     "ClassAction",
     "ClassBudget",
