@@ -257,6 +257,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
             "restrictedClasses": restricted_classes(plan),
             "saturation": _saturation(plan),
             "unreadModelLists": _unread_model_lists(reconciler.state),
+            "spill": _spill(plan),
             "lastBuild": {
                 "revision": build.revision,
                 "at": build.at or None,
@@ -304,6 +305,25 @@ def _saturation(plan: RoutingPlan | None) -> list[dict[str, Any]]:
             "since": decision.since if math.isfinite(decision.since) else None,
         }
         for route, decision in sorted(plan.saturation.items())
+    ]
+
+
+def _spill(plan: RoutingPlan | None) -> list[dict[str, Any]]:
+    """Per located fleet and route: the share of the fleet's traffic its own locality keeps
+    (the rest spills to the next priority), the replicas it has, their batch fill, and
+    whether it is back from an outage and ramping."""
+    if plan is None:
+        return []
+    return [
+        {
+            "fleetRoute": key,
+            "keep": decision.keep,
+            "localReplicas": decision.local,
+            "batchFill": decision.fill,
+            "outage": decision.outage,
+            "since": decision.since if math.isfinite(decision.since) else None,
+        }
+        for key, decision in sorted(plan.spill.items())
     ]
 
 

@@ -205,6 +205,13 @@ class KvpilotClient:
         ).json()
         return result
 
+    def set_health(self, pool: str, endpoint_id: str, health: str) -> dict[str, Any]:
+        """Change one endpoint's health as Envoy gets it over EDS (``draining`` drains it)."""
+        result: dict[str, Any] = self._request(
+            "PUT", f"/v1/pools/{pool}/endpoints/{endpoint_id}/health", json={"health": health}
+        ).json()
+        return result
+
     # -- rollouts ----------------------------------------------------------------------------
 
     def rollout_status(self, name: str) -> dict[str, Any]:

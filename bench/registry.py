@@ -15,6 +15,7 @@ from bench.benchmark import Benchmark
 from bench.classes.entry import BENCHMARK as CLASSES
 from bench.controlplane.entry import BENCHMARK as CONTROLPLANE
 from bench.difficulty.entry import BENCHMARK as DIFFICULTY
+from bench.regions.entry import BENCHMARK as REGIONS
 from bench.rollout.entry import BENCHMARK as ROLLOUT
 from bench.routing.entry import BENCHMARK as ROUTING
 
@@ -25,9 +26,10 @@ BENCHMARKS: Sequence[Benchmark] = (
     CLASSES,
     DIFFICULTY,
     ADAPTERS,
+    REGIONS,
 )
 """Every benchmark, in the order ``--help`` lists them. `make bench` runs the first
-(`DEFAULT`), then ``rollout``, then ``classes``."""
+(`DEFAULT`), then ``rollout``, then ``classes``, then ``regions``."""
 
 DEFAULT = ROUTING.name
 """What ``python -m bench`` runs when no benchmark is named."""

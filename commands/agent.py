@@ -18,13 +18,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from commands.flags import env_flag, log_level_flag
+from controlplane.agent.notice import NoticeSource
 from controlplane.agent.scrape import Agent, AgentConfig, Target
 from controlplane.etcd import EtcdAccessDenied
 from controlplane.etcd.settings import add_etcd_arguments, etcd_settings, open_client
 from controlplane.etcd.store import Store
 from controlplane.logs import setup_logging
+from policies import CAPACITIES, Endpoint
 from signals.telemetry import METRIC_MAPS, MetricMap
 
 log = logging.getLogger("kvpilot.agent")
@@ -51,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--targets-file",
         type=Path,
         help="YAML list of backends: "
-        "[{pool, url, address?, port?, name?, weight?, maxRunning?, metricsPath?}]",
+        "[{pool, url, address?, port?, name?, weight?, maxRunning?, metricsPath?, region?, "
+        "zone?, capacity?}]",
     )
     parser.add_argument(
         "--advertise-address",
@@ -107,6 +111,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="batch capacity when the server does not export it (vLLM --max-num-seqs)",
     )
+    parser.add_argument("--region", default="", help="region registered with the backends")
+    parser.add_argument(
+        "--zone", default="", help="zone (within --region) registered with the backends"
+    )
+    parser.add_argument(
+        "--capacity",
+        default="",
+        choices=["", *CAPACITIES],
+        help="how the backends' machines are bought: on-demand, spot or reserved",
+    )
+    parser.add_argument(
+        "--preemption-notice",
+        action="append",
+        default=[],
+        metavar="SOURCE",
+        help="where a preemption notice appears: aws, gcp, file:PATH or an http(s) URL; "
+        "once one does, every backend is registered as draining (repeat for several)",
+    )
+    parser.add_argument(
+        "--metadata-url",
+        default="",
+        help="base URL of the cloud metadata service for --preemption-notice aws or gcp "
+        "(default http://169.254.169.254 for aws, http://metadata.google.internal for gcp)",
+    )
+    parser.add_argument(
+        "--notice-interval",
+        type=float,
+        default=1.0,
+        help="seconds between looks at the notice sources (default 1)",
+    )
     parser.add_argument(
         "--unregister-after",
         type=int,
@@ -142,6 +176,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                 metrics_path=args.metrics_path,
                 models_path=_models_path(args.models_path),
                 max_running=args.max_running,
+                region=args.region,
+                zone=args.zone,
+                capacity=args.capacity,
             )
         )
     if args.targets_file:
@@ -160,6 +197,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
                     metrics_path=entry.get("metricsPath", args.metrics_path),
                     models_path=_models_path(entry.get("modelsPath", args.models_path)),
                     max_running=entry.get("maxRunning", args.max_running),
+                    region=str(entry.get("region", args.region)),
+                    zone=str(entry.get("zone", args.zone)),
+                    capacity=str(entry.get("capacity", args.capacity)),
                 )
             )
     if not targets:
@@ -168,6 +208,11 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise ValueError("--advertise-address applies to a single --backend")
     if args.name and len(targets) > 1:
         raise ValueError("--name applies to a single --backend; name each in --targets-file")
+    for target in targets:
+        _check_registration(target)
+    notices = [NoticeSource.parse(text, args.metadata_url) for text in args.preemption_notice]
+    if args.notice_interval <= 0:
+        raise ValueError("--notice-interval must be above 0")
     metric_map = None
     if args.metric_map:
         metric_map = MetricMap.from_mapping(yaml.safe_load(args.metric_map.read_text()) or {})
@@ -188,7 +233,26 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         register=args.register,
         unregister_after=args.unregister_after,
         etcd_security=etcd.security,
+        notices=notices,
+        notice_interval=args.notice_interval,
     )
+
+
+_FLAGS = {"locality.region": "--region", "locality.zone": "--zone", "capacity": "--capacity"}
+
+
+def _check_registration(target: Target) -> None:
+    """Refuse a backend whose registration kvpilot would refuse (an unknown capacity kind, a
+    zone without a region), naming the flag, before anything is written."""
+    try:
+        Endpoint.model_validate(target.endpoint_body())
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        flag = next((f for field, f in _FLAGS.items() if where.startswith(field)), where)
+        if where == "locality":
+            flag = "--zone"
+        raise ValueError(f"{target.url}: {flag}: {first['msg']}") from None
 
 
 async def run_agent(config: AgentConfig) -> None:

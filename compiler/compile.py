@@ -19,6 +19,10 @@ Design choices, each forced by what Envoy does:
 - Telemetry routes with session affinity send their session requests to a tighter-bounded
   twin of their hash cluster while their first tier's batches are full
   (``signals.saturation``); that, too, is a route entry's cluster (RDS).
+- A fleet with a locality gets its own view of each route's replicas: own zone, own region,
+  other regions as EDS priorities within each tier, and capacity kinds in a pool's preferred
+  order (``compiler.locality``); a saturated locality spills by its ClusterLoadAssignment's
+  overprovisioning factor (``signals.spill``).
 
 This module runs the stages in order; each lives in a module of its own: ``state`` (what
 compilation reads), ``live`` (telemetry weights, admission and saturation), ``routes`` (one route's
@@ -35,6 +39,14 @@ from dataclasses import replace
 from compiler.budgets import route_blocks
 from compiler.difficulty import plan_virtual_models
 from compiler.fleets import applies, fleet_compiled, fleet_names, merge_listener
+from compiler.locality import (
+    fleet_view,
+    needs_view,
+    placed_views,
+    priorities,
+    spill_decision,
+    spill_key,
+)
 from compiler.models import served_models
 from compiler.plan import (
     Diagnostic,
@@ -45,9 +57,10 @@ from compiler.plan import (
     RoutingPlan,
 )
 from compiler.routes import MemoEntry, RouteMemo
-from policies.models import FleetSpec, RoutingPolicy
+from policies.models import FleetSpec, Locality, RoutingPolicy
 from policies.names import cluster_name, listener_name
 from signals.live import admission_decisions, saturation_decisions, telemetry_weights
+from signals.spill import SpillDecision
 from signals.state import PolicyState, pool_endpoints
 
 __all__ = [
@@ -129,46 +142,47 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
 
     watched = rollout_clusters(state)
     fleets = []
+    spill: dict[str, SpillDecision] = {}
     for fleet in fleet_names(state):
         in_fleet = fleet_compiled(state, fleet, compiled, weights, admission)
         fleet_object = state.fleets.get(fleet)
         settings = fleet_object.spec if fleet_object is not None else FleetSpec()
-        by_port: dict[int, list[RoutingPolicy]] = {}
-        for policy_name in sorted(state.policies):
-            policy = state.policies[policy_name]
-            if applies(policy, fleet):
-                by_port.setdefault(policy.spec.listener.port, []).append(policy)
-        listeners = []
-        clusters: list[PlanCluster] = []
-        for port in sorted(by_port):
-            vhosts, port_clusters, port_diagnostics = merge_listener(fleet, by_port[port], in_fleet)
-            diagnostics.extend(port_diagnostics)
-            clusters.extend(port_clusters)
-            listeners.append(
-                PlanListener(
-                    name=listener_name(port),
-                    address=by_port[port][0].spec.listener.address,
-                    port=port,
-                    virtual_hosts=tuple(vhosts),
-                    max_request_body_bytes=settings.max_request_body_bytes,
-                    access_log=settings.access_log,
-                    drain_timeout=settings.drain_timeout,
-                    upstream_signals=any(
-                        route.cluster in watched for vhost in vhosts for route in vhost.routes
-                    ),
+        for name, where in placed_views(fleet, settings, state):
+            listeners = []
+            clusters: list[PlanCluster] = []
+            for port, policies in _by_port(state, fleet).items():
+                vhosts, port_clusters, port_diagnostics = merge_listener(fleet, policies, in_fleet)
+                if where is not None or any(p.spec.prefer_capacity for p in state.pools.values()):
+                    port_clusters, vhosts = _fleet_views(
+                        name, where, port_clusters, vhosts, state, spill
+                    )
+                diagnostics.extend(port_diagnostics)
+                clusters.extend(port_clusters)
+                listeners.append(
+                    PlanListener(
+                        name=listener_name(port),
+                        address=policies[0].spec.listener.address,
+                        port=port,
+                        virtual_hosts=tuple(vhosts),
+                        max_request_body_bytes=settings.max_request_body_bytes,
+                        access_log=settings.access_log,
+                        drain_timeout=settings.drain_timeout,
+                        upstream_signals=any(
+                            route.cluster in watched for vhost in vhosts for route in vhost.routes
+                        ),
+                        tracing=settings.tracing,
+                    )
+                )
+            fleets.append(
+                FleetPlan(
+                    fleet=name,
+                    listeners=tuple(listeners),
+                    clusters=tuple(clusters),
+                    secrets_dir=settings.secrets_dir,
+                    trusted_ca_file=settings.trusted_ca_file,
                     tracing=settings.tracing,
                 )
             )
-        fleets.append(
-            FleetPlan(
-                fleet=fleet,
-                listeners=tuple(listeners),
-                clusters=tuple(clusters),
-                secrets_dir=settings.secrets_dir,
-                trusted_ca_file=settings.trusted_ca_file,
-                tracing=settings.tracing,
-            )
-        )
     memo.keep(entries)
     return RoutingPlan(
         fleets=tuple(fleets),
@@ -177,7 +191,56 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         admission=admission,
         saturation=saturation,
         difficulty=state.difficulty,
+        spill=spill,
     )
+
+
+def _by_port(state: PolicyState, fleet: str) -> dict[int, list[RoutingPolicy]]:
+    """The policies `fleet` gets, by listener port, ports and policies in name order."""
+    by_port: dict[int, list[RoutingPolicy]] = {}
+    for policy_name in sorted(state.policies):
+        policy = state.policies[policy_name]
+        if applies(policy, fleet):
+            by_port.setdefault(policy.spec.listener.port, []).append(policy)
+    return dict(sorted(by_port.items()))
+
+
+def _fleet_views(
+    fleet: str,
+    where: Locality | None,
+    clusters: list[PlanCluster],
+    vhosts: list[PlanVirtualHost],
+    state: PolicyState,
+    spill: dict[str, SpillDecision],
+) -> tuple[list[PlanCluster], list[PlanVirtualHost]]:
+    """The clusters of one listener as `fleet` (at `where`) gets them, with each spill
+    decision recorded in `spill`; the routes whose cluster now has several priorities retry
+    on the next one (``previous_priorities``), as between tiers."""
+    out: list[PlanCluster] = []
+    levels: dict[str, int] = {}
+    for cluster in clusters:
+        if not needs_view(cluster, where, state.pools):
+            out.append(cluster)
+            continue
+        view = fleet_view(cluster, where, state.pools)
+        count = priorities(view)
+        decision = spill_decision(fleet, cluster, view, where, state)
+        spill[spill_key(fleet, view.eds_service or view.name)] = decision
+        if count > 1 and decision.keep < 1.0:
+            # With one priority there is nowhere to spill to: Envoy's default stays.
+            view = replace(view, overprovisioning=decision.overprovisioning)
+        levels[view.eds_service or view.name] = count
+        out.append(view)
+    if not any(count > 1 for count in levels.values()):
+        return out, vhosts
+    views = []
+    for vhost in vhosts:
+        routes = tuple(
+            replace(route, tiers=max(route.tiers, levels.get(route.cluster, 0)))
+            for route in vhost.routes
+        )
+        views.append(replace(vhost, routes=routes) if routes != vhost.routes else vhost)
+    return out, views
 
 
 def _dedupe(diagnostics: Iterable[Diagnostic]) -> tuple[Diagnostic, ...]:

@@ -32,6 +32,7 @@ from policies.models import (
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.saturation import SaturationDecision
+from signals.spill import SpillDecision
 from signals.weights import WeightDecision
 
 DEFAULT_FLEET = "default"
@@ -61,6 +62,8 @@ class PlanEndpoint(NamedTuple):
     models: tuple[str, ...] = ()
     """Models and LoRA adapters this endpoint serves, sorted, when its cluster routes by
     them (``PlanCluster.model_subsets``): its pool's list, or what its agent reports."""
+    capacity: str = ""
+    """How the replica's machine is bought (``Endpoint.capacity``); empty when unknown."""
 
 
 ClusterKind = Literal["eds", "dns", "aggregate"]
@@ -97,6 +100,9 @@ class PlanCluster:
     model_subsets: bool = False
     """Requests go to the endpoints that serve the model they ask for (each endpoint's
     ``models``), any endpoint when none does: adapter-aware routing."""
+    overprovisioning: int = 0
+    """The ClusterLoadAssignment's overprovisioning factor in percent, when kvpilot spills a
+    saturated locality (``signals.spill``); 0: Envoy's default (140), not sent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,6 +396,9 @@ class RoutingPlan:
     route (``policy/route``) -> decision."""
     difficulty: Mapping[str, ShareDecision] = field(default_factory=dict, hash=False)
     """Thresholds in force for virtual models with a share: ``policy/name`` -> decision."""
+    spill: Mapping[str, SpillDecision] = field(default_factory=dict, hash=False)
+    """What share of each located fleet's traffic its own locality keeps, per route cluster:
+    ``fleet/policy/route`` -> decision (``compiler.locality``)."""
 
     def fleet(self, name: str) -> FleetPlan | None:
         """The plan of fleet ``name``, or None."""

@@ -117,6 +117,7 @@ def _tier_endpoints(
                     hostname,
                     endpoint.name or "",
                     models.models if models.static else models.by_endpoint.get(endpoint.key, ()),
+                    endpoint.capacity or "",
                 )
                 for endpoint, weight, health in rows
             )
@@ -134,6 +135,8 @@ def _tier_endpoints(
                 endpoint.locality.zone if endpoint.locality else "",
                 hostname,
                 endpoint.name or "",
+                (),
+                endpoint.capacity or "",
             )
             for endpoint, weight, health in rows
         )

@@ -22,6 +22,7 @@ from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.saturation import SaturationDecision
+from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
 from signals.weights import WeightDecision
 
@@ -144,6 +145,7 @@ class DecodedState:
         previous_admission: Mapping[str, AdmissionDecision] | None = None,
         previous_saturation: Mapping[str, SaturationDecision] | None = None,
         difficulty: Mapping[str, ShareDecision] | None = None,
+        previous_spill: Mapping[str, SpillDecision] | None = None,
         now: float = 0.0,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
@@ -156,5 +158,6 @@ class DecodedState:
             previous_admission=previous_admission or {},
             previous_saturation=previous_saturation or {},
             difficulty=difficulty or {},
+            previous_spill=previous_spill or {},
             now=now,
         )

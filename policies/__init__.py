@@ -3,10 +3,12 @@ and the JSON document reader. The live signals are ``signals``; the plan is ``co
 
 from policies.models import (
     API_VERSION,
+    CAPACITIES,
     KIND_PATHS,
     KINDS,
     PATH_KINDS,
     Budget,
+    Capacity,
     Endpoint,
     EndpointHealth,
     Fleet,
@@ -21,10 +23,12 @@ from policies.validate import FieldError, PolicyError, decode_documents, load_ob
 
 __all__ = [
     "API_VERSION",
+    "CAPACITIES",
     "KINDS",
     "KIND_PATHS",
     "PATH_KINDS",
     "Budget",
+    "Capacity",
     "Endpoint",
     "EndpointHealth",
     "FieldError",

@@ -17,6 +17,11 @@ base model and the loaded adapters (each with `parent`), a request for an adapte
 that is not loaded waits for its load, a name that is neither gets vLLM's 404, and
 `POST /admin/adapters {"load": [...], "unload": [...]}` loads and unloads them at once.
 
+A replica in a region (``--region``) adds a simulated inter-region round trip
+(``--remote-delay``, seconds) to every inference request whose ``x-client-region`` header
+names another region: the time a request from another region's Envoy would spend on the
+wire, there and back, before its first token reaches the client.
+
 A replica with an `Engine` (`replicasim.simulator`) answers through it instead of at once:
 continuous batching, a prefix-cached KV cache, simulated prefill and decode times, vLLM's
 metric names (prefix-cache hits, TTFT histogram) and optional ORCA load headers. Such
@@ -51,6 +56,8 @@ from replicasim.lora import LoraSlots, UnknownAdapter
 from replicasim.simulator import Engine, EngineError
 
 DEFAULT_MODEL = "sim-model"
+CLIENT_REGION_HEADER = "x-client-region"
+"""Request header naming the region a request comes from (the load generator sets it)."""
 
 
 @dataclass
@@ -86,6 +93,12 @@ class Replica:
     """Called once by `POST /admin/die`; `serve()` sets it to stop this replica's server."""
     lora: LoraSlots | None = None
     """LoRA adapters the replica can load, when it serves any."""
+    region: str = ""
+    """The region the replica simulates running in; empty: none."""
+    remote_delay: float = 0.0
+    """Seconds of round trip added to a request from another region (``x-client-region``)."""
+    remote_requests: int = 0
+    """Inference requests that came from another region."""
 
     def metrics_text(self) -> str:
         """The replica's metrics in Prometheus text format."""
@@ -204,6 +217,11 @@ def build_app(replica: Replica) -> Starlette:
         replica.inference += 1
         if replica.delay:
             await asyncio.sleep(replica.delay)
+        client_region = request.headers.get(CLIENT_REGION_HEADER, "")
+        if replica.region and client_region and client_region != replica.region:
+            replica.remote_requests += 1
+            if replica.remote_delay:
+                await asyncio.sleep(replica.remote_delay)
         if replica.fail_status is not None and int(replica.inference * replica.fail_fraction) > int(
             (replica.inference - 1) * replica.fail_fraction
         ):

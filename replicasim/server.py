@@ -96,6 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help='LoRA adapters each replica can load, as JSON: {"catalog": [names], '
         '"maxLoaded": 8, "loadTime": 0.3, "loaded": [names]}',
     )
+    parser.add_argument("--region", default="", help="region the replicas simulate running in")
+    parser.add_argument(
+        "--remote-delay",
+        type=float,
+        default=0.0,
+        help="seconds of round trip added to requests from another region (x-client-region)",
+    )
     args = parser.parse_args(argv)
     try:
         ports = parse_ports(args.ports, args.replicas)
@@ -120,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model=args.model,
                 engine=Engine(sim_config, args.model) if sim_config else None,
                 lora=LoraSlots.from_config(lora) if lora is not None else None,
+                region=args.region,
+                remote_delay=args.remote_delay,
             )
             for i in range(args.replicas)
         ]

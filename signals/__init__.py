@@ -4,7 +4,8 @@ decide, each from plain data.
 - ``telemetry``: model servers' Prometheus metrics -> ``TelemetryRecord`` (metric maps for
   vLLM, SGLang, TGI);
 - ``weights``: per-endpoint weights from telemetry; ``admission``: per-class admission
-  entries; ``saturation``: the saturated twin's fill;
+  entries; ``saturation``: the saturated twin's fill; ``spill``: what a fleet's own
+  locality keeps of its traffic;
 - ``state``: ``PolicyState``, the objects, endpoints, telemetry and decisions the compiler
   reads; ``live``: the decisions a state's telemetry implies;
 - ``spend``: token usage, prices and calendar windows (ledgers of spend by tenant, model,
@@ -15,6 +16,7 @@ decide, each from plain data.
 from signals.admission import AdmissionDecision
 from signals.live import admission_decisions, saturation_decisions, telemetry_weights
 from signals.saturation import SaturationDecision
+from signals.spill import SpillDecision
 from signals.state import PolicyState, is_external, pool_endpoints
 from signals.telemetry import METRIC_MAPS, MetricMap, TelemetryRecord
 from signals.weights import WeightDecision, WeightParams, pool_weights
@@ -25,6 +27,7 @@ __all__ = [
     "MetricMap",
     "PolicyState",
     "SaturationDecision",
+    "SpillDecision",
     "TelemetryRecord",
     "WeightDecision",
     "WeightParams",

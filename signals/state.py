@@ -12,6 +12,7 @@ from policies.models import Budget, Endpoint, Fleet, PolicyObject, Pool, Rollout
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.saturation import SaturationDecision
+from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
 from signals.weights import WeightDecision
 
@@ -36,6 +37,8 @@ class PolicyState:
     difficulty: Mapping[str, ShareDecision] = field(default_factory=dict)
     """Thresholds kvpilot learned for virtual models with a share: ``policy/name`` -> decision
     (``signals.difficultyshare``)."""
+    previous_spill: Mapping[str, SpillDecision] = field(default_factory=dict)
+    """``RoutingPlan.spill`` of the previous compile, for hysteresis."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)

@@ -55,6 +55,36 @@ async def test_invalid_endpoint_registration_is_a_422(api: Harness) -> None:
     assert await api.raw("endpoints/chat/x") is None
 
 
+@pytest.mark.parametrize(
+    ("extra", "loc", "words"),
+    [
+        ({"capacity": "preemptible"}, "capacity", "'on-demand', 'spot' or 'reserved'"),
+        ({"locality": {"zone": "us-east-a"}}, "locality", "has no region"),
+    ],
+    ids=["unknown capacity", "zone without region"],
+)
+async def test_a_bad_capacity_or_locality_is_a_422_that_writes_nothing(
+    api: Harness, extra: dict[str, Any], loc: str, words: str
+) -> None:
+    await api.http.put("/v1/pools/chat", json=pool("chat"))
+    response = await api.http.put(
+        "/v1/pools/chat/endpoints/x", json={"address": "10.0.0.1", "port": 8000, **extra}
+    )
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"][0]
+    assert detail["loc"] == loc and words in detail["msg"], detail
+    assert await api.raw("endpoints/chat/x") is None
+    bad_pool = pool("chat", [8001])
+    bad_pool["spec"]["endpoints"][0].update(extra)
+    response = await api.http.put("/v1/pools/chat", json=bad_pool)
+    assert response.status_code == 422, response.text
+    stored = (await api.http.get("/v1/pools/chat")).json()
+    assert [(e["port"], e["locality"], e["capacity"]) for e in stored["spec"]["endpoints"]] == [
+        (8001, None, None),
+        (8002, None, None),
+    ]
+
+
 async def test_set_weight_of_a_registered_endpoint_keeps_its_lease(api: Harness) -> None:
     leased = await api.http.put(
         "/v1/pools/chat/endpoints/r1",

@@ -144,6 +144,21 @@ def test_apply_get_set_weight_delete_and_status(
     code, out, _ = run(capsys, "get", "pools", "-o", "yaml")
     (pool,) = list(yaml.safe_load_all(out))
     assert [e["weight"] for e in pool["spec"]["endpoints"]] == [700, 100, 100]
+
+    code, out, err = run(capsys, "drain", "demo-pool", "127.0.0.1:8002")
+    assert code == 0, err
+    assert "draining: no new request or session" in out
+    code, out, _ = run(capsys, "get", "pools", "-o", "yaml")
+    (pool,) = list(yaml.safe_load_all(out))
+    assert [e.get("health", "healthy") for e in pool["spec"]["endpoints"]] == [
+        "healthy",
+        "draining",
+        "healthy",
+    ]
+    code, out, err = run(capsys, "drain", "demo-pool", "127.0.0.1:8009")
+    assert code == 1 and "has no endpoint" in err
+    code, out, err = run(capsys, "drain", "--undo", "demo-pool", "127.0.0.1:8002")
+    assert code == 0 and "back in rotation" in out, err
     code, out, _ = run(capsys, "apply", "-f", str(EXAMPLES / "demo.yaml"))
     assert out.splitlines()[0] == "pool/demo-pool configured"
 

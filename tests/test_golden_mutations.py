@@ -22,6 +22,27 @@ SATURATED = ("telemetry", "mistral", "10.0.0.1:8000")
 # the resource types that must change.
 MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
     (
+        "locality per fleet",
+        "regions-locality",
+        ("objects", 2, "spec", "locality", "zone"),
+        "us-east-b",
+        {"endpoints"},
+    ),
+    (
+        "locality spill under saturation",
+        "regions-spill",
+        ("telemetry", "llama", "10.0.1.1:8000"),
+        {"at": 999.5, "running": 4, "max_running": 16},
+        {"endpoints"},
+    ),
+    (
+        "spot preference",
+        "regions-spot",
+        ("objects", 0, "spec", "preferCapacity"),
+        ["on-demand", "spot"],
+        {"endpoints"},
+    ),
+    (
         "failover tiers",
         "failover-tiers",
         ("objects", 3, "spec", "routes", 0, "tiers"),

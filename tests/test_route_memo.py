@@ -156,7 +156,7 @@ CASES: dict[str, Callable[[], PolicyState]] = {
         edit("c", lambda s: s["endpoints"][0].update(health="draining"))
     ),
     "pool endpoint locality": lambda: state(
-        edit("c", lambda s: s["endpoints"][0].update(locality={"zone": "z1"}))
+        edit("c", lambda s: s["endpoints"][0].update(locality={"region": "r1", "zone": "z1"}))
     ),
     "pool telemetry max age": lambda: state(
         edit("a", lambda s: s.update(telemetry={"format": "vllm", "maxAge": "0.5s"}))

@@ -38,6 +38,7 @@ from policies.validate import field_errors
 from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.saturation import SaturationDecision
+from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
 from signals.weights import WeightDecision
 from xdsserver import resources
@@ -58,8 +59,10 @@ Decisions = tuple[
     Mapping[str, Mapping[str, WeightDecision]],
     Mapping[str, AdmissionDecision],
     Mapping[str, SaturationDecision],
+    Mapping[str, SpillDecision],
 ]
-"""A compile's live decisions (weights, admission, saturation), handed to the next one."""
+"""A compile's live decisions (weights, admission, saturation, spill), handed to the next
+one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,14 +90,14 @@ class RenderInput:
     def state(self) -> PolicyState:
         """What the last round's compilation takes: the decisions of the rounds in
         ``history`` (none without a history: a first round, as after a restart)."""
-        previous: Decisions = ({}, {}, {})
+        previous: Decisions = ({}, {}, {}, {})
         for earlier in self.history:
             plan = compile_plan(self._state(earlier, previous))
-            previous = (plan.weights, plan.admission, plan.saturation)
+            previous = (plan.weights, plan.admission, plan.saturation, plan.spill)
         return self._state(Round(now=self.now, telemetry=self.telemetry), previous)
 
     def _state(self, round_: Round, previous: Decisions) -> PolicyState:
-        weights, admission, saturation = previous
+        weights, admission, saturation, spill = previous
         return PolicyState.from_objects(
             self.objects,
             registered=self.endpoints,
@@ -103,6 +106,7 @@ class RenderInput:
             previous_weights=weights,
             previous_admission=admission,
             previous_saturation=saturation,
+            previous_spill=spill,
         )
 
 

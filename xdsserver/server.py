@@ -123,7 +123,9 @@ class AdsServer:
                 message=message,
             )
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
-        watch = self.cache.watch(fleet)
+        # An Envoy of a fleet with views per place watches the view of its node.locality.
+        view = self.cache.view_for(node)
+        watch = self.cache.watch(view)
         conn = self.status.open(
             node_id=node_id, fleet=fleet, peer=peer, mode=mode, identity=identity
         )
@@ -143,7 +145,7 @@ class AdsServer:
         try:
             while not self._closing and not stream.done:
                 changed_at = watch.consume()
-                snapshot = self.cache.snapshot_for(fleet)
+                snapshot = self.cache.snapshot_for(view)
                 for push in stream.plan(snapshot):
                     log.debug(
                         "xDS push node=%s fleet=%s type=%s version=%s nonce=%s",

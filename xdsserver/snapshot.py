@@ -188,18 +188,38 @@ class SnapshotCache:
             return self._fleet_of(node) or self.default_fleet
         return str(getattr(node, "cluster", "") or "") or self.default_fleet
 
-    def served_fleet(self, node: Any) -> str:
-        """The fleet whose config an Envoy gets: its own, or the default fleet's when its
-        own has none."""
+    def view_for(self, node: Any) -> str:
+        """What an Envoy watches: its fleet, or with a node.locality the view of its place,
+        ``fleet@region/zone`` (``compiler.locality.placed_views``; only fleets with
+        ``nodeLocality`` have such views, the others resolve to the fleet itself)."""
         fleet = self.fleet_for(node)
-        return fleet if fleet in self._snapshots else self.default_fleet
+        locality = getattr(node, "locality", None)
+        region = str(getattr(locality, "region", "") or "")
+        if not region:
+            return fleet
+        zone = str(getattr(locality, "zone", "") or "")
+        return f"{fleet}@{region}/{zone}" if zone else f"{fleet}@{region}"
+
+    def resolve(self, view: str) -> str:
+        """The snapshot a view is served: the first of ``fleet@region/zone``,
+        ``fleet@region``, ``fleet`` that has one, else the default fleet."""
+        candidates = [view]
+        if "@" in view:
+            fleet, place = view.split("@", 1)
+            if "/" in place:
+                candidates.append(f"{fleet}@{place.split('/', 1)[0]}")
+            candidates.append(fleet)
+        return next((c for c in candidates if c in self._snapshots), self.default_fleet)
+
+    def served_fleet(self, node: Any) -> str:
+        """The fleet (or fleet view) whose config an Envoy gets: its own, or the default
+        fleet's when its own has none."""
+        return self.resolve(self.view_for(node))
 
     def snapshot_for(self, fleet: str) -> Snapshot | None:
-        """The snapshot a fleet is served: its own, else the default fleet's, else None."""
-        snapshot = self._snapshots.get(fleet)
-        if snapshot is None:
-            snapshot = self._snapshots.get(self.default_fleet)
-        return snapshot
+        """The snapshot a fleet (or view) is served: its own, else the nearest it falls back
+        to (``resolve``), else None."""
+        return self._snapshots.get(self.resolve(fleet))
 
     def fleets(self) -> list[str]:
         """Fleets that have a snapshot of their own."""
@@ -239,15 +259,12 @@ class SnapshotCache:
 
     def _wake(self, fleet: str) -> None:
         now = time.monotonic()
-        if fleet == self.default_fleet:
-            # Fleets without a snapshot of their own follow the default one.
-            targets = [
-                w
-                for name, ws in self._watches.items()
-                if name == fleet or name not in self._snapshots
-                for w in ws
-            ]
-        else:
-            targets = list(self._watches.get(fleet, ()))
+        # Views and fleets without a snapshot of their own follow the one they resolve to.
+        targets = [
+            w
+            for name, ws in self._watches.items()
+            if name == fleet or self.resolve(name) == fleet
+            for w in ws
+        ]
         for watch in targets:
             watch.notify(now)

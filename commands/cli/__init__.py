@@ -3,7 +3,7 @@
 Exit codes: 0 success, 1 error (one line on stderr), 2 usage error.
 
 The commands live in groups, one module each: ``objects`` (apply, diff, get, delete,
-set-weight), ``status`` (status, audit), ``rollout``, ``translate`` (offline), ``certs`` and
+set-weight, drain), ``status`` (status, audit), ``rollout``, ``translate`` (offline), ``certs`` and
 ``bootstrap`` (mutual TLS and Envoy start-up, offline), ``docs`` (generated pages),
 ``completion``; ``common`` holds what
 they share. ``serve`` is ``commands.serve``; ``agent`` is ``commands.agent``.

@@ -1,5 +1,5 @@
 """The commands that edit and read policy objects through the REST API: ``apply`` (and its
-wait for every Envoy's ACK), ``diff``, ``get``, ``delete`` and ``set-weight``."""
+wait for every Envoy's ACK), ``diff``, ``get``, ``delete``, ``set-weight`` and ``drain``."""
 
 from __future__ import annotations
 
@@ -185,6 +185,15 @@ def cmd_set_weight(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    health = "healthy" if args.undo else "draining"
+    with api_client(args) as client:
+        result = client.set_health(args.pool, args.endpoint_id, health)
+    what = "back in rotation" if args.undo else "draining: no new request or session"
+    print(f"pool/{args.pool} endpoint {args.endpoint_id} ({result.get('source', '?')}) {what}")
+    return 0
+
+
 def _resource_yaml(resource: dict[str, Any] | None) -> list[str]:
     if resource is None:
         return []
@@ -231,7 +240,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def add_parsers(add_parser: AddParser) -> None:
-    """`apply`, `diff`, `get`, `delete` and `set-weight`."""
+    """`apply`, `diff`, `get`, `delete`, `set-weight` and `drain`."""
     apply = add_parser("apply", help="validate policy files, then create or update their objects")
     apply.add_argument(
         "-f",
@@ -288,3 +297,12 @@ def add_parsers(add_parser: AddParser) -> None:
     weight.add_argument("endpoint_id", help="a registered endpoint's id, or address:port")
     weight.add_argument("weight", type=int)
     weight.set_defaults(func=cmd_set_weight)
+    drain = add_parser(
+        "drain",
+        help="drain one endpoint (a spot replica under a preemption notice): Envoy sends it "
+        "no new request or session and lets requests in flight finish",
+    )
+    drain.add_argument("pool")
+    drain.add_argument("endpoint_id", help="a registered endpoint's id, or address:port")
+    drain.add_argument("--undo", action="store_true", help="put the endpoint back (healthy)")
+    drain.set_defaults(func=cmd_drain)

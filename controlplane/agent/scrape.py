@@ -14,6 +14,10 @@ a backend stops answering while the agent lives, its telemetry is no longer refr
 goes stale and neutral in ``--max-age`` time) and after ``--unregister-after`` failed scrapes
 its registration is withdrawn; it is registered again when it answers.
 
+Registrations carry the backend's region, zone and capacity kind. With
+``--preemption-notice`` the agent watches for its machine's preemption (``notice``): once a
+notice is out it registers every backend as draining, and Envoy stops sending it new work.
+
 Cheap by design: one HTTP client for all backends, a cap on the size of a scrape, a scrape
 timeout shorter than the interval, and a record is written only when it moved beyond its
 band (``signals.telemetry.WriteBand``) from the one last written, or every ``--refresh``
@@ -34,6 +38,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from controlplane.agent.notice import NoticeSource
 from controlplane.etcd import (
     EtcdClosed,
     EtcdError,
@@ -91,6 +96,12 @@ class Target:
     (``signals.discovery.MODELS_PATHS``); empty: not read."""
     max_running: float | None = None
     """Batch capacity when the server does not export it (vLLM ``--max-num-seqs``)."""
+    region: str = ""
+    """Region registered with the endpoint; default none."""
+    zone: str = ""
+    """Zone within the region; default none."""
+    capacity: str = ""
+    """``on-demand``, ``spot`` or ``reserved``; default unknown."""
 
     # Scrape state.
     counters: Counters | None = field(default=None, repr=False)
@@ -116,10 +127,17 @@ class Target:
         """The endpoint's id in etcd: ``address:port``, the same as ``Endpoint.key``."""
         return f"{self.address}:{self.port}"
 
-    def endpoint_body(self) -> dict[str, Any]:
+    def endpoint_body(self, *, draining: bool = False) -> dict[str, Any]:
+        """The registration; ``draining`` once a preemption notice is out."""
         body: dict[str, Any] = {"address": self.address, "port": self.port, "weight": self.weight}
         if self.name:
             body["name"] = self.name
+        if self.region or self.zone:
+            body["locality"] = {"region": self.region, "zone": self.zone}
+        if self.capacity:
+            body["capacity"] = self.capacity
+        if draining:
+            body["health"] = "draining"
         return body
 
 
@@ -142,6 +160,10 @@ class AgentConfig:
     unregister_after: int = 3
     etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
     """TLS files and user for etcd; an agent's user needs read-write on its pools' keys only."""
+    notices: list[NoticeSource] = field(default_factory=list)
+    """Where a preemption notice appears; once one does, every backend is drained."""
+    notice_interval: float = 1.0
+    """Seconds between two looks at the notice sources."""
 
 
 class Agent:
@@ -159,6 +181,9 @@ class Agent:
         self._lease: LeaseKeeper | None = None
         self.scrapes = 0
         """Completed scrape rounds (for tests and logs)."""
+        self.notice: str | None = None
+        """The preemption notice, once one is out: the backends are draining from then on."""
+        self._drained = False
 
     @property
     def lease_id(self) -> int:
@@ -183,6 +208,9 @@ class Agent:
                 self.config.interval,
             )
             loop = asyncio.get_running_loop()
+            if self.config.notices:
+                watch = asyncio.create_task(self._watch_notices(http), name="notices")
+                stack.callback(watch.cancel)
             try:
                 while True:
                     started = loop.time()
@@ -238,7 +266,10 @@ class Agent:
         try:
             if self.config.register and not target.registered:
                 await self.store.put_endpoint(
-                    target.pool, target.endpoint_id, target.endpoint_body(), lease=self.lease_id
+                    target.pool,
+                    target.endpoint_id,
+                    target.endpoint_body(draining=self.notice is not None),
+                    lease=self.lease_id,
                 )
                 target.registered = True
                 log.info("registered %s in pool %s", target.endpoint_id, target.pool)
@@ -347,7 +378,10 @@ class Agent:
         for target in self.config.targets:
             if target.registered:
                 await self.store.put_endpoint(
-                    target.pool, target.endpoint_id, target.endpoint_body(), lease=lease_id
+                    target.pool,
+                    target.endpoint_id,
+                    target.endpoint_body(draining=self.notice is not None),
+                    lease=lease_id,
                 )
             if target.last_written is not None:
                 await self.store.put_telemetry(
@@ -356,6 +390,40 @@ class Agent:
                     json.loads(target.last_written.to_json()),
                     lease=lease_id,
                 )
+
+    async def _watch_notices(self, http: httpx.AsyncClient) -> None:
+        """Look at the notice sources every ``notice_interval`` until one has a notice, then
+        drain every registered backend (retried until etcd takes it)."""
+        while self.notice is None:
+            for source in self.config.notices:
+                said = await source.noticed(http)
+                if said is not None:
+                    self.notice = said
+                    log.warning(
+                        "preemption notice from %s: %s; draining %d backend(s)",
+                        source.describe(),
+                        said,
+                        len(self.config.targets),
+                    )
+                    break
+            else:
+                await asyncio.sleep(self.config.notice_interval)
+        while not self._drained:
+            try:
+                for target in self.config.targets:
+                    if target.registered:
+                        await self.store.put_endpoint(
+                            target.pool,
+                            target.endpoint_id,
+                            target.endpoint_body(draining=True),
+                            lease=self.lease_id,
+                        )
+                self._drained = True
+            except EtcdClosed:
+                return
+            except EtcdError as error:
+                log.warning("draining in etcd failed, retrying: %s", error)
+                await asyncio.sleep(self.config.notice_interval)
 
 
 async def _scrape(http: httpx.AsyncClient, url: str) -> str:

@@ -123,8 +123,12 @@ class EmbeddedEnvoy(Launcher):
         extra_args: Sequence[str] = (),
         signals_port: int | None = None,
         xds_tls_dir: Path | None = None,
+        locality: Mapping[str, str] | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.locality = dict(locality or {})
+        """The bootstrap's node.locality (``region``, ``zone``), for fleets whose Envoys say
+        where they run (``Fleet.spec.nodeLocality``); empty: none."""
         self.xds_tls_dir = xds_tls_dir
         """Holds this Envoy's `tls.crt`, `tls.key` and `ca.crt` for ADS over mutual TLS; None
         connects in plaintext (kvpilot then needs --xds-insecure-plaintext)."""
@@ -180,6 +184,8 @@ class EmbeddedEnvoy(Launcher):
             signals_port=self.signals_port,
             xds_tls_paths=paths,
         )
+        if self.locality:
+            config.setdefault("node", {})["locality"] = dict(self.locality)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.bootstrap_path.write_text(yaml.safe_dump(config, sort_keys=False))
         return self.bootstrap_path

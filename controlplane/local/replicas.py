@@ -65,6 +65,8 @@ class BackendProcess(Launcher):
         state_dir: Path | None = None,
         simulator: SimulatorSettings | None = None,
         lora: dict[str, Any] | None = None,
+        region: str = "",
+        remote_delay: float = 0.0,
     ) -> None:
         self.host = host
         self.id_prefix = id_prefix
@@ -94,6 +96,9 @@ class BackendProcess(Launcher):
         if lora is not None:
             # `replicasim.lora.LoraSlots.from_config` checks it.
             argv += ["--lora", json.dumps(lora)]
+        if region:
+            # The replicas add a simulated inter-region round trip to requests from elsewhere.
+            argv += ["--region", region, "--remote-delay", f"{remote_delay:g}"]
         self.simulator = simulator
         """The engine settings when the replicas simulate vLLM, else None."""
         self._process = ManagedProcess(argv, self.log_path, stdout_path=self._stdout_path)

@@ -18,6 +18,7 @@ from policies.models import TELEMETRY_MAX_AGE
 from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.saturation import SaturationDecision
+from signals.spill import SpillDecision
 from signals.weights import WeightDecision
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,9 @@ class LiveDecisions:
         self.weights: Mapping[str, Mapping[str, WeightDecision]] = {}
         self.admission: Mapping[str, AdmissionDecision] = {}
         self.saturation: Mapping[str, SaturationDecision] = {}
+        self.spill: Mapping[str, SpillDecision] = {}
         self._stale_at = math.inf
+        self._spill_at = math.inf
         self._step_at = math.inf
         self._calm_at = math.inf
 
@@ -39,17 +42,18 @@ class LiveDecisions:
     def due_at(self) -> float:
         """When a rebuild is due although nothing changes (``self.clock()`` of the
         reconciler; infinite when none is)."""
-        return min(self._stale_at, self._step_at, self._calm_at)
+        return min(self._stale_at, self._step_at, self._calm_at, self._spill_at)
 
     @due_at.setter
     def due_at(self, value: float) -> None:
-        self._stale_at = self._step_at = self._calm_at = value
+        self._stale_at = self._step_at = self._calm_at = self._spill_at = value
 
     def track(self, state: PolicyState, plan: RoutingPlan) -> None:
         """Take the decisions of the compile of `state` into `plan`."""
         self._track_weights(state, plan)
         self._track_admission(plan)
         self._track_saturation(plan)
+        self._track_spill(plan)
 
     def _track_weights(self, state: PolicyState, plan: RoutingPlan) -> None:
         """Keep telemetry decisions for hysteresis, count changes, and schedule the rebuild
@@ -140,3 +144,21 @@ class LiveDecisions:
         self.saturation = plan.saturation
         # A little after the dwell ends, so it has passed on any rounding.
         self._calm_at = min((d.calm_at for d in plan.saturation.values()), default=math.inf) + 0.05
+
+    def _track_spill(self, plan: RoutingPlan) -> None:
+        """Keep each located fleet's spill for hysteresis, log each change, and schedule the
+        rebuild of a locality that is taking its traffic back step by step."""
+        for key, decision in plan.spill.items():
+            before = self.spill.get(key)
+            if before is not None and before.keep != decision.keep:
+                log.info(
+                    "%s: own locality keeps %.0f%% of the traffic (was %.0f%%; %d replicas, "
+                    "batch fill %s)",
+                    key,
+                    100 * decision.keep,
+                    100 * before.keep,
+                    decision.local,
+                    decision.fill,
+                )
+        self.spill = plan.spill
+        self._spill_at = min((d.next_at for d in plan.spill.values()), default=math.inf) + 0.05

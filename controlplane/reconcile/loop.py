@@ -297,6 +297,7 @@ class Reconciler:
             previous_admission=self._live.admission,
             previous_saturation=self._live.saturation,
             difficulty=self.difficulty,
+            previous_spill=self._live.spill,
             now=self.clock(),
         )
         if self.budget_verdicts is not None:

@@ -69,9 +69,11 @@ from policies.models.policy import (
     RoutingPolicySpec,
 )
 from policies.models.pool import (
+    CAPACITIES,
     TELEMETRY_MAX_AGE,
     TLS,
     AuthHeader,
+    Capacity,
     CircuitBreakers,
     Endpoint,
     EndpointHealth,
@@ -118,6 +120,7 @@ from policies.models.route import (
 
 __all__ = [
     "API_VERSION",
+    "CAPACITIES",
     "CURRENCIES",
     "DEFAULT_BIAS",
     "DEFAULT_RETRY_ON",
@@ -146,6 +149,7 @@ __all__ = [
     "BudgetSpec",
     "BudgetWindow",
     "BuiltinScorer",
+    "Capacity",
     "CircuitBreakers",
     "ClassAction",
     "ClassBudget",

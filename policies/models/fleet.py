@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from policies.models.fields import Duration, Model
+from policies.models.pool import Locality
 
 
 class Tracing(Model):
@@ -75,4 +76,20 @@ class FleetSpec(Model):
         "/etc/ssl/certs/ca-certificates.crt",
         description="PEM bundle of CAs on each Envoy host that TLS pools trust unless they name "
         "their own caFile. Default: /etc/ssl/certs/ca-certificates.crt.",
+    )
+    locality: Locality | None = Field(
+        None,
+        description="Where this fleet's Envoys run. With a locality, each route's replicas "
+        "are ordered for this fleet: its own zone, then its own region, then other regions "
+        "(EDS priorities), and a locality spills to the next only what it cannot serve "
+        "(unhealthy or saturated replicas). Without one, every locality is alike "
+        "(locality-blind). Default: none.",
+    )
+    node_locality: bool = Field(
+        False,
+        description="This fleet's Envoys say where they run in their node.locality (bootstrap "
+        "node.locality.region and .zone): kvpilot computes a view for each region and zone "
+        "that has replicas, and serves each Envoy the view of its place (zone, else region); "
+        "an Envoy without a node locality, or in a place without replicas, gets the fleet's "
+        "own view (at locality, if set). Default: false.",
     )

@@ -8,20 +8,48 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from policies.models.fields import Duration, HeaderName, Model, Name, is_ip
 from policies.models.price import Price
 
 
 class Locality(Model):
-    """Where an endpoint runs; Envoy uses it for zone-aware routing and in stats."""
+    """Where an endpoint (or a fleet of Envoys) runs. A fleet with a locality sends to its own
+    zone first, then its own region, then other regions (``docs/regions.md``); Envoy also
+    shows it in stats."""
 
-    region: str = Field("", description="Region, for example 'us-east1'. Default: empty.")
-    zone: str = Field("", description="Zone, for example 'us-east1-b'. Default: empty.")
+    region: str = Field(
+        "",
+        max_length=128,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9._]*[A-Za-z0-9])?$|^$",
+        description="Region, for example 'us-east1'. Default: empty.",
+    )
+    zone: str = Field(
+        "",
+        max_length=128,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9._]*[A-Za-z0-9])?$|^$",
+        description="Zone within the region, for example 'us-east1-b'. Needs a region. "
+        "Default: empty.",
+    )
+
+    @model_validator(mode="after")
+    def _zone_needs_region(self) -> Locality:
+        if self.zone and not self.region:
+            # A zone name is only unique within its region: without one, two regions' zones
+            # of the same name would count as the same place.
+            raise ValueError(
+                f"zone {self.zone!r} has no region: set region too (a zone is a part of a region)"
+            )
+        return self
 
 
 EndpointHealth = Literal["healthy", "unhealthy", "draining", "degraded"]
+
+Capacity = Literal["on-demand", "spot", "reserved"]
+"""How a replica's machine is bought: on-demand, spot (cheaper, preemptible with a notice)
+or reserved (committed)."""
+CAPACITIES: tuple[Capacity, ...] = ("on-demand", "spot", "reserved")
 
 
 class Endpoint(Model):
@@ -38,7 +66,16 @@ class Endpoint(Model):
         description="Relative load-balancing weight within its pool. Unitless, 1-10000. "
         "Default: 100. Round robin and least request follow it; telemetry may override it.",
     )
-    locality: Locality | None = Field(None, description="Region and zone. Default: none.")
+    locality: Locality | None = Field(
+        None,
+        description="Region and zone. Fleets with a locality of their own send to their own "
+        "zone, then region, then the others. Default: none.",
+    )
+    capacity: Capacity | None = Field(
+        None,
+        description="How the replica's machine is bought: 'on-demand', 'spot' or 'reserved'. "
+        "Pools with preferCapacity send to the preferred kind first. Default: none (unknown).",
+    )
     health: EndpointHealth = Field(
         "healthy",
         description="Health as reported to Envoy over EDS. 'unhealthy' and 'draining' take the "
@@ -212,6 +249,21 @@ class PoolSpec(Model):
         description="What the pool costs, per token or per replica-hour (docs/cost.md). "
         "Default: none (tokens are counted, not priced).",
     )
+    prefer_capacity: list[Capacity] = Field(
+        default_factory=list,
+        max_length=3,
+        description="Capacity kinds in order of preference, for example ['spot', 'on-demand']: "
+        "within each locality, endpoints of the first kind are tried first and the others "
+        "take what they cannot serve (health, saturation). Endpoints of an unlisted or "
+        "unknown kind come last. Default: none (all alike).",
+    )
+
+    @field_validator("prefer_capacity")
+    @classmethod
+    def _unique_capacities(cls, kinds: list[Capacity]) -> list[Capacity]:
+        if len(set(kinds)) < len(kinds):
+            raise ValueError(f"capacity kinds {kinds} list one kind twice")
+        return kinds
 
     @field_validator("endpoints")
     @classmethod

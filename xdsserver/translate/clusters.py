@@ -343,6 +343,10 @@ def translate_endpoints(cluster: PlanCluster) -> endpoint_pb2.ClusterLoadAssignm
         key = (endpoint.priority, endpoint.region, endpoint.zone, endpoint.pool)
         groups.setdefault(key, []).append(endpoint)
     out = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster.eds_service or cluster.name)
+    if cluster.overprovisioning:
+        # A saturated locality keeps this share of its fleet's traffic when fully healthy;
+        # Envoy sends the rest to the next priority (signals.spill).
+        out.policy.overprovisioning_factor.value = cluster.overprovisioning
     for (priority, region, zone, sub_zone), members in sorted(groups.items()):
         locality = out.endpoints.add(priority=priority)
         locality.locality.CopyFrom(base_pb2.Locality(region=region, zone=zone, sub_zone=sub_zone))

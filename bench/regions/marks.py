@@ -1,0 +1,26 @@
+"""When the things of one policy's run happened, for the report to cut its windows by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Marks:
+    """When things happened in one policy's run, in seconds since its load started."""
+
+    phases: dict[str, tuple[float, float]] = field(default_factory=dict)
+    killed: float = 0.0
+    restarted: float = 0.0
+    notice: float = 0.0
+    learned: dict[str, float] = field(default_factory=dict)
+    """Spot replica id -> when its registration turned draining in etcd (read through the
+    API every 0.1 s: kvpilot learned of the notice no later)."""
+    gone: float = 0.0
+    capacity: float = 0.0
+    """Requests per second one region serves at full batches."""
+    service: float = 0.0
+    """Seconds of one request served alone in its own region."""
+
+
+__all__ = ["Marks"]

@@ -1,0 +1,188 @@
+"""Per-fleet views of a route's replicas: EDS priorities by place and by capacity kind.
+
+A route's cluster lists its replicas with failover tier k at priority k. For a fleet that
+declares where it runs (``Fleet.spec.locality``) each tier is split again, nearest first: the
+fleet's own zone, the rest of its own region, then every other region (endpoints without a
+locality count as far away). For a pool with ``preferCapacity`` each of those is split once
+more by capacity kind, the preferred kind first. The resulting (tier, place, kind) groups
+become priorities 0, 1, 2, ... in that order, without gaps, so Envoy's priority machinery
+does the rest: a priority spills to the next what its health cannot serve (the
+overprovisioning factor, 1.4 by default), a draining or dead replica's share moves at once,
+and a consistent hash chooses the priority with the request's hash, so a session stays in
+the locality that serves it. Saturation, which Envoy cannot see, moves the factor
+(``signals.spill``). Pure: plan clusters in, plan clusters out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from compiler.plan import PlanCluster, PlanEndpoint
+from policies.models import Capacity, FleetSpec, Locality, Pool
+from signals.saturation import batch_fill
+from signals.spill import SpillDecision, decide_spill
+from signals.state import PolicyState, pool_endpoints
+
+NEAR, REGION, FAR = 0, 1, 2
+"""Place ranks of an endpoint seen from a fleet: same zone, same region, elsewhere."""
+
+
+def place_rank(endpoint: PlanEndpoint, where: Locality | None) -> int:
+    """How far `endpoint` is from a fleet at `where` (``NEAR``, ``REGION`` or ``FAR``); every
+    endpoint is ``NEAR`` to a fleet without a locality."""
+    if where is None:
+        return NEAR
+    if endpoint.region != where.region or not endpoint.region:
+        return FAR
+    if where.zone and endpoint.zone == where.zone:
+        return NEAR
+    return REGION if where.zone else NEAR
+
+
+def capacity_rank(endpoint: PlanEndpoint, prefer: Sequence[Capacity]) -> int:
+    """Position of the endpoint's capacity kind in its pool's preference (unlisted last)."""
+    for index, kind in enumerate(prefer):
+        if endpoint.capacity == kind:
+            return index
+    return len(prefer)
+
+
+def needs_view(cluster: PlanCluster, where: Locality | None, pools: Mapping[str, Pool]) -> bool:
+    """True when the fleet's view of `cluster` differs from the shared one."""
+    if cluster.kind != "eds" or not cluster.endpoints:
+        return False
+    if where is not None:
+        return True
+    return any(
+        (pool := pools.get(name)) is not None and pool.spec.prefer_capacity
+        for name in {endpoint.pool for endpoint in cluster.endpoints}
+    )
+
+
+def fleet_view(
+    cluster: PlanCluster, where: Locality | None, pools: Mapping[str, Pool]
+) -> PlanCluster:
+    """`cluster` with its endpoints' priorities as a fleet at `where` gets them."""
+    prefer = {
+        name: pool.spec.prefer_capacity
+        for name in {endpoint.pool for endpoint in cluster.endpoints}
+        if (pool := pools.get(name)) is not None
+    }
+
+    def key(endpoint: PlanEndpoint) -> tuple[int, int, int]:
+        return (
+            endpoint.priority,
+            place_rank(endpoint, where),
+            capacity_rank(endpoint, prefer.get(endpoint.pool, [])),
+        )
+
+    levels = {
+        group: index for index, group in enumerate(sorted({key(e) for e in cluster.endpoints}))
+    }
+    endpoints = tuple(e._replace(priority=levels[key(e)]) for e in cluster.endpoints)
+    return replace(cluster, endpoints=endpoints)
+
+
+PLACE_SEPARATOR = "@"
+"""Between a fleet's name and a place in the name of that fleet's view for one place
+(``edge@us-east``, ``edge@us-east/us-east-a``): fleet names hold neither '@' nor '/'."""
+
+
+def placed_views(
+    fleet: str, settings: FleetSpec, state: PolicyState
+) -> list[tuple[str, Locality | None]]:
+    """The views `fleet` gets, each a (name, locality): the fleet's own (at its Fleet
+    locality, or none); with ``nodeLocality``, one more for each region and each zone that
+    has replicas, for the Envoys whose node.locality says they run there
+    (``xdsserver.snapshot.SnapshotCache.view_for`` picks it)."""
+    views: list[tuple[str, Locality | None]] = [(fleet, settings.locality)]
+    if not settings.node_locality:
+        return views
+    places: set[tuple[str, str]] = set()
+    for name, pool in state.pools.items():
+        for endpoint in pool_endpoints(pool, state.registered.get(name, {})):
+            if endpoint.locality is not None and endpoint.locality.region:
+                places.add((endpoint.locality.region, ""))
+                if endpoint.locality.zone:
+                    places.add((endpoint.locality.region, endpoint.locality.zone))
+    for region, zone in sorted(places):
+        place = f"{region}/{zone}" if zone else region
+        views.append((f"{fleet}{PLACE_SEPARATOR}{place}", Locality(region=region, zone=zone)))
+    return views
+
+
+def priorities(cluster: PlanCluster) -> int:
+    """How many priorities the cluster's endpoints use."""
+    return len({endpoint.priority for endpoint in cluster.endpoints})
+
+
+def spill_key(fleet: str, cluster: str) -> str:
+    """Key of a fleet's spill decision for one cluster (fleet names hold no '/')."""
+    return f"{fleet}/{cluster}"
+
+
+def spill_decision(
+    fleet: str, cluster: PlanCluster, view: PlanCluster, where: Locality | None, state: PolicyState
+) -> SpillDecision:
+    """This round's spill for `fleet`'s `view` of `cluster` (the fleet at `where`): from the
+    replicas of its own locality in the first tier that serve (healthy or degraded), the
+    telemetry of the replicas at the view's priority 0 and that of priority 1. Decided even
+    while the fleet's locality has no replica, so that it ramps back when they return."""
+    home = [
+        e
+        for e in cluster.endpoints
+        if e.priority == 0 and e.health in _SERVING and place_rank(e, where) == NEAR
+    ]
+    serving = [e for e in view.endpoints if e.priority == 0 and e.health in _SERVING]
+    spill_to = [e for e in view.endpoints if e.priority == 1 and e.health in _SERVING]
+    key = spill_key(fleet, cluster.eds_service or cluster.name)
+    return decide_spill(
+        state.previous_spill.get(key),
+        local=len(home),
+        fill=_fill(serving, state),
+        next_fill=_fill(spill_to, state),
+        now=state.now,
+    )
+
+
+_SERVING = ("healthy", "degraded")
+
+
+def _fill(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
+    """The mean batch fill of `endpoints` from fresh telemetry (``signals.saturation``),
+    weighted by how many each pool has; None when none has a fresh record."""
+    keys = {f"{e.address}:{e.port}" for e in endpoints}
+    fills = []
+    for name in sorted({e.pool for e in endpoints}):
+        pool = state.pools.get(name)
+        if pool is None or pool.spec.telemetry is None:
+            continue
+        members = [e for e in pool_endpoints(pool, state.registered.get(name, {})) if e.key in keys]
+        value = batch_fill(
+            members,
+            state.telemetry.get(name, {}),
+            now=state.now,
+            max_age=pool.spec.telemetry.max_age,
+        )
+        if value is not None:
+            fills.append((value, len(members)))
+    if not fills:
+        return None
+    return round(sum(v * n for v, n in fills) / sum(n for _, n in fills), 6)
+
+
+__all__ = [
+    "FAR",
+    "NEAR",
+    "PLACE_SEPARATOR",
+    "REGION",
+    "capacity_rank",
+    "fleet_view",
+    "needs_view",
+    "place_rank",
+    "placed_views",
+    "priorities",
+    "spill_decision",
+    "spill_key",
+]
