@@ -91,6 +91,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 weights,
                 admission.get(name),
                 saturated=saturated is not None and saturated.saturated,
+                bound=saturated.factor if saturated is not None else 0,
             )
             entries[name] = entry
             diagnostics.extend(entry.diagnostics)

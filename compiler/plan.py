@@ -142,6 +142,9 @@ class PlanRoute:
     saturated: bool = False
     """Session requests take the affinity cluster's saturated twin (its tighter bounded load,
     ``SessionAffinity.saturated_hash_balance_factor``)."""
+    bound: int = 0
+    """``capacityBound`` routes: the bounded load (a rung of the route's ladder) whose twin
+    session requests take; 0 on other routes."""
 
     @property
     def short_name(self) -> str:

@@ -227,6 +227,7 @@ def compile_route(
     admission: AdmissionDecision | None = None,
     *,
     saturated: bool = False,
+    bound: int = 0,
 ) -> tuple[list[PlanCluster], PlanRoute]:
     """The clusters of one route and its route entry.
 
@@ -285,6 +286,7 @@ def compile_route(
         if policy.spec.service_classes is not None
         else "",
         saturated=saturated,
+        bound=bound,
     )
     classes = policy.spec.service_classes
     queues = tuple(
@@ -342,12 +344,13 @@ class RouteMemo:
         admission: AdmissionDecision | None = None,
         *,
         saturated: bool = False,
+        bound: int = 0,
     ) -> MemoEntry:
         """The compiled route, reused when its inputs are unchanged."""
         route_weights = weights if route.balancing == "telemetry" else {}
         names = [target.pool for tier in route.tiers for target in tier.pools]
         inputs = (
-            (route, policy.spec.service_classes, admission, saturated),
+            (route, policy.spec.service_classes, admission, saturated, bound),
             index,
             *(state.pools.get(name) for name in names),
             *(state.registered.get(name) for name in names),
@@ -366,7 +369,7 @@ class RouteMemo:
         ):
             return entry
         clusters, plan_route = compile_route(
-            policy, route, state, weights, admission, saturated=saturated
+            policy, route, state, weights, admission, saturated=saturated, bound=bound
         )
         return MemoEntry(
             inputs, route_diagnostics(policy, index, route, state), clusters, plan_route

@@ -37,7 +37,7 @@ from google.protobuf import duration_pb2
 
 from compiler.rollout import PoolSignals
 from policies.names import LOCAL_SUFFIX
-from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
+from xdsserver.translate import AFFINITY_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,10 @@ class PoolResolver(Protocol):
 
 def route_cluster(cluster: str) -> str:
     """The route cluster an Envoy cluster belongs to (a hash twin, or its replicas part)."""
-    return (
-        cluster.removesuffix(AFFINITY_SUFFIX)
-        .removesuffix(SATURATED_SUFFIX)
-        .removesuffix(LOCAL_SUFFIX)
-    )
+    # A capacity-bound route's twins are "/affinity-<factor>" (policy and route names hold
+    # no "/", so everything from the suffix on is the twin's).
+    head, found, _ = cluster.partition(AFFINITY_SUFFIX)
+    return (head if found else cluster).removesuffix(LOCAL_SUFFIX)
 
 
 def _seconds(value: duration_pb2.Duration) -> float:

@@ -80,6 +80,7 @@ from policies.models.rollout import (
     RolloutTarget,
 )
 from policies.models.route import (
+    BOUNDED_LOAD_LADDER,
     DEFAULT_RETRY_ON,
     TELEMETRY_HASH_BALANCE_FACTOR,
     TELEMETRY_SATURATED_HASH_BALANCE_FACTOR,
@@ -100,6 +101,7 @@ from policies.models.route import (
 
 __all__ = [
     "API_VERSION",
+    "BOUNDED_LOAD_LADDER",
     "DEFAULT_RETRY_ON",
     "ENDPOINT_ID_PATTERN",
     "ENDPOINT_ID_RULE",
