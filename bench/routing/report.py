@@ -113,12 +113,23 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
         if RECOMMENDED not in runs or base not in runs:
             return
         stats = paired(runs[RECOMMENDED], runs[base], value)
+        if evidence is _ttft_floor:
+            # The floor is the recommended route's own, against its baseline's p99.
+            text = _ratio_text(stats)
+            text += evidence(runs[RECOMMENDED]) + _floor_ratio(runs[RECOMMENDED], runs[base])
+            out.append((scenario, claim, None if stats is None else ok(stats[0]), text))
+            return
         text = _ratio_text(stats)
         if "TTFT p99" in claim and "slow period" not in claim and "after" not in claim:
             text += f"; all seeds pooled {_pooled_ratio(runs[RECOMMENDED], runs[base])}"
         if evidence is not None:
             text += evidence(runs[base])
-        out.append((scenario, claim, None if stats is None else ok(stats[0]), text))
+        met = None if stats is None else ok(stats[0])
+        if evidence is _capacity_ceiling and stats is not None and not met:
+            # "Or the computed ceiling, if lower": met at the ceiling any router has.
+            ceilings = [c for m in runs[base] if (c := capacity_ceiling(m)) is not None]
+            met = bool(ceilings) and stats[0] >= min(statistics.median(ceilings), 1.05) - 0.005
+        out.append((scenario, claim, met, text))
 
     def absolute(
         scenario: str,
@@ -163,7 +174,14 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
         ("chat", "turns moved <= 1.5x affinity alone", "affinity", moved, lambda r: r <= 1.5),
         ("mix", "TTFT p99 <= 1.0x affinity alone", "affinity", ttft_p99, lambda r: r <= 1.0),
         ("mix", "TTFT p99 <= 1.0x consistent hash, no bound", "chash", ttft_p99, lambda r: r <= 1.0),
-        ("overload", "TTFT p99 <= 0.2x round robin", "round_robin", ttft_p99, lambda r: r <= 0.2),
+        (
+            "overload",
+            "TTFT p99 <= 0.2x round robin",
+            "round_robin",
+            ttft_p99,
+            lambda r: r <= 0.2,
+            _ttft_floor,
+        ),
         (
             "overload",
             "completed req/s >= 1.05x round robin (or the ceiling)",
@@ -264,6 +282,46 @@ def _share_drop(m: dict[str, Any]) -> float | None:
     if before is None or after is None or not before:
         return None
     return float(after) / float(before)
+
+
+PREFILL_PER_TOKEN = 1 / 8000
+"""The suite's replicas' prefill time per uncached prompt token (simulated seconds)."""
+STEP = 0.012
+"""... and the time of one engine step with nothing else in it."""
+
+
+def ttft_floor(m: dict[str, Any]) -> float | None:
+    """The TTFT p99 this run would have had with no wait at all: each request's uncached
+    prompt prefilled alone in one go, with the cache hits it had. No router can go below it
+    without more cache hits, whatever its bound."""
+    floors = sorted(
+        (int(r["prompt_tokens"]) - int(r["cached_tokens"])) * PREFILL_PER_TOKEN + STEP
+        for r in m.get("per_request", ())
+        if r["status"] == 200 and not r["error"] and r.get("prompt_tokens")
+    )
+    if not floors:
+        return None
+    return floors[min(len(floors) - 1, max(0, round(0.99 * len(floors)) - 1))]
+
+
+def _ttft_floor(runs: Runs) -> str:
+    floors = [f for m in runs if (f := ttft_floor(m)) is not None]
+    if not floors:
+        return ""
+    return f"; its floor (no wait at all, its own cache hits) {statistics.median(floors):.3f} s"
+
+
+def _floor_ratio(mine: Runs, base: Runs) -> str:
+    """The floor as a ratio of the baseline's TTFT p99, paired per seed: the best ratio any
+    bound could reach."""
+    ratios = [
+        f / float(b["ttft_p99"])
+        for a, b in zip(mine, base, strict=False)
+        if (f := ttft_floor(a)) is not None and b["ttft_p99"]
+    ]
+    if not ratios:
+        return ""
+    return f" = {statistics.median(ratios):.2f}x round robin's TTFT p99"
 
 
 def _share_evidence(runs: Runs) -> str:

@@ -328,9 +328,10 @@ def default_suite(short: bool = False) -> SuiteConfig:
         for s in SCENARIOS
         if s.key == "hetero"
     )
-    # The smoke run leaves out the A/A copy: a fourth fleet on a loaded test machine made
-    # its bounded run miss its deadline, and it checks the report's shape, not noise.
-    policies = tuple(p.key for p in SUITE_POLICIES if p.default and p.key != "affinity_copy")
+    # Three fleets: a fourth on a loaded test machine made the bounded run miss its deadline,
+    # and the smoke run checks the report's shape, not noise. The oracle is affinity alone
+    # with static weights, so it checks both.
+    policies = ("round_robin", ORACLE, RECOMMENDED)
     return SuiteConfig(
         replicas=4,
         sim=sim,
