@@ -339,6 +339,11 @@ async def test_the_bound_follows_the_batch_along_its_ladder_and_every_session_ke
     await poll(lambda: asyncio.to_thread(served_by_twin, full), 15, "the 100% twin")
     route = {"route": CLUSTER}
     assert metric(setup.kvpilot.api_url, "kvpilot_route_bounded_load", **route) == 100
+    async with httpx.AsyncClient(base_url=setup.kvpilot.api_url, headers=ADMIN) as api:
+        status = (await api.get("/v1/status")).json()
+    assert [(s["route"], s["boundedLoad"], s["fitsBatchAt"]) for s in status["saturation"]] == [
+        (CLUSTER, 100, 100.0)
+    ]
     assert await asyncio.to_thread(placement) == before
 
     # 4 of 32 in flight allow 800%: the top rung, once the dwell is over.
