@@ -44,9 +44,8 @@ batch can take. At batches of 8 and the calm fill of 0.75 that is about 133 (the
 at batches of 32 or 128, where the calm mean is a smaller share of the batch, 200 or more,
 where 125 spilled turns that would have been served at once (each paying its history's
 prefill elsewhere). A ``capacityBound`` route (``decide_bound``) takes the largest rung of
-its ladder (``SessionAffinity.ladder``) at or below that
-factor: every rung is a twin of the same ring, so a change of rung is a route update (RDS)
-and never a cluster update (CDS). It tightens as soon as the factor falls below its rung (a
+its ladder (``SessionAffinity.ladder``) at or below that factor: every rung is a twin of the
+same ring, so a change of rung is a route update (RDS) and never a cluster update (CDS). It tightens as soon as the factor falls below its rung (a
 queue is building) and loosens only when the factor clears the next rung by
 ``LOOSEN_MARGIN`` and ``MIN_DWELL`` seconds after its last change, so a pool near a rung
 does not switch every round.
@@ -189,8 +188,8 @@ def decide_bound(
     usual: int,
 ) -> SaturationDecision:
     """This round's rung for a ``capacityBound`` route from the last one and `load` (mean in
-    flight, batch size; ``in_flight``); `ladder` ascending (``SessionAffinity.ladder``), `usual` the
-    rung without evidence."""
+    flight, batch size; ``in_flight``); `ladder` ascending (``SessionAffinity.ladder``),
+    `usual` the rung without evidence."""
     before = previous if previous is not None and previous.factor else None
     current = before.factor if before is not None else usual
     since = before.since if before is not None else -math.inf
