@@ -9,11 +9,11 @@ import math
 from typing import Any
 
 import pytest
+from harness.builders import policy, pool
 from pydantic import ValidationError
-from test_saturation import NOW, PORTS, _session_clusters, _state, record
 
-from compiler.compile import compile_plan
-from policies.models import BOUNDED_LOAD_LADDER, Endpoint, Route
+from compiler.compile import PolicyState, compile_plan
+from policies.models import BOUNDED_LOAD_LADDER, Endpoint, Pool, Route, RoutingPolicy
 from signals.saturation import (
     LOOSEN_MARGIN,
     MIN_DWELL,
@@ -22,10 +22,59 @@ from signals.saturation import (
     decide_bound,
     in_flight,
 )
+from signals.telemetry import TelemetryRecord
 from xdsserver.translate import translate
 
 LADDER = (100, 125, 150, 200, 300)
 USUAL = 125
+NOW = 1000.0
+PORTS = (8001, 8002, 8003, 8004)
+
+
+def record(
+    running: float, waiting: float = 0.0, *, at: float = NOW - 1, batch: float | None = 8
+) -> TelemetryRecord:
+    return TelemetryRecord(at=at, running=running, waiting=waiting, max_running=batch)
+
+
+def _state(running: float, previous: SaturationDecision | None = None) -> PolicyState:
+    """A telemetry route at its defaults over four replicas running `running` each in
+    batches of 8."""
+    objects = [
+        Pool.model_validate(pool("p", list(PORTS))),
+        RoutingPolicy.model_validate(
+            policy(
+                "r",
+                10000,
+                [
+                    {
+                        "name": "live",
+                        "balancing": "telemetry",
+                        "sessionAffinity": {},
+                        "tiers": [["p"]],
+                    }
+                ],
+            )
+        ),
+    ]
+    return PolicyState.from_objects(
+        objects,
+        telemetry={"p": {f"127.0.0.1:{port}": record(running) for port in PORTS}},
+        previous_saturation={"r/live": previous} if previous else {},
+        now=NOW,
+    )
+
+
+def _session_clusters(plan: Any) -> set[str]:
+    """The clusters of the route entries that hash on the session header."""
+    resources = translate(plan.fleets[0])
+    return {
+        entry.route.cluster
+        for configuration in resources.routes
+        for vhost in configuration.virtual_hosts
+        for entry in vhost.routes
+        if entry.route.hash_policy
+    }
 
 
 def at(factor: int, since: float = NOW - 100) -> SaturationDecision:
@@ -104,7 +153,7 @@ def test_in_flight_is_the_mean_over_fresh_records_that_know_their_batch() -> Non
         "10.0.0.1:8001": record(8, 4, batch=16),
         "10.0.0.1:8002": record(4, batch=32),
         "10.0.0.1:8003": record(8, at=NOW - 60),  # stale: left out
-        "10.0.0.1:8004": record(8, batch=None),  # type: ignore[arg-type]  # no batch size
+        "10.0.0.1:8004": record(8, batch=None),  # no batch size
     }
     assert in_flight(endpoints, telemetry, now=NOW, max_age=10) == (8.0, 24.0)
     assert in_flight(endpoints[2:], telemetry, now=NOW, max_age=10) is None
@@ -181,15 +230,15 @@ def test_a_capacity_bound_that_cannot_work_is_refused(route: dict[str, Any], mes
 
 def test_session_requests_take_the_twin_whose_bound_fits_the_batch() -> None:
     # Batches of 8: 2 in flight allows 400% (the top rung), 6 allows 133% (125), 8 is full.
-    calm = compile_plan(_state(running=2, affinity={}))
+    calm = compile_plan(_state(running=2))
     assert calm.saturation["r/live"].factor == 300
     assert _session_clusters(calm) == {"r/live/affinity-300"}
 
-    busy = compile_plan(_state(running=6, previous=calm.saturation["r/live"], affinity={}))
+    busy = compile_plan(_state(running=6, previous=calm.saturation["r/live"]))
     assert busy.saturation["r/live"].factor == 125
     assert _session_clusters(busy) == {"r/live/affinity"}
 
-    full = compile_plan(_state(running=8, previous=busy.saturation["r/live"], affinity={}))
+    full = compile_plan(_state(running=8, previous=busy.saturation["r/live"]))
     assert full.saturation["r/live"].factor == 100
     assert _session_clusters(full) == {"r/live/affinity-saturated"}
 
