@@ -110,6 +110,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 admission.get(name),
                 saturated=saturated is not None and saturated.saturated,
                 served=served,
+                bound=saturated.factor if saturated is not None else 0,
             )
             entries[name] = entry
             diagnostics.extend(entry.diagnostics)

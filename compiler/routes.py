@@ -255,6 +255,7 @@ def compile_route(
     *,
     saturated: bool = False,
     served: Mapping[str, PoolModels] | None = None,
+    bound: int = 0,
 ) -> tuple[list[PlanCluster], PlanRoute]:
     """The clusters of one route and its route entry.
 
@@ -340,6 +341,7 @@ def compile_route(
         ),
         adapters=tuple(sorted((a, p) for a, p in parents.items() if a in listed)),
         pools=tuple(target.pool for tier in route.tiers for target in tier.pools),
+        bound=bound,
     )
     classes = policy.spec.service_classes
     queues = tuple(
@@ -420,13 +422,14 @@ class RouteMemo:
         *,
         saturated: bool = False,
         served: Mapping[str, PoolModels] | None = None,
+        bound: int = 0,
     ) -> MemoEntry:
         """The compiled route, reused when its inputs are unchanged."""
         route_weights = weights if route.balancing == "telemetry" else {}
         names = [target.pool for tier in route.tiers for target in tier.pools]
         route_served = tuple((served or {}).get(name) for name in names)
         inputs = (
-            (route, policy.spec.service_classes, admission, saturated, route_served),
+            (route, policy.spec.service_classes, admission, saturated, route_served, bound),
             index,
             *(state.pools.get(name) for name in names),
             *(state.registered.get(name) for name in names),
@@ -446,7 +449,14 @@ class RouteMemo:
         ):
             return entry
         clusters, plan_route = compile_route(
-            policy, route, state, weights, admission, saturated=saturated, served=served
+            policy,
+            route,
+            state,
+            weights,
+            admission,
+            saturated=saturated,
+            served=served,
+            bound=bound,
         )
         return MemoEntry(
             inputs, route_diagnostics(policy, index, route, state), clusters, plan_route

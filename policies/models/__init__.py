@@ -98,6 +98,7 @@ from policies.models.rollout import (
     RolloutTarget,
 )
 from policies.models.route import (
+    BOUNDED_LOAD_LADDER,
     DEFAULT_RETRY_ON,
     TELEMETRY_HASH_BALANCE_FACTOR,
     TELEMETRY_SATURATED_HASH_BALANCE_FACTOR,
@@ -120,6 +121,7 @@ from policies.models.route import (
 
 __all__ = [
     "API_VERSION",
+    "BOUNDED_LOAD_LADDER",
     "CAPACITIES",
     "CURRENCIES",
     "DEFAULT_BIAS",
