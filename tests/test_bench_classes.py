@@ -4,6 +4,9 @@ policy a batch lane applies."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 from bench.classes.config import (
     BATCH,
     BATCH_HEADER,
@@ -159,3 +162,13 @@ def test_a_batch_lane_sends_batch_to_its_own_replicas_and_the_sessions_to_the_ot
     assert clusters["bench/batch"][1] == lane
     assert clusters["bench/chat"][1] == config.replicas - lane
     assert clusters["bench/chat/affinity"] == (("RING_HASH", 150), config.replicas - lane)
+
+
+def test_a_run_reads_back_from_its_json_as_it_was() -> None:
+    config = type(default_config())(
+        phases=(Phase("calm", 10, 0.4, 0.1), Phase("overload", 10, 0.6, 0.7)),
+    )
+    results = [_ok("s7-1", 1.0, 0.2), _ok("s7-2", 12.0, 3.0), _shed("d101-1", 15.0)]
+    summary = summarize(results, config)
+    written = json.loads(json.dumps(asdict(summary)))
+    assert PolicyRun.from_json(written) == summary

@@ -34,6 +34,13 @@ class ClassRow:
     goodput_per_s: float
     by_phase: dict[str, PhaseRow] = field(default_factory=dict)
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ClassRow:
+        """The row as `dataclasses.asdict` wrote it to the JSON file."""
+        phases = data.get("by_phase", {})
+        fields = {k: v for k, v in data.items() if k != "by_phase"}
+        return cls(**fields, by_phase={name: PhaseRow(**row) for name, row in phases.items()})
+
 
 @dataclass(frozen=True)
 class PolicyRun:
@@ -52,3 +59,9 @@ class PolicyRun:
     admission: list[dict[str, float]] = field(default_factory=list)
     signals: dict[str, Any] = field(default_factory=dict)
     replica_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PolicyRun:
+        """The run as `dataclasses.asdict` wrote it to the JSON file (``results[policy]``)."""
+        classes = {name: ClassRow.from_json(row) for name, row in data["classes"].items()}
+        return cls(**{**data, "classes": classes})
