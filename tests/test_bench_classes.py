@@ -4,6 +4,9 @@ policy a batch lane applies."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 from bench.classes.config import (
     BATCH,
     BATCH_HEADER,
@@ -15,6 +18,7 @@ from bench.classes.config import (
     lane_route,
 )
 from bench.classes.report import engine_phases, slower_by_phase, summarize, targets
+from bench.classes.results import ClassRow, PhaseRow, PolicyRun
 from bench.rig.loadgen import RequestResult
 from bench.rig.stack import POOL, expected_clusters, policy_body
 from policies.models import RoutingPolicy
@@ -44,12 +48,12 @@ def test_goodput_counts_requests_within_their_class_objective_and_recovery_the_l
         RequestResult("d101-4", 0, 16.0, status=503, error="HTTP 503"),
     ]
     summary = summarize(results, config)
-    interactive, batch = summary["classes"][INTERACTIVE], summary["classes"][BATCH]
-    assert (interactive["requests"], interactive["met_objective"]) == (3, 1)
-    assert (batch["ok"], batch["shed"], batch["errors"], batch["met_objective"]) == (1, 2, 1, 1)
-    assert summary["goodput_per_s"] == 2 / 30
-    assert summary["recovery_s"] == 4.0
-    assert summary["shed_in_calm_phase"] == 1
+    interactive, batch = summary.classes[INTERACTIVE], summary.classes[BATCH]
+    assert (interactive.requests, interactive.met_objective) == (3, 1)
+    assert (batch.ok, batch.shed, batch.errors, batch.met_objective) == (1, 2, 1, 1)
+    assert summary.goodput_per_s == 2 / 30
+    assert summary.recovery_s == 4.0
+    assert summary.shed_in_calm_phase == 1
 
 
 def test_the_ramp_counts_in_no_number_but_a_request_shed_in_it_was_shed_with_room() -> None:
@@ -68,14 +72,14 @@ def test_the_ramp_counts_in_no_number_but_a_request_shed_in_it_was_shed_with_roo
         _ok("s7-3", 25.0, 2.0),  # missed in the overload
     ]
     summary = summarize(results, config)
-    interactive = summary["classes"][INTERACTIVE]
-    assert (interactive["requests"], interactive["met_objective"]) == (2, 1)
-    assert interactive["by_phase"]["overload"] == {"requests": 1, "shed": 0, "ttft_p99": 2.0}
-    assert "ramp" not in interactive["by_phase"]
-    assert summary["classes"][BATCH]["requests"] == 0
-    assert summary["goodput_per_s"] == 1 / 30  # over the 30 measured seconds
-    assert summary["shed_in_calm_phase"] == 1
-    assert summary["recovery_s"] == 0.0
+    interactive = summary.classes[INTERACTIVE]
+    assert (interactive.requests, interactive.met_objective) == (2, 1)
+    assert interactive.by_phase["overload"] == PhaseRow(requests=1, shed=0, ttft_p99=2.0)
+    assert "ramp" not in interactive.by_phase
+    assert summary.classes[BATCH].requests == 0
+    assert summary.goodput_per_s == 1 / 30  # over the 30 measured seconds
+    assert summary.shed_in_calm_phase == 1
+    assert summary.recovery_s == 0.0
 
 
 def test_engine_counters_tell_a_saturated_phase_from_a_calm_one() -> None:
@@ -96,15 +100,16 @@ def test_engine_counters_tell_a_saturated_phase_from_a_calm_one() -> None:
 
 
 def test_targets_compare_the_runs_side_by_side() -> None:
-    def run(p99: float, goodput: float, errors: int = 0, calm: int = 0) -> dict[str, object]:
-        return {
-            "classes": {
-                INTERACTIVE: {"ttft_p99": p99},
-                BATCH: {"ok": 10, "requests": 12, "shed": 2, "errors": errors},
-            },
-            "goodput_per_s": goodput,
-            "shed_in_calm_phase": calm,
-        }
+    def row(requests: int, ok: int, shed: int, errors: int, p99: float | None) -> ClassRow:
+        return ClassRow(requests, ok, shed, 0, errors, [], None, p99, None, 0, 0.0)
+
+    def run(p99: float, goodput: float, errors: int = 0, calm: int = 0) -> PolicyRun:
+        return PolicyRun(
+            classes={INTERACTIVE: row(10, 10, 0, 0, p99), BATCH: row(12, 10, 2, errors, None)},
+            goodput_per_s=goodput,
+            recovery_s=0.0,
+            shed_in_calm_phase=calm,
+        )
 
     rows = targets({"reference": run(0.2, 5), "affinity": run(2.0, 4.0), "classes": run(0.25, 4.5)})
     assert [met for _, met, _ in rows] == [True, True, True, True, True]
@@ -134,7 +139,7 @@ def test_slow_interactive_requests_are_counted_by_the_phase_they_started_in() ->
         _ok("s7-5", 17.0, 0.6),  # slow, overload
         _ok("d101-1", 18.0, 0.9),  # batch: not counted
     ]
-    per_request = summarize(results, config)["per_request"]
+    per_request = summarize(results, config).per_request
     assert slower_by_phase(per_request, 0.3, config) == {"calm": 1, "overload": 2}
 
 
@@ -157,3 +162,13 @@ def test_a_batch_lane_sends_batch_to_its_own_replicas_and_the_sessions_to_the_ot
     assert clusters["bench/batch"][1] == lane
     assert clusters["bench/chat"][1] == config.replicas - lane
     assert clusters["bench/chat/affinity"] == (("RING_HASH", 150), config.replicas - lane)
+
+
+def test_a_run_reads_back_from_its_json_as_it_was() -> None:
+    config = type(default_config())(
+        phases=(Phase("calm", 10, 0.4, 0.1), Phase("overload", 10, 0.6, 0.7)),
+    )
+    results = [_ok("s7-1", 1.0, 0.2), _ok("s7-2", 12.0, 3.0), _shed("d101-1", 15.0)]
+    summary = summarize(results, config)
+    written = json.loads(json.dumps(asdict(summary)))
+    assert PolicyRun.from_json(written) == summary

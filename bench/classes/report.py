@@ -11,7 +11,7 @@ the requests that were served.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench.classes.config import (
@@ -23,6 +23,7 @@ from bench.classes.config import (
     ClassesConfig,
     class_of,
 )
+from bench.classes.results import ClassRow, PhaseRow, PolicyRun
 from bench.classes.signals import admission_summary, signals_markdown
 from bench.rig.loadgen import RequestResult
 from bench.rig.report import json_block, num, table
@@ -43,13 +44,13 @@ def _met(result: RequestResult, objective: float, client_side: bool) -> bool:
     return result.ok and ttft is not None and ttft <= objective
 
 
-def summarize(results: list[RequestResult], config: ClassesConfig) -> dict[str, Any]:
+def summarize(results: list[RequestResult], config: ClassesConfig) -> PolicyRun:
     """Per class and overall: TTFT, goodput, shed, errors; and the time to recover. Requests
     started in the ramp count in none of them."""
     measured = [r for r in results if r.start >= config.ramp]
     total = config.duration - config.ramp
     overload_start, overload_end = config.window(config.peak.name)
-    classes: dict[str, Any] = {}
+    classes: dict[str, ClassRow] = {}
     misses: list[float] = []
     good_total = 0
     for name in (INTERACTIVE, BATCH):
@@ -63,42 +64,40 @@ def summarize(results: list[RequestResult], config: ClassesConfig) -> dict[str, 
         good_total += len(good)
         good_ids = {id(r) for r in good}
         misses += [r.start for r in mine if id(r) not in good_ids]
-        by_phase: dict[str, Any] = {}
+        by_phase: dict[str, PhaseRow] = {}
         for phase in config.phases:
             if not phase.measured:
                 continue
             start, end = config.window(phase.name)
             inside = [t for r in ok if start <= r.start < end and (t := ttft_of(r)) is not None]
-            by_phase[phase.name] = {
-                "requests": sum(1 for r in mine if start <= r.start < end),
-                "shed": sum(1 for r in shed if start <= r.start < end),
-                "ttft_p99": percentile(inside, 99),
-            }
-        classes[name] = {
-            "requests": len(mine),
-            "ok": len(ok),
-            "shed": len(shed),
-            "diverted": 0,
-            "errors": len(errors),
-            "error_kinds": sorted({r.error for r in errors})[:5],
-            "ttft_p50": percentile(ttfts, 50),
-            "ttft_p99": percentile(ttfts, 99),
-            "client_ttft_p99": percentile([r.ttft for r in ok if r.ttft is not None], 99),
-            "met_objective": len(good),
-            "goodput_per_s": len(good) / total,
-            "by_phase": by_phase,
-        }
+            by_phase[phase.name] = PhaseRow(
+                requests=sum(1 for r in mine if start <= r.start < end),
+                shed=sum(1 for r in shed if start <= r.start < end),
+                ttft_p99=percentile(inside, 99),
+            )
+        classes[name] = ClassRow(
+            requests=len(mine),
+            ok=len(ok),
+            shed=len(shed),
+            diverted=0,
+            errors=len(errors),
+            error_kinds=sorted({r.error for r in errors})[:5],
+            ttft_p50=percentile(ttfts, 50),
+            ttft_p99=percentile(ttfts, 99),
+            client_ttft_p99=percentile([r.ttft for r in ok if r.ttft is not None], 99),
+            met_objective=len(good),
+            goodput_per_s=len(good) / total,
+            by_phase=by_phase,
+        )
     late = [start for start in misses if start >= overload_end]
-    return {
-        "classes": classes,
-        "goodput_per_s": good_total / total,
-        "recovery_s": (max(late) - overload_end) if late else 0.0,
+    return PolicyRun(
+        classes=classes,
+        goodput_per_s=good_total / total,
+        recovery_s=(max(late) - overload_end) if late else 0.0,
         # The ramp counts here too: the fleet has room all along until the overload.
-        "shed_in_calm_phase": sum(
-            1 for r in results if r.status == 429 and r.start < overload_start
-        ),
-        "per_request": [{**r.to_json(), "class": class_of(r)} for r in results],
-    }
+        shed_in_calm_phase=sum(1 for r in results if r.status == 429 and r.start < overload_start),
+        per_request=[{**r.to_json(), "class": class_of(r)} for r in results],
+    )
 
 
 def slower_by_phase(
@@ -155,7 +154,7 @@ def engine_phases(
     return out
 
 
-def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
+def targets(results: Mapping[str, PolicyRun]) -> list[tuple[str, bool | None, str]]:
     """The issue's targets, side by side from one run: (what, met?, measured), for each
     policy with service classes in `results`."""
     ref = _p99(results, "reference")
@@ -181,8 +180,9 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                     f"{num(alone, '{:.2f}')}x ({num(_p99(results, 'affinity'))}s)",
                 )
             )
-        goodput = results.get(key, {}).get("goodput_per_s")
-        goodput_alone = results.get("affinity", {}).get("goodput_per_s")
+        run, affinity = results.get(key), results.get("affinity")
+        goodput = None if run is None else run.goodput_per_s
+        goodput_alone = None if affinity is None else affinity.goodput_per_s
         rows.append(
             (
                 f"total goodput with classes at least affinity alone's{who}",
@@ -190,18 +190,18 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                 f"{num(goodput, '{:.2f}')}/s vs {num(goodput_alone, '{:.2f}')}/s",
             )
         )
-        batch = results.get(key, {}).get("classes", {}).get(BATCH)
+        batch = None if run is None else run.classes.get(BATCH)
         rows.append(
             (
                 f"batch work that is admitted completes{who}",
-                None if batch is None else batch["errors"] == 0,
+                None if batch is None else batch.errors == 0,
                 "n/a"
                 if batch is None
-                else f"{batch['ok']} of {batch['requests'] - batch['shed']} admitted completed, "
-                f"{batch['errors']} errors",
+                else f"{batch.ok} of {batch.requests - batch.shed} admitted completed, "
+                f"{batch.errors} errors",
             )
         )
-        calm = results.get(key, {}).get("shed_in_calm_phase")
+        calm = None if run is None else run.shed_in_calm_phase
         rows.append(
             (
                 f"nothing is shed when the fleet has room (the calm first phase){who}",
@@ -212,18 +212,29 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     return rows
 
 
-def _p99(results: dict[str, Any], key: str) -> float | None:
-    value: float | None = (
-        results.get(key, {}).get("classes", {}).get(INTERACTIVE, {}).get("ttft_p99")
-    )
-    return value
+def _p99(results: Mapping[str, PolicyRun], key: str) -> float | None:
+    run = results.get(key)
+    row = None if run is None else run.classes.get(INTERACTIVE)
+    return None if row is None else row.ttft_p99
+
+
+def _phase_p99(phases: Mapping[str, PhaseRow], name: str) -> float | None:
+    row = phases.get(name)
+    return None if row is None else row.ttft_p99
+
+
+def _phase_requests(phases: Mapping[str, PhaseRow], name: str) -> int:
+    row = phases.get(name)
+    return 0 if row is None else row.requests
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
     return value / base if value is not None and base else None
 
 
-def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[str, Any]) -> str:
+def markdown(
+    results: Mapping[str, PolicyRun], config: ClassesConfig, calibration: dict[str, Any]
+) -> str:
     titles = {p.key: p.title for p in (REFERENCE, *POLICIES)}
     phases = ", ".join(
         f"{p.name} {p.duration:g}s (interactive {p.interactive:.0%} + batch {p.batch:.0%})"
@@ -246,13 +257,13 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
         ),
         (
             (
-                titles[key], name, row["requests"], row["ok"], row["shed"], row["diverted"],
-                row["errors"], num(row["ttft_p50"]), num(row["ttft_p99"]),
-                num(row.get("client_ttft_p99")), f"{row['goodput_per_s']:.2f}",
+                titles[key], name, row.requests, row.ok, row.shed, row.diverted,
+                row.errors, num(row.ttft_p50), num(row.ttft_p99),
+                num(row.client_ttft_p99), f"{row.goodput_per_s:.2f}",
             )
             for key, summary in results.items()
-            for name, row in summary["classes"].items()
-            if row["requests"]
+            for name, row in summary.classes.items()
+            if row.requests
         ),
         "llrrrrrrrrr",
     )  # fmt: skip
@@ -263,9 +274,9 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
         (
             (
                 titles[key],
-                f"{summary['goodput_per_s']:.2f}",
-                f"{summary['recovery_s']:.1f}",
-                admission_summary(summary.get("admission", []), overload),
+                f"{summary.goodput_per_s:.2f}",
+                f"{summary.recovery_s:.1f}",
+                admission_summary(summary.admission, overload),
             )
             for key, summary in results.items()
         ),
@@ -277,17 +288,14 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
         "Interactive TTFT p99 by phase (engine, simulated seconds; requests in brackets):",
         "",
     ]
-    by_phase = {
-        key: summary["classes"][INTERACTIVE].get("by_phase", {}) for key, summary in results.items()
-    }
+    by_phase = {key: summary.classes[INTERACTIVE].by_phase for key, summary in results.items()}
     lines += table(
         ("policy", *measured_phases),
         (
             (
                 titles[key],
                 *(
-                    f"{num(phases.get(name, {}).get('ttft_p99'))} "
-                    f"({phases.get(name, {}).get('requests', 0)})"
+                    f"{num(_phase_p99(phases, name))} ({_phase_requests(phases, name)})"
                     for name in measured_phases
                 ),
             )
@@ -306,7 +314,7 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
             "",
         ]
         slower = {
-            key: slower_by_phase(summary["per_request"], bound, config)
+            key: slower_by_phase(summary.per_request, bound, config)
             for key, summary in results.items()
         }
         lines += table(
@@ -340,7 +348,7 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
                 num(row.get("saturated_share"), "{:.0%}"),
             )
             for key, summary in results.items()
-            for name, row in summary.get("engines", {}).items()
+            for name, row in summary.engines.items()
         ),
         "llrrrr",
     )  # fmt: skip
@@ -352,7 +360,8 @@ def markdown(results: dict[str, Any], config: ClassesConfig, calibration: dict[s
             for what, met, measured in targets(results)
         ),
     )
-    signals = results.get("affinity", {}).get("signals")
+    affinity = results.get("affinity")
+    signals = None if affinity is None else affinity.signals
     if signals:
         lines += ["", *signals_markdown(signals, config)]
     lines += [

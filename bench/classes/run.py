@@ -27,6 +27,7 @@ from bench.classes.config import (
     lane_route,
 )
 from bench.classes.report import engine_phases, markdown, summarize, targets
+from bench.classes.results import PolicyRun
 from bench.classes.signals import SignalSampler, lead_table
 from bench.rig.loadgen import replay
 from bench.rig.report import num
@@ -111,17 +112,13 @@ def _lane_agent(stack: Stack, config: ClassesConfig, lane: int) -> Iterator[None
         agent.stop()
 
 
-def run_one(
-    stack: Stack, policy: Policy, workload: Workload, config: ClassesConfig
-) -> dict[str, Any]:
+def run_one(stack: Stack, policy: Policy, workload: Workload, config: ClassesConfig) -> PolicyRun:
     print(f"\n== {policy.title}: {workload.requests} requests", flush=True)
     with _lane_agent(stack, config, config.lanes.get(policy.key, 0)):
         return _run_one(stack, policy, workload, config)
 
 
-def _run_one(
-    stack: Stack, policy: Policy, workload: Workload, config: ClassesConfig
-) -> dict[str, Any]:
+def _run_one(stack: Stack, policy: Policy, workload: Workload, config: ClassesConfig) -> PolicyRun:
     sim = config.routing.sim
     _apply(stack, policy, config)
     ready_for_replay(stack, workload.system_prompts(), idle_timeout=120)
@@ -149,30 +146,32 @@ def _run_one(
                 stop_at=config.duration,
             )
         )
-    summary = summarize(run.results, config)
-    summary["engines"] = engine_phases(sampler.samples, config)
-    summary["timed_out"] = run.timed_out
-    summary["wall_seconds"] = run.wall_seconds
-    summary["admission"] = sampler.samples
-    summary["signals"] = lead_table(sampler.samples, run.results)
-    summary["replica_metrics"] = replica_metrics(stack)
-    for name, row in summary["engines"].items():
+    summary = replace(
+        summarize(run.results, config),
+        engines=engine_phases(sampler.samples, config),
+        timed_out=run.timed_out,
+        wall_seconds=run.wall_seconds,
+        admission=sampler.samples,
+        signals=lead_table(sampler.samples, run.results),
+        replica_metrics=replica_metrics(stack),
+    )
+    for name, row in summary.engines.items():
         print(
             f"   {name}: running {num(row['running'], '{:.1f}')}, waiting "
             f"{num(row['waiting'], '{:.2f}')} per replica, KV {num(row['kv_cache'], '{:.2f}')}, "
             f"saturated {num(row['saturated_share'], '{:.0%}')} of samples",
             flush=True,
         )
-    for name, row in summary["classes"].items():
+    for name, class_row in summary.classes.items():
         print(
-            f"   {name}: {row['ok']}/{row['requests']} ok, shed {row['shed']}, "
-            f"TTFT p50 {num(row['ttft_p50'])} p99 {num(row['ttft_p99'])}, "
-            f"goodput {num(row['goodput_per_s'], '{:.2f}')}/s",
+            f"   {name}: {class_row.ok}/{class_row.requests} ok, shed {class_row.shed}, "
+            f"TTFT p50 {num(class_row.ttft_p50)} p99 {num(class_row.ttft_p99)}, "
+            f"goodput {num(class_row.goodput_per_s, '{:.2f}')}/s",
             flush=True,
         )
     print(
-        f"   goodput {summary['goodput_per_s']:.2f}/s, recovered "
-        f"{num(summary['recovery_s'], '{:.1f}')}s after the overload ({run.wall_seconds:.0f}s wall)",
+        f"   goodput {summary.goodput_per_s:.2f}/s, recovered "
+        f"{num(summary.recovery_s, '{:.1f}')}s after the overload ({run.wall_seconds:.0f}s wall)",
         flush=True,
     )
     return summary
@@ -223,7 +222,7 @@ def run_classes(config: ClassesConfig, state_dir: Path | None = None) -> Path:
         flush=True,
     )
     routing = replace(config.routing, replicas=config.replicas)
-    results: dict[str, Any] = {}
+    results: dict[str, PolicyRun] = {}
     with contextlib.ExitStack() as exits:
         if state_dir is None:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvclass-")))
@@ -250,7 +249,7 @@ def run_classes(config: ClassesConfig, state_dir: Path | None = None) -> Path:
         "calibration": calibration,
         "targets": [{"what": w, "met": m, "measured": s} for w, m, s in targets(results)],
         "wall_seconds": time.monotonic() - started,
-        "results": results,
+        "results": {key: asdict(run) for key, run in results.items()},
     }
     report.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str))
     print(report.read_text())
