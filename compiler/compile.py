@@ -19,6 +19,9 @@ Design choices, each forced by what Envoy does:
 - Telemetry routes with session affinity send their session requests to a tighter-bounded
   twin of their hash cluster while their first tier's batches are full
   (``signals.saturation``); that, too, is a route entry's cluster (RDS).
+- Routes with overflow send a share of their requests to the cheapest paid pool that is not
+  resting after a 429 while their first tier is saturated (``signals.overflow``): a runtime
+  fraction and a cluster of route entries (RDS).
 
 This module runs the stages in order; each lives in a module of its own: ``state`` (what
 compilation reads), ``live`` (telemetry weights, admission and saturation), ``routes`` (one route's
@@ -44,7 +47,12 @@ from compiler.plan import (
 from compiler.routes import MemoEntry, RouteMemo
 from policies.models import FleetSpec, RoutingPolicy
 from policies.names import cluster_name, listener_name
-from signals.live import admission_decisions, saturation_decisions, telemetry_weights
+from signals.live import (
+    admission_decisions,
+    overflow_decisions,
+    saturation_decisions,
+    telemetry_weights,
+)
 from signals.state import PolicyState, pool_endpoints
 
 __all__ = [
@@ -77,6 +85,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
     entries: dict[str, MemoEntry] = {}
     admission = admission_decisions(state)
     saturation = saturation_decisions(state)
+    overflow = overflow_decisions(state)
     for policy_name in sorted(state.policies):
         policy = state.policies[policy_name]
         policy_clusters = []
@@ -92,6 +101,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 weights,
                 admission.get(name),
                 saturated=saturated is not None and saturated.saturated,
+                overflow=overflow.get(name),
             )
             entries[name] = entry
             diagnostics.extend(entry.diagnostics)
@@ -136,8 +146,12 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                     max_request_body_bytes=settings.max_request_body_bytes,
                     access_log=settings.access_log,
                     drain_timeout=settings.drain_timeout,
+                    # Rollouts read every attempt; overflow learns which paid pool answered
+                    # 429 and for how long (its Retry-After).
                     upstream_signals=any(
-                        route.cluster in watched for vhost in vhosts for route in vhost.routes
+                        route.cluster in watched or route.overflow is not None
+                        for vhost in vhosts
+                        for route in vhost.routes
                     ),
                 )
             )
@@ -158,6 +172,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         admission=admission,
         saturation=saturation,
         difficulty=state.difficulty,
+        overflow=overflow,
     )
 
 

@@ -30,6 +30,7 @@ from policies.models import (
 )
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
+from signals.overflow import OverflowDecision
 from signals.saturation import SaturationDecision
 from signals.weights import WeightDecision
 
@@ -117,6 +118,21 @@ class PlanClass:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanOverflow:
+    """Where a route's overflow goes and how much of it (``signals.overflow``)."""
+
+    cluster: str
+    """The aggregate cluster of the paid pool that takes the overflow (then the other paid
+    pools, then the route's replicas, for retries); empty when no paid pool can take any."""
+    plain: float
+    """Share of the requests without a session header sent there, 0 to 1."""
+    sessions: float
+    """Share of the requests with a session header sent there, 0 to 1."""
+    members: int = 1
+    """Clusters in that aggregate: retries move across them."""
+
+
+@dataclass(frozen=True, slots=True)
 class PlanRoute:
     """One route entry of a virtual host."""
 
@@ -143,6 +159,8 @@ class PlanRoute:
     saturated: bool = False
     """Session requests take the affinity cluster's saturated twin (its tighter bounded load,
     ``SessionAffinity.saturated_hash_balance_factor``)."""
+    overflow: PlanOverflow | None = None
+    """The route's overflow to paid pools (``Route.overflow``); None without."""
 
     @property
     def short_name(self) -> str:
@@ -279,6 +297,13 @@ class PlanListener:
         )
 
     @property
+    def overflows(self) -> bool:
+        """True when some route here sends overflow to paid pools."""
+        return any(
+            route.overflow is not None for vhost in self.virtual_hosts for route in vhost.routes
+        )
+
+    @property
     def classified(self) -> bool:
         """True when some route has service classes. The listener then always carries what
         shedding needs (the counting filter, the shed reply), whether or not anything is shed
@@ -333,6 +358,9 @@ class RoutingPlan:
     route (``policy/route``) -> decision."""
     difficulty: Mapping[str, ShareDecision] = field(default_factory=dict, hash=False)
     """Thresholds in force for virtual models with a share: ``policy/name`` -> decision."""
+    overflow: Mapping[str, OverflowDecision] = field(default_factory=dict, hash=False)
+    """What telemetry decided for routes with paid overflow pools: route (``policy/route``)
+    -> decision."""
 
     def fleet(self, name: str) -> FleetPlan | None:
         """The plan of fleet ``name``, or None."""

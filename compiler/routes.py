@@ -9,7 +9,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from compiler.plan import Diagnostic, PlanClass, PlanCluster, PlanEndpoint, PlanRoute
+from compiler.plan import (
+    Diagnostic,
+    PlanClass,
+    PlanCluster,
+    PlanEndpoint,
+    PlanOverflow,
+    PlanRoute,
+)
 from policies.models import (
     ClassQueue,
     Pool,
@@ -18,8 +25,15 @@ from policies.models import (
     RoutingPolicy,
     Tier,
 )
-from policies.names import LOCAL_SUFFIX, cluster_name, queue_cluster_name
+from policies.names import (
+    LOCAL_SUFFIX,
+    cluster_name,
+    overflow_cluster_name,
+    provider_cluster_name,
+    queue_cluster_name,
+)
 from signals.admission import AdmissionDecision
+from signals.overflow import OverflowDecision, provider_order
 from signals.state import PolicyState, is_external, pool_endpoints
 from signals.weights import WeightDecision
 
@@ -164,6 +178,20 @@ def route_diagnostics(
                         path,
                     )
                 )
+    if route.overflow is not None:
+        for pool_index, pool_name in enumerate(route.overflow.pools):
+            path = f"spec.routes[{index}].overflow.pools[{pool_index}]"
+            paid = state.pools.get(pool_name)
+            if paid is None:
+                message = f"pool {pool_name!r} does not exist (yet); overflow skips it"
+            elif not is_external(paid):
+                message = (
+                    f"pool {pool_name!r} is not an external provider (TLS or DNS-named "
+                    "endpoints); overflow skips it"
+                )
+            else:
+                continue
+            out.append(Diagnostic("warning", "RoutingPolicy", name, message, path))
     if len(protocols) > 1:
         out.append(
             Diagnostic(
@@ -227,12 +255,15 @@ def compile_route(
     admission: AdmissionDecision | None = None,
     *,
     saturated: bool = False,
+    overflow: OverflowDecision | None = None,
 ) -> tuple[list[PlanCluster], PlanRoute]:
     """The clusters of one route and its route entry.
 
     Replicas (IP endpoints) of every tier go into one EDS cluster at priority = tier. External
     provider pools get a DNS cluster each; when a route has any, an aggregate cluster puts the
-    replicas first and the providers after them, in tier order.
+    replicas first and the providers after them, in tier order. A route with overflow gets its
+    paid pools' clusters and one aggregate per paid pool (``_overflow_clusters``); which one
+    its overflow takes, and how much, is the route entry's (`overflow`, RDS alone).
     """
     name = cluster_name(policy.metadata.name, route.name)
     route_weights = weights if route.balancing == "telemetry" else {}
@@ -292,21 +323,81 @@ def compile_route(
         for c in (classes.queued if classes is not None else [])
     )
     if not providers:
-        return [_cluster(name, route, spec, endpoints, queues=queues)], plan_route
-    members: list[str] = []
-    clusters: list[PlanCluster] = []
-    if local:
-        local_name = name + LOCAL_SUFFIX
-        clusters.append(
-            _cluster(local_name, route, spec, endpoints, eds_service=name, queues=queues)
+        out = [_cluster(name, route, spec, endpoints, queues=queues)]
+        replicas = name
+    else:
+        members: list[str] = []
+        clusters: list[PlanCluster] = []
+        if local:
+            local_name = name + LOCAL_SUFFIX
+            clusters.append(
+                _cluster(local_name, route, spec, endpoints, eds_service=name, queues=queues)
+            )
+            members.append(local_name)
+        for pool in providers:
+            provider = _provider_cluster(
+                provider_cluster_name(name, pool.metadata.name), route, pool, state
+            )
+            clusters.append(provider)
+            members.append(provider.name)
+        aggregate = _cluster(name, route, spec, (), kind="aggregate", members=tuple(members))
+        out = [aggregate, *clusters]
+        replicas = name + LOCAL_SUFFIX if local else ""
+    if route.overflow is None:
+        return out, plan_route
+    paid, plan_overflow = _overflow_clusters(
+        name, route, spec, state, replicas, {p.metadata.name for p in providers}, overflow
+    )
+    return [*out, *paid], replace(plan_route, overflow=plan_overflow)
+
+
+def _overflow_clusters(
+    name: str,
+    route: Route,
+    spec: PoolSpec,
+    state: PolicyState,
+    replicas: str,
+    in_tiers: set[str],
+    decision: OverflowDecision | None,
+) -> tuple[list[PlanCluster], PlanOverflow]:
+    """A route's paid pools: a DNS cluster each, and for each an aggregate that starts from
+    it, goes on to the other paid pools (cheapest first) and ends at the route's replicas, so
+    a request that one refuses (a 429) is retried on the next. Every paid pool has its
+    aggregate whether it takes overflow now or not: moving the overflow to another pool, or
+    stopping it, is then a route change alone (RDS), never a cluster change."""
+    assert route.overflow is not None
+    order = [
+        pool
+        for pool in provider_order(route.overflow, state.pools)
+        if is_external(state.pools[pool])
+    ]
+    clusters = [
+        _provider_cluster(provider_cluster_name(name, pool), route, state.pools[pool], state)
+        for pool in order
+        if pool not in in_tiers
+    ]
+    for first in order:
+        members = [provider_cluster_name(name, first)]
+        members += [provider_cluster_name(name, pool) for pool in order if pool != first]
+        members += [replicas] if replicas else []
+        aggregate = _cluster(
+            overflow_cluster_name(name, first),
+            route,
+            spec,
+            (),
+            kind="aggregate",
+            members=tuple(members),
         )
-        members.append(local_name)
-    for pool in providers:
-        provider = _provider_cluster(f"{name}/provider/{pool.metadata.name}", route, pool, state)
-        clusters.append(provider)
-        members.append(provider.name)
-    aggregate = _cluster(name, route, spec, (), kind="aggregate", members=tuple(members))
-    return [aggregate, *clusters], plan_route
+        clusters.append(replace(aggregate, affinity=None))
+    decision = decision or OverflowDecision()
+    chosen = decision.provider if decision.provider in order else ""
+    plan_overflow = PlanOverflow(
+        cluster=overflow_cluster_name(name, chosen) if chosen else "",
+        plain=decision.plain if chosen else 0.0,
+        sessions=decision.sessions if chosen else 0.0,
+        members=len(order) + (1 if replicas else 0),
+    )
+    return clusters, plan_overflow
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,12 +433,15 @@ class RouteMemo:
         admission: AdmissionDecision | None = None,
         *,
         saturated: bool = False,
+        overflow: OverflowDecision | None = None,
     ) -> MemoEntry:
         """The compiled route, reused when its inputs are unchanged."""
         route_weights = weights if route.balancing == "telemetry" else {}
         names = [target.pool for tier in route.tiers for target in tier.pools]
+        if route.overflow is not None:
+            names += route.overflow.pools
         inputs = (
-            (route, policy.spec.service_classes, admission, saturated),
+            (route, policy.spec.service_classes, admission, saturated, overflow),
             index,
             *(state.pools.get(name) for name in names),
             *(state.registered.get(name) for name in names),
@@ -366,7 +460,7 @@ class RouteMemo:
         ):
             return entry
         clusters, plan_route = compile_route(
-            policy, route, state, weights, admission, saturated=saturated
+            policy, route, state, weights, admission, saturated=saturated, overflow=overflow
         )
         return MemoEntry(
             inputs, route_diagnostics(policy, index, route, state), clusters, plan_route

@@ -21,6 +21,7 @@ from policies import PATH_KINDS, Endpoint, PolicyError, PolicyObject, jsondoc, p
 from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
+from signals.overflow import OverflowDecision
 from signals.saturation import SaturationDecision
 from signals.telemetry import TelemetryRecord
 from signals.weights import WeightDecision
@@ -144,7 +145,9 @@ class DecodedState:
         previous_admission: Mapping[str, AdmissionDecision] | None = None,
         previous_saturation: Mapping[str, SaturationDecision] | None = None,
         difficulty: Mapping[str, ShareDecision] | None = None,
+        previous_overflow: Mapping[str, OverflowDecision] | None = None,
         now: float = 0.0,
+        provider_backoff: Mapping[str, float] | None = None,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
         per-pool mappings are shared with this state and must not be changed."""
@@ -156,5 +159,7 @@ class DecodedState:
             previous_admission=previous_admission or {},
             previous_saturation=previous_saturation or {},
             difficulty=difficulty or {},
+            previous_overflow=previous_overflow or {},
             now=now,
+            provider_backoff=provider_backoff or {},
         )

@@ -61,6 +61,7 @@ from policies.models.objects import (
     RoutingPolicy,
     kind_named,
 )
+from policies.models.overflow import Conversations, Overflow
 from policies.models.policy import (
     ListenerSpec,
     RoutingPolicySpec,
@@ -140,6 +141,7 @@ __all__ = [
     "ClassMatch",
     "ClassObjective",
     "ClassQueue",
+    "Conversations",
     "Duration",
     "Endpoint",
     "EndpointHealth",
@@ -159,6 +161,7 @@ __all__ = [
     "Model",
     "Name",
     "OutlierDetection",
+    "Overflow",
     "PolicyObject",
     "Pool",
     "PoolSpec",
