@@ -42,6 +42,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from replicasim.completions import completion_response
+from replicasim.provider import RateLimit, rate_limited_body
 from replicasim.simulator import Engine, EngineError
 
 DEFAULT_MODEL = "sim-model"
@@ -78,6 +79,13 @@ class Replica:
     """Set by `POST /admin/die`: the replica has stopped serving."""
     on_death: Callable[[], None] | None = None
     """Called once by `POST /admin/die`; `serve()` sets it to stop this replica's server."""
+    rate_limit: RateLimit | None = None
+    """A paid API's rate limit (``SimConfig.rate_limit``), made with the engine."""
+
+    def __post_init__(self) -> None:
+        config = self.engine.config if self.engine is not None else None
+        if config is not None and config.rate_limit > 0:
+            self.rate_limit = RateLimit(config.rate_limit, config.rate_burst or config.rate_limit)
 
     def metrics_text(self) -> str:
         """The replica's metrics in Prometheus text format."""
@@ -197,6 +205,18 @@ def build_app(replica: Replica) -> Starlette:
             return error(400, "request body must be a JSON object", path)
         model = str(payload.get("model") or replica.model)
         if replica.engine is not None:
+            config = replica.engine.config
+            if replica.rate_limit is not None:
+                wait = replica.rate_limit.take(time.monotonic() / config.time_scale)
+                if wait is not None:
+                    replica.requests[(path, 429)] += 1
+                    return JSONResponse(
+                        rate_limited_body(wait),
+                        status_code=429,
+                        headers={**headers, "retry-after": str(wait)},
+                    )
+            if config.first_token_delay:
+                await asyncio.sleep(config.first_token_delay * config.time_scale)
             try:
                 response = await completion_response(
                     replica.engine, kind, model, payload, headers, replica.id
