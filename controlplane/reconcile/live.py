@@ -148,7 +148,16 @@ class LiveDecisions:
     def _track_overflow(self, plan: RoutingPlan) -> None:
         """Keep overflow decisions for hysteresis, log each change of paid share or pool, and
         schedule the rebuild of the next step or of a resting pool's return."""
+        metrics = self.metrics
         for route, decision in plan.overflow.items():
+            metrics.overflow_share.labels(route, "requests").set(decision.plain)
+            metrics.overflow_share.labels(route, "sessions").set(decision.sessions)
+            metrics.overflow_pressure.labels(route).set(
+                math.nan if decision.pressure is None else decision.pressure
+            )
+            was = self.overflow.get(route)
+            for pool in set(decision.resting) | set(was.resting if was is not None else ()):
+                metrics.overflow_resting.labels(route, pool).set(int(pool in decision.resting))
             before = self.overflow.get(route)
             if before is not None and (before.plain, before.sessions, before.provider) != (
                 decision.plain,
@@ -165,6 +174,10 @@ class LiveDecisions:
                     decision.pressure,
                     sorted(decision.resting) or "none",
                 )
+        for route in self.overflow.keys() - plan.overflow.keys():
+            for kind in ("requests", "sessions"):
+                metrics.overflow_share.remove(route, kind)
+            metrics.overflow_pressure.remove(route)
         self.overflow = plan.overflow
         self._overflow_at = (
             min((d.next_step_at for d in plan.overflow.values()), default=math.inf) + 0.05
