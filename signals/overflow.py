@@ -15,9 +15,11 @@ first token over half the objective. The level (in steps of ``step`` percent) is
 admission's level, with two pseudo-classes in place of service classes: requests without a
 session header first, then (``conversations: last``) the conversations, whose KV cache the
 replicas hold and a paid API does not. Restricting a pseudo-class here means sending that
-share of it to the paid pools. So the hysteresis is admission's, measured there: rise at
-once by the excess, give back one step per ``recoverInterval`` at or below ``low``, hold in
-between. The floor and cap (``minShare``, ``maxShare``) bound the shares after the loop, so
+share of it to the paid pools. The hysteresis is admission's (rise at once by the excess,
+hold in the band between ``low`` and ``high``, move no sooner than the intervals), but at or
+below ``low`` it gives back as many steps as the headroom under ``low`` allows, not one
+(``give_back_steps``): a paid pool that keeps traffic the owned replicas could take back
+costs money every second. The floor and cap (``minShare``, ``maxShare``) bound the shares after the loop, so
 they hold whatever the telemetry says.
 
 Without a fresh record the level falls to zero: no telemetry buys no paid tokens (the
@@ -46,7 +48,16 @@ from policies.models import (
     Saturation,
     ServiceClass,
 )
-from signals.admission import AdmissionDecision, Signal, decide, pool_signals, pressure_of
+from signals.admission import (
+    FALLING,
+    AdmissionDecision,
+    Signal,
+    admitted_shares,
+    pool_signals,
+    pressure_of,
+    restrict_steps,
+    steps_per_class,
+)
 from signals.telemetry import TelemetryRecord
 
 PLAIN, SESSIONS, ALL = "requests", "sessions", "all"
@@ -160,6 +171,63 @@ def overflow_signals(
     return signals
 
 
+def give_back_steps(pressure: float, saturation: Saturation) -> int:
+    """Steps to give back at once at `pressure` (at or below ``low``): the headroom under
+    ``low`` in steps, at least one. A step moves ``step`` percent of one kind of request,
+    which is at most that share of the owned capacity while that kind's demand is within
+    the capacity; so the replicas take back no more than brings them to ``low``."""
+    headroom = (saturation.low - pressure) / saturation.high
+    return max(1, math.floor(headroom * 100 / saturation.step + 1e-9))
+
+
+def next_level(
+    before: AdmissionDecision,
+    pressure: float | None,
+    classes: Sequence[ServiceClass],
+    *,
+    now: float,
+    saturation: Saturation,
+    signals: tuple[Signal, ...] = (),
+) -> AdmissionDecision:
+    """Admission's loop (``policies.admission.decide``), but giving back as many steps as
+    the headroom under ``low`` allows (``give_back_steps``) instead of one: a paid pool that
+    keeps traffic the owned replicas could take back costs money every second, where a shed
+    class that comes back late costs nothing. The band and the intervals still hold."""
+    top = len(classes) * steps_per_class(saturation)
+    level, changed_at, at_change = before.level, before.changed_at, before.pressure_at_change
+    since = now - changed_at
+    if pressure is None:
+        target = 0
+    elif (
+        pressure >= saturation.high
+        and since >= saturation.shed_interval
+        and pressure >= FALLING * at_change
+    ):
+        target = level + restrict_steps(level, pressure, saturation)
+    elif pressure <= saturation.low and since >= saturation.recover_interval:
+        target = level - give_back_steps(pressure, saturation)
+    else:
+        target = level
+    target = max(0, min(top, target))
+    if target != level:
+        level, changed_at, at_change = target, now, pressure or 0.0
+    next_step_at = math.inf
+    if pressure is not None:
+        if pressure >= saturation.high and level < top and pressure >= FALLING * at_change:
+            next_step_at = changed_at + saturation.shed_interval
+        elif pressure <= saturation.low and level > 0:
+            next_step_at = changed_at + saturation.recover_interval
+    return AdmissionDecision(
+        level=level,
+        pressure=pressure,
+        changed_at=changed_at,
+        pressure_at_change=at_change,
+        admitted=admitted_shares(classes, level, saturation),
+        next_step_at=next_step_at,
+        signals=signals,
+    )
+
+
 def decide_overflow(
     previous: OverflowDecision | None,
     overflow: Overflow,
@@ -174,7 +242,7 @@ def decide_overflow(
     (cheapest first) that is not resting (`resting`: pool -> until, wall clock)."""
     before = previous or OverflowDecision()
     classes = _pseudo_classes(overflow.conversations)
-    level = decide(
+    level = next_level(
         before.level,
         pressure_of(signals),
         classes,
@@ -206,6 +274,8 @@ __all__ = [
     "SESSIONS",
     "OverflowDecision",
     "decide_overflow",
+    "give_back_steps",
+    "next_level",
     "overflow_signals",
     "paid_price",
     "provider_order",

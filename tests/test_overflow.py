@@ -125,19 +125,25 @@ def test_a_saturated_pool_sends_its_excess_to_the_cheapest_paid_pool_plain_reque
     assert later.plain == 1.0 and last.sessions > 0.0
 
 
-def test_the_share_comes_back_one_step_per_recover_interval_and_holds_in_the_band() -> None:
+def test_the_share_comes_back_by_the_headroom_under_low_and_holds_in_the_band() -> None:
     hot = decision(1.35)
     # In the band (pressure between low 0.8 and high 1.0): nothing moves.
     band = decision(0.8, previous=hot, now=NOW + 10)
     assert band.plain == hot.plain
-    # At or below low: one step (10%) back, not before the recover interval (5 s).
+    # At or below low, no sooner than the recover interval (5 s): just under low, one step
+    # (10%) back; with more headroom, as many steps as it holds (fill 0.5: pressure 0.56,
+    # 0.24 under low: two steps).
     early = decision(0.5, previous=hot, now=NOW + 4)
     assert early.plain == hot.plain
+    one = decision(0.7, previous=hot, now=NOW + 5.1)
+    assert one.plain == pytest.approx(hot.plain - 0.1)
     back = decision(0.5, previous=hot, now=NOW + 5.1)
-    assert back.plain == pytest.approx(hot.plain - 0.1)
+    assert back.plain == pytest.approx(hot.plain - 0.2)
     again = decision(0.5, previous=back, now=NOW + 6)
     assert again.plain == back.plain  # the next step waits for its own interval
     assert back.next_step_at == pytest.approx(NOW + 5.1 + 5)
+    idle = decision(0.0, previous=hot, now=NOW + 5.1)
+    assert idle.plain == 0.0  # 0.8 under low: eight steps, more than there are
 
 
 def test_without_telemetry_nothing_goes_to_paid_pools() -> None:

@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--policies", default="")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     results: dict[int, Any] = {}
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
             config = replace(config, out_dir=args.out)
         if args.policies:
             config = replace(config, policies=tuple(args.policies.split(",")))
-        report = run_cost(config)
+        state = None if args.state_dir is None else args.state_dir / f"seed{seed}"
+        report = run_cost(config, state)
         results[seed] = json.loads(report.with_suffix(".json").read_text())["results"]
     out = Path(config.out_dir)
     summary = out / f"cost-{time.strftime('%Y%m%d-%H%M%S')}.md"

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bench.cost.config import PAID_PREFIX, POLICIES, CostConfig
-from bench.loadgen import RunResult
+from bench.loadgen import RequestResult, RunResult
 from bench.summary import percentile
 
 
@@ -65,7 +65,27 @@ def summarize(run: RunResult, config: CostConfig) -> dict[str, Any]:
         "peak_ttft_p99": percentile(peak, 99) or 0.0,
         "goodput_per_s": len(good) / window,
         "budget_overshoot": None,
+        "phases": _phases(ok, config),
     }
+
+
+def _phases(ok: Sequence[RequestResult], config: CostConfig) -> dict[str, dict[str, Any]]:
+    """Per phase: requests answered, the share the paid API answered, and TTFT p99."""
+    out: dict[str, dict[str, Any]] = {}
+    start = 0.0
+    for phase in config.phases:
+        inside = [r for r in ok if start <= r.start < start + phase.duration]
+        start += phase.duration
+        if not phase.measured:
+            continue
+        paid = sum(1 for r in inside if r.replica.startswith(PAID_PREFIX))
+        ttfts = [r.ttft for r in inside if r.ttft is not None]
+        out[phase.name] = {
+            "requests": len(inside),
+            "paid_share": paid / len(inside) if inside else 0.0,
+            "ttft_p99": percentile(ttfts, 99),
+        }
+    return out
 
 
 def _stats(values: Sequence[float | None]) -> tuple[float | None, float | None, float | None]:
@@ -123,6 +143,16 @@ def table(results: Mapping[int, Mapping[str, Any]]) -> list[str]:
         cells = [_fmt(_column(results, p.key, *path), fmt) for p in policies]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("| budget overshoot | " + " | ".join("n/a (no budget)" for _ in policies) + " |")
+    lines += ["", "Paid share of requests by phase (median over seeds):", ""]
+    first = next(iter(results.values()))
+    names = list(next(iter(first.values())).get("phases", {})) if first else []
+    lines.append("| phase | " + " | ".join(p.title for p in policies) + " |")
+    lines.append("|---|" + "---|" * len(policies))
+    for name in names:
+        cells = [
+            _fmt(_column(results, p.key, "phases", name, "paid_share"), "{:.0%}") for p in policies
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
