@@ -118,10 +118,12 @@ def test_a_saturated_pool_sends_its_excess_to_the_cheapest_paid_pool_plain_reque
     assert hot.pressure == pytest.approx(1.5)
     assert (hot.plain, hot.sessions) == (0.5, 0.0)
     assert hot.provider == "cheap"
-    # Still saturated a second later: more, up to all plain requests; then conversations.
-    later = decision(1.35, previous=hot, now=NOW + 1.1)
+    # Still saturated a rise interval (3 s) later: more, up to all plain requests; then
+    # conversations.
+    assert decision(1.35, previous=hot, now=NOW + 2).plain == hot.plain  # not yet
+    later = decision(1.35, previous=hot, now=NOW + 3.1)
     assert (later.plain, later.sessions) == (1.0, 0.0)
-    last = decision(1.35, previous=later, now=NOW + 2.2)
+    last = decision(1.35, previous=later, now=NOW + 6.2)
     assert later.plain == 1.0 and last.sessions > 0.0
 
 

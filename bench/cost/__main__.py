@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default="")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--state-dir", type=Path, default=None, help="keep logs here")
+    parser.add_argument(
+        "--overflow", default="{}", help="JSON fields added to cost-aware's overflow (tuning)"
+    )
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     results: dict[int, Any] = {}
@@ -30,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         config = default_config(short=args.short, seed=seed)
         if args.out is not None:
             config = replace(config, out_dir=args.out)
+        extra = json.loads(args.overflow)
+        if extra:
+            config = replace(config, overflow=extra)
         if args.policies:
             config = replace(config, policies=tuple(args.policies.split(",")))
         state = None if args.state_dir is None else args.state_dir / f"seed{seed}"

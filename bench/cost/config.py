@@ -140,6 +140,15 @@ class CostConfig:
     routing: BenchConfig = field(default_factory=lambda: routing_config())
     policies: tuple[str, ...] = ()
     """Keys of the policies to run; empty: all."""
+    overflow: dict[str, Any] = field(default_factory=dict)
+    """Fields added to cost-aware overflow's ``overflow`` (empty: its defaults)."""
+
+    def policy(self, policy: Policy) -> Policy:
+        """`policy` as this run applies it."""
+        if policy.key != "cost_aware" or not self.overflow:
+            return policy
+        overflow = {**policy.route["overflow"], **self.overflow}
+        return replace(policy, route={**policy.route, "overflow": overflow})
 
     @property
     def ramp(self) -> float:

@@ -211,7 +211,9 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
         for policy in POLICIES:
             if config.policies and policy.key not in config.policies:
                 continue
-            results[policy.key] = run_one(stack, paid.replicas[0].url, policy, workload, config)
+            results[policy.key] = run_one(
+                stack, paid.replicas[0].url, config.policy(policy), workload, config
+            )
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -228,6 +230,7 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
             "paid_sim": asdict(config.paid_sim),
             "owned_sim": asdict(config.routing.sim),
             "excess_share": config.excess_share(),
+            "overflow": config.overflow,
         },
         "calibration": calibration,
         "wall_seconds": time.monotonic() - started,

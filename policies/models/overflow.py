@@ -91,13 +91,15 @@ class Overflow(Model):
         description="Pressure at or below which one step comes back. Default: 0.8.",
     )
     raise_interval: Duration = Field(
-        1.0, description="Least time between two rises of the share. Default: 1s."
+        3.0,
+        description="Least time between two rises of the share: about as long as a request "
+        "holds its replica, so a rise shows in the telemetry before the next one (in the cost "
+        "benchmark 1s overshot to two thirds of the peak's requests). Default: 3s.",
     )
     recover_interval: Duration = Field(
         5.0,
-        description="Least time between a change and a step given back: longer than "
-        "raiseInterval, so a pool that just got room does not take back more than it can hold "
-        "(flapping). Default: 5s.",
+        description="Least time between a change and a step given back, so a pool that just "
+        "got room does not take back more than it can hold (flapping). Default: 5s.",
     )
 
     @field_validator("pools")
