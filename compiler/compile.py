@@ -123,7 +123,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
     watched = rollout_clusters(state)
     fleets = []
     for fleet in fleet_names(state):
-        in_fleet = fleet_compiled(state, fleet, compiled, weights, admission)
+        in_fleet = fleet_compiled(state, fleet, compiled, weights, admission, overflow)
         fleet_object = state.fleets.get(fleet)
         settings = fleet_object.spec if fleet_object is not None else FleetSpec()
         by_port: dict[int, list[RoutingPolicy]] = {}
