@@ -27,8 +27,8 @@ route's failover tiers and retries still cover replicas that are down).
 
 Providers
 ---------
-``provider_order`` sorts the overflow pools by price (``paid_price``), listed order breaking
-ties. A provider that answered 429 rests until its ``Retry-After`` has passed
+``provider_order`` sorts the overflow pools by price (``paid_price``: input plus output per
+million tokens, from the pool's ``price`` once Pools carry one), listed order breaking ties. A provider that answered 429 rests until its ``Retry-After`` has passed
 (``PolicyState.provider_backoff``, learned from Envoy's access log); overflow goes to the
 first pool that is not resting, and to none when all are.
 """
@@ -92,24 +92,33 @@ class OverflowDecision:
         return self.level.pressure
 
 
-def paid_price(pool: Pool) -> float | None:
-    """A paid pool's price per token, for the order overflow takes them in; None when unknown.
+def paid_price(pool: Pool) -> tuple[str, float] | None:
+    """A paid pool's price for the order overflow takes pools in: (currency, input plus
+    output price per million tokens), or None when the pool has no per-token price.
 
-    The one place overflow reads prices: pools carry none yet, so the listed order stands.
-    """
-    del pool
-    return None
+    The one place overflow reads prices: from the pool's ``price`` (``input``, ``output``)
+    when Pools carry one; until then every pool is unpriced and the listed order stands."""
+    price = getattr(pool.spec, "price", None)
+    if price is None or getattr(price, "input", None) is None:
+        return None
+    return str(price.currency), float(price.input) + float(price.output or 0)
 
 
 def provider_order(overflow: Overflow, pools: Mapping[str, Pool]) -> list[str]:
-    """The overflow pools that exist, cheapest first (``paid_price``; listed order breaks ties
-    and places unpriced pools after priced ones)."""
+    """The overflow pools that exist, cheapest first (``paid_price``). Listed order breaks
+    ties and places unpriced pools after priced ones; pools priced in different currencies
+    are not compared (kvpilot never converts), so they keep the listed order."""
     present = [name for name in overflow.pools if name in pools]
     prices = {name: paid_price(pools[name]) for name in present}
-    return sorted(
-        present,
-        key=lambda name: (prices[name] is None, prices[name] or 0.0, present.index(name)),
-    )
+    currencies = {price[0] for price in prices.values() if price is not None}
+    if len(currencies) > 1:
+        return present
+
+    def key(name: str) -> tuple[bool, float, int]:
+        price = prices[name]
+        return price is None, price[1] if price is not None else 0.0, present.index(name)
+
+    return sorted(present, key=key)
 
 
 @cache

@@ -5,7 +5,8 @@ and how a 429's Retry-After is read."""
 from __future__ import annotations
 
 import email.utils
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from harness.builders import policy, pool
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 
 from compiler.compile import PolicyState, compile_plan
 from policies.models import Overflow, Pool, Route, RoutingPolicy
-from signals.overflow import OverflowDecision, overflow_signals
+from signals.overflow import OverflowDecision, overflow_signals, provider_order
 from signals.telemetry import TelemetryRecord
 from xdsserver.signals import DEFAULT_REST, MAX_REST, ProviderRests, retry_after_seconds
 from xdsserver.translate import translate
@@ -181,6 +182,43 @@ def test_the_fill_signal_reads_running_and_waiting_over_the_batch() -> None:
     }
     assert signals["fill"].mean == pytest.approx((1.5 + 0.5) / 2)
     assert signals["fill"].pressure == pytest.approx(2.0)
+
+
+def priced(name: str, price: dict[str, Any] | None) -> Pool:
+    """A paid pool with a per-token price (the shape of ``Pool.spec.price``)."""
+    spec = SimpleNamespace(
+        price=None
+        if price is None
+        else SimpleNamespace(
+            currency=price.get("currency", "USD"), input=price["input"], output=price["output"]
+        )
+    )
+    return cast(Pool, SimpleNamespace(spec=spec, metadata=SimpleNamespace(name=name)))
+
+
+@pytest.mark.parametrize(
+    ("prices", "order"),
+    [
+        pytest.param(
+            {"a": {"input": 3, "output": 15}, "b": {"input": 0.2, "output": 0.6}, "c": None},
+            ["b", "a", "c"],
+            id="cheapest first, unpriced last",
+        ),
+        pytest.param({"a": None, "b": None, "c": None}, ["a", "b", "c"], id="listed order"),
+        pytest.param(
+            {"a": {"input": 3, "output": 15, "currency": "EUR"}, "b": {"input": 1, "output": 1}},
+            ["a", "b", "c"],
+            id="two currencies are not compared",
+        ),
+    ],
+)
+def test_paid_pools_are_taken_cheapest_first(
+    prices: dict[str, dict[str, Any] | None], order: list[str]
+) -> None:
+    overflow = Overflow.model_validate({"pools": ["a", "b", "c"]})
+    pools = {name: priced(name, price) for name, price in prices.items()}
+    pools.setdefault("c", priced("c", None))
+    assert provider_order(overflow, pools) == order
 
 
 # --------------------------------------------------------------------------- Envoy
