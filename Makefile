@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
 	test -n "$(BENCH_ARGS)" || $(BIN)/python -m bench rollout
 	test -n "$(BENCH_ARGS)" || $(BIN)/python -m bench classes
+	test -n "$(BENCH_ARGS)" || $(BIN)/python -m bench cost
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -13,13 +13,14 @@ from collections.abc import Sequence
 from bench.benchmark import Benchmark
 from bench.classes.entry import BENCHMARK as CLASSES
 from bench.controlplane.entry import BENCHMARK as CONTROLPLANE
+from bench.cost.entry import BENCHMARK as COST
 from bench.difficulty.entry import BENCHMARK as DIFFICULTY
 from bench.rollout.entry import BENCHMARK as ROLLOUT
 from bench.routing.entry import BENCHMARK as ROUTING
 
-BENCHMARKS: Sequence[Benchmark] = (ROUTING, CONTROLPLANE, ROLLOUT, CLASSES, DIFFICULTY)
+BENCHMARKS: Sequence[Benchmark] = (ROUTING, CONTROLPLANE, ROLLOUT, CLASSES, DIFFICULTY, COST)
 """Every benchmark, in the order ``--help`` lists them. `make bench` runs the first
-(`DEFAULT`), then ``rollout``, then ``classes``."""
+(`DEFAULT`), then ``rollout``, then ``classes``, then ``cost``."""
 
 DEFAULT = ROUTING.name
 """What ``python -m bench`` runs when no benchmark is named."""

@@ -9,7 +9,7 @@ import pytest
 
 from bench.cost.config import Phase, Prices, default_config
 from bench.cost.report import summarize, targets
-from bench.loadgen import LoadSample, RequestResult, RunResult
+from bench.rig.loadgen import LoadSample, RequestResult, RunResult
 
 CONFIG = replace(
     default_config(),

@@ -28,8 +28,8 @@ from harness.rig import Rig
 from harness.wait import wait_until
 
 from controlplane.etcd import EtcdClient
-from controlplane.launchers import EmbeddedEtcd
-from controlplane.store import Store
+from controlplane.etcd.store import Store
+from controlplane.local import EmbeddedEtcd
 
 pytestmark = pytest.mark.e2e
 

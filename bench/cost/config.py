@@ -29,13 +29,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.routes import SESSION_AFFINITY, Policy
-from bench.routing import BenchConfig
-from bench.routing import default_config as routing_config
-from bench.scenarios import SUITE_MAX_BATCH
-from bench.simulator import SimConfig
-from bench.stack import POOL
-from bench.workload import CHAT, WorkloadConfig
+from bench.rig.routes import SESSION_AFFINITY, Policy
+from bench.rig.stack import POOL
+from bench.rig.workload import CHAT, WorkloadConfig
+from bench.routing.scenarios import SUITE_MAX_BATCH
+from bench.routing.sequential import RoutingConfig as BenchConfig
+from bench.routing.sequential import default_config as routing_config
+from replicasim.simulator import SimConfig
 
 PAID_POOL = "paid"
 PAID_PREFIX = "paid"

@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bench.cost.config import PAID_PREFIX, POLICIES, CostConfig
-from bench.loadgen import RequestResult, RunResult
-from bench.summary import percentile
+from bench.rig.loadgen import RequestResult, RunResult
+from bench.rig.summary import percentile
 
 
 def summarize(run: RunResult, config: CostConfig) -> dict[str, Any]:

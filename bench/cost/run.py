@@ -15,13 +15,11 @@ from typing import Any
 
 import httpx
 
-from bench.backend import BackendProcess
 from bench.cost.config import PAID_POOL, PAID_PREFIX, POLICIES, SINGLES, CostConfig
 from bench.cost.report import markdown, summarize
-from bench.loadgen import replay
-from bench.routes import Policy
-from bench.routing import calibrate
-from bench.stack import (
+from bench.rig.loadgen import replay
+from bench.rig.routes import Policy
+from bench.rig.stack import (
     MODEL,
     POLICY_NAME,
     Stack,
@@ -30,8 +28,10 @@ from bench.stack import (
     ready_for_replay,
     start_stack,
 )
-from bench.workload import Session, Workload, generate
-from controlplane.launchers import wait_until
+from bench.rig.workload import Session, Workload, generate
+from bench.routing.sequential import calibrate
+from controlplane.local import wait_until
+from controlplane.local.replicas import BackendProcess
 
 
 def build_workload(config: CostConfig) -> tuple[Workload, dict[str, Any]]:
