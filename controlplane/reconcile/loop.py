@@ -130,8 +130,17 @@ class Reconciler:
         self._first_change = 0.0
         self._last_change = 0.0
         self._built = asyncio.Event()
+        self.provider_backoff: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Paid pools resting after a 429 at a time: pool -> until (``ProviderRests.active``)."""
+        self._pending_live = False
 
     # -- input ---------------------------------------------------------------------------------
+
+    def live_changed(self) -> None:
+        """A live input other than etcd changed (a paid pool answered 429): rebuild after the
+        quiet period, without the telemetry push-rate cap."""
+        self._pending_live = True
+        self._mark(frozenset(), full=False, revision=0)
 
     def on_change(self, change: StateChange, items: Mapping[str, KeyValue]) -> None:
         """Record a change; the run loop rebuilds after the debounce."""
@@ -151,7 +160,11 @@ class Reconciler:
         self._dirty.set()
 
     def _telemetry_only(self) -> bool:
-        return not self._pending_full and _all_under(self._pending, TELEMETRY_PREFIX)
+        return (
+            not self._pending_full
+            and not self._pending_live
+            and _all_under(self._pending, TELEMETRY_PREFIX)
+        )
 
     async def _wait_dirty(self) -> None:
         """Wait for a change, until fresh telemetry goes stale (then weights must return to
@@ -212,6 +225,7 @@ class Reconciler:
             self._dirty.clear()
             changed, self._pending = self._pending, set()
             full, self._pending_full = self._pending_full, False
+            self._pending_live = False
             try:
                 self.rebuild(
                     self._items, changed=changed, full_resync=full, revision=self._pending_revision
@@ -273,13 +287,16 @@ class Reconciler:
                 self._applied.pop(key, None)
             else:
                 self._applied[key] = value
+        now = self.clock()
         state = self._decoded.policy_state(
             previous_weights=self._live.weights,
             previous_admission=self._live.admission,
             previous_saturation=self._live.saturation,
             difficulty=self.difficulty,
+            previous_overflow=self._live.overflow,
             previous_spill=self._live.spill,
-            now=self.clock(),
+            now=now,
+            provider_backoff=self.provider_backoff(now),
         )
         plan = compile_plan(state, self._memo)
         fleets: dict[str, dict[str, str]] = {}

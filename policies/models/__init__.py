@@ -62,6 +62,7 @@ from policies.models.objects import (
     RoutingPolicy,
     kind_named,
 )
+from policies.models.overflow import Conversations, Overflow
 from policies.models.policy import (
     ListenerSpec,
     RoutingPolicySpec,
@@ -149,6 +150,7 @@ __all__ = [
     "ClassMatch",
     "ClassObjective",
     "ClassQueue",
+    "Conversations",
     "Duration",
     "Endpoint",
     "EndpointHealth",
@@ -168,6 +170,7 @@ __all__ = [
     "Model",
     "Name",
     "OutlierDetection",
+    "Overflow",
     "PolicyObject",
     "Pool",
     "PoolSpec",
