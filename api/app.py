@@ -28,6 +28,7 @@ from api.context import PATH_RULES, ApiContext, ApiError, FleetName, Reader, unp
 from api.endpoints import WeightChange, add_endpoint_routes
 from api.objects import add_object_routes, add_preview_route
 from api.rollouts import add_rollout_routes, rollout_driver, rollout_summaries
+from api.spend import add_spend_routes
 from compiler import RoutingPlan
 from controlplane.etcd import EtcdError, EtcdOutcomeUnknown, EtcdUnavailable
 from controlplane.etcd.keys import InvalidName, UnknownKind, ValueTooLarge
@@ -87,6 +88,7 @@ def create_app(context: ApiContext) -> FastAPI:
     add_preview_route(app, context)
     add_endpoint_routes(app, context)
     add_rollout_routes(app, context)
+    add_spend_routes(app, context)
     _add_status_routes(app, context)
     add_console_routes(
         app,

@@ -237,6 +237,13 @@ class KvpilotClient:
         result: dict[str, Any] = self._request("GET", "/v1/endpoints").json()
         return result
 
+    def spend(self, window: str = "total", by: str = "tenant,model,pool") -> dict[str, Any]:
+        """Tokens and cost summed over every replica (``GET /v1/spend``)."""
+        result: dict[str, Any] = self._request(
+            "GET", "/v1/spend", params={"window": window, "by": by}
+        ).json()
+        return result
+
     def audit(self, limit: int = 100) -> list[dict[str, Any]]:
         """The newest audit entries, newest first."""
         items: list[dict[str, Any]] = self._request(

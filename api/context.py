@@ -25,6 +25,7 @@ from controlplane.mirror import StateMirror
 from controlplane.reconcile.loop import Reconciler
 from policies import Endpoint, FieldError, PolicyError, PolicyObject, jsondoc, parse_object
 from policies.models import ENDPOINT_ID_PATTERN, ENDPOINT_ID_RULE, NAME_PATTERN, NAME_RULE
+from signals.spend import Spend, SpendKey, Window
 from xdsserver.difficultylog import VirtualModelCounts
 from xdsserver.status import ConnectionRegistry
 
@@ -94,6 +95,9 @@ class ApiContext:
     """Browser origins allowed to call the API; empty: CORS stays closed."""
     virtual_model_counts: Callable[[], Mapping[str, VirtualModelCounts]] | None = None
     """What Envoys reported about virtual models' requests to this replica (the console)."""
+    spend: Callable[[Window | None, float], Mapping[SpendKey, Spend]] | None = None
+    """Every replica's spend summed (``controlplane.spend.fleet_spend``): all time (None) or
+    the current calendar window of a kind, at a time."""
 
 
 class ApiError(Exception):

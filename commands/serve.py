@@ -35,18 +35,21 @@ from controlplane.etcd.store import Store
 from controlplane.local import EmbeddedEtcd
 from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
+from controlplane.reconcile.budgets import BudgetWatcher
 from controlplane.reconcile.difficulty import DifficultyLoop, virtual_models_of
 from controlplane.reconcile.loop import Reconciler
 from controlplane.reconcile.metrics import ReconcileMetrics
 from controlplane.rollouts.controller import RolloutController
 from controlplane.rollouts.signals import PlanResolver, SignalPublisher
 from controlplane.rollouts.state import register_metrics as register_rollout_metrics
+from controlplane.spend import PlanContext, SpendCollector, SpendPublisher, fleet_spend
 from xdsserver.difficultylog import ScoreBook
 from xdsserver.identity import FleetBinding
 from xdsserver.server import AdsServer
 from xdsserver.signals import AccessLogServer, SignalBook
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
+from xdsserver.usage import UsageBook
 
 __all__ = ["ServeConfig", "add_arguments", "config_from_args", "run", "serve"]
 
@@ -172,9 +175,11 @@ async def serve(
     ads.add_to(grpc_server)
     signals = SignalBook(PlanResolver(lambda: reconciler.plan))
     scores = ScoreBook(registry)
-    AccessLogServer(signals, cache, binding=binding, status=connections, scores=scores).add_to(
-        grpc_server
-    )
+    usage = UsageBook(PlanContext(lambda: reconciler.plan, lambda: reconciler.state))
+    registry.register(SpendCollector(usage.ledger))
+    AccessLogServer(
+        signals, cache, binding=binding, status=connections, scores=scores, usage=usage
+    ).add_to(grpc_server)
     difficulty = DifficultyLoop(
         scores,
         lambda: virtual_models_of(reconciler.state.policies if reconciler.state else {}),
@@ -202,6 +207,9 @@ async def serve(
             write_limit=WriteRateLimit(config.write_rate, config.write_burst),
             cors_origins=config.cors_origins,
             virtual_model_counts=lambda: scores.totals,
+            spend=lambda window, at: fleet_spend(
+                mirror.items, usage.ledger, config.replica_id, window, at
+            ),
         )
     )
     api = UvicornServer(
@@ -232,12 +240,19 @@ async def serve(
         config.replica_id,
         lease_ttl=config.rollout_lease_ttl,
     )
+    # Spend records carry no lease: they outlive the replica, which writes its last batch
+    # on the way out (below) and continues from them when started again.
+    spend = asyncio.create_task(SpendPublisher(store, usage, config.replica_id).run(), name="spend")
+    budgets = BudgetWatcher(reconciler, usage.ledger, lambda: mirror.items, config.replica_id)
+    usage.listeners.append(budgets.poke)
     tasks = [
         asyncio.create_task(mirror.run(), name="etcd-watch"),
+        asyncio.create_task(budgets.run(), name="budgets"),
         asyncio.create_task(
             SignalPublisher(store, signals, config.replica_id).run(), name="signals"
         ),
         asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
+        spend,
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(difficulty.run(), name="virtual-model-shares"),
         asyncio.create_task(api.serve(), name="rest-api"),
@@ -279,7 +294,8 @@ async def serve(
         # The publisher revokes its lease on the way out, which removes this replica's Envoy
         # records from etcd at once instead of after the lease TTL: let it, while etcd is open.
         publisher.cancel()
-        await asyncio.wait([publisher], timeout=2.0)
+        spend.cancel()
+        await asyncio.wait([publisher, spend], timeout=3.0)
         for task in tasks:
             task.cancel()
         # Closing the channel ends an etcd watch that is still being opened; waiting for the

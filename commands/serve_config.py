@@ -195,6 +195,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flag, type=_seconds, default=default, help=f"{help} (default {default})"
         )
     parser.add_argument(
+        "--replica-id",
+        default=None,
+        help="this replica's name in etcd (Envoy status, data-plane signals, spend records); "
+        "keep it across restarts (a pod name, say) and the replica continues from the spend it "
+        "stored (default: host name and a random suffix)",
+    )
+    parser.add_argument(
         "--default-fleet",
         default=_default("default_fleet"),
         help="fleet served to Envoys whose node.cluster has no config of its own",
@@ -294,4 +301,5 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         write_rate=args.write_rate_limit,
         write_burst=args.write_burst,
         cors_origins=list(args.cors_origin),
+        **({"replica_id": args.replica_id} if args.replica_id else {}),
     )

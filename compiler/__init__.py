@@ -4,7 +4,8 @@
 - ``compile``: ``compile_plan``, best effort (a bad route is a diagnostic, the rest ships);
 - ``routes``: one route's clusters and classes, memoised; ``fleets``: per-fleet policy views;
 - ``rollout``: a Rollout's references, signals and verdicts; ``rolloutweights``: the weights
-  a rollout step writes into its RoutingPolicy.
+  a rollout step writes into its RoutingPolicy; ``budgets``: the route entries of tenants
+  past a budget.
 """
 
 from compiler.compile import RouteMemo, compile_plan

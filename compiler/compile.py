@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
+from compiler.budgets import route_blocks
 from compiler.difficulty import plan_virtual_models
 from compiler.fleets import applies, fleet_compiled, fleet_names, merge_listener
 from compiler.locality import (
@@ -124,6 +125,18 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
             diagnostics.extend(entry.diagnostics)
             policy_clusters.extend(entry.clusters)
             routes.append(entry.route)
+        if state.over_budget:
+            clusters_by_route = {plan_route.short_name: plan_route.cluster for plan_route in routes}
+            routes = [
+                replace(plan_route, budget_blocks=blocks)
+                if (
+                    blocks := route_blocks(
+                        plan_route, state.budgets, state.over_budget, clusters_by_route
+                    )
+                )
+                else plan_route
+                for plan_route in routes
+            ]
         compiled[policy_name] = (
             policy_clusters,
             PlanVirtualHost(

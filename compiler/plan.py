@@ -146,6 +146,23 @@ class PlanOverflow:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanBudgetBlock:
+    """A tenant past its budget on one route: Envoy answers its requests 429 (or sends them
+    to ``divert_cluster``) until ``reset_at``."""
+
+    budget: str
+    tenant: str
+    service_class: str
+    """Only this class's requests (a class with a match of its own); empty: all."""
+    model: str
+    """Only requests for this model (on a route that selects by model); empty: all."""
+    reset_at: int
+    """Unix time the budget's window ends."""
+    message: str
+    divert_cluster: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PlanRoute:
     """One route entry of a virtual host."""
 
@@ -186,6 +203,8 @@ class PlanRoute:
     """The route's pools in tier order (for traces)."""
     overflow: PlanOverflow | None = None
     """The route's overflow to paid pools (``Route.overflow``); None without."""
+    budget_blocks: tuple[PlanBudgetBlock, ...] = ()
+    """Tenants past a budget, whose requests Envoy turns away (or diverts) first."""
 
     @property
     def short_name(self) -> str:
@@ -303,7 +322,8 @@ class PlanListener:
 
     @property
     def tenant_headers(self) -> tuple[str, ...]:
-        """The headers that name tenants on this listener's routes, sorted."""
+        """The headers that name tenants on this listener's routes, sorted: traces tag them,
+        token accounting logs them with every request."""
         return tuple(
             sorted({route.tenant_header for v in self.virtual_hosts for route in v.routes} - {""})
         )

@@ -27,6 +27,7 @@ from policies.models import (
     RoutingPolicy,
     Tier,
 )
+from policies.models.classes import DEFAULT_TENANT_HEADER
 from policies.names import (
     LOCAL_SUFFIX,
     cluster_name,
@@ -358,7 +359,7 @@ def compile_route(
         classes=_plan_classes(policy, route, admission),
         tenant_header=policy.spec.service_classes.tenant_header
         if policy.spec.service_classes is not None
-        else "",
+        else DEFAULT_TENANT_HEADER,
         saturated=saturated,
         model_subsets=subsets,
         # A pool that lists its models has no adapters to fall back for.

@@ -12,6 +12,9 @@ processes.
 - ``rollouts``: the rollout controller, its records in etcd, its Prometheus queries and the
   data-plane signals every replica publishes for it; ``election``: which replica drives them;
 - ``agent``: the telemetry agent behind ``kvpilot agent`` (telemetry and registration);
+- ``spend``: token accounting shared through etcd (each replica's ledger in batches, the
+  fleet's sum, the Prometheus counters); the budget verdicts it feeds are
+  ``reconcile.budgets``;
 - ``envoystatus``: each replica's Envoy connections, published to etcd; ``audit``: who
   changed what;
 - ``local``: development only: local etcd, Envoy and kvpilot processes, one module each, and

@@ -7,7 +7,10 @@ decide, each from plain data.
   entries; ``saturation``: the saturated twin's fill; ``spill``: what a fleet's own
   locality keeps of its traffic;
 - ``state``: ``PolicyState``, the objects, endpoints, telemetry and decisions the compiler
-  reads; ``live``: the decisions a state's telemetry implies.
+  reads; ``live``: the decisions a state's telemetry implies;
+- ``spend``: token usage, prices and calendar windows (ledgers of spend by tenant, model,
+  pool, class and route); ``budgets``: which budgets are spent; ``capacity``: what priced
+  pools cost over a window.
 """
 
 from signals.admission import AdmissionDecision

@@ -94,14 +94,12 @@ class OverflowDecision:
 
 def paid_price(pool: Pool) -> tuple[str, float] | None:
     """A paid pool's price for the order overflow takes pools in: (currency, input plus
-    output price per million tokens), or None when the pool has no per-token price.
-
-    The one place overflow reads prices: from the pool's ``price`` (``input``, ``output``)
-    when Pools carry one; until then every pool is unpriced and the listed order stands."""
-    price = getattr(pool.spec, "price", None)
-    if price is None or getattr(price, "input", None) is None:
+    output price per million tokens, ``Pool.spec.price``), or None when the pool has no
+    per-token price (none at all, or only a price per replica-hour)."""
+    price = pool.spec.price
+    if price is None or price.input is None:
         return None
-    return str(price.currency), float(price.input) + float(price.output or 0)
+    return price.currency, float(price.input) + float(price.output or 0)
 
 
 def provider_order(overflow: Overflow, pools: Mapping[str, Pool]) -> list[str]:

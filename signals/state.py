@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.models import Endpoint, Fleet, PolicyObject, Pool, Rollout, RoutingPolicy
+from policies.models import Budget, Endpoint, Fleet, PolicyObject, Pool, Rollout, RoutingPolicy
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.overflow import OverflowDecision
@@ -49,6 +49,11 @@ class PolicyState:
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)
     """Rollouts: their routes' listeners report every upstream attempt to kvpilot."""
+    budgets: Mapping[str, Budget] = field(default_factory=dict)
+    """Spend budgets of tenants."""
+    over_budget: Mapping[str, float] = field(default_factory=dict)
+    """Budgets whose current window is spent: budget name -> when the window ends (Unix
+    time). Decided by kvpilot from the fleet's spend (``controlplane.reconcile.budgets``)."""
 
     @classmethod
     def from_objects(cls, objects: Iterable[PolicyObject], **live: Any) -> PolicyState:
@@ -59,6 +64,7 @@ class PolicyState:
             RoutingPolicy: {},
             Fleet: {},
             Rollout: {},
+            Budget: {},
         }
         for obj in objects:
             by_kind[type(obj)][obj.metadata.name] = obj
@@ -67,6 +73,7 @@ class PolicyState:
             policies=by_kind[RoutingPolicy],
             fleets=by_kind[Fleet],
             rollouts=by_kind[Rollout],
+            budgets=by_kind[Budget],
             **live,
         )
 

@@ -19,6 +19,15 @@ OBJECTS = [
     pytest.param("pools", pool("chat"), id="Pool"),
     pytest.param("routingpolicies", policy("main"), id="RoutingPolicy"),
     pytest.param("fleets", fleet("edge", accessLog=False), id="Fleet"),
+    pytest.param(
+        "budgets",
+        {
+            "kind": "Budget",
+            "metadata": {"name": "acme"},
+            "spec": {"tenant": "acme", "window": "day", "amount": "12.50", "currency": "EUR"},
+        },
+        id="Budget",
+    ),
 ]
 
 
@@ -110,6 +119,34 @@ INVALID = [
     ),
     pytest.param("pools", policy("main"), "kind", id="wrong-kind"),
     pytest.param("fleets", {**fleet("x"), "apiVersion": "v2"}, "apiVersion", id="api-version"),
+    pytest.param(
+        "pools",
+        {**pool("chat"), "spec": {"price": {"input": -1, "output": 2}}},
+        "spec.price.input",
+        id="negative-price",
+    ),
+    pytest.param(
+        "pools",
+        {**pool("chat"), "spec": {"price": {"input": 1, "output": 2, "currency": "XBT"}}},
+        "spec.price.currency",
+        id="unknown-currency",
+    ),
+    pytest.param(
+        "budgets",
+        {
+            "kind": "Budget",
+            "metadata": {"name": "b"},
+            "spec": {"tenant": "t", "window": "week", "tokens": 5},
+        },
+        "spec.window",
+        id="window",
+    ),
+    pytest.param(
+        "budgets",
+        {"kind": "Budget", "metadata": {"name": "b"}, "spec": {"tenant": "t", "window": "day"}},
+        "spec",
+        id="no-limit",
+    ),
 ]
 
 

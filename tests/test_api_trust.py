@@ -16,6 +16,7 @@ import pytest
 from harness.api import Harness, running_api
 from harness.auth import ADMIN_TOKEN, READ, auth_config
 from harness.builders import fleet, policy, pool, rollout
+from harness.spend import budget
 from harness.wait import poll
 
 from api.auth import AuthConfig, TokenReloader, WriteRateLimit
@@ -59,6 +60,13 @@ WRITES: dict[str, Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]] = {
     "create_fleets": lambda h: h.post("/v1/fleets", json=fleet("f")),
     "replace_fleets": lambda h: h.put("/v1/fleets/f", json=fleet("f", maxRequestBodyBytes=1024)),
     "delete_fleets": lambda h: h.delete("/v1/fleets/f"),
+    "create_budgets": lambda h: h.post(
+        "/v1/budgets", json=budget("bg", "acme", window="day", tokens=1000)
+    ),
+    "replace_budgets": lambda h: h.put(
+        "/v1/budgets/bg", json=budget("bg", "acme", window="hour", amount="5", currency="USD")
+    ),
+    "delete_budgets": lambda h: h.delete("/v1/budgets/bg"),
     "set_endpoint_health": lambda h: h.put(
         "/v1/pools/a/endpoints/127.0.0.1:8003/health", json={"health": "draining"}
     ),

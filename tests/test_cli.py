@@ -246,8 +246,8 @@ def test_get_prints_tables_yaml_and_json(
     code, out, err = run(capsys, "get", "pools")
     assert code == 0, err
     header, row = out.splitlines()
-    assert header.split() == ["NAME", "MODELS", "ENDPOINTS", "PROTOCOL", "EXTERNAL"]
-    assert row.split() == ["demo-pool", "demo-model", "3", "http1", "no"]
+    assert header.split() == ["NAME", "MODELS", "ENDPOINTS", "PROTOCOL", "EXTERNAL", "PRICE"]
+    assert row.split() == ["demo-pool", "demo-model", "3", "http1", "no", "-"]
     code, out, _ = run(capsys, "get", "rp", "demo")
     assert out.splitlines()[1].split()[:2] == ["demo", "0.0.0.0:10000"]
     code, out, _ = run(capsys, "get", "pool", "demo-pool", "-o", "yaml")

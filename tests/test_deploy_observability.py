@@ -104,7 +104,10 @@ def test_every_metric_in_the_dashboard_and_the_alerts_exists_in_a_live_scrape(
     # With session affinity, so the saturation series exist too.
     telemetry_route = route("chat", name="chat", balancing="telemetry", sessionAffinity={})
     with api_client(kvpilot) as api:
-        chat_pool = pool("chat", ports, health_check=FAST_HEALTH_CHECK)
+        # Priced, so the spend series exist too.
+        chat_pool = pool(
+            "chat", ports, health_check=FAST_HEALTH_CHECK, price={"input": 1, "output": 2}
+        )
         assert api.put("/v1/pools/chat", json=chat_pool).status_code == 201
         p = policy("p", listener, [telemetry_route])
         assert api.put("/v1/routingpolicies/p", json=p).status_code == 201
@@ -133,6 +136,11 @@ def test_every_metric_in_the_dashboard_and_the_alerts_exists_in_a_live_scrape(
                 30,
                 message="a request to pass through Envoy",
             )
+        wait_until(
+            lambda: "kvpilot_spend_total{" in api.get("/metrics").text,
+            10,
+            message="the request's usage to be counted",
+        )
         wait_until(
             lambda: "kvpilot_telemetry_weight{" in api.get("/metrics").text,
             10,

@@ -5,8 +5,7 @@ and how a 429's Retry-After is read."""
 from __future__ import annotations
 
 import email.utils
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from harness.builders import policy, pool
@@ -185,15 +184,14 @@ def test_the_fill_signal_reads_running_and_waiting_over_the_batch() -> None:
 
 
 def priced(name: str, price: dict[str, Any] | None) -> Pool:
-    """A paid pool with a per-token price (the shape of ``Pool.spec.price``)."""
-    spec = SimpleNamespace(
-        price=None
-        if price is None
-        else SimpleNamespace(
-            currency=price.get("currency", "USD"), input=price["input"], output=price["output"]
-        )
-    )
-    return cast(Pool, SimpleNamespace(spec=spec, metadata=SimpleNamespace(name=name)))
+    """A paid pool (a provider's DNS name over TLS) with a per-token ``Pool.spec.price``."""
+    spec: dict[str, Any] = {
+        "endpoints": [{"address": f"{name}.provider.example", "port": 443}],
+        "tls": {"sni": f"{name}.provider.example"},
+    }
+    if price is not None:
+        spec["price"] = price
+    return Pool.model_validate({"metadata": {"name": name}, "spec": spec})
 
 
 @pytest.mark.parametrize(
@@ -205,6 +203,21 @@ def priced(name: str, price: dict[str, Any] | None) -> Pool:
             id="cheapest first, unpriced last",
         ),
         pytest.param({"a": None, "b": None, "c": None}, ["a", "b", "c"], id="listed order"),
+        pytest.param(
+            {"a": {"input": "2.50", "output": "10"}, "b": {"replicaHour": "4.90"}},
+            ["a", "b", "c"],
+            id="a price per replica-hour is no price per token",
+        ),
+        pytest.param(
+            {"a": {"input": "0.15", "cachedInput": "0.075", "output": "0.60"}, "b": None},
+            ["a", "b", "c"],
+            id="decimal strings, cached input ignored",
+        ),
+        pytest.param(
+            {"a": {"input": "0.5", "output": "2"}, "b": {"input": "1", "output": "1"}},
+            ["b", "a", "c"],
+            id="input plus output decides",
+        ),
         pytest.param(
             {"a": {"input": 3, "output": 15, "currency": "EUR"}, "b": {"input": 1, "output": 1}},
             ["a", "b", "c"],

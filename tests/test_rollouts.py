@@ -11,6 +11,10 @@ from typing import Any, cast
 
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
 from harness.api import Harness, running_api
 from harness.builders import policy, pool, rollout
 from harness.jsonserver import json_server
@@ -195,10 +199,23 @@ def test_only_listeners_of_watched_routes_send_upstream_logs() -> None:
     plan = compile_plan(PolicyState.from_objects(objects))
     listeners = {listener.port: listener for listener in plan.fleets[0].listeners}
     assert listeners[10000].upstream_signals and not listeners[10001].upstream_signals
-    watched = translate_listener(listeners[10000])
-    unwatched = translate_listener(listeners[10001])
+    # Every listener logs token usage to the same cluster (its listener's access log); the
+    # upstream signals are the router's upstream log.
+    watched = _router(translate_listener(listeners[10000]))
+    unwatched = _router(translate_listener(listeners[10001]))
     assert SIGNALS_CLUSTER.encode() in watched.SerializeToString()
     assert SIGNALS_CLUSTER.encode() not in unwatched.SerializeToString()
+    assert not unwatched.upstream_log
+
+
+def _router(listener: Any) -> router_pb2.Router:
+    """The router filter's config of a translated listener."""
+    manager = hcm_pb2.HttpConnectionManager()
+    listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
+    (router_filter,) = (f for f in manager.http_filters if f.name == "envoy.filters.http.router")
+    router = router_pb2.Router()
+    router_filter.typed_config.Unpack(router)
+    return router
 
 
 def test_status_draws_a_bar_for_the_current_step() -> None:

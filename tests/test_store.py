@@ -91,7 +91,7 @@ def test_bad_names_are_refused(name: str) -> None:
 
 
 def test_unknown_kind_lists_known_ones() -> None:
-    with pytest.raises(UnknownKind, match="known kinds: Fleet, Pool"):
+    with pytest.raises(UnknownKind, match="known kinds: Budget, Fleet, Pool"):
         Keys().object("Widget", "w")
 
 

@@ -46,6 +46,8 @@ from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
 from xdsserver.translate.listeners import DIFFICULTY_LOG, POOL_TAG, RETRY_AFTER
+from xdsserver.translate.usage import USAGE_LOG_PREFIX
+from xdsserver.usage import UsageBook
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +206,7 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         binding: FleetBinding | None = None,
         status: ConnectionRegistry | None = None,
         scores: ScoreBook | None = None,
+        usage: UsageBook | None = None,
     ) -> None:
         self.book = book
         self.cache = cache
@@ -213,6 +216,8 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         self.status = status
         self.scores = scores
         """Where entries of virtual models' score logs go (``xdsserver.difficultylog``)."""
+        self.usage = usage
+        """Where entries of the usage logs (``kvpilot.usage/<listener>``) go."""
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Register the service on a grpc.aio server (beside ADS)."""
@@ -231,11 +236,13 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> als_pb2.StreamAccessLogsResponse:
         fleet = ""
-        checked = scored = False
+        checked = False
+        log_name = ""
         async for message in request_iterator:
-            # Envoy names itself in the first message of a stream only; a stream that does
-            # not is checked as a claim of the default fleet before anything it sent counts.
-            # Each log config (upstream signals, a listener's score log) has a stream of its own.
+            # Envoy names itself (and the log) in the first message of a stream only; a
+            # stream that does not is checked as a claim of the default fleet before anything
+            # it sent counts. Each log config (upstream signals, a listener's score log, a
+            # listener's usage log) has a stream of its own.
             if message.HasField("identifier") or not checked:
                 node = message.identifier.node
                 claimed, fleet = self._fleets(node)
@@ -243,11 +250,17 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
                 if check.refusal is not None:
                     await self._refuse(context, str(node.id), claimed, check)
                 checked = True
-                scored = message.identifier.log_name.startswith(DIFFICULTY_LOG)
-            if scored:
+                log_name = message.identifier.log_name
+            if log_name.startswith(DIFFICULTY_LOG):
                 if self.scores is not None:
                     for entry in message.http_logs.log_entry:
                         self.scores.observe(entry)
+                continue
+            if log_name.startswith(USAGE_LOG_PREFIX):
+                if self.usage is not None:
+                    for entry in message.http_logs.log_entry:
+                        self.usage.observe(entry)
+                    self.usage.batch_done()
                 continue
             for entry in message.http_logs.log_entry:
                 self.book.observe(entry, fleet)

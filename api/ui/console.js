@@ -16,6 +16,7 @@ import { esc, since } from "./format.js";
 import { commandRollout, loadRolloutHistories, renderRollouts } from "./rollouts.js";
 import { renderRoutes } from "./routes.js";
 import { renderVirtualModels } from "./virtualmodels.js";
+import { SPEND_GROUPS, renderSpend } from "./spend.js";
 
 // ---------------------------------------------------------------------------------------------
 // sign-in
@@ -127,6 +128,12 @@ async function refresh() {
   }
   if (state.tab === "classes") renderAdmission($("#classes"), await api("/v1/admission"), state.rendered.signatures);
   if (state.tab === "virtual") renderVirtualModels($("#virtual"), await api("/v1/virtualmodels"), state.rendered.signatures);
+  if (state.tab === "spend" && (due("spend", SLOW_POLL_MS) || !state.rendered.signatures.spend)) {
+    const window = $("#spend-window").value;
+    const views = {};
+    for (const name of SPEND_GROUPS) views[name] = await api(`/v1/spend?window=${window}&by=${name}`);
+    renderSpend($("#spend"), views, window, state.rendered.signatures);
+  }
   if (state.tab === "rollouts") {
     const rollouts = status.rollouts || [];
     await loadRolloutHistories(rollouts);
@@ -167,12 +174,13 @@ async function poll() {
 
 function showTab() {
   const tab = (location.hash || "#endpoints").slice(1);
-  state.tab = ["endpoints", "routes", "fleets", "changes", "rollouts", "classes", "virtual"].includes(tab) ? tab : "endpoints";
+  state.tab = ["endpoints", "routes", "fleets", "changes", "rollouts", "classes", "virtual", "spend"].includes(tab) ? tab : "endpoints";
   document.querySelectorAll(".view").forEach((view) => (view.hidden = view.dataset.view !== state.tab));
   document.querySelectorAll("#tabs a").forEach((a) => a.classList.toggle("active", a.dataset.tab === state.tab));
   delete state.slowAt.changes;
   delete state.slowAt.routes;
   delete state.slowAt.rollouts;
+  delete state.slowAt.spend;
   state.rendered.signatures.changes = "";
   if (state.tab === "endpoints" && state.endpoints) renderEndpoints(state.endpoints);
   poll();
@@ -215,6 +223,10 @@ $("#weight-editor").addEventListener("submit", (event) => {
 });
 $("#weight-cancel").onclick = () => ($("#weight-editor").hidden = true);
 $("#signout").onclick = signOut;
+$("#spend-window").addEventListener("change", () => {
+  delete state.slowAt.spend;
+  hooks.poll();
+});
 window.addEventListener("hashchange", showTab);
 showTab();
 if (state.token) signIn(state.token);

@@ -14,6 +14,7 @@ import yaml
 
 from api.client import KvpilotClient, kind_name
 from commands.cli.common import AddParser, CliError, api_client, bar, dump, load_files, table
+from commands.cli.spend import pool_cost_rows, spend_rows
 from commands.cli.tables import ENDPOINTS_VIEW, kinds_help, object_rows
 
 
@@ -143,6 +144,16 @@ def cmd_get(args: argparse.Namespace) -> int:
                 pools = [p for p in view["pools"] if args.name in (None, p["name"])]
                 dump({"pools": pools}, args.output, out)
             return 0
+        if args.kind == "spend":
+            view = client.spend(args.window, args.by)
+            if args.output == "table":
+                table(spend_rows(view), out)
+                if view.get("pools"):
+                    out.write("\n")
+                    table(pool_cost_rows(view), out)
+            else:
+                dump(view, args.output, out)
+            return 0
         kind = kind_name(args.kind)
         items = [client.get(kind, args.name)] if args.name else client.list_objects(kind)
     if args.output == "table":
@@ -264,6 +275,16 @@ def add_parsers(add_parser: AddParser) -> None:
         "name", nargs="?", help="one object (for endpoints: one pool); all when left out"
     )
     get.add_argument("-o", "--output", choices=["table", "yaml", "json"], default="table")
+    get.add_argument(
+        "--window",
+        default="total",
+        help="spend: total, or the current UTC minute, hour, day or month (default total)",
+    )
+    get.add_argument(
+        "--by",
+        default="tenant,model,pool",
+        help="spend: group by tenant, model, pool, class, route (default tenant,model,pool)",
+    )
     get.set_defaults(func=cmd_get)
 
     delete = add_parser("delete", help="delete an object")

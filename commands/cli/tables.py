@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from commands.cli.spend import price_text
 from policies import KIND_PATHS, PolicyError, Pool, parse_object
 
 ENDPOINTS_VIEW = ("endpoints", "endpoint", "ep")
@@ -43,6 +44,7 @@ def _pool(item: dict[str, Any]) -> list[str]:
         str(len(spec.get("endpoints", []))),
         str(spec.get("protocol", "-")),
         external,
+        price_text(spec.get("price")),
     ]
 
 
@@ -92,13 +94,35 @@ def _rollout(item: dict[str, Any]) -> list[str]:
     ]
 
 
+def _budget(item: dict[str, Any]) -> list[str]:
+    spec = item.get("spec", {})
+    limit = (
+        f"{spec['tokens']} tokens"
+        if spec.get("tokens") is not None
+        else f"{spec.get('amount')} {spec.get('currency', '')}"
+    )
+    scope = ",".join(f"{field}={spec[field]}" for field in ("class", "model") if spec.get(field))
+    action = spec.get("action", "reject")
+    if action == "divert":
+        action += f" to {spec.get('divertTo')}"
+    return [
+        item["metadata"]["name"],
+        str(spec.get("tenant", "")),
+        limit,
+        f"{spec.get('window', '')} (UTC)",
+        scope or "all",
+        action,
+    ]
+
+
 TABLES: dict[str, KindTable] = {
-    "Pool": KindTable(("NAME", "MODELS", "ENDPOINTS", "PROTOCOL", "EXTERNAL"), _pool),
+    "Pool": KindTable(("NAME", "MODELS", "ENDPOINTS", "PROTOCOL", "EXTERNAL", "PRICE"), _pool),
     "RoutingPolicy": KindTable(("NAME", "LISTENER", "FLEETS", "ROUTES"), _policy),
     "Fleet": KindTable(("NAME", "MAX BODY", "SECRETS DIR", "ACCESS LOG"), _fleet),
     "Rollout": KindTable(
         ("NAME", "TARGET", "STABLE", "CANARY", "STEPS", "CANARY FLEETS", "ON FAILURE"), _rollout
     ),
+    "Budget": KindTable(("NAME", "TENANT", "LIMIT", "WINDOW", "SCOPE", "ACTION"), _budget),
 }
 """Kind -> its table; every kind of ``policies.KIND_PATHS`` has one."""
 
@@ -112,4 +136,4 @@ def object_rows(kind: str, items: list[dict[str, Any]]) -> list[list[str]]:
 def kinds_help() -> str:
     """The kinds ``get`` takes, from the kind registry: each kind's name and plural."""
     kinds = ", ".join(f"{kind.lower()} ({plural})" for kind, plural in KIND_PATHS.items())
-    return f"{kinds}, or {ENDPOINTS_VIEW[0]} (live weights and health)"
+    return f"{kinds}, {ENDPOINTS_VIEW[0]} (live weights and health), or spend"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import math
@@ -59,6 +60,10 @@ ENDPOINT_PREFIXES = (f"{ENDPOINTS}/", f"{TELEMETRY}/")
 """Keys whose changes count as endpoint changes in the pushes metric."""
 TELEMETRY_PREFIX = f"{TELEMETRY}/"
 STATUS_PREFIX = f"{STATUS}/"
+
+
+BUDGET_VERDICTS = "budgets/verdicts"
+"""The change that marks new budget verdicts: not an etcd key (none starts so)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +138,11 @@ class Reconciler:
         self.provider_backoff: Callable[[float], Mapping[str, float]] = lambda now: {}
         """Paid pools resting after a 429 at a time: pool -> until (``ProviderRests.active``)."""
         self._pending_live = False
+        self.over_budget: dict[str, float] = {}
+        """The budget verdicts the next compile takes (``set_over_budget``)."""
+        self.budget_verdicts: Callable[[PolicyState], Mapping[str, float]] | None = None
+        """Decides the verdicts from a state's budgets (``controlplane.reconcile.budgets``); when set,
+        every compile asks it."""
 
     # -- input ---------------------------------------------------------------------------------
 
@@ -141,6 +151,15 @@ class Reconciler:
         quiet period, without the telemetry push-rate cap."""
         self._pending_live = True
         self._mark(frozenset(), full=False, revision=0)
+
+    def set_over_budget(self, over: Mapping[str, float]) -> None:
+        """Budgets whose window is spent (name -> window end), as ``controlplane.reconcile.budgets``
+        decided them: rebuilt after the debounce, without the telemetry push-rate cap, since
+        every moment of delay lets the tenant overshoot (docs/cost.md)."""
+        if dict(over) == dict(self.over_budget):
+            return
+        self.over_budget = dict(over)
+        self._mark(frozenset({BUDGET_VERDICTS}), full=False, revision=0)
 
     def on_change(self, change: StateChange, items: Mapping[str, KeyValue]) -> None:
         """Record a change; the run loop rebuilds after the debounce."""
@@ -275,7 +294,7 @@ class Reconciler:
                 self._last_telemetry_build = time.monotonic()
             elif _all_under(changed, ENDPOINT_PREFIXES):
                 cause = "endpoints"
-        for key in keys:
+        for key in keys - {BUDGET_VERDICTS}:
             kv = items.get(key)
             value = kv.value if kv is not None else None
             if key in self._applied and self._applied[key] == value:
@@ -298,6 +317,12 @@ class Reconciler:
             now=now,
             provider_backoff=self.provider_backoff(now),
         )
+        if self.budget_verdicts is not None:
+            # Decided afresh for every compile, so the first snapshot after a restart already
+            # blocks the tenants past their budget (spend is read back from etcd).
+            self.over_budget = dict(self.budget_verdicts(state))
+        if self.over_budget:
+            state = dataclasses.replace(state, over_budget=dict(self.over_budget))
         plan = compile_plan(state, self._memo)
         fleets: dict[str, dict[str, str]] = {}
         pushed = 0

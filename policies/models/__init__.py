@@ -11,6 +11,7 @@ One module per part: ``fields`` (shared field types and the base model), ``pool`
 here: ``from policies.models import Pool``.
 """
 
+from policies.models.budget import BudgetSpec, BudgetWindow, OverBudgetAction
 from policies.models.classes import (
     TTFT_SHARE,
     ClassAction,
@@ -54,6 +55,7 @@ from policies.models.objects import (
     KIND_PATHS,
     KINDS,
     PATH_KINDS,
+    Budget,
     Fleet,
     Metadata,
     PolicyObject,
@@ -85,6 +87,7 @@ from policies.models.pool import (
     TelemetryFormat,
     TelemetrySource,
 )
+from policies.models.price import CURRENCIES, Money, Price
 from policies.models.rollout import (
     Analysis,
     AnalysisRule,
@@ -119,6 +122,7 @@ from policies.models.route import (
 __all__ = [
     "API_VERSION",
     "CAPACITIES",
+    "CURRENCIES",
     "DEFAULT_BIAS",
     "DEFAULT_RETRY_ON",
     "DEFAULT_WEIGHTS",
@@ -142,6 +146,9 @@ __all__ = [
     "AnalysisRule",
     "AuthHeader",
     "Balancing",
+    "Budget",
+    "BudgetSpec",
+    "BudgetWindow",
     "BuiltinScorer",
     "Capacity",
     "CircuitBreakers",
@@ -168,13 +175,16 @@ __all__ = [
     "Locality",
     "Metadata",
     "Model",
+    "Money",
     "Name",
     "OutlierDetection",
+    "OverBudgetAction",
     "Overflow",
     "PolicyObject",
     "Pool",
     "PoolSpec",
     "PoolTarget",
+    "Price",
     "PrometheusSource",
     "Protocol",
     "RateLimit",

@@ -13,6 +13,11 @@ from policies.models.route import HeaderMatch
 ClassAction = Literal["admit", "shed", "queue", "divert"]
 
 
+DEFAULT_TENANT_HEADER = "x-tenant-id"
+"""The header that names a tenant unless a policy's service classes name another: class
+matches, class budgets, token accounting and spend budgets all read it."""
+
+
 class ClassMatch(Model):
     """Which requests belong to a class. All given conditions must hold."""
 
@@ -233,7 +238,7 @@ class ServiceClasses(Model):
         "Default: the first class.",
     )
     tenant_header: HeaderName = Field(
-        "x-tenant-id",
+        DEFAULT_TENANT_HEADER,
         description="Header naming the tenant, for class matches by tenant and for tenant "
         "shares of a class budget. Default: x-tenant-id.",
     )

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from policies.models.budget import BudgetSpec
 from policies.models.fields import Model, Name
 from policies.models.fleet import FleetSpec
 from policies.models.policy import RoutingPolicySpec
@@ -56,12 +57,20 @@ class Rollout(_Object):
     spec: RolloutSpec
 
 
-PolicyObject = Pool | RoutingPolicy | Fleet | Rollout
+class Budget(_Object):
+    """How much one tenant may spend per calendar window."""
+
+    kind: Literal["Budget"] = "Budget"
+    spec: BudgetSpec
+
+
+PolicyObject = Pool | RoutingPolicy | Fleet | Rollout | Budget
 KINDS: dict[str, type[PolicyObject]] = {
     "Pool": Pool,
     "RoutingPolicy": RoutingPolicy,
     "Fleet": Fleet,
     "Rollout": Rollout,
+    "Budget": Budget,
 }
 
 KIND_PATHS: dict[str, str] = {
@@ -69,6 +78,7 @@ KIND_PATHS: dict[str, str] = {
     "RoutingPolicy": "routingpolicies",
     "Fleet": "fleets",
     "Rollout": "rollouts",
+    "Budget": "budgets",
 }
 """Each kind's plural: its REST path segment (``/v1/pools``) and its etcd key segment."""
 

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from policies.models.fields import Duration, HeaderName, Model, Name, is_ip
+from policies.models.price import Price
 
 
 class Locality(Model):
@@ -242,6 +243,11 @@ class PoolSpec(Model):
     )
     telemetry: TelemetrySource | None = Field(
         None, description="Live load signal. Default: none (static weights)."
+    )
+    price: Price | None = Field(
+        None,
+        description="What the pool costs, per token or per replica-hour (docs/cost.md). "
+        "Default: none (tokens are counted, not priced).",
     )
     prefer_capacity: list[Capacity] = Field(
         default_factory=list,

@@ -32,6 +32,7 @@ from compiler.plan import PlanListener
 from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 from xdsserver.translate.protos import ads_source, duration, http_filter_chain, pack, socket_address
 from xdsserver.translate.tracing import listener_tracing
+from xdsserver.translate.usage import usage_filter, usage_log
 
 LOCAL_RATELIMIT = "envoy.filters.http.local_ratelimit"
 SIGNALS_CLUSTER = "kvpilot_signals"
@@ -67,6 +68,23 @@ SHED_BODY = {
 }
 """A shed request's answer in OpenAI's error format: the message names the class and the
 Retry-After, and the code tells it apart from a rate limit."""
+BUDGET_STATUS = 531
+"""The status of Envoy's direct response to a request past its budget; the local-reply
+mapper answers the client 429 with BUDGET_BODY. A status of its own keeps these apart from
+rate limits and shed requests."""
+BUDGET_RESET_HEADER = "x-kvpilot-budget-reset"
+"""Unix time the budget's window ends; the accounting filter (``xdsserver.translate.usage``) turns it into Retry-After
+seconds on the way out."""
+BUDGET_BODY = {
+    "error": {
+        "message": "%LOCAL_REPLY_BODY%",
+        "type": "insufficient_quota",
+        "param": None,
+        "code": "budget_exceeded",
+    }
+}
+
+
 RATE_LIMITED_BODY = {
     "error": {
         "message": "Rate limit reached for this route; retry after the interval in the "
@@ -92,7 +110,8 @@ for example ``no_healthy_upstream`` or ``upstream_reset_before_response_started{
 
 def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
     """A plain-HTTP listener whose routes come over RDS (route configuration of the same name)."""
-    filters: list[hcm_pb2.HttpFilter] = []
+    # Token accounting first: on the way back it sees the response last, as the client does.
+    filters: list[hcm_pb2.HttpFilter] = [usage_filter()]
     if listener.routes_by_model:
         filters.append(
             hcm_pb2.HttpFilter(
@@ -144,6 +163,7 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
     )
     if listener.virtual_models:
         manager.access_log.append(score_log(listener.name))
+    manager.access_log.append(usage_log(listener.name, listener.tenant_headers))
     if listener.access_log:
         manager.access_log.append(
             accesslog_pb2.AccessLog(
@@ -267,7 +287,11 @@ def local_replies(*, rate_limited: bool, classified: bool = False) -> hcm_pb2.Lo
     server's: shed requests of service classes (429), 429s from rate limits and class budgets
     (when the listener has any) and 5xx. Mappers see local replies only, so 429s and 5xx that
     replicas send pass through untouched; the first mapper that matches applies."""
-    mappers = []
+    # Budget replies have a status of their own; every listener maps it, since a budget may
+    # be spent at any time and the listener should not change then.
+    budget = _status_mapper(accesslog_pb2.ComparisonFilter.EQ, BUDGET_STATUS, "budget", BUDGET_BODY)
+    budget.status_code.value = 429
+    mappers = [budget]
     if classified:
         shed = _status_mapper(accesslog_pb2.ComparisonFilter.EQ, SHED_STATUS, "shed", SHED_BODY)
         shed.status_code.value = 429

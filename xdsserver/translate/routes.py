@@ -13,6 +13,7 @@ from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.type.matcher.v3 import string_pb2
 
 from compiler.plan import PlanClass, PlanListener, PlanRoute, PlanVirtualHost
+from xdsserver.translate.budgets import budget_entries
 from xdsserver.translate.classes import class_stat_prefix, restricted_entry, selects, with_class
 from xdsserver.translate.difficulty import response_headers, virtual_entries
 from xdsserver.translate.entries import match_of, route_entry, with_header
@@ -140,6 +141,8 @@ def _routes(
             matches.append((match_of(route, model=name, unless_header=model_header), name))
     else:
         matches.append((match_of(route), None))
+    # Tenants past a budget first: their entries must win over every class and affinity entry.
+    yield from budget_entries(route, [(model or "", match) for match, model in matches], body_limit)
     for plan_class in route.classes or (None,):
         for index, (base, model) in enumerate(matches):
             name = f"{route.name}#{index}"

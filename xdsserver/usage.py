@@ -1,0 +1,99 @@
+"""Token usage from Envoy's access logs into a spend Ledger, off the request path.
+
+Envoy's accounting filter (``xdsserver.translate.usage``) leaves each response's usage in
+dynamic metadata, and the connection manager's access log sends it to kvpilot's access log
+service in batches. Here one entry becomes one row of counters: the tenant from the route's
+tenant header, the model that answered (the response's ``model``), the pool of the upstream
+host that served the last attempt, the service class and the route from the route entry's
+name, and the cost at the pool's price in force when the entry arrived.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from signals.spend import Ledger, Spend, SpendKey, TokenPrice
+from xdsserver.translate.usage import USAGE_FILTER
+
+
+class UsageContext(Protocol):
+    """What an entry is resolved against: the current plan and the pools' prices."""
+
+    def pool(self, cluster: str, address: str, port: int) -> str | None:
+        """The pool of an upstream host (None: not a known pool's host)."""
+
+    def price(self, pool: str) -> TokenPrice | None:
+        """The pool's per-token price (None: not priced per token)."""
+
+    def tenant_header(self, route: str) -> str:
+        """The header that names the tenant on a route (``policy/route``)."""
+
+
+def parse_route_name(name: str) -> tuple[str, str]:
+    """``policy/route#0@class/affinity`` -> (``policy/route``, ``class``); entries without a
+    class give an empty class."""
+    route, _, rest = name.partition("#")
+    _, at, service_class = rest.partition("@")
+    return route, service_class.split("/", 1)[0] if at else ""
+
+
+class UsageBook:
+    """Folds usage entries into a Ledger; counts what it could not attribute."""
+
+    def __init__(self, context: UsageContext, clock: Callable[[], float] = time.time) -> None:
+        self.context = context
+        self.clock = clock
+        self.ledger = Ledger()
+        self.entries = 0
+        """Entries that carried usage."""
+        self.without_usage = 0
+        """Entries without usage: local replies (429, 404), errors, non-OpenAI answers."""
+        self.listeners: list[Callable[[], None]] = []
+        """Called after each batch of entries (budget checks)."""
+
+    def observe(self, entry: Any) -> None:
+        """Count one ``HTTPAccessLogEntry`` of a usage log."""
+        common = entry.common_properties
+        fields = common.metadata.filter_metadata.get(USAGE_FILTER)
+        if fields is None or "prompt" not in fields.fields:
+            self.without_usage += 1
+            return
+        values = fields.fields
+        prompt = int(values["prompt"].number_value)
+        cached = int(values["cached"].number_value) if "cached" in values else 0
+        completion = int(values["completion"].number_value) if "completion" in values else 0
+        model = values["model"].string_value if "model" in values else ""
+        route, service_class = parse_route_name(common.route_name)
+        socket = common.upstream_remote_address.socket_address
+        pool = (
+            self.context.pool(common.upstream_cluster, socket.address, socket.port_value)
+            if socket.address
+            else None
+        ) or ""
+        header = self.context.tenant_header(route)
+        tenant = entry.request.request_headers.get(header, "") if header else ""
+        price = self.context.price(pool) if pool else None
+        key = SpendKey(
+            tenant=tenant,
+            model=model,
+            pool=pool,
+            service_class=service_class,
+            route=route,
+            currency=price.currency if price is not None else "",
+        )
+        spend = Spend(
+            requests=1,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens=completion,
+        )
+        if price is not None:
+            spend.cost = price.cost(prompt, cached, completion)
+        self.entries += 1
+        self.ledger.add(key, spend, self.clock())
+
+    def batch_done(self) -> None:
+        for listener in self.listeners:
+            listener()
