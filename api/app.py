@@ -293,7 +293,8 @@ def _unread_model_lists(state: PolicyState | None) -> list[dict[str, Any]]:
 
 def _saturation(plan: RoutingPlan | None) -> list[dict[str, Any]]:
     """Per telemetry route with a saturated bound: whether its session requests take it now,
-    the batch fill that decided it, the fill that saturates the route, and since when."""
+    the batch fill that decided it, the fill that saturates the route, and since when; for a
+    capacity-bound route also its bound and the bound its batches allow."""
     if plan is None:
         return []
     return [
@@ -303,6 +304,10 @@ def _saturation(plan: RoutingPlan | None) -> list[dict[str, Any]]:
             "batchFill": decision.fill,
             "saturatedAt": decision.bound,
             "since": decision.since if math.isfinite(decision.since) else None,
+            # capacityBound routes: the bound session requests take, and the one the batch
+            # allows this round (100 x batch size / mean in flight); null on other routes.
+            "boundedLoad": decision.factor or None,
+            "fitsBatchAt": decision.wanted if decision.factor else None,
         }
         for route, decision in sorted(plan.saturation.items())
     ]

@@ -120,6 +120,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 saturated=saturated is not None and saturated.saturated,
                 served=served,
                 overflow=overflow.get(name),
+                bound=saturated.factor if saturated is not None else 0,
             )
             entries[name] = entry
             diagnostics.extend(entry.diagnostics)

@@ -52,6 +52,7 @@ class RouteMemo:
         saturated: bool = False,
         served: Mapping[str, PoolModels] | None = None,
         overflow: OverflowDecision | None = None,
+        bound: int = 0,
     ) -> MemoEntry:
         """The compiled route, reused when its inputs are unchanged."""
         route_weights = weights if route.balancing == "telemetry" else {}
@@ -60,7 +61,15 @@ class RouteMemo:
         if route.overflow is not None:
             names += route.overflow.pools
         inputs = (
-            (route, policy.spec.service_classes, admission, saturated, route_served, overflow),
+            (
+                route,
+                policy.spec.service_classes,
+                admission,
+                saturated,
+                route_served,
+                overflow,
+                bound,
+            ),
             index,
             *(state.pools.get(name) for name in names),
             *(state.registered.get(name) for name in names),
@@ -88,6 +97,7 @@ class RouteMemo:
             saturated=saturated,
             served=served,
             overflow=overflow,
+            bound=bound,
         )
         return MemoEntry(
             inputs, route_diagnostics(policy, index, route, state), clusters, plan_route

@@ -205,6 +205,9 @@ class PlanRoute:
     """The route's overflow to paid pools (``Route.overflow``); None without."""
     budget_blocks: tuple[PlanBudgetBlock, ...] = ()
     """Tenants past a budget, whose requests Envoy turns away (or diverts) first."""
+    bound: int = 0
+    """``capacityBound`` routes: the bounded load (a rung of the route's ladder) whose twin
+    session requests take; 0 on other routes."""
 
     @property
     def short_name(self) -> str:

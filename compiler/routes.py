@@ -285,6 +285,7 @@ def compile_route(
     saturated: bool = False,
     served: Mapping[str, PoolModels] | None = None,
     overflow: OverflowDecision | None = None,
+    bound: int = 0,
 ) -> tuple[list[PlanCluster], PlanRoute]:
     """The clusters of one route and its route entry.
 
@@ -372,6 +373,7 @@ def compile_route(
         ),
         adapters=tuple(sorted((a, p) for a, p in parents.items() if a in listed)),
         pools=tuple(target.pool for tier in route.tiers for target in tier.pools),
+        bound=bound,
     )
     classes = policy.spec.service_classes
     queues = tuple(

@@ -18,7 +18,9 @@ from signals.overflow import (
 from signals.saturation import (
     SaturationDecision,
     batch_fill,
+    decide_bound,
     decide_saturation,
+    in_flight,
     saturated_fill,
 )
 from signals.state import PolicyState, is_external, pool_endpoints
@@ -110,15 +112,28 @@ def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
 def saturation_decisions(state: PolicyState) -> dict[str, SaturationDecision]:
     """Saturation for every route whose bounded load tightens when its replicas are
     saturated (``sessionAffinity.saturatedHashBalanceFactor``): route cluster name
-    (``policy/route``) -> decision, from the batch fill of the route's first-tier replicas."""
+    (``policy/route``) -> decision, from the batch fill of the route's first-tier replicas.
+    A ``capacityBound`` route's decision is its rung of bounded load (``decide_bound``)."""
     out: dict[str, SaturationDecision] = {}
     for policy_name in sorted(state.policies):
         for route in state.policies[policy_name].spec.routes:
             affinity = route.session_affinity
-            if affinity is None or not affinity.saturated_hash_balance_factor:
+            if affinity is None:
+                continue
+            name = cluster_name(policy_name, route.name)
+            if affinity.capacity_bound and route.balancing == "telemetry":
+                endpoints, telemetry, max_age = _first_tier(state, route)
+                out[name] = decide_bound(
+                    state.previous_saturation.get(name),
+                    in_flight(endpoints, telemetry, now=state.now, max_age=max_age),
+                    now=state.now,
+                    ladder=affinity.ladder(),
+                    usual=affinity.hash_balance_factor,
+                )
+                continue
+            if not affinity.saturated_hash_balance_factor:
                 continue
             endpoints, telemetry, max_age = _first_tier(state, route)
-            name = cluster_name(policy_name, route.name)
             out[name] = decide_saturation(
                 state.previous_saturation.get(name),
                 batch_fill(endpoints, telemetry, now=state.now, max_age=max_age),

@@ -33,6 +33,22 @@ saturated state: the band and the dwell keep a pool near the bound from switchin
 every round. In the scenario benchmark chat at 75% of capacity peaked at a fill of 0.70 and
 the 110% overload held 0.75 to 1.1. Without a record that knows its batch size
 (``kvpilot agent --max-running``) there is no fill, and the route stays calm.
+
+The bound that follows capacity
+-------------------------------
+Two fixed bounds are a multiple of the mean, and the mean is the wrong unit: what matters is
+whether a replica can take a request into its batch now. Envoy lets a host carry
+``factor / 100`` times the mean requests in flight, so with batch size ``B`` and mean ``m``
+the factor ``100 * B / m`` lets the busiest replica fill its batch and spill nothing its
+batch can take. At batches of 8 and the calm fill of 0.75 that is about 133 (the old 125);
+at batches of 32 or 128, where the calm mean is a smaller share of the batch, 200 or more,
+where 125 spilled turns that would have been served at once (each paying its history's
+prefill elsewhere). A ``capacityBound`` route (``decide_bound``) takes the largest rung of
+its ladder (``SessionAffinity.ladder``) at or below that factor: every rung is a twin of the
+same ring, so a change of rung is a route update (RDS) and never a cluster update (CDS). It tightens as soon as the factor falls below its rung (a
+queue is building) and loosens only when the factor clears the next rung by
+``LOOSEN_MARGIN`` and ``MIN_DWELL`` seconds after its last change, so a pool near a rung
+does not switch every round.
 """
 
 from __future__ import annotations
@@ -70,12 +86,22 @@ class SaturationDecision:
     """Mean batch fill this round; ``None`` without a fresh record that knows its batch."""
     bound: float = field(default=1.0, compare=False)
     """The fill at which the route counts as saturated (``saturated_fill``)."""
+    factor: int = 0
+    """``capacityBound`` routes: the bounded load session requests take (a rung of the
+    route's ladder); 0 on other routes (``saturated`` says which of two bounds)."""
+    wanted: float | None = field(default=None, compare=False)
+    """``capacityBound`` routes: ``100 * batch / mean in flight`` this round."""
+    loosen_at: float = field(default=math.inf, compare=False)
+    """``capacityBound`` routes: when a looser rung that the factor already clears is due (its
+    dwell ends); infinite when none is."""
 
     @property
     def calm_at(self) -> float:
         """When a saturated route whose fill is already down to the calm bound turns calm if
         nothing changes (its dwell ends): the control plane rebuilds then even if no telemetry
         arrives. Infinite otherwise."""
+        if self.factor:
+            return self.loosen_at
         if self.saturated and self.fill is not None and self.fill <= self.bound * CALM_SHARE:
             return self.since + MIN_DWELL
         return math.inf
@@ -118,11 +144,95 @@ def decide_saturation(
     return SaturationDecision(saturated=saturated, since=since, fill=fill, bound=bound)
 
 
+LOOSEN_MARGIN = 1.1
+"""A capacity-bound route moves to a looser rung only when the factor its replicas allow
+clears that rung by this much: the rung's headroom against the noise of one scrape."""
+
+
+def in_flight(
+    endpoints: Sequence[Endpoint],
+    telemetry: Mapping[str, TelemetryRecord],
+    *,
+    now: float,
+    max_age: float,
+) -> tuple[float, float] | None:
+    """(mean requests in flight, mean batch size) over the fresh records of ``endpoints``
+    that know their batch size; ``None`` without one."""
+    pairs = [
+        ((record.running or 0.0) + (record.waiting or 0.0), record.max_running)
+        for endpoint in endpoints
+        if (record := telemetry.get(endpoint.key)) is not None
+        and record.max_running is not None
+        and now - record.at <= max_age
+    ]
+    if not pairs:
+        return None
+    return (
+        round(statistics.fmean(p[0] for p in pairs), 6),
+        round(statistics.fmean(p[1] for p in pairs), 6),
+    )
+
+
+def capacity_factor(batch: float, mean: float) -> float:
+    """The bounded load (percent of the mean) at which the busiest replica just fills its
+    batch: ``100 * batch / mean``; infinite while nothing is in flight."""
+    return math.inf if mean <= 0 else 100.0 * batch / mean
+
+
+def decide_bound(
+    previous: SaturationDecision | None,
+    load: tuple[float, float] | None,
+    *,
+    now: float,
+    ladder: Sequence[int],
+    usual: int,
+) -> SaturationDecision:
+    """This round's rung for a ``capacityBound`` route from the last one and `load` (mean in
+    flight, batch size; ``in_flight``); `ladder` ascending (``SessionAffinity.ladder``),
+    `usual` the rung without evidence."""
+    before = previous if previous is not None and previous.factor else None
+    current = before.factor if before is not None else usual
+    since = before.since if before is not None else -math.inf
+    if load is None:
+        # No evidence: the usual bound, as stale weights go neutral.
+        factor, wanted, fill = usual, None, None
+    else:
+        mean, batch = load
+        wanted = capacity_factor(batch, mean)
+        fill = round(mean / batch, 6) if batch else None
+        fits = [r for r in ladder if r <= wanted] or [ladder[0]]
+        factor = current
+        if wanted < current:
+            factor = fits[-1]
+        else:
+            looser = [r for r in ladder if r > current and r * LOOSEN_MARGIN <= wanted]
+            if looser and now - since >= MIN_DWELL:
+                factor = looser[-1]
+    if factor != current:
+        since = now
+    loosen_at = math.inf
+    if wanted is not None and any(r > factor and r * LOOSEN_MARGIN <= wanted for r in ladder):
+        loosen_at = since + MIN_DWELL
+    return SaturationDecision(
+        saturated=factor == ladder[0],
+        since=since,
+        fill=fill,
+        bound=1.0,
+        factor=factor,
+        wanted=None if wanted is None else round(min(wanted, 1e6), 3),
+        loosen_at=loosen_at,
+    )
+
+
 __all__ = [
     "CALM_SHARE",
+    "LOOSEN_MARGIN",
     "MIN_DWELL",
     "SaturationDecision",
     "batch_fill",
+    "capacity_factor",
+    "decide_bound",
     "decide_saturation",
+    "in_flight",
     "saturated_fill",
 ]

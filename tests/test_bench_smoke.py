@@ -35,18 +35,20 @@ def test_short_scenario_suite_writes_a_well_formed_report(tmp_path: Path) -> Non
     assert f"report: {reports[0]}" in done.stdout
     text = reports[0].read_text()
     for line in (
-        "## heterogeneous: 2 replicas at half speed, 1 with half the KV cache (`hetero`)",
+        "## heterogeneous: 2 replicas at half speed, 1 with half the KV cache, batch size 8 "
+        "(`hetero@8`)",
         "| round robin |",
-        "| affinity + bounded load |",
-        "| kvpilot: affinity + telemetry |",
+        "| capacity-weight oracle (affinity, static weights = true speeds) |",
+        "| kvpilot: affinity + telemetry, capacityBound |",
+        "## The recommended route per batch size (kvpilot)",
         "## Targets for the recommended policy",
-        "| hetero | TTFT p99 <= 0.5x affinity alone |",
+        "| hetero@8 | TTFT p99 <= 1.1x the capacity-weight oracle |",
     ):
         assert line in text
 
     data = json.loads(reports[0].with_suffix(".json").read_text())
-    runs = data["results"]["hetero"]
-    assert set(runs) == {"round_robin", "affinity", "kvpilot"}
+    runs = data["results"]["hetero@8"]
+    assert set(runs) == {"round_robin", "capacity_oracle", "kvpilot"}
     requests = {policy: measured[0]["requests"] for policy, measured in runs.items()}
     assert len(set(requests.values())) == 1, requests  # the same workload for every fleet
     for policy, (measured,) in runs.items():
@@ -59,4 +61,4 @@ def test_short_scenario_suite_writes_a_well_formed_report(tmp_path: Path) -> Non
     changes = runs["kvpilot"][0]["weights"]["weight_changes"]
     assert changes >= 0 and changes == int(changes), runs["kvpilot"][0]["weights"]
     # Round robin spreads sessions; affinity keeps them (moved turns are counted per policy).
-    assert runs["round_robin"][0]["moved"] > runs["affinity"][0]["moved"]
+    assert runs["round_robin"][0]["moved"] > runs["capacity_oracle"][0]["moved"]

@@ -118,12 +118,21 @@ def test_kvpilot_moves_the_threshold_so_the_large_share_holds_when_the_mix_chang
     )
     print(f"busy mix back at a 20% large share after {time.monotonic() - started:.1f} s")
     assert abs(large_share(client, url, BUSY, 20) - 20) <= 3
+    # Any threshold from 0.8 (ties going large with probability 0) to 0.85 (ties always
+    # large) sends two in ten large: which one the window's quantile lands on depends on which
+    # requests of the calm mix are still in it, so the test takes the whole interval.
     metrics = rig.api.get("/metrics").text
-    assert 'kvpilot_virtual_model_threshold{virtual_model="main/llama-auto"} 0.8' in metrics
+    (line,) = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith('kvpilot_virtual_model_threshold{virtual_model="main/llama-auto"}')
+    ]
+    assert 0.8 <= float(line.rsplit(" ", 1)[1]) <= 0.85, line
     assert "kvpilot_virtual_model_requests_total" in metrics
     # The console's view: the threshold in force and what Envoys reported.
     (view,) = rig.api.get("/v1/virtualmodels").json()["virtualModels"]
-    assert (view["key"], view["threshold"], view["share"]) == ("main/llama-auto", 0.8, 20)
+    assert (view["key"], view["share"]) == ("main/llama-auto", 20)
+    assert 0.8 <= view["threshold"] <= 0.85, view
     assert view["targets"]["llama-large"] > 0 and view["targets"]["llama-small"] > 0
     assert view["sources"] == {"header": view["requests"]}
     assert sum(view["scores"]) == view["requests"]

@@ -49,10 +49,14 @@ def telemetry_pool(ports: list[int], *, max_age: str = "10s") -> dict[str, Any]:
     )
 
 
-def web_policy(listener_port: int, balancing: str, *, affinity: bool = False) -> dict[str, Any]:
+def web_policy(
+    listener_port: int, balancing: str, *, affinity: bool | dict[str, Any] = False
+) -> dict[str, Any]:
+    """Policy `web` over pool `sim`; `affinity` True for session affinity at its defaults,
+    or the ``sessionAffinity`` fields."""
     fields: dict[str, Any] = {"balancing": balancing}
     if affinity:
-        fields["sessionAffinity"] = {}
+        fields["sessionAffinity"] = {} if affinity is True else affinity
     return policy("web", listener_port, [route("sim", **fields)])
 
 
@@ -111,7 +115,11 @@ async def make_setup(
     started: list[MetricsBackend] = []
 
     async def make(
-        balancing: str, *, max_age: str = "10s", static: bool = True, affinity: bool = False
+        balancing: str,
+        *,
+        max_age: str = "10s",
+        static: bool = True,
+        affinity: bool | dict[str, Any] = False,
     ) -> Setup:
         backends = [MetricsBackend(f"be-{i}").start() for i in range(3)]
         started.extend(backends)
@@ -241,7 +249,7 @@ async def test_on_an_affinity_route_a_slow_replica_gets_less_of_the_ring_and_a_q
 async def test_saturated_replicas_tighten_bounded_load_and_every_session_keeps_its_replica(
     make_setup: Callable[..., Any],
 ) -> None:
-    setup: Setup = await make_setup("telemetry", affinity=True, max_age="60s")
+    setup: Setup = await make_setup("telemetry", affinity={"capacityBound": False}, max_age="60s")
     usual, tight = CLUSTER + "/affinity", CLUSTER + SATURATED_SUFFIX
     for twin in (usual, tight):
         await setup.wait_weights(dict.fromkeys(setup.ports, 100), 30, f"{twin} in Envoy", twin)
@@ -291,6 +299,60 @@ async def test_saturated_replicas_tighten_bounded_load_and_every_session_keeps_i
     )
     assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 0
     assert await asyncio.to_thread(placement) == calm
+
+
+async def test_the_bound_follows_the_batch_along_its_ladder_and_every_session_keeps_its_replica(
+    make_setup: Callable[..., Any],
+) -> None:
+    setup: Setup = await make_setup("telemetry", affinity={"capacityBound": True}, max_age="60s")
+    usual, full, roomy = (
+        CLUSTER + suffix for suffix in ("/affinity", SATURATED_SUFFIX, "/affinity-300")
+    )
+    for twin in (usual, full, roomy):
+        await setup.wait_weights(dict.fromkeys(setup.ports, 100), 30, f"{twin} in Envoy", twin)
+
+    def placement() -> dict[str, str]:
+        """Which replica answers each of 24 sessions."""
+        with httpx.Client(timeout=10) as client:
+            return {
+                session: client.post(
+                    setup.url, json=chat(), headers={"x-session-id": session}
+                ).headers.get("x-backend-id", "none")
+                for session in (f"session-{index}" for index in range(24))
+            }
+
+    def served_by_twin(twin: str) -> bool:
+        """The next session request is answered through `twin`."""
+        before = int(setup.envoy.stats().get(f"cluster.{twin}.upstream_rq_total", 0))
+        httpx.post(setup.url, json=chat(), headers={"x-session-id": "probe"}, timeout=10)
+        return int(setup.envoy.stats().get(f"cluster.{twin}.upstream_rq_total", 0)) > before
+
+    async def batches(running: float) -> None:
+        for port in setup.ports:
+            await setup.put(port, running=running, max_running=32)
+
+    # No batch size known yet: the usual bound.
+    before = await asyncio.to_thread(placement)
+    assert await asyncio.to_thread(served_by_twin, usual)
+
+    # Batches of 32 full: 100%, no replica above the mean.
+    await batches(32)
+    await poll(lambda: asyncio.to_thread(served_by_twin, full), 15, "the 100% twin")
+    route = {"route": CLUSTER}
+    assert metric(setup.kvpilot.api_url, "kvpilot_route_bounded_load", **route) == 100
+    async with httpx.AsyncClient(base_url=setup.kvpilot.api_url, headers=ADMIN) as api:
+        status = (await api.get("/v1/status")).json()
+    assert [(s["route"], s["boundedLoad"], s["fitsBatchAt"]) for s in status["saturation"]] == [
+        (CLUSTER, 100, 100.0)
+    ]
+    assert await asyncio.to_thread(placement) == before
+
+    # 4 of 32 in flight allow 800%: the top rung, once the dwell is over.
+    await batches(4)
+    await poll(lambda: asyncio.to_thread(served_by_twin, roomy), MIN_DWELL + 15, "the 300% twin")
+    assert metric(setup.kvpilot.api_url, "kvpilot_route_bounded_load", **route) == 300
+    assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) >= 2
+    assert await asyncio.to_thread(placement) == before
 
 
 async def test_stale_telemetry_falls_back_to_the_static_weight(

@@ -211,6 +211,27 @@ MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
         {"clusters"},
     ),
     (
+        "capacity bound: the rung follows the requests in flight",
+        "capacity-bound",
+        (*SATURATED, "running"),
+        30,
+        {"routes"},
+    ),
+    (
+        "capacity bound: the batch size",
+        "capacity-bound",
+        (*SATURATED, "max_running"),
+        128,
+        {"routes"},
+    ),
+    (
+        "capacity bound off: two fixed bounds",
+        "capacity-bound",
+        ("objects", 1, "spec", "routes", 0, "sessionAffinity", "capacityBound"),
+        False,
+        {"clusters", "routes"},
+    ),
+    (
         "saturation calm",
         "saturation-calm",
         (*SATURATED, "waiting"),

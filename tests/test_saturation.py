@@ -160,7 +160,13 @@ def test_a_saturated_bound_that_cannot_work_is_refused(route: dict[str, Any], me
 # --------------------------------------------------------------------------- plan and Envoy
 
 
-def _state(running: float, previous: SaturationDecision | None = None) -> PolicyState:
+def _state(
+    running: float,
+    previous: SaturationDecision | None = None,
+    affinity: dict[str, Any] | None = None,
+) -> PolicyState:
+    """A telemetry route over four replicas running `running` each in batches of 8; two
+    fixed bounds unless `affinity` says otherwise."""
     objects = [
         Pool.model_validate(pool("p", list(PORTS))),
         RoutingPolicy.model_validate(
@@ -171,7 +177,9 @@ def _state(running: float, previous: SaturationDecision | None = None) -> Policy
                     {
                         "name": "live",
                         "balancing": "telemetry",
-                        "sessionAffinity": {},
+                        "sessionAffinity": (
+                            {"capacityBound": False} if affinity is None else affinity
+                        ),
                         "tiers": [["p"]],
                     }
                 ],

@@ -44,7 +44,7 @@ from xdsserver.difficultylog import ScoreBook
 from xdsserver.identity import FleetBinding, PeerCheck, check_peer
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
-from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
+from xdsserver.translate import AFFINITY_SUFFIX
 from xdsserver.translate.listeners import DIFFICULTY_LOG, POOL_TAG, RETRY_AFTER
 from xdsserver.translate.usage import USAGE_LOG_PREFIX
 from xdsserver.usage import UsageBook
@@ -60,11 +60,10 @@ class PoolResolver(Protocol):
 
 def route_cluster(cluster: str) -> str:
     """The route cluster an Envoy cluster belongs to (a hash twin, or its replicas part)."""
-    return (
-        cluster.removesuffix(AFFINITY_SUFFIX)
-        .removesuffix(SATURATED_SUFFIX)
-        .removesuffix(LOCAL_SUFFIX)
-    )
+    # A capacity-bound route's twins are "/affinity-<factor>" (policy and route names hold
+    # no "/", so everything from the suffix on is the twin's).
+    head, found, _ = cluster.partition(AFFINITY_SUFFIX)
+    return (head if found else cluster).removesuffix(LOCAL_SUFFIX)
 
 
 def _seconds(value: duration_pb2.Duration) -> float:

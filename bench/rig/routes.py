@@ -35,6 +35,15 @@ class Policy:
     ``docs``."""
     default: bool = True
     """Run unless the policies are named (``--policies``)."""
+    weights_by_speed: bool = False
+    """Static endpoint weights equal to each replica's true speed (the scenario's), an
+    oracle no real router has."""
+    scenarios: tuple[str, ...] = ()
+    """The only scenarios it runs in (where it differs from another policy); empty: all."""
+
+    def runs_in(self, scenario: str) -> bool:
+        """Whether the policy replays `scenario` (``scenarios``)."""
+        return not self.scenarios or scenario in self.scenarios
 
 
 def standard_policies(affinity: Mapping[str, Any] = SESSION_AFFINITY) -> dict[str, Policy]:

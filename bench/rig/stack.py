@@ -36,7 +36,7 @@ from controlplane.local.replicas import BackendProcess
 from policies.models import RoutingPolicy
 from policies.names import QUEUE_INFIX, cluster_name
 from replicasim.simulator import SimConfig
-from xdsserver.translate import AFFINITY_SUFFIX, SATURATED_SUFFIX
+from xdsserver.translate.clusters import twins
 
 MODEL = "sim-model"
 POOL = "bench"
@@ -264,10 +264,8 @@ def expected_clusters(
         out[name] = ((base, 0), hosts)
         affinity = route.session_affinity
         if affinity is not None:
-            out[name + AFFINITY_SUFFIX] = (("RING_HASH", affinity.hash_balance_factor), hosts)
-            if affinity.saturated_hash_balance_factor:
-                signature = ("RING_HASH", affinity.saturated_hash_balance_factor)
-                out[name + SATURATED_SUFFIX] = (signature, hosts)
+            for suffix, factor in twins(affinity):
+                out[name + suffix] = (("RING_HASH", factor), hosts)
     return out
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from bench.benchmark import Written
 from bench.rig.cli import UsageError, names, with_out
 
-_SUITE_ONLY = ("seeds", "scenarios", "time_scale")
+_SUITE_ONLY = ("seeds", "scenarios", "time_scale", "batch_sizes")
 _SEQUENTIAL_ONLY = ("workload", "arrival", "no_plots")
 
 
@@ -40,10 +40,16 @@ class RoutingBenchmark:
         suite.add_argument("--seeds", default="", help="comma list of seeds (1,2,3)")
         suite.add_argument("--scenarios", default="", help="comma list of scenarios")
         suite.add_argument(
+            "--batch-sizes",
+            default="",
+            help="comma list of the replicas' batch sizes (8,32,128), each a run of its own fleets",
+        )
+        suite.add_argument(
             "--time-scale",
             type=float,
             default=None,
-            help="wall seconds per simulated second (0.5); more gives a busy machine's load "
+            help="wall seconds per simulated second at batch size 8 (0.5; larger batches "
+            "scale it by the square root of their growth); more gives a busy machine's load "
             "generators slack, at that much more wall time",
         )
         sequential = parser.add_argument_group("with --sequential")
@@ -62,20 +68,26 @@ class RoutingBenchmark:
 
 
 def _suite(args: argparse.Namespace) -> Path:
-    from bench.routing.scenarios import SUITE_POLICIES, default_suite
+    from bench.routing.scenarios import SCENARIOS, SUITE_POLICIES, default_suite
     from bench.routing.suite import run_suite
 
     config = with_out(default_suite(short=args.short), args)
     if args.seeds:
         config = replace(config, seeds=tuple(int(s) for s in args.seeds.split(",") if s.strip()))
     if args.scenarios:
-        known = {s.key: s for s in default_suite().scenarios}
+        known = {s.key: s for s in SCENARIOS}
+        known.update({s.key: s for s in default_suite().scenarios})
         wanted = names(args.scenarios, known, "scenarios")
         short = {s.key: s for s in config.scenarios}
         config = replace(config, scenarios=tuple(short.get(k, known[k]) for k in wanted))
     if args.policies:
         keys = (p.key for p in SUITE_POLICIES)
         config = replace(config, policies=names(args.policies, keys, "policies"))
+    if args.batch_sizes:
+        sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
+        if not sizes or min(sizes) < 1:
+            raise UsageError(f"--batch-sizes: positive integers, not {args.batch_sizes!r}")
+        config = replace(config, batch_sizes=sizes)
     if args.time_scale:
         config = replace(config, sim=replace(config.sim, time_scale=args.time_scale))
     return run_suite(config, state_dir=args.state_dir)

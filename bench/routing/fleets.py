@@ -45,7 +45,15 @@ class Fleet:
         return self.policy.route.get("balancing") == "telemetry"
 
 
-def pool_body(fleet: Fleet) -> dict[str, Any]:
+def pool_body(fleet: Fleet, scenario: Scenario | None = None) -> dict[str, Any]:
+    """The fleet's pool; a ``weights_by_speed`` policy's endpoints weighted by the
+    scenario's true speeds (100 for a full-speed replica)."""
+
+    def weight(index: int) -> dict[str, int]:
+        if scenario is None or not fleet.policy.weights_by_speed:
+            return {}
+        return {"weight": max(1, round(100 / scenario.slow_of(index)))}
+
     return {
         "apiVersion": "kvpilot.io/v1",
         "kind": "Pool",
@@ -55,7 +63,7 @@ def pool_body(fleet: Fleet) -> dict[str, Any]:
             # Named alike in every fleet: each ring places replica i at the same points, so
             # every policy sends a session to the same replica index and fleets compare.
             "endpoints": [
-                {"address": r.host, "port": r.port, "name": f"replica-{index}"}
+                {"address": r.host, "port": r.port, "name": f"replica-{index}", **weight(index)}
                 for index, r in enumerate(fleet.replicas)
             ],
             "healthCheck": {"path": "/health", "interval": "1s", "timeout": "500ms"},
@@ -102,6 +110,16 @@ def kvpilot_weights(api_url: str, pool: str) -> dict[str, float]:
         if line.startswith("kvpilot_telemetry_weight{") and f'pool="{pool}"' in line:
             name, _, value = line.rpartition(" ")
             out[name.split('endpoint="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
+def bound_changes(api_url: str) -> dict[str, float]:
+    """kvpilot's count of bounded-load changes (route updates) per capacity-bound route."""
+    out = {}
+    for line in httpx.get(f"{api_url}/metrics", timeout=5.0).text.splitlines():
+        if line.startswith("kvpilot_bounded_load_changes_total{"):
+            name, _, value = line.rpartition(" ")
+            out[name.split('route="', 1)[1].split('"', 1)[0]] = float(value)
     return out
 
 

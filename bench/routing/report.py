@@ -1,10 +1,10 @@
 """The scenario suite's report: one table per scenario (median and spread over seeds), the
-issue's targets checked on the recommended policy, a JSON file and every request."""
+issue's targets checked on the recommended policy (`bench.routing.targets`), a JSON file and
+every request."""
 
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,10 +13,25 @@ from typing import Any
 from bench.rig.report import table
 from bench.rig.routes import Policy
 from bench.routing.measure import goodput
-from bench.routing.scenarios import RECOMMENDED, SuiteConfig, config_dict, dump, median_spread
-
-Runs = list[dict[str, Any]]
-"""One policy's measurements in one scenario, one per seed (in seed order)."""
+from bench.routing.scenarios import (
+    RECOMMENDED,
+    SuiteConfig,
+    config_dict,
+    dump,
+    median_spread,
+    split_key,
+)
+from bench.routing.targets import (
+    Runs,
+    cell,
+    key_order,
+    paired,
+    per_batch_size,
+    pooled_p99,
+    pooled_ratio,
+    ratio_text,
+    targets,
+)
 
 COLUMNS: tuple[tuple[str, str, Callable[[dict[str, Any]], float | None]], ...] = (
     ("TTFT p50", "{:.3f}", lambda m: m["ttft_p50"]),
@@ -30,254 +45,8 @@ COLUMNS: tuple[tuple[str, str, Callable[[dict[str, Any]], float | None]], ...] =
     ("turns moved", "{:.1%}", lambda m: m["moved_share"]),
     ("errors", "{:.0f}", lambda m: m["errors"]),
     ("weight changes", "{:.0f}", lambda m: (m.get("weights") or {}).get("weight_changes")),
+    ("bound changes", "{:.0f}", lambda m: m.get("bound_changes")),
 )
-
-
-def cell(runs: Runs, value: Callable[[dict[str, Any]], float | None], pattern: str) -> str:
-    stats = median_spread([value(m) for m in runs])
-    if stats is None:
-        return "n/a"
-    mid, low, high = stats
-    if len(runs) == 1 or low == high:
-        return pattern.format(mid)
-    return f"{pattern.format(mid)} ({pattern.format(low)}-{pattern.format(high)})"
-
-
-def paired(
-    mine: Runs, base: Runs, value: Callable[[dict[str, Any]], float | None]
-) -> tuple[float, float, float] | None:
-    """Median and spread of mine/base, seed by seed (both replayed the same workload)."""
-    ratios = []
-    for a, b in zip(mine, base, strict=False):
-        x, y = value(a), value(b)
-        if x is not None and y:
-            ratios.append(x / y)
-    return median_spread(ratios)
-
-
-def _ratio_text(stats: tuple[float, float, float] | None) -> str:
-    if stats is None:
-        return "n/a"
-    mid, low, high = stats
-    return f"{mid:.2f}x ({low:.2f}-{high:.2f})"
-
-
-def pooled_p99(runs: Runs) -> float | None:
-    """TTFT p99 (as the engines timed it) over the requests of every seed together: one
-    seed's p99 is its slowest two or three requests, the pooled one rests on several times
-    as many."""
-    ttfts = sorted(
-        float(t)
-        for m in runs
-        for r in m.get("per_request", ())
-        if r["status"] == 200
-        and not r["error"]
-        and (t := r["engine_ttft"] if r.get("engine_ttft") is not None else r["ttft"]) is not None
-    )
-    if not ttfts:
-        return None
-    return ttfts[min(len(ttfts) - 1, max(0, round(0.99 * len(ttfts)) - 1))]
-
-
-def _pooled_ratio(mine: Runs, base: Runs) -> str:
-    a, b = pooled_p99(mine), pooled_p99(base)
-    return "n/a" if a is None or not b else f"{a / b:.2f}x"
-
-
-Target = tuple[str, str, bool | None, str]
-"""(scenario, claim, met, measured)."""
-
-
-def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
-    """The issue's targets, on the recommended policy, from paired per-seed ratios."""
-    out: list[Target] = []
-
-    def check(
-        scenario: str,
-        claim: str,
-        base: str,
-        value: Callable[[dict[str, Any]], float | None],
-        ok: Callable[[float], bool],
-        evidence: Callable[[Runs], str] | None = None,
-    ) -> None:
-        runs = results.get(scenario, {})
-        if RECOMMENDED not in runs or base not in runs:
-            return
-        stats = paired(runs[RECOMMENDED], runs[base], value)
-        text = _ratio_text(stats)
-        if "TTFT p99" in claim and "slow period" not in claim and "after" not in claim:
-            text += f"; all seeds pooled {_pooled_ratio(runs[RECOMMENDED], runs[base])}"
-        if evidence is not None:
-            text += evidence(runs[base])
-        out.append((scenario, claim, None if stats is None else ok(stats[0]), text))
-
-    def absolute(
-        scenario: str,
-        claim: str,
-        value: Callable[[dict[str, Any]], float | None],
-        ok: Callable[[float], bool],
-        pattern: str,
-        evidence: Callable[[Runs], str] | None = None,
-    ) -> None:
-        runs = results.get(scenario, {}).get(RECOMMENDED)
-        if runs is None:
-            return
-        stats = median_spread([value(m) for m in runs])
-        met = None if stats is None else ok(stats[0])
-        text = "n/a" if stats is None else cell(runs, value, pattern)
-        if evidence is not None:
-            text += evidence(runs)
-        out.append((scenario, claim, met, text))
-
-    def ttft_p99(m: dict[str, Any]) -> float | None:
-        return float(m["ttft_p99"]) if m["ttft_p99"] is not None else None
-
-    def moved(m: dict[str, Any]) -> float:
-        return float(max(1, m["moved"]))  # zero moves on both sides is a ratio of 1
-
-    # (scenario, claim, baseline policy, value, the ratio's test[, evidence from the baseline])
-    paired_targets: tuple[
-        tuple[str, str, str, Callable[[dict[str, Any]], float | None], Callable[[float], bool]]
-        | tuple[
-            str,
-            str,
-            str,
-            Callable[[dict[str, Any]], float | None],
-            Callable[[float], bool],
-            Callable[[Runs], str],
-        ],
-        ...,
-    ] = (
-        ("chat", "TTFT p99 within 5% of affinity alone", "affinity", ttft_p99, lambda r: r <= 1.05),
-        ("chat", "turns moved <= 1.1x affinity alone", "affinity", moved, lambda r: r <= 1.1),
-        (
-            "overload",
-            "completed req/s >= 1.10x round robin",
-            "round_robin",
-            lambda m: m["requests_per_s"],
-            lambda r: r >= 1.10,
-            _capacity_ceiling,
-        ),
-        ("overload", "TTFT p99 <= 0.15x round robin", "round_robin", ttft_p99, lambda r: r <= 0.15),
-        (
-            "overload",
-            "hit rate >= affinity alone",
-            "affinity",
-            lambda m: m["hit_rate"],
-            lambda r: r >= 1.0,
-        ),
-        ("hetero", "TTFT p99 <= 0.5x affinity alone", "affinity", ttft_p99, lambda r: r <= 0.5),
-        (
-            "hetero",
-            "goodput >= 1.15x affinity alone",
-            "affinity",
-            lambda m: m["goodput_per_s"],
-            lambda r: r >= 1.15,
-        ),
-    )
-    for target in paired_targets:
-        check(*target)
-    absolute(
-        "slowdown",
-        "slowed replica's weight falls within 5 s of the slowdown",
-        lambda m: (m.get("weights") or {}).get("fell_after"),
-        lambda v: v <= 5.0,
-        "{:.1f} s",
-    )
-    absolute(
-        "slowdown",
-        "slowed replica's share of new sessions, 5 s after the slowdown, at most half its share before",
-        lambda m: _share_drop(m),
-        lambda r: r <= 0.5,
-        "{:.2f}x",
-        _share_evidence,
-    )
-    check(
-        "slowdown",
-        "TTFT p99 over the slow period <= 0.5x affinity alone",
-        "affinity",
-        lambda m: m["slow"]["ttft_p99_during"],
-        lambda r: r <= 0.5,
-    )
-    check(
-        "slowdown",
-        "no spike after recovery: TTFT p99 in the 10 s after <= 1.2x affinity alone's",
-        "affinity",
-        lambda m: m["slow"]["ttft_p99_after"],
-        lambda r: r <= 1.2,
-    )
-    absolute(
-        "mix",
-        "load max/mean <= 1.15",
-        lambda m: m["load_max_over_mean"],
-        lambda v: v <= 1.15,
-        "{:.2f}",
-    )
-    absolute(
-        "mix",
-        "hit rate >= 95% of the oracle's",
-        lambda m: m["hit_vs_oracle"],
-        lambda v: v >= 0.95,
-        "{:.2f}",
-    )
-    return out
-
-
-def capacity_ceiling(m: dict[str, Any]) -> float | None:
-    """The most completed requests any router could serve with full batches, as a multiple of
-    this run's (round robin's): its engines' prompt work cut to what the oracle's hit rate
-    leaves, the decode steps (the same for every router) as they were."""
-    share, hit, oracle = m.get("prefill_share"), m.get("engine_hit_rate"), m.get("oracle_hit_rate")
-    if share is None or hit is None or oracle is None or hit >= 1.0:
-        return None
-    left = (1.0 - float(oracle)) / (1.0 - float(hit))
-    return 1.0 / (1.0 - float(share) * (1.0 - min(1.0, left)))
-
-
-def _capacity_ceiling(runs: Runs) -> str:
-    """The ceiling beside round robin's runs, as the req/s target's evidence."""
-    ceilings = [c for m in runs if (c := capacity_ceiling(m)) is not None]
-    shares = [float(m["prefill_share"]) for m in runs if m.get("prefill_share") is not None]
-    if not ceilings or not shares:
-        return ""
-    return (
-        f"; ceiling for any router {statistics.median(ceilings):.2f}x (round robin's engines "
-        f"spent {statistics.median(shares):.0%} of their time on prompt tokens; the oracle's "
-        "hit rate would save the part it caches)"
-    )
-
-
-def _share_drop(m: dict[str, Any]) -> float | None:
-    slow = m.get("slow") or {}
-    before, after = slow.get("new_share_before"), slow.get("new_share_after_5s")
-    if before is None or after is None or not before:
-        return None
-    return float(after) / float(before)
-
-
-def _share_evidence(runs: Runs) -> str:
-    """The new-session share drop with the seeds' counts pooled, and the ring share's drop
-    (the chance a new session had), beside the per-seed median: a window's few sessions make
-    each seed's ratio coarse."""
-    counts = [
-        (m["slow"].get("new_sessions_before"), m["slow"].get("new_sessions_after_5s"))
-        for m in runs
-        if m.get("slow")
-    ]
-    text = ""
-    if counts and all(before and after for before, after in counts):
-        mine_b, all_b = (sum(c[0][i] for c in counts) for i in (0, 1))
-        mine_a, all_a = (sum(c[1][i] for c in counts) for i in (0, 1))
-        if mine_b and all_b and all_a:
-            pooled = (mine_a / all_a) / (mine_b / all_b)
-            text += (
-                f"; seeds pooled {pooled:.2f}x ({mine_b} of {all_b} new sessions before, "
-                f"{mine_a} of {all_a} after)"
-            )
-    rings = [d for m in runs if (d := (m.get("weights") or {}).get("ring_share_drop")) is not None]
-    if rings:
-        text += f"; ring share {statistics.median(rings):.2f}x"
-    return text
 
 
 def _measured_seeds(results: dict[str, dict[str, Runs]]) -> list[int]:
@@ -307,14 +76,18 @@ def markdown(
         "fleet's mean.",
     ]
     header = ("policy", *(name for name, _, _ in COLUMNS))
-    for key, by_policy in results.items():
-        scenario = scenarios[key]
+    for key in sorted(results, key=key_order):
+        by_policy = results[key]
+        scenario = scenarios[split_key(key)[0]]
+        batch = split_key(key)[1]
         summaries = workloads.get(key, [])
         oracle = median_spread([w["oracle_hit_rate"] for w in summaries])
         requests = median_spread([w["requests"] for w in summaries])
         lines += [
             "",
-            f"## {scenario.title} (`{key}`)",
+            f"## {scenario.title}"
+            + ("" if batch is None else f", batch size {batch}")
+            + f" (`{key}`)",
             "",
             f"{requests[0]:.0f} requests per seed (median), offered load "
             f"{scenario.load:.0%} of the fleet's cache-blind capacity, oracle hit rate "
@@ -364,11 +137,12 @@ def markdown(
             )
             lines += [
                 "",
-                f"Noise (A/A): the second copy of affinity alone at {_ratio_text(noise)} of the "
+                f"Noise (A/A): the second copy of affinity alone at {ratio_text(noise)} of the "
                 "first's TTFT p99 (all seeds pooled: "
-                f"{_pooled_ratio(by_policy['affinity_copy'], by_policy['affinity'])}), and at "
-                f"{_ratio_text(moved_noise)} of its turns moved.",
+                f"{pooled_ratio(by_policy['affinity_copy'], by_policy['affinity'])}), and at "
+                f"{ratio_text(moved_noise)} of its turns moved.",
             ]
+    lines += per_batch_size(results)
     check = targets(results)
     if check:
         lines += [
@@ -461,10 +235,12 @@ def rerender(report_json: Path, slo_ttft: float | None = None) -> Path:
     raw = data["config"]
     slo = raw["slo_ttft"] if slo_ttft is None else slo_ttft
     scenarios = {s.key: s for s in SCENARIOS}
+    named = dict.fromkeys(split_key(key)[0] for key in data["results"])
     config = SuiteConfig(
         replicas=raw["replicas"],
         sim=SimConfig(**raw["sim"]),
-        scenarios=tuple(scenarios[key] for key in data["results"]),
+        batch_sizes=tuple(raw.get("batch_sizes", (raw["sim"]["max_batch"],))),
+        scenarios=tuple(scenarios[key] for key in named),
         policies=tuple(raw["policies"]),
         seeds=tuple(raw["seeds"]),
         slo_ttft=slo,

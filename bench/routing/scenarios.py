@@ -21,6 +21,14 @@ from bench.rig.routes import (
 from bench.rig.workload import CHAT, WorkloadConfig
 from replicasim.simulator import SimConfig
 
+SUITE_MAX_BATCH = 8
+"""Sequences per engine step in the suite's replicas at its smallest batch size (vLLM's
+``max_num_seqs``)."""
+
+SUITE_BATCH_SIZES = (8, 32, 128)
+"""The batch sizes `make bench` runs the suite at: the suite's first, vLLM's defaults for
+small GPUs, and a large one."""
+
 
 @dataclass(frozen=True)
 class SlowEvent:
@@ -69,14 +77,24 @@ _RECOMMENDED_AFFINITY = {
 }
 
 
-def _recommended_with(key: str, title: str, **affinity: Any) -> Policy:
-    """The recommended route with `affinity` fields changed, run only when named."""
+def _recommended_with(key: str, title: str, default: bool = False, **affinity: Any) -> Policy:
+    """The recommended route with `affinity` fields changed, run only when named (or
+    `default`). A route given its own calm bound keeps it: its bound does not follow the
+    batch capacity."""
+    if "hashBalanceFactor" in affinity:
+        affinity = {"capacityBound": False, **affinity}
     return Policy(
         key,
         title,
         {"balancing": "telemetry", "sessionAffinity": {**_RECOMMENDED_AFFINITY, **affinity}},
-        default=False,
+        default=default,
     )
+
+
+ORACLE = "capacity_oracle"
+"""Affinity alone with static endpoint weights equal to the replicas' true speeds (1 / the
+scenario's slow factor, ``bench.routing.fleets.pool_body``): the reference for capacity
+weights learned from telemetry."""
 
 
 SUITE_POLICIES: tuple[Policy, ...] = (
@@ -88,18 +106,53 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         _STANDARD["affinity"],
         key="affinity_copy",
         title="affinity + bounded load (second copy, A/A)",
+        default=False,
+    ),
+    # A consistent hash and nothing else (vllm-router's session routing): no bounded load, no
+    # telemetry. What any bound has to beat in calm traffic.
+    replace(
+        bounded_load(_STANDARD["affinity"], 0, "chash", "consistent hash, no bound"),
+        default=True,
+    ),
+    # The capacity-weight oracle: affinity alone whose ring shares are the true speeds. Run
+    # where replicas differ in speed only: elsewhere it is affinity alone.
+    replace(
+        _STANDARD["affinity"],
+        key=ORACLE,
+        title="capacity-weight oracle (affinity, static weights = true speeds)",
+        weights_by_speed=True,
+        scenarios=("hetero", "slowdown"),
     ),
     # The README's recommended route, with its fields and nothing else: telemetry balancing
     # and session affinity at kvpilot's defaults for it (bounded load 125%, 100% while
     # saturated), plus the prompt-prefix hashing the documents of the mix scenario need.
+    # This row turns on `capacityBound` (opt-in): the bounded load follows the replicas' batch
+    # capacity. The README's route without it (two fixed bounds) is `kvpilot_twin` beside it.
     Policy(
         RECOMMENDED,
-        "kvpilot: affinity + telemetry",
-        {"balancing": "telemetry", "sessionAffinity": _RECOMMENDED_AFFINITY},
+        "kvpilot: affinity + telemetry, capacityBound",
+        {
+            "balancing": "telemetry",
+            "sessionAffinity": {**_RECOMMENDED_AFFINITY, "capacityBound": True},
+        },
+    ),
+    # The recommended route as the README writes it: two fixed bounds, 125% and 100% while
+    # saturated. What the capacity bound refines, so it runs by default.
+    _recommended_with(
+        "kvpilot_twin",
+        "kvpilot, fixed bounds (125%, 100% when saturated)",
+        default=True,
+        capacityBound=False,
     ),
     # The recommended route before its bounded-load default: capacity weights alone.
-    bounded_load(
-        _STANDARD["affinity_telemetry"], 150, "kvpilot_b150", "kvpilot, bounded load 1.50"
+    replace(
+        bounded_load(
+            _STANDARD["affinity_telemetry"], 150, "kvpilot_b150", "kvpilot, bounded load 1.50"
+        ),
+        route={
+            "balancing": "telemetry",
+            "sessionAffinity": {**AFFINITY, "hashBalanceFactor": 150, "capacityBound": False},
+        },
     ),
     # The recommended route with one bounded load whatever the load: 125%, the calm bound,
     # without the tighter one for saturated replicas. What the saturated bound is measured
@@ -108,6 +161,7 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         "kvpilot_static",
         "kvpilot, one bound (125%, none tighter when saturated)",
         saturatedHashBalanceFactor=0,
+        capacityBound=False,
     ),
     # The recommended route with popular prompt prefixes spread over replicas
     # (`hotPrefixShare` at about one replica's even share of eight). What a hot document
@@ -174,6 +228,12 @@ SCENARIOS: tuple[Scenario, ...] = (
 class SuiteConfig:
     replicas: int = 8
     sim: SimConfig = field(default_factory=SimConfig)
+    """The replicas at batch size ``SUITE_MAX_BATCH``; every other batch size's from it
+    (``sim_at``)."""
+    batch_sizes: tuple[int, ...] = (SUITE_MAX_BATCH,)
+    """The replicas' batch sizes (vLLM ``max_num_seqs``) the suite runs at, one after the
+    other, each with its own fleets; the load is the scenario's share of round robin's
+    capacity at that size."""
     scenarios: tuple[Scenario, ...] = SCENARIOS
     policies: tuple[str, ...] = tuple(p.key for p in SUITE_POLICIES if p.default)
     seeds: tuple[int, ...] = (1, 2, 3)
@@ -191,12 +251,48 @@ class SuiteConfig:
     out_dir: Path = Path("bench/results")
 
 
-SUITE_MAX_BATCH = 8
-"""Sequences per engine step in the suite's replicas (vLLM's ``max_num_seqs``)."""
-
-SUITE_TIME_SCALE = 0.5
+SUITE_TIME_SCALE = 0.6
 """Wall-clock seconds per simulated second: engine steps of 10 ms and more in wall time, so
 several fleets of simulated engines keep their schedule on a shared 2-core machine."""
+
+
+SUITE_SCENARIOS = ("chat", "mix", "overload", "hetero")
+"""The scenarios `make bench` runs at every batch size (the others run when named)."""
+SUITE_DURATION = 40.0
+"""Simulated seconds of session arrivals in `make bench`'s scenarios."""
+SUITE_RAMP = 15.0
+"""Simulated seconds of those not measured."""
+
+
+def sim_at(base: SimConfig, batch: int) -> SimConfig:
+    """`base` (the replicas at ``SUITE_MAX_BATCH``) with batches of `batch` sequences: the KV
+    cache grows with the batch (the same cache per sequence, so the cache pressure of a
+    scenario is the same at every size), and the wall clock runs slower by the square root
+    of the batch's growth (a fleet with 16 times the sequences in flight offers its load
+    generator 4 times the requests a simulated second, so at 4 times the wall time per
+    simulated second it sends about as many a wall second as at 8), and the streams send
+    their chunks that much less often."""
+    grow = batch / SUITE_MAX_BATCH
+    return replace(
+        base,
+        max_batch=batch,
+        kv_blocks=max(1, round(base.kv_blocks * grow)),
+        time_scale=round(base.time_scale * grow**0.5, 6),
+        # One chunk per interval per stream: with 16 times the streams, 16 times the
+        # interval keeps the chunks a wall second as few (the suite reads the engines' times).
+        stream_interval=base.stream_interval * max(1.0, grow),
+    )
+
+
+def batch_key(scenario: str, batch: int) -> str:
+    """A scenario's key at one batch size, as the results name it: ``chat@32``."""
+    return f"{scenario}@{batch}"
+
+
+def split_key(key: str) -> tuple[str, int | None]:
+    """(scenario, batch size) of a results key; no batch size for a key without one."""
+    scenario, _, batch = key.partition("@")
+    return scenario, int(batch) if batch else None
 
 
 def default_suite(short: bool = False) -> SuiteConfig:
@@ -216,7 +312,16 @@ def default_suite(short: bool = False) -> SuiteConfig:
         time_scale=SUITE_TIME_SCALE,
     )
     if not short:
-        return SuiteConfig(sim=sim)
+        # Scaled down from 80 s of sessions (25 s not measured) so that three batch sizes of
+        # the four scenarios the issue's targets name fit a shared 2-core machine's hour.
+        scenarios = tuple(
+            replace(s, workload=replace(s.workload, duration=SUITE_DURATION))
+            for s in SCENARIOS
+            if s.key in SUITE_SCENARIOS
+        )
+        return SuiteConfig(
+            sim=sim, batch_sizes=SUITE_BATCH_SIZES, scenarios=scenarios, ramp=SUITE_RAMP
+        )
     scenarios = tuple(
         replace(
             s,
@@ -227,9 +332,10 @@ def default_suite(short: bool = False) -> SuiteConfig:
         for s in SCENARIOS
         if s.key == "hetero"
     )
-    # The smoke run leaves out the A/A copy: a fourth fleet on a loaded test machine made
-    # its bounded run miss its deadline, and it checks the report's shape, not noise.
-    policies = tuple(p.key for p in SUITE_POLICIES if p.default and p.key != "affinity_copy")
+    # Three fleets: a fourth on a loaded test machine made the bounded run miss its deadline,
+    # and the smoke run checks the report's shape, not noise. The oracle is affinity alone
+    # with static weights, so it checks both.
+    policies = ("round_robin", ORACLE, RECOMMENDED)
     return SuiteConfig(
         replicas=4,
         sim=sim,
@@ -259,6 +365,7 @@ def config_dict(config: SuiteConfig) -> dict[str, Any]:
     return {
         "replicas": config.replicas,
         "sim": asdict(config.sim),
+        "batch_sizes": list(config.batch_sizes),
         "seeds": list(config.seeds),
         "slo_ttft": config.slo_ttft,
         "agent_interval": config.agent_interval,

@@ -42,6 +42,7 @@ from bench.rig.stack import MODEL, start_agent
 from bench.rig.workload import Workload, oracle_hit_rate
 from bench.routing.fleets import (
     Fleet,
+    bound_changes,
     idle,
     kvpilot_weights,
     policy_body,
@@ -55,9 +56,18 @@ from bench.routing.fleets import (
 from bench.routing.measure import Timeline, measure, summary_line, weight_moves
 from bench.routing.replay import replay_all, start_workers
 from bench.routing.report import write_suite_report
-from bench.routing.scenarios import SCENARIOS, SUITE_POLICIES, Scenario, SuiteConfig, default_suite
+from bench.routing.scenarios import (
+    SCENARIOS,
+    SUITE_POLICIES,
+    Scenario,
+    SuiteConfig,
+    batch_key,
+    default_suite,
+    sim_at,
+)
 from bench.routing.sequential import RoutingConfig, calibrate
 from controlplane.local import ManagedProcess, free_port, local_stack
+from controlplane.local.process import LauncherError
 from controlplane.local.replicas import BackendProcess
 
 # --------------------------------------------------------------------------- the run
@@ -72,7 +82,8 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
     with contextlib.ExitStack() as exits:
         if state_dir is None:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvsuite-")))
-        say("starting etcd, kvpilot, Envoy and one fleet of simulated replicas per policy ...")
+        say("starting etcd, kvpilot and Envoy ...")
+        fastest = min(sim_at(config.sim, batch).time_scale for batch in config.batch_sizes)
         local = exits.enter_context(
             local_stack(
                 state_dir,
@@ -80,7 +91,7 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                 etcd_args=["--unsafe-no-fsync"],
                 # kvpilot's cap of one telemetry push a second, in simulated time as in real
                 # time: at a time scale of 0.5 a wall-clock second would be two simulated ones.
-                kvpilot_args=["--telemetry-push-interval", f"{config.sim.time_scale:g}"],
+                kvpilot_args=["--telemetry-push-interval", f"{fastest:g}"],
             )
         )
         client = KvpilotClient(local.kvpilot.api_url, token=local.admin_token)
@@ -92,59 +103,107 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
                 "spec": {"accessLog": False},
             }
         )
-        fleets = []
-        for policy in policies:
-            backends = BackendProcess(
-                config.replicas,
-                id_prefix=policy.key,
-                model=MODEL,
-                state_dir=state_dir / "backends",
-                simulator=config.sim,
-            )
-            exits.enter_context(backends.start())
-            fleets.append(Fleet(policy, backends, free_port()))
-        pool = exits.enter_context(start_workers(len(fleets)))
+        pool = exits.enter_context(start_workers(len(policies)))
         number = 0
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        # Seed by seed, every scenario each time, and the report rewritten after every run:
-        # a run stopped early still reports every scenario.
+        pools: dict[str, str] = {}
+        # Seed by seed, every batch size each time (with fleets of its own), every scenario
+        # each time, and the report rewritten after every run: a run stopped early still
+        # reports every scenario at every batch size.
         for seed in config.seeds:
-            for scenario in config.scenarios:
-                number += 1
-                workload, calibration = _calibrate(config, scenario, seed)
-                prompts = workload.system_prompts()
-                oracle = oracle_hit_rate(workload, config.sim.block_size, prompts)
-                summary = {**workload.summary(), **calibration, "oracle_hit_rate": oracle}
-                workloads.setdefault(scenario.key, []).append(summary)
-                say(
-                    f"\n== {scenario.title}, seed {seed}: {summary['requests']} requests, "
-                    f"{summary['sessions']} sessions, {summary['document_requests']} document "
-                    f"requests, oracle hit rate {oracle:.1%}"
-                )
-                runs, timelines = _run_once(
-                    pool, local, client, fleets, scenario, workload, config, number, state_dir
-                )
-                for fleet in fleets:
-                    measured = measure(
-                        runs[fleet.policy.key],
-                        replica_metrics(fleet),
-                        scenario,
-                        fleet.policy.key,
-                        oracle,
-                        config.slo_ttft,
-                        config.ramp,
-                    )
-                    measured["seed"] = seed
-                    if fleet.policy.key in timelines:
-                        timeline = timelines[fleet.policy.key]
-                        measured["weights"] = weight_moves(timeline, scenario.event)
-                        measured["weight_timeline"] = timeline
-                    results.setdefault(scenario.key, {}).setdefault(fleet.policy.key, []).append(
-                        measured
-                    )
-                    say(f"   {fleet.policy.key:>14}: {summary_line(measured)}")
-                write_suite_report(config, policies, workloads, results, stamp)
+            for batch in config.batch_sizes:
+                at_batch = replace(config, sim=sim_at(config.sim, batch))
+                with contextlib.ExitStack() as running:
+                    say(f"\n=== seed {seed}, batch size {batch}: a fleet of replicas per policy")
+                    fleets = []
+                    for policy in policies:
+                        backends = running.enter_context(
+                            _start_fleet(policy.key, at_batch, state_dir)
+                        )
+                        # The pool of the fleets before, so that the next run deletes it.
+                        old = pools.get(policy.key, "")
+                        fleets.append(Fleet(policy, backends, free_port(), old))
+                    for scenario in config.scenarios:
+                        number += 1
+                        active = [f for f in fleets if f.policy.runs_in(scenario.key)]
+                        _run_scenario(
+                            pool, local, client, active, scenario, seed, at_batch, number,
+                            state_dir, batch_key(scenario.key, batch), results, workloads,
+                        )  # fmt: skip
+                        write_suite_report(config, policies, workloads, results, stamp)
+                    pools = {fleet.policy.key: fleet.pool for fleet in fleets}
     return write_suite_report(config, policies, workloads, results, stamp)
+
+
+def _start_fleet(key: str, config: SuiteConfig, state_dir: Path) -> BackendProcess:
+    """One policy's replicas, started; a start that lost a port to another process on the
+    machine (the replicas pick free ports, which a neighbour may take first) is tried again."""
+    for attempt in range(3):
+        backends = BackendProcess(
+            config.replicas,
+            id_prefix=key,
+            model=MODEL,
+            state_dir=state_dir / "backends",
+            simulator=config.sim,
+        )
+        try:
+            return backends.start()
+        except LauncherError:
+            if attempt == 2:
+                raise
+            say(f"   {key}'s replicas did not start; trying again")
+    raise AssertionError("unreachable")
+
+
+def _run_scenario(
+    pool: concurrent.futures.ProcessPoolExecutor,
+    local: Any,
+    client: KvpilotClient,
+    fleets: Sequence[Fleet],
+    scenario: Scenario,
+    seed: int,
+    config: SuiteConfig,
+    number: int,
+    state_dir: Path,
+    key: str,
+    results: dict[str, dict[str, list[dict[str, Any]]]],
+    workloads: dict[str, list[dict[str, Any]]],
+) -> None:
+    """One scenario with one seed through every fleet; its numbers go into `results` and
+    `workloads` under `key`. `config.sim` is the replicas' at this batch size."""
+    workload, calibration = _calibrate(config, scenario, seed)
+    prompts = workload.system_prompts()
+    oracle = oracle_hit_rate(workload, config.sim.block_size, prompts)
+    summary = {**workload.summary(), **calibration, "oracle_hit_rate": oracle}
+    workloads.setdefault(key, []).append(summary)
+    say(
+        f"\n== {scenario.title}, batch size {config.sim.max_batch}, seed {seed}: "
+        f"{summary['requests']} requests, {summary['sessions']} sessions, "
+        f"{summary['document_requests']} document requests, oracle hit rate {oracle:.1%}"
+    )
+    runs, timelines, bounds = _run_once(
+        pool, local, client, fleets, scenario, workload, config, number, state_dir
+    )
+    for fleet in fleets:
+        measured = measure(
+            runs[fleet.policy.key],
+            replica_metrics(fleet),
+            scenario,
+            fleet.policy.key,
+            oracle,
+            config.slo_ttft,
+            config.ramp,
+        )
+        measured["seed"] = seed
+        measured["batch"] = config.sim.max_batch
+        if fleet.policy.key in bounds:
+            measured["bound_changes"] = bounds[fleet.policy.key]
+        if fleet.policy.key in timelines:
+            timeline = timelines[fleet.policy.key]
+            measured["weights"] = weight_moves(timeline, scenario.event)
+            measured["weight_timeline"] = timeline
+        results.setdefault(key, {}).setdefault(fleet.policy.key, []).append(measured)
+        say(f"   {fleet.policy.key:>16}: {summary_line(measured)}")
 
 
 def _calibrate(
@@ -176,14 +235,16 @@ def _run_once(
     config: SuiteConfig,
     number: int,
     state_dir: Path,
-) -> tuple[dict[str, RunResult], dict[str, Timeline]]:
-    """One workload through every fleet at once. Each run gets fresh pool names, so kvpilot
-    starts it with no memory of the last one (telemetry, hysteresis)."""
+) -> tuple[dict[str, RunResult], dict[str, Timeline], dict[str, float]]:
+    """One workload through every fleet at once; with the replays' results and kvpilot's
+    weights over time, how often each capacity-bound fleet's session requests changed their
+    bounded load (route updates) during the replay. Each run gets fresh pool names, so
+    kvpilot starts it with no memory of the last one (telemetry, hysteresis)."""
     begun = time.monotonic()
     old = [fleet.pool for fleet in fleets if fleet.pool]
     for fleet in fleets:
         fleet.pool = f"run{number}-{fleet.policy.key.replace('_', '-')}"
-        client.put(pool_body(fleet))
+        client.put(pool_body(fleet, scenario))
         client.put(policy_body(fleet))
     for name in old:
         client.delete("pools", name)
@@ -220,14 +281,22 @@ def _run_once(
         ready = time.monotonic()
         asyncio.run(prepare_all())
         warm = time.monotonic()
+        before = bound_changes(local.kvpilot.api_url)
         runs, timelines = replay_all(
             pool, fleets, workload, scenario, config, local.kvpilot.api_url
         )
+        after = bound_changes(local.kvpilot.api_url)
+        bounds = {
+            fleet.policy.key: after.get(route, 0.0) - before.get(route, 0.0)
+            for fleet in fleets
+            if fleet.telemetry
+            and (route := f"{policy_body(fleet)['metadata']['name']}/llm") in after
+        }
         say(
             f"   wall time: {ready - begun:.1f}s to configure, {warm - ready:.1f}s to warm the "
             f"caches, {time.monotonic() - warm:.1f}s to replay"
         )
-        return runs, timelines
+        return runs, timelines, bounds
     finally:
         for agent in agents:
             agent.stop()

@@ -135,6 +135,20 @@ class LiveDecisions:
                 math.nan if decision.fill is None else decision.fill
             )
             before = self.saturation.get(route)
+            if decision.factor:
+                metrics.bounded_load.labels(route).set(decision.factor)
+                if before is not None and before.factor != decision.factor:
+                    metrics.bounded_load_changes.labels(route).inc()
+                    log.info(
+                        "%s: at batch fill %s the busiest replica fits its batch at %s%%; "
+                        "session requests take the %d%% bound (was %d%%)",
+                        route,
+                        decision.fill,
+                        decision.wanted,
+                        decision.factor,
+                        before.factor,
+                    )
+                continue
             if before is not None and before.saturated != decision.saturated:
                 log.info(
                     "%s: replicas %s at batch fill %s; session requests take the %s bound",
@@ -146,6 +160,8 @@ class LiveDecisions:
         for route in self.saturation.keys() - plan.saturation.keys():
             metrics.saturated.remove(route)
             metrics.batch_fill.remove(route)
+            if self.saturation[route].factor:
+                metrics.bounded_load.remove(route)
         self.saturation = plan.saturation
         # A little after the dwell ends, so it has passed on any rounding.
         self._calm_at = min((d.calm_at for d in plan.saturation.values()), default=math.inf) + 0.05

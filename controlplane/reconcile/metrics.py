@@ -120,6 +120,20 @@ class ReconcileMetrics:
             ["route"],
             **kwargs,
         )
+        self.bounded_load = Gauge(
+            "kvpilot_route_bounded_load",
+            "The bounded load (percent of the mean requests in flight) a capacity-bound "
+            "telemetry route's session requests take now (sessionAffinity.capacityBound).",
+            ["route"],
+            **kwargs,
+        )
+        self.bounded_load_changes = Counter(
+            "kvpilot_bounded_load_changes",
+            "Changes of a capacity-bound route's bounded load: each a route update (RDS) "
+            "to another twin of the same ring, never a cluster update.",
+            ["route"],
+            **kwargs,
+        )
         self.batch_fill = Gauge(
             "kvpilot_route_batch_fill",
             "Mean batch fill ((running + waiting) / batch size) of a telemetry route's "

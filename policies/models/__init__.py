@@ -99,6 +99,7 @@ from policies.models.rollout import (
     RolloutTarget,
 )
 from policies.models.route import (
+    BOUNDED_LOAD_LADDER,
     DEFAULT_RETRY_ON,
     TELEMETRY_HASH_BALANCE_FACTOR,
     TELEMETRY_SATURATED_HASH_BALANCE_FACTOR,
@@ -121,6 +122,7 @@ from policies.models.route import (
 
 __all__ = [
     "API_VERSION",
+    "BOUNDED_LOAD_LADDER",
     "CAPACITIES",
     "CURRENCIES",
     "DEFAULT_BIAS",

@@ -139,6 +139,15 @@ batches a queue at one replica while another has a free slot is what costs, and 
 scenario benchmark's overload 100 cut TTFT p99 to under half of 125's."""
 
 
+BOUNDED_LOAD_LADDER: tuple[int, ...] = (100, 125, 150, 200, 300)
+"""The bounded loads a ``capacityBound`` route may take (percent of the mean in flight), each
+its own consistent-hash twin of one ring. About 1.25-1.5x apart: the factor that lets the
+busiest replica fill its batch and no more, ``100 * batch / mean in flight``, is 100 at full
+batches, 125-150 at the calm fill of small batches and 200-300 at the calm fill of large
+ones (the scenario benchmark at batch sizes 8, 32 and 128). Five twins cost Envoy little
+(docs/benchmarks.md)."""
+
+
 class SessionAffinity(Model):
     """Send a conversation's turns to the replica that holds its KV cache.
 
@@ -172,6 +181,18 @@ class SessionAffinity(Model):
         "telemetry. 0 keeps hashBalanceFactor always. Default: 100 on a route with balancing: "
         "telemetry, else 0.",
     )
+    capacity_bound: bool = Field(
+        False,
+        description="Bounded load follows the replicas' batch capacity: session requests take "
+        "the largest of the bounds 100, 125, 150, 200 and 300 (each a twin of one ring) at "
+        "which the busiest replica still fits its batch, 100 x batch size / mean requests in "
+        "flight, read from live telemetry (vLLM's max_num_seqs or kvpilot agent "
+        "--max-running). saturatedHashBalanceFactor is the tightest it goes; without a "
+        "known batch size it is hashBalanceFactor. Tightens at once, loosens after 5 s. "
+        "Needs balancing: telemetry. Default: false: under overload at batches of 8 it kept "
+        "hot sessions the fixed bounds spill (TTFT p99 1.4x theirs); at batches of 32 and 128 "
+        "it beat them (docs/bounded-load.md).",
+    )
     prefix_hash_chars: int = Field(
         0,
         ge=0,
@@ -198,6 +219,16 @@ class SessionAffinity(Model):
             name = to_camel(info.field_name or "")
             raise ValueError(f"{name} must be 0 (off) or at least 100 (percent)")
         return value
+
+    def ladder(self) -> tuple[int, ...]:
+        """The bounds of a ``capacityBound`` route, ascending: ``BOUNDED_LOAD_LADDER`` from
+        ``saturatedHashBalanceFactor`` (or the ladder's bottom when it is 0) up, plus
+        ``hashBalanceFactor`` (the bound without a known batch size). Empty on other routes."""
+        if not self.capacity_bound or not self.hash_balance_factor:
+            return ()
+        bottom = self.saturated_hash_balance_factor or BOUNDED_LOAD_LADDER[0]
+        rungs = {r for r in BOUNDED_LOAD_LADDER if r >= bottom}
+        return tuple(sorted(rungs | {bottom, self.hash_balance_factor}))
 
     @model_validator(mode="after")
     def _hot_prefixes(self) -> SessionAffinity:
@@ -328,8 +359,8 @@ class Route(Model):
     @classmethod
     def _telemetry_spills_sooner(cls, data: Any) -> Any:
         """A telemetry route's session affinity without its own factors gets
-        `TELEMETRY_HASH_BALANCE_FACTOR` and `TELEMETRY_SATURATED_HASH_BALANCE_FACTOR`
-        (written out, so a stored route shows them)."""
+        `TELEMETRY_HASH_BALANCE_FACTOR`, `TELEMETRY_SATURATED_HASH_BALANCE_FACTOR` and
+        ``capacityBound`` (written out, so a stored route shows them)."""
         if not isinstance(data, dict) or data.get("balancing") != "telemetry":
             return data
         key = "sessionAffinity" if "sessionAffinity" in data else "session_affinity"
@@ -380,4 +411,16 @@ class Route(Model):
                 "sessionAffinity.saturatedHashBalanceFactor needs balancing: telemetry "
                 "(saturation is read from the replicas' live telemetry)"
             )
+        affinity = self.session_affinity
+        if affinity is not None and affinity.capacity_bound:
+            if self.balancing != "telemetry":
+                raise ValueError(
+                    "sessionAffinity.capacityBound needs balancing: telemetry (the batch "
+                    "size and the requests in flight are read from live telemetry)"
+                )
+            if not affinity.hash_balance_factor:
+                raise ValueError(
+                    "sessionAffinity.capacityBound needs bounded load: set hashBalanceFactor "
+                    "above 0 or capacityBound: false"
+                )
         return self

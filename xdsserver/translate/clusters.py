@@ -23,6 +23,7 @@ from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import wrappers_pb2
 
 from compiler.plan import PlanCluster, PlanEndpoint
+from policies.models import SessionAffinity
 from policies.names import LOCAL_SUFFIX
 from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 from xdsserver.translate.protos import (
@@ -89,12 +90,7 @@ def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[clu
         # The saturated twin has the same endpoints, weights and hash keys, so the same
         # ring: a session keeps its replica whichever twin its request takes. Each twin
         # counts its own requests in flight.
-        for suffix in affinity_suffixes(cluster):
-            factor = (
-                affinity.saturated_hash_balance_factor
-                if suffix == SATURATED_SUFFIX
-                else affinity.hash_balance_factor
-            )
+        for suffix, factor in affinity_twins(cluster):
             twin = cluster_base(cluster, cluster.name + suffix, trusted_ca_file)
             if affinity.algorithm == "maglev":
                 twin.lb_policy = cluster_pb2.Cluster.MAGLEV
@@ -198,11 +194,35 @@ def aggregate_clusters(
 
 def affinity_suffixes(cluster: PlanCluster) -> tuple[str, ...]:
     """The name suffixes of a cluster's consistent-hash twins (none without affinity)."""
-    if cluster.affinity is None:
-        return ()
-    if cluster.affinity.saturated_hash_balance_factor:
-        return (AFFINITY_SUFFIX, SATURATED_SUFFIX)
-    return (AFFINITY_SUFFIX,)
+    return tuple(suffix for suffix, _ in affinity_twins(cluster))
+
+
+def twin_suffix(affinity: SessionAffinity, factor: int) -> str:
+    """The name suffix of the consistent-hash twin bounded at `factor` percent: the usual
+    bound's ``/affinity``, the saturated bound's ``/affinity-saturated``, any other rung of a
+    ``capacityBound`` ladder ``/affinity-<factor>``."""
+    if factor == affinity.hash_balance_factor:
+        return AFFINITY_SUFFIX
+    if factor == affinity.saturated_hash_balance_factor:
+        return SATURATED_SUFFIX
+    return f"{AFFINITY_SUFFIX}-{factor}"
+
+
+def affinity_twins(cluster: PlanCluster) -> tuple[tuple[str, int], ...]:
+    """(name suffix, bounded load) of each consistent-hash twin of a cluster (``twins``);
+    none without affinity."""
+    return () if cluster.affinity is None else twins(cluster.affinity)
+
+
+def twins(affinity: SessionAffinity) -> tuple[tuple[str, int], ...]:
+    """(name suffix, bounded load) of each consistent-hash twin of a route with `affinity`:
+    the usual one, the saturated one when the route tightens under saturation, one per rung
+    of a ``capacityBound`` route's ladder (``SessionAffinity.ladder``)."""
+    factors = [affinity.hash_balance_factor]
+    if affinity.saturated_hash_balance_factor:
+        factors.append(affinity.saturated_hash_balance_factor)
+    factors.extend(rung for rung in affinity.ladder() if rung not in factors)
+    return tuple((twin_suffix(affinity, factor), factor) for factor in factors)
 
 
 def model_subsets() -> cluster_pb2.Cluster.LbSubsetConfig:

@@ -11,7 +11,7 @@ from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
 from google.protobuf import wrappers_pb2
 
 from compiler.plan import PlanRoute
-from xdsserver.translate.clusters import AFFINITY_SUFFIX, SATURATED_SUFFIX
+from xdsserver.translate.clusters import AFFINITY_SUFFIX, SATURATED_SUFFIX, twin_suffix
 from xdsserver.translate.listeners import (
     LOCAL_RATELIMIT,
 )
@@ -76,6 +76,8 @@ def route_entry(
     suffix = ""
     if affinity:
         suffix = SATURATED_SUFFIX if route.saturated else AFFINITY_SUFFIX
+        if route.bound and route.affinity is not None:
+            suffix = twin_suffix(route.affinity, route.bound)
     action = route_components_pb2.RouteAction(
         cluster=route.cluster + suffix,
         timeout=duration(route.timeouts.request),

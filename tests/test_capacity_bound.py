@@ -1,0 +1,277 @@
+"""Bounded load that follows the replicas' batch capacity (``sessionAffinity.capacityBound``):
+the factor ``100 * batch / mean in flight``, its ladder of twins with hysteresis, the route
+model's defaults, and where it lands in the plan and in Envoy's resources (one twin per rung,
+the route entry's cluster)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from harness.builders import policy, pool
+from pydantic import ValidationError
+
+from compiler.compile import PolicyState, compile_plan
+from policies.models import BOUNDED_LOAD_LADDER, Endpoint, Pool, Route, RoutingPolicy
+from signals.saturation import (
+    LOOSEN_MARGIN,
+    MIN_DWELL,
+    SaturationDecision,
+    capacity_factor,
+    decide_bound,
+    in_flight,
+)
+from signals.telemetry import TelemetryRecord
+from xdsserver.translate import translate
+
+LADDER = (100, 125, 150, 200, 300)
+USUAL = 125
+NOW = 1000.0
+PORTS = (8001, 8002, 8003, 8004)
+
+
+def record(
+    running: float, waiting: float = 0.0, *, at: float = NOW - 1, batch: float | None = 8
+) -> TelemetryRecord:
+    return TelemetryRecord(at=at, running=running, waiting=waiting, max_running=batch)
+
+
+def _state(running: float, previous: SaturationDecision | None = None) -> PolicyState:
+    """A telemetry route at its defaults over four replicas running `running` each in
+    batches of 8."""
+    objects = [
+        Pool.model_validate(pool("p", list(PORTS))),
+        RoutingPolicy.model_validate(
+            policy(
+                "r",
+                10000,
+                [
+                    {
+                        "name": "live",
+                        "balancing": "telemetry",
+                        "sessionAffinity": {"capacityBound": True},
+                        "tiers": [["p"]],
+                    }
+                ],
+            )
+        ),
+    ]
+    return PolicyState.from_objects(
+        objects,
+        telemetry={"p": {f"127.0.0.1:{port}": record(running) for port in PORTS}},
+        previous_saturation={"r/live": previous} if previous else {},
+        now=NOW,
+    )
+
+
+def _session_clusters(plan: Any) -> set[str]:
+    """The clusters of the route entries that hash on the session header."""
+    resources = translate(plan.fleets[0])
+    return {
+        entry.route.cluster
+        for configuration in resources.routes
+        for vhost in configuration.virtual_hosts
+        for entry in vhost.routes
+        if entry.route.hash_policy
+    }
+
+
+def at(factor: int, since: float = NOW - 100) -> SaturationDecision:
+    return SaturationDecision(saturated=factor == 100, since=since, factor=factor)
+
+
+@pytest.mark.parametrize(
+    ("batch", "mean", "factor"),
+    [
+        pytest.param(8, 6, 100 * 8 / 6, id="batches of 8 three quarters full: 133"),
+        pytest.param(32, 12, 100 * 32 / 12, id="batches of 32 at 12 in flight: 267"),
+        pytest.param(8, 10, 80, id="queues: below 100"),
+        pytest.param(8, 0, math.inf, id="idle: no bound needed"),
+    ],
+)
+def test_the_bound_lets_the_busiest_replica_fill_its_batch(
+    batch: float, mean: float, factor: float
+) -> None:
+    assert capacity_factor(batch, mean) == pytest.approx(factor)
+
+
+@pytest.mark.parametrize(
+    ("previous", "load", "factor"),
+    [
+        pytest.param(None, None, USUAL, id="no batch size known: the usual bound"),
+        pytest.param(at(300), None, USUAL, id="telemetry gone: back to the usual bound"),
+        pytest.param(None, (6, 8), 125, id="batches of 8 at 0.75: 125, the largest rung <= 133"),
+        pytest.param(None, (14, 32), 200, id="batches of 32 under half full: 200"),
+        pytest.param(None, (16, 32), 150, id="exactly 200 allowed: the margin keeps 150"),
+        pytest.param(None, (30, 128), 300, id="batches of 128 under a quarter: the top rung"),
+        pytest.param(None, (9, 8), 100, id="queues: the floor"),
+        pytest.param(at(300), (24, 32), 125, id="tightens at once, down to what fits"),
+        pytest.param(at(200, NOW - 1), (20, 32), 150, id="tightens even within the dwell"),
+        pytest.param(at(150), (16, 32), 150, id="200 allowed but not cleared by the margin"),
+        pytest.param(at(150), (14, 32), 200, id="cleared by the margin: looser"),
+        pytest.param(at(150, NOW - 1), (8, 32), 150, id="looser only after the dwell"),
+        pytest.param(at(100), (2, 32), 300, id="after the dwell, straight to the rung it clears"),
+    ],
+)
+def test_the_rung_tightens_at_once_and_loosens_with_margin_and_dwell(
+    previous: SaturationDecision | None, load: tuple[float, float] | None, factor: int
+) -> None:
+    decision = decide_bound(previous, load, now=NOW, ladder=LADDER, usual=USUAL)
+    assert decision.factor == factor
+    assert decision.saturated is (factor == LADDER[0])
+    before = previous.factor if previous else USUAL
+    assert decision.since == (
+        NOW if factor != before else (previous.since if previous else -math.inf)
+    )
+
+
+def test_a_looser_rung_held_back_by_its_dwell_is_due_when_the_dwell_ends() -> None:
+    held = decide_bound(at(150, NOW - 1), (8, 32), now=NOW, ladder=LADDER, usual=USUAL)
+    assert held.factor == 150 and held.calm_at == NOW - 1 + MIN_DWELL
+    later = decide_bound(held, (8, 32), now=held.calm_at, ladder=LADDER, usual=USUAL)
+    assert later.factor == 300 and later.calm_at == math.inf
+    # Nothing looser to wait for: no rebuild due.
+    assert decide_bound(at(150), (24, 32), now=NOW, ladder=LADDER, usual=USUAL).calm_at == (
+        math.inf
+    )
+
+
+def test_noise_around_a_rung_changes_nothing_within_the_margin() -> None:
+    """A pool whose factor wanders between a rung and the rung above times the margin keeps
+    its rung: no route update at all."""
+    decision = at(150)
+    for mean in (16.0, 15.0, 16.5, 14.6, 17.0, 15.5):
+        assert 150 <= capacity_factor(32, mean) < 200 * LOOSEN_MARGIN
+        decision = decide_bound(decision, (mean, 32), now=NOW, ladder=LADDER, usual=USUAL)
+        assert decision.factor == 150
+
+
+def test_in_flight_is_the_mean_over_fresh_records_that_know_their_batch() -> None:
+    endpoints = [Endpoint(address="10.0.0.1", port=port) for port in PORTS]
+    telemetry = {
+        "10.0.0.1:8001": record(8, 4, batch=16),
+        "10.0.0.1:8002": record(4, batch=32),
+        "10.0.0.1:8003": record(8, at=NOW - 60),  # stale: left out
+        "10.0.0.1:8004": record(8, batch=None),  # no batch size
+    }
+    assert in_flight(endpoints, telemetry, now=NOW, max_age=10) == (8.0, 24.0)
+    assert in_flight(endpoints[2:], telemetry, now=NOW, max_age=10) is None
+
+
+# --------------------------------------------------------------------------- the route model
+
+
+def _affinity(**route: Any) -> Any:
+    affinity = Route.model_validate({"name": "r", "tiers": [["p"]], **route}).session_affinity
+    assert affinity is not None
+    return affinity
+
+
+@pytest.mark.parametrize(
+    ("route", "ladder"),
+    [
+        pytest.param({"balancing": "telemetry", "sessionAffinity": {}}, (), id="off by default"),
+        pytest.param(
+            {"balancing": "telemetry", "sessionAffinity": {"capacityBound": True}},
+            LADDER,
+            id="turned on",
+        ),
+        pytest.param(
+            {
+                "balancing": "telemetry",
+                "sessionAffinity": {"capacityBound": True, "saturatedHashBalanceFactor": 150},
+            },
+            (125, 150, 200, 300),
+            id="the saturated bound is the floor; the usual one stays a rung",
+        ),
+        pytest.param(
+            {
+                "balancing": "telemetry",
+                "sessionAffinity": {"capacityBound": True, "hashBalanceFactor": 175},
+            },
+            (100, 125, 150, 175, 200, 300),
+            id="an own usual bound is a rung",
+        ),
+        pytest.param(
+            {"balancing": "telemetry", "sessionAffinity": {"capacityBound": False}},
+            (),
+            id="turned off: two fixed bounds",
+        ),
+        pytest.param(
+            {"balancing": "telemetry", "sessionAffinity": {"hashBalanceFactor": 0}},
+            (),
+            id="bounded load off stays off",
+        ),
+        pytest.param({"sessionAffinity": {}}, (), id="not a telemetry route"),
+    ],
+)
+def test_a_telemetry_route_follows_capacity_when_told_to(
+    route: dict[str, Any], ladder: tuple[int, ...]
+) -> None:
+    assert _affinity(**route).ladder() == ladder
+    assert BOUNDED_LOAD_LADDER == LADDER
+
+
+@pytest.mark.parametrize(
+    ("route", "message"),
+    [
+        pytest.param(
+            {"sessionAffinity": {"capacityBound": True}},
+            "capacityBound needs balancing: telemetry",
+            id="needs telemetry",
+        ),
+        pytest.param(
+            {
+                "balancing": "telemetry",
+                "sessionAffinity": {"capacityBound": True, "hashBalanceFactor": 0},
+            },
+            "capacityBound needs bounded load",
+            id="needs bounded load",
+        ),
+    ],
+)
+def test_a_capacity_bound_that_cannot_work_is_refused(route: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Route.model_validate({"name": "r", "tiers": [["p"]], **route})
+
+
+# --------------------------------------------------------------------------- plan and Envoy
+
+
+def test_session_requests_take_the_twin_whose_bound_fits_the_batch() -> None:
+    # Batches of 8: 2 in flight allows 400% (the top rung), 6 allows 133% (125), 8 is full.
+    calm = compile_plan(_state(running=2))
+    assert calm.saturation["r/live"].factor == 300
+    assert _session_clusters(calm) == {"r/live/affinity-300"}
+
+    busy = compile_plan(_state(running=6, previous=calm.saturation["r/live"]))
+    assert busy.saturation["r/live"].factor == 125
+    assert _session_clusters(busy) == {"r/live/affinity"}
+
+    full = compile_plan(_state(running=8, previous=busy.saturation["r/live"]))
+    assert full.saturation["r/live"].factor == 100
+    assert _session_clusters(full) == {"r/live/affinity-saturated"}
+
+    # Only the route entries change (RDS): every twin exists either way, on one ring.
+    resources = [translate(plan.fleets[0]) for plan in (calm, busy, full)]
+    assert resources[0].clusters == resources[1].clusters == resources[2].clusters
+    assert resources[0].endpoints == resources[2].endpoints
+    twins = {
+        c.name: c.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value
+        for c in resources[0].clusters
+        if c.name.startswith("r/live/affinity")
+    }
+    assert twins == {
+        "r/live/affinity": 125,
+        "r/live/affinity-saturated": 100,
+        "r/live/affinity-150": 150,
+        "r/live/affinity-200": 200,
+        "r/live/affinity-300": 300,
+    }
+    services = {
+        c.eds_cluster_config.service_name
+        for c in resources[0].clusters
+        if c.name.startswith("r/live")
+    }
+    assert len(services) == 1
