@@ -43,6 +43,7 @@ bench: $(STAMP)
 	test -n "$(BENCH_ARGS)" || $(BIN)/python -m bench rollout
 	test -n "$(BENCH_ARGS)" || $(BIN)/python -m bench classes
 	test -n "$(BENCH_ARGS)" || $(BIN)/python -m bench regions
+	test -n "$(BENCH_ARGS)" || $(BIN)/python -m bench cost
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -14,6 +14,7 @@ from bench.adapters.entry import BENCHMARK as ADAPTERS
 from bench.benchmark import Benchmark
 from bench.classes.entry import BENCHMARK as CLASSES
 from bench.controlplane.entry import BENCHMARK as CONTROLPLANE
+from bench.cost.entry import BENCHMARK as COST
 from bench.difficulty.entry import BENCHMARK as DIFFICULTY
 from bench.regions.entry import BENCHMARK as REGIONS
 from bench.rollout.entry import BENCHMARK as ROLLOUT
@@ -27,9 +28,10 @@ BENCHMARKS: Sequence[Benchmark] = (
     DIFFICULTY,
     ADAPTERS,
     REGIONS,
+    COST,
 )
 """Every benchmark, in the order ``--help`` lists them. `make bench` runs the first
-(`DEFAULT`), then ``rollout``, then ``classes``, then ``regions``."""
+(`DEFAULT`), then ``rollout``, then ``classes``, then ``regions``, then ``cost``."""
 
 DEFAULT = ROUTING.name
 """What ``python -m bench`` runs when no benchmark is named."""

@@ -186,6 +186,9 @@ async def serve(
         reconciler.set_difficulty,
         registry=registry,
     )
+    # Overflow skips a paid pool that answered 429 until its Retry-After has passed.
+    reconciler.provider_backoff = signals.rests.active
+    signals.rests.listeners.append(reconciler.live_changed)
     register_rollout_metrics(registry, lambda: mirror.items)
 
     app = create_app(

@@ -23,6 +23,9 @@ Design choices, each forced by what Envoy does:
   other regions as EDS priorities within each tier, and capacity kinds in a pool's preferred
   order (``compiler.locality``); a saturated locality spills by its ClusterLoadAssignment's
   overprovisioning factor (``signals.spill``).
+- Routes with overflow send a share of their requests to the cheapest paid pool that is not
+  resting after a 429 while their first tier is saturated (``signals.overflow``): a runtime
+  fraction and a cluster of route entries (RDS).
 
 This module runs the stages in order; each lives in a module of its own: ``state`` (what
 compilation reads), ``live`` (telemetry weights, admission and saturation), ``routes`` (one route's
@@ -47,6 +50,7 @@ from compiler.locality import (
     spill_decision,
     spill_key,
 )
+from compiler.memo import MemoEntry, RouteMemo
 from compiler.models import served_models
 from compiler.plan import (
     Diagnostic,
@@ -56,10 +60,14 @@ from compiler.plan import (
     PlanVirtualHost,
     RoutingPlan,
 )
-from compiler.routes import MemoEntry, RouteMemo
 from policies.models import FleetSpec, Locality, RoutingPolicy
 from policies.names import cluster_name, listener_name
-from signals.live import admission_decisions, saturation_decisions, telemetry_weights
+from signals.live import (
+    admission_decisions,
+    overflow_decisions,
+    saturation_decisions,
+    telemetry_weights,
+)
 from signals.spill import SpillDecision
 from signals.state import PolicyState, pool_endpoints
 
@@ -94,6 +102,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
     admission = admission_decisions(state)
     saturation = saturation_decisions(state)
     served = served_models(state)
+    overflow = overflow_decisions(state)
     for policy_name in sorted(state.policies):
         policy = state.policies[policy_name]
         policy_clusters = []
@@ -110,6 +119,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 admission.get(name),
                 saturated=saturated is not None and saturated.saturated,
                 served=served,
+                overflow=overflow.get(name),
                 bound=saturated.factor if saturated is not None else 0,
             )
             entries[name] = entry
@@ -145,7 +155,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
     fleets = []
     spill: dict[str, SpillDecision] = {}
     for fleet in fleet_names(state):
-        in_fleet = fleet_compiled(state, fleet, compiled, weights, admission)
+        in_fleet = fleet_compiled(state, fleet, compiled, weights, admission, overflow)
         fleet_object = state.fleets.get(fleet)
         settings = fleet_object.spec if fleet_object is not None else FleetSpec()
         for name, where in placed_views(fleet, settings, state):
@@ -168,8 +178,12 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                         max_request_body_bytes=settings.max_request_body_bytes,
                         access_log=settings.access_log,
                         drain_timeout=settings.drain_timeout,
+                        # Rollouts read every attempt; overflow learns which paid pool
+                        # answered 429 and for how long (its Retry-After).
                         upstream_signals=any(
-                            route.cluster in watched for vhost in vhosts for route in vhost.routes
+                            route.cluster in watched or route.overflow is not None
+                            for vhost in vhosts
+                            for route in vhost.routes
                         ),
                         tracing=settings.tracing,
                     )
@@ -193,6 +207,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         saturation=saturation,
         difficulty=state.difficulty,
         spill=spill,
+        overflow=overflow,
     )
 
 

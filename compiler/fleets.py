@@ -11,6 +11,7 @@ from compiler.routes import compile_route
 from policies.models import RoutingPolicy
 from policies.names import cluster_name
 from signals.admission import AdmissionDecision
+from signals.overflow import OverflowDecision
 from signals.state import PolicyState
 from signals.weights import WeightDecision
 
@@ -53,6 +54,7 @@ def fleet_compiled(
     compiled: Mapping[str, tuple[list[PlanCluster], PlanVirtualHost]],
     weights: Mapping[str, Mapping[str, WeightDecision]],
     admission: Mapping[str, AdmissionDecision],
+    overflow: Mapping[str, OverflowDecision] | None = None,
 ) -> Mapping[str, tuple[list[PlanCluster], PlanVirtualHost]]:
     """``compiled``, with the policies whose tiers weigh pools differently in ``fleet``
     compiled again as that fleet gets them (a rollout's canary fleet; rare and short-lived,
@@ -65,8 +67,14 @@ def fleet_compiled(
         clusters: list[PlanCluster] = []
         routes = []
         for route in variant.spec.routes:
+            key = cluster_name(name, route.name)
             route_clusters, plan_route = compile_route(
-                variant, route, state, weights, admission.get(cluster_name(name, route.name))
+                variant,
+                route,
+                state,
+                weights,
+                admission.get(key),
+                overflow=(overflow or {}).get(key),
             )
             clusters.extend(route_clusters)
             routes.append(plan_route)

@@ -31,6 +31,7 @@ from policies.models import (
 )
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
+from signals.overflow import OverflowDecision
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.weights import WeightDecision
@@ -130,6 +131,21 @@ class PlanClass:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanOverflow:
+    """Where a route's overflow goes and how much of it (``signals.overflow``)."""
+
+    cluster: str
+    """The aggregate cluster of the paid pool that takes the overflow (then the other paid
+    pools, then the route's replicas, for retries); empty when no paid pool can take any."""
+    plain: float
+    """Share of the requests without a session header sent there, 0 to 1."""
+    sessions: float
+    """Share of the requests with a session header sent there, 0 to 1."""
+    members: int = 1
+    """Clusters in that aggregate: retries move across them."""
+
+
+@dataclass(frozen=True, slots=True)
 class PlanBudgetBlock:
     """A tenant past its budget on one route: Envoy answers its requests 429 (or sends them
     to ``divert_cluster``) until ``reset_at``."""
@@ -185,6 +201,8 @@ class PlanRoute:
     /v1/models``'s ``parent``."""
     pools: tuple[str, ...] = ()
     """The route's pools in tier order (for traces)."""
+    overflow: PlanOverflow | None = None
+    """The route's overflow to paid pools (``Route.overflow``); None without."""
     budget_blocks: tuple[PlanBudgetBlock, ...] = ()
     """Tenants past a budget, whose requests Envoy turns away (or diverts) first."""
     bound: int = 0
@@ -343,6 +361,13 @@ class PlanListener:
         )
 
     @property
+    def overflows(self) -> bool:
+        """True when some route here sends overflow to paid pools."""
+        return any(
+            route.overflow is not None for vhost in self.virtual_hosts for route in vhost.routes
+        )
+
+    @property
     def classified(self) -> bool:
         """True when some route has service classes. The listener then always carries what
         shedding needs (the counting filter, the shed reply), whether or not anything is shed
@@ -402,6 +427,9 @@ class RoutingPlan:
     spill: Mapping[str, SpillDecision] = field(default_factory=dict, hash=False)
     """What share of each located fleet's traffic its own locality keeps, per route cluster:
     ``fleet/policy/route`` -> decision (``compiler.locality``)."""
+    overflow: Mapping[str, OverflowDecision] = field(default_factory=dict, hash=False)
+    """What telemetry decided for routes with paid overflow pools: route (``policy/route``)
+    -> decision."""
 
     def fleet(self, name: str) -> FleetPlan | None:
         """The plan of fleet ``name``, or None."""

@@ -1,16 +1,24 @@
 """Compile one route: its clusters (one EDS cluster with failover tier k at priority k, a DNS
-cluster per external provider, an aggregate over them), its route entry with its service
-classes, its diagnostics, and a memo that recompiles a route only when its inputs changed."""
+cluster per external provider, an aggregate over them, and its paid overflow pools), its route
+entry with its service classes, and its diagnostics (``compiler.memo`` reuses a compiled route
+while its inputs are unchanged)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from compiler.models import NO_MODELS, PoolModels
-from compiler.plan import Diagnostic, PlanClass, PlanCluster, PlanEndpoint, PlanRoute
+from compiler.plan import (
+    Diagnostic,
+    PlanClass,
+    PlanCluster,
+    PlanEndpoint,
+    PlanOverflow,
+    PlanRoute,
+)
 from policies.models import (
     ClassQueue,
     Pool,
@@ -20,8 +28,15 @@ from policies.models import (
     Tier,
 )
 from policies.models.classes import DEFAULT_TENANT_HEADER
-from policies.names import LOCAL_SUFFIX, cluster_name, queue_cluster_name
+from policies.names import (
+    LOCAL_SUFFIX,
+    cluster_name,
+    overflow_cluster_name,
+    provider_cluster_name,
+    queue_cluster_name,
+)
 from signals.admission import AdmissionDecision
+from signals.overflow import OverflowDecision, provider_order
 from signals.state import PolicyState, is_external, pool_endpoints
 from signals.weights import WeightDecision
 
@@ -191,6 +206,20 @@ def route_diagnostics(
                         path,
                     )
                 )
+    if route.overflow is not None:
+        for pool_index, pool_name in enumerate(route.overflow.pools):
+            path = f"spec.routes[{index}].overflow.pools[{pool_index}]"
+            paid = state.pools.get(pool_name)
+            if paid is None:
+                message = f"pool {pool_name!r} does not exist (yet); overflow skips it"
+            elif not is_external(paid):
+                message = (
+                    f"pool {pool_name!r} is not an external provider (TLS or DNS-named "
+                    "endpoints); overflow skips it"
+                )
+            else:
+                continue
+            out.append(Diagnostic("warning", "RoutingPolicy", name, message, path))
     if len(protocols) > 1:
         out.append(
             Diagnostic(
@@ -255,13 +284,16 @@ def compile_route(
     *,
     saturated: bool = False,
     served: Mapping[str, PoolModels] | None = None,
+    overflow: OverflowDecision | None = None,
     bound: int = 0,
 ) -> tuple[list[PlanCluster], PlanRoute]:
     """The clusters of one route and its route entry.
 
     Replicas (IP endpoints) of every tier go into one EDS cluster at priority = tier. External
     provider pools get a DNS cluster each; when a route has any, an aggregate cluster puts the
-    replicas first and the providers after them, in tier order.
+    replicas first and the providers after them, in tier order. A route with overflow gets its
+    paid pools' clusters and one aggregate per paid pool (``_overflow_clusters``); which one
+    its overflow takes, and how much, is the route entry's (`overflow`, RDS alone).
     """
     name = cluster_name(policy.metadata.name, route.name)
     route_weights = weights if route.balancing == "telemetry" else {}
@@ -349,31 +381,89 @@ def compile_route(
         for c in (classes.queued if classes is not None else [])
     )
     if not providers:
-        return [
-            _cluster(name, route, spec, endpoints, queues=queues, model_subsets=subsets)
-        ], plan_route
-    members: list[str] = []
-    clusters: list[PlanCluster] = []
-    if local:
-        local_name = name + LOCAL_SUFFIX
-        clusters.append(
-            _cluster(
-                local_name,
-                route,
-                spec,
-                endpoints,
-                eds_service=name,
-                queues=queues,
-                model_subsets=subsets,
+        out = [_cluster(name, route, spec, endpoints, queues=queues, model_subsets=subsets)]
+        replicas = name
+    else:
+        members: list[str] = []
+        clusters: list[PlanCluster] = []
+        if local:
+            local_name = name + LOCAL_SUFFIX
+            clusters.append(
+                _cluster(
+                    local_name,
+                    route,
+                    spec,
+                    endpoints,
+                    eds_service=name,
+                    queues=queues,
+                    model_subsets=subsets,
+                )
             )
+            members.append(local_name)
+        for pool in providers:
+            provider = _provider_cluster(
+                provider_cluster_name(name, pool.metadata.name), route, pool, state
+            )
+            clusters.append(provider)
+            members.append(provider.name)
+        aggregate = _cluster(name, route, spec, (), kind="aggregate", members=tuple(members))
+        out = [aggregate, *clusters]
+        replicas = name + LOCAL_SUFFIX if local else ""
+    if route.overflow is None:
+        return out, plan_route
+    paid, plan_overflow = _overflow_clusters(
+        name, route, spec, state, replicas, {p.metadata.name for p in providers}, overflow
+    )
+    return [*out, *paid], replace(plan_route, overflow=plan_overflow)
+
+
+def _overflow_clusters(
+    name: str,
+    route: Route,
+    spec: PoolSpec,
+    state: PolicyState,
+    replicas: str,
+    in_tiers: set[str],
+    decision: OverflowDecision | None,
+) -> tuple[list[PlanCluster], PlanOverflow]:
+    """A route's paid pools: a DNS cluster each, and for each an aggregate that starts from
+    it, goes on to the other paid pools (cheapest first) and ends at the route's replicas, so
+    a request that one refuses (a 429) is retried on the next. Every paid pool has its
+    aggregate whether it takes overflow now or not: moving the overflow to another pool, or
+    stopping it, is then a route change alone (RDS), never a cluster change."""
+    assert route.overflow is not None
+    order = [
+        pool
+        for pool in provider_order(route.overflow, state.pools)
+        if is_external(state.pools[pool])
+    ]
+    clusters = [
+        _provider_cluster(provider_cluster_name(name, pool), route, state.pools[pool], state)
+        for pool in order
+        if pool not in in_tiers
+    ]
+    for first in order:
+        members = [provider_cluster_name(name, first)]
+        members += [provider_cluster_name(name, pool) for pool in order if pool != first]
+        members += [replicas] if replicas else []
+        aggregate = _cluster(
+            overflow_cluster_name(name, first),
+            route,
+            spec,
+            (),
+            kind="aggregate",
+            members=tuple(members),
         )
-        members.append(local_name)
-    for pool in providers:
-        provider = _provider_cluster(f"{name}/provider/{pool.metadata.name}", route, pool, state)
-        clusters.append(provider)
-        members.append(provider.name)
-    aggregate = _cluster(name, route, spec, (), kind="aggregate", members=tuple(members))
-    return [aggregate, *clusters], plan_route
+        clusters.append(replace(aggregate, affinity=None))
+    decision = decision or OverflowDecision()
+    chosen = decision.provider if decision.provider in order else ""
+    plan_overflow = PlanOverflow(
+        cluster=overflow_cluster_name(name, chosen) if chosen else "",
+        plain=decision.plain if chosen else 0.0,
+        sessions=decision.sessions if chosen else 0.0,
+        members=len(order) + (1 if replicas else 0),
+    )
+    return clusters, plan_overflow
 
 
 def _route_models(route: Route, offered: set[str], *, discovered: bool) -> tuple[str, ...]:
@@ -386,82 +476,3 @@ def _route_models(route: Route, offered: set[str], *, discovered: bool) -> tuple
     if route.adapters.fallback == "notFound" and discovered:
         models = tuple(model for model in models if model in offered)
     return models
-
-
-@dataclass(frozen=True, slots=True)
-class MemoEntry:
-    inputs: tuple[object, ...]
-    diagnostics: list[Diagnostic]
-    clusters: list[PlanCluster]
-    route: PlanRoute
-
-
-class RouteMemo:
-    """What `compile_plan` built for each route last time, and the objects it read to build it.
-
-    A route is compiled again only when it changed, or when one of its other inputs is not the
-    very object it was last time: for each pool it names the pool, its registered endpoints and its
-    telemetry weights. Callers that keep unchanged objects (the reconciler's decoded state
-    replaces a pool's endpoint mapping only when one of them changes) pay for what changed, not
-    for the fleet; an endpoint change recompiles the routes of its pool alone, and the plan's
-    other clusters stay the same objects, which translation compares by identity first. Inputs
-    are held, so an identity is never that of a collected object.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[str, MemoEntry] = {}
-
-    def route(
-        self,
-        policy: RoutingPolicy,
-        index: int,
-        route: Route,
-        state: PolicyState,
-        weights: Mapping[str, Mapping[str, WeightDecision]],
-        admission: AdmissionDecision | None = None,
-        *,
-        saturated: bool = False,
-        served: Mapping[str, PoolModels] | None = None,
-        bound: int = 0,
-    ) -> MemoEntry:
-        """The compiled route, reused when its inputs are unchanged."""
-        route_weights = weights if route.balancing == "telemetry" else {}
-        names = [target.pool for tier in route.tiers for target in tier.pools]
-        route_served = tuple((served or {}).get(name) for name in names)
-        inputs = (
-            (route, policy.spec.service_classes, admission, saturated, route_served, bound),
-            index,
-            *(state.pools.get(name) for name in names),
-            *(state.registered.get(name) for name in names),
-            *(route_weights.get(name) for name in names),
-        )
-        name = cluster_name(policy.metadata.name, route.name)
-        entry = self._entries.get(name)
-        if (
-            entry is not None
-            and len(entry.inputs) == len(inputs)
-            # The route, its policy's service classes, admission, saturation and what its
-            # pools serve are small, and a policy edit makes them all new objects (telemetry
-            # makes new served models on every record): compare them by value; the rest is
-            # large and compared by identity.
-            and entry.inputs[0] == inputs[0]
-            and all(a is b for a, b in zip(entry.inputs[1:], inputs[1:], strict=True))
-        ):
-            return entry
-        clusters, plan_route = compile_route(
-            policy,
-            route,
-            state,
-            weights,
-            admission,
-            saturated=saturated,
-            served=served,
-            bound=bound,
-        )
-        return MemoEntry(
-            inputs, route_diagnostics(policy, index, route, state), clusters, plan_route
-        )
-
-    def keep(self, entries: dict[str, MemoEntry]) -> None:
-        """Remember exactly this compile's routes (dropping the ones that are gone)."""
-        self._entries = entries

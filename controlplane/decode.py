@@ -21,6 +21,7 @@ from policies import PATH_KINDS, Endpoint, PolicyError, PolicyObject, jsondoc, p
 from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
+from signals.overflow import OverflowDecision
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
@@ -146,7 +147,9 @@ class DecodedState:
         previous_saturation: Mapping[str, SaturationDecision] | None = None,
         difficulty: Mapping[str, ShareDecision] | None = None,
         previous_spill: Mapping[str, SpillDecision] | None = None,
+        previous_overflow: Mapping[str, OverflowDecision] | None = None,
         now: float = 0.0,
+        provider_backoff: Mapping[str, float] | None = None,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
         per-pool mappings are shared with this state and must not be changed."""
@@ -159,5 +162,7 @@ class DecodedState:
             previous_saturation=previous_saturation or {},
             difficulty=difficulty or {},
             previous_spill=previous_spill or {},
+            previous_overflow=previous_overflow or {},
             now=now,
+            provider_backoff=provider_backoff or {},
         )

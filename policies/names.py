@@ -5,6 +5,10 @@ from __future__ import annotations
 
 LOCAL_SUFFIX = "/local"
 """Suffix of the replicas' cluster of a route whose aggregate cluster also has providers."""
+OVERFLOW_INFIX = "/overflow/"
+"""Between a route's cluster name and a paid pool's: the aggregate that starts from that pool."""
+PROVIDER_INFIX = "/provider/"
+"""Between a route's cluster name and an external pool's: that pool's cluster."""
 QUEUE_INFIX = "/queue/"
 """Between a route's cluster name and a class name: the cluster that queues that class."""
 
@@ -22,3 +26,13 @@ def queue_cluster_name(route_cluster: str, service_class: str) -> str:
 def listener_name(port: int) -> str:
     """The Envoy listener (and route configuration) for one port."""
     return f"listener-{port}"
+
+
+def provider_cluster_name(route_cluster: str, pool: str) -> str:
+    """The cluster of one external provider pool of one route."""
+    return f"{route_cluster}{PROVIDER_INFIX}{pool}"
+
+
+def overflow_cluster_name(route_cluster: str, pool: str) -> str:
+    """The aggregate a route's overflow takes while paid pool `pool` is its first choice."""
+    return f"{route_cluster}{OVERFLOW_INFIX}{pool}"

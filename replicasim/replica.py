@@ -53,6 +53,7 @@ from starlette.routing import Route
 
 from replicasim.completions import completion_response
 from replicasim.lora import LoraSlots, UnknownAdapter
+from replicasim.provider import RateLimit, rate_limited_body
 from replicasim.simulator import Engine, EngineError
 
 DEFAULT_MODEL = "sim-model"
@@ -99,6 +100,13 @@ class Replica:
     """Seconds of round trip added to a request from another region (``x-client-region``)."""
     remote_requests: int = 0
     """Inference requests that came from another region."""
+    rate_limit: RateLimit | None = None
+    """A paid API's rate limit (``SimConfig.rate_limit``), made with the engine."""
+
+    def __post_init__(self) -> None:
+        config = self.engine.config if self.engine is not None else None
+        if config is not None and config.rate_limit > 0:
+            self.rate_limit = RateLimit(config.rate_limit, config.rate_burst or config.rate_limit)
 
     def metrics_text(self) -> str:
         """The replica's metrics in Prometheus text format."""
@@ -266,6 +274,18 @@ def build_app(replica: Replica) -> Starlette:
         request: Request, path: str, kind: str, model: str, payload: dict[str, Any]
     ) -> Response:
         if replica.engine is not None:
+            config = replica.engine.config
+            if replica.rate_limit is not None:
+                wait = replica.rate_limit.take(time.monotonic() / config.time_scale)
+                if wait is not None:
+                    replica.requests[(path, 429)] += 1
+                    return JSONResponse(
+                        rate_limited_body(wait),
+                        status_code=429,
+                        headers={**headers, "retry-after": str(wait)},
+                    )
+            if config.first_token_delay:
+                await asyncio.sleep(config.first_token_delay * config.time_scale)
             try:
                 response = await completion_response(
                     replica.engine, kind, model, payload, headers, replica.id

@@ -55,6 +55,14 @@ class SimConfig:
     """Wall-clock seconds between SSE chunks after the first token (tokens are coalesced)."""
     orca: bool = False
     """Send ORCA ``endpoint-load-metrics`` headers on responses."""
+    first_token_delay: float = 0.0
+    """Simulated seconds a request waits before it reaches the engine: what a hosted API adds
+    (the network, its own queue). 0 for an owned replica (`replicasim.provider`)."""
+    rate_limit: float = 0.0
+    """Requests per simulated second the replica takes; more are answered 429 with a
+    Retry-After, as a paid API's rate limit. 0: no limit (`replicasim.provider`)."""
+    rate_burst: float = 0.0
+    """Requests the rate limit lets through at once; 0: one second's worth."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

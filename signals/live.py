@@ -1,13 +1,20 @@
 """The live stage of compilation: endpoint weights from telemetry for the pools of
 ``balancing: telemetry`` routes (``signals.weights``), the admitted share of each class
-for the routes of policies with service classes (``signals.admission``), and which bounded
-load the session requests of a telemetry route take (``signals.saturation``)."""
+for the routes of policies with service classes (``signals.admission``), which bounded
+load the session requests of a telemetry route take (``signals.saturation``), and the share
+of a route's requests that its paid pools take (``signals.overflow``)."""
 
 from __future__ import annotations
 
 from policies.models import TELEMETRY_MAX_AGE, Endpoint, Route
 from policies.names import cluster_name
 from signals.admission import AdmissionDecision, decide, pool_signals, pressure_of
+from signals.overflow import (
+    OverflowDecision,
+    decide_overflow,
+    overflow_signals,
+    provider_order,
+)
 from signals.saturation import (
     SaturationDecision,
     batch_fill,
@@ -132,5 +139,32 @@ def saturation_decisions(state: PolicyState) -> dict[str, SaturationDecision]:
                 batch_fill(endpoints, telemetry, now=state.now, max_age=max_age),
                 now=state.now,
                 bound=saturated_fill(affinity.hash_balance_factor),
+            )
+    return out
+
+
+def overflow_decisions(state: PolicyState) -> dict[str, OverflowDecision]:
+    """The paid share of every route with ``overflow``: route cluster name (``policy/route``)
+    -> decision, from the telemetry of the route's first-tier replicas and the paid pools
+    resting after a 429."""
+    out: dict[str, OverflowDecision] = {}
+    for policy_name in sorted(state.policies):
+        for route in state.policies[policy_name].spec.routes:
+            overflow = route.overflow
+            if overflow is None:
+                continue
+            endpoints, telemetry, max_age = _first_tier(state, route)
+            name = cluster_name(policy_name, route.name)
+            out[name] = decide_overflow(
+                state.previous_overflow.get(name),
+                overflow,
+                overflow_signals(overflow, endpoints, telemetry, now=state.now, max_age=max_age),
+                [
+                    pool
+                    for pool in provider_order(overflow, state.pools)
+                    if is_external(state.pools[pool])
+                ],
+                state.provider_backoff,
+                now=state.now,
             )
     return out

@@ -11,6 +11,7 @@ from typing import Any
 from policies.models import Budget, Endpoint, Fleet, PolicyObject, Pool, Rollout, RoutingPolicy
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
+from signals.overflow import OverflowDecision
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
@@ -39,6 +40,11 @@ class PolicyState:
     (``signals.difficultyshare``)."""
     previous_spill: Mapping[str, SpillDecision] = field(default_factory=dict)
     """``RoutingPlan.spill`` of the previous compile, for hysteresis."""
+    previous_overflow: Mapping[str, OverflowDecision] = field(default_factory=dict)
+    """``RoutingPlan.overflow`` of the previous compile, for hysteresis."""
+    provider_backoff: Mapping[str, float] = field(default_factory=dict)
+    """Paid pools resting after a 429: pool name -> wall-clock time its ``Retry-After`` ends
+    (learned from Envoy's access log, ``xdsserver.signals``)."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)

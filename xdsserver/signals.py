@@ -27,8 +27,11 @@ replica that drives rollouts sums them over every replica.
 
 from __future__ import annotations
 
+import email.utils
 import logging
-from collections.abc import AsyncIterator, Callable
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
@@ -42,7 +45,7 @@ from xdsserver.identity import FleetBinding, PeerCheck, check_peer
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 from xdsserver.translate import AFFINITY_SUFFIX
-from xdsserver.translate.listeners import DIFFICULTY_LOG
+from xdsserver.translate.listeners import DIFFICULTY_LOG, POOL_TAG, RETRY_AFTER
 from xdsserver.translate.usage import USAGE_LOG_PREFIX
 from xdsserver.usage import UsageBook
 
@@ -67,6 +70,61 @@ def _seconds(value: duration_pb2.Duration) -> float:
     return value.seconds + value.nanos / 1e9
 
 
+DEFAULT_REST = 1.0
+"""Seconds a paid pool rests after a 429 without a ``Retry-After`` kvpilot can read."""
+MAX_REST = 3600.0
+"""Longest rest a ``Retry-After`` can ask for; a longer one is cut to this."""
+
+
+def retry_after_seconds(value: str, now: float) -> float:
+    """Seconds from `now` that a ``Retry-After`` value asks for: delta-seconds or an HTTP
+    date (RFC 9110, 10.2.3); ``DEFAULT_REST`` when it is neither, within ``MAX_REST``."""
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(text).timestamp() - now
+        except (TypeError, ValueError, IndexError):
+            seconds = DEFAULT_REST
+    if not math.isfinite(seconds) or seconds < 0:
+        seconds = DEFAULT_REST if not math.isfinite(seconds) else 0.0
+    return min(seconds, MAX_REST)
+
+
+class ProviderRests:
+    """Paid pools that answered 429, and until when they rest (their ``Retry-After``).
+
+    Learned from the access log of the Envoys connected to this replica: overflow skips a
+    resting pool (``PolicyState.provider_backoff``) until the time it asked for has passed.
+    A rest only grows: a late entry that asks for less does not shorten it."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.until: dict[str, float] = {}
+        """Pool -> wall-clock time its rest ends."""
+        self.listeners: list[Callable[[], None]] = []
+        """Called when a pool starts resting or rests longer (a rebuild is due)."""
+
+    def observe(self, pool: str, retry_after: str | None) -> None:
+        """A 429 from `pool`, with the ``Retry-After`` it carried (None: none)."""
+        now = self.clock()
+        seconds = retry_after_seconds(retry_after, now) if retry_after else DEFAULT_REST
+        until = now + seconds
+        # Whole tenths: entries of one burst of 429s do not each move the rest a little.
+        if until > self.until.get(pool, -math.inf) + 0.1:
+            self.until[pool] = until
+            log.info("paid pool %s answered 429; it rests for %.1f s", pool, seconds)
+            for listener in self.listeners:
+                listener()
+
+    def active(self, now: float) -> Mapping[str, float]:
+        """The pools resting at `now`: pool -> until."""
+        for pool in [pool for pool, until in self.until.items() if until <= now]:
+            del self.until[pool]
+        return dict(self.until)
+
+
 class SignalBook:
     """Per (route cluster, pool) counters of every upstream attempt this replica was told about."""
 
@@ -82,10 +140,15 @@ class SignalBook:
         self.unresolved = 0
         """Entries whose host belonged to no known pool (the plan moved on, say)."""
         self.listeners: list[Callable[[], None]] = []
+        self.rests = ProviderRests()
+        """Paid pools resting after a 429 (overflow)."""
 
     def observe(self, entry: Any, fleet: str = "") -> None:
         """Count one ``HTTPAccessLogEntry`` logged by an Envoy of ``fleet``."""
         common = entry.common_properties
+        paid = common.custom_tags.get(POOL_TAG, "")
+        if paid and entry.response.response_code.value == 429:
+            self.rests.observe(paid, entry.response.response_headers.get(RETRY_AFTER))
         cluster = route_cluster(common.upstream_cluster)
         socket = common.upstream_remote_address.socket_address
         if not cluster or not socket.address:

@@ -17,6 +17,7 @@ from controlplane.reconcile.metrics import ReconcileMetrics
 from policies.models import TELEMETRY_MAX_AGE
 from signals import PolicyState
 from signals.admission import AdmissionDecision
+from signals.overflow import OverflowDecision
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.weights import WeightDecision
@@ -33,20 +34,23 @@ class LiveDecisions:
         self.admission: Mapping[str, AdmissionDecision] = {}
         self.saturation: Mapping[str, SaturationDecision] = {}
         self.spill: Mapping[str, SpillDecision] = {}
+        self.overflow: Mapping[str, OverflowDecision] = {}
         self._stale_at = math.inf
         self._spill_at = math.inf
         self._step_at = math.inf
         self._calm_at = math.inf
+        self._overflow_at = math.inf
 
     @property
     def due_at(self) -> float:
         """When a rebuild is due although nothing changes (``self.clock()`` of the
         reconciler; infinite when none is)."""
-        return min(self._stale_at, self._step_at, self._calm_at, self._spill_at)
+        return min(self._stale_at, self._step_at, self._calm_at, self._spill_at, self._overflow_at)
 
     @due_at.setter
     def due_at(self, value: float) -> None:
-        self._stale_at = self._step_at = self._calm_at = self._spill_at = value
+        self._stale_at = self._step_at = self._calm_at = value
+        self._spill_at = self._overflow_at = value
 
     def track(self, state: PolicyState, plan: RoutingPlan) -> None:
         """Take the decisions of the compile of `state` into `plan`."""
@@ -54,6 +58,7 @@ class LiveDecisions:
         self._track_admission(plan)
         self._track_saturation(plan)
         self._track_spill(plan)
+        self._track_overflow(plan)
 
     def _track_weights(self, state: PolicyState, plan: RoutingPlan) -> None:
         """Keep telemetry decisions for hysteresis, count changes, and schedule the rebuild
@@ -178,3 +183,41 @@ class LiveDecisions:
                 )
         self.spill = plan.spill
         self._spill_at = min((d.next_at for d in plan.spill.values()), default=math.inf) + 0.05
+
+    def _track_overflow(self, plan: RoutingPlan) -> None:
+        """Keep overflow decisions for hysteresis, log each change of paid share or pool, and
+        schedule the rebuild of the next step or of a resting pool's return."""
+        metrics = self.metrics
+        for route, decision in plan.overflow.items():
+            metrics.overflow_share.labels(route, "requests").set(decision.plain)
+            metrics.overflow_share.labels(route, "sessions").set(decision.sessions)
+            metrics.overflow_pressure.labels(route).set(
+                math.nan if decision.pressure is None else decision.pressure
+            )
+            was = self.overflow.get(route)
+            for pool in set(decision.resting) | set(was.resting if was is not None else ()):
+                metrics.overflow_resting.labels(route, pool).set(int(pool in decision.resting))
+            before = self.overflow.get(route)
+            if before is not None and (before.plain, before.sessions, before.provider) != (
+                decision.plain,
+                decision.sessions,
+                decision.provider,
+            ):
+                log.info(
+                    "overflow on %s: %s takes %.0f%% of requests and %.0f%% of conversations "
+                    "at pressure %s (resting: %s)",
+                    route,
+                    decision.provider or "no paid pool",
+                    decision.plain * 100,
+                    decision.sessions * 100,
+                    decision.pressure,
+                    sorted(decision.resting) or "none",
+                )
+        for route in self.overflow.keys() - plan.overflow.keys():
+            for kind in ("requests", "sessions"):
+                metrics.overflow_share.remove(route, kind)
+            metrics.overflow_pressure.remove(route)
+        self.overflow = plan.overflow
+        self._overflow_at = (
+            min((d.next_step_at for d in plan.overflow.values()), default=math.inf) + 0.05
+        )

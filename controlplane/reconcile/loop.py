@@ -135,6 +135,9 @@ class Reconciler:
         self._first_change = 0.0
         self._last_change = 0.0
         self._built = asyncio.Event()
+        self.provider_backoff: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Paid pools resting after a 429 at a time: pool -> until (``ProviderRests.active``)."""
+        self._pending_live = False
         self.over_budget: dict[str, float] = {}
         """The budget verdicts the next compile takes (``set_over_budget``)."""
         self.budget_verdicts: Callable[[PolicyState], Mapping[str, float]] | None = None
@@ -142,6 +145,12 @@ class Reconciler:
         every compile asks it."""
 
     # -- input ---------------------------------------------------------------------------------
+
+    def live_changed(self) -> None:
+        """A live input other than etcd changed (a paid pool answered 429): rebuild after the
+        quiet period, without the telemetry push-rate cap."""
+        self._pending_live = True
+        self._mark(frozenset(), full=False, revision=0)
 
     def set_over_budget(self, over: Mapping[str, float]) -> None:
         """Budgets whose window is spent (name -> window end), as ``controlplane.reconcile.budgets``
@@ -170,7 +179,11 @@ class Reconciler:
         self._dirty.set()
 
     def _telemetry_only(self) -> bool:
-        return not self._pending_full and _all_under(self._pending, TELEMETRY_PREFIX)
+        return (
+            not self._pending_full
+            and not self._pending_live
+            and _all_under(self._pending, TELEMETRY_PREFIX)
+        )
 
     async def _wait_dirty(self) -> None:
         """Wait for a change, until fresh telemetry goes stale (then weights must return to
@@ -231,6 +244,7 @@ class Reconciler:
             self._dirty.clear()
             changed, self._pending = self._pending, set()
             full, self._pending_full = self._pending_full, False
+            self._pending_live = False
             try:
                 self.rebuild(
                     self._items, changed=changed, full_resync=full, revision=self._pending_revision
@@ -292,13 +306,16 @@ class Reconciler:
                 self._applied.pop(key, None)
             else:
                 self._applied[key] = value
+        now = self.clock()
         state = self._decoded.policy_state(
             previous_weights=self._live.weights,
             previous_admission=self._live.admission,
             previous_saturation=self._live.saturation,
             difficulty=self.difficulty,
+            previous_overflow=self._live.overflow,
             previous_spill=self._live.spill,
-            now=self.clock(),
+            now=now,
+            provider_backoff=self.provider_backoff(now),
         )
         if self.budget_verdicts is not None:
             # Decided afresh for every compile, so the first snapshot after a restart already

@@ -93,6 +93,26 @@ class ReconcileMetrics:
             ["route", "direction"],
             **kwargs,
         )
+        self.overflow_share = Gauge(
+            "kvpilot_overflow_share",
+            "Share of a route's requests sent to its paid pools (overflow), 0 to 1, by kind: "
+            "requests (without a session header) or sessions (conversations).",
+            ["route", "kind"],
+            **kwargs,
+        )
+        self.overflow_pressure = Gauge(
+            "kvpilot_overflow_pressure",
+            "Pressure of a route's first-tier replicas as overflow reads it (1 = saturated); "
+            "NaN without fresh telemetry.",
+            ["route"],
+            **kwargs,
+        )
+        self.overflow_resting = Gauge(
+            "kvpilot_overflow_resting",
+            "1 while a paid pool rests after a 429, until its Retry-After has passed; else 0.",
+            ["route", "pool"],
+            **kwargs,
+        )
         self.saturated = Gauge(
             "kvpilot_route_saturated",
             "1 while a telemetry route's first-tier replicas count as saturated, so its session "

@@ -64,6 +64,7 @@ from policies.models.objects import (
     RoutingPolicy,
     kind_named,
 )
+from policies.models.overflow import Conversations, Overflow
 from policies.models.policy import (
     ListenerSpec,
     RoutingPolicySpec,
@@ -158,6 +159,7 @@ __all__ = [
     "ClassMatch",
     "ClassObjective",
     "ClassQueue",
+    "Conversations",
     "Duration",
     "Endpoint",
     "EndpointHealth",
@@ -179,6 +181,7 @@ __all__ = [
     "Name",
     "OutlierDetection",
     "OverBudgetAction",
+    "Overflow",
     "PolicyObject",
     "Pool",
     "PoolSpec",

@@ -9,6 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from policies.models.fields import Duration, HeaderName, Model, Name
+from policies.models.overflow import Overflow
 
 
 class HeaderMatch(Model):
@@ -347,6 +348,12 @@ class Route(Model):
         default_factory=AdapterRouting,
         description="Routing by the models and LoRA adapters replicas report loaded.",
     )
+    overflow: Overflow | None = Field(
+        None,
+        description="Paid pools that take a share of the route's requests while its first "
+        "tier's replicas are saturated or miss the objective, and none otherwise. Needs "
+        "telemetry on those replicas. Default: none.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -383,6 +390,13 @@ class Route(Model):
                 if target.pool in seen:
                     raise ValueError(f"pool {target.pool!r} appears in more than one tier")
                 seen.add(target.pool)
+        if self.overflow is not None:
+            both = sorted(seen & set(self.overflow.pools))
+            if both:
+                raise ValueError(
+                    f"pool {both[0]!r} is both in a tier and in overflow.pools; a paid pool "
+                    "takes overflow or failover, not both"
+                )
         if self.session_affinity is not None and self.balancing == "orca":
             raise ValueError(
                 "sessionAffinity and balancing 'orca' exclude each other: a cluster has one "

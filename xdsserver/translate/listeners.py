@@ -24,6 +24,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.type.matcher.v3 import metadata_pb2
 from envoy.type.matcher.v3 import regex_pb2 as regex_matcher_pb2
 from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
+from envoy.type.metadata.v3 import metadata_pb2 as metadata_kind_pb2
+from envoy.type.tracing.v3 import custom_tag_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from compiler.plan import PlanListener
@@ -36,6 +38,11 @@ LOCAL_RATELIMIT = "envoy.filters.http.local_ratelimit"
 SIGNALS_CLUSTER = "kvpilot_signals"
 """The bootstrap cluster that reaches kvpilot's access log service (deploy/envoy/)."""
 SIGNALS_FLUSH_INTERVAL = 0.25
+RETRY_AFTER = "retry-after"
+POOL_TAG = "kvpilot.pool"
+"""Access-log tag with the pool of the upstream host (external providers carry it)."""
+POOL_METADATA_NAMESPACE = "kvpilot"
+POOL_METADATA_KEY = "pool"
 """Seconds Envoy buffers access log entries before sending them (its default is 1 s)."""
 LUA = "envoy.filters.http.lua"
 DIFFICULTY_METADATA = "kvpilot.difficulty"
@@ -135,7 +142,9 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
         filters.append(hcm_pb2.HttpFilter(name=LUA, typed_config=pack(lua_pb2.Lua())))
     router = router_pb2.Router()
     if listener.upstream_signals:
-        router.upstream_log.append(upstream_signal_log(listener.name))
+        router.upstream_log.append(
+            upstream_signal_log(listener.name, retry_after=listener.overflows)
+        )
     filters.append(hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router)))
     manager = hcm_pb2.HttpConnectionManager(
         stat_prefix=listener.name,
@@ -176,30 +185,42 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
     )
 
 
-def upstream_signal_log(log_name: str) -> accesslog_pb2.AccessLog:
+def upstream_signal_log(log_name: str, *, retry_after: bool = False) -> accesslog_pb2.AccessLog:
     """The router's upstream log to kvpilot's access log service (``xdsserver.signals``).
 
     An upstream log, not the listener's: it has one entry per attempt, so a canary's 500 that
     a retry hid from the client still counts against the canary, and its timings are the
-    attempt's own. The bootstraps define the ``kvpilot_signals`` cluster.
+    attempt's own. The bootstraps define the ``kvpilot_signals`` cluster. With `retry_after`
+    each entry carries the upstream's ``Retry-After``: how long a paid pool that answered
+    429 wants to rest (overflow, ``signals.overflow``).
     """
-    return accesslog_pb2.AccessLog(
-        name="envoy.access_loggers.http_grpc",
-        typed_config=pack(
-            als_pb2.HttpGrpcAccessLogConfig(
-                common_config=als_pb2.CommonGrpcAccessLogConfig(
-                    log_name=log_name,
-                    transport_api_version=config_source_pb2.V3,
-                    grpc_service=grpc_service_pb2.GrpcService(
-                        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(
-                            cluster_name=SIGNALS_CLUSTER
-                        )
-                    ),
-                    buffer_flush_interval=duration(SIGNALS_FLUSH_INTERVAL),
-                )
-            )
+    config = als_pb2.HttpGrpcAccessLogConfig(
+        common_config=als_pb2.CommonGrpcAccessLogConfig(
+            log_name=log_name,
+            transport_api_version=config_source_pb2.V3,
+            grpc_service=grpc_service_pb2.GrpcService(
+                envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=SIGNALS_CLUSTER)
+            ),
+            buffer_flush_interval=duration(SIGNALS_FLUSH_INTERVAL),
         ),
     )
+    if retry_after:
+        config.additional_response_headers_to_log.append(RETRY_AFTER)
+        # The pool of the host that answered: a provider's address is a DNS name, and behind
+        # an aggregate the logged cluster need not be the provider's own.
+        config.common_config.custom_tags.append(
+            custom_tag_pb2.CustomTag(
+                tag=POOL_TAG,
+                metadata=custom_tag_pb2.CustomTag.Metadata(
+                    kind=metadata_kind_pb2.MetadataKind(host=metadata_kind_pb2.MetadataKind.Host()),
+                    metadata_key=metadata_kind_pb2.MetadataKey(
+                        key=POOL_METADATA_NAMESPACE,
+                        path=[metadata_kind_pb2.MetadataKey.PathSegment(key=POOL_METADATA_KEY)],
+                    ),
+                ),
+            )
+        )
+    return accesslog_pb2.AccessLog(name="envoy.access_loggers.http_grpc", typed_config=pack(config))
 
 
 def score_log(listener_name: str) -> accesslog_pb2.AccessLog:

@@ -22,7 +22,11 @@ from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 
 from compiler.plan import PlanCluster
 from xdsserver.translate.clusters import INTERNAL_SUFFIX, cluster_base, translate_endpoints
-from xdsserver.translate.listeners import local_replies
+from xdsserver.translate.listeners import (
+    POOL_METADATA_KEY,
+    POOL_METADATA_NAMESPACE,
+    local_replies,
+)
 from xdsserver.translate.protos import duration, http_filter_chain, pack
 
 
@@ -41,7 +45,19 @@ def provider_cluster(cluster: PlanCluster, trusted_ca_file: str) -> cluster_pb2.
     out.dns_lookup_family = cluster_pb2.Cluster.V4_PREFERRED
     out.lb_policy = cluster_pb2.Cluster.ROUND_ROBIN
     out.load_assignment.CopyFrom(translate_endpoints(cluster))
+    if cluster.endpoints:
+        for locality in out.load_assignment.endpoints:
+            for lb_endpoint in locality.lb_endpoints:
+                _tag_pool(lb_endpoint, cluster.endpoints[0].pool)
     return out
+
+
+def _tag_pool(lb_endpoint: endpoint_components_pb2.LbEndpoint, pool: str) -> None:
+    """Name the endpoint's pool in its metadata: the access log reports it with each attempt
+    (``POOL_TAG``), so kvpilot knows which paid pool answered 429."""
+    lb_endpoint.metadata.filter_metadata[POOL_METADATA_NAMESPACE].fields[
+        POOL_METADATA_KEY
+    ].string_value = pool
 
 
 def credential_listener(cluster: PlanCluster, secrets_dir: str) -> listener_pb2.Listener:
@@ -108,6 +124,8 @@ def internal_cluster(cluster: PlanCluster) -> cluster_pb2.Cluster:
             hostname=cluster.endpoints[0].hostname if cluster.endpoints else "",
         )
     )
+    if cluster.endpoints:
+        _tag_pool(endpoint, cluster.endpoints[0].pool)
     return cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.STATIC,

@@ -18,11 +18,9 @@ from xdsserver.translate.classes import class_stat_prefix, restricted_entry, sel
 from xdsserver.translate.difficulty import response_headers, virtual_entries
 from xdsserver.translate.entries import match_of, route_entry, with_header
 from xdsserver.translate.escalation import escalation_entries
-from xdsserver.translate.listeners import (
-    LUA,
-    SERVICE_CLASS,
-)
+from xdsserver.translate.listeners import LUA, SERVICE_CLASS
 from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
+from xdsserver.translate.overflow import OVERFLOW_SUFFIX, overflow_entry
 from xdsserver.translate.protos import pack
 from xdsserver.translate.ratelimits import class_budget
 from xdsserver.translate.tracing import entry_tracing
@@ -182,9 +180,22 @@ def _entries(
     match: route_components_pb2.RouteMatch,
     body_limit: int,
 ) -> Iterable[route_components_pb2.Route]:
-    """The entries that serve one match: affinity first, then prompt-prefix, then plain."""
+    """The entries that serve one match: affinity first, then prompt-prefix, then plain; with
+    overflow, the entry that sends a share of conversations to a paid pool goes before the
+    affinity entry, the one for the other requests before the plain entry."""
     affinity = route.affinity
     entries = []
+    overflow = route.overflow
+    if affinity is not None and overflow is not None and overflow.sessions > 0:
+        entries.append(
+            overflow_entry(
+                route,
+                f"{name}/affinity",
+                with_header(match, affinity.header),
+                body_limit,
+                sessions=True,
+            )
+        )
     if affinity is not None:
         entries.append(
             route_entry(
@@ -205,6 +216,10 @@ def _entries(
                     body_limit=body_limit,
                 )
             )
+    if overflow is not None and overflow.plain > 0:
+        # After the prompt-prefix entry: a request the Lua filter gives a prefix key is
+        # matched again and takes that entry, so it draws once.
+        entries.append(overflow_entry(route, name, match, body_limit, sessions=False))
     entry = route_entry(route, name, match, affinity=None, body_limit=body_limit)
     if affinity is not None and affinity.prefix_hash_chars:
         # No session header: the Lua filter derives a key from the prompt's first
@@ -228,7 +243,9 @@ def _entries(
         for out in entries:
             # Per-class stats from Envoy itself: vhost.<policy>.route.<route>.<class>.upstream_rq_*
             # counts what the class was admitted and times it (upstream_rq_time).
-            out.stat_prefix = class_stat_prefix(route, plan_class)
+            out.stat_prefix = class_stat_prefix(route, plan_class) + (
+                ".overflow" if out.name.endswith(OVERFLOW_SUFFIX) else ""
+            )
             if plan_class.budget is not None:
                 out.typed_per_filter_config[SERVICE_CLASS].CopyFrom(
                     pack(class_budget(plan_class.budget, route.tenant_header, out.stat_prefix))

@@ -1,0 +1,1 @@
+"""The cost-aware overflow benchmark (`bench.cost.config` says what is run)."""

@@ -1,0 +1,217 @@
+"""The cost-aware overflow benchmark: what is run (the load, the pools and their prices, the
+policies).
+
+Four owned replicas with an hourly price and a paid API (a simulated OpenAI-compatible
+endpoint with per-token prices, higher latency and a rate limit of its own) behind one
+real Envoy configured by kvpilot. The offered load is a day in miniature: half the owned
+capacity for a while, a rise in steps to 150%, a peak, a fall in steps, half again. It is
+conversations (multi-turn chat with a session id, 60% of the load) and single requests
+(a question about a shared document, no session, 40%).
+
+Each policy replays the same requests, one after the other on the same stack:
+
+- owned only: the owned replicas alone;
+- static split: 20% of every kind of request to the paid API, always (overflow with
+  ``minShare = maxShare = 20``, ``conversations: with``);
+- failover only: the paid API as a failover tier (taken when the owned replicas are
+  unhealthy, or by retries of failed requests);
+- cost-aware overflow: ``overflow`` with its defaults (the paid API takes the excess
+  while the owned replicas are saturated, requests without a session first).
+
+Capacity is what the owned replicas serve at full batches with perfect affinity (every
+request hits all that was computed before it): an upper bound, so 150% of it is more than
+they can serve (`bench.cost.run.build_workload`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.rig.routes import SESSION_AFFINITY, Policy
+from bench.rig.stack import POOL
+from bench.rig.workload import CHAT, WorkloadConfig
+from bench.routing.scenarios import SUITE_MAX_BATCH
+from bench.routing.sequential import RoutingConfig as BenchConfig
+from bench.routing.sequential import default_config as routing_config
+from replicasim.simulator import SimConfig
+
+PAID_POOL = "paid"
+PAID_PREFIX = "paid"
+"""Replica id prefix of the paid API's simulated replica (``x-backend-id``)."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of the run at one offered load, a share of the owned capacity."""
+
+    name: str
+    duration: float
+    load: float
+    measured: bool = True
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What the benchmark pays. Kept here, in one place, until pools carry prices (then
+    these come from the Pool objects and the dollars from kvpilot's counters)."""
+
+    owned_per_replica_hour: float = 2.50
+    """An owned GPU replica, dollars per hour, busy or idle."""
+    paid_input_per_mtok: float = 0.20
+    """Paid API, uncached prompt tokens, dollars per million."""
+    paid_cached_input_per_mtok: float = 0.10
+    """Paid API, cached prompt tokens, dollars per million."""
+    paid_output_per_mtok: float = 0.60
+    """Paid API, completion tokens, dollars per million."""
+
+    def paid(self, prompt: int, cached: int, completion: int) -> float:
+        """Dollars one paid request costs."""
+        uncached = max(0, prompt - cached)
+        return (
+            uncached * self.paid_input_per_mtok
+            + cached * self.paid_cached_input_per_mtok
+            + completion * self.paid_output_per_mtok
+        ) / 1e6
+
+
+ROUTE: dict[str, Any] = {"balancing": "telemetry", "sessionAffinity": dict(SESSION_AFFINITY)}
+"""The owned replicas' route in every policy: session affinity with telemetry weights."""
+
+POLICIES: tuple[Policy, ...] = (
+    Policy("owned_only", "owned only", ROUTE),
+    Policy(
+        "static_split",
+        "static split (20% paid)",
+        {
+            **ROUTE,
+            "overflow": {
+                "pools": [PAID_POOL],
+                "minShare": 20,
+                "maxShare": 20,
+                "conversations": "with",
+            },
+        },
+    ),
+    Policy("failover_only", "failover only", {**ROUTE, "tiers": [[POOL], [PAID_POOL]]}),
+    Policy("cost_aware", "cost-aware overflow", {**ROUTE, "overflow": {"pools": [PAID_POOL]}}),
+)
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """One run of the cost benchmark (every policy, one seed)."""
+
+    replicas: int = 4
+    phases: tuple[Phase, ...] = (
+        Phase("ramp", 10.0, 0.5, measured=False),
+        Phase("base", 30.0, 0.5),
+        Phase("rise-1", 5.0, 0.75),
+        Phase("rise-2", 5.0, 1.0),
+        Phase("rise-3", 5.0, 1.25),
+        Phase("peak", 15.0, 1.5),
+        Phase("fall-1", 5.0, 1.25),
+        Phase("fall-2", 5.0, 1.0),
+        Phase("fall-3", 5.0, 0.75),
+        Phase("after", 30.0, 0.5),
+    )
+    conversation_share: float = 0.6
+    """Share of the load that is conversations; the rest is single requests."""
+    objective: float = 1.0
+    """TTFT objective, simulated seconds: goodput counts the requests within it."""
+    seed: int = 1
+    prices: Prices = field(default_factory=Prices)
+    paid_sim: SimConfig = field(
+        default_factory=lambda: SimConfig(
+            max_batch=256,
+            kv_blocks=65536,
+            time_scale=1.0,
+            stream_interval=1.0,
+            first_token_delay=0.4,
+            rate_limit=40.0,
+        )
+    )
+    """The paid API: a large batch, 0.4 s before a request reaches its engine, 40 requests
+    a second."""
+    deadline: float = 400.0
+    """Wall-clock limit of one policy's replay."""
+    out_dir: Path = Path("bench/results")
+    routing: BenchConfig = field(default_factory=lambda: routing_config())
+    policies: tuple[str, ...] = ()
+    """Keys of the policies to run; empty: all."""
+    overflow: dict[str, Any] = field(default_factory=dict)
+    """Fields added to cost-aware overflow's ``overflow`` (empty: its defaults)."""
+
+    def policy(self, policy: Policy) -> Policy:
+        """`policy` as this run applies it."""
+        if policy.key != "cost_aware" or not self.overflow:
+            return policy
+        overflow = {**policy.route["overflow"], **self.overflow}
+        return replace(policy, route={**policy.route, "overflow": overflow})
+
+    @property
+    def ramp(self) -> float:
+        """Simulated seconds at the start whose requests are not measured."""
+        return sum(p.duration for p in self.phases if not p.measured)
+
+    @property
+    def duration(self) -> float:
+        return sum(phase.duration for phase in self.phases)
+
+    def window(self, name: str) -> tuple[float, float]:
+        """(start, end) of phase `name`, simulated seconds from the start."""
+        start = 0.0
+        for phase in self.phases:
+            if phase.name == name:
+                return start, start + phase.duration
+            start += phase.duration
+        raise KeyError(name)
+
+    def excess_share(self) -> float:
+        """The least share of the measured load that must go somewhere other than the owned
+        replicas for them to stay within capacity: what any policy that keeps its latency
+        buys at least (capacity as estimated, an upper bound: the real excess is larger)."""
+        measured = [p for p in self.phases if p.measured]
+        total = sum(p.load * p.duration for p in measured)
+        excess = sum(max(0.0, p.load - 1.0) * p.duration for p in measured)
+        return excess / total if total else 0.0
+
+
+SINGLES = WorkloadConfig(
+    kind="docs",
+    documents=(400, 800, 1200, 1600, 2000, 2400),
+    question_median=80,
+    answer_median=150,
+    length_cap=400,
+)
+"""Single requests: a question about one of a few shared documents, no session id."""
+
+
+def default_config(short: bool = False, seed: int = 1) -> CostConfig:
+    """The `make bench` settings, or a smoke run with `short`."""
+    base = routing_config()
+    base = BenchConfig(
+        replicas=4,
+        sim=replace(
+            base.sim, time_scale=1.0, stream_interval=1.0, max_batch=SUITE_MAX_BATCH, orca=False
+        ),
+        workload=CHAT,
+        agent_interval=0.25,
+        capacity_batch=SUITE_MAX_BATCH,
+        out_dir=base.out_dir,
+    )
+    config = CostConfig(routing=base, seed=seed)
+    if short:
+        config = CostConfig(
+            routing=base,
+            seed=seed,
+            phases=(
+                Phase("ramp", 4.0, 0.5, measured=False),
+                Phase("base", 6.0, 0.5),
+                Phase("peak", 8.0, 1.5),
+                Phase("after", 6.0, 0.5),
+            ),
+            deadline=90.0,
+        )
+    return config

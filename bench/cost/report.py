@@ -1,0 +1,244 @@
+"""The cost benchmark's numbers per policy and its report: dollars per 1,000 requests (owned
+and paid), the paid share of tokens, idle owned dollars, TTFT p50/p99 (and p99 at the
+peak), goodput, budget overshoot; over several seeds, the median and the spread, and the
+issue's targets as met / not met rows (pure, no I/O)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from bench.cost.config import PAID_PREFIX, POLICIES, CostConfig
+from bench.rig.loadgen import RequestResult, RunResult
+from bench.rig.summary import percentile
+
+
+def summarize(run: RunResult, config: CostConfig) -> dict[str, Any]:
+    """One policy's numbers over the measured window (requests sent after the ramp)."""
+    start, end = config.ramp, config.duration
+    window = max(1e-9, end - start)
+    measured = [r for r in run.results if start <= r.start < end]
+    ok = [r for r in measured if r.ok]
+    paid = [r for r in ok if r.replica.startswith(PAID_PREFIX)]
+    tokens = sum(r.prompt_tokens + r.completion_tokens for r in ok)
+    paid_tokens = sum(r.prompt_tokens + r.completion_tokens for r in paid)
+    prices = config.prices
+    paid_dollars = sum(
+        prices.paid(r.prompt_tokens, r.cached_tokens, r.completion_tokens) for r in paid
+    )
+    owned_dollars = config.replicas * prices.owned_per_replica_hour * window / 3600
+    batch = config.routing.sim.max_batch
+    busy = [
+        min(value, batch) / batch
+        for sample in run.samples
+        if start <= sample.at < end
+        for value in sample.in_flight.values()
+    ]
+    utilization = statistics.fmean(busy) if busy else None
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    peak_start, peak_end = config.window("peak")
+    peak = [r.ttft for r in ok if r.ttft is not None and peak_start <= r.start < peak_end]
+    good = [r for r in ok if r.ttft is not None and r.ttft <= config.objective]
+    conversations = [r for r in ok if not r.session.startswith("d")]
+    return {
+        "requests": len(measured),
+        "ok": len(ok),
+        "errors": len(measured) - len(ok),
+        "paid_requests": len(paid),
+        "paid_conversation_turns": sum(
+            1 for r in conversations if r.replica.startswith(PAID_PREFIX)
+        ),
+        "conversation_turns": len(conversations),
+        "paid_token_share": paid_tokens / tokens if tokens else 0.0,
+        "dollars": {"owned": owned_dollars, "paid": paid_dollars},
+        "dollars_per_1k": {
+            "owned": owned_dollars / len(ok) * 1000 if ok else 0.0,
+            "paid": paid_dollars / len(ok) * 1000 if ok else 0.0,
+        },
+        "owned_utilization": utilization,
+        "idle_owned_dollars": owned_dollars * (1 - utilization)
+        if utilization is not None
+        else None,
+        "ttft_p50": percentile(ttfts, 50) or 0.0,
+        "ttft_p99": percentile(ttfts, 99) or 0.0,
+        "peak_ttft_p99": percentile(peak, 99) or 0.0,
+        "goodput_per_s": len(good) / window,
+        "budget_overshoot": None,
+        "phases": _phases(ok, config),
+    }
+
+
+def _phases(ok: Sequence[RequestResult], config: CostConfig) -> dict[str, dict[str, Any]]:
+    """Per phase: requests answered, the share the paid API answered, and TTFT p99."""
+    out: dict[str, dict[str, Any]] = {}
+    start = 0.0
+    for phase in config.phases:
+        inside = [r for r in ok if start <= r.start < start + phase.duration]
+        start += phase.duration
+        if not phase.measured:
+            continue
+        paid = sum(1 for r in inside if r.replica.startswith(PAID_PREFIX))
+        ttfts = [r.ttft for r in inside if r.ttft is not None]
+        out[phase.name] = {
+            "requests": len(inside),
+            "paid_share": paid / len(inside) if inside else 0.0,
+            "ttft_p99": percentile(ttfts, 99),
+        }
+    return out
+
+
+def _stats(values: Sequence[float | None]) -> tuple[float | None, float | None, float | None]:
+    """(median, min, max), None without values."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None, None
+    return statistics.median(present), min(present), max(present)
+
+
+def _fmt(values: Sequence[float | None], fmt: str) -> str:
+    median, low, high = _stats(values)
+    if median is None or low is None or high is None:
+        return "n/a"
+    if len(values) == 1:
+        return fmt.format(median)
+    return f"{fmt.format(median)} ({fmt.format(low)}-{fmt.format(high)})"
+
+
+def _column(results: Mapping[int, Mapping[str, Any]], policy: str, *path: str) -> list[Any]:
+    out = []
+    for per_policy in results.values():
+        value: Any = per_policy.get(policy)
+        for key in path:
+            value = None if value is None else value.get(key)
+        out.append(value)
+    return out
+
+
+ROWS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("owned $ / 1,000 requests", ("dollars_per_1k", "owned"), "{:.4f}"),
+    ("paid $ / 1,000 requests", ("dollars_per_1k", "paid"), "{:.4f}"),
+    ("paid $ in the run", ("dollars", "paid"), "{:.5f}"),
+    ("paid share of tokens", ("paid_token_share",), "{:.1%}"),
+    ("idle owned $", ("idle_owned_dollars",), "{:.4f}"),
+    ("owned utilization", ("owned_utilization",), "{:.0%}"),
+    ("TTFT p50 (s)", ("ttft_p50",), "{:.3f}"),
+    ("TTFT p99 (s)", ("ttft_p99",), "{:.3f}"),
+    ("TTFT p99 at the peak (s)", ("peak_ttft_p99",), "{:.3f}"),
+    ("goodput (req/s within objective)", ("goodput_per_s",), "{:.2f}"),
+    ("requests paid", ("paid_requests",), "{:.0f}"),
+    ("conversation turns paid", ("paid_conversation_turns",), "{:.0f}"),
+    ("errors", ("errors",), "{:.0f}"),
+)
+
+
+def table(results: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """The per-policy table: the median over seeds and (min-max)."""
+    policies = [p for p in POLICIES if any(p.key in r for r in results.values())]
+    lines = [
+        "| | " + " | ".join(p.title for p in policies) + " |",
+        "|---|" + "---|" * len(policies),
+    ]
+    for title, path, fmt in ROWS:
+        cells = [_fmt(_column(results, p.key, *path), fmt) for p in policies]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    lines.append("| budget overshoot | " + " | ".join("n/a (no budget)" for _ in policies) + " |")
+    lines += ["", "Paid share of requests by phase (median over seeds):", ""]
+    first = next(iter(results.values()))
+    names = list(next(iter(first.values())).get("phases", {})) if first else []
+    lines.append("| phase | " + " | ".join(p.title for p in policies) + " |")
+    lines.append("|---|" + "---|" * len(policies))
+    for name in names:
+        cells = [
+            _fmt(_column(results, p.key, "phases", name, "paid_share"), "{:.0%}") for p in policies
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ratios(
+    results: Mapping[int, Mapping[str, Any]],
+    top: tuple[str, tuple[str, ...]],
+    bottom: tuple[str, tuple[str, ...]],
+) -> list[float | None]:
+    out = []
+    for per_policy in results.values():
+        a = _column({0: per_policy}, top[0], *top[1])[0]
+        b = _column({0: per_policy}, bottom[0], *bottom[1])[0]
+        out.append(a / b if a is not None and b else None)
+    return out
+
+
+def targets(results: Mapping[int, Mapping[str, Any]]) -> list[tuple[str, bool | None, str]]:
+    """The issue's targets, each judged on the median over seeds: (what, met, measured)."""
+    checks: list[tuple[str, list[float | None], Callable[[float], bool]]] = [
+        (
+            "cost-aware TTFT p99 at most 1.2x the static split's",
+            _ratios(results, ("cost_aware", ("ttft_p99",)), ("static_split", ("ttft_p99",))),
+            lambda r: r <= 1.2,
+        ),
+        (
+            "cost-aware paid spend at most 0.6x the static split's",
+            _ratios(
+                results, ("cost_aware", ("dollars", "paid")), ("static_split", ("dollars", "paid"))
+            ),
+            lambda r: r <= 0.6,
+        ),
+        (
+            "owned only's TTFT p99 at the peak at least 3x cost-aware's",
+            _ratios(
+                results, ("owned_only", ("peak_ttft_p99",)), ("cost_aware", ("peak_ttft_p99",))
+            ),
+            lambda r: r >= 3.0,
+        ),
+        (
+            "cost-aware goodput at least the static split's",
+            _ratios(
+                results, ("cost_aware", ("goodput_per_s",)), ("static_split", ("goodput_per_s",))
+            ),
+            lambda r: r >= 1.0,
+        ),
+    ]
+    out: list[tuple[str, bool | None, str]] = []
+    for what, ratios, holds in checks:
+        median, low, high = _stats(ratios)
+        if median is None:
+            out.append((what, None, "not run"))
+            continue
+        out.append((what, holds(median), f"{median:.2f}x (seeds {low:.2f}-{high:.2f})"))
+    return out
+
+
+def markdown(results: Mapping[int, Mapping[str, Any]], config: CostConfig) -> str:
+    """The report over the seeds in `results` (seed -> policy -> summary)."""
+    phases = ", ".join(f"{p.name} {p.duration:g}s at {p.load:.0%}" for p in config.phases)
+    excess = config.excess_share()
+    lines = [
+        "# Cost-aware overflow",
+        "",
+        f"Seeds {', '.join(str(s) for s in results)}: median (min-max). {config.replicas} owned "
+        f"replicas at ${config.prices.owned_per_replica_hour:.2f}/h each; the paid API at "
+        f"${config.prices.paid_input_per_mtok:.2f} / ${config.prices.paid_cached_input_per_mtok:.2f}"
+        f" / ${config.prices.paid_output_per_mtok:.2f} per million input / cached input / "
+        f"output tokens, {config.paid_sim.first_token_delay:g} s added before its engine, "
+        f"{config.paid_sim.rate_limit:g} requests/s. Load (share of the owned capacity): "
+        f"{phases}. TTFT objective {config.objective:g} s.",
+        "",
+        *table(results),
+        "",
+        "## Targets",
+        "",
+        "| target | met | measured |",
+        "|---|---|---|",
+    ]
+    for what, met, measured in targets(results):
+        verdict = "n/a" if met is None else ("met" if met else "NOT met")
+        lines.append(f"| {what} | {verdict} | {measured} |")
+    lines += [
+        "",
+        f"Bound: {excess:.1%} of the measured load is above the owned capacity "
+        "(estimated at perfect affinity, an upper bound on capacity). A policy that keeps its latency at the peak sends at least that "
+        "to the paid API; the static split sends 20%, so its paid spend can be cut to no "
+        f"less than about {excess / 0.2:.2f}x of it (tokens and prices alike).",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,119 @@
+"""Cost-aware overflow: a route's paid pools, which take its traffic only while its own
+replicas are saturated or miss the route's objective."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from policies.models.fields import Duration, Model, Name
+
+Conversations = Literal["last", "with"]
+
+
+class Overflow(Model):
+    """Paid capacity for a route: external provider pools (paid per token) that take a share of
+    the route's requests while the replicas of its first tier (capacity already paid for) are
+    saturated or miss the objective, and none while those replicas have room.
+
+    kvpilot reads the first tier's live telemetry (``Pool.spec.telemetry``): pressure is the
+    largest of their mean batch fill over ``fill``, their mean time to first token over half
+    of ``ttft`` and their mean queue over ``queue``. At a pressure of ``high`` or more, and not
+    falling, the overflowed share rises at once by the excess (1.5 sends half again as much);
+    at ``low`` or less one ``step`` comes back each ``recoverInterval``; between the two
+    nothing moves. The share travels to Envoy in the route configuration (a runtime fraction
+    of the route's entries): Envoy draws per request, and Python stays out of the path.
+    """
+
+    pools: list[Name] = Field(
+        min_length=1,
+        max_length=8,
+        description="Paid pools (external providers: TLS or DNS-named endpoints) that may take "
+        "the overflow, cheapest first: overflow goes to the first one not resting after a 429, "
+        "and a request one of them refuses is retried on the next, then on the route's own "
+        "replicas.",
+    )
+    ttft: Duration | None = Field(
+        None,
+        gt=0,
+        description="The route's time-to-first-token objective: the replicas cannot meet it "
+        "once their mean time to first token (as the engines report it) passes half of it. "
+        "Default: none (batch fill and queue only).",
+    )
+    fill: float = Field(
+        0.9,
+        gt=0,
+        le=4,
+        description="Mean batch fill of the replicas, (running + waiting) / batch size, at "
+        "which they count as saturated; needs agents that know the batch size "
+        "(kvpilot agent --max-running). Default: 0.9.",
+    )
+    queue: float = Field(
+        2.0,
+        gt=0,
+        description="Mean requests waiting per replica at which they count as saturated. "
+        "Default: 2.",
+    )
+    conversations: Conversations = Field(
+        "last",
+        description="Requests with the session-affinity header (a conversation whose KV cache "
+        "the replicas hold, which a paid API does not): 'last' overflows them only once every "
+        "other request of the route does; 'with' overflows them in the same share as the rest "
+        "(a plain split). Default: last.",
+    )
+    min_share: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description="Floor of the share of each kind of request (with and without a session) "
+        "that goes to the paid pools, in percent, whatever the telemetry says. With maxShare "
+        "equal to it, a static split. Default: 0.",
+    )
+    max_share: int = Field(
+        100,
+        ge=0,
+        le=100,
+        description="Cap of that share, in percent: holds even when the telemetry is wrong. "
+        "Default: 100.",
+    )
+    step: int = Field(
+        10,
+        ge=1,
+        le=100,
+        description="Share given back at a time, and the unit the share moves in, in percent. "
+        "Default: 10.",
+    )
+    high: float = Field(1.0, gt=0, description="Pressure at which the share rises. Default: 1.0.")
+    low: float = Field(
+        0.8,
+        ge=0,
+        description="Pressure at or below which one step comes back. Default: 0.8.",
+    )
+    raise_interval: Duration = Field(
+        3.0,
+        description="Least time between two rises of the share: about as long as a request "
+        "holds its replica, so a rise shows in the telemetry before the next one (in the cost "
+        "benchmark 1s overshot to two thirds of the peak's requests). Default: 3s.",
+    )
+    recover_interval: Duration = Field(
+        5.0,
+        description="Least time between a change and a step given back, so a pool that just "
+        "got room does not take back more than it can hold (flapping). Default: 5s.",
+    )
+
+    @field_validator("pools")
+    @classmethod
+    def _unique(cls, pools: list[str]) -> list[str]:
+        twice = sorted({name for name in pools if pools.count(name) > 1})
+        if twice:
+            raise ValueError(f"pool {twice[0]!r} is listed twice")
+        return pools
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Overflow:
+        if self.min_share > self.max_share:
+            raise ValueError("overflow minShare must not be above maxShare")
+        if self.low >= self.high:
+            raise ValueError("overflow low must be below high (the hysteresis band)")
+        return self

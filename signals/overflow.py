@@ -1,0 +1,290 @@
+"""From live telemetry to the share of a route's requests that paid pools take (pure, no I/O).
+
+Which routes use it
+-------------------
+Routes with ``overflow`` (``policies.models.Overflow``): their first tier is capacity already
+paid for (owned replicas, an hourly price), the overflow pools are paid per token. Paid
+capacity should take traffic only while the owned replicas are saturated or miss the
+route's objective, and the cheapest paid pool first.
+
+The loop
+--------
+Pressure is read from the first tier's telemetry as for admission (``signals.admission``):
+the largest of mean batch fill over ``fill``, mean queue over ``queue`` and mean time to
+first token over half the objective. The level (in steps of ``step`` percent) is
+admission's level, with two pseudo-classes in place of service classes: requests without a
+session header first, then (``conversations: last``) the conversations, whose KV cache the
+replicas hold and a paid API does not. Restricting a pseudo-class here means sending that
+share of it to the paid pools. The hysteresis is admission's (rise at once by the excess,
+hold in the band between ``low`` and ``high``, move no sooner than the intervals), but at or
+below ``low`` it gives back as many steps as the headroom under ``low`` allows, not one
+(``give_back_steps``): a paid pool that keeps traffic the owned replicas could take back
+costs money every second. The floor and cap (``minShare``, ``maxShare``) bound the shares after the loop, so
+they hold whatever the telemetry says.
+
+Without a fresh record the level falls to zero: no telemetry buys no paid tokens (the
+route's failover tiers and retries still cover replicas that are down).
+
+Providers
+---------
+``provider_order`` sorts the overflow pools by price (``paid_price``: input plus output per
+million tokens, from the pool's ``price`` once Pools carry one), listed order breaking ties. A provider that answered 429 rests until its ``Retry-After`` has passed
+(``PolicyState.provider_backoff``, learned from Envoy's access log); overflow goes to the
+first pool that is not resting, and to none when all are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+
+from policies.models import (
+    ClassObjective,
+    Endpoint,
+    Overflow,
+    Pool,
+    Saturation,
+    ServiceClass,
+)
+from signals.admission import (
+    FALLING,
+    AdmissionDecision,
+    Signal,
+    admitted_shares,
+    pool_signals,
+    pressure_of,
+    restrict_steps,
+    steps_per_class,
+)
+from signals.telemetry import TelemetryRecord
+
+PLAIN, SESSIONS, ALL = "requests", "sessions", "all"
+"""The pseudo-classes of the level: requests without a session header, conversations, and
+both together (``conversations: with``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OverflowDecision:
+    """What telemetry decided for one route with overflow; kept between rounds."""
+
+    level: AdmissionDecision = field(default_factory=AdmissionDecision)
+    """The level and its hysteresis (``signals.admission``), over the pseudo-classes."""
+    plain: float = 0.0
+    """Share of the requests without a session header that go to the paid pools, 0 to 1."""
+    sessions: float = 0.0
+    """Share of the requests with a session header (conversations) that go there."""
+    provider: str = ""
+    """The paid pool that takes the overflow: the cheapest not resting; empty when none."""
+    resting: Mapping[str, float] = field(default_factory=dict, compare=False)
+    """Paid pools resting after a 429: pool -> wall-clock time they come back."""
+
+    @property
+    def next_step_at(self) -> float:
+        """When a rebuild is due although telemetry stays the same: the level's next step or
+        a resting provider's return."""
+        return min(self.level.next_step_at, min(self.resting.values(), default=math.inf))
+
+    @property
+    def pressure(self) -> float | None:
+        """The first tier's pressure this round (1.0 = saturated)."""
+        return self.level.pressure
+
+
+def paid_price(pool: Pool) -> tuple[str, float] | None:
+    """A paid pool's price for the order overflow takes pools in: (currency, input plus
+    output price per million tokens, ``Pool.spec.price``), or None when the pool has no
+    per-token price (none at all, or only a price per replica-hour)."""
+    price = pool.spec.price
+    if price is None or price.input is None:
+        return None
+    return price.currency, float(price.input) + float(price.output or 0)
+
+
+def provider_order(overflow: Overflow, pools: Mapping[str, Pool]) -> list[str]:
+    """The overflow pools that exist, cheapest first (``paid_price``). Listed order breaks
+    ties and places unpriced pools after priced ones; pools priced in different currencies
+    are not compared (kvpilot never converts), so they keep the listed order."""
+    present = [name for name in overflow.pools if name in pools]
+    prices = {name: paid_price(pools[name]) for name in present}
+    currencies = {price[0] for price in prices.values() if price is not None}
+    if len(currencies) > 1:
+        return present
+
+    def key(name: str) -> tuple[bool, float, int]:
+        price = prices[name]
+        return price is None, price[1] if price is not None else 0.0, present.index(name)
+
+    return sorted(present, key=key)
+
+
+@cache
+def _pseudo_classes(conversations: str) -> tuple[ServiceClass, ...]:
+    """The classes admission's loop steps through, most important first (restricted last)."""
+    names = (ALL,) if conversations == "with" else (SESSIONS, PLAIN)
+    return tuple(
+        ServiceClass(
+            name=name,
+            objective=ClassObjective(ttft=1.0),
+            when_saturated="divert",
+            divert_to="paid",
+        )
+        for name in names
+    )
+
+
+def saturation_of(overflow: Overflow) -> Saturation:
+    """The overflow's bounds as admission's ``Saturation`` (its loop's parameters)."""
+    return Saturation(
+        ttft=overflow.ttft / 2 if overflow.ttft is not None else None,
+        queue=overflow.queue,
+        high=overflow.high,
+        low=overflow.low,
+        step=overflow.step,
+        shed_interval=overflow.raise_interval,
+        recover_interval=overflow.recover_interval,
+    )
+
+
+def overflow_signals(
+    overflow: Overflow,
+    endpoints: Sequence[Endpoint],
+    telemetry: Mapping[str, TelemetryRecord],
+    *,
+    now: float,
+    max_age: float,
+) -> tuple[Signal, ...]:
+    """The first tier's signals: admission's (queue, KV cache, TTFT against half the
+    objective) plus the mean batch fill against ``overflow.fill``."""
+    saturation = saturation_of(overflow)
+    signals = pool_signals(
+        endpoints,
+        telemetry,
+        now=now,
+        max_age=max_age,
+        saturation=saturation,
+        ttft_bound=saturation.ttft,
+    )
+    fills = [
+        ((record.running or 0.0) + (record.waiting or 0.0)) / record.max_running
+        for endpoint in endpoints
+        if (record := telemetry.get(endpoint.key)) is not None
+        and record.max_running
+        and now - record.at <= max_age
+    ]
+    if fills:
+        signals = (*signals, Signal("fill", sum(fills) / len(fills), overflow.fill))
+    return signals
+
+
+def give_back_steps(pressure: float, saturation: Saturation) -> int:
+    """Steps to give back at once at `pressure` (at or below ``low``): the headroom under
+    ``low`` in steps, at least one. A step moves ``step`` percent of one kind of request,
+    which is at most that share of the owned capacity while that kind's demand is within
+    the capacity; so the replicas take back no more than brings them to ``low``."""
+    headroom = (saturation.low - pressure) / saturation.high
+    return max(1, math.floor(headroom * 100 / saturation.step + 1e-9))
+
+
+def next_level(
+    before: AdmissionDecision,
+    pressure: float | None,
+    classes: Sequence[ServiceClass],
+    *,
+    now: float,
+    saturation: Saturation,
+    signals: tuple[Signal, ...] = (),
+) -> AdmissionDecision:
+    """Admission's loop (``policies.admission.decide``), but giving back as many steps as
+    the headroom under ``low`` allows (``give_back_steps``) instead of one: a paid pool that
+    keeps traffic the owned replicas could take back costs money every second, where a shed
+    class that comes back late costs nothing. The band and the intervals still hold."""
+    top = len(classes) * steps_per_class(saturation)
+    level, changed_at, at_change = before.level, before.changed_at, before.pressure_at_change
+    since = now - changed_at
+    if pressure is None:
+        target = 0
+    elif (
+        pressure >= saturation.high
+        and since >= saturation.shed_interval
+        and pressure >= FALLING * at_change
+    ):
+        target = level + restrict_steps(level, pressure, saturation)
+    elif pressure <= saturation.low and since >= saturation.recover_interval:
+        target = level - give_back_steps(pressure, saturation)
+    else:
+        target = level
+    target = max(0, min(top, target))
+    if target != level:
+        level, changed_at, at_change = target, now, pressure or 0.0
+    next_step_at = math.inf
+    if pressure is not None:
+        if pressure >= saturation.high and level < top and pressure >= FALLING * at_change:
+            next_step_at = changed_at + saturation.shed_interval
+        elif pressure <= saturation.low and level > 0:
+            next_step_at = changed_at + saturation.recover_interval
+    return AdmissionDecision(
+        level=level,
+        pressure=pressure,
+        changed_at=changed_at,
+        pressure_at_change=at_change,
+        admitted=admitted_shares(classes, level, saturation),
+        next_step_at=next_step_at,
+        signals=signals,
+    )
+
+
+def decide_overflow(
+    previous: OverflowDecision | None,
+    overflow: Overflow,
+    signals: tuple[Signal, ...],
+    providers: Sequence[str],
+    resting: Mapping[str, float],
+    *,
+    now: float,
+) -> OverflowDecision:
+    """This round's decision for one route: the level from the pressure of `signals`, the
+    shares it gives (bounded by the floor and the cap), and the first of `providers`
+    (cheapest first) that is not resting (`resting`: pool -> until, wall clock)."""
+    before = previous or OverflowDecision()
+    classes = _pseudo_classes(overflow.conversations)
+    level = next_level(
+        before.level,
+        pressure_of(signals),
+        classes,
+        now=now,
+        saturation=saturation_of(overflow),
+        signals=signals,
+    )
+    if overflow.conversations == "with":
+        plain = sessions = 1.0 - level.share(ALL)
+    else:
+        plain, sessions = 1.0 - level.share(PLAIN), 1.0 - level.share(SESSIONS)
+    low, high = overflow.min_share / 100, overflow.max_share / 100
+    still = {pool: until for pool, until in resting.items() if until > now and pool in providers}
+    provider = next((pool for pool in providers if pool not in still), "")
+    if not provider:
+        plain = sessions = 0.0
+    return OverflowDecision(
+        level=level,
+        plain=round(min(high, max(low, plain)), 6) if provider else 0.0,
+        sessions=round(min(high, max(low, sessions)), 6) if provider else 0.0,
+        provider=provider,
+        resting=still,
+    )
+
+
+__all__ = [
+    "ALL",
+    "PLAIN",
+    "SESSIONS",
+    "OverflowDecision",
+    "decide_overflow",
+    "give_back_steps",
+    "next_level",
+    "overflow_signals",
+    "paid_price",
+    "provider_order",
+    "saturation_of",
+]

@@ -1,0 +1,275 @@
+"""Cost-aware overflow through a real Envoy: requests go to a paid pool only while the owned
+replicas are saturated, conversations stay on the owned replicas while they can take them,
+traffic returns without flapping, and a paid pool that answers 429 rests for its
+Retry-After.
+
+The owned replicas' telemetry is written straight into etcd, as an agent writes it, so the
+test decides when they are saturated; everything after etcd is the real path (kvpilot
+compiles the overflow share, pushes RDS, Envoy draws per request). The paid pools are
+stand-ins on ``localhost`` (a DNS name, so each is an external provider with a cluster of its
+own) that answer 200, or 429 with a Retry-After, as the test says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.rig import Rig
+from harness.wait import wait_until
+
+from controlplane.etcd import EtcdClient
+from controlplane.etcd.store import Store
+from controlplane.local import EmbeddedEtcd
+
+pytestmark = pytest.mark.e2e
+
+CLUSTER = "paid/chat"
+SESSION = {"x-session-id": "conversation-1"}
+
+
+class PaidStandIn:
+    """An OpenAI-ish provider on its own thread: answers 200 with ``x-backend-id: <name>``,
+    or, while ``retry_after`` is set, 429 with that Retry-After. Counts what it was sent."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.hits = 0
+        self.refused = 0
+        self.retry_after: str | None = None
+        self.first_429: float | None = None
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", "0")))
+                stand_in.hits += 1
+                limited = stand_in.retry_after
+                if limited is not None:
+                    stand_in.refused += 1
+                    if stand_in.first_429 is None:
+                        stand_in.first_429 = time.monotonic()
+                    body = {"error": {"message": "rate limited", "type": "rate_limit_error"}}
+                    self._send(429, body, {"retry-after": limited})
+                    return
+                self._send(200, {"object": "chat.completion"}, {})
+
+            def do_GET(self) -> None:
+                self._send(200, {"status": "ok"}, {})
+
+            def _send(self, status: int, body: Any, headers: dict[str, str]) -> None:
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("x-backend-id", stand_in.name)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port: int = self.server.server_address[1]
+
+
+@contextlib.contextmanager
+def paid_stand_in(name: str) -> Iterator[PaidStandIn]:
+    stand_in = PaidStandIn(name)
+    threading.Thread(target=stand_in.server.serve_forever, daemon=True).start()
+    try:
+        yield stand_in
+    finally:
+        stand_in.server.shutdown()
+        stand_in.server.server_close()
+
+
+def paid_pool(name: str, port: int) -> dict[str, Any]:
+    """A paid pool: the stand-in by DNS name, so it is an external provider."""
+    return pool(
+        name, [], endpoints=[{"address": "localhost", "port": port}], healthCheck={"enabled": False}
+    )
+
+
+def put_fill(etcd: EmbeddedEtcd, prefix: str, ports: list[int], fill: float) -> None:
+    """Every owned replica's record, as `kvpilot agent --max-running 8` would write it, at a
+    batch fill of `fill` ((running + waiting) / 8)."""
+
+    async def put() -> None:
+        client = EtcdClient([etcd.endpoint])
+        await client.connect()
+        try:
+            store = Store(client, prefix)
+            running = min(8.0, 8 * fill)
+            for port in ports:
+                record = {
+                    "at": time.time(),
+                    "running": running,
+                    "waiting": 8 * fill - running,
+                    "max_running": 8,
+                }
+                await store.put_telemetry("owned", f"127.0.0.1:{port}", record)
+        finally:
+            await client.close()
+
+    asyncio.run(put())
+
+
+def overflow_entries(rig: Rig) -> dict[str, tuple[str, int]]:
+    """Envoy's overflow route entries now: name -> (cluster, share in millionths)."""
+    dump = rig.envoy.config_dump()
+    out = {}
+    for config in dump["configs"]:
+        for dynamic in config.get("dynamic_route_configs", []):
+            for vhost in dynamic["route_config"].get("virtual_hosts", []):
+                for route in vhost.get("routes", []):
+                    if route["name"].endswith("/overflow"):
+                        fraction = route["match"]["runtime_fraction"]["default_value"]
+                        out[route["name"]] = (
+                            route["route"]["cluster"],
+                            int(fraction.get("numerator", 0)),
+                        )
+    return out
+
+
+def answered_by(client: httpx.Client, rig: Rig, n: int, headers: dict[str, str]) -> list[str]:
+    out = []
+    for _ in range(n):
+        answer = client.post(rig.url(), json=chat(), headers=headers)
+        assert answer.status_code == 200, answer.text
+        out.append(answer.headers.get("x-backend-id", ""))
+    return out
+
+
+def test_overflow_to_a_paid_pool_when_the_owned_pool_saturates_and_back(
+    rig: Rig, backends: Any, etcd: EmbeddedEtcd, etcd_prefix: str
+) -> None:
+    replicas = backends(2, id_prefix="owned")
+    ports = [r.port for r in replicas.replicas]
+    with paid_stand_in("paid") as paid:
+        route = {
+            "name": "chat",
+            "tiers": [["owned"]],
+            "sessionAffinity": {"header": "x-session-id"},
+            "overflow": {
+                "pools": ["paid"],
+                # One step moves all requests of a kind. The next rise (conversations) may
+                # not come before the test has put the fill inside the band.
+                "step": 100,
+                "raiseInterval": "10s",
+                "recoverInterval": "2s",
+            },
+        }
+        rig.apply(
+            pool("owned", ports, telemetry={"maxAge": "60s"}, health_check=FAST_HEALTH_CHECK),
+            paid_pool("paid", paid.port),
+            policy("paid", rig.listener_port, [route]),
+        )
+        rig.wait_ready(CLUSTER, ports)
+        client = httpx.Client(timeout=10)
+        owned = {r.id for r in replicas.replicas}
+
+        # Room on the owned replicas (fill 0.3): nothing goes to the paid pool.
+        put_fill(etcd, etcd_prefix, ports, 0.3)
+        assert set(answered_by(client, rig, 10, {})) <= owned
+        assert set(answered_by(client, rig, 5, SESSION)) <= owned
+        assert paid.hits == 0 and overflow_entries(rig) == {}
+
+        # Saturated (fill 1.2 against a bound of 0.9): requests without a session go paid.
+        saturated_at = time.monotonic()
+        put_fill(etcd, etcd_prefix, ports, 1.2)
+        wait_until(
+            lambda: answered_by(client, rig, 1, {}) == ["paid"], 30, message="overflow to paid"
+        )
+        took = time.monotonic() - saturated_at
+        assert answered_by(client, rig, 10, {}) == ["paid"] * 10
+        # The owned replicas have room at the bound again (fill 0.85, pressure 0.94, inside
+        # the band): the overflow holds and conversations stay on the owned replicas.
+        put_fill(etcd, etcd_prefix, ports, 0.85)
+        entries = wait_until(lambda: overflow_entries(rig), 10, message="the overflow entry")
+        assert list(entries) == ["paid/chat#0/overflow"], entries  # none for conversations
+        assert set(answered_by(client, rig, 10, SESSION)) <= owned
+        held_until = time.monotonic() + 3  # longer than the recover interval
+        while time.monotonic() < held_until:
+            assert overflow_entries(rig) == entries, "the share moved inside the band"
+            time.sleep(0.2)
+        assert answered_by(client, rig, 5, {}) == ["paid"] * 5
+
+        # Room again (fill 0.3): the share comes back and traffic returns to the owned pool.
+        calm_at = time.monotonic()
+        put_fill(etcd, etcd_prefix, ports, 0.3)
+        wait_until(lambda: overflow_entries(rig) == {}, 30, message="the overflow to end")
+        returned = time.monotonic() - calm_at
+        before = paid.hits
+        assert set(answered_by(client, rig, 10, {})) <= owned
+        assert paid.hits == before
+        print(f"overflow began {took:.2f} s after saturation, ended {returned:.2f} s after calm")
+
+
+def test_a_paid_pool_that_answers_429_rests_for_its_retry_after(rig: Rig, backends: Any) -> None:
+    replicas = backends(1, id_prefix="owned")
+    ports = [r.port for r in replicas.replicas]
+    with paid_stand_in("cheap") as cheap, paid_stand_in("dear") as dear:
+        route = {
+            "name": "chat",
+            "tiers": [["owned"]],
+            # A static split of everything to the paid pools: no telemetry needed.
+            "overflow": {
+                "pools": ["cheap", "dear"],
+                "minShare": 100,
+                "conversations": "with",
+            },
+        }
+        rig.apply(
+            pool("owned", ports, health_check=FAST_HEALTH_CHECK),
+            paid_pool("cheap", cheap.port),
+            paid_pool("dear", dear.port),
+            policy("paid", rig.listener_port, [route]),
+        )
+        rig.wait_ready(CLUSTER, ports)
+        client = httpx.Client(timeout=10)
+        wait_until(
+            lambda: answered_by(client, rig, 1, {}) == ["cheap"], 30, message="the cheapest pool"
+        )
+        assert overflow_entries(rig)["paid/chat#0/overflow"][0] == "paid/chat/overflow/cheap"
+
+        # The cheap pool answers 429 with Retry-After 4: the request that met it is retried on
+        # the next pool at once, and kvpilot moves the overflow there for 4 s.
+        cheap.retry_after = "4"
+        first = client.post(rig.url(), json=chat())
+        assert first.status_code == 200 and first.headers["x-backend-id"] == "dear"
+        assert cheap.first_429 is not None
+        wait_until(
+            lambda: overflow_entries(rig)["paid/chat#0/overflow"][0] == "paid/chat/overflow/dear",
+            10,
+            message="the overflow to move to the next pool",
+        )
+        moved = time.monotonic() - cheap.first_429
+        cheap.retry_after = None
+        refused = cheap.refused
+        hits = cheap.hits
+        assert set(answered_by(client, rig, 5, {})) == {"dear"}
+        assert cheap.hits == hits  # resting: not even tried
+
+        # Back once the rest is over, and not before.
+        wait_until(
+            lambda: overflow_entries(rig)["paid/chat#0/overflow"][0] == "paid/chat/overflow/cheap",
+            30,
+            message="the cheap pool back after its Retry-After",
+        )
+        rested = time.monotonic() - cheap.first_429
+        assert rested >= 4.0
+        assert answered_by(client, rig, 3, {}) == ["cheap"] * 3
+        assert cheap.refused == refused
+        print(f"a 429 moved the overflow in {moved:.2f} s; the pool rested {rested:.2f} s")
