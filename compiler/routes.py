@@ -117,26 +117,7 @@ def _tier_endpoints(
         total = sum(weight for _, weight, _ in rows)
         name = pool.metadata.name
         hostname = pool.spec.host_rewrite or ""
-        if served is not None:
-            models = served.get(name, NO_MODELS)
-            out.extend(
-                PlanEndpoint(
-                    name,
-                    endpoint.address,
-                    endpoint.port,
-                    weight if single else max(1, round(weight * pool_weight * SPLIT_SCALE / total)),
-                    priority,
-                    health,
-                    endpoint.locality.region if endpoint.locality else "",
-                    endpoint.locality.zone if endpoint.locality else "",
-                    hostname,
-                    endpoint.name or "",
-                    models.models if models.static else models.by_endpoint.get(endpoint.key, ()),
-                    endpoint.capacity or "",
-                )
-                for endpoint, weight, health in rows
-            )
-            continue
+        models = served.get(name, NO_MODELS) if served is not None else None
         # Positional, in one comprehension: this runs once per endpoint and route.
         out.extend(
             PlanEndpoint(
@@ -150,7 +131,11 @@ def _tier_endpoints(
                 endpoint.locality.zone if endpoint.locality else "",
                 hostname,
                 endpoint.name or "",
-                (),
+                ()
+                if models is None
+                else models.models
+                if models.static
+                else models.by_endpoint.get(endpoint.key, ()),
                 endpoint.capacity or "",
             )
             for endpoint, weight, health in rows
