@@ -328,7 +328,7 @@ def build_workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str
         replace(routing, target_load=peak.batch, warm_system_prompts=False),
         replace(batch_base, duration=peak.duration),
     )
-    chat_rate, doc_rate = chat_cal["session_rate"], docs_cal["doc_rate"]
+    chat_rate, doc_rate = chat_cal.rate, docs_cal.rate
     interactive: list[Session] = []
     batch: list[Session] = []
     calibration: dict[str, Any] = {"calibrated_on": peak.name}
@@ -362,8 +362,8 @@ def build_workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str
         }
         offset += phase.duration
     calibration["estimated_cache_blind_load"] = {
-        INTERACTIVE: chat_cal["estimated_cache_blind_load"],
-        BATCH: docs_cal["estimated_cache_blind_load"],
+        INTERACTIVE: chat_cal.estimated_cache_blind_load,
+        BATCH: docs_cal.estimated_cache_blind_load,
     }
     alone = Workload(chat_base, tuple(sorted(interactive, key=lambda s: s.start)))
     mixed = Workload(chat_base, tuple(sorted(interactive + batch, key=lambda s: s.start)))

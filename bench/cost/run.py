@@ -71,7 +71,7 @@ def build_workload(config: CostConfig) -> tuple[Workload, dict[str, Any]]:
                 chat_base,
                 duration=phase.duration,
                 seed=chat_base.seed + index,
-                session_rate=chat_cal["session_rate"] * phase.load,
+                session_rate=chat_cal.rate * phase.load,
             )
         )
         singles = generate(
@@ -79,7 +79,7 @@ def build_workload(config: CostConfig) -> tuple[Workload, dict[str, Any]]:
                 singles_base,
                 duration=phase.duration,
                 seed=singles_base.seed + index,
-                doc_rate=singles_cal["doc_rate"] * phase.load,
+                doc_rate=singles_cal.rate * phase.load,
             )
         )
         for session in (*chat.sessions, *singles.sessions):
@@ -88,8 +88,8 @@ def build_workload(config: CostConfig) -> tuple[Workload, dict[str, Any]]:
             )
         offset += phase.duration
     calibration = {
-        "session_rate_at_capacity": chat_cal["session_rate"] / config.conversation_share,
-        "single_rate_at_capacity": singles_cal["doc_rate"] / (1 - config.conversation_share),
+        "session_rate_at_capacity": chat_cal.rate / config.conversation_share,
+        "single_rate_at_capacity": singles_cal.rate / (1 - config.conversation_share),
         "capacity": "perfect affinity at full batches",
     }
     workload = Workload(chat_base, tuple(sorted(sessions, key=lambda s: s.start)))

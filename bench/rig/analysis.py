@@ -23,96 +23,170 @@ import math
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from bench.rig.jsonfields import known, without_none
+from bench.rig.loadgen import RequestResult
+from replicasim.simulator import SimConfig
 
 KINDS = ("first turn", "moved", "evicted", "warm")
 
 
-def own_prefill_seconds(uncached: int, sim: Mapping[str, Any]) -> float:
+def own_prefill_seconds(uncached: int, sim: SimConfig) -> float:
     """Simulated seconds a request's own prefill takes on an otherwise idle replica."""
-    budget = int(sim["max_batched_tokens"])
+    budget = sim.max_batched_tokens
     steps = max(1, -(-uncached // budget))
-    return steps * float(sim["decode_base"]) + uncached * float(sim["prefill_per_token"])
+    return steps * sim.decode_base + uncached * sim.prefill_per_token
 
 
-def classify(per_request: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Classified:
+    """A successful request and its kind (see the module docstring)."""
+
+    request: RequestResult
+    kind: str
+    hit: float
+    """Its cached share of the prompt."""
+
+
+def classify(per_request: Sequence[RequestResult]) -> list[Classified]:
     """Each successful request with its kind (see the module docstring), in session order."""
-    by_session: dict[str, list[Mapping[str, Any]]] = {}
+    by_session: dict[str, list[RequestResult]] = {}
     for request in per_request:
-        if request.get("status") == 200 and not request.get("error") and request.get("ttft"):
-            by_session.setdefault(str(request["session"]), []).append(request)
-    out: list[dict[str, Any]] = []
+        if request.ok and request.ttft:
+            by_session.setdefault(request.session, []).append(request)
+    out: list[Classified] = []
     for turns in by_session.values():
-        turns.sort(key=lambda r: int(r["turn"]))
-        previous: Mapping[str, Any] | None = None
+        turns.sort(key=lambda r: r.turn)
+        previous: RequestResult | None = None
         for request in turns:
-            prompt = max(1, int(request["prompt_tokens"]))
-            hit = int(request["cached_tokens"]) / prompt
-            if int(request["turn"]) == 0 or previous is None:
+            hit = request.cached_tokens / max(1, request.prompt_tokens)
+            if request.turn == 0 or previous is None:
                 kind = "first turn"
-            elif request["replica"] != previous["replica"]:
+            elif request.replica != previous.replica:
                 kind = "moved"
             else:
                 # The history is everything but the new question; missing half of the prompt
                 # on the same replica means the history was evicted.
                 kind = "evicted" if hit < 0.5 else "warm"
-            out.append({**request, "kind": kind, "hit": hit})
+            out.append(Classified(request, kind, hit))
             previous = request
     return out
 
 
-def tail_breakdown(
-    per_request: Sequence[Mapping[str, Any]], sim: Mapping[str, Any], quantile: float = 0.99
-) -> dict[str, Any]:
-    """Who the slowest ``1 - quantile`` of requests are (at least one), and how much of their
-    TTFT was their own prefill versus waiting; with the same split for all requests."""
-    rows = classify(per_request)
-    if not rows:
-        return {}
-    count = max(1, math.ceil(len(rows) * (1 - quantile) - 1e-9))
-    tail = sorted(rows, key=lambda r: float(r["ttft"]), reverse=True)[:count]
-    cut = float(tail[-1]["ttft"])
+@dataclass(frozen=True)
+class TailGroup:
+    """Some requests' TTFT split into their own prefill and waiting (only ``requests`` when
+    there are none)."""
 
-    def split(group: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        if not group:
-            return {"requests": 0}
-        own = [
-            own_prefill_seconds(int(r["prompt_tokens"]) - int(r["cached_tokens"]), sim)
-            for r in group
-        ]
-        ttft = [float(r["ttft"]) for r in group]
+    requests: int
+    kinds: dict[str, int] | None = None
+    ttft_mean: float | None = None
+    own_prefill_mean: float | None = None
+    wait_share: float | None = None
+    """The share of their TTFT that was not their own prefill."""
+    hit_mean: float | None = None
+    prompt_tokens_mean: float | None = None
+    replicas: dict[str, int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return without_none(asdict(self), *(name for name in asdict(self) if name != "requests"))
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TailGroup:
+        return cls(**known(cls, data))
+
+
+@dataclass(frozen=True)
+class TailBreakdown:
+    """Who the slowest requests were, and the same split for every request and every kind."""
+
+    cut: float
+    """The TTFT from which a request is in the tail."""
+    tail: TailGroup
+    everyone: TailGroup
+    by_kind: dict[str, TailGroup] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
         return {
-            "requests": len(group),
-            "kinds": dict(Counter(str(r["kind"]) for r in group)),
-            "ttft_mean": statistics.fmean(ttft),
-            "own_prefill_mean": statistics.fmean(own),
-            "wait_share": 1 - sum(min(o, t) for o, t in zip(own, ttft, strict=True)) / sum(ttft),
-            "hit_mean": statistics.fmean(float(r["hit"]) for r in group),
-            "prompt_tokens_mean": statistics.fmean(int(r["prompt_tokens"]) for r in group),
-            "replicas": dict(Counter(str(r["replica"]) for r in group)),
+            "cut": self.cut,
+            "tail": self.tail.to_json(),
+            "all": self.everyone.to_json(),
+            "by_kind": {kind: group.to_json() for kind, group in self.by_kind.items()},
         }
 
-    by_kind = {kind: split([r for r in rows if r["kind"] == kind]) for kind in KINDS}
-    return {"cut": cut, "tail": split(tail), "all": split(rows), "by_kind": by_kind}
-
-
-def describe(title: str, breakdown: Mapping[str, Any]) -> list[str]:
-    """Markdown lines for one policy's breakdown."""
-    if not breakdown:
-        return []
-    tail, everyone = breakdown["tail"], breakdown["all"]
-    kinds = ", ".join(f"{tail['kinds'].get(k, 0)} {k}" for k in KINDS if tail["kinds"].get(k))
-    lines = [
-        f"- {title}: the slowest 1% ({tail['requests']} requests, TTFT "
-        f"{breakdown['cut']:.3f}s and more) are {kinds}; their mean TTFT {tail['ttft_mean']:.3f}s, of which their own prefill "
-        f"{tail['own_prefill_mean']:.3f}s ({1 - tail['wait_share']:.0%}) and waiting "
-        f"{tail['wait_share']:.0%}; mean hit {tail['hit_mean']:.0%}, prompts "
-        f"{tail['prompt_tokens_mean']:.0f} tokens. All requests: "
-        + ", ".join(
-            f"{k} {v['requests']} (TTFT {v['ttft_mean']:.3f}s, hit {v['hit_mean']:.0%})"
-            for k, v in breakdown["by_kind"].items()
-            if v["requests"]
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TailBreakdown | None:
+        """The breakdown as `to_json` wrote it; None for the empty one (no request)."""
+        if not data:
+            return None
+        return cls(
+            float(data["cut"]),
+            TailGroup.from_json(data["tail"]),
+            TailGroup.from_json(data["all"]),
+            {kind: TailGroup.from_json(group) for kind, group in data["by_kind"].items()},
         )
-        + f"; waiting is {everyone['wait_share']:.0%} of all TTFT."
+
+
+def tail_breakdown(
+    per_request: Sequence[RequestResult], sim: SimConfig, quantile: float = 0.99
+) -> TailBreakdown | None:
+    """Who the slowest ``1 - quantile`` of requests are (at least one), and how much of their
+    TTFT was their own prefill versus waiting; with the same split for all requests. None
+    when no request succeeded."""
+    rows = classify(per_request)
+    if not rows:
+        return None
+
+    def ttft(row: Classified) -> float:
+        return row.request.ttft or 0.0
+
+    count = max(1, math.ceil(len(rows) * (1 - quantile) - 1e-9))
+    tail = sorted(rows, key=ttft, reverse=True)[:count]
+    cut = ttft(tail[-1])
+
+    def split(group: Sequence[Classified]) -> TailGroup:
+        if not group:
+            return TailGroup(requests=0)
+        own = [
+            own_prefill_seconds(r.request.prompt_tokens - r.request.cached_tokens, sim)
+            for r in group
+        ]
+        ttfts = [ttft(r) for r in group]
+        return TailGroup(
+            requests=len(group),
+            kinds=dict(Counter(r.kind for r in group)),
+            ttft_mean=statistics.fmean(ttfts),
+            own_prefill_mean=statistics.fmean(own),
+            wait_share=1 - sum(min(o, t) for o, t in zip(own, ttfts, strict=True)) / sum(ttfts),
+            hit_mean=statistics.fmean(r.hit for r in group),
+            prompt_tokens_mean=statistics.fmean(r.request.prompt_tokens for r in group),
+            replicas=dict(Counter(r.request.replica for r in group)),
+        )
+
+    by_kind = {kind: split([r for r in rows if r.kind == kind]) for kind in KINDS}
+    return TailBreakdown(cut, split(tail), split(rows), by_kind)
+
+
+def describe(title: str, breakdown: TailBreakdown | None) -> list[str]:
+    """Markdown lines for one policy's breakdown."""
+    if breakdown is None:
+        return []
+    tail, everyone = breakdown.tail, breakdown.everyone
+    found = tail.kinds or {}
+    kinds = ", ".join(f"{found.get(k, 0)} {k}" for k in KINDS if found.get(k))
+    lines = [
+        f"- {title}: the slowest 1% ({tail.requests} requests, TTFT "
+        f"{breakdown.cut:.3f}s and more) are {kinds}; their mean TTFT {tail.ttft_mean:.3f}s, of which their own prefill "
+        f"{tail.own_prefill_mean:.3f}s ({1 - (tail.wait_share or 0.0):.0%}) and waiting "
+        f"{tail.wait_share:.0%}; mean hit {tail.hit_mean:.0%}, prompts "
+        f"{tail.prompt_tokens_mean:.0f} tokens. All requests: "
+        + ", ".join(
+            f"{k} {v.requests} (TTFT {v.ttft_mean:.3f}s, hit {v.hit_mean:.0%})"
+            for k, v in breakdown.by_kind.items()
+            if v.requests
+        )
+        + f"; waiting is {everyone.wait_share:.0%} of all TTFT."
     ]
     return lines

@@ -17,12 +17,13 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 
+from bench.rig.jsonfields import known
 from bench.rig.workload import Session, Workload
 
 
@@ -56,6 +57,12 @@ class RequestResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RequestResult:
+        """One request as `to_json` wrote it (a requests file of an older run: keys it did not
+        write take their defaults, keys this version does not know are ignored)."""
+        return cls(**known(cls, data))
 
 
 @dataclass

@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 import random
 import string
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from bench.rig.jsonfields import known
 from replicasim.chat import chat_tokens, synth_answer
 from replicasim.kvcache import BLOCK_SIZE, block_hashes, tokenize
 from replicasim.simulator import SimConfig
@@ -147,24 +148,53 @@ class Workload:
         timed.sort(key=lambda item: item[0])
         return iter(timed)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> WorkloadSummary:
         prompts = [t.prompt_tokens for s in self.sessions for t in s.turns]
         answers = [t.max_tokens for s in self.sessions for t in s.turns]
         chats = [len(s.turns) for s in self.sessions if s.send_session_id]
-        return {
-            "kind": self.config.kind,
-            "seed": self.config.seed,
-            "arrival": self.config.arrival,
-            "sessions": sum(1 for s in self.sessions if s.send_session_id),
-            "document_requests": sum(1 for s in self.sessions if not s.send_session_id),
-            "requests": self.requests,
-            "turns_mean": sum(chats) / max(1, len(chats)),
-            "prompt_tokens_p50": sorted(prompts)[len(prompts) // 2] if prompts else 0,
-            "prompt_tokens_mean": sum(prompts) / max(1, len(prompts)),
-            "prompt_tokens_max": max(prompts, default=0),
-            "answer_tokens_mean": sum(answers) / max(1, len(answers)),
-            "answer_tokens_max": max(answers, default=0),
-        }
+        return WorkloadSummary(
+            kind=self.config.kind,
+            seed=self.config.seed,
+            arrival=self.config.arrival,
+            sessions=sum(1 for s in self.sessions if s.send_session_id),
+            document_requests=sum(1 for s in self.sessions if not s.send_session_id),
+            requests=self.requests,
+            turns_mean=sum(chats) / max(1, len(chats)),
+            prompt_tokens_p50=sorted(prompts)[len(prompts) // 2] if prompts else 0,
+            prompt_tokens_mean=sum(prompts) / max(1, len(prompts)),
+            prompt_tokens_max=max(prompts, default=0),
+            answer_tokens_mean=sum(answers) / max(1, len(answers)),
+            answer_tokens_max=max(answers, default=0),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadSummary:
+    """What a workload holds, for a report's description of it (a results file keeps it
+    under these names)."""
+
+    kind: str
+    seed: int
+    arrival: str
+    sessions: int
+    """Chat sessions (with a session id)."""
+    document_requests: int
+    requests: int
+    turns_mean: float = 0.0
+    """Turns per chat session (0 in files of runs from before it was kept)."""
+    prompt_tokens_p50: int = 0
+    prompt_tokens_mean: float
+    prompt_tokens_max: int
+    answer_tokens_mean: float
+    answer_tokens_max: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WorkloadSummary:
+        """The summary as a results file holds it (other keys beside it are ignored)."""
+        return cls(**known(cls, data))
 
 
 def _words(rng: random.Random, tokens: int) -> str:

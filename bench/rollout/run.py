@@ -37,6 +37,7 @@ from bench.rig.routes import SESSION_AFFINITY
 from bench.rig.stack import MODEL, chat_url, say
 from bench.rig.summary import percentile
 from bench.rig.workload import Workload
+from bench.routing.results import Calibration
 from bench.routing.sequential import RoutingConfig, calibrate, default_config
 from controlplane.local import LocalStack, free_port, local_stack, wait_until
 from controlplane.local.replicas import BackendProcess
@@ -302,13 +303,13 @@ def default_rollout_config(short: bool = False) -> RoutingConfig:
     return replace(base, workload=workload, target_load=0.7, plots=False)
 
 
-def markdown(results: dict[str, ArmResult], calibration: dict[str, Any]) -> str:
+def markdown(results: dict[str, ArmResult], calibration: Calibration) -> str:
     blind, rollout = results["blind"], results["rollout"]
     detect = "-" if rollout.time_to_detect_s is None else rollout.time_to_detect_s
     lines = [
         "# Rollout benchmark: a bad canary (500 on 20% of requests)",
         "",
-        f"Multi-turn chat at 70% of cache-blind capacity ({calibration}), 3 stable replicas "
+        f"Multi-turn chat at 70% of cache-blind capacity ({calibration.to_json()}), 3 stable replicas "
         "and 1 canary, session affinity with bounded load, retries off.",
         "",
         *table(
@@ -351,7 +352,7 @@ def markdown(results: dict[str, ArmResult], calibration: dict[str, Any]) -> str:
 def run_rollout_bench(config: RoutingConfig, state_dir: Path | None = None) -> Path:
     """Both runs side by side; returns the Markdown report's path."""
     workload, calibration = calibrate(replace(config, replicas=4), config.workload)
-    say(f"workload: {workload.requests} requests, {calibration}")
+    say(f"workload: {workload.requests} requests, {calibration.to_json()}")
     with contextlib.ExitStack() as stack:
         if state_dir is None:
             import tempfile
@@ -365,7 +366,10 @@ def run_rollout_bench(config: RoutingConfig, state_dir: Path | None = None) -> P
     report.write_text(markdown(results, calibration))
     report.with_suffix(".json").write_text(
         json.dumps(
-            {"calibration": calibration, "results": {k: asdict(v) for k, v in results.items()}},
+            {
+                "calibration": calibration.to_json(),
+                "results": {k: asdict(v) for k, v in results.items()},
+            },
             indent=2,
         )
     )

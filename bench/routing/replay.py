@@ -18,7 +18,7 @@ from bench.rig.loadgen import RunResult, replay
 from bench.rig.stack import MODEL
 from bench.rig.workload import Workload
 from bench.routing.fleets import Fleet, admin, kvpilot_weights, say
-from bench.routing.measure import Timeline
+from bench.routing.results import Timeline
 from bench.routing.scenarios import Scenario, SlowEvent, SuiteConfig
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from bench.rig.report import table
 from bench.rig.routes import Policy
 from bench.routing.measure import goodput
+from bench.routing.results import Measured, ScenarioWorkload, SlowPeriod, SuiteResults
 from bench.routing.scenarios import (
     RECOMMENDED,
     SuiteConfig,
@@ -22,7 +23,7 @@ from bench.routing.scenarios import (
     split_key,
 )
 from bench.routing.targets import (
-    Runs,
+    Value,
     cell,
     key_order,
     paired,
@@ -33,39 +34,45 @@ from bench.routing.targets import (
     targets,
 )
 
-COLUMNS: tuple[tuple[str, str, Callable[[dict[str, Any]], float | None]], ...] = (
-    ("TTFT p50", "{:.3f}", lambda m: m["ttft_p50"]),
-    ("TTFT p99", "{:.3f}", lambda m: m["ttft_p99"]),
-    ("E2E p99", "{:.2f}", lambda m: m["latency_p99"]),
-    ("req/s", "{:.2f}", lambda m: m["requests_per_s"]),
-    ("goodput/s", "{:.2f}", lambda m: m["goodput_per_s"]),
-    ("hit rate", "{:.1%}", lambda m: m["hit_rate"]),
-    ("hit / oracle", "{:.2f}", lambda m: m["hit_vs_oracle"]),
-    ("load max/mean", "{:.2f}", lambda m: m["load_max_over_mean"]),
-    ("turns moved", "{:.1%}", lambda m: m["moved_share"]),
-    ("errors", "{:.0f}", lambda m: m["errors"]),
-    ("weight changes", "{:.0f}", lambda m: (m.get("weights") or {}).get("weight_changes")),
-    ("bound changes", "{:.0f}", lambda m: m.get("bound_changes")),
+COLUMNS: tuple[tuple[str, str, Value], ...] = (
+    ("TTFT p50", "{:.3f}", lambda m: m.ttft_p50),
+    ("TTFT p99", "{:.3f}", lambda m: m.ttft_p99),
+    ("E2E p99", "{:.2f}", lambda m: m.latency_p99),
+    ("req/s", "{:.2f}", lambda m: m.requests_per_s),
+    ("goodput/s", "{:.2f}", lambda m: m.goodput_per_s),
+    ("hit rate", "{:.1%}", lambda m: m.hit_rate),
+    ("hit / oracle", "{:.2f}", lambda m: m.hit_vs_oracle),
+    ("load max/mean", "{:.2f}", lambda m: m.load_max_over_mean),
+    ("turns moved", "{:.1%}", lambda m: m.moved_share),
+    ("errors", "{:.0f}", lambda m: m.errors),
+    ("weight changes", "{:.0f}", lambda m: m.weights.weight_changes if m.weights else None),
+    ("bound changes", "{:.0f}", lambda m: m.bound_changes),
 )
 
+Workloads = dict[str, list[ScenarioWorkload]]
+"""Each scenario key's workloads, one per seed."""
 
-def _measured_seeds(results: dict[str, dict[str, Runs]]) -> list[int]:
+
+def _measured_seeds(results: SuiteResults) -> list[int]:
     """The seeds some scenario finished (a stopped run reports what it measured)."""
-    return sorted({m["seed"] for by in results.values() for runs in by.values() for m in runs})
+    return sorted({m.seed for by in results.values() for runs in by.values() for m in runs})
 
 
 def markdown(
     config: SuiteConfig,
     policies: Sequence[Policy],
-    workloads: dict[str, list[dict[str, Any]]],
-    results: dict[str, dict[str, Runs]],
+    workloads: Workloads,
+    results: SuiteResults,
+    written: str | None = None,
 ) -> str:
+    """The report; `written` is the time it names (now by default)."""
     titles = {p.key: p.title for p in policies}
     scenarios = {s.key: s for s in config.scenarios}
     lines = [
         "# kvpilot routing scenarios",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M:%S')}. {config.replicas} simulated vLLM replicas per "
+        f"{written or time.strftime('%Y-%m-%d %H:%M:%S')}. {config.replicas} simulated vLLM "
+        "replicas per "
         "policy; every policy replays the same workload at the same time through one real Envoy "
         f"configured by kvpilot. Seeds {', '.join(map(str, _measured_seeds(results)))} "
         f"(of {', '.join(map(str, config.seeds))} asked for): each cell is the "
@@ -81,8 +88,8 @@ def markdown(
         scenario = scenarios[split_key(key)[0]]
         batch = split_key(key)[1]
         summaries = workloads.get(key, [])
-        oracle = median_spread([w["oracle_hit_rate"] for w in summaries])
-        requests = median_spread([w["requests"] for w in summaries])
+        oracle = median_spread([w.oracle_hit_rate for w in summaries])
+        requests = median_spread([w.workload.requests for w in summaries])
         lines += [
             "",
             f"## {scenario.title}"
@@ -124,16 +131,14 @@ def markdown(
                     "new-session share before", "first 5 s", "after 5 s", "recovered",
                 ),
                 (
-                    (titles.get(policy, policy), *_slow_cells([m["slow"] for m in runs]))
+                    (titles.get(policy, policy), *_slow_cells([m.slow for m in runs if m.slow]))
                     for policy, runs in by_policy.items()
                 ),
             )  # fmt: skip
         if "affinity" in by_policy and "affinity_copy" in by_policy:
-            noise = paired(
-                by_policy["affinity_copy"], by_policy["affinity"], lambda m: m["ttft_p99"]
-            )
+            noise = paired(by_policy["affinity_copy"], by_policy["affinity"], lambda m: m.ttft_p99)
             moved_noise = paired(
-                by_policy["affinity_copy"], by_policy["affinity"], lambda m: m["moved"]
+                by_policy["affinity_copy"], by_policy["affinity"], lambda m: m.moved
             )
             lines += [
                 "",
@@ -163,24 +168,24 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
-def _slow_cells(slow: list[dict[str, Any]]) -> list[str]:
+def _slow_cells(slow: list[SlowPeriod]) -> list[str]:
     """The slowdown table's cells for one policy's runs (their ``slow`` sections)."""
     return [
-        cell(slow, lambda s: s["ttft_p99_before"], "{:.3f}"),
-        cell(slow, lambda s: s["ttft_p99_during"], "{:.3f}"),
-        cell(slow, lambda s: s["ttft_p99_after"], "{:.3f}"),
-        cell(slow, lambda s: s["new_share_before"], "{:.0%}"),
-        cell(slow, lambda s: s["new_share_first_5s"], "{:.0%}"),
-        cell(slow, lambda s: s["new_share_after_5s"], "{:.0%}"),
-        cell(slow, lambda s: s["new_share_recovered"], "{:.0%}"),
+        cell(slow, lambda s: s.ttft_p99_before, "{:.3f}"),
+        cell(slow, lambda s: s.ttft_p99_during, "{:.3f}"),
+        cell(slow, lambda s: s.ttft_p99_after, "{:.3f}"),
+        cell(slow, lambda s: s.new_share_before, "{:.0%}"),
+        cell(slow, lambda s: s.new_share_first_5s, "{:.0%}"),
+        cell(slow, lambda s: s.new_share_after_5s, "{:.0%}"),
+        cell(slow, lambda s: s.new_share_recovered, "{:.0%}"),
     ]
 
 
 def write_suite_report(
     config: SuiteConfig,
     policies: Sequence[Policy],
-    workloads: dict[str, list[dict[str, Any]]],
-    results: dict[str, dict[str, Runs]],
+    workloads: Workloads,
+    results: SuiteResults,
     stamp: str | None = None,
 ) -> Path:
     """Write scenarios-<stamp>.md, .json and -requests.json under the output directory (the
@@ -190,19 +195,15 @@ def write_suite_report(
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
     report = out_dir / f"scenarios-{stamp}.md"
     report.write_text(markdown(config, policies, workloads, results))
-    slim = {
-        scenario: {
-            policy: [{k: v for k, v in m.items() if k != "per_request"} for m in runs]
-            for policy, runs in by_policy.items()
-        }
-        for scenario, by_policy in results.items()
-    }
     dump(
         report.with_suffix(".json"),
         {
             "config": config_dict(config),
-            "workloads": workloads,
-            "results": slim,
+            "workloads": {key: [w.to_json() for w in seeds] for key, seeds in workloads.items()},
+            "results": {
+                scenario: {policy: [m.to_json() for m in runs] for policy, runs in by.items()}
+                for scenario, by in results.items()
+            },
             "targets": [
                 {"scenario": s, "target": t, "met": met, "measured": text}
                 for s, t, met, text in targets(results)
@@ -213,7 +214,8 @@ def write_suite_report(
         out_dir / f"scenarios-{stamp}-requests.json",
         {
             scenario: {
-                policy: [m["per_request"] for m in runs] for policy, runs in by_policy.items()
+                policy: [[r.to_json() for r in m.per_request] for m in runs]
+                for policy, runs in by_policy.items()
             }
             for scenario, by_policy in results.items()
         },
@@ -221,12 +223,19 @@ def write_suite_report(
     return report
 
 
-def rerender(report_json: Path, slo_ttft: float | None = None) -> Path:
-    """Write a run's report again from its JSON and requests files (with another goodput
-    objective if given): for reading a finished run in another way without running it again.
-    Recomputes goodput; every other number comes from the JSON (completed requests also
-    count requests of the ramp-up that finished in the measured window, which the requests
-    file does not hold)."""
+@dataclass(frozen=True)
+class SuiteRun:
+    """A finished run read back from its files: what its report is rendered from."""
+
+    config: SuiteConfig
+    policies: list[Policy]
+    workloads: Workloads
+    results: SuiteResults
+
+
+def load(report_json: Path, slo_ttft: float | None = None) -> SuiteRun:
+    """A run from its JSON and requests files (with another goodput objective if given;
+    goodput is then counted again from the requests)."""
     from bench.routing.scenarios import SCENARIOS, SUITE_POLICIES
     from replicasim.simulator import SimConfig
 
@@ -246,14 +255,30 @@ def rerender(report_json: Path, slo_ttft: float | None = None) -> Path:
         slo_ttft=slo,
         out_dir=report_json.parent,
     )
-    results: dict[str, dict[str, Runs]] = data["results"]
-    for scenario, by_policy in results.items():
+    results: SuiteResults = {}
+    for scenario, by_policy in data["results"].items():
         for policy, runs in by_policy.items():
-            for measured, per_request in zip(runs, requests[scenario][policy], strict=True):
-                measured.update(goodput(per_request, slo, measured["makespan_s"]))
-                measured["per_request"] = per_request
+            for entry, per_request in zip(runs, requests[scenario][policy], strict=True):
+                measured = Measured.from_json(entry, per_request)
+                good = goodput(measured.per_request, slo, measured.makespan_s)
+                measured = replace(measured, goodput_per_s=good.per_s, goodput_share=good.share)
+                results.setdefault(scenario, {}).setdefault(policy, []).append(measured)
+    workloads = {
+        key: [ScenarioWorkload.from_json(w) for w in seeds]
+        for key, seeds in data["workloads"].items()
+    }
     policies = [p for p in SUITE_POLICIES if p.key in config.policies]
-    return write_suite_report(config, policies, data["workloads"], results)
+    return SuiteRun(config, policies, workloads, results)
+
+
+def rerender(report_json: Path, slo_ttft: float | None = None) -> Path:
+    """Write a run's report again from its JSON and requests files (with another goodput
+    objective if given): for reading a finished run in another way without running it again.
+    Recomputes goodput; every other number comes from the JSON (completed requests also
+    count requests of the ramp-up that finished in the measured window, which the requests
+    file does not hold)."""
+    run = load(report_json, slo_ttft)
+    return write_suite_report(run.config, run.policies, run.workloads, run.results)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -353,12 +353,6 @@ def median_spread(values: Sequence[float | None]) -> tuple[float, float, float] 
     if not present:
         return None
     return statistics.median(present), min(present), max(present)
-
-
-def iter_runs(results: dict[str, dict[str, list[dict[str, Any]]]]) -> Iterator[tuple[str, str]]:
-    for scenario, by_policy in results.items():
-        for policy in by_policy:
-            yield scenario, policy
 
 
 def config_dict(config: SuiteConfig) -> dict[str, Any]:

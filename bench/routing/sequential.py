@@ -20,7 +20,6 @@ import json
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from bench.rig.loadgen import replay
 from bench.rig.routes import PREFIX_HASH_CHARS, Policy, bounded_load, standard_policies
@@ -47,7 +46,13 @@ from bench.rig.workload import (
     generate,
     oracle_hit_rate,
 )
-from bench.routing.sequential_report import WorkloadGroup, write_report
+from bench.routing.results import Calibration
+from bench.routing.sequential_report import (
+    PolicyResult,
+    TelemetryMoves,
+    WorkloadGroup,
+    write_report,
+)
 from controlplane.local import wait_until
 from replicasim.simulator import SimConfig
 
@@ -146,7 +151,7 @@ def default_config(short: bool = False) -> RoutingConfig:
     return RoutingConfig(sim=sim, workload=workload, docs_workload=docs)
 
 
-def calibrate(config: RoutingConfig, base: WorkloadConfig) -> tuple[Workload, dict[str, Any]]:
+def calibrate(config: RoutingConfig, base: WorkloadConfig) -> tuple[Workload, Calibration]:
     """`base` at the arrival rate that offers `target_load` of cache-blind capacity.
 
     The rate is the session rate of a chat workload, the document request rate of a
@@ -154,7 +159,6 @@ def calibrate(config: RoutingConfig, base: WorkloadConfig) -> tuple[Workload, di
     cost), so the rate is searched for rather than set in one step.
     """
     replicas, duration = config.replicas, base.duration
-    rate_field = "doc_rate" if base.kind == "docs" else "session_rate"
 
     def at(rate: float) -> tuple[Workload, float]:
         if base.kind == "docs":
@@ -186,7 +190,9 @@ def calibrate(config: RoutingConfig, base: WorkloadConfig) -> tuple[Workload, di
         workload, load = at(rate)
         best = min(best, (abs(load - target), rate, load, workload), key=lambda b: b[0])
     _, rate, load, workload = best
-    return workload, {rate_field: rate, "estimated_cache_blind_load": load}
+    if base.kind == "docs":
+        return workload, Calibration(doc_rate=rate, estimated_cache_blind_load=load)
+    return workload, Calibration(session_rate=rate, estimated_cache_blind_load=load)
 
 
 # --------------------------------------------------------------------------- the run
@@ -194,7 +200,7 @@ def calibrate(config: RoutingConfig, base: WorkloadConfig) -> tuple[Workload, di
 
 def run_policy(
     stack: Stack, policy: Policy, workload: Workload, config: RoutingConfig
-) -> dict[str, Any]:
+) -> PolicyResult:
     say(f"\n== {policy.title}: apply RoutingPolicy/{POLICY_NAME} {json.dumps(policy.route)}")
     apply_policy(stack, policy.key, policy.route)
     telemetry = policy.route.get("balancing") == "telemetry"
@@ -219,28 +225,29 @@ def run_policy(
         )
     )
     summary = summarize(run, replica_metrics(stack))
+    moves = None
     if telemetry:
         after = telemetry_metrics(stack)
         changes = f'kvpilot_telemetry_weight_changes_total{{pool="{POOL}"}}'
         pushes = 'kvpilot_snapshot_pushes_total{cause="telemetry"}'
-        summary["telemetry"] = {
-            "weight_changes": after.get(changes, 0.0) - before.get(changes, 0.0),
-            "telemetry_pushes": after.get(pushes, 0.0) - before.get(pushes, 0.0),
-            "weights_at_end": {
+        moves = TelemetryMoves(
+            weight_changes=after.get(changes, 0.0) - before.get(changes, 0.0),
+            telemetry_pushes=after.get(pushes, 0.0) - before.get(pushes, 0.0),
+            weights_at_end={
                 k.split('endpoint="', 1)[1].split('"', 1)[0]: v
                 for k, v in after.items()
                 if k.startswith("kvpilot_telemetry_weight{")
             },
-        }
-        say(f"   telemetry: {summary['telemetry']}")
+        )
+        say(f"   telemetry: {asdict(moves)}")
     say(
-        f"   {summary['ok']}/{summary['requests']} ok, hit rate {_fmt(summary['hit_rate'], '%')}, "
-        f"TTFT p50 {_fmt(summary['ttft_p50'], 's')} p99 {_fmt(summary['ttft_p99'], 's')}, "
-        f"{_fmt(summary['throughput_tokens_per_s'])} tok/s, "
-        f"load max/mean {_fmt(summary['load_max_over_mean'])}, "
-        f"busy {_fmt(summary['busy_fraction_mean'], '%')} ({run.wall_seconds:.0f}s wall)"
+        f"   {summary.ok}/{summary.requests} ok, hit rate {_fmt(summary.hit_rate, '%')}, "
+        f"TTFT p50 {_fmt(summary.ttft_p50, 's')} p99 {_fmt(summary.ttft_p99, 's')}, "
+        f"{_fmt(summary.throughput_tokens_per_s)} tok/s, "
+        f"load max/mean {_fmt(summary.load_max_over_mean)}, "
+        f"busy {_fmt(summary.busy_fraction_mean, '%')} ({run.wall_seconds:.0f}s wall)"
     )
-    return summary
+    return PolicyResult(summary, moves)
 
 
 def _fmt(value: float | None, unit: str = "") -> str:
@@ -259,9 +266,9 @@ class WorkloadRun:
 
     name: str
     workload: Workload
-    calibration: dict[str, Any]
+    calibration: Calibration
     oracle: float
-    results: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, PolicyResult] = field(default_factory=dict)
 
 
 def run_routing(config: RoutingConfig, state_dir: Path | None = None) -> Path:
@@ -275,11 +282,10 @@ def run_routing(config: RoutingConfig, state_dir: Path | None = None) -> Path:
         oracle = oracle_hit_rate(workload, config.sim.block_size, warm)
         runs[name] = WorkloadRun(name, workload, calibration, oracle)
         summary = workload.summary()
-        rate = calibration.get("session_rate") or calibration.get("doc_rate") or 0.0
         say(
-            f"workload {name}: {summary['requests']} requests in {summary['sessions']} sessions "
-            f"(+{summary['document_requests']} document requests), rate {rate:.2f}/s, "
-            f"estimated cache-blind load {calibration['estimated_cache_blind_load']:.0%}, "
+            f"workload {name}: {summary.requests} requests in {summary.sessions} sessions "
+            f"(+{summary.document_requests} document requests), rate {calibration.rate:.2f}/s, "
+            f"estimated cache-blind load {calibration.estimated_cache_blind_load:.0%}, "
             f"oracle hit rate {oracle:.1%}"
         )
     with contextlib.ExitStack() as exits:

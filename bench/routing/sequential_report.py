@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.rig.analysis import describe, tail_breakdown
+from bench.rig.analysis import TailBreakdown, describe, tail_breakdown
 from bench.rig.report import json_block, num, table
+from bench.rig.summary import Summary
+from bench.rig.workload import WorkloadSummary
+from bench.routing.results import Calibration
+from replicasim.simulator import SimConfig
 
 BASELINE = "round_robin"
 KVPILOT = "affinity"
@@ -21,15 +26,55 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
-def targets(results: dict[str, Any], oracle: float) -> list[tuple[str, bool | None, str]]:
+@dataclass(frozen=True)
+class TelemetryMoves:
+    """What kvpilot did with a telemetry policy's replicas during its replay."""
+
+    weight_changes: float
+    telemetry_pushes: float
+    weights_at_end: dict[str, float]
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """One policy's replay: its numbers, and what kvpilot's telemetry did and where the
+    slowest first tokens came from beside them. The JSON file's ``policies[key]`` holds the
+    three side by side in one object."""
+
+    summary: Summary
+    telemetry: TelemetryMoves | None = None
+    """Telemetry policies only."""
+    tail: TailBreakdown | None = None
+    """None before the report is written, or when no request succeeded."""
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.summary.to_json()
+        if self.telemetry is not None:
+            out["telemetry"] = asdict(self.telemetry)
+        out["tail"] = {} if self.tail is None else self.tail.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PolicyResult:
+        telemetry = data.get("telemetry")
+        return cls(
+            Summary.from_json(data),
+            None if telemetry is None else TelemetryMoves(**telemetry),
+            TailBreakdown.from_json(data.get("tail") or {}),
+        )
+
+
+def targets(
+    results: Mapping[str, PolicyResult], oracle: float
+) -> list[tuple[str, bool | None, str]]:
     """The issue's targets for kvpilot's policy: (what, met?, measured)."""
     mine = results.get(KVPILOT)
     base = results.get(BASELINE)
     if mine is None:
         return []
-    hit = mine.get("hit_rate")
-    p99 = _ratio(mine.get("ttft_p99"), base.get("ttft_p99") if base else None)
-    load = mine.get("load_max_over_mean")
+    hit = mine.summary.hit_rate
+    p99 = _ratio(mine.summary.ttft_p99, base.summary.ttft_p99 if base else None)
+    load = mine.summary.load_max_over_mean
     return [
         (
             "hit rate >= 90% of the oracle's",
@@ -54,18 +99,19 @@ class WorkloadGroup:
     """One workload's results: its own baseline (round robin) and its own oracle."""
 
     name: str
-    summary: dict[str, Any]
-    calibration: dict[str, Any]
+    summary: WorkloadSummary
+    calibration: Calibration
     oracle: float
-    results: dict[str, Any]
+    results: dict[str, PolicyResult]
 
     @property
-    def baseline(self) -> dict[str, Any]:
+    def baseline(self) -> Summary | None:
         """The group's round-robin result (the first policy when there is none)."""
         for key, result in self.results.items():
             if key.endswith(BASELINE):
-                return dict(result)
-        return dict(next(iter(self.results.values()), {}))
+                return result.summary
+        first = next(iter(self.results.values()), None)
+        return None if first is None else first.summary
 
 
 def _table(group: WorkloadGroup, titles: dict[str, str]) -> list[str]:
@@ -78,40 +124,40 @@ def _table(group: WorkloadGroup, titles: dict[str, str]) -> list[str]:
     rows = [
         [
             titles.get(key, key),
-            num(r["hit_rate"], "{:.1%}"),
-            num(_ratio(r["hit_rate"], group.oracle), "{:.2f}"),
-            num(r["ttft_p50"], "{:.3f}s"),
-            num(r["ttft_p90"], "{:.3f}s"),
-            num(r["ttft_p99"], "{:.3f}s"),
-            num(r["throughput_tokens_per_s"], "{:.0f}"),
-            num(_ratio(r["ttft_p50"], base.get("ttft_p50")), "{:.2f}x"),
-            num(_ratio(r["ttft_p99"], base.get("ttft_p99")), "{:.2f}x"),
+            num(r.hit_rate, "{:.1%}"),
+            num(_ratio(r.hit_rate, group.oracle), "{:.2f}"),
+            num(r.ttft_p50, "{:.3f}s"),
+            num(r.ttft_p90, "{:.3f}s"),
+            num(r.ttft_p99, "{:.3f}s"),
+            num(r.throughput_tokens_per_s, "{:.0f}"),
+            num(_ratio(r.ttft_p50, base.ttft_p50 if base else None), "{:.2f}x"),
+            num(_ratio(r.ttft_p99, base.ttft_p99 if base else None), "{:.2f}x"),
             num(
-                _ratio(r["throughput_tokens_per_s"], base.get("throughput_tokens_per_s")),
+                _ratio(r.throughput_tokens_per_s, base.throughput_tokens_per_s if base else None),
                 "{:.2f}x",
             ),
-            num(r["load_max_over_mean"], "{:.2f}"),
-            num(r["served_max_over_mean"], "{:.2f}"),
-            num(r["busy_fraction_mean"], "{:.0%}"),
-            f"{r['errors']}/{r['requests']}",
+            num(r.load_max_over_mean, "{:.2f}"),
+            num(r.served_max_over_mean, "{:.2f}"),
+            num(r.busy_fraction_mean, "{:.0%}"),
+            f"{r.errors}/{r.requests}",
         ]
-        for key, r in group.results.items()
+        for key, r in ((key, result.summary) for key, result in group.results.items())
     ]
     oracle = ["oracle (perfect affinity, infinite cache)", f"{group.oracle:.1%}", "1.00"]
     rows.append(oracle + ["n/a"] * (len(header) - len(oracle)))
     return table(header, rows)
 
 
-def _workload_line(summary: dict[str, Any], calibration: dict[str, Any]) -> str:
+def _workload_line(summary: WorkloadSummary, calibration: Calibration) -> str:
     return (
-        f"{summary['kind']}, {summary['requests']} requests, {summary['sessions']} chat sessions "
-        f"({summary.get('turns_mean', 0):.1f} turns on average), "
-        f"{summary['document_requests']} document requests, {summary['arrival']} arrivals "
-        f"(seed {summary['seed']}); prompts {summary['prompt_tokens_mean']:.0f} tokens on "
-        f"average (p50 {summary.get('prompt_tokens_p50', 0):.0f}, max "
-        f"{summary['prompt_tokens_max']}), answers {summary['answer_tokens_mean']:.0f} (max "
-        f"{summary['answer_tokens_max']}). Offered load: "
-        f"{calibration['estimated_cache_blind_load']:.0%} of the cluster's estimated "
+        f"{summary.kind}, {summary.requests} requests, {summary.sessions} chat sessions "
+        f"({summary.turns_mean:.1f} turns on average), "
+        f"{summary.document_requests} document requests, {summary.arrival} arrivals "
+        f"(seed {summary.seed}); prompts {summary.prompt_tokens_mean:.0f} tokens on "
+        f"average (p50 {summary.prompt_tokens_p50:.0f}, max "
+        f"{summary.prompt_tokens_max}), answers {summary.answer_tokens_mean:.0f} (max "
+        f"{summary.answer_tokens_max}). Offered load: "
+        f"{calibration.estimated_cache_blind_load:.0%} of the cluster's estimated "
         "cache-blind capacity."
     )
 
@@ -122,12 +168,15 @@ def markdown(
     titles: dict[str, str],
     config_dict: dict[str, Any],
     plots: list[str],
+    written: str | None = None,
 ) -> str:
+    """The report; `config_dict` is the run's setup as its JSON file holds it, `written` the
+    time the report names (now by default)."""
     sim = config_dict["sim"]
     lines = [
         "# kvpilot routing benchmark",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M:%S')}. Each workload replayed through a real Envoy "
+        f"{written or time.strftime('%Y-%m-%d %H:%M:%S')}. Each workload replayed through a real Envoy "
         f"configured by kvpilot, once per policy, against {config_dict['replicas']} simulated "
         "vLLM replicas (prefix caches reset between policies). Times are simulated GPU seconds "
         f"(wall time / time scale {sim['time_scale']}).",
@@ -150,19 +199,19 @@ def markdown(
         "Ratios are to the same workload's round robin.",
     ]
     for group in groups:
-        for key, r in group.results.items():
-            if "telemetry" in r:
-                t = r["telemetry"]
+        for key, result in group.results.items():
+            if (t := result.telemetry) is not None:
                 lines.append(
                     f"- {titles.get(key, key)}: kvpilot changed endpoint weights "
-                    f"{t['weight_changes']:.0f} times from telemetry during the run "
-                    f"({t['telemetry_pushes']:.0f} pushes); weights at the end "
-                    f"{t['weights_at_end']}."
+                    f"{t.weight_changes:.0f} times from telemetry during the run "
+                    f"({t.telemetry_pushes:.0f} pushes); weights at the end "
+                    f"{t.weights_at_end}."
                 )
-            if r["errors"] or r["timed_out"]:
+            r = result.summary
+            if r.errors or r.timed_out:
                 lines.append(
-                    f"- {titles.get(key, key)}: {r['errors']} errors {r['error_kinds']}"
-                    + (", stopped at the deadline" if r["timed_out"] else "")
+                    f"- {titles.get(key, key)}: {r.errors} errors {r.error_kinds}"
+                    + (", stopped at the deadline" if r.timed_out else "")
                 )
     chat = next((g for g in groups if KVPILOT in g.results), None)
     check = targets(chat.results, chat.oracle) if chat else []
@@ -172,10 +221,7 @@ def markdown(
             mark = "n/a" if met is None else ("met" if met else "NOT met")
             lines.append(f"- {what}: {mark} ({measured})")
     breakdowns = [
-        (titles.get(key, key), r["tail"])
-        for g in groups
-        for key, r in g.results.items()
-        if r.get("tail")
+        (titles.get(key, key), r.tail) for g in groups for key, r in g.results.items() if r.tail
     ]
     if breakdowns:
         lines += [
@@ -198,7 +244,9 @@ def markdown(
     return "\n".join(lines)
 
 
-def _plots(out_dir: Path, stamp: str, results: dict[str, Any], titles: dict[str, str]) -> list[str]:
+def _plots(
+    out_dir: Path, stamp: str, results: dict[str, Summary], titles: dict[str, str]
+) -> list[str]:
     try:
         import matplotlib
 
@@ -210,7 +258,7 @@ def _plots(out_dir: Path, stamp: str, results: dict[str, Any], titles: dict[str,
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, r in results.items():
-        values = sorted(r["ttfts"])
+        values = sorted(r.ttfts)
         if values:
             ys = [(i + 1) / len(values) for i in range(len(values))]
             ax.plot(values, ys, label=titles.get(key, key))
@@ -230,8 +278,8 @@ def _plots(out_dir: Path, stamp: str, results: dict[str, Any], titles: dict[str,
     if len(results) == 1:
         axes = [axes]
     for ax, (key, r) in zip(axes, results.items(), strict=True):
-        series = r["load_series"]
-        for rid in r["mean_in_flight"]:
+        series = r.load_series
+        for rid in r.mean_in_flight:
             ax.plot([s["at"] for s in series], [s.get(rid, 0) for s in series], label=rid, lw=0.8)
         ax.set_title(f"{titles.get(key, key)}: in-flight requests per replica", fontsize=9)
         ax.grid(True, alpha=0.3)
@@ -257,10 +305,20 @@ def write_report(
     routing-<time>-requests.json) under the output directory; return the .md."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    sim = SimConfig(**config_dict["sim"])
+    groups = [
+        replace(
+            g,
+            results={
+                key: replace(r, tail=tail_breakdown(r.summary.per_request, sim))
+                for key, r in g.results.items()
+            },
+        )
+        for g in groups
+    ]
     results = {key: r for g in groups for key, r in g.results.items()}
-    for r in results.values():
-        r["tail"] = tail_breakdown(r.get("per_request", []), config_dict["sim"])
-    pngs = _plots(out_dir, stamp, results, titles) if plots and results else []
+    summaries = {key: r.summary for key, r in results.items()}
+    pngs = _plots(out_dir, stamp, summaries, titles) if plots and results else []
     text = markdown(groups=groups, titles=titles, config_dict=config_dict, plots=pngs)
     report = out_dir / f"routing-{stamp}.md"
     report.write_text(text)
@@ -268,17 +326,14 @@ def write_report(
     data = {
         "workloads": {
             g.name: {
-                "summary": g.summary,
-                "calibration": g.calibration,
+                "summary": g.summary.to_json(),
+                "calibration": g.calibration.to_json(),
                 "oracle": {"hit_rate": g.oracle},
                 "policies": list(g.results),
             }
             for g in groups
         },
-        "policies": {
-            key: {k: v for k, v in r.items() if k not in ("ttfts", "load_series", "per_request")}
-            for key, r in results.items()
-        },
+        "policies": {key: r.to_json() for key, r in results.items()},
         "targets": [
             {"target": what, "met": met, "measured": measured}
             for what, met, measured in (targets(chat.results, chat.oracle) if chat else [])
@@ -287,6 +342,33 @@ def write_report(
         "plots": pngs,
     }
     (out_dir / f"routing-{stamp}.json").write_text(json.dumps(data, indent=2, default=str))
-    requests = {key: r.get("per_request", []) for key, r in results.items()}
+    requests = {key: [q.to_json() for q in r.per_request] for key, r in summaries.items()}
     (out_dir / f"routing-{stamp}-requests.json").write_text(json.dumps(requests))
     return report
+
+
+@dataclass(frozen=True)
+class RoutingRun:
+    """A finished run read back from its JSON file: what its report is rendered from."""
+
+    groups: list[WorkloadGroup]
+    config_dict: dict[str, Any]
+    plots: list[str]
+
+
+def load(report_json: Path) -> RoutingRun:
+    """A run from its JSON file (every number the report shows; not the raw series the plots
+    and the tail breakdown are made from: the breakdown comes from the file)."""
+    data = json.loads(report_json.read_text())
+    policies = data["policies"]
+    groups = [
+        WorkloadGroup(
+            name=name,
+            summary=WorkloadSummary.from_json(workload["summary"]),
+            calibration=Calibration.from_json(workload["calibration"]),
+            oracle=float(workload["oracle"]["hit_rate"]),
+            results={key: PolicyResult.from_json(policies[key]) for key in workload["policies"]},
+        )
+        for name, workload in data["workloads"].items()
+    ]
+    return RoutingRun(groups, data["config"], list(data.get("plots", [])))

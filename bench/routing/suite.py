@@ -53,9 +53,10 @@ from bench.routing.fleets import (
     serves,
     wait_for,
 )
-from bench.routing.measure import Timeline, measure, summary_line, weight_moves
+from bench.routing.measure import measure, summary_line, weight_moves
 from bench.routing.replay import replay_all, start_workers
-from bench.routing.report import write_suite_report
+from bench.routing.report import Workloads, write_suite_report
+from bench.routing.results import Calibration, ScenarioWorkload, SuiteResults, Timeline
 from bench.routing.scenarios import (
     SCENARIOS,
     SUITE_POLICIES,
@@ -77,8 +78,8 @@ def run_suite(config: SuiteConfig, state_dir: Path | None = None) -> Path:
     """Run every scenario with every seed; returns the Markdown report's path."""
 
     policies = [p for p in SUITE_POLICIES if p.key in config.policies]
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    workloads: dict[str, list[dict[str, Any]]] = {}
+    results: SuiteResults = {}
+    workloads: Workloads = {}
     with contextlib.ExitStack() as exits:
         if state_dir is None:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvsuite-")))
@@ -166,20 +167,20 @@ def _run_scenario(
     number: int,
     state_dir: Path,
     key: str,
-    results: dict[str, dict[str, list[dict[str, Any]]]],
-    workloads: dict[str, list[dict[str, Any]]],
+    results: SuiteResults,
+    workloads: Workloads,
 ) -> None:
     """One scenario with one seed through every fleet; its numbers go into `results` and
     `workloads` under `key`. `config.sim` is the replicas' at this batch size."""
     workload, calibration = _calibrate(config, scenario, seed)
     prompts = workload.system_prompts()
     oracle = oracle_hit_rate(workload, config.sim.block_size, prompts)
-    summary = {**workload.summary(), **calibration, "oracle_hit_rate": oracle}
-    workloads.setdefault(key, []).append(summary)
+    summary = workload.summary()
+    workloads.setdefault(key, []).append(ScenarioWorkload(summary, calibration, oracle))
     say(
         f"\n== {scenario.title}, batch size {config.sim.max_batch}, seed {seed}: "
-        f"{summary['requests']} requests, {summary['sessions']} sessions, "
-        f"{summary['document_requests']} document requests, oracle hit rate {oracle:.1%}"
+        f"{summary.requests} requests, {summary.sessions} sessions, "
+        f"{summary.document_requests} document requests, oracle hit rate {oracle:.1%}"
     )
     runs, timelines, bounds = _run_once(
         pool, local, client, fleets, scenario, workload, config, number, state_dir
@@ -193,22 +194,21 @@ def _run_scenario(
             oracle,
             config.slo_ttft,
             config.ramp,
+            seed=seed,
+            batch=config.sim.max_batch,
         )
-        measured["seed"] = seed
-        measured["batch"] = config.sim.max_batch
-        if fleet.policy.key in bounds:
-            measured["bound_changes"] = bounds[fleet.policy.key]
-        if fleet.policy.key in timelines:
-            timeline = timelines[fleet.policy.key]
-            measured["weights"] = weight_moves(timeline, scenario.event)
-            measured["weight_timeline"] = timeline
+        timeline = timelines.get(fleet.policy.key)
+        measured = replace(
+            measured,
+            bound_changes=bounds.get(fleet.policy.key),
+            weights=None if timeline is None else weight_moves(timeline, scenario.event),
+            weight_timeline=timeline,
+        )
         results.setdefault(key, {}).setdefault(fleet.policy.key, []).append(measured)
         say(f"   {fleet.policy.key:>16}: {summary_line(measured)}")
 
 
-def _calibrate(
-    config: SuiteConfig, scenario: Scenario, seed: int
-) -> tuple[Workload, dict[str, Any]]:
+def _calibrate(config: SuiteConfig, scenario: Scenario, seed: int) -> tuple[Workload, Calibration]:
     """The scenario's workload at its offered load of the fleet's capacity."""
     capacity = scenario.capacity(config.replicas)
     bench = RoutingConfig(
@@ -219,10 +219,8 @@ def _calibrate(
         capacity_batch=config.sim.max_batch,
     )
     workload, calibration = calibrate(bench, replace(scenario.workload, seed=seed))
-    calibration["offered_load"] = calibration["estimated_cache_blind_load"] * (
-        config.replicas / capacity
-    )
-    return workload, calibration
+    offered = calibration.estimated_cache_blind_load * (config.replicas / capacity)
+    return workload, replace(calibration, offered_load=offered)
 
 
 def _run_once(

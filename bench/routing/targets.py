@@ -5,17 +5,22 @@ requests' ceiling, the TTFT floor), and the recommended route's ratios per batch
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from bench.rig.report import table
+from bench.routing.measure import engine_ttft
+from bench.routing.results import Measured, Runs, SuiteResults
 from bench.routing.scenarios import ORACLE, RECOMMENDED, median_spread, split_key
 
-Runs = list[dict[str, Any]]
-"""One policy's measurements in one scenario, one per seed (in seed order)."""
+T = TypeVar("T")
+
+Value = Callable[[Measured], float | None]
+"""One number of a run, or None where the run has none."""
 
 
-def cell(runs: Runs, value: Callable[[dict[str, Any]], float | None], pattern: str) -> str:
+def cell(runs: Sequence[T], value: Callable[[T], float | None], pattern: str) -> str:
+    """One table cell: the median over `runs` (seeds) and, when they differ, the spread."""
     stats = median_spread([value(m) for m in runs])
     if stats is None:
         return "n/a"
@@ -25,9 +30,7 @@ def cell(runs: Runs, value: Callable[[dict[str, Any]], float | None], pattern: s
     return f"{pattern.format(mid)} ({pattern.format(low)}-{pattern.format(high)})"
 
 
-def paired(
-    mine: Runs, base: Runs, value: Callable[[dict[str, Any]], float | None]
-) -> tuple[float, float, float] | None:
+def paired(mine: Runs, base: Runs, value: Value) -> tuple[float, float, float] | None:
     """Median and spread of mine/base, seed by seed (both replayed the same workload)."""
     ratios = []
     for a, b in zip(mine, base, strict=False):
@@ -49,12 +52,7 @@ def pooled_p99(runs: Runs) -> float | None:
     seed's p99 is its slowest two or three requests, the pooled one rests on several times
     as many."""
     ttfts = sorted(
-        float(t)
-        for m in runs
-        for r in m.get("per_request", ())
-        if r["status"] == 200
-        and not r["error"]
-        and (t := r["engine_ttft"] if r.get("engine_ttft") is not None else r["ttft"]) is not None
+        t for m in runs for r in m.per_request if r.ok and (t := engine_ttft(r)) is not None
     )
     if not ttfts:
         return None
@@ -70,7 +68,7 @@ Target = tuple[str, str, bool | None, str]
 """(scenario, claim, met, measured)."""
 
 
-def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
+def targets(results: SuiteResults) -> list[Target]:
     """The issue's targets, on the recommended policy, from paired per-seed ratios."""
     out: list[Target] = []
 
@@ -78,7 +76,7 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
         scenario: str,
         claim: str,
         base: str,
-        value: Callable[[dict[str, Any]], float | None],
+        value: Value,
         ok: Callable[[float], bool],
         evidence: Callable[[Runs], str] | None = None,
     ) -> None:
@@ -107,7 +105,7 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
     def absolute(
         scenario: str,
         claim: str,
-        value: Callable[[dict[str, Any]], float | None],
+        value: Value,
         ok: Callable[[float], bool],
         pattern: str,
         evidence: Callable[[Runs], str] | None = None,
@@ -122,21 +120,21 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
             text += evidence(runs)
         out.append((scenario, claim, met, text))
 
-    def ttft_p99(m: dict[str, Any]) -> float | None:
-        return float(m["ttft_p99"]) if m["ttft_p99"] is not None else None
+    def ttft_p99(m: Measured) -> float | None:
+        return m.ttft_p99
 
-    def moved(m: dict[str, Any]) -> float:
-        return float(max(1, m["moved"]))  # zero moves on both sides is a ratio of 1
+    def moved(m: Measured) -> float:
+        return float(max(1, m.moved))  # zero moves on both sides is a ratio of 1
 
     # (scenario, claim, baseline policy, value, the ratio's test[, evidence from the baseline]),
     # issue #31's, checked at every batch size the run has.
     paired_targets: tuple[
-        tuple[str, str, str, Callable[[dict[str, Any]], float | None], Callable[[float], bool]]
+        tuple[str, str, str, Value, Callable[[float], bool]]
         | tuple[
             str,
             str,
             str,
-            Callable[[dict[str, Any]], float | None],
+            Value,
             Callable[[float], bool],
             Callable[[Runs], str],
         ],
@@ -159,7 +157,7 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
             "overload",
             "completed req/s >= 1.05x round robin (or the ceiling)",
             "round_robin",
-            lambda m: m["requests_per_s"],
+            lambda m: m.requests_per_s,
             lambda r: r >= 1.05,
             _capacity_ceiling,
         ),
@@ -173,7 +171,7 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
     absolute(
         "slowdown",
         "slowed replica's weight falls within 5 s of the slowdown",
-        lambda m: (m.get("weights") or {}).get("fell_after"),
+        lambda m: m.weights.slowdown.fell_after if m.weights and m.weights.slowdown else None,
         lambda v: v <= 5.0,
         "{:.1f} s",
     )
@@ -189,27 +187,27 @@ def targets(results: dict[str, dict[str, Runs]]) -> list[Target]:
         "slowdown",
         "TTFT p99 over the slow period <= 0.5x affinity alone",
         "affinity",
-        lambda m: m["slow"]["ttft_p99_during"],
+        lambda m: m.slow.ttft_p99_during if m.slow else None,
         lambda r: r <= 0.5,
     )
     check(
         "slowdown",
         "no spike after recovery: TTFT p99 in the 10 s after <= 1.2x affinity alone's",
         "affinity",
-        lambda m: m["slow"]["ttft_p99_after"],
+        lambda m: m.slow.ttft_p99_after if m.slow else None,
         lambda r: r <= 1.2,
     )
     absolute(
         "mix",
         "load max/mean <= 1.15",
-        lambda m: m["load_max_over_mean"],
+        lambda m: m.load_max_over_mean,
         lambda v: v <= 1.15,
         "{:.2f}",
     )
     absolute(
         "mix",
         "hit rate >= 95% of the oracle's",
-        lambda m: m["hit_vs_oracle"],
+        lambda m: m.hit_vs_oracle,
         lambda v: v >= 0.95,
         "{:.2f}",
     )
@@ -225,11 +223,11 @@ def key_order(key: str) -> tuple[int, int, str]:
     return (batch or 0, order.index(scenario) if scenario in order else len(order), key)
 
 
-def capacity_ceiling(m: dict[str, Any]) -> float | None:
+def capacity_ceiling(m: Measured) -> float | None:
     """The most completed requests any router could serve with full batches, as a multiple of
     this run's (round robin's): its engines' prompt work cut to what the oracle's hit rate
     leaves, the decode steps (the same for every router) as they were."""
-    share, hit, oracle = m.get("prefill_share"), m.get("engine_hit_rate"), m.get("oracle_hit_rate")
+    share, hit, oracle = m.prefill_share, m.engine_hit_rate, m.oracle_hit_rate
     if share is None or hit is None or oracle is None or hit >= 1.0:
         return None
     left = (1.0 - float(oracle)) / (1.0 - float(hit))
@@ -239,7 +237,7 @@ def capacity_ceiling(m: dict[str, Any]) -> float | None:
 def _capacity_ceiling(runs: Runs) -> str:
     """The ceiling beside round robin's runs, as the req/s target's evidence."""
     ceilings = [c for m in runs if (c := capacity_ceiling(m)) is not None]
-    shares = [float(m["prefill_share"]) for m in runs if m.get("prefill_share") is not None]
+    shares = [m.prefill_share for m in runs if m.prefill_share is not None]
     if not ceilings or not shares:
         return ""
     return (
@@ -249,12 +247,13 @@ def _capacity_ceiling(runs: Runs) -> str:
     )
 
 
-def _share_drop(m: dict[str, Any]) -> float | None:
-    slow = m.get("slow") or {}
-    before, after = slow.get("new_share_before"), slow.get("new_share_after_5s")
+def _share_drop(m: Measured) -> float | None:
+    if m.slow is None:
+        return None
+    before, after = m.slow.new_share_before, m.slow.new_share_after_5s
     if before is None or after is None or not before:
         return None
-    return float(after) / float(before)
+    return after / before
 
 
 PREFILL_PER_TOKEN = 1 / 8000
@@ -263,14 +262,14 @@ STEP = 0.012
 """... and the time of one engine step with nothing else in it."""
 
 
-def ttft_floor(m: dict[str, Any]) -> float | None:
+def ttft_floor(m: Measured) -> float | None:
     """The TTFT p99 this run would have had with no wait at all: each request's uncached
     prompt prefilled alone in one go, with the cache hits it had. No router can go below it
     without more cache hits, whatever its bound."""
     floors = sorted(
-        (int(r["prompt_tokens"]) - int(r["cached_tokens"])) * PREFILL_PER_TOKEN + STEP
-        for r in m.get("per_request", ())
-        if r["status"] == 200 and not r["error"] and r.get("prompt_tokens")
+        (r.prompt_tokens - r.cached_tokens) * PREFILL_PER_TOKEN + STEP
+        for r in m.per_request
+        if r.ok and r.prompt_tokens
     )
     if not floors:
         return None
@@ -288,9 +287,9 @@ def _floor_ratio(mine: Runs, base: Runs) -> str:
     """The floor as a ratio of the baseline's TTFT p99, paired per seed: the best ratio any
     bound could reach."""
     ratios = [
-        f / float(b["ttft_p99"])
+        f / b.ttft_p99
         for a, b in zip(mine, base, strict=False)
-        if (f := ttft_floor(a)) is not None and b["ttft_p99"]
+        if (f := ttft_floor(a)) is not None and b.ttft_p99
     ]
     if not ratios:
         return ""
@@ -301,40 +300,47 @@ def _share_evidence(runs: Runs) -> str:
     """The new-session share drop with the seeds' counts pooled, and the ring share's drop
     (the chance a new session had), beside the per-seed median: a window's few sessions make
     each seed's ratio coarse."""
+    slow = [m.slow for m in runs if m.slow]
     counts = [
-        (m["slow"].get("new_sessions_before"), m["slow"].get("new_sessions_after_5s"))
-        for m in runs
-        if m.get("slow")
+        (s.new_sessions_before, s.new_sessions_after_5s)
+        for s in slow
+        if s.new_sessions_before and s.new_sessions_after_5s
     ]
     text = ""
-    if counts and all(before and after for before, after in counts):
-        mine_b, all_b = (sum(c[0][i] for c in counts) for i in (0, 1))
-        mine_a, all_a = (sum(c[1][i] for c in counts) for i in (0, 1))
+    if counts and len(counts) == len(slow):
+        mine_b, all_b = (sum(before[i] for before, _ in counts) for i in (0, 1))
+        mine_a, all_a = (sum(after[i] for _, after in counts) for i in (0, 1))
         if mine_b and all_b and all_a:
             pooled = (mine_a / all_a) / (mine_b / all_b)
             text += (
                 f"; seeds pooled {pooled:.2f}x ({mine_b} of {all_b} new sessions before, "
                 f"{mine_a} of {all_a} after)"
             )
-    rings = [d for m in runs if (d := (m.get("weights") or {}).get("ring_share_drop")) is not None]
+    rings = [
+        d
+        for m in runs
+        if m.weights
+        and m.weights.slowdown
+        and (d := m.weights.slowdown.ring_share_drop) is not None
+    ]
     if rings:
         text += f"; ring share {statistics.median(rings):.2f}x"
     return text
 
 
-PER_BATCH: tuple[tuple[str, str, Callable[[dict[str, Any]], float | None]], ...] = (
-    ("TTFT p99 / affinity", "affinity", lambda m: m["ttft_p99"]),
-    ("/ no bound", "chash", lambda m: m["ttft_p99"]),
-    ("/ fixed bounds", "kvpilot_twin", lambda m: m["ttft_p99"]),
-    ("/ round robin", "round_robin", lambda m: m["ttft_p99"]),
-    ("/ oracle", ORACLE, lambda m: m["ttft_p99"]),
-    ("req/s / round robin", "round_robin", lambda m: m["requests_per_s"]),
-    ("moved / affinity", "affinity", lambda m: float(max(1, m["moved"]))),
+PER_BATCH: tuple[tuple[str, str, Value], ...] = (
+    ("TTFT p99 / affinity", "affinity", lambda m: m.ttft_p99),
+    ("/ no bound", "chash", lambda m: m.ttft_p99),
+    ("/ fixed bounds", "kvpilot_twin", lambda m: m.ttft_p99),
+    ("/ round robin", "round_robin", lambda m: m.ttft_p99),
+    ("/ oracle", ORACLE, lambda m: m.ttft_p99),
+    ("req/s / round robin", "round_robin", lambda m: m.requests_per_s),
+    ("moved / affinity", "affinity", lambda m: float(max(1, m.moved))),
 )
 """The per-batch-size summary's ratio columns: (title, baseline policy, value)."""
 
 
-def per_batch_size(results: dict[str, dict[str, Runs]]) -> list[str]:
+def per_batch_size(results: SuiteResults) -> list[str]:
     """One row per scenario and batch size: the recommended route's ratios to the policies
     it is compared with (paired per seed, median and spread), its hit rate and how often its
     bounded load changed."""
@@ -348,8 +354,8 @@ def per_batch_size(results: dict[str, dict[str, Runs]]) -> list[str]:
         cells = [scenario, "" if batch is None else str(batch)]
         for _, base, value in PER_BATCH:
             cells.append(ratio_text(paired(mine, runs[base], value)) if base in runs else "n/a")
-        cells.append(cell(mine, lambda m: m["hit_rate"], "{:.1%}"))
-        cells.append(cell(mine, lambda m: m.get("bound_changes"), "{:.0f}"))
+        cells.append(cell(mine, lambda m: m.hit_rate, "{:.1%}"))
+        cells.append(cell(mine, lambda m: m.bound_changes, "{:.0f}"))
         rows.append(cells)
     if not rows:
         return []
