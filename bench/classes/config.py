@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.rig.loadgen import RequestResult
+from bench.rig.phased import Phased, paced
 from bench.rig.routes import Policy, standard_policies
 from bench.rig.stack import POOL
 from bench.rig.workload import Session, Workload, WorkloadConfig, generate
@@ -66,8 +67,8 @@ class Phase:
 
 
 @dataclass(frozen=True)
-class ClassesConfig:
-    """One run of the service-class benchmark."""
+class ClassesConfig(Phased):
+    """One run of the service-class benchmark (its timeline from `Phased`)."""
 
     replicas: int = 8
     phases: tuple[Phase, ...] = (
@@ -100,42 +101,9 @@ class ClassesConfig:
     takes, and the interactive route takes the others."""
 
     @property
-    def ramp(self) -> float:
-        """Simulated seconds at the start whose requests are not measured."""
-        ramp = 0.0
-        for phase in self.phases:
-            if phase.measured:
-                break
-            ramp += phase.duration
-        return ramp
-
-    @property
-    def duration(self) -> float:
-        """Simulated seconds of arrivals, the ramp included; no turn is sent after it."""
-        return sum(phase.duration for phase in self.phases)
-
-    def window(self, name: str) -> tuple[float, float]:
-        """(start, end) of the phase `name`, simulated seconds from the run's start."""
-        start = 0.0
-        for phase in self.phases:
-            if phase.name == name:
-                return start, start + phase.duration
-            start += phase.duration
-        raise KeyError(name)
-
-    @property
     def peak(self) -> Phase:
         """The overload: the phase with the most offered load."""
         return max(self.phases, key=lambda phase: phase.interactive + phase.batch)
-
-    def phase_at(self, at: float) -> str | None:
-        """The name of the phase that simulated second `at` falls in (None after the last)."""
-        start = 0.0
-        for phase in self.phases:
-            if start <= at < start + phase.duration:
-                return phase.name
-            start += phase.duration
-        return None
 
 
 _AFFINITY = standard_policies()["affinity"]
@@ -179,25 +147,12 @@ REFERENCE = replace(_AFFINITY, key="reference", title="affinity, interactive alo
 
 def default_config(short: bool = False) -> ClassesConfig:
     """The `make bench BENCH_ARGS=classes` settings, or a smoke run with `short`."""
-    base = routing_config()
-    # Simulated time runs at the wall clock's pace: 8 replicas at 130% are a hundred
-    # streams and more at once for one load generator on a busy 2-core machine. Streams
-    # send a chunk a second after the first token, and TTFT is the engine's own (see
-    # bench.classes.report), so a load generator that falls behind delays arrivals but does
-    # not add to the times measured. (The first version ran 3x slower than the wall clock:
-    # 45 minutes a run, most of them in the replays and in calibrating six workloads by
-    # search.) The agent scrapes every 0.25 s.
-    #
-    # Eight sequences a batch, as in the scenario suite, and capacity taken at full batches
-    # (`RoutingConfig.capacity_batch`): so "130%" is more than the engines can serve (full
-    # batches, then a queue), which the report checks with their own running and waiting
-    # counts per phase.
-    base = replace(
-        base,
-        sim=replace(base.sim, time_scale=1.0, stream_interval=1.0, max_batch=SUITE_MAX_BATCH),
-        agent_interval=0.25,
-        capacity_batch=SUITE_MAX_BATCH,
-    )
+    # At the wall clock's pace, eight sequences a batch as in the scenario suite, capacity
+    # at full batches (`bench.rig.phased.paced`): "130%" is more than the engines can serve
+    # (full batches, then a queue), which the report checks with their own running and
+    # waiting counts per phase. (The first version ran 3x slower than the wall clock: 45
+    # minutes a run, most of them in the replays and in calibrating six workloads by search.)
+    base = paced(routing_config(), SUITE_MAX_BATCH)
     # The policy as a user would write it: objectives and what batch does when saturated,
     # shed with a 429 or queued in Envoy (16 batch requests in flight per Envoy, two per
     # replica, the rest waiting), and bounds beyond the default rule (mean engine TTFT at

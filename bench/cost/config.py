@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench.rig.phased import Phased, paced
 from bench.rig.routes import SESSION_AFFINITY, Policy
 from bench.rig.stack import POOL
 from bench.rig.workload import CHAT, WorkloadConfig
@@ -100,8 +101,8 @@ POLICIES: tuple[Policy, ...] = (
 
 
 @dataclass(frozen=True)
-class CostConfig:
-    """One run of the cost benchmark (every policy, one seed)."""
+class CostConfig(Phased):
+    """One run of the cost benchmark (every policy, one seed; its timeline from `Phased`)."""
 
     replicas: int = 4
     phases: tuple[Phase, ...] = (
@@ -150,24 +151,6 @@ class CostConfig:
         overflow = {**policy.route["overflow"], **self.overflow}
         return replace(policy, route={**policy.route, "overflow": overflow})
 
-    @property
-    def ramp(self) -> float:
-        """Simulated seconds at the start whose requests are not measured."""
-        return sum(p.duration for p in self.phases if not p.measured)
-
-    @property
-    def duration(self) -> float:
-        return sum(phase.duration for phase in self.phases)
-
-    def window(self, name: str) -> tuple[float, float]:
-        """(start, end) of phase `name`, simulated seconds from the start."""
-        start = 0.0
-        for phase in self.phases:
-            if phase.name == name:
-                return start, start + phase.duration
-            start += phase.duration
-        raise KeyError(name)
-
     def excess_share(self) -> float:
         """The least share of the measured load that must go somewhere other than the owned
         replicas for them to stay within capacity: what any policy that keeps its latency
@@ -190,16 +173,11 @@ SINGLES = WorkloadConfig(
 
 def default_config(short: bool = False, seed: int = 1) -> CostConfig:
     """The `make bench` settings, or a smoke run with `short`."""
-    base = routing_config()
-    base = BenchConfig(
-        replicas=4,
-        sim=replace(
-            base.sim, time_scale=1.0, stream_interval=1.0, max_batch=SUITE_MAX_BATCH, orca=False
-        ),
-        workload=CHAT,
-        agent_interval=0.25,
-        capacity_batch=SUITE_MAX_BATCH,
-        out_dir=base.out_dir,
+    # Paced as the service-class benchmark's fleet is (`bench.rig.phased.paced`).
+    base = paced(
+        BenchConfig(replicas=4, sim=routing_config().sim, workload=CHAT),
+        SUITE_MAX_BATCH,
+        orca=False,
     )
     config = CostConfig(routing=base, seed=seed)
     if short:
