@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from bench.rig.virtualmodel import stub_upstream, virtual_model_objects
 from compiler import compile_plan
 from controlplane.local import find_binary
 from controlplane.local.process import free_port
@@ -39,37 +40,6 @@ from xdsserver.difficultylog import ScoreBook
 from xdsserver.signals import AccessLogServer, SignalBook
 from xdsserver.static import static_bootstrap
 from xdsserver.translate import translate
-
-BACKEND = r"""
-import asyncio, sys
-BODY = b'{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}'
-CHUNK = b'data: {"id":"x","model":"m","choices":[{"delta":{"content":"ok"}}]}\n\n'
-async def handle(reader, writer):
-    try:
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":")[1])
-            body = await reader.readexactly(length)
-            if b'"stream": true' in body:
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-                for piece in (CHUNK, CHUNK, b"data: [DONE]\n\n"):
-                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                writer.write(b"0\r\n\r\n")
-            else:
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        writer.close()
-async def main():
-    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
-    async with server:
-        await server.serve_forever()
-asyncio.run(main())
-"""
-
 
 SCORER = r"""
 import asyncio, sys
@@ -98,42 +68,16 @@ asyncio.run(main())
 
 
 def _policy(listener: int, backend: int, scorer: dict[str, Any] | None = None) -> list[Any]:
-    def pool(name: str) -> dict[str, Any]:
-        return {
-            "apiVersion": "kvpilot.io/v1",
-            "kind": "Pool",
-            "metadata": {"name": name},
-            "spec": {
-                "models": [name],
-                "endpoints": [{"address": "127.0.0.1", "port": backend}],
-                "healthCheck": {"enabled": False},
-                "outlierDetection": {"enabled": False},
-            },
-        }
-
-    policy = {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "RoutingPolicy",
-        "metadata": {"name": "main"},
-        "spec": {
-            "listener": {"address": "127.0.0.1", "port": listener},
-            "routes": [
-                {"name": "small", "match": {"models": ["small"]}, "tiers": [["small"]]},
-                {"name": "large", "match": {"models": ["large"]}, "tiers": [["large"]]},
-            ],
-            "virtualModels": [
-                {
-                    "name": "auto",
-                    "small": "small",
-                    "large": "large",
-                    "share": None,
-                    "cap": 100,
-                    **({"scorer": scorer} if scorer else {}),
-                }
-            ],
-        },
-    }
-    return [parse_object(pool("small")), parse_object(pool("large")), parse_object(policy)]
+    virtual = {"name": "auto", "share": None, "cap": 100, **({"scorer": scorer} if scorer else {})}
+    objects = virtual_model_objects(
+        listener,
+        backend,
+        small="small",
+        large="large",
+        virtual=virtual,
+        pool_spec={"outlierDetection": {"enabled": False}},
+    )
+    return [parse_object(body) for body in objects]
 
 
 def _bootstrap(
@@ -228,12 +172,9 @@ def measure(requests: int, scorer: dict[str, Any] | None = None) -> dict[str, An
     ready = threading.Event()
     threading.Thread(target=_sink, args=(signals, book, ready), daemon=True).start()
     ready.wait(10)
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as workdir, stub_upstream(backend):
         config = Path(workdir) / "envoy.json"
         config.write_text(json.dumps(_bootstrap(listener, backend, signals, admin, scorer)))
-        upstream = subprocess.Popen(
-            [sys.executable, "-c", BACKEND, str(backend)], stdout=subprocess.DEVNULL
-        )
         envoy = subprocess.Popen(
             [
                 str(find_binary("envoy")),
@@ -306,9 +247,7 @@ def measure(requests: int, scorer: dict[str, Any] | None = None) -> dict[str, An
             return results
         finally:
             envoy.terminate()
-            upstream.terminate()
             envoy.wait(10)
-            upstream.wait(10)
 
 
 def external(requests: int, timeout: float = 0.05) -> dict[str, Any]:

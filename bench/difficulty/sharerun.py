@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -22,48 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.difficulty.luaprice import BACKEND
 from bench.difficulty.prompts import PromptMix, generate
+from bench.rig.virtualmodel import stub_upstream, virtual_model_objects
 from controlplane.local import free_port, local_stack
 from controlplane.local.process import wait_until
 
 THREADS = 4
-
-
-def _objects(listener: int, backend: int, share: float) -> list[dict[str, Any]]:
-    def pool(name: str) -> dict[str, Any]:
-        return {
-            "apiVersion": "kvpilot.io/v1",
-            "kind": "Pool",
-            "metadata": {"name": name},
-            "spec": {
-                "models": [name],
-                "endpoints": [{"address": "127.0.0.1", "port": backend}],
-                "healthCheck": {"enabled": False},
-            },
-        }
-
-    policy = {
-        "apiVersion": "kvpilot.io/v1",
-        "kind": "RoutingPolicy",
-        "metadata": {"name": "main"},
-        "spec": {
-            "listener": {"address": "127.0.0.1", "port": listener},
-            "routes": [
-                {"name": "small", "match": {"models": ["llama-small"]}, "tiers": [["llama-small"]]},
-                {"name": "large", "match": {"models": ["llama-large"]}, "tiers": [["llama-large"]]},
-            ],
-            "virtualModels": [
-                {
-                    "name": "llama-auto",
-                    "small": "llama-small",
-                    "large": "llama-large",
-                    "share": share,
-                }
-            ],
-        },
-    }
-    return [pool("llama-small"), pool("llama-large"), policy]
 
 
 def run(phase: float, rate: float, share: float) -> dict[str, Any]:
@@ -77,63 +40,62 @@ def run(phase: float, rate: float, share: float) -> dict[str, Any]:
     backend = free_port()
     log: list[tuple[float, bool]] = []
     lock = threading.Lock()
-    with tempfile.TemporaryDirectory() as workdir:
-        upstream = subprocess.Popen(
-            [sys.executable, "-c", BACKEND, str(backend)], stdout=subprocess.DEVNULL
-        )
-        try:
-            with local_stack(Path(workdir), node_id="difficulty-envoy") as stack:
-                from api.client import KvpilotClient
+    with (
+        tempfile.TemporaryDirectory() as workdir,
+        stub_upstream(backend),
+        local_stack(Path(workdir), node_id="difficulty-envoy") as stack,
+    ):
+        from api.client import KvpilotClient
 
-                listener = free_port()
-                client = KvpilotClient(stack.kvpilot.api_url, token=stack.admin_token)
-                for body in _objects(listener, backend, share):
-                    client.put(body)
+        listener = free_port()
+        client = KvpilotClient(stack.kvpilot.api_url, token=stack.admin_token)
+        virtual = {"name": "llama-auto", "share": share}
+        for body in virtual_model_objects(
+            listener, backend, small="llama-small", large="llama-large", virtual=virtual
+        ):
+            client.put(body)
 
-                def ready() -> bool:
-                    try:
-                        conn = http.client.HTTPConnection("127.0.0.1", listener, timeout=5)
-                        conn.request("POST", "/v1/chat/completions", bodies[0.1][0])
-                        response = conn.getresponse()
-                        response.read()
-                        return response.getheader("x-kvpilot-model") is not None
-                    except OSError:
-                        return False
+        def ready() -> bool:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", listener, timeout=5)
+                conn.request("POST", "/v1/chat/completions", bodies[0.1][0])
+                response = conn.getresponse()
+                response.read()
+                return response.getheader("x-kvpilot-model") is not None
+            except OSError:
+                return False
 
-                wait_until(ready, 60, "the virtual model to be served")
-                start = time.monotonic()
-                stop = start + phase * len(phases)
+        wait_until(ready, 60, "the virtual model to be served")
+        start = time.monotonic()
+        stop = start + phase * len(phases)
 
-                def worker(index: int) -> None:
-                    conn = http.client.HTTPConnection("127.0.0.1", listener, timeout=10)
-                    sent = 0
-                    while True:
-                        now = time.monotonic()
-                        if now >= stop:
-                            return
-                        mix = phases[min(len(phases) - 1, int((now - start) / phase))]
-                        pool = bodies[mix]
-                        body = pool[(sent * THREADS + index) % len(pool)]
-                        conn.request("POST", "/v1/chat/completions", body)
-                        response = conn.getresponse()
-                        response.read()
-                        large = response.getheader("x-kvpilot-model") == "llama-large"
-                        with lock:
-                            log.append((now - start, large))
-                        sent += 1
-                        due = start + sent * THREADS / rate
-                        delay = due - time.monotonic()
-                        if delay > 0:
-                            time.sleep(delay)
+        def worker(index: int) -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", listener, timeout=10)
+            sent = 0
+            while True:
+                now = time.monotonic()
+                if now >= stop:
+                    return
+                mix = phases[min(len(phases) - 1, int((now - start) / phase))]
+                pool = bodies[mix]
+                body = pool[(sent * THREADS + index) % len(pool)]
+                conn.request("POST", "/v1/chat/completions", body)
+                response = conn.getresponse()
+                response.read()
+                large = response.getheader("x-kvpilot-model") == "llama-large"
+                with lock:
+                    log.append((now - start, large))
+                sent += 1
+                due = start + sent * THREADS / rate
+                delay = due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
 
-                threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
-        finally:
-            upstream.terminate()
-            upstream.wait(10)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     minutes: dict[int, list[bool]] = {}
     for at, large in log:
         minutes.setdefault(int(at // 60), []).append(large)
