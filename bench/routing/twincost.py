@@ -25,6 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +197,24 @@ def _wait(predicate: Any, timeout: float) -> None:
     raise RuntimeError("Envoy did not become ready")
 
 
-def measure(title: str, affinity: dict[str, Any], envoy: str, workdir: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TwinCost:
+    """One variant's cost in a fresh Envoy (``--out`` prints the rows as JSON too)."""
+
+    variant: str
+    clusters: int
+    """The route's clusters: its replicas cluster and its twins."""
+    twins: int
+    memory_idle: int
+    """Envoy's allocated bytes before any request."""
+    memory_used: int
+    """... and after a request through every twin to every replica."""
+    health_checks_per_s: float
+    connections: int
+    """Active upstream connections of the route's clusters."""
+
+
+def measure(title: str, affinity: dict[str, Any], envoy: str, workdir: Path) -> TwinCost:
     """One variant's numbers, from a fresh Envoy."""
     with _replicas() as ports:
         admin, listen = _free_port(), _free_port()
@@ -240,15 +258,15 @@ def measure(title: str, affinity: dict[str, Any], envoy: str, workdir: Path) -> 
         finally:
             process.terminate()
             process.wait(10)
-    return {
-        "variant": title,
-        "clusters": len(static["clusters"]),
-        "twins": len(twins),
-        "memory_idle": idle,
-        "memory_used": used,
-        "health_checks_per_s": checks / elapsed,
-        "connections": connections,
-    }
+    return TwinCost(
+        variant=title,
+        clusters=len(static["clusters"]),
+        twins=len(twins),
+        memory_idle=idle,
+        memory_used=used,
+        health_checks_per_s=checks / elapsed,
+        connections=connections,
+    )
 
 
 def main() -> None:
@@ -268,20 +286,20 @@ def main() -> None:
          "upstream connections"),
         (
             (
-                f"{r['variant']} ({r['clusters']})",
-                str(r["twins"]),
-                f"{r['memory_idle'] / 2**20:.2f} MiB",
-                f"{r['memory_used'] / 2**20:.2f} MiB",
-                f"{r['health_checks_per_s']:.1f}",
-                str(r["connections"]),
+                f"{r.variant} ({r.clusters})",
+                str(r.twins),
+                f"{r.memory_idle / 2**20:.2f} MiB",
+                f"{r.memory_used / 2**20:.2f} MiB",
+                f"{r.health_checks_per_s:.1f}",
+                str(r.connections),
             )
             for r in rows
         ),
     )  # fmt: skip
     per_twin = [
-        (r["memory_used"] - first["memory_used"]) / (r["twins"] - first["twins"])
+        (r.memory_used - first.memory_used) / (r.twins - first.twins)
         for r in rows[1:]
-        if r["twins"] > first["twins"]
+        if r.twins > first.twins
     ]
     lines += [
         "",
@@ -294,7 +312,7 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text)
-        print(json.dumps(rows))
+        print(json.dumps([asdict(r) for r in rows]))
 
 
 if __name__ == "__main__":
