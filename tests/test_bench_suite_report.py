@@ -3,19 +3,20 @@ targets), and its report rendered from a committed run's files against the commi
 Markdown, so a change to the report cannot pass unseen.
 
 Regenerate the expected Markdown (after a change to the report that is meant) with
-``KVPILOT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_bench_suite_report.py``.
+``KVPILOT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_bench_suite_report.py``, and
+review the diff.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.golden import BENCH, check, updating
 
 from bench.rig.loadgen import RequestResult
 from bench.routing import sequential_report
@@ -31,7 +32,7 @@ from bench.routing.scenarios import SlowEvent
 from bench.routing.sequential import POLICIES
 from bench.routing.targets import _share_evidence, capacity_ceiling, pooled_p99, targets
 
-GOLDEN = Path(__file__).parent / "golden" / "bench"
+GOLDEN = BENCH
 """Files of real ``--short`` runs (requests trimmed to a few per run) and their reports."""
 WRITTEN = "2026-12-03 17:51:26"
 """The time the committed reports name (a report names the time it is written)."""
@@ -193,12 +194,8 @@ def test_goodput_at_another_objective_counts_over_the_measured_window() -> None:
 
 
 def _golden(name: str, text: str) -> None:
-    """`text` against the committed ``tests/golden/bench/<name>`` (rewritten instead with
-    KVPILOT_UPDATE_GOLDEN=1)."""
-    path = GOLDEN / name
-    if os.environ.get("KVPILOT_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"{name} changed: regenerate with KVPILOT_UPDATE_GOLDEN=1"
+    """`text` against the committed ``tests/golden/bench/<name>``."""
+    check({name: text}, BENCH, update=updating())
 
 
 def test_the_suite_report_rendered_from_a_runs_files_is_the_committed_markdown() -> None:

@@ -1,7 +1,9 @@
 """Golden files in Envoy Gateway's shape: ``tests/golden/in/<case>.yaml`` (objects, registered
 endpoints, telemetry records and a clock) -> ``tests/golden/out/<case>.<fleet>.<kind>.yaml``
 (clusters, endpoints, listeners, routes), rendered by ``xdsserver.render``, the renderer
-``kvpilot translate`` and the REST dry run use.
+``kvpilot translate`` and the REST dry run use. And ``tests/golden/bench/``: benchmark runs'
+files (real ``--short`` runs) and the Markdown reports rendered from them (`check` with
+``out=BENCH``).
 
 ``KVPILOT_UPDATE_GOLDEN=1`` rewrites the files (and deletes the ones no case produces any
 more), then fails anyway: a regenerated golden file is a change to review, not a pass.
@@ -22,6 +24,7 @@ from xdsserver.render import RESOURCE_KEYS, RenderInput, parse_render_input, ren
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 IN = GOLDEN / "in"
 OUT = GOLDEN / "out"
+BENCH = GOLDEN / "bench"
 UPDATE_FLAG = "KVPILOT_UPDATE_GOLDEN"
 
 
