@@ -3,12 +3,15 @@ the replicas' samples, the peak window, goodput, and targets judged on the media
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
+from harness.golden import BENCH, check, updating
 
 from bench.cost.config import Phase, Prices, default_config
-from bench.cost.report import summarize, targets
+from bench.cost.report import markdown, summarize, targets
+from bench.cost.results import CostSummary, Dollars
 from bench.rig.loadgen import LoadSample, RequestResult, RunResult
 
 CONFIG = replace(
@@ -57,35 +60,40 @@ def test_dollars_tokens_idle_and_goodput_over_the_measured_window() -> None:
         timed_out=False,
     )
     summary = summarize(run, CONFIG)
-    assert summary["requests"] == 3 and summary["paid_requests"] == 1
+    assert summary.requests == 3 and summary.paid_requests == 1
     # 600 uncached at $1, 400 cached at $0.5, 100 out at $2 per million.
-    assert summary["dollars"]["paid"] == pytest.approx((600 + 200 + 200) / 1e6)
+    assert summary.dollars.paid == pytest.approx((600 + 200 + 200) / 1e6)
     # 4 replicas at $3.6/h over the 20 measured seconds.
-    assert summary["dollars"]["owned"] == pytest.approx(4 * 3.6 * 20 / 3600)
-    assert summary["paid_token_share"] == pytest.approx(1 / 3)
+    assert summary.dollars.owned == pytest.approx(4 * 3.6 * 20 / 3600)
+    assert summary.paid_token_share == pytest.approx(1 / 3)
     # Batches of 8: 4/8 and a full one (12 capped at 8): 75% busy.
-    assert summary["owned_utilization"] == pytest.approx(0.75)
-    assert summary["idle_owned_dollars"] == pytest.approx(summary["dollars"]["owned"] * 0.25)
-    assert summary["goodput_per_s"] == pytest.approx(2 / 20)
-    assert summary["peak_ttft_p99"] == pytest.approx(0.8 + (3.0 - 0.8) * 0.99)
-    assert summary["budget_overshoot"] is None
+    assert summary.owned_utilization == pytest.approx(0.75)
+    assert summary.idle_owned_dollars == pytest.approx(summary.dollars.owned * 0.25)
+    assert summary.goodput_per_s == pytest.approx(2 / 20)
+    assert summary.peak_ttft_p99 == pytest.approx(0.8 + (3.0 - 0.8) * 0.99)
+    assert summary.budget_overshoot is None
+    assert summary.wall_seconds == 30.0 and summary.timed_out is False
+    # The run's JSON file holds it under its fields' names, and the report reads it back.
+    data = json.loads(json.dumps(summary.to_json()))
+    assert data["dollars_per_1k"]["paid"] == summary.dollars_per_1k.paid
+    assert CostSummary.from_json(data) == summary
 
 
 def test_targets_are_judged_on_the_median_over_seeds() -> None:
-    def seed(ratio: float) -> dict[str, dict[str, object]]:
-        base = {
-            "ttft_p99": 2.0,
-            "peak_ttft_p99": 2.0,
-            "goodput_per_s": 1.0,
-            "dollars": {"paid": 1.0},
-        }
-        cost = {
-            "ttft_p99": 2.0 * ratio,
-            "peak_ttft_p99": 0.5,
-            "goodput_per_s": 1.1,
-            "dollars": {"paid": 0.5},
-        }
-        owned = {**base, "peak_ttft_p99": 2.0}
+    quiet = summarize(RunResult(results=[], samples=[], wall_seconds=0.0, timed_out=False), CONFIG)
+
+    def seed(ratio: float) -> dict[str, CostSummary]:
+        base = replace(
+            quiet, ttft_p99=2.0, peak_ttft_p99=2.0, goodput_per_s=1.0, dollars=Dollars(0.0, 1.0)
+        )
+        cost = replace(
+            quiet,
+            ttft_p99=2.0 * ratio,
+            peak_ttft_p99=0.5,
+            goodput_per_s=1.1,
+            dollars=Dollars(0.0, 0.5),
+        )
+        owned = replace(base, peak_ttft_p99=2.0)
         return {"static_split": base, "cost_aware": cost, "owned_only": owned}
 
     verdicts = {what: met for what, met, _ in targets({1: seed(1.0), 2: seed(1.3), 3: seed(1.1)})}
@@ -98,3 +106,20 @@ def test_targets_are_judged_on_the_median_over_seeds() -> None:
 def test_the_excess_over_capacity_bounds_what_overflow_can_save() -> None:
     # Base 10 s at 0.5, peak 10 s at 1.5: 5 of 20 load-seconds are above capacity.
     assert CONFIG.excess_share() == pytest.approx(0.25)
+
+
+def test_the_report_rendered_from_a_runs_file_is_the_committed_markdown() -> None:
+    """A real ``--short`` run of every policy (seed 1), read back from its JSON file: the
+    table, the paid share by phase, the targets and the bound; and each policy's entry as
+    the file has it, key for key, in order."""
+    data = json.loads((BENCH / "cost-short.json").read_text())
+    results = {
+        int(seed): {key: CostSummary.from_json(entry) for key, entry in by_policy.items()}
+        for seed, by_policy in data.items()
+    }
+    check(
+        {"cost-short.md": markdown(results, default_config(short=True))}, BENCH, update=updating()
+    )
+    assert [list(s.to_json().items()) for s in results[1].values()] == [
+        list(entry.items()) for entry in data["1"].values()
+    ]

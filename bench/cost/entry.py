@@ -8,7 +8,6 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from bench.benchmark import Written
 from bench.rig.cli import UsageError, names
@@ -32,6 +31,7 @@ class CostBenchmark:
     def run(self, args: argparse.Namespace) -> Written:
         from bench.cost.config import POLICIES, default_config
         from bench.cost.report import markdown
+        from bench.cost.results import CostSummary
         from bench.cost.run import run_cost
 
         try:
@@ -44,7 +44,7 @@ class CostBenchmark:
         if not seeds or not isinstance(extra, dict):
             raise UsageError("--seeds needs a seed; --overflow is a JSON object")
         policies = names(args.policies, (p.key for p in POLICIES), "policies")
-        results: dict[int, Any] = {}
+        results: dict[int, dict[str, CostSummary]] = {}
         config = default_config(short=args.short)
         for seed in seeds:
             config = replace(default_config(short=args.short, seed=seed), overflow=extra)
@@ -54,11 +54,16 @@ class CostBenchmark:
                 config = replace(config, policies=policies)
             state = None if args.state_dir is None else Path(args.state_dir) / f"seed{seed}"
             report = run_cost(config, state)
-            results[seed] = json.loads(report.with_suffix(".json").read_text())["results"]
+            data = json.loads(report.with_suffix(".json").read_text())["results"]
+            results[seed] = {key: CostSummary.from_json(entry) for key, entry in data.items()}
         out = Path(config.out_dir)
         summary = out / f"cost-{time.strftime('%Y%m%d-%H%M%S')}.md"
         summary.write_text(markdown(results, config))
-        summary.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+        data = {
+            seed: {key: entry.to_json() for key, entry in by_policy.items()}
+            for seed, by_policy in results.items()
+        }
+        summary.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
         print(summary.read_text())
         return Written(report=summary, json=summary.with_suffix(".json"))
 

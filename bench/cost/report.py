@@ -5,16 +5,17 @@ issue's targets as met / not met rows (pure, no I/O)."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from bench.cost.config import PAID_PREFIX, POLICIES, CostConfig
+from bench.cost.results import CostSummary, Dollars, PhaseRow
 from bench.rig.loadgen import RequestResult, RunResult
 from bench.rig.summary import percentile
 
 
-def summarize(run: RunResult, config: CostConfig) -> dict[str, Any]:
+def summarize(run: RunResult, config: CostConfig) -> CostSummary:
     """One policy's numbers over the measured window (requests sent after the ramp)."""
     start, end = config.ramp, config.duration
     window = max(1e-9, end - start)
@@ -41,37 +42,35 @@ def summarize(run: RunResult, config: CostConfig) -> dict[str, Any]:
     peak = [r.ttft for r in ok if r.ttft is not None and peak_start <= r.start < peak_end]
     good = [r for r in ok if r.ttft is not None and r.ttft <= config.objective]
     conversations = [r for r in ok if not r.session.startswith("d")]
-    return {
-        "requests": len(measured),
-        "ok": len(ok),
-        "errors": len(measured) - len(ok),
-        "paid_requests": len(paid),
-        "paid_conversation_turns": sum(
-            1 for r in conversations if r.replica.startswith(PAID_PREFIX)
+    return CostSummary(
+        requests=len(measured),
+        ok=len(ok),
+        errors=len(measured) - len(ok),
+        paid_requests=len(paid),
+        paid_conversation_turns=sum(1 for r in conversations if r.replica.startswith(PAID_PREFIX)),
+        conversation_turns=len(conversations),
+        paid_token_share=paid_tokens / tokens if tokens else 0.0,
+        dollars=Dollars(owned=owned_dollars, paid=paid_dollars),
+        dollars_per_1k=Dollars(
+            owned=owned_dollars / len(ok) * 1000 if ok else 0.0,
+            paid=paid_dollars / len(ok) * 1000 if ok else 0.0,
         ),
-        "conversation_turns": len(conversations),
-        "paid_token_share": paid_tokens / tokens if tokens else 0.0,
-        "dollars": {"owned": owned_dollars, "paid": paid_dollars},
-        "dollars_per_1k": {
-            "owned": owned_dollars / len(ok) * 1000 if ok else 0.0,
-            "paid": paid_dollars / len(ok) * 1000 if ok else 0.0,
-        },
-        "owned_utilization": utilization,
-        "idle_owned_dollars": owned_dollars * (1 - utilization)
-        if utilization is not None
-        else None,
-        "ttft_p50": percentile(ttfts, 50) or 0.0,
-        "ttft_p99": percentile(ttfts, 99) or 0.0,
-        "peak_ttft_p99": percentile(peak, 99) or 0.0,
-        "goodput_per_s": len(good) / window,
-        "budget_overshoot": None,
-        "phases": _phases(ok, config),
-    }
+        owned_utilization=utilization,
+        idle_owned_dollars=owned_dollars * (1 - utilization) if utilization is not None else None,
+        ttft_p50=percentile(ttfts, 50) or 0.0,
+        ttft_p99=percentile(ttfts, 99) or 0.0,
+        peak_ttft_p99=percentile(peak, 99) or 0.0,
+        goodput_per_s=len(good) / window,
+        budget_overshoot=None,
+        phases=_phases(ok, config),
+        wall_seconds=run.wall_seconds,
+        timed_out=run.timed_out,
+    )
 
 
-def _phases(ok: Sequence[RequestResult], config: CostConfig) -> dict[str, dict[str, Any]]:
+def _phases(ok: Sequence[RequestResult], config: CostConfig) -> dict[str, PhaseRow]:
     """Per phase: requests answered, the share the paid API answered, and TTFT p99."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, PhaseRow] = {}
     start = 0.0
     for phase in config.phases:
         inside = [r for r in ok if start <= r.start < start + phase.duration]
@@ -80,11 +79,11 @@ def _phases(ok: Sequence[RequestResult], config: CostConfig) -> dict[str, dict[s
             continue
         paid = sum(1 for r in inside if r.replica.startswith(PAID_PREFIX))
         ttfts = [r.ttft for r in inside if r.ttft is not None]
-        out[phase.name] = {
-            "requests": len(inside),
-            "paid_share": paid / len(inside) if inside else 0.0,
-            "ttft_p99": percentile(ttfts, 99),
-        }
+        out[phase.name] = PhaseRow(
+            requests=len(inside),
+            paid_share=paid / len(inside) if inside else 0.0,
+            ttft_p99=percentile(ttfts, 99),
+        )
     return out
 
 
@@ -105,97 +104,99 @@ def _fmt(values: Sequence[float | None], fmt: str) -> str:
     return f"{fmt.format(median)} ({fmt.format(low)}-{fmt.format(high)})"
 
 
-def _column(results: Mapping[int, Mapping[str, Any]], policy: str, *path: str) -> list[Any]:
-    out = []
-    for per_policy in results.values():
-        value: Any = per_policy.get(policy)
-        for key in path:
-            value = None if value is None else value.get(key)
-        out.append(value)
-    return out
+Results = Mapping[int, Mapping[str, CostSummary]]
+"""Seed -> policy -> its numbers."""
+
+Value = Callable[[CostSummary], float | None]
+"""One number of a policy's run."""
 
 
-ROWS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("owned $ / 1,000 requests", ("dollars_per_1k", "owned"), "{:.4f}"),
-    ("paid $ / 1,000 requests", ("dollars_per_1k", "paid"), "{:.4f}"),
-    ("paid $ in the run", ("dollars", "paid"), "{:.5f}"),
-    ("paid share of tokens", ("paid_token_share",), "{:.1%}"),
-    ("idle owned $", ("idle_owned_dollars",), "{:.4f}"),
-    ("owned utilization", ("owned_utilization",), "{:.0%}"),
-    ("TTFT p50 (s)", ("ttft_p50",), "{:.3f}"),
-    ("TTFT p99 (s)", ("ttft_p99",), "{:.3f}"),
-    ("TTFT p99 at the peak (s)", ("peak_ttft_p99",), "{:.3f}"),
-    ("goodput (req/s within objective)", ("goodput_per_s",), "{:.2f}"),
-    ("requests paid", ("paid_requests",), "{:.0f}"),
-    ("conversation turns paid", ("paid_conversation_turns",), "{:.0f}"),
-    ("errors", ("errors",), "{:.0f}"),
+def _column(results: Results, policy: str, value: Value) -> list[float | None]:
+    """`value` of `policy` in every seed (None where the seed did not run it)."""
+    return [
+        None if (summary := per_policy.get(policy)) is None else value(summary)
+        for per_policy in results.values()
+    ]
+
+
+ROWS: tuple[tuple[str, Value, str], ...] = (
+    ("owned $ / 1,000 requests", lambda s: s.dollars_per_1k.owned, "{:.4f}"),
+    ("paid $ / 1,000 requests", lambda s: s.dollars_per_1k.paid, "{:.4f}"),
+    ("paid $ in the run", lambda s: s.dollars.paid, "{:.5f}"),
+    ("paid share of tokens", lambda s: s.paid_token_share, "{:.1%}"),
+    ("idle owned $", lambda s: s.idle_owned_dollars, "{:.4f}"),
+    ("owned utilization", lambda s: s.owned_utilization, "{:.0%}"),
+    ("TTFT p50 (s)", lambda s: s.ttft_p50, "{:.3f}"),
+    ("TTFT p99 (s)", lambda s: s.ttft_p99, "{:.3f}"),
+    ("TTFT p99 at the peak (s)", lambda s: s.peak_ttft_p99, "{:.3f}"),
+    ("goodput (req/s within objective)", lambda s: s.goodput_per_s, "{:.2f}"),
+    ("requests paid", lambda s: s.paid_requests, "{:.0f}"),
+    ("conversation turns paid", lambda s: s.paid_conversation_turns, "{:.0f}"),
+    ("errors", lambda s: s.errors, "{:.0f}"),
 )
 
 
-def table(results: Mapping[int, Mapping[str, Any]]) -> list[str]:
+def table(results: Results) -> list[str]:
     """The per-policy table: the median over seeds and (min-max)."""
     policies = [p for p in POLICIES if any(p.key in r for r in results.values())]
     lines = [
         "| | " + " | ".join(p.title for p in policies) + " |",
         "|---|" + "---|" * len(policies),
     ]
-    for title, path, fmt in ROWS:
-        cells = [_fmt(_column(results, p.key, *path), fmt) for p in policies]
+    for title, value, fmt in ROWS:
+        cells = [_fmt(_column(results, p.key, value), fmt) for p in policies]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("| budget overshoot | " + " | ".join("n/a (no budget)" for _ in policies) + " |")
     lines += ["", "Paid share of requests by phase (median over seeds):", ""]
     first = next(iter(results.values()))
-    names = list(next(iter(first.values())).get("phases", {})) if first else []
+    names = list(next(iter(first.values())).phases) if first else []
     lines.append("| phase | " + " | ".join(p.title for p in policies) + " |")
     lines.append("|---|" + "---|" * len(policies))
     for name in names:
-        cells = [
-            _fmt(_column(results, p.key, "phases", name, "paid_share"), "{:.0%}") for p in policies
-        ]
+        share: Value = functools.partial(_paid_share, phase=name)
+        cells = [_fmt(_column(results, p.key, share), "{:.0%}") for p in policies]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
+def _paid_share(summary: CostSummary, phase: str) -> float | None:
+    row = summary.phases.get(phase)
+    return None if row is None else row.paid_share
+
+
 def _ratios(
-    results: Mapping[int, Mapping[str, Any]],
-    top: tuple[str, tuple[str, ...]],
-    bottom: tuple[str, tuple[str, ...]],
+    results: Results, top: tuple[str, Value], bottom: tuple[str, Value]
 ) -> list[float | None]:
+    """Seed by seed, `top`'s policy's value over `bottom`'s."""
     out = []
     for per_policy in results.values():
-        a = _column({0: per_policy}, top[0], *top[1])[0]
-        b = _column({0: per_policy}, bottom[0], *bottom[1])[0]
+        a = _column({0: per_policy}, *top)[0]
+        b = _column({0: per_policy}, *bottom)[0]
         out.append(a / b if a is not None and b else None)
     return out
 
 
-def targets(results: Mapping[int, Mapping[str, Any]]) -> list[tuple[str, bool | None, str]]:
+def targets(results: Results) -> list[tuple[str, bool | None, str]]:
     """The issue's targets, each judged on the median over seeds: (what, met, measured)."""
     checks: list[tuple[str, list[float | None], Callable[[float], bool]]] = [
         (
             "cost-aware TTFT p99 at most 1.2x the static split's",
-            _ratios(results, ("cost_aware", ("ttft_p99",)), ("static_split", ("ttft_p99",))),
+            _ratios(results, ("cost_aware", _ttft_p99), ("static_split", _ttft_p99)),
             lambda r: r <= 1.2,
         ),
         (
             "cost-aware paid spend at most 0.6x the static split's",
-            _ratios(
-                results, ("cost_aware", ("dollars", "paid")), ("static_split", ("dollars", "paid"))
-            ),
+            _ratios(results, ("cost_aware", _paid_dollars), ("static_split", _paid_dollars)),
             lambda r: r <= 0.6,
         ),
         (
             "owned only's TTFT p99 at the peak at least 3x cost-aware's",
-            _ratios(
-                results, ("owned_only", ("peak_ttft_p99",)), ("cost_aware", ("peak_ttft_p99",))
-            ),
+            _ratios(results, ("owned_only", _peak_ttft_p99), ("cost_aware", _peak_ttft_p99)),
             lambda r: r >= 3.0,
         ),
         (
             "cost-aware goodput at least the static split's",
-            _ratios(
-                results, ("cost_aware", ("goodput_per_s",)), ("static_split", ("goodput_per_s",))
-            ),
+            _ratios(results, ("cost_aware", _goodput), ("static_split", _goodput)),
             lambda r: r >= 1.0,
         ),
     ]
@@ -209,7 +210,23 @@ def targets(results: Mapping[int, Mapping[str, Any]]) -> list[tuple[str, bool | 
     return out
 
 
-def markdown(results: Mapping[int, Mapping[str, Any]], config: CostConfig) -> str:
+def _ttft_p99(summary: CostSummary) -> float:
+    return summary.ttft_p99
+
+
+def _peak_ttft_p99(summary: CostSummary) -> float:
+    return summary.peak_ttft_p99
+
+
+def _paid_dollars(summary: CostSummary) -> float:
+    return summary.dollars.paid
+
+
+def _goodput(summary: CostSummary) -> float:
+    return summary.goodput_per_s
+
+
+def markdown(results: Results, config: CostConfig) -> str:
     """The report over the seeds in `results` (seed -> policy -> summary)."""
     phases = ", ".join(f"{p.name} {p.duration:g}s at {p.load:.0%}" for p in config.phases)
     excess = config.excess_share()

@@ -17,6 +17,7 @@ import httpx
 
 from bench.cost.config import PAID_POOL, PAID_PREFIX, POLICIES, SINGLES, CostConfig
 from bench.cost.report import markdown, summarize
+from bench.cost.results import CostSummary
 from bench.rig.loadgen import replay
 from bench.rig.routes import Policy
 from bench.rig.stack import (
@@ -136,7 +137,7 @@ def _serving(stack: Stack, policy: Policy) -> bool:
 
 def run_one(
     stack: Stack, paid_url: str, policy: Policy, workload: Workload, config: CostConfig
-) -> dict[str, Any]:
+) -> CostSummary:
     print(f"\n== {policy.title}: {workload.requests} requests", flush=True)
     stack.put(policy_body(stack.listener_port, policy.route))
     wait_until(lambda: _serving(stack, policy), 60, f"Envoy to serve {policy.key}")
@@ -160,15 +161,13 @@ def run_one(
         )
     )
     summary = summarize(run, config)
-    summary["wall_seconds"] = run.wall_seconds
-    summary["timed_out"] = run.timed_out
     print(
-        f"   {summary['ok']}/{summary['requests']} ok; TTFT p50 {summary['ttft_p50']:.3f} "
-        f"p99 {summary['ttft_p99']:.3f} (peak p99 {summary['peak_ttft_p99']:.3f}); "
-        f"paid share of tokens {summary['paid_token_share']:.1%}; "
-        f"${summary['dollars_per_1k']['paid']:.4f} paid, "
-        f"${summary['dollars_per_1k']['owned']:.4f} owned per 1,000 requests; "
-        f"goodput {summary['goodput_per_s']:.2f}/s ({run.wall_seconds:.0f}s wall)",
+        f"   {summary.ok}/{summary.requests} ok; TTFT p50 {summary.ttft_p50:.3f} "
+        f"p99 {summary.ttft_p99:.3f} (peak p99 {summary.peak_ttft_p99:.3f}); "
+        f"paid share of tokens {summary.paid_token_share:.1%}; "
+        f"${summary.dollars_per_1k.paid:.4f} paid, "
+        f"${summary.dollars_per_1k.owned:.4f} owned per 1,000 requests; "
+        f"goodput {summary.goodput_per_s:.2f}/s ({run.wall_seconds:.0f}s wall)",
         flush=True,
     )
     return summary
@@ -190,7 +189,7 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
     started = time.monotonic()
     workload, calibration = build_workload(config)
     print(f"workload: {workload.requests} requests ({time.monotonic() - started:.0f}s to build)")
-    results: dict[str, Any] = {}
+    results: dict[str, CostSummary] = {}
     with contextlib.ExitStack() as exits:
         if state_dir is None:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvcost-")))
@@ -234,7 +233,7 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
         },
         "calibration": calibration,
         "wall_seconds": time.monotonic() - started,
-        "results": results,
+        "results": {policy: summary.to_json() for policy, summary in results.items()},
     }
     report.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str))
     print(report.read_text())

@@ -1,0 +1,71 @@
+"""The cost benchmark's typed results: one policy's numbers over a run's measured window
+(`CostSummary`). A run's JSON file holds them under these names, and the several-seed report
+reads them back from there (`CostSummary.from_json`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bench.rig.jsonfields import known
+
+
+@dataclass(frozen=True)
+class Dollars:
+    """Dollars for the owned replicas and for the paid API."""
+
+    owned: float
+    paid: float
+
+
+@dataclass(frozen=True)
+class PhaseRow:
+    """One measured phase: requests answered, the share the paid API answered, TTFT p99."""
+
+    requests: int
+    paid_share: float
+    ttft_p99: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostSummary:
+    """One policy's numbers over the measured window (requests sent after the ramp)."""
+
+    requests: int
+    ok: int
+    errors: int
+    paid_requests: int
+    paid_conversation_turns: int
+    conversation_turns: int
+    paid_token_share: float
+    dollars: Dollars
+    """In the measured window."""
+    dollars_per_1k: Dollars
+    """Per 1,000 requests answered."""
+    owned_utilization: float | None
+    """The owned replicas' mean share of a full batch in flight."""
+    idle_owned_dollars: float | None
+    ttft_p50: float
+    ttft_p99: float
+    peak_ttft_p99: float
+    goodput_per_s: float
+    """Requests per second answered within the objective."""
+    budget_overshoot: float | None
+    """Always None: no pool has a budget yet."""
+    phases: dict[str, PhaseRow] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+    timed_out: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CostSummary:
+        """The numbers as a run's JSON file holds them (``results[policy]``)."""
+        return cls(
+            **known(cls, data, "dollars", "dollars_per_1k", "phases"),
+            dollars=Dollars(**data["dollars"]),
+            dollars_per_1k=Dollars(**data["dollars_per_1k"]),
+            phases={name: PhaseRow(**row) for name, row in data.get("phases", {}).items()},
+        )
