@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import collections
+import json
 
-from bench.adapters.report import markdown
-from bench.adapters.run import AdaptersConfig, Outcome, arrivals, summarize
+from harness.golden import BENCH, check, updating
+
+from bench.adapters.config import AdaptersConfig
+from bench.adapters.report import load, markdown
+from bench.adapters.results import AdapterRun
+from bench.adapters.run import Outcome, arrivals, summarize
 
 
 def test_arrivals_are_the_same_for_every_policy_and_zipf_popular() -> None:
@@ -20,21 +25,25 @@ def test_arrivals_are_the_same_for_every_policy_and_zipf_popular() -> None:
 
 
 def test_the_report_says_whether_aware_routing_halved_the_loads() -> None:
-    def result(loads: float) -> dict[str, object]:
-        return {
-            "ttftP50": 0.1,
-            "ttftP99": 0.5,
-            "adapterLoads": loads,
-            "loadsPer1000": loads,
-            "errors": 0,
-            "servedByReplica": {"replica-0": 10},
-        }
+    def result(loads: float) -> AdapterRun:
+        # As a file of a run from before the steady part was kept has it.
+        return AdapterRun.from_json(
+            {
+                "requests": 1000,
+                "ttftP50": 0.1,
+                "ttftP99": 0.5,
+                "adapterLoads": loads,
+                "loadsPer1000": loads,
+                "errors": 0,
+                "servedByReplica": {"replica-0": 10},
+            }
+        )
 
-    config = {"replicas": 8, "adapters": 40, "zipf": 1.0, "max_loaded": 8, "load_time": 0.5}
-    config |= {"requests": 1000, "rate": 24.0}
-    text = markdown({"config": config, "results": {"blind": result(400), "aware": result(100)}})
+    config = AdaptersConfig(requests=1000, rate=24.0)
+    text = markdown(config, {"blind": result(400), "aware": result(100)})
     assert "met, aware loads 25.0% as often" in text
-    text = markdown({"config": config, "results": {"blind": result(400), "aware": result(300)}})
+    assert "Steady state" not in text
+    text = markdown(config, {"blind": result(400), "aware": result(300)})
     assert "NOT met" in text
 
 
@@ -52,7 +61,23 @@ def test_the_steady_part_counts_requests_after_the_warmup_and_loads_since_then()
         warmup=20.0,
         warm_loads={"replica-0": 4, "replica-1": 3},
     )
-    assert (result["requests"], result["errors"], result["adapterLoads"]) == (4, 1, 8)
-    assert (result["steadyRequests"], result["steadyLoads"]) == (3, 1)
-    assert result["steadyLoadsPer1000"] == 1000 / 3
-    assert result["steadyTtftP99"] is not None and result["steadyTtftP99"] < 0.1
+    assert (result.requests, result.errors, result.adapter_loads) == (4, 1, 8)
+    steady = result.steady
+    assert steady is not None
+    assert (steady.requests, steady.loads) == (3, 1)
+    assert steady.loads_per_1000 == 1000 / 3
+    assert steady.ttft_p99 is not None and steady.ttft_p99 < 0.1
+    # The JSON file's camelCase keys, read back to the same run.
+    assert result.to_json()["steadyLoadsPer1000"] == 1000 / 3
+    assert AdapterRun.from_json(result.to_json()) == result
+
+
+def test_the_report_rendered_from_a_runs_file_is_the_committed_markdown() -> None:
+    """A real ``--short`` run read back from its JSON file: both tables, the target and the
+    requests per replica; and each policy's entry as the file has it, key for key."""
+    config, results = load(BENCH / "adapters-short.json")
+    check({"adapters-short.md": markdown(config, results)}, BENCH, update=updating())
+    data = json.loads((BENCH / "adapters-short.json").read_text())["results"]
+    assert [list(r.to_json().items()) for r in results.values()] == [
+        list(entry.items()) for entry in data.values()
+    ]

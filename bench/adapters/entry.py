@@ -18,7 +18,8 @@ class AdaptersBenchmark:
         """No flags beyond the shared ones."""
 
     def run(self, args: argparse.Namespace) -> Written:
-        from bench.adapters.run import default_config, run_adapters
+        from bench.adapters.config import default_config
+        from bench.adapters.run import run_adapters
 
         config = with_out(default_config(short=args.short), args)
         report = run_adapters(config, state_dir=args.state_dir)

