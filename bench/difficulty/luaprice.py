@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +167,40 @@ def _request(conn: http.client.HTTPConnection, body: bytes) -> tuple[float, floa
     return first, time.perf_counter() - start, response.getheader("x-kvpilot-model") or ""
 
 
-def measure(requests: int, scorer: dict[str, Any] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PathCost:
+    """One path's requests (straight to the small model, or through the virtual model)."""
+
+    median_ms: float
+    p99_ms: float
+    """Of the time to the first chunk for a streamed request, to the end otherwise."""
+    cpu_us_per_request: float
+    """Envoy's CPU time over the path's blocks of requests, per request."""
+
+
+@dataclass(frozen=True)
+class SizeCost:
+    """Both paths at one body size."""
+
+    direct: PathCost
+    virtual: PathCost
+
+
+@dataclass(frozen=True)
+class LuaPrice:
+    """Both paths at every body size, and how many scores the log sink received."""
+
+    sizes: dict[str, SizeCost]
+    scores_logged: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The sizes by label, ``scores_logged`` beside them."""
+        return {label: asdict(cost) for label, cost in self.sizes.items()} | {
+            "scores_logged": self.scores_logged
+        }
+
+
+def measure(requests: int, scorer: dict[str, Any] | None = None) -> LuaPrice:
     backend, listener, signals, admin = free_port(), free_port(), free_port(), free_port()
     book = ScoreBook()
     ready = threading.Event()
@@ -198,7 +232,7 @@ def measure(requests: int, scorer: dict[str, Any] | None = None) -> dict[str, An
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.2)
-            results: dict[str, Any] = {}
+            results: dict[str, SizeCost] = {}
             sizes = (
                 (("0.1 KB", 100, False),)
                 if scorer
@@ -229,31 +263,32 @@ def measure(requests: int, scorer: dict[str, Any] | None = None) -> dict[str, An
                             if kind == "virtual" and model not in ("small", "large"):
                                 raise RuntimeError(f"virtual model answered by {model!r}")
                         cpu[kind] += _cpu(envoy.pid) - before
-                results[label] = {
-                    kind: {
-                        "median_ms": 1000 * statistics.median(values),
-                        "p99_ms": 1000 * sorted(values)[int(0.99 * len(values))],
-                        "cpu_us_per_request": 1e6 * cpu[kind] / len(values),
-                    }
+                paths = {
+                    kind: PathCost(
+                        median_ms=1000 * statistics.median(values),
+                        p99_ms=1000 * sorted(values)[int(0.99 * len(values))],
+                        cpu_us_per_request=1e6 * cpu[kind] / len(values),
+                    )
                     for kind, values in times.items()
                 }
+                results[label] = SizeCost(paths["direct"], paths["virtual"])
             time.sleep(1)  # the score log's last batch
-            results["scores_logged"] = sum(
+            logged = sum(
                 sample.value
                 for metric in book.requests.collect()
                 for sample in metric.samples
                 if sample.name.endswith("_total")
             )
-            return results
+            return LuaPrice(results, logged)
         finally:
             envoy.terminate()
             envoy.wait(10)
 
 
-def external(requests: int, timeout: float = 0.05) -> dict[str, Any]:
+def external(requests: int, timeout: float = 0.05) -> dict[str, SizeCost]:
     """Latency added by an external classifier that is quick, slower than its timeout, or
     down: the fallback costs at most the timeout."""
-    out: dict[str, Any] = {}
+    out: dict[str, SizeCost] = {}
     for label, delay in (("quick (1 ms)", 0.001), ("slow (1 s)", 1.0), ("down", None)):
         port = free_port()
         process = (
@@ -267,7 +302,7 @@ def external(requests: int, timeout: float = 0.05) -> dict[str, Any]:
                 "type": "external",
                 "external": {"url": f"http://127.0.0.1:{port}/score", "timeout": timeout},
             }
-            out[label] = measure(requests, scorer)["0.1 KB"]
+            out[label] = measure(requests, scorer).sizes["0.1 KB"]
         finally:
             if process is not None:
                 process.terminate()
@@ -281,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--external", action="store_true", help="the external classifier")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    results = external(args.requests) if args.external else measure(args.requests)
+    if args.external:
+        results = {label: asdict(cost) for label, cost in external(args.requests).items()}
+    else:
+        results = measure(args.requests).to_json()
     text = json.dumps(results, indent=1)
     print(text)
     if args.out is not None:

@@ -18,8 +18,8 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from bench.difficulty.prompts import PromptMix, generate
 from bench.rig.virtualmodel import stub_upstream, virtual_model_objects
@@ -29,7 +29,36 @@ from controlplane.local.process import wait_until
 THREADS = 4
 
 
-def run(phase: float, rate: float, share: float) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Minute:
+    """One minute of the run: requests, and the large model's share of them (percent)."""
+
+    requests: int
+    large_share: float
+
+
+@dataclass(frozen=True)
+class PhaseShare:
+    """One phase: its share of hard prompts, and the large model's share (percent)."""
+
+    hard: float
+    large_share: float
+
+
+@dataclass(frozen=True)
+class ShareRun:
+    """The share loop's run: the target, the phases, and the large model's share in every
+    minute and every phase (the issue asks it to stay within 3 points of the target)."""
+
+    share: float
+    phase_seconds: float
+    hard_shares: tuple[float, ...]
+    requests: int
+    minutes: dict[int, Minute]
+    phases: dict[int, PhaseShare]
+
+
+def run(phase: float, rate: float, share: float) -> ShareRun:
     phases = (0.1, 0.4, 0.1)
     bodies = {
         hard: [
@@ -102,21 +131,21 @@ def run(phase: float, rate: float, share: float) -> dict[str, Any]:
     by_phase: dict[int, list[bool]] = {}
     for at, large in log:
         by_phase.setdefault(int(at // phase), []).append(large)
-    return {
-        "share": share,
-        "phase_seconds": phase,
-        "hard_shares": phases,
-        "requests": len(log),
-        "minutes": {
-            minute: {"requests": len(v), "large_share": 100 * sum(v) / len(v)}
+    return ShareRun(
+        share=share,
+        phase_seconds=phase,
+        hard_shares=phases,
+        requests=len(log),
+        minutes={
+            minute: Minute(requests=len(v), large_share=100 * sum(v) / len(v))
             for minute, v in sorted(minutes.items())
         },
-        "phases": {
-            index: {"hard": phases[index], "large_share": 100 * sum(v) / len(v)}
+        phases={
+            index: PhaseShare(hard=phases[index], large_share=100 * sum(v) / len(v))
             for index, v in sorted(by_phase.items())
             if index < len(phases)
         },
-    }
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     result = run(args.phase, args.rate, args.share)
-    text = json.dumps(result, indent=1)
+    text = json.dumps(asdict(result), indent=1)
     print(text)
     if args.out is not None:
         args.out.write_text(text)
