@@ -5,13 +5,25 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bench.regions.config import RegionsConfig
 from bench.regions.load import Sent
 from bench.regions.marks import Marks
+from bench.regions.results import (
+    Down,
+    Drained,
+    LocalBin,
+    Offered,
+    Overload,
+    Recovery,
+    RegionsRun,
+    Stats,
+    Wave,
+)
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:
@@ -25,56 +37,55 @@ def _window(records: Iterable[Sent], lo: float, hi: float, fleet: str | None = N
     return [r for r in records if lo <= r.start < hi and (fleet is None or r.fleet == fleet)]
 
 
-def _stats(records: Sequence[Sent]) -> dict[str, Any]:
+def _stats(records: Sequence[Sent]) -> Stats:
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
-    return {
-        "requests": len(records),
-        "failed": len(records) - len(ok),
-        "cross": round(sum(r.crossed for r in ok) / len(ok), 4) if ok else None,
-        "ttft_p50": _quantile(ttfts, 0.5),
-        "ttft_p99": _quantile(ttfts, 0.99),
-    }
+    return Stats(
+        requests=len(records),
+        failed=len(records) - len(ok),
+        cross=round(sum(r.crossed for r in ok) / len(ok), 4) if ok else None,
+        ttft_p50=_quantile(ttfts, 0.5),
+        ttft_p99=_quantile(ttfts, 0.99),
+    )
 
 
-def _offered(records: Sequence[Sent], lo: float, hi: float, capacity: float) -> dict[str, Any]:
+def _offered(records: Sequence[Sent], lo: float, hi: float, capacity: float) -> Offered:
     """The load the generator achieved in a window (a busy machine may fall short)."""
     stats = _stats(records)
     rate = len(records) / (hi - lo) if hi > lo else 0.0
-    return {**stats, "rate": round(rate, 2), "load": round(rate / capacity, 3)}
+    return Offered(**asdict(stats), rate=round(rate, 2), load=round(rate / capacity, 3))
 
 
-def summarize(config: RegionsConfig, marks: Marks, records: Sequence[Sent]) -> dict[str, Any]:
+def summarize(config: RegionsConfig, marks: Marks, records: Sequence[Sent]) -> RegionsRun:
     """Every number of one policy's run."""
     a, b = config.regions
-    out: dict[str, Any] = {"service_s": marks.service, "capacity_rps": marks.capacity}
     lo, hi = marks.phases["steady"]
     lo += (hi - lo) / 4
-    out["steady"] = {
+    steady = {
         f: _offered(_window(records, lo, hi, f), lo, hi, marks.capacity) for f in config.regions
     }
     lo, hi = marks.phases["overload"]
     lo += (hi - lo) / 2
-    out["overload"] = {
+    overloaded = {
         f: _offered(_window(records, lo, hi, f), lo, hi, marks.capacity) for f in config.regions
     }
     # Only the excess should cross: (load - capacity) / load, at the load achieved.
-    load = max(out["overload"][a]["load"], 1e-9)
-    out["overload"]["expected_cross"] = round(max(0.0, (load - 1) / load), 4)
+    load = max(overloaded[a].load, 1e-9)
+    overload = Overload(overloaded, round(max(0.0, (load - 1) / load), 4))
 
     lo, hi = marks.phases["down"]
     killed = marks.killed
     in_flight = [r for r in records if r.start < killed and (r.end or hi) > killed]
     after = _window(records, killed, hi, a)
     late_failures = [r.start - killed for r in after if not r.ok]
-    out["down"] = {
-        "in_flight_at_kill": len(in_flight),
-        "failed_in_flight": sum(not r.ok for r in in_flight),
-        "failed_after_kill": len(late_failures),
-        "last_failure_after_kill_s": max(late_failures, default=0.0),
-        "fleet_a_after_kill": _stats(after),
-        "answered_in_a_after_kill": sum(r.region == a for r in after if r.ok),
-    }
+    down = Down(
+        in_flight_at_kill=len(in_flight),
+        failed_in_flight=sum(not r.ok for r in in_flight),
+        failed_after_kill=len(late_failures),
+        last_failure_after_kill_s=max(late_failures, default=0.0),
+        fleet_a_after_kill=_stats(after),
+        answered_in_a_after_kill=sum(r.region == a for r in after if r.ok),
+    )
     lo, hi = marks.phases["recovery"]
     bins = []
     step = 2.0
@@ -82,49 +93,75 @@ def summarize(config: RegionsConfig, marks: Marks, records: Sequence[Sent]) -> d
     while t < hi:
         batch = [r for r in _window(records, t, t + step, a) if r.ok]
         local = sum(not r.crossed for r in batch) / len(batch) if batch else None
-        bins.append({"t": round(t - marks.restarted, 1), "local": local, "n": len(batch)})
+        bins.append(LocalBin(t=round(t - marks.restarted, 1), local=local, n=len(batch)))
         t += step
-    out["recovery"] = {"fleet_a_local_share": bins, "fleet_b": _stats(_window(records, lo, hi, b))}
+    recovery = Recovery(bins, _stats(_window(records, lo, hi, b)))
 
     lo, hi = marks.phases["wave"]
     before = _window(records, lo + 3, marks.notice)
     during = _window(records, marks.notice, marks.gone + 10)
-    spot_last: dict[str, Any] = {}
+    drained: dict[str, Drained] = {}
     for rid in sorted(marks.learned):
         starts = [r.start for r in records if r.replica == rid and r.start >= marks.notice]
         learned = marks.learned[rid]
         last = max(starts, default=None)
-        spot_last[rid] = {
-            "learned_after_notice_s": round(learned - marks.notice, 3),
-            "last_start_after_learned_s": None if last is None else round(last - learned, 3),
-        }
+        drained[rid] = Drained(
+            learned_after_notice_s=round(learned - marks.notice, 3),
+            last_start_after_learned_s=None if last is None else round(last - learned, 3),
+        )
     in_wave = _window(records, lo, hi)
-    out["wave"] = {
-        "failed": sum(not r.ok for r in in_wave),
-        "requests": len(in_wave),
-        "before": _stats(before),
-        "during": _stats(during),
-        "drained": spot_last,
-    }
-    return out
+    wave = Wave(
+        failed=sum(not r.ok for r in in_wave),
+        requests=len(in_wave),
+        before=_stats(before),
+        during=_stats(during),
+        drained=drained,
+    )
+    return RegionsRun(
+        service_s=marks.service,
+        capacity_rps=marks.capacity,
+        steady=steady,
+        overload=overload,
+        down=down,
+        recovery=recovery,
+        wave=wave,
+    )
 
 
-def _fmt(value: Any, unit: str = "", scale: float = 1.0, digits: int = 0) -> str:
+def _fmt(value: float | None, unit: str = "", scale: float = 1.0, digits: int = 0) -> str:
     if value is None:
         return "-"
     return f"{value * scale:.{digits}f}{unit}"
 
 
-def _ms(value: Any) -> str:
+def _ms(value: float | None) -> str:
     return _fmt(value, " ms", 1000)
 
 
-def _pct(value: Any) -> str:
+def _pct(value: float | None) -> str:
     return _fmt(value, "%", 100, 1)
 
 
-def write_report(config: RegionsConfig, summary: dict[str, dict[str, Any]], path: Path) -> Path:
+def write_report(config: RegionsConfig, summary: Mapping[str, RegionsRun], path: Path) -> Path:
     """The Markdown report (and its JSON beside it)."""
+    path.write_text(markdown(config, summary))
+    path.with_suffix(".json").write_text(json.dumps(_json(summary), indent=1, default=str))
+    return path
+
+
+def _json(summary: Mapping[str, RegionsRun]) -> dict[str, Any]:
+    return {policy: run.to_json() for policy, run in summary.items()}
+
+
+def load(path: Path) -> dict[str, RegionsRun]:
+    """Every policy's run from a report's JSON file."""
+    return {
+        policy: RegionsRun.from_json(run) for policy, run in json.loads(path.read_text()).items()
+    }
+
+
+def markdown(config: RegionsConfig, summary: Mapping[str, RegionsRun]) -> str:
+    """The report: every policy's numbers side by side, and all of them as JSON."""
     a, b = config.regions
     policies = list(summary)
     lines = [
@@ -138,68 +175,66 @@ def write_report(config: RegionsConfig, summary: dict[str, dict[str, Any]], path
         "|---|" + "---|" * len(policies),
     ]
 
-    def row(label: str, get: Any) -> None:
+    def row(label: str, get: Callable[[RegionsRun], str]) -> None:
         lines.append(f"| {label} | " + " | ".join(get(summary[p]) for p in policies) + " |")
 
-    row("capacity per region", lambda s: f"{s['capacity_rps']:.1f} req/s")
+    row("capacity per region", lambda s: f"{s.capacity_rps:.1f} req/s")
     row(
         "steady: load achieved (A, B)",
-        lambda s: f"{_pct(s['steady'][a]['load'])}, {_pct(s['steady'][b]['load'])}",
+        lambda s: f"{_pct(s.steady[a].load)}, {_pct(s.steady[b].load)}",
     )
+
+    def steady(f: str) -> None:
+        row(f"steady: cross-region share, fleet {f}", lambda s: _pct(s.steady[f].cross))
+        row(f"steady: TTFT p50, fleet {f}", lambda s: _ms(s.steady[f].ttft_p50))
+        row(f"steady: TTFT p99, fleet {f}", lambda s: _ms(s.steady[f].ttft_p99))
+
     for fleet in (a, b):
-        row(
-            f"steady: cross-region share, fleet {fleet}",
-            lambda s, f=fleet: _pct(s["steady"][f]["cross"]),
-        )
-        row(f"steady: TTFT p50, fleet {fleet}", lambda s, f=fleet: _ms(s["steady"][f]["ttft_p50"]))
-        row(f"steady: TTFT p99, fleet {fleet}", lambda s, f=fleet: _ms(s["steady"][f]["ttft_p99"]))
+        steady(fleet)
     row(
         "overload: load achieved (A, B)",
-        lambda s: f"{_pct(s['overload'][a]['load'])}, {_pct(s['overload'][b]['load'])}",
+        lambda s: f"{_pct(s.overload.fleets[a].load)}, {_pct(s.overload.fleets[b].load)}",
     )
     row(
         f"overload: cross share of fleet {a} (only the excess: (load - 1) / load)",
-        lambda s: f"{_pct(s['overload'][a]['cross'])} ({_pct(s['overload']['expected_cross'])})",
+        lambda s: f"{_pct(s.overload.fleets[a].cross)} ({_pct(s.overload.expected_cross)})",
     )
-    row(f"overload: TTFT p99, fleet {a}", lambda s: _ms(s["overload"][a]["ttft_p99"]))
-    row(f"overload: TTFT p99, fleet {b}", lambda s: _ms(s["overload"][b]["ttft_p99"]))
-    row("overload: failed", lambda s: str(s["overload"][a]["failed"] + s["overload"][b]["failed"]))
-    row("down: requests in flight at the kill", lambda s: str(s["down"]["in_flight_at_kill"]))
-    row("down: of those failed", lambda s: str(s["down"]["failed_in_flight"]))
-    row("down: failed, sent after the kill", lambda s: str(s["down"]["failed_after_kill"]))
+    row(f"overload: TTFT p99, fleet {a}", lambda s: _ms(s.overload.fleets[a].ttft_p99))
+    row(f"overload: TTFT p99, fleet {b}", lambda s: _ms(s.overload.fleets[b].ttft_p99))
+    row(
+        "overload: failed",
+        lambda s: str(s.overload.fleets[a].failed + s.overload.fleets[b].failed),
+    )
+    row("down: requests in flight at the kill", lambda s: str(s.down.in_flight_at_kill))
+    row("down: of those failed", lambda s: str(s.down.failed_in_flight))
+    row("down: failed, sent after the kill", lambda s: str(s.down.failed_after_kill))
     row(
         "down: last failure after the kill",
-        lambda s: _fmt(s["down"]["last_failure_after_kill_s"], " s", 1, 2),
+        lambda s: _fmt(s.down.last_failure_after_kill_s, " s", 1, 2),
     )
     row(
         f"down: fleet {a} TTFT p50 after the kill",
-        lambda s: _ms(s["down"]["fleet_a_after_kill"]["ttft_p50"]),
+        lambda s: _ms(s.down.fleet_a_after_kill.ttft_p50),
     )
     row(
         f"recovery: fleet {a} local share, first bins (2 s)",
-        lambda s: " ".join(
-            _fmt(x["local"], "", 100, 0) for x in s["recovery"]["fleet_a_local_share"][:8]
-        ),
+        lambda s: " ".join(_fmt(x.local, "", 100, 0) for x in s.recovery.fleet_a_local_share[:8]),
     )
-    row(
-        "spot wave: requests / failed", lambda s: f"{s['wave']['requests']} / {s['wave']['failed']}"
-    )
-    row("spot wave: TTFT p99 before", lambda s: _ms(s["wave"]["before"]["ttft_p99"]))
-    row("spot wave: TTFT p99 during", lambda s: _ms(s["wave"]["during"]["ttft_p99"]))
+    row("spot wave: requests / failed", lambda s: f"{s.wave.requests} / {s.wave.failed}")
+    row("spot wave: TTFT p99 before", lambda s: _ms(s.wave.before.ttft_p99))
+    row("spot wave: TTFT p99 during", lambda s: _ms(s.wave.during.ttft_p99))
     row(
         "spot wave: last start on a drained replica after kvpilot learned",
         lambda s: (
             ", ".join(
-                f"{rid} {_fmt(v['last_start_after_learned_s'], ' s', 1, 2)}"
-                for rid, v in s["wave"]["drained"].items()
+                f"{rid} {_fmt(v.last_start_after_learned_s, ' s', 1, 2)}"
+                for rid, v in s.wave.drained.items()
             )
             or "-"
         ),
     )
-    lines += ["", "```json", json.dumps(summary, indent=1, default=str)[:20000], "```", ""]
-    path.write_text("\n".join(lines))
-    path.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str))
-    return path
+    lines += ["", "```json", json.dumps(_json(summary), indent=1, default=str)[:20000], "```", ""]
+    return "\n".join(lines)
 
 
-__all__ = ["summarize", "write_report"]
+__all__ = ["load", "markdown", "summarize", "write_report"]

@@ -184,7 +184,7 @@ def run_regions_bench(config: RegionsConfig, *, state_dir: Path) -> Path:
     }
     config.out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    requests: dict[str, Any] = {
+    requests: dict[str, list[dict[str, Any]]] = {
         policy: [r.to_json() for r in records] for policy, (_, records) in runs.items()
     }
     (config.out_dir / f"regions-{stamp}.requests.json").write_text(json.dumps(requests))
