@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.controlplane.acklog import AckTimes
+from bench.rig.jsonfields import known
 from bench.rig.report import table
 from controlplane.local import repo_root
+
+if TYPE_CHECKING:
+    from bench.controlplane.scale import TelemetryAtScale
 
 RESULTS_DIR = repo_root() / "bench" / "results"
 
@@ -92,6 +97,32 @@ class IdlePushes:
     per_minute: float
 
 
+@dataclass(frozen=True, kw_only=True)
+class Rebuild:
+    """The reconciler's rebuilds in process (`bench.controlplane.rebuild_probe`, whose
+    output, a JSON object, these fields name): median wall and CPU milliseconds of each."""
+
+    endpoints: int
+    clusters: int
+    serialized_kib: int
+    first_full_rebuild_ms: float
+    """The process's first full rebuild: nothing cached yet, as at start."""
+    first_full_rebuild_cpu_ms: float
+    full_rebuild_ms: float
+    full_rebuild_cpu_ms: float
+    fast_path_ms: float
+    """One endpoint changed (EDS)."""
+    fast_path_cpu_ms: float
+    routes_path_ms: float
+    """One route timeout changed (LDS, RDS)."""
+    routes_path_cpu_ms: float
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Rebuild:
+        """The probe's object, with the endpoints it was given."""
+        return cls(**known(cls, data))
+
+
 @dataclass
 class ControlPlaneResults:
     """Everything the control-plane benchmark measured; the JSON file is its `asdict`."""
@@ -100,9 +131,9 @@ class ControlPlaneResults:
     envoys: list[ClientsRow] = field(default_factory=list)
     memory_mib: dict[str, float] = field(default_factory=dict)
     """kvpilot's RSS at named points of the run."""
-    translation: dict[str, Any] = field(default_factory=dict)
-    """`rebuild_probe.measure`'s numbers (a dict: older commits run that file too)."""
-    telemetry: dict[str, Any] | None = None
+    translation: Rebuild | None = None
+    """`rebuild_probe.measure`'s numbers."""
+    telemetry: TelemetryAtScale | None = None
     """`bench.controlplane.scale.telemetry_at_scale`'s numbers."""
     idle: IdlePushes | None = None
     """xDS responses while the big stack sat idle (0 expected)."""
@@ -125,25 +156,26 @@ def markdown(results: ControlPlaneResults) -> str:
         "lrrrrr",
     )
     t = results.translation
-    lines += [
-        "",
-        f"Rebuild at {t['endpoints']} endpoints ({t['clusters']} clusters, "
-        f"{t['serialized_kib']} KiB serialized), in process:",
-        "",
-    ]
-    lines += table(
-        ("rebuild", "ms"),
-        (
+    if t is not None:
+        lines += [
+            "",
+            f"Rebuild at {t.endpoints} endpoints ({t.clusters} clusters, "
+            f"{t.serialized_kib} KiB serialized), in process:",
+            "",
+        ]
+        lines += table(
+            ("rebuild", "ms"),
             (
-                "full: decode, validate, compile, translate, serialize (Snapshot)",
-                t["full_rebuild_ms"],
+                (
+                    "full: decode, validate, compile, translate, serialize (Snapshot)",
+                    t.full_rebuild_ms,
+                ),
+                ("the same, the process's first (nothing cached yet)", t.first_full_rebuild_ms),
+                ("EDS fast path: one endpoint changed", t.fast_path_ms),
+                ("routes path: one route timeout changed (LDS, RDS)", t.routes_path_ms),
             ),
-            ("the same, the process's first (nothing cached yet)", t["first_full_rebuild_ms"]),
-            ("EDS fast path: one endpoint changed", t["fast_path_ms"]),
-            ("routes path: one route timeout changed (LDS, RDS)", t["routes_path_ms"]),
-        ),
-        "lr",
-    )
+            "lr",
+        )
     lines += [
         "",
         "kvpilot RSS MiB: " + ", ".join(f"{k} {v}" for k, v in results.memory_mib.items()),
@@ -152,7 +184,7 @@ def markdown(results: ControlPlaneResults) -> str:
     if results.idle is not None:
         idle = results.idle
         lines += [
-            f"Idle at {t['endpoints']} endpoints, {results.config.big_envoys} Envoys: "
+            f"Idle at {results.config.endpoints} endpoints, {results.config.big_envoys} Envoys: "
             f"{idle.per_minute} xDS pushes per minute ({idle.responses:g} responses in "
             f"{idle.seconds:g} s with nothing changed).",
             "",

@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -54,9 +53,11 @@ from bench.controlplane.results import (
     ControlPlaneConfig,
     ControlPlaneResults,
     IdlePushes,
+    Rebuild,
     Scale,
     markdown,
 )
+from bench.controlplane.scale import TelemetryAtScale
 from controlplane.local import (
     EmbeddedEnvoy,
     EmbeddedEtcd,
@@ -279,7 +280,7 @@ class Bench:
         print(f"  {config.streams} streams: {row.measured()}", flush=True)
 
         results.translation = translation_bench(config.endpoints)
-        print(f"  translation: {results.translation}", flush=True)
+        print(f"  translation: {asdict(results.translation)}", flush=True)
 
         self.apply(config.endpoints, listener_port)
         results.memory_mib[f"{config.endpoints} endpoints"] = self._rss()
@@ -295,7 +296,7 @@ class Bench:
         results.envoys.append(ClientsRow.of(f"{label}, route change", rds, rss))
         print(f"  {label}: EDS {asdict(eds)} RDS {asdict(rds)}", flush=True)
         results.telemetry = self.telemetry(listener_port)
-        print(f"  telemetry: {results.telemetry}", flush=True)
+        print(f"  telemetry: {asdict(results.telemetry)}", flush=True)
         results.memory_mib["end"] = self._rss()
         return results
 
@@ -303,7 +304,7 @@ class Bench:
         assert self.kvpilot is not None
         return rss_mib(self.kvpilot.pid)
 
-    def telemetry(self, listener_port: int) -> dict[str, Any]:
+    def telemetry(self, listener_port: int) -> TelemetryAtScale:
         """Every route telemetry-balanced, every endpoint reporting each second."""
         from bench.controlplane.scale import telemetry_at_scale
 
@@ -348,12 +349,13 @@ def idle_pushes(api_url: str, seconds: float) -> IdlePushes:
     return IdlePushes(seconds, sent, round(sent * 60 / seconds, 2))
 
 
-def translation_bench(endpoints: int, repeats: int = 5) -> dict[str, Any]:
+def translation_bench(endpoints: int, repeats: int = 5) -> Rebuild:
     """The reconciler's full rebuild, EDS fast path and routes path over `endpoints` endpoints
     (no I/O; ``bench.controlplane.rebuild_probe``)."""
     from bench.controlplane import rebuild_probe
 
-    return {"endpoints": endpoints, **rebuild_probe.measure(rebuild_input(endpoints), repeats)}
+    measured = rebuild_probe.measure(rebuild_input(endpoints), repeats)
+    return Rebuild.from_json({"endpoints": endpoints, **measured})
 
 
 def run_controlplane(config: ControlPlaneConfig, state_dir: Path | None = None) -> Path:

@@ -15,7 +15,6 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -74,7 +73,7 @@ async def telemetry_at_scale(
     seconds: float,
     shift: float = 0.01,
     seed: int = 1,
-) -> dict[str, Any]:
+) -> TelemetryAtScale:
     """`endpoints` (pool, endpoint id) scraped every second for `seconds`, their agents'
     writes made to etcd as the agent decides them (``WriteBand``, ``--refresh``).
 
@@ -160,19 +159,39 @@ async def telemetry_at_scale(
     # (kvpilot had more than a second for each round's writes and may have rebuilt more often).
     tick -= 1
     per_round = max(tick, 1)
-    return {
-        "endpoints": len(replicas),
-        "seconds": round(elapsed, 1),
-        "rounds": tick,
-        "etcd_writes_per_s": round(writes / per_round),
-        "etcd_txns_per_s": round(-(-writes // AGENT_BACKENDS) / per_round),
-        "baseline_rule_writes_per_s": round(exact_writes / per_round),
-        "failed_writes": failed,
-        "kvpilot_cpu_cores": round(cpu / elapsed, 2),
-        "kvpilot_cpu_s_per_round": round(cpu / per_round, 2),
-        "telemetry_pushes_per_s": round(pushes / elapsed, 2),
-        "pushes_per_s_per_1000_endpoints": round(pushes / elapsed * 1000 / len(replicas), 3),
-    }
+    return TelemetryAtScale(
+        endpoints=len(replicas),
+        seconds=round(elapsed, 1),
+        rounds=tick,
+        etcd_writes_per_s=round(writes / per_round),
+        etcd_txns_per_s=round(-(-writes // AGENT_BACKENDS) / per_round),
+        baseline_rule_writes_per_s=round(exact_writes / per_round),
+        failed_writes=failed,
+        kvpilot_cpu_cores=round(cpu / elapsed, 2),
+        kvpilot_cpu_s_per_round=round(cpu / per_round, 2),
+        telemetry_pushes_per_s=round(pushes / elapsed, 2),
+        pushes_per_s_per_1000_endpoints=round(pushes / elapsed * 1000 / len(replicas), 3),
+    )
+
+
+@dataclass(frozen=True)
+class TelemetryAtScale:
+    """`telemetry_at_scale`'s numbers: rates per simulated second (a round)."""
+
+    endpoints: int
+    seconds: float
+    rounds: int
+    etcd_writes_per_s: int
+    """Under the agent's write band."""
+    etcd_txns_per_s: int
+    """One transaction per agent of `AGENT_BACKENDS` backends."""
+    baseline_rule_writes_per_s: int
+    """What writing on any change, with a 3 s refresh, would have made."""
+    failed_writes: int
+    kvpilot_cpu_cores: float
+    kvpilot_cpu_s_per_round: float
+    telemetry_pushes_per_s: float
+    pushes_per_s_per_1000_endpoints: float
 
 
 def _signals(record: TelemetryRecord) -> tuple[float | None, ...]:
@@ -202,27 +221,27 @@ async def _telemetry_pushes(metrics_url: str) -> float:
     return 0.0
 
 
-def telemetry_markdown(results: dict[str, Any]) -> str:
+def telemetry_markdown(results: TelemetryAtScale) -> str:
     r = results
     rows = (
-        ("etcd writes/s, agent's write band", r["etcd_writes_per_s"]),
+        ("etcd writes/s, agent's write band", r.etcd_writes_per_s),
         (
             "etcd writes/s the baseline rule would make (any change, 3 s refresh)",
-            r["baseline_rule_writes_per_s"],
+            r.baseline_rule_writes_per_s,
         ),
         (
             f"etcd transactions/s (one per agent of {AGENT_BACKENDS} backends)",
-            r["etcd_txns_per_s"],
+            r.etcd_txns_per_s,
         ),
-        ("kvpilot CPU, cores (over the run)", r["kvpilot_cpu_cores"]),
-        ("kvpilot CPU seconds per simulated second", r["kvpilot_cpu_s_per_round"]),
-        ("snapshot pushes/s caused by telemetry", r["telemetry_pushes_per_s"]),
-        ("per 1,000 endpoints", r["pushes_per_s_per_1000_endpoints"]),
+        ("kvpilot CPU, cores (over the run)", r.kvpilot_cpu_cores),
+        ("kvpilot CPU seconds per simulated second", r.kvpilot_cpu_s_per_round),
+        ("snapshot pushes/s caused by telemetry", r.telemetry_pushes_per_s),
+        ("per 1,000 endpoints", r.pushes_per_s_per_1000_endpoints),
     )
     return "\n".join(
         [
-            f"Telemetry at scale: {r['endpoints']} endpoints scraped every second, "
-            f"{r['rounds']} rounds in {r['seconds']} s (simulated agents writing to etcd, "
+            f"Telemetry at scale: {r.endpoints} endpoints scraped every second, "
+            f"{r.rounds} rounds in {r.seconds} s (simulated agents writing to etcd, "
             "kvpilot serving; rates per simulated second):",
             "",
             *table(("measure", "value"), rows, "lr"),
