@@ -5,7 +5,7 @@ policy a batch lane applies."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import replace
 
 from bench.classes.config import (
     BATCH,
@@ -18,7 +18,7 @@ from bench.classes.config import (
     lane_route,
 )
 from bench.classes.report import engine_phases, slower_by_phase, summarize, targets
-from bench.classes.results import ClassRow, PhaseRow, PolicyRun
+from bench.classes.results import ClassRow, PhaseRow, PolicyRun, SignalLead
 from bench.rig.loadgen import RequestResult
 from bench.rig.stack import POOL, expected_clusters, policy_body
 from policies.models import RoutingPolicy
@@ -170,5 +170,12 @@ def test_a_run_reads_back_from_its_json_as_it_was() -> None:
     )
     results = [_ok("s7-1", 1.0, 0.2), _ok("s7-2", 12.0, 3.0), _shed("d101-1", 15.0)]
     summary = summarize(results, config)
-    written = json.loads(json.dumps(asdict(summary)))
+    written = json.loads(json.dumps(summary.to_json()))
     assert PolicyRun.from_json(written) == summary
+    # Every request in the file with its class beside its fields, as before.
+    assert [r["class"] for r in written["per_request"]] == ["interactive", "interactive", "batch"]
+    lead = SignalLead(peak=3.0, correlation_by_lag={"0": 0.5, "2": None}, best_lag="0")
+    with_signals = replace(summary, signals={"waiting": lead})
+    written = json.loads(json.dumps(with_signals.to_json()))
+    assert written["signals"]["waiting"]["best_lag"] == "0"
+    assert PolicyRun.from_json(written) == with_signals

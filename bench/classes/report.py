@@ -96,23 +96,23 @@ def summarize(results: list[RequestResult], config: ClassesConfig) -> PolicyRun:
         recovery_s=(max(late) - overload_end) if late else 0.0,
         # The ramp counts here too: the fleet has room all along until the overload.
         shed_in_calm_phase=sum(1 for r in results if r.status == 429 and r.start < overload_start),
-        per_request=[{**r.to_json(), "class": class_of(r)} for r in results],
+        per_request=list(results),
     )
 
 
 def slower_by_phase(
-    per_request: Sequence[dict[str, Any]], bound: float, config: ClassesConfig
+    per_request: Sequence[RequestResult], bound: float, config: ClassesConfig
 ) -> dict[str, int]:
     """How many served interactive requests of each measured phase took longer than `bound`
     (engine TTFT, simulated seconds) to their first token."""
     counts: dict[str, int] = {}
     for row in per_request:
-        ttft = row["engine_ttft"] if row.get("engine_ttft") is not None else row.get("ttft")
-        phase = config.phase_at(row["start"])
+        ttft = row.engine_ttft if row.engine_ttft is not None else row.ttft
+        phase = config.phase_at(row.start)
         if (
-            row["class"] == INTERACTIVE
-            and row["status"] == 200
-            and row["start"] >= config.ramp
+            class_of(row) == INTERACTIVE
+            and row.status == 200
+            and row.start >= config.ramp
             and phase is not None
             and ttft is not None
             and ttft > bound

@@ -249,7 +249,7 @@ def run_classes(config: ClassesConfig, state_dir: Path | None = None) -> Path:
         "calibration": calibration,
         "targets": [{"what": w, "met": m, "measured": s} for w, m, s in targets(results)],
         "wall_seconds": time.monotonic() - started,
-        "results": {key: asdict(run) for key, run in results.items()},
+        "results": {key: run.to_json() for key, run in results.items()},
     }
     report.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str))
     print(report.read_text())

@@ -19,12 +19,12 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import httpx
 
 from bench.classes.config import BATCH, INTERACTIVE, ClassesConfig, class_of
+from bench.classes.results import SignalLead
 from bench.rig.loadgen import RequestResult, parse_metrics
 from bench.rig.report import num, table
 from bench.rig.stack import POLICY_NAME
@@ -146,7 +146,7 @@ def _pearson(pairs: list[tuple[float, float]]) -> float | None:
 
 def lead_table(
     samples: Sequence[dict[str, float]], results: Sequence[RequestResult]
-) -> dict[str, Any]:
+) -> dict[str, SignalLead]:
     """Per pool signal: its peak, and its correlation with the interactive TTFT p90 of the
     requests arriving ``lag`` simulated seconds later, by lag (see the module notes)."""
     arrivals = sorted(
@@ -161,7 +161,7 @@ def lead_table(
         window = [t for start, t in arrivals if at <= start < at + WINDOW]
         return percentile(window, 90) if len(window) >= 2 else None
 
-    out: dict[str, Any] = {}
+    out: dict[str, SignalLead] = {}
     for signal in SIGNALS:
         values = [(s["at"], s[signal]) for s in samples if signal in s]
         by_lag: dict[str, float | None] = {}
@@ -170,15 +170,15 @@ def lead_table(
             r = _pearson(pairs)
             by_lag[f"{lag:g}"] = None if r is None else round(r, 3)
         known = {lag: r for lag, r in by_lag.items() if r is not None}
-        out[signal] = {
-            "peak": max((v for _, v in values), default=None),
-            "correlation_by_lag": by_lag,
-            "best_lag": max(known, key=lambda lag: known[lag]) if known else None,
-        }
+        out[signal] = SignalLead(
+            peak=max((v for _, v in values), default=None),
+            correlation_by_lag=by_lag,
+            best_lag=max(known, key=lambda lag: known[lag]) if known else None,
+        )
     return out
 
 
-def signals_markdown(signals: dict[str, Any], config: ClassesConfig) -> list[str]:
+def signals_markdown(signals: Mapping[str, SignalLead], config: ClassesConfig) -> list[str]:
     """The lead table as Markdown lines."""
     lines = [
         "## Which signal leads interactive TTFT (affinity alone, no admission)",
@@ -201,9 +201,9 @@ def signals_markdown(signals: dict[str, Any], config: ClassesConfig) -> list[str
         (
             (
                 names.get(signal, signal),
-                num(row["peak"]),
-                *(num(row["correlation_by_lag"].get(f"{lag:g}"), "{:.2f}") for lag in LAGS),
-                "n/a" if row["best_lag"] is None else row["best_lag"] + "s",
+                num(row.peak),
+                *(num(row.correlation_by_lag.get(f"{lag:g}"), "{:.2f}") for lag in LAGS),
+                "n/a" if row.best_lag is None else row.best_lag + "s",
             )
             for signal, row in signals.items()
         ),
