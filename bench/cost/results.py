@@ -12,6 +12,18 @@ from bench.rig.jsonfields import known
 
 
 @dataclass(frozen=True)
+class CostCalibration:
+    """The arrival rates that offer the owned replicas' whole capacity."""
+
+    session_rate_at_capacity: float
+    """New conversations per simulated second."""
+    single_rate_at_capacity: float
+    """Single requests per simulated second."""
+    capacity: str = "perfect affinity at full batches"
+    """How the capacity was estimated (an upper bound)."""
+
+
+@dataclass(frozen=True)
 class Dollars:
     """Dollars for the owned replicas and for the paid API."""
 

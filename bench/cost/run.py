@@ -17,7 +17,7 @@ import httpx
 
 from bench.cost.config import PAID_POOL, PAID_PREFIX, POLICIES, SINGLES, CostConfig
 from bench.cost.report import markdown, summarize
-from bench.cost.results import CostSummary
+from bench.cost.results import CostCalibration, CostSummary
 from bench.rig.loadgen import replay
 from bench.rig.routes import Policy
 from bench.rig.stack import (
@@ -35,7 +35,7 @@ from controlplane.local import wait_until
 from controlplane.local.replicas import BackendProcess
 
 
-def build_workload(config: CostConfig) -> tuple[Workload, dict[str, Any]]:
+def build_workload(config: CostConfig) -> tuple[Workload, CostCalibration]:
     """Conversations and single requests, phase by phase, at the phases' loads.
 
     Each kind's rate is searched for once, at the owned capacity (load 1.0), and scaled by
@@ -88,11 +88,10 @@ def build_workload(config: CostConfig) -> tuple[Workload, dict[str, Any]]:
                 replace(session, id=f"{session.id}-{index}", start=session.start + offset)
             )
         offset += phase.duration
-    calibration = {
-        "session_rate_at_capacity": chat_cal.rate / config.conversation_share,
-        "single_rate_at_capacity": singles_cal.rate / (1 - config.conversation_share),
-        "capacity": "perfect affinity at full batches",
-    }
+    calibration = CostCalibration(
+        session_rate_at_capacity=chat_cal.rate / config.conversation_share,
+        single_rate_at_capacity=singles_cal.rate / (1 - config.conversation_share),
+    )
     workload = Workload(chat_base, tuple(sorted(sessions, key=lambda s: s.start)))
     return workload, calibration
 
@@ -231,7 +230,7 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
             "excess_share": config.excess_share(),
             "overflow": config.overflow,
         },
-        "calibration": calibration,
+        "calibration": asdict(calibration),
         "wall_seconds": time.monotonic() - started,
         "results": {policy: summary.to_json() for policy, summary in results.items()},
     }
