@@ -29,11 +29,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.controlplane.acklog import AckLogKvpilot, Change, summarize
+from bench.controlplane.acklog import AckLogKvpilot, AckTimes, Change, summarize
 from bench.controlplane.pools import rebuild_input
 from bench.controlplane.rebuild_probe import MEASURES
 from bench.controlplane.results import ControlPlaneConfig
@@ -87,9 +87,43 @@ def _probe_in(tree: Path, state_file: Path, repeats: int) -> dict[str, Any]:
     return result
 
 
+@dataclass(frozen=True)
+class SideBySide:
+    """One measure, the baseline's and this tree's medians, and old/new."""
+
+    baseline: float
+    new: float
+    speedup: float
+
+
+@dataclass(frozen=True)
+class RebuildComparison:
+    """`translation_side_by_side`'s numbers (the JSON file is their `asdict`)."""
+
+    baseline: str
+    """The baseline's git ref."""
+    endpoints: int
+    rounds: int
+    rebuild: dict[str, SideBySide]
+    """By the probe's key (``full_rebuild_ms``, ``full_rebuild_cpu_ms``, ...)."""
+
+
+@dataclass(frozen=True)
+class AckComparison:
+    """`ack_side_by_side`'s numbers (the JSON file is their `asdict`)."""
+
+    baseline: str
+    endpoints: int
+    envoys: int
+    sides: dict[str, AckTimes]
+    """``baseline`` and ``new``."""
+    p50_speedup: float
+    p99_speedup: float
+
+
 def translation_side_by_side(
     ref: str, endpoints: int, rounds: int = 3, repeats: int = 5
-) -> dict[str, Any]:
+) -> RebuildComparison:
     """Medians of the baseline's and this tree's in-process rebuild times, and old/new."""
     keys = [f"{m}_ms" for m in MEASURES] + [f"{m}_cpu_ms" for m in MEASURES]
     samples: dict[str, dict[str, list[float]]] = {
@@ -110,21 +144,21 @@ def translation_side_by_side(
     for key in keys:
         old = statistics.median(samples["baseline"][key])
         new = statistics.median(samples["new"][key])
-        rows[key] = {"baseline": old, "new": new, "speedup": round(old / new, 1)}
-    return {"baseline": ref, "endpoints": endpoints, "rounds": rounds, "rebuild": rows}
+        rows[key] = SideBySide(old, new, round(old / new, 1))
+    return RebuildComparison(ref, endpoints, rounds, rows)
 
 
-def markdown(results: dict[str, Any]) -> str:
+def markdown(results: RebuildComparison) -> str:
     labels = {
         "first_full_rebuild": "first full rebuild of the process (nothing cached)",
         "full_rebuild": "full rebuild",
         "fast_path": "one endpoint changed (EDS fast path)",
         "routes_path": "one route timeout changed (routes path)",
     }
-    rows = results["rebuild"]
+    rows = results.rebuild
     lines = [
-        f"In process at {results['endpoints']} endpoints, baseline `{results['baseline']}` and "
-        f"this tree alternately, median of {results['rounds']} rounds (each the median of "
+        f"In process at {results.endpoints} endpoints, baseline `{results.baseline}` and "
+        f"this tree alternately, median of {results.rounds} rounds (each the median of "
         "several rebuilds), wall clock and CPU time of the process:",
         "",
     ]
@@ -135,8 +169,8 @@ def markdown(results: dict[str, Any]) -> str:
         ),
         (
             (
-                label, wall["baseline"], wall["new"], f"{wall['speedup']}x", cpu["baseline"],
-                cpu["new"], f"{cpu['speedup']}x",
+                label, wall.baseline, wall.new, f"{wall.speedup}x", cpu.baseline,
+                cpu.new, f"{cpu.speedup}x",
             )
             for measure, label in labels.items()
             for wall, cpu in [(rows[f"{measure}_ms"], rows[f"{measure}_cpu_ms"])]
@@ -166,7 +200,7 @@ class BaselineKvpilot(AckLogKvpilot):
 
 def ack_side_by_side(
     ref: str, endpoints: int = 10_000, envoys: int = 10, changes: int = 20
-) -> dict[str, Any]:
+) -> AckComparison:
     """One endpoint change to `envoys` real Envoys holding `endpoints` endpoints, the baseline
     `ref` and this tree alternately: p50/p99 of the time to every Envoy's ACK, and old/new."""
     config = ControlPlaneConfig(endpoints=endpoints, big_envoys=envoys, changes=changes)
@@ -204,23 +238,23 @@ def ack_side_by_side(
                     + ", ".join(f"{s} {samples[s][-1].all_acked * 1000:.0f} ms" for s in order),
                     flush=True,
                 )
-    rows = {side: asdict(summarize(changes)) for side, changes in samples.items()}
-    return {
-        "baseline": ref,
-        "endpoints": endpoints,
-        "envoys": envoys,
-        "sides": rows,
-        "p50_speedup": round(rows["baseline"]["p50_ms"] / rows["new"]["p50_ms"], 1),
-        "p99_speedup": round(rows["baseline"]["p99_ms"] / rows["new"]["p99_ms"], 1),
-    }
+    rows = {side: summarize(changes) for side, changes in samples.items()}
+    return AckComparison(
+        baseline=ref,
+        endpoints=endpoints,
+        envoys=envoys,
+        sides=rows,
+        p50_speedup=round(rows["baseline"].p50_ms / rows["new"].p50_ms, 1),
+        p99_speedup=round(rows["baseline"].p99_ms / rows["new"].p99_ms, 1),
+    )
 
 
-def acks_markdown(results: dict[str, Any]) -> str:
-    sides = results["sides"]
+def acks_markdown(results: AckComparison) -> str:
+    sides = results.sides
     lines = [
-        f"One endpoint change at {results['endpoints']} endpoints to {results['envoys']} real "
-        f"Envoys, baseline `{results['baseline']}` and this tree alternately "
-        f"({sides['new']['changes']} changes each): time from the REST write until every Envoy "
+        f"One endpoint change at {results.endpoints} endpoints to {results.envoys} real "
+        f"Envoys, baseline `{results.baseline}` and this tree alternately "
+        f"({sides['new'].changes} changes each): time from the REST write until every Envoy "
         "ACKed.",
         "",
     ]
@@ -229,10 +263,10 @@ def acks_markdown(results: dict[str, Any]) -> str:
         (
             (
                 side,
-                row["p50_ms"],
-                row["p99_ms"],
-                round(row["p99_ms"] / row["p50_ms"], 1),
-                row["first_ack_p50_ms"],
+                row.p50_ms,
+                row.p99_ms,
+                round(row.p99_ms / row.p50_ms, 1),
+                row.first_ack_p50_ms,
             )
             for side, row in sides.items()
         ),
@@ -240,7 +274,7 @@ def acks_markdown(results: dict[str, Any]) -> str:
     )
     lines += [
         "",
-        f"Speed-up: p50 {results['p50_speedup']}x, p99 {results['p99_speedup']}x.",
+        f"Speed-up: p50 {results.p50_speedup}x, p99 {results.p99_speedup}x.",
         "",
     ]
     return "\n".join(lines)

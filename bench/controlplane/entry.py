@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 from bench.benchmark import Written
 from bench.rig.cli import with_out
@@ -50,13 +51,15 @@ class ControlPlaneBenchmark:
                 side_by_side = translation_side_by_side(
                     args.baseline, config.endpoints, args.rounds
                 )
-                (out_dir / "controlplane-scale.json").write_text(json.dumps(side_by_side, indent=2))
+                (out_dir / "controlplane-scale.json").write_text(
+                    json.dumps(asdict(side_by_side), indent=2)
+                )
                 print(markdown(side_by_side))
             if args.only in ("all", "acks"):
                 acks = ack_side_by_side(
                     args.baseline, config.endpoints, config.big_envoys, config.changes
                 )
-                (out_dir / "controlplane-acks.json").write_text(json.dumps(acks, indent=2))
+                (out_dir / "controlplane-acks.json").write_text(json.dumps(asdict(acks), indent=2))
                 print(acks_markdown(acks))
         if args.only != "all":
             return Written()
