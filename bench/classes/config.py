@@ -32,7 +32,7 @@ interactive class's time to first token.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -256,7 +256,35 @@ def _at_rate(base: WorkloadConfig, rate: float) -> WorkloadConfig:
     return replace(base, session_rate=rate)
 
 
-def build_workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str, Any]]:
+@dataclass(frozen=True)
+class PhaseRates:
+    """The arrival rates of one phase."""
+
+    interactive_session_rate: float
+    batch_request_rate: float
+
+
+@dataclass(frozen=True)
+class ClassesCalibration:
+    """The rates each phase's workloads were generated at, searched for on one phase (the
+    peak) and scaled for the others; the report prints it as JSON (`to_json`)."""
+
+    calibrated_on: str
+    rates: dict[str, PhaseRates]
+    """By phase name."""
+    estimated_cache_blind_load: dict[str, float]
+    """By class, at the peak."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The phases' rates under their names, beside the other two."""
+        return {
+            "calibrated_on": self.calibrated_on,
+            **{name: asdict(rates) for name, rates in self.rates.items()},
+            "estimated_cache_blind_load": self.estimated_cache_blind_load,
+        }
+
+
+def build_workloads(config: ClassesConfig) -> tuple[Workload, Workload, ClassesCalibration]:
     """The interactive requests alone and interactive plus batch, phase by phase.
 
     Each class's arrival rate is searched for once, on the overload phase (the routing
@@ -286,7 +314,7 @@ def build_workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str
     chat_rate, doc_rate = chat_cal.rate, docs_cal.rate
     interactive: list[Session] = []
     batch: list[Session] = []
-    calibration: dict[str, Any] = {"calibrated_on": peak.name}
+    rates_by_phase: dict[str, PhaseRates] = {}
     offset = 0.0
     for index, phase in enumerate(config.phases):
         rates = {
@@ -311,15 +339,16 @@ def build_workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str
             )
             for n, session in enumerate(docs.sessions)
         ]
-        calibration[phase.name] = {
-            "interactive_session_rate": rates[INTERACTIVE],
-            "batch_request_rate": rates[BATCH],
-        }
+        rates_by_phase[phase.name] = PhaseRates(rates[INTERACTIVE], rates[BATCH])
         offset += phase.duration
-    calibration["estimated_cache_blind_load"] = {
-        INTERACTIVE: chat_cal.estimated_cache_blind_load,
-        BATCH: docs_cal.estimated_cache_blind_load,
-    }
+    calibration = ClassesCalibration(
+        calibrated_on=peak.name,
+        rates=rates_by_phase,
+        estimated_cache_blind_load={
+            INTERACTIVE: chat_cal.estimated_cache_blind_load,
+            BATCH: docs_cal.estimated_cache_blind_load,
+        },
+    )
     alone = Workload(chat_base, tuple(sorted(interactive, key=lambda s: s.start)))
     mixed = Workload(chat_base, tuple(sorted(interactive + batch, key=lambda s: s.start)))
     return alone, mixed, calibration

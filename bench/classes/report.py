@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from bench.classes.config import (
     BATCH,
@@ -20,6 +19,7 @@ from bench.classes.config import (
     INTERACTIVE,
     POLICIES,
     REFERENCE,
+    ClassesCalibration,
     ClassesConfig,
     class_of,
 )
@@ -233,7 +233,7 @@ def _ratio(value: float | None, base: float | None) -> float | None:
 
 
 def markdown(
-    results: Mapping[str, PolicyRun], config: ClassesConfig, calibration: dict[str, Any]
+    results: Mapping[str, PolicyRun], config: ClassesConfig, calibration: ClassesCalibration
 ) -> str:
     titles = {p.key: p.title for p in (REFERENCE, *POLICIES)}
     phases = ", ".join(
@@ -371,6 +371,6 @@ def markdown(
         "",
         "Calibration (rates found for each phase's share of cache-blind capacity):",
         "",
-        *json_block(calibration),
+        *json_block(calibration.to_json()),
     ]
     return "\n".join(lines)

@@ -22,6 +22,7 @@ from bench.classes.config import (
     LANE_POOL,
     POLICIES,
     REFERENCE,
+    ClassesCalibration,
     ClassesConfig,
     build_workloads,
     lane_route,
@@ -177,7 +178,7 @@ def _run_one(stack: Stack, policy: Policy, workload: Workload, config: ClassesCo
     return summary
 
 
-def _workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str, Any]]:
+def _workloads(config: ClassesConfig) -> tuple[Workload, Workload, ClassesCalibration]:
     """`build_workloads`, kept in the output folder between runs of the same settings:
     on a busy 2-core machine, generating and calibrating them took from two to eight
     minutes, as long as the replays."""
@@ -187,8 +188,10 @@ def _workloads(config: ClassesConfig) -> tuple[Workload, Workload, dict[str, Any
     cache = Path(config.out_dir) / ".cache" / f"classes-workloads-{key}.pickle"
     if cache.exists():
         with contextlib.suppress(Exception), cache.open("rb") as file:
-            built: tuple[Workload, Workload, dict[str, Any]] = pickle.load(file)
-            return built
+            built: tuple[Workload, Workload, ClassesCalibration] = pickle.load(file)
+            # A cache written before the calibration was typed is built again.
+            if isinstance(built[2], ClassesCalibration):
+                return built
     built = build_workloads(config)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with cache.open("wb") as file:
@@ -246,7 +249,7 @@ def run_classes(config: ClassesConfig, state_dir: Path | None = None) -> Path:
             "service_classes": config.service_classes,
             "sim": asdict(config.routing.sim),
         },
-        "calibration": calibration,
+        "calibration": calibration.to_json(),
         "targets": [{"what": w, "met": m, "measured": s} for w, m, s in targets(results)],
         "wall_seconds": time.monotonic() - started,
         "results": {key: run.to_json() for key, run in results.items()},
