@@ -245,6 +245,10 @@ def test_a_results_file_of_an_older_run_is_read_with_what_it_lacks_as_none() -> 
     assert measured.weights is None and measured.bound_changes is None
     assert measured.ttft_p99 == entry["ttft_p99"]
     assert "a_later_number" not in measured.to_json()
+    # A number every file has is named when it is missing.
+    del entry["requests"]
+    with pytest.raises(ValueError, match="Measured: the file has no 'requests'"):
+        Measured.from_json(entry)
 
 
 def test_the_sequential_report_rendered_from_a_runs_file_is_the_committed_markdown() -> None:

@@ -16,15 +16,19 @@ from typing import Any
 def known(cls: type[Any], data: Mapping[str, Any], *skip: str) -> dict[str, Any]:
     """The items of `data` that are fields of the dataclass `cls`, less those in `skip` (the
     ones the caller converts itself); an optional field (``X | None``) without a default that
-    `data` lacks is None."""
+    `data` lacks is None. A required field it lacks is a `ValueError` naming it."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         if f.name in data:
             out[f.name] = data[f.name]
-        elif _optional(f) and f.default is dataclasses.MISSING:
+        elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            continue
+        elif _optional(f):
             out[f.name] = None
+        else:
+            raise ValueError(f"{cls.__name__}: the file has no {f.name!r}, which it needs")
     return out
 
 
