@@ -90,8 +90,9 @@ def plan_virtual_models(
                 host=parts.hostname or "",
                 port=parts.port or 80,
                 path=(parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
-                timeout=scorer.external.timeout,
+                timeout=scorer.external.call_timeout,
                 fallback_large=scorer.external.fallback == "large",
+                budget=scorer.external.timeout,
             )
         out.append(
             PlanVirtualModel(

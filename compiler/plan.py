@@ -224,8 +224,11 @@ class PlanScorerService:
     port: int
     path: str
     timeout: float
+    """Seconds Envoy waits for the answer: the budget less the reserve for its own work."""
     fallback_large: bool
     """Requests it does not score in time go to the large model (else the small one)."""
+    budget: float = 0.0
+    """The policy's ``timeout``: what the whole scoring step may add to a request."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,10 @@ import pytest
 from harness.api import Harness
 from harness.builders import policy, route
 
+from compiler.difficulty import plan_virtual_models
+from policies.models import RoutingPolicy
 from policies.validate import PolicyError, parse_object
+from xdsserver.translate.difficulty import lua_source
 
 pytestmark = pytest.mark.e2e
 
@@ -60,6 +63,18 @@ BAD = [
         "http://",
         id="url",
     ),
+    pytest.param(
+        {"scorer": {"type": "external", "external": {"url": "http://x/s", "timeout": "5ms"}}},
+        "spec.virtualModels[0].scorer.external.timeout",
+        "from 10ms to 10s",
+        id="budget-low",
+    ),
+    pytest.param(
+        {"scorer": {"type": "external", "external": {"url": "http://x/s", "timeout": "11s"}}},
+        "spec.virtualModels[0].scorer.external.timeout",
+        "from 10ms to 10s",
+        id="budget-high",
+    ),
 ]
 
 
@@ -103,3 +118,20 @@ def test_escalation_needs_a_single_tier_on_the_small_model_route() -> None:
         error.path == "spec.virtualModels[0].escalation" and "single tier" in error.message
         for error in caught.value.errors
     ), caught.value.errors
+
+
+@pytest.mark.parametrize(
+    ("budget", "call"),
+    [("10ms", 0.007), ("25ms", 0.022), ("50ms", 0.045), ("1s", 0.9)],
+)
+def test_the_classifier_waits_for_the_budget_less_the_reserve(budget: str, call: float) -> None:
+    document = virtual_policy(
+        scorer={"type": "external", "external": {"url": "http://x/s", "timeout": budget}}
+    )
+    parsed = parse_object(document)
+    assert isinstance(parsed, RoutingPolicy)
+    (virtual,) = plan_virtual_models(parsed, {})
+    assert virtual.service is not None
+    assert virtual.service.timeout == pytest.approx(call)
+    assert virtual.service.budget == pytest.approx(call + max(0.003, 0.1 * virtual.service.budget))
+    assert f"text, {round(call * 1000)})" in lua_source(virtual, "x-model")

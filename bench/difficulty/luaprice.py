@@ -1,6 +1,6 @@
 """What a virtual model's Lua scorer costs per request, measured with the real Envoy.
 
-``python -m bench.difficulty.luaprice [--requests N] [--out FILE]``
+``python -m bench.difficulty.luaprice [--requests N] [--external [--budget SECONDS]] [--out FILE]``
 
 One Envoy (one worker) with kvpilot's own translation of a policy that has a virtual model
 (built-in scorer) beside its two target models, a trivial upstream that answers at once (so
@@ -222,7 +222,11 @@ def _request(conn: http.client.HTTPConnection, body: bytes) -> tuple[float, floa
     return first, time.perf_counter() - start, response.getheader("x-kvpilot-model") or ""
 
 
-def measure(requests: int, scorer: dict[str, Any] | None = None) -> dict[str, Any]:
+def measure(
+    requests: int, scorer: dict[str, Any] | None = None, budget: float | None = None
+) -> dict[str, Any]:
+    """Latency and Envoy CPU, direct and through the virtual model; with ``budget``, also the
+    percent of virtual requests whose time exceeded the direct median plus the budget."""
     backend, listener, signals, admin = free_port(), free_port(), free_port(), free_port()
     book = ScoreBook()
     ready = threading.Event()
@@ -296,6 +300,10 @@ def measure(requests: int, scorer: dict[str, Any] | None = None) -> dict[str, An
                     }
                     for kind, values in times.items()
                 }
+                if budget is not None:
+                    limit = statistics.median(times["direct"]) + budget
+                    over = sum(value > limit for value in times["virtual"])
+                    results[label]["over_budget_percent"] = 100 * over / len(times["virtual"])
             time.sleep(1)  # the score log's last batch
             results["scores_logged"] = sum(
                 sample.value
@@ -312,9 +320,9 @@ def measure(requests: int, scorer: dict[str, Any] | None = None) -> dict[str, An
 
 
 def external(requests: int, timeout: float = 0.05) -> dict[str, Any]:
-    """Latency added by an external classifier that is quick, slower than its timeout, or
-    down: the fallback costs at most the timeout."""
-    out: dict[str, Any] = {}
+    """Latency added by an external classifier that is quick, slower than its budget
+    (``timeout``), or down: the fallback should cost at most the budget."""
+    out: dict[str, Any] = {"budget_ms": 1000 * timeout}
     for label, delay in (("quick (1 ms)", 0.001), ("slow (1 s)", 1.0), ("down", None)):
         port = free_port()
         process = (
@@ -328,7 +336,7 @@ def external(requests: int, timeout: float = 0.05) -> dict[str, Any]:
                 "type": "external",
                 "external": {"url": f"http://127.0.0.1:{port}/score", "timeout": timeout},
             }
-            out[label] = measure(requests, scorer)["0.1 KB"]
+            out[label] = measure(requests, scorer, timeout)["0.1 KB"]
         finally:
             if process is not None:
                 process.terminate()
@@ -340,9 +348,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.difficulty.luaprice")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--external", action="store_true", help="the external classifier")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.05,
+        help="the classifier's budget (the policy's timeout), seconds; default 0.05",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    results = external(args.requests) if args.external else measure(args.requests)
+    results = external(args.requests, args.budget) if args.external else measure(args.requests)
     text = json.dumps(results, indent=1)
     print(text)
     if args.out is not None:

@@ -69,12 +69,41 @@ class BuiltinScorer(Model):
         return value
 
 
+SCORER_RESERVE_FLOOR = 0.003
+"""Seconds of an external scorer's budget kept for the fixed cost of the call, at least: the
+Lua's own work around ``httpCall`` and Envoy's resumption after it. Measured with Envoy 1.40
+(``python -m bench.difficulty.luaprice --external``): a classifier that answers in 1 ms added
+1.8 ms, one slower than the call's timeout added the timeout plus 2.8 ms (medians)."""
+SCORER_RESERVE_SHARE = 0.10
+"""Share of the budget kept for that cost when it is more than the floor: the cost grows with
+the machine's load, and a larger budget can spare more of it."""
+MIN_SCORER_BUDGET = 0.010
+"""The smallest budget: it leaves the classifier 7 ms, a few of its round trips on a loaded
+machine."""
+MAX_SCORER_BUDGET = 10.0
+
+
+def scorer_reserve(budget: float) -> float:
+    """Seconds of ``budget`` kept for the fixed cost of calling the classifier."""
+    return max(SCORER_RESERVE_FLOOR, SCORER_RESERVE_SHARE * budget)
+
+
+def scorer_call_timeout(budget: float) -> float:
+    """How long Envoy waits for the classifier's answer within ``budget``."""
+    return budget - scorer_reserve(budget)
+
+
 class ExternalScorer(Model):
     """The operator's classifier: Envoy POSTs the request body and reads ``{"score": 0..1}``."""
 
     url: str = Field(description="http://host:port/path of the classifier.")
     timeout: Duration = Field(
-        0.05, description="Longest wait for a score; then the fallback target. Default: 50ms."
+        0.05,
+        description="Latency budget of the whole scoring step: what scoring may add to a "
+        "request, the classifier's answer and Envoy's own work around the call together. "
+        "Envoy waits for the answer this long less a reserve for that work (the larger of 3ms "
+        "and 10%: a 50ms budget waits 45ms), then takes the fallback target. From 10ms to "
+        "10s. Default: 50ms.",
     )
     fallback: Literal["small", "large"] = Field(
         "small",
@@ -94,10 +123,20 @@ class ExternalScorer(Model):
 
     @field_validator("timeout")
     @classmethod
-    def _positive(cls, value: float) -> float:
-        if not 0 < value <= 10:
-            raise ValueError("timeout must be above 0 and at most 10s")
+    def _budget(cls, value: float) -> float:
+        if not MIN_SCORER_BUDGET <= value <= MAX_SCORER_BUDGET:
+            raise ValueError(
+                f"timeout is the scoring step's whole budget and must be from "
+                f"{MIN_SCORER_BUDGET * 1000:g}ms to {MAX_SCORER_BUDGET:g}s: below "
+                f"{MIN_SCORER_BUDGET * 1000:g}ms the reserve for Envoy's own work "
+                f"({SCORER_RESERVE_FLOOR * 1000:g}ms at least) leaves the classifier too little"
+            )
         return value
+
+    @property
+    def call_timeout(self) -> float:
+        """Seconds Envoy waits for the classifier: the budget less the reserve."""
+        return scorer_call_timeout(self.timeout)
 
 
 EscalateOn = Literal["5xx", "reset", "connect-failure", "timeout"]
