@@ -16,6 +16,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Literal
 
+from policies.models.price import Price
+
 Window = Literal["minute", "hour", "day", "month"]
 WINDOWS: tuple[Window, ...] = ("minute", "hour", "day", "month")
 TOKEN_KINDS = ("prompt", "cached", "completion")
@@ -35,6 +37,9 @@ class SpendKey:
     route: str
     currency: str = ""
     """The currency of the pool's price; empty for a pool without per-token prices."""
+    virtual_model: str = ""
+    """The virtual model (``policy/name``) the client called, when Envoy chose ``model`` for
+    it; empty for a request that named its model itself."""
 
     def as_list(self) -> list[str]:
         return [
@@ -44,6 +49,7 @@ class SpendKey:
             self.service_class,
             self.route,
             self.currency,
+            self.virtual_model,
         ]
 
 
@@ -111,6 +117,18 @@ class TokenPrice:
         return (
             (prompt - cached) * self.input + cached * self.cached_input + completion * self.output
         ) / MILLION
+
+
+def token_price(price: Price | None) -> TokenPrice | None:
+    """A pool's per-token price (None: priced per replica-hour, or not at all)."""
+    if price is None or price.input is None or price.output is None:
+        return None
+    return TokenPrice(
+        currency=price.currency,
+        input=price.input,
+        cached_input=price.cached_input if price.cached_input is not None else price.input,
+        output=price.output,
+    )
 
 
 def window_bounds(window: Window, at: float) -> tuple[datetime, datetime]:
@@ -229,13 +247,22 @@ class Ledger:
                 _add(current.rows, key, spend)
 
 
+_KEY_LENGTHS = (6, 7)
+"""Key fields of a stored row: six before virtual models were counted, seven since."""
+_SPEND_LENGTH = 5
+
+
 def parse_rows(rows: Any) -> Iterable[tuple[SpendKey, Spend]]:
-    """Rows of a stored record; rows that do not parse are skipped (nothing kvpilot wrote)."""
+    """Rows of a stored record, those written before the virtual model was part of the key
+    included; rows that do not parse are skipped (nothing kvpilot wrote)."""
     if not isinstance(rows, list):
         return
     for row in rows:
         try:
-            yield SpendKey(*(str(part) for part in row[:6])), Spend.from_list(row[6:11])
+            size = len(row) - _SPEND_LENGTH
+            if size not in _KEY_LENGTHS:
+                continue
+            yield SpendKey(*(str(part) for part in row[:size])), Spend.from_list(row[size:])
         except (TypeError, ValueError, ArithmeticError):
             continue
 

@@ -29,10 +29,22 @@ HARD = {
 }
 
 
-def virtual_policy(rig: Rig, small: list[int], large: list[int], **virtual: Any) -> None:
+def virtual_policy(
+    rig: Rig,
+    small: list[int],
+    large: list[int],
+    *,
+    prices: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    **virtual: Any,
+) -> None:
+    """Pools ``small`` and ``large`` (priced with ``prices``, small's then large's, when
+    given) and policy ``main`` with the virtual model ``llama-auto`` over them."""
+    priced: tuple[dict[str, Any], dict[str, Any]] = (
+        ({"price": prices[0]}, {"price": prices[1]}) if prices is not None else ({}, {})
+    )
     rig.apply(
-        pool("small", small, models=["llama-small"]),
-        pool("large", large, models=["llama-large"]),
+        pool("small", small, models=["llama-small"], **priced[0]),
+        pool("large", large, models=["llama-large"], **priced[1]),
     )
     document = policy(
         "main",
