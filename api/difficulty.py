@@ -49,6 +49,24 @@ def virtual_models_view(
             decision = decisions.get(key)
             seen = counts.get(key, VirtualModelCounts())
             total = sum(seen.targets.values())
+            served_thresholds = (
+                [*(step.threshold for step in served.steps), served.threshold]
+                if served is not None
+                else []
+            )
+            configured = virtual.steps
+            target_models = [{"model": virtual.models[0], "share": None, "threshold": None}]
+            for index, step in enumerate(configured):
+                share = virtual.targets[index + 1].share if virtual.targets else virtual.share
+                target_models.append(
+                    {
+                        "model": step.model,
+                        "share": share,
+                        "threshold": served_thresholds[index]
+                        if len(served_thresholds) == len(configured)
+                        else step.threshold,
+                    }
+                )
             out.append(
                 {
                     "key": key,
@@ -56,6 +74,7 @@ def virtual_models_view(
                     "name": virtual.name,
                     "small": virtual.small,
                     "large": virtual.large,
+                    "targetModels": target_models,
                     "scorer": virtual.scorer.type,
                     "share": virtual.share,
                     "cap": virtual.cap_percent,

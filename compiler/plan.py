@@ -232,6 +232,17 @@ class PlanScorerService:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanStep:
+    """A target of a virtual model between its first and its last (``large``)."""
+
+    model: str
+    threshold: float
+    """Scores above it (and up to the next step's) go to this target."""
+    tie: float
+    """Probability that a score equal to ``threshold`` passes it."""
+
+
+@dataclass(frozen=True, slots=True)
 class PlanEscalation:
     """Retry a virtual model's small-model failures once on the large model."""
 
@@ -252,7 +263,8 @@ class PlanEscalation:
 
 @dataclass(frozen=True, slots=True)
 class PlanVirtualModel:
-    """A model name that Envoy answers with one of two target models, chosen per request."""
+    """A model name that Envoy answers with one of its target models, chosen per request:
+    ``small``, the ``steps`` in order, ``large``."""
 
     key: str
     """``policy/name``: how Envoys report its scores and how its threshold is kept."""
@@ -273,6 +285,8 @@ class PlanVirtualModel:
     """Percent bounds of the large model's share, held by each Envoy worker."""
     service: PlanScorerService | None = None
     escalation: PlanEscalation | None = None
+    steps: tuple[PlanStep, ...] = ()
+    """Targets between ``small`` and ``large``, in order (none with two targets)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,12 +31,21 @@ function spendHtml(v) {
   );
 }
 
+function targetsText(v) {
+  const models = v.targetModels || [{ model: v.small }, { model: v.large }];
+  if (models.length === 2) return `${esc(v.small)} or ${esc(v.large)}`;
+  return models.map((t, i) => (i === 0 ? esc(t.model) : `${esc(t.model)} above ${num(t.threshold, 4)}${t.share === null ? "" : ` (${num(t.share, 1)}%)`}`)).join(", ");
+}
+
 function virtualHtml(v) {
-  const target = v.share === null ? `fixed threshold` : `target ${num(v.share, 1)}% large (floor ${num(v.floor, 1)}%, cap ${num(v.cap, 1)}%)`;
+  const many = (v.targetModels || []).length > 2;
+  const aimed = many ? `targets after the first` : `large`;
+  const share = many ? v.targetModels.slice(1).reduce((sum, t) => sum + (t.share || 0), 0) : v.share;
+  const target = v.share === null ? `fixed threshold` : `target ${num(share, 1)}% ${aimed} (floor ${num(v.floor, 1)}%, cap ${num(v.cap, 1)}%)`;
   const observed = v.largeShare === null ? "no requests reported yet" : `${num(v.largeShare, 1)}% large over ${num(v.requests)} requests`;
   return (
     `<section class="policy" data-virtual="${esc(v.key)}"><header><h2>${esc(v.name)}</h2>` +
-    `<span class="muted">policy ${esc(v.policy)} · ${esc(v.small)} or ${esc(v.large)} · ${esc(v.scorer)} scorer${v.escalation ? " · escalation" : ""}</span></header>` +
+    `<span class="muted">policy ${esc(v.policy)} · ${targetsText(v)} · ${esc(v.scorer)} scorer${v.escalation ? " · escalation" : ""}</span></header>` +
     `<p>${esc(target)}; threshold <b>${num(v.threshold, 4)}</b>${v.tie ? ` (ties large ${num(100 * v.tie, 1)}%)` : ""}` +
     `${v.expectedShare === null ? "" : `, ${num(v.expectedShare, 1)}% of the last ${num(v.samples)} scores above it`}</p>` +
     `<p>${esc(observed)} · by target: ${counts(v.targets)} · sources: ${counts(v.sources)} · cap/floor overrides: ${counts(v.forced)} · escalations ${num(v.escalations)}</p>` +

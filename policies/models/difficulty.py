@@ -10,13 +10,14 @@ threshold so the large model keeps that share of requests whatever the traffic m
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from policies.models.fields import Duration, HeaderName, Model
+from policies.models.targets import DERIVED, Step, Target, derived, field_error, target_errors
 
 FEATURES = (
     "promptTokens",
@@ -221,11 +222,26 @@ class Scorer(Model):
 
 
 class VirtualModel(Model):
-    """A model name no pool serves; each request goes to ``small`` or ``large``."""
+    """A model name no pool serves; each request goes to one of its target models: ``small``
+    or ``large``, or one of ``targets``."""
 
     name: str = Field(min_length=1, max_length=256, description="The name clients call.")
-    small: str = Field(description="Model that takes easy requests; a route must serve it.")
-    large: str = Field(description="Model that takes hard requests; a route must serve it.")
+    small: str = Field(
+        description="Model that takes easy requests; a route must serve it. With targets: "
+        "the first target's model."
+    )
+    large: str = Field(
+        description="Model that takes hard requests; a route must serve it. With targets: the "
+        "last target's model."
+    )
+    targets: list[Target] | None = Field(
+        None,
+        min_length=2,
+        description="Target models in order of difficulty, instead of small and large (which "
+        "then follow from the first and the last, as share and threshold follow from the "
+        "last). Each target after the first takes the requests that score above its threshold "
+        "and below the next one's. Default: none (small and large).",
+    )
     scorer: Scorer = Field(default_factory=Scorer, description="Where the score comes from.")
     share: float | None = Field(
         20.0,
@@ -245,13 +261,14 @@ class VirtualModel(Model):
     )
     cap: float | None = Field(
         None,
-        description="Percent of requests the large model takes at most, in every Envoy, "
-        "whatever the scorer says. Default: share + 10 (100 with share null).",
+        description="Percent of requests the large model (with targets: every target after "
+        "the first, together) takes at most, in every Envoy, whatever the scorer says. "
+        "Default: share + 10 (100 with share null).",
     )
     floor: float | None = Field(
         None,
-        description="Percent of requests the large model takes at least. Default: share - 10 "
-        "(0 with share null).",
+        description="Percent of requests the large model (with targets: every target after "
+        "the first, together) takes at least. Default: share - 10 (0 with share null).",
     )
 
     @field_validator("share", "cap", "floor")
@@ -261,22 +278,44 @@ class VirtualModel(Model):
             raise ValueError("must be a percent from 0 to 100")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_targets(cls, data: Any) -> Any:
+        """With targets, small, large, share and threshold follow from them (a stored object
+        that carries both agrees with itself)."""
+        if not isinstance(data, dict) or not isinstance(data.get("targets"), list):
+            return data
+        implied = derived(data["targets"])
+        if implied is None:
+            return data
+        for field in DERIVED:
+            if field in data and data[field] != implied[field]:
+                raise field_error(
+                    (field,),
+                    f"with targets, leave {field} out: it follows from the "
+                    + ("first" if field == "small" else "last")
+                    + " target",
+                )
+        return {**data, **implied}
+
     @model_validator(mode="after")
     def _check(self) -> VirtualModel:
-        errors: list[tuple[str, str]] = []
+        errors: list[tuple[tuple[str | int, ...], str]] = []
         if self.small == self.large:
-            errors.append(("large", "small and large must be different models"))
-        if self.name in (self.small, self.large):
-            errors.append(("name", "a virtual model cannot be its own target"))
+            errors.append((("large",), "small and large must be different models"))
+        if self.name in self.models:
+            errors.append((("name",), "a virtual model cannot be its own target"))
+        errors += target_errors(self.targets, self.steps) if self.targets else []
         if self.cap_percent < self.floor_percent:
             errors.append(
-                ("cap", f"cap ({self.cap_percent:g}) is below floor ({self.floor_percent:g})")
+                (("cap",), f"cap ({self.cap_percent:g}) is below floor ({self.floor_percent:g})")
             )
-        if self.share is not None and not self.floor_percent <= self.share <= self.cap_percent:
+        above = self.above_share
+        if above is not None and not self.floor_percent <= above <= self.cap_percent:
             errors.append(
                 (
-                    "share",
-                    f"share {self.share:g} is outside floor ({self.floor_percent:g}) and cap "
+                    ("targets",) if self.targets else ("share",),
+                    f"share {above:g} is outside floor ({self.floor_percent:g}) and cap "
                     f"({self.cap_percent:g})",
                 )
             )
@@ -286,7 +325,7 @@ class VirtualModel(Model):
                 [
                     InitErrorDetails(
                         type=PydanticCustomError("value_error", message.replace("{", "{{")),
-                        loc=(field,),
+                        loc=field,
                         input=None,
                     )
                     for field, message in errors
@@ -295,15 +334,45 @@ class VirtualModel(Model):
         return self
 
     @property
+    def models(self) -> list[str]:
+        """The target models, easiest first."""
+        if self.targets:
+            return [target.model for target in self.targets]
+        return [self.small, self.large]
+
+    @property
+    def steps(self) -> list[Step]:
+        """The targets after the first, in order, each with its threshold and the share of
+        requests it and the later ones are held to."""
+        if not self.targets:
+            return [Step(self.large, self.threshold, self.share)]
+        later = self.targets[1:]
+        out = []
+        for index, target in enumerate(later):
+            threshold = target.threshold
+            if threshold is None:
+                threshold = (index + 1) / len(self.targets)
+            above = None if target.share is None else sum(t.share or 0.0 for t in later[index:])
+            out.append(Step(target.model, threshold, above))
+        return out
+
+    @property
+    def above_share(self) -> float | None:
+        """Percent of requests held for the targets after the first (None: fixed)."""
+        return self.steps[0].above
+
+    @property
     def cap_percent(self) -> float:
         """The cap with its default applied."""
         if self.cap is not None:
             return self.cap
-        return 100.0 if self.share is None else min(100.0, self.share + 10)
+        above = self.above_share
+        return 100.0 if above is None else min(100.0, above + 10)
 
     @property
     def floor_percent(self) -> float:
         """The floor with its default applied."""
         if self.floor is not None:
             return self.floor
-        return 0.0 if self.share is None else max(0.0, self.share - 10)
+        above = self.above_share
+        return 0.0 if above is None else max(0.0, above - 10)

@@ -62,3 +62,42 @@ def virtual_policy(
 
 def post(client: httpx.Client, url: str, body: dict[str, Any], **headers: str) -> httpx.Response:
     return client.post(url, content=json.dumps(body).encode(), headers=headers)
+
+
+TARGETS = ("llama-small", "llama-medium", "llama-large")
+
+
+def targets_policy(
+    rig: Rig, ports: list[list[int]], targets: list[dict[str, Any]], **virtual: Any
+) -> None:
+    """A pool and a route per model of ``TARGETS`` (replicas at ``ports``, in the same order)
+    and the virtual model ``llama-auto`` over them, ``targets`` giving each target's fields
+    beyond its model."""
+    rig.apply(
+        *(
+            pool(model.removeprefix("llama-"), model_ports, models=[model])
+            for model, model_ports in zip(TARGETS, ports, strict=True)
+        )
+    )
+    document = policy(
+        "main",
+        rig.listener_port,
+        [
+            route(
+                model.removeprefix("llama-"),
+                name=model.removeprefix("llama-"),
+                match={"models": [model]},
+            )
+            for model in TARGETS
+        ],
+    )
+    document["spec"]["virtualModels"] = [
+        {
+            "name": "llama-auto",
+            "targets": [
+                {"model": model, **fields} for model, fields in zip(TARGETS, targets, strict=True)
+            ],
+            **virtual,
+        }
+    ]
+    rig.apply(document)
