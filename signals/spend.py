@@ -42,6 +42,7 @@ class SpendKey:
     it; empty for a request that named its model itself."""
 
     def as_list(self) -> list[str]:
+        """The key's fields as stored, but the virtual model (``_rows`` puts it last)."""
         return [
             self.tenant,
             self.model,
@@ -49,7 +50,6 @@ class SpendKey:
             self.service_class,
             self.route,
             self.currency,
-            self.virtual_model,
         ]
 
 
@@ -166,7 +166,13 @@ def _add(into: dict[str, dict[SpendKey, Spend]], key: SpendKey, spend: Spend) ->
 
 
 def _rows(rows: Mapping[SpendKey, Spend]) -> list[list[Any]]:
-    return [key.as_list() + spend.as_list() for key, spend in rows.items()]
+    # The virtual model goes after the counters, and only when there is one: a replica of an
+    # older version reads the first eleven fields of a row and ignores the rest, so replicas
+    # of both versions sum each other's records during a rolling upgrade.
+    return [
+        key.as_list() + spend.as_list() + ([key.virtual_model] if key.virtual_model else [])
+        for key, spend in rows.items()
+    ]
 
 
 class Ledger:
@@ -247,22 +253,17 @@ class Ledger:
                 _add(current.rows, key, spend)
 
 
-_KEY_LENGTHS = (6, 7)
-"""Key fields of a stored row: six before virtual models were counted, seven since."""
-_SPEND_LENGTH = 5
-
-
 def parse_rows(rows: Any) -> Iterable[tuple[SpendKey, Spend]]:
-    """Rows of a stored record, those written before the virtual model was part of the key
-    included; rows that do not parse are skipped (nothing kvpilot wrote)."""
+    """Rows of a stored record: six key fields, five counters, and the virtual model when
+    there is one; rows that do not parse are skipped (nothing kvpilot wrote)."""
     if not isinstance(rows, list):
         return
     for row in rows:
         try:
-            size = len(row) - _SPEND_LENGTH
-            if size not in _KEY_LENGTHS:
-                continue
-            yield SpendKey(*(str(part) for part in row[:size])), Spend.from_list(row[size:])
+            tenant, model, pool, service_class, route, currency = (str(p) for p in row[:6])
+            virtual = str(row[11]) if len(row) > 11 else ""
+            key = SpendKey(tenant, model, pool, service_class, route, currency, virtual)
+            yield key, Spend.from_list(row[6:11])
         except (TypeError, ValueError, ArithmeticError):
             continue
 
