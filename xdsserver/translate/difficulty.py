@@ -195,18 +195,10 @@ def _choose(virtual: PlanVirtualModel, fallback_large: str) -> tuple[str, str]:
 """,
             "(large and LARGE_JSON or SMALL_JSON)",
         )
-    steps = ",\n  ".join(
-        f"{{model = {lua_string(step.model)}, json = {lua_string(json.dumps(step.model))}, "
-        f"threshold = {step.threshold!r}, tie = {step.tie!r}}}"
-        for step in virtual.steps
-    )
     # One draw for every threshold: a score tied at several of them passes each with its own
     # probability, so each target's share comes out as kvpilot computed it.
     return (
-        f"""  -- Targets between the first and the last, easiest first.
-  local STEPS = {{
-  {steps}}}
-  local large, step = false, nil
+        f"""  local large, step = false, nil
   if score == nil then
     large = {fallback_large}
     source = "fallback"
@@ -238,6 +230,20 @@ def _choose(virtual: PlanVirtualModel, fallback_large: str) -> tuple[str, str]:
   local target = large and LARGE or (step ~= nil and step.model or SMALL)
 """,
         "(large and LARGE_JSON or (step ~= nil and step.json or SMALL_JSON))",
+    )
+
+
+def _steps(virtual: PlanVirtualModel) -> str:
+    """The targets between the first and the last, as a Lua table (none with two targets)."""
+    if not virtual.steps:
+        return ""
+    rows = "".join(
+        f"  {{model = {lua_string(step.model)}, json = {lua_string(json.dumps(step.model))}, "
+        f"threshold = {step.threshold!r}, tie = {step.tie!r}}},\n"
+        for step in virtual.steps
+    )
+    return (
+        f"-- Targets between the first and the last, easiest first.\nlocal STEPS = {{\n{rows}}}\n"
     )
 
 
@@ -280,7 +286,7 @@ local SMALL_JSON, LARGE_JSON = {lua_string(json.dumps(virtual.small))}, {lua_str
 local THRESHOLD, TIE = {virtual.threshold!r}, {virtual.tie!r}
 local CAP, FLOOR = {virtual.cap / 100!r}, {virtual.floor / 100!r}
 local ESCALATES = {"true" if virtual.escalation is not None else "false"}
-local decay = 1 - 1 / {GUARD_WINDOW}
+{_steps(virtual)}local decay = 1 - 1 / {GUARD_WINDOW}
 local large_weight, total_weight, seen = 0, 0, 0
 local EFFORTS = {{low = {EFFORTS["low"]}, medium = {EFFORTS["medium"]}, high = {EFFORTS["high"]}}}
 local MATH_WORDS = {_lua_list(MATH_WORDS)}
