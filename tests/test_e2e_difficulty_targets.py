@@ -99,17 +99,20 @@ def test_kvpilot_holds_each_targets_share(rig: Rig, backends: BackendFactory) ->
         scorer={"type": "header"},
     )
     # The configured thresholds send 7 in 10 above the first target (the cap, 40%, holds
-    # less); kvpilot learns the scores and moves both thresholds.
+    # less); kvpilot learns the scores and moves both thresholds. A score tied at a threshold
+    # passes it with a probability, so a block's split varies by a request or so.
+    wanted = {"llama-small": 70, "llama-medium": 20, "llama-large": 10}
+
+    def near(counts: Counter[str], blocks: int, points: float) -> bool:
+        return all(abs(100 * counts[m] / (10 * blocks) - wanted[m]) <= points for m in wanted)
+
     wait_until(
-        lambda: (
-            answered(client, url, SPREAD, 5)
-            == {"llama-small": 35, "llama-medium": 10, "llama-large": 5}
-        ),
+        lambda: near(answered(client, url, SPREAD, 5), 5, 2),
         90,
         message="70/20/10 across the three targets",
     )
-    held = answered(client, url, SPREAD, 10)
-    assert held == {"llama-small": 70, "llama-medium": 20, "llama-large": 10}, held
+    held = answered(client, url, SPREAD, 20)
+    assert near(held, 20, 3), held
     thresholds = {
         line.split('"')[1]: float(line.rsplit(" ", 1)[1])
         for line in rig.api.get("/metrics").text.splitlines()
