@@ -55,6 +55,7 @@ DERIVED = ("small", "large", "share", "threshold")
 
 
 def field_error(field: tuple[str | int, ...], message: str) -> ValidationError:
+    """A validation error of a virtual model at ``field``, with the message a user reads."""
     return ValidationError.from_exception_data(
         "VirtualModel",
         [
