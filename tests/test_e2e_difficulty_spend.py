@@ -1,6 +1,6 @@
 """The spend a virtual model saved, through a real Envoy with priced pools: the usage of each
 response the small model served, priced at the large model's price less its own, is what
-``GET /v1/virtualmodels`` and Prometheus report, to the last decimal; requests that named a
+``GET /v1/virtualmodels``, the console and Prometheus report, to the last decimal; requests that named a
 target themselves do not count; pools priced in different currencies state no saving."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
+from harness.auth import READ_TOKEN
 from harness.builders import pool
+from harness.console import open_console, shoot
 from harness.difficulty import EASY, HARD, post, virtual_policy
 from harness.rig import BackendFactory, Rig, ports_of
 from harness.spend import FAST_SIM
@@ -55,7 +57,7 @@ def view(rig: Rig) -> dict[str, Any]:
 
 
 def test_the_spend_saved_is_the_small_models_tokens_at_the_price_difference(
-    rig: Rig, backends: BackendFactory
+    rig: Rig, backends: BackendFactory, browser: Any
 ) -> None:
     # Simulated vLLM replicas: usage in every answer, streams included, and a prefix cache.
     small = backends(1, id_prefix="sm", model="llama-small", simulator=FAST_SIM)
@@ -123,6 +125,16 @@ def test_the_spend_saved_is_the_small_models_tokens_at_the_price_difference(
     )
     assert found is not None, metrics
     assert float(found.group(1)) == pytest.approx(float(saved), rel=1e-9)
+
+    # The console's Virtual models tab shows the same figures.
+    page = open_console(browser, rig.kvpilot.api_url, READ_TOKEN, "virtual")
+    try:
+        saved_text = page.locator('[data-virtual="main/llama-auto"] [data-saved]')
+        saved_text.wait_for(timeout=10_000)
+        assert saved_text.inner_text() == f"{spend['saved']} USD"
+        shoot(page, "virtual-models-spend")
+    finally:
+        page.close()
 
     # The large model priced in another currency: no saving is stated, and the view says why.
     rig.apply(
