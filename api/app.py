@@ -96,6 +96,7 @@ def create_app(context: ApiContext) -> FastAPI:
         context.reconciler,
         context.audit,
         context.virtual_model_counts,
+        context.spend,
     )
     _add_audit_routes(app, context)
     _install_openapi(app)

@@ -15,11 +15,13 @@ Views:
 - ``GET /v1/admission``: per route with service classes, what each class is admitted now,
   since when, and the pressure behind it (``api.admission``).
 - ``GET /v1/virtualmodels``: per virtual model the threshold in force, the share it aims at
-  and what Envoys reported: requests by target, scores, escalations (``api.difficulty``).
+  and what Envoys reported: requests by target, scores, escalations, and the spend saved
+  against the large model's price (``api.difficulty``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -39,6 +41,8 @@ from controlplane.reconcile.history import TelemetryHistory
 from controlplane.reconcile.loop import Reconciler
 from policies import Endpoint
 from signals import PolicyState
+from signals.savings import virtual_savings
+from signals.spend import Spend, SpendKey, Window
 from signals.state import is_external, pool_endpoints
 from signals.weights import WeightDecision
 from xdsserver.difficultylog import VirtualModelCounts
@@ -170,6 +174,7 @@ def add_console_routes(
     reconciler: Reconciler,
     audit: AuditLog | None = None,
     virtual_model_counts: Callable[[], Mapping[str, VirtualModelCounts]] | None = None,
+    spend: Callable[[Window | None, float], Mapping[SpendKey, Spend]] | None = None,
 ) -> None:
     """The console's read views under /v1, and the page at /ui."""
     tags: list[str | Any] = ["console"]
@@ -235,16 +240,23 @@ def add_console_routes(
         operation_id="virtual_models",
         summary="Virtual models: targets, scorer, the threshold in force and the large share "
         "it aims at, and what Envoys reported (requests by target, score sources, cap and "
-        "floor overrides, escalations, score distribution)",
+        "floor overrides, escalations, score distribution), and the spend saved against "
+        "the large model's price",
     )
     async def virtual_models(_: Reader) -> dict[str, Any]:
         build = reconciler.last_build
         counts = virtual_model_counts() if virtual_model_counts is not None else {}
+        state = reconciler.state
+        savings = (
+            virtual_savings(state, spend(None, time.time()))
+            if spend is not None and state is not None
+            else None
+        )
         return {
             "revision": build.revision,
             "builtAt": build.at or None,
             "virtualModels": virtual_models_view(
-                reconciler.state, reconciler.plan, counts, reconciler.difficulty
+                state, reconciler.plan, counts, reconciler.difficulty, savings
             ),
         }
 

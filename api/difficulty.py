@@ -1,7 +1,9 @@
 """The console's view of virtual models (``GET /v1/virtualmodels``): per virtual model its
 targets and scorer, the threshold in force and the share it aims at, and what Envoys reported
 to this replica: requests by target (the large model's share), where scores came from, how
-often the cap or floor overrode them, escalations and the score distribution."""
+often the cap or floor overrode them, escalations and the score distribution; and, from every
+replica's spend, what its requests cost against the same tokens at the large model's price
+(``signals.savings``)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from compiler.difficulty import virtual_key
 from compiler.plan import PlanVirtualModel
 from signals import PolicyState
 from signals.difficultyshare import ShareDecision
+from signals.savings import Saving
 from xdsserver.difficultylog import VirtualModelCounts
 
 
@@ -31,9 +34,11 @@ def virtual_models_view(
     plan: RoutingPlan | None,
     counts: Mapping[str, VirtualModelCounts],
     decisions: Mapping[str, ShareDecision],
+    savings: Mapping[str, Saving] | None = None,
 ) -> list[dict[str, Any]]:
     """One entry per virtual model of the served state; ``decisions``: the share loop's
-    latest (its threshold is the served one once the plan is rebuilt)."""
+    latest (its threshold is the served one once the plan is rebuilt); ``savings``: its spend
+    against the large model's price (``signals.savings.virtual_savings``)."""
     planned = _planned(plan)
     out = []
     for policy_name in sorted(state.policies if state is not None else {}):
@@ -44,6 +49,24 @@ def virtual_models_view(
             decision = decisions.get(key)
             seen = counts.get(key, VirtualModelCounts())
             total = sum(seen.targets.values())
+            served_thresholds = (
+                [*(step.threshold for step in served.steps), served.threshold]
+                if served is not None
+                else []
+            )
+            configured = virtual.steps
+            target_models = [{"model": virtual.models[0], "share": None, "threshold": None}]
+            for index, step in enumerate(configured):
+                share = virtual.targets[index + 1].share if virtual.targets else virtual.share
+                target_models.append(
+                    {
+                        "model": step.model,
+                        "share": share,
+                        "threshold": served_thresholds[index]
+                        if len(served_thresholds) == len(configured)
+                        else step.threshold,
+                    }
+                )
             out.append(
                 {
                     "key": key,
@@ -51,6 +74,7 @@ def virtual_models_view(
                     "name": virtual.name,
                     "small": virtual.small,
                     "large": virtual.large,
+                    "targetModels": target_models,
                     "scorer": virtual.scorer.type,
                     "share": virtual.share,
                     "cap": virtual.cap_percent,
@@ -69,6 +93,7 @@ def virtual_models_view(
                     "forced": seen.forced,
                     "escalations": seen.escalations,
                     "scores": seen.scores,
+                    "spend": savings[key].as_json() if savings and key in savings else None,
                 }
             )
     return out

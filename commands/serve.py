@@ -42,7 +42,13 @@ from controlplane.reconcile.metrics import ReconcileMetrics
 from controlplane.rollouts.controller import RolloutController
 from controlplane.rollouts.signals import PlanResolver, SignalPublisher
 from controlplane.rollouts.state import register_metrics as register_rollout_metrics
-from controlplane.spend import PlanContext, SpendCollector, SpendPublisher, fleet_spend
+from controlplane.spend import (
+    PlanContext,
+    SavingsCollector,
+    SpendCollector,
+    SpendPublisher,
+    fleet_spend,
+)
 from xdsserver.difficultylog import ScoreBook
 from xdsserver.identity import FleetBinding
 from xdsserver.server import AdsServer
@@ -177,6 +183,7 @@ async def serve(
     scores = ScoreBook(registry)
     usage = UsageBook(PlanContext(lambda: reconciler.plan, lambda: reconciler.state))
     registry.register(SpendCollector(usage.ledger))
+    registry.register(SavingsCollector(usage.ledger, lambda: reconciler.state))
     AccessLogServer(
         signals, cache, binding=binding, status=connections, scores=scores, usage=usage
     ).add_to(grpc_server)

@@ -11,6 +11,7 @@ from compiler.plan import (
     PlanEscalation,
     PlanRoute,
     PlanScorerService,
+    PlanStep,
     PlanVirtualModel,
 )
 from policies.models import RoutingPolicy, VirtualModel
@@ -22,6 +23,16 @@ SCORER_CLUSTER_PREFIX = "difficulty-scorer/"
 def virtual_key(policy: str, name: str) -> str:
     """How a virtual model is named in reports, decisions and metrics: ``policy/name``."""
     return f"{policy}/{name}"
+
+
+def step_keys(key: str, virtual: VirtualModel) -> list[str]:
+    """How the share loop names each target after the first (``VirtualModel.steps``): the
+    last by the virtual model's key, as with two targets; the others ``key@model``."""
+    steps = virtual.steps
+    return [
+        key if index == len(steps) - 1 else f"{key}@{step.model}"
+        for index, step in enumerate(steps)
+    ]
 
 
 ESCALATION_CLUSTER_PREFIX = "difficulty-escalate/"
@@ -80,7 +91,18 @@ def plan_virtual_models(
     out = []
     for virtual in policy.spec.virtual_models:
         key = virtual_key(policy.metadata.name, virtual.name)
-        decision = decisions.get(key) if virtual.share is not None else None
+        learned = virtual.above_share is not None
+        decision = decisions.get(key) if learned else None
+        steps = []
+        for step, step_key in list(zip(virtual.steps, step_keys(key, virtual), strict=True))[:-1]:
+            held = decisions.get(step_key) if learned else None
+            steps.append(
+                PlanStep(
+                    model=step.model,
+                    threshold=held.threshold if held is not None else step.threshold,
+                    tie=held.tie if held is not None else 0.0,
+                )
+            )
         scorer = virtual.scorer
         service = None
         if scorer.type == "external" and scorer.external is not None:
@@ -90,8 +112,9 @@ def plan_virtual_models(
                 host=parts.hostname or "",
                 port=parts.port or 80,
                 path=(parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
-                timeout=scorer.external.timeout,
+                timeout=scorer.external.call_timeout,
                 fallback_large=scorer.external.fallback == "large",
+                budget=scorer.external.timeout,
             )
         out.append(
             PlanVirtualModel(
@@ -109,6 +132,7 @@ def plan_virtual_models(
                 floor=virtual.floor_percent,
                 service=service,
                 escalation=_escalation(key, virtual, routes, by_name),
+                steps=tuple(steps),
             )
         )
     return tuple(out)

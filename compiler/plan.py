@@ -224,8 +224,22 @@ class PlanScorerService:
     port: int
     path: str
     timeout: float
+    """Seconds Envoy waits for the answer: the budget less the reserve for its own work."""
     fallback_large: bool
     """Requests it does not score in time go to the large model (else the small one)."""
+    budget: float = 0.0
+    """The policy's ``timeout``: what the whole scoring step may add to a request."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStep:
+    """A target of a virtual model between its first and its last (``large``)."""
+
+    model: str
+    threshold: float
+    """Scores above it (and up to the next step's) go to this target."""
+    tie: float
+    """Probability that a score equal to ``threshold`` passes it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +263,8 @@ class PlanEscalation:
 
 @dataclass(frozen=True, slots=True)
 class PlanVirtualModel:
-    """A model name that Envoy answers with one of two target models, chosen per request."""
+    """A model name that Envoy answers with one of its target models, chosen per request:
+    ``small``, the ``steps`` in order, ``large``."""
 
     key: str
     """``policy/name``: how Envoys report its scores and how its threshold is kept."""
@@ -270,6 +285,8 @@ class PlanVirtualModel:
     """Percent bounds of the large model's share, held by each Envoy worker."""
     service: PlanScorerService | None = None
     escalation: PlanEscalation | None = None
+    steps: tuple[PlanStep, ...] = ()
+    """Targets between ``small`` and ``large``, in order (none with two targets)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Literal
 
+from policies.models.price import Price
+
 Window = Literal["minute", "hour", "day", "month"]
 WINDOWS: tuple[Window, ...] = ("minute", "hour", "day", "month")
 TOKEN_KINDS = ("prompt", "cached", "completion")
@@ -35,8 +37,12 @@ class SpendKey:
     route: str
     currency: str = ""
     """The currency of the pool's price; empty for a pool without per-token prices."""
+    virtual_model: str = ""
+    """The virtual model (``policy/name``) the client called, when Envoy chose ``model`` for
+    it; empty for a request that named its model itself."""
 
     def as_list(self) -> list[str]:
+        """The key's fields as stored, but the virtual model (``_rows`` puts it last)."""
         return [
             self.tenant,
             self.model,
@@ -113,6 +119,18 @@ class TokenPrice:
         ) / MILLION
 
 
+def token_price(price: Price | None) -> TokenPrice | None:
+    """A pool's per-token price (None: priced per replica-hour, or not at all)."""
+    if price is None or price.input is None or price.output is None:
+        return None
+    return TokenPrice(
+        currency=price.currency,
+        input=price.input,
+        cached_input=price.cached_input if price.cached_input is not None else price.input,
+        output=price.output,
+    )
+
+
 def window_bounds(window: Window, at: float) -> tuple[datetime, datetime]:
     """The calendar window (UTC) that holds ``at``: its start and its end (the next start)."""
     now = datetime.fromtimestamp(at, UTC)
@@ -148,7 +166,13 @@ def _add(into: dict[str, dict[SpendKey, Spend]], key: SpendKey, spend: Spend) ->
 
 
 def _rows(rows: Mapping[SpendKey, Spend]) -> list[list[Any]]:
-    return [key.as_list() + spend.as_list() for key, spend in rows.items()]
+    # The virtual model goes after the counters, and only when there is one: a replica of an
+    # older version reads the first eleven fields of a row and ignores the rest, so replicas
+    # of both versions sum each other's records during a rolling upgrade.
+    return [
+        key.as_list() + spend.as_list() + ([key.virtual_model] if key.virtual_model else [])
+        for key, spend in rows.items()
+    ]
 
 
 class Ledger:
@@ -230,12 +254,16 @@ class Ledger:
 
 
 def parse_rows(rows: Any) -> Iterable[tuple[SpendKey, Spend]]:
-    """Rows of a stored record; rows that do not parse are skipped (nothing kvpilot wrote)."""
+    """Rows of a stored record: six key fields, five counters, and the virtual model when
+    there is one; rows that do not parse are skipped (nothing kvpilot wrote)."""
     if not isinstance(rows, list):
         return
     for row in rows:
         try:
-            yield SpendKey(*(str(part) for part in row[:6])), Spend.from_list(row[6:11])
+            tenant, model, pool, service_class, route, currency = (str(p) for p in row[:6])
+            virtual = str(row[11]) if len(row) > 11 else ""
+            key = SpendKey(tenant, model, pool, service_class, route, currency, virtual)
+            yield key, Spend.from_list(row[6:11])
         except (TypeError, ValueError, ArithmeticError):
             continue
 

@@ -357,6 +357,13 @@ MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
         50,
         {"listeners"},
     ),
+    (
+        "virtual model over three targets",
+        "virtual-models-targets",
+        ("objects", 3, "spec", "virtualModels", 0, "targets", 1, "threshold"),
+        0.55,
+        {"routes"},
+    ),
 ]
 
 

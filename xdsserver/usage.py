@@ -5,7 +5,8 @@ dynamic metadata, and the connection manager's access log sends it to kvpilot's 
 service in batches. Here one entry becomes one row of counters: the tenant from the route's
 tenant header, the model that answered (the response's ``model``), the pool of the upstream
 host that served the last attempt, the service class and the route from the route entry's
-name, and the cost at the pool's price in force when the entry arrived.
+name, the virtual model the client called (when a virtual model's Lua chose the model), and
+the cost at the pool's price in force when the entry arrived.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from signals.spend import Ledger, Spend, SpendKey, TokenPrice
+from xdsserver.translate.listeners import DIFFICULTY_METADATA
 from xdsserver.translate.usage import USAGE_FILTER
 
 
@@ -75,6 +77,9 @@ class UsageBook:
         header = self.context.tenant_header(route)
         tenant = entry.request.request_headers.get(header, "") if header else ""
         price = self.context.price(pool) if pool else None
+        # The virtual model's Lua leaves its key in the same stream's metadata.
+        chosen = common.metadata.filter_metadata.get(DIFFICULTY_METADATA)
+        virtual = chosen.fields.get("virtual") if chosen is not None else None
         key = SpendKey(
             tenant=tenant,
             model=model,
@@ -82,6 +87,7 @@ class UsageBook:
             service_class=service_class,
             route=route,
             currency=price.currency if price is not None else "",
+            virtual_model=virtual.string_value if virtual is not None else "",
         )
         spend = Spend(
             requests=1,

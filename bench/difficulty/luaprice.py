@@ -1,6 +1,6 @@
 """What a virtual model's Lua scorer costs per request, measured with the real Envoy.
 
-``python -m bench.difficulty.luaprice [--requests N] [--out FILE]``
+``python -m bench.difficulty.luaprice [--requests N] [--external [--budget SECONDS]] [--out FILE]``
 
 One Envoy (one worker) with kvpilot's own translation of a policy that has a virtual model
 (built-in scorer) beside its two target models, a trivial upstream that answers at once (so
@@ -184,6 +184,8 @@ class SizeCost:
 
     direct: PathCost
     virtual: PathCost
+    over_budget_percent: float | None = None
+    """With a budget: the percent of virtual requests slower than the direct median plus it."""
 
 
 @dataclass(frozen=True)
@@ -195,12 +197,24 @@ class LuaPrice:
 
     def to_json(self) -> dict[str, Any]:
         """The sizes by label, ``scores_logged`` beside them."""
-        return {label: asdict(cost) for label, cost in self.sizes.items()} | {
+        return {label: size_json(cost) for label, cost in self.sizes.items()} | {
             "scores_logged": self.scores_logged
         }
 
 
-def measure(requests: int, scorer: dict[str, Any] | None = None) -> LuaPrice:
+def size_json(cost: SizeCost) -> dict[str, Any]:
+    """One size's paths, and its over-budget percent where a budget was given."""
+    out = asdict(cost)
+    if cost.over_budget_percent is None:
+        del out["over_budget_percent"]
+    return out
+
+
+def measure(
+    requests: int, scorer: dict[str, Any] | None = None, budget: float | None = None
+) -> LuaPrice:
+    """Latency and Envoy CPU, direct and through the virtual model; with ``budget``, also the
+    percent of virtual requests whose time exceeded the direct median plus the budget."""
     backend, listener, signals, admin = free_port(), free_port(), free_port(), free_port()
     book = ScoreBook()
     ready = threading.Event()
@@ -271,7 +285,12 @@ def measure(requests: int, scorer: dict[str, Any] | None = None) -> LuaPrice:
                     )
                     for kind, values in times.items()
                 }
-                results[label] = SizeCost(paths["direct"], paths["virtual"])
+                over: float | None = None
+                if budget is not None:
+                    limit = statistics.median(times["direct"]) + budget
+                    exceeded = sum(value > limit for value in times["virtual"])
+                    over = 100 * exceeded / len(times["virtual"])
+                results[label] = SizeCost(paths["direct"], paths["virtual"], over)
             time.sleep(1)  # the score log's last batch
             logged = sum(
                 sample.value
@@ -286,8 +305,8 @@ def measure(requests: int, scorer: dict[str, Any] | None = None) -> LuaPrice:
 
 
 def external(requests: int, timeout: float = 0.05) -> dict[str, SizeCost]:
-    """Latency added by an external classifier that is quick, slower than its timeout, or
-    down: the fallback costs at most the timeout."""
+    """Latency added by an external classifier that is quick, slower than its budget
+    (``timeout``), or down: the fallback should cost at most the budget."""
     out: dict[str, SizeCost] = {}
     for label, delay in (("quick (1 ms)", 0.001), ("slow (1 s)", 1.0), ("down", None)):
         port = free_port()
@@ -302,7 +321,7 @@ def external(requests: int, timeout: float = 0.05) -> dict[str, SizeCost]:
                 "type": "external",
                 "external": {"url": f"http://127.0.0.1:{port}/score", "timeout": timeout},
             }
-            out[label] = measure(requests, scorer).sizes["0.1 KB"]
+            out[label] = measure(requests, scorer, timeout).sizes["0.1 KB"]
         finally:
             if process is not None:
                 process.terminate()
@@ -314,10 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.difficulty.luaprice")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--external", action="store_true", help="the external classifier")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.05,
+        help="the classifier's budget (the policy's timeout), seconds; default 0.05",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.external:
-        results = {label: asdict(cost) for label, cost in external(args.requests).items()}
+        costs = external(args.requests, args.budget)
+        results = {"budget_ms": 1000 * args.budget} | {
+            label: size_json(cost) for label, cost in costs.items()
+        }
     else:
         results = measure(args.requests).to_json()
     text = json.dumps(results, indent=1)

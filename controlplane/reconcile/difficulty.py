@@ -1,8 +1,10 @@
 """The loop that holds virtual models' large-model shares: scores in from Envoys, thresholds
 out as configuration.
 
-One ``ShareController`` per virtual model with a ``share`` (``signals.difficultyshare``),
-fed by the ``ScoreBook``. Once a second the loop asks each for its decision and hands the set
+One ``ShareController`` per virtual model with a ``share`` (``signals.difficultyshare``), and
+with more than two targets one per target after the first (each holding the share of requests
+for it and the later targets: its threshold is the scores' quantile there), fed by the
+``ScoreBook``. Once a second the loop asks each for its decision and hands the set
 to the reconciler, which rebuilds like a telemetry change when a threshold moved (route
 configuration only, at most once per push interval). The lag from a change of traffic mix to
 the new threshold in every Envoy is about two seconds: the log's 0.25 s flush, this loop's
@@ -21,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from compiler.difficulty import virtual_key
+from compiler.difficulty import step_keys, virtual_key
 from policies.models import RoutingPolicy, VirtualModel
 from signals.difficultyshare import ShareController, ShareDecision
 from xdsserver.difficultylog import ScoreBook, ScoreReport
@@ -49,6 +51,8 @@ class DifficultyLoop:
         self.clock = clock
         self.controllers: dict[str, ShareController] = {}
         self._settings: dict[str, tuple[float, float]] = {}
+        self._members: dict[str, list[str]] = {}
+        """Virtual model -> the keys of its controllers."""
         registry = registry if registry is not None else CollectorRegistry()
         self.threshold = Gauge(
             "kvpilot_virtual_model_threshold",
@@ -66,27 +70,33 @@ class DifficultyLoop:
         book.listeners.append(self.observe)
 
     def observe(self, report: ScoreReport) -> None:
-        """One reported score."""
-        controller = self.controllers.get(report.key)
-        if controller is not None and report.score is not None:
-            controller.observe(report.at, report.score)
+        """One reported score, for each of its virtual model's controllers."""
+        if report.score is None:
+            return
+        for key in self._members.get(report.key, ()):
+            self.controllers[key].observe(report.at, report.score)
 
     def _sync(self) -> None:
-        """A controller for each virtual model with a share; a changed share or configured
-        threshold starts it afresh."""
-        current = self.virtual_models()
-        for key in set(self.controllers) - set(current):
+        """A controller for each target after the first of each virtual model with shares,
+        holding the share of requests for it and the later targets; a changed share or
+        configured threshold starts it afresh."""
+        wanted: dict[str, tuple[float, float]] = {}
+        members: dict[str, list[str]] = {}
+        for key, virtual in self.virtual_models().items():
+            for step, step_key in zip(virtual.steps, step_keys(key, virtual), strict=True):
+                if step.above is not None:
+                    wanted[step_key] = (step.above, step.threshold)
+                    members.setdefault(key, []).append(step_key)
+        for key in set(self.controllers) - set(wanted):
             del self.controllers[key]
             self._settings.pop(key, None)
             self.threshold.remove(key)
             self.expected.remove(key)
-        for key, virtual in current.items():
-            if virtual.share is None:
-                continue
-            settings = (virtual.share, virtual.threshold)
+        for key, settings in wanted.items():
             if self._settings.get(key) != settings:
-                self.controllers[key] = ShareController(virtual.share, virtual.threshold)
+                self.controllers[key] = ShareController(*settings)
                 self._settings[key] = settings
+        self._members = members
 
     def step(self) -> dict[str, ShareDecision]:
         """One decision round; returns the decisions published."""

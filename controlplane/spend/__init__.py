@@ -10,11 +10,11 @@ or the current calendar window of a kind) from their etcd mirror, taking their o
 counters from memory, which are newer.
 
 Modules: ``records`` (the etcd keys and the fleet's sum), ``publisher`` (this replica's
-batches), ``context`` (entries resolved against the plan), ``metrics`` (Prometheus).
+batches), ``context`` (entries resolved against the plan), ``metrics`` (Prometheus, virtual models' savings included).
 """
 
 from controlplane.spend.context import PlanContext
-from controlplane.spend.metrics import SpendCollector
+from controlplane.spend.metrics import SavingsCollector, SpendCollector
 from controlplane.spend.publisher import SpendPublisher
 from controlplane.spend.records import (
     SPEND_INTERVAL,
@@ -29,6 +29,7 @@ __all__ = [
     "SPEND_INTERVAL",
     "SPEND_PREFIX",
     "PlanContext",
+    "SavingsCollector",
     "SpendCollector",
     "SpendPublisher",
     "fleet_spend",

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from compiler import RoutingPlan
 from controlplane.rollouts.signals import PlanResolver
 from signals import PolicyState
-from signals.spend import TokenPrice
+from signals.spend import TokenPrice, token_price
 
 
 class PlanContext:
@@ -31,15 +31,7 @@ class PlanContext:
     def price(self, pool: str) -> TokenPrice | None:
         state = self._state()
         spec = state.pools.get(pool) if state is not None else None
-        price = spec.spec.price if spec is not None else None
-        if price is None or price.input is None or price.output is None:
-            return None
-        return TokenPrice(
-            currency=price.currency,
-            input=price.input,
-            cached_input=price.cached_input if price.cached_input is not None else price.input,
-            output=price.output,
-        )
+        return token_price(spec.spec.price if spec is not None else None)
 
     def tenant_header(self, route: str) -> str:
         plan = self._plan()

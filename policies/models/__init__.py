@@ -119,6 +119,7 @@ from policies.models.route import (
     Tier,
     Timeouts,
 )
+from policies.models.targets import Target
 
 __all__ = [
     "API_VERSION",
@@ -208,6 +209,7 @@ __all__ = [
     "ServiceClass",
     "ServiceClasses",
     "SessionAffinity",
+    "Target",
     "TelemetryFormat",
     "TelemetrySource",
     "Tier",

@@ -10,13 +10,14 @@ threshold so the large model keeps that share of requests whatever the traffic m
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from policies.models.fields import Duration, HeaderName, Model
+from policies.models.targets import DERIVED, Step, Target, derived, field_error, target_errors
 
 FEATURES = (
     "promptTokens",
@@ -69,12 +70,41 @@ class BuiltinScorer(Model):
         return value
 
 
+SCORER_RESERVE_FLOOR = 0.003
+"""Seconds of an external scorer's budget kept for the fixed cost of the call, at least: the
+Lua's own work around ``httpCall`` and Envoy's resumption after it. Measured with Envoy 1.40
+(``python -m bench.difficulty.luaprice --external``): a classifier that answers in 1 ms added
+1.8 ms, one slower than the call's timeout added the timeout plus 2.8 ms (medians)."""
+SCORER_RESERVE_SHARE = 0.10
+"""Share of the budget kept for that cost when it is more than the floor: the cost grows with
+the machine's load, and a larger budget can spare more of it."""
+MIN_SCORER_BUDGET = 0.010
+"""The smallest budget: it leaves the classifier 7 ms, a few of its round trips on a loaded
+machine."""
+MAX_SCORER_BUDGET = 10.0
+
+
+def scorer_reserve(budget: float) -> float:
+    """Seconds of ``budget`` kept for the fixed cost of calling the classifier."""
+    return max(SCORER_RESERVE_FLOOR, SCORER_RESERVE_SHARE * budget)
+
+
+def scorer_call_timeout(budget: float) -> float:
+    """How long Envoy waits for the classifier's answer within ``budget``."""
+    return budget - scorer_reserve(budget)
+
+
 class ExternalScorer(Model):
     """The operator's classifier: Envoy POSTs the request body and reads ``{"score": 0..1}``."""
 
     url: str = Field(description="http://host:port/path of the classifier.")
     timeout: Duration = Field(
-        0.05, description="Longest wait for a score; then the fallback target. Default: 50ms."
+        0.05,
+        description="Latency budget of the whole scoring step: what scoring may add to a "
+        "request, the classifier's answer and Envoy's own work around the call together. "
+        "Envoy waits for the answer this long less a reserve for that work (the larger of 3ms "
+        "and 10%: a 50ms budget waits 45ms), then takes the fallback target. From 10ms to "
+        "10s. Default: 50ms.",
     )
     fallback: Literal["small", "large"] = Field(
         "small",
@@ -94,10 +124,20 @@ class ExternalScorer(Model):
 
     @field_validator("timeout")
     @classmethod
-    def _positive(cls, value: float) -> float:
-        if not 0 < value <= 10:
-            raise ValueError("timeout must be above 0 and at most 10s")
+    def _budget(cls, value: float) -> float:
+        if not MIN_SCORER_BUDGET <= value <= MAX_SCORER_BUDGET:
+            raise ValueError(
+                f"timeout is the scoring step's whole budget and must be from "
+                f"{MIN_SCORER_BUDGET * 1000:g}ms to {MAX_SCORER_BUDGET:g}s: below "
+                f"{MIN_SCORER_BUDGET * 1000:g}ms the reserve for Envoy's own work "
+                f"({SCORER_RESERVE_FLOOR * 1000:g}ms at least) leaves the classifier too little"
+            )
         return value
+
+    @property
+    def call_timeout(self) -> float:
+        """Seconds Envoy waits for the classifier: the budget less the reserve."""
+        return scorer_call_timeout(self.timeout)
 
 
 EscalateOn = Literal["5xx", "reset", "connect-failure", "timeout"]
@@ -182,11 +222,26 @@ class Scorer(Model):
 
 
 class VirtualModel(Model):
-    """A model name no pool serves; each request goes to ``small`` or ``large``."""
+    """A model name no pool serves; each request goes to one of its target models: ``small``
+    or ``large``, or one of ``targets``."""
 
     name: str = Field(min_length=1, max_length=256, description="The name clients call.")
-    small: str = Field(description="Model that takes easy requests; a route must serve it.")
-    large: str = Field(description="Model that takes hard requests; a route must serve it.")
+    small: str = Field(
+        description="Model that takes easy requests; a route must serve it. With targets: "
+        "the first target's model."
+    )
+    large: str = Field(
+        description="Model that takes hard requests; a route must serve it. With targets: the "
+        "last target's model."
+    )
+    targets: list[Target] | None = Field(
+        None,
+        min_length=2,
+        description="Target models in order of difficulty, instead of small and large (which "
+        "then follow from the first and the last, as share and threshold follow from the "
+        "last). Each target after the first takes the requests that score above its threshold "
+        "and below the next one's. Default: none (small and large).",
+    )
     scorer: Scorer = Field(default_factory=Scorer, description="Where the score comes from.")
     share: float | None = Field(
         20.0,
@@ -206,13 +261,14 @@ class VirtualModel(Model):
     )
     cap: float | None = Field(
         None,
-        description="Percent of requests the large model takes at most, in every Envoy, "
-        "whatever the scorer says. Default: share + 10 (100 with share null).",
+        description="Percent of requests the large model (with targets: every target after "
+        "the first, together) takes at most, in every Envoy, whatever the scorer says. "
+        "Default: share + 10 (100 with share null).",
     )
     floor: float | None = Field(
         None,
-        description="Percent of requests the large model takes at least. Default: share - 10 "
-        "(0 with share null).",
+        description="Percent of requests the large model (with targets: every target after "
+        "the first, together) takes at least. Default: share - 10 (0 with share null).",
     )
 
     @field_validator("share", "cap", "floor")
@@ -222,22 +278,44 @@ class VirtualModel(Model):
             raise ValueError("must be a percent from 0 to 100")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_targets(cls, data: Any) -> Any:
+        """With targets, small, large, share and threshold follow from them (a stored object
+        that carries both agrees with itself)."""
+        if not isinstance(data, dict) or not isinstance(data.get("targets"), list):
+            return data
+        implied = derived(data["targets"])
+        if implied is None:
+            return data
+        for field in DERIVED:
+            if field in data and data[field] != implied[field]:
+                raise field_error(
+                    (field,),
+                    f"with targets, leave {field} out: it follows from the "
+                    + ("first" if field == "small" else "last")
+                    + " target",
+                )
+        return {**data, **implied}
+
     @model_validator(mode="after")
     def _check(self) -> VirtualModel:
-        errors: list[tuple[str, str]] = []
+        errors: list[tuple[tuple[str | int, ...], str]] = []
         if self.small == self.large:
-            errors.append(("large", "small and large must be different models"))
-        if self.name in (self.small, self.large):
-            errors.append(("name", "a virtual model cannot be its own target"))
+            errors.append((("large",), "small and large must be different models"))
+        if self.name in self.models:
+            errors.append((("name",), "a virtual model cannot be its own target"))
+        errors += target_errors(self.targets, self.steps) if self.targets else []
         if self.cap_percent < self.floor_percent:
             errors.append(
-                ("cap", f"cap ({self.cap_percent:g}) is below floor ({self.floor_percent:g})")
+                (("cap",), f"cap ({self.cap_percent:g}) is below floor ({self.floor_percent:g})")
             )
-        if self.share is not None and not self.floor_percent <= self.share <= self.cap_percent:
+        above = self.above_share
+        if above is not None and not self.floor_percent <= above <= self.cap_percent:
             errors.append(
                 (
-                    "share",
-                    f"share {self.share:g} is outside floor ({self.floor_percent:g}) and cap "
+                    ("targets",) if self.targets else ("share",),
+                    f"share {above:g} is outside floor ({self.floor_percent:g}) and cap "
                     f"({self.cap_percent:g})",
                 )
             )
@@ -247,7 +325,7 @@ class VirtualModel(Model):
                 [
                     InitErrorDetails(
                         type=PydanticCustomError("value_error", message.replace("{", "{{")),
-                        loc=(field,),
+                        loc=field,
                         input=None,
                     )
                     for field, message in errors
@@ -256,15 +334,45 @@ class VirtualModel(Model):
         return self
 
     @property
+    def models(self) -> list[str]:
+        """The target models, easiest first."""
+        if self.targets:
+            return [target.model for target in self.targets]
+        return [self.small, self.large]
+
+    @property
+    def steps(self) -> list[Step]:
+        """The targets after the first, in order, each with its threshold and the share of
+        requests it and the later ones are held to."""
+        if not self.targets:
+            return [Step(self.large, self.threshold, self.share)]
+        later = self.targets[1:]
+        out = []
+        for index, target in enumerate(later):
+            threshold = target.threshold
+            if threshold is None:
+                threshold = (index + 1) / len(self.targets)
+            above = None if target.share is None else sum(t.share or 0.0 for t in later[index:])
+            out.append(Step(target.model, threshold, above))
+        return out
+
+    @property
+    def above_share(self) -> float | None:
+        """Percent of requests held for the targets after the first (None: fixed)."""
+        return self.steps[0].above
+
+    @property
     def cap_percent(self) -> float:
         """The cap with its default applied."""
         if self.cap is not None:
             return self.cap
-        return 100.0 if self.share is None else min(100.0, self.share + 10)
+        above = self.above_share
+        return 100.0 if above is None else min(100.0, above + 10)
 
     @property
     def floor_percent(self) -> float:
         """The floor with its default applied."""
         if self.floor is not None:
             return self.floor
-        return 0.0 if self.share is None else max(0.0, self.share - 10)
+        above = self.above_share
+        return 0.0 if above is None else max(0.0, above - 10)

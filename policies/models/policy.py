@@ -99,12 +99,16 @@ class RoutingPolicySpec(Model):
                         f"{virtual.small!r} ({small_routes[0].name}) needs a single tier",
                     )
                 )
-            for field in ("small", "large"):
-                target = getattr(virtual, field)
+            fields: list[tuple[str | int, ...]] = (
+                [("targets", index, "model") for index in range(len(virtual.targets))]
+                if virtual.targets
+                else [("small",), ("large",)]
+            )
+            for field, target in zip(fields, virtual.models, strict=True):
                 if target not in served:
                     errors.append(
                         (
-                            (*where, field),
+                            (*where, *field),
                             f"model {target!r} is not in any route's match.models"
                             + (f" (served: {', '.join(served)})" if served else ""),
                         )

@@ -29,10 +29,22 @@ HARD = {
 }
 
 
-def virtual_policy(rig: Rig, small: list[int], large: list[int], **virtual: Any) -> None:
+def virtual_policy(
+    rig: Rig,
+    small: list[int],
+    large: list[int],
+    *,
+    prices: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    **virtual: Any,
+) -> None:
+    """Pools ``small`` and ``large`` (priced with ``prices``, small's then large's, when
+    given) and policy ``main`` with the virtual model ``llama-auto`` over them."""
+    priced: tuple[dict[str, Any], dict[str, Any]] = (
+        ({"price": prices[0]}, {"price": prices[1]}) if prices is not None else ({}, {})
+    )
     rig.apply(
-        pool("small", small, models=["llama-small"]),
-        pool("large", large, models=["llama-large"]),
+        pool("small", small, models=["llama-small"], **priced[0]),
+        pool("large", large, models=["llama-large"], **priced[1]),
     )
     document = policy(
         "main",
@@ -50,3 +62,42 @@ def virtual_policy(rig: Rig, small: list[int], large: list[int], **virtual: Any)
 
 def post(client: httpx.Client, url: str, body: dict[str, Any], **headers: str) -> httpx.Response:
     return client.post(url, content=json.dumps(body).encode(), headers=headers)
+
+
+TARGETS = ("llama-small", "llama-medium", "llama-large")
+
+
+def targets_policy(
+    rig: Rig, ports: list[list[int]], targets: list[dict[str, Any]], **virtual: Any
+) -> None:
+    """A pool and a route per model of ``TARGETS`` (replicas at ``ports``, in the same order)
+    and the virtual model ``llama-auto`` over them, ``targets`` giving each target's fields
+    beyond its model."""
+    rig.apply(
+        *(
+            pool(model.removeprefix("llama-"), model_ports, models=[model])
+            for model, model_ports in zip(TARGETS, ports, strict=True)
+        )
+    )
+    document = policy(
+        "main",
+        rig.listener_port,
+        [
+            route(
+                model.removeprefix("llama-"),
+                name=model.removeprefix("llama-"),
+                match={"models": [model]},
+            )
+            for model in TARGETS
+        ],
+    )
+    document["spec"]["virtualModels"] = [
+        {
+            "name": "llama-auto",
+            "targets": [
+                {"model": model, **fields} for model, fields in zip(TARGETS, targets, strict=True)
+            ],
+            **virtual,
+        }
+    ]
+    rig.apply(document)

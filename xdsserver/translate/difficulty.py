@@ -168,6 +168,85 @@ def _lua_list(words: Iterable[str]) -> str:
     return "{" + ", ".join(lua_string(word) for word in words) + "}"
 
 
+def _choose(virtual: PlanVirtualModel, fallback_large: str) -> tuple[str, str]:
+    """The Lua that picks the target from the score and holds the cap and floor (it sets
+    ``target``), and the expression of the target's JSON string."""
+    if not virtual.steps:
+        return (
+            f"""  local large
+  if score == nil then
+    large = {fallback_large}
+    source = "fallback"
+  else
+    large = score > THRESHOLD or (score == THRESHOLD and math.random() < TIE)
+  end
+  -- Cap and floor over this worker's recent requests, whatever the scorer said.
+  seen = seen + 1
+  local total = total_weight * decay + 1
+  local forced = ""
+  if large and (large_weight * decay + 1) / total > CAP then
+    large, forced = false, "cap"
+  elseif not large and seen > {GUARD_WARMUP} and large_weight * decay / total < FLOOR then
+    large, forced = true, "floor"
+  end
+  large_weight = large_weight * decay + (large and 1 or 0)
+  total_weight = total
+  local target = large and LARGE or SMALL
+""",
+            "(large and LARGE_JSON or SMALL_JSON)",
+        )
+    # One draw for every threshold: a score tied at several of them passes each with its own
+    # probability, so each target's share comes out as kvpilot computed it.
+    return (
+        f"""  local large, step = false, nil
+  if score == nil then
+    large = {fallback_large}
+    source = "fallback"
+  else
+    local draw = math.random()
+    large = score > THRESHOLD or (score == THRESHOLD and draw < TIE)
+    if not large then
+      for i = #STEPS, 1, -1 do
+        local s = STEPS[i]
+        if score > s.threshold or (score == s.threshold and draw < s.tie) then
+          step = s
+          break
+        end
+      end
+    end
+  end
+  -- Cap and floor over this worker's recent requests, of every target after the first.
+  local above = large or step ~= nil
+  seen = seen + 1
+  local total = total_weight * decay + 1
+  local forced = ""
+  if above and (large_weight * decay + 1) / total > CAP then
+    above, large, step, forced = false, false, nil, "cap"
+  elseif not above and seen > {GUARD_WARMUP} and large_weight * decay / total < FLOOR then
+    above, step, forced = true, STEPS[1], "floor"
+  end
+  large_weight = large_weight * decay + (above and 1 or 0)
+  total_weight = total
+  local target = large and LARGE or (step ~= nil and step.model or SMALL)
+""",
+        "(large and LARGE_JSON or (step ~= nil and step.json or SMALL_JSON))",
+    )
+
+
+def _steps(virtual: PlanVirtualModel) -> str:
+    """The targets between the first and the last, as a Lua table (none with two targets)."""
+    if not virtual.steps:
+        return ""
+    rows = "".join(
+        f"  {{model = {lua_string(step.model)}, json = {lua_string(json.dumps(step.model))}, "
+        f"threshold = {step.threshold!r}, tie = {step.tie!r}}},\n"
+        for step in virtual.steps
+    )
+    return (
+        f"-- Targets between the first and the last, easiest first.\nlocal STEPS = {{\n{rows}}}\n"
+    )
+
+
 def lua_source(virtual: PlanVirtualModel, model_header: str) -> str:
     """The Lua that scores one virtual model's requests and picks their target.
 
@@ -198,13 +277,16 @@ def lua_source(virtual: PlanVirtualModel, model_header: str) -> str:
     else:
         scoring = '    score = 0\n    source = "header"\n'
     fallback_large = "true" if service is not None and service.fallback_large else "false"
+    choose, pick = _choose(virtual, fallback_large)
+    # Only the first target's requests escalate (to the last).
+    first = "target == SMALL" if virtual.steps else "not large"
     return f"""-- kvpilot: virtual model {virtual.name} ({virtual.scorer} scorer)
 local SMALL, LARGE = {lua_string(virtual.small)}, {lua_string(virtual.large)}
 local SMALL_JSON, LARGE_JSON = {lua_string(json.dumps(virtual.small))}, {lua_string(json.dumps(virtual.large))}
 local THRESHOLD, TIE = {virtual.threshold!r}, {virtual.tie!r}
 local CAP, FLOOR = {virtual.cap / 100!r}, {virtual.floor / 100!r}
 local ESCALATES = {"true" if virtual.escalation is not None else "false"}
-local decay = 1 - 1 / {GUARD_WINDOW}
+{_steps(virtual)}local decay = 1 - 1 / {GUARD_WINDOW}
 local large_weight, total_weight, seen = 0, 0, 0
 local EFFORTS = {{low = {EFFORTS["low"]}, medium = {EFFORTS["medium"]}, high = {EFFORTS["high"]}}}
 local MATH_WORDS = {_lua_list(MATH_WORDS)}
@@ -278,28 +360,9 @@ function envoy_on_request(handle)
   end
   if score == nil then
 {scoring}  end
-  local large
-  if score == nil then
-    large = {fallback_large}
-    source = "fallback"
-  else
-    large = score > THRESHOLD or (score == THRESHOLD and math.random() < TIE)
-  end
-  -- Cap and floor over this worker's recent requests, whatever the scorer said.
-  seen = seen + 1
-  local total = total_weight * decay + 1
-  local forced = ""
-  if large and (large_weight * decay + 1) / total > CAP then
-    large, forced = false, "cap"
-  elseif not large and seen > {GUARD_WARMUP} and large_weight * decay / total < FLOOR then
-    large, forced = true, "floor"
-  end
-  large_weight = large_weight * decay + (large and 1 or 0)
-  total_weight = total
-  local target = large and LARGE or SMALL
-  -- Handles taken before a yield (body(), httpCall) are invalid after it: fetch them again.
+{choose}  -- Handles taken before a yield (body(), httpCall) are invalid after it: fetch them again.
   local rewritten = string.gsub(text, '"model"%s*:%s*"[^"]*"', function()
-    return '"model":' .. (large and LARGE_JSON or SMALL_JSON)
+    return '"model":' .. {pick}
   end, 1)
   if body ~= nil then
     handle:body():setBytes(rewritten)
@@ -314,7 +377,7 @@ function envoy_on_request(handle)
   metadata:set("{METADATA_NAMESPACE}", "forced", forced)
   local out = handle:headers()
   out:remove("{ESCALATE_HEADER}")
-  if ESCALATES and not large then
+  if ESCALATES and {first} then
     out:replace("{ESCALATE_HEADER}", {lua_string(virtual.key)})
   end
   out:replace({lua_string(model_header)}, target)
