@@ -45,7 +45,8 @@ from xdsserver.identity import FleetBinding, PeerCheck, check_peer
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 from xdsserver.translate import AFFINITY_SUFFIX
-from xdsserver.translate.listeners import DIFFICULTY_LOG, POOL_TAG, RETRY_AFTER
+from xdsserver.translate.listeners import DIFFICULTY_LOG, RETRY_AFTER
+from xdsserver.translate.metadata import POOL_TAG
 from xdsserver.translate.usage import USAGE_LOG_PREFIX
 from xdsserver.usage import UsageBook
 
