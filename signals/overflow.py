@@ -49,13 +49,12 @@ from policies.models import (
     ServiceClass,
 )
 from signals.admission import (
-    FALLING,
     AdmissionDecision,
     Signal,
     admitted_shares,
     pool_signals,
     pressure_of,
-    restrict_steps,
+    step_level,
     steps_per_class,
 )
 from signals.telemetry import TelemetryRecord
@@ -196,41 +195,27 @@ def next_level(
     saturation: Saturation,
     signals: tuple[Signal, ...] = (),
 ) -> AdmissionDecision:
-    """Admission's loop (``policies.admission.decide``), but giving back as many steps as
-    the headroom under ``low`` allows (``give_back_steps``) instead of one: a paid pool that
-    keeps traffic the owned replicas could take back costs money every second, where a shed
-    class that comes back late costs nothing. The band and the intervals still hold."""
+    """Admission's hysteresis (``signals.admission.step_level``), but giving back as many
+    steps as the headroom under ``low`` allows (``give_back_steps``) instead of one: a paid
+    pool that keeps traffic the owned replicas could take back costs money every second,
+    where a shed class that comes back late costs nothing. The band and the intervals still
+    hold."""
     top = len(classes) * steps_per_class(saturation)
-    level, changed_at, at_change = before.level, before.changed_at, before.pressure_at_change
-    since = now - changed_at
-    if pressure is None:
-        target = 0
-    elif (
-        pressure >= saturation.high
-        and since >= saturation.shed_interval
-        and pressure >= FALLING * at_change
-    ):
-        target = level + restrict_steps(level, pressure, saturation)
-    elif pressure <= saturation.low and since >= saturation.recover_interval:
-        target = level - give_back_steps(pressure, saturation)
-    else:
-        target = level
-    target = max(0, min(top, target))
-    if target != level:
-        level, changed_at, at_change = target, now, pressure or 0.0
-    next_step_at = math.inf
-    if pressure is not None:
-        if pressure >= saturation.high and level < top and pressure >= FALLING * at_change:
-            next_step_at = changed_at + saturation.shed_interval
-        elif pressure <= saturation.low and level > 0:
-            next_step_at = changed_at + saturation.recover_interval
+    step = step_level(
+        before,
+        pressure,
+        top,
+        now=now,
+        saturation=saturation,
+        give_back=lambda at: give_back_steps(at, saturation),
+    )
     return AdmissionDecision(
-        level=level,
+        level=step.level,
         pressure=pressure,
-        changed_at=changed_at,
-        pressure_at_change=at_change,
-        admitted=admitted_shares(classes, level, saturation),
-        next_step_at=next_step_at,
+        changed_at=step.changed_at,
+        pressure_at_change=step.pressure_at_change,
+        admitted=admitted_shares(classes, step.level, saturation),
+        next_step_at=step.next_step_at,
         signals=signals,
     )
 
