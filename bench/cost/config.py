@@ -54,8 +54,9 @@ class Phase:
 
 @dataclass(frozen=True)
 class Prices:
-    """What the benchmark pays. Kept here, in one place, until pools carry prices (then
-    these come from the Pool objects and the dollars from kvpilot's counters)."""
+    """What the benchmark pays: written into the pools' ``price`` (``pool_price``), so
+    kvpilot prices the responses itself, and used by the load generator's own account of
+    the same responses (``bench.cost.spend``)."""
 
     owned_per_replica_hour: float = 2.50
     """An owned GPU replica, dollars per hour, busy or idle."""
@@ -65,6 +66,18 @@ class Prices:
     """Paid API, cached prompt tokens, dollars per million."""
     paid_output_per_mtok: float = 0.60
     """Paid API, completion tokens, dollars per million."""
+
+    def pool_price(self, paid: bool) -> dict[str, str]:
+        """The Pool ``price`` of the paid API (per token) or of an owned replica (per hour),
+        each number in its shortest decimal form, as kvpilot reads numbers."""
+        if not paid:
+            return {"currency": "USD", "replicaHour": str(self.owned_per_replica_hour)}
+        return {
+            "currency": "USD",
+            "input": str(self.paid_input_per_mtok),
+            "cachedInput": str(self.paid_cached_input_per_mtok),
+            "output": str(self.paid_output_per_mtok),
+        }
 
     def paid(self, prompt: int, cached: int, completion: int) -> float:
         """Dollars one paid request costs."""

@@ -119,6 +119,8 @@ ROWS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("owned $ / 1,000 requests", ("dollars_per_1k", "owned"), "{:.4f}"),
     ("paid $ / 1,000 requests", ("dollars_per_1k", "paid"), "{:.4f}"),
     ("paid $ in the run", ("dollars", "paid"), "{:.5f}"),
+    ("paid $ in the replay, kvpilot's spend", ("spend", "paid_dollars", "kvpilot"), "{:.6f}"),
+    ("paid $ in the replay, responses' usage", ("spend", "paid_dollars", "responses"), "{:.6f}"),
     ("paid share of tokens", ("paid_token_share",), "{:.1%}"),
     ("idle owned $", ("idle_owned_dollars",), "{:.4f}"),
     ("owned utilization", ("owned_utilization",), "{:.0%}"),
@@ -143,6 +145,7 @@ def table(results: Mapping[int, Mapping[str, Any]]) -> list[str]:
         cells = [_fmt(_column(results, p.key, *path), fmt) for p in policies]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("| budget overshoot | " + " | ".join("n/a (no budget)" for _ in policies) + " |")
+    lines += ["", *spend_agreement(results)]
     lines += ["", "Paid share of requests by phase (median over seeds):", ""]
     first = next(iter(results.values()))
     names = list(next(iter(first.values())).get("phases", {})) if first else []
@@ -154,6 +157,32 @@ def table(results: Mapping[int, Mapping[str, Any]]) -> list[str]:
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def spend_agreement(results: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """Whether kvpilot's own spend over each replay equals the responses' usage at the same
+    prices (``bench.cost.spend``), to the token and to the last digit of money."""
+    differing = [
+        f"- seed {seed}, {policy}: " + "; ".join(summary["spend"]["differences"])
+        for seed, per_policy in results.items()
+        for policy, summary in per_policy.items()
+        if summary.get("spend", {}).get("differences")
+    ]
+    checked = sum(
+        1
+        for per_policy in results.values()
+        for summary in per_policy.values()
+        if "spend" in summary
+    )
+    if not checked:
+        return ["kvpilot's spend was not read in this run."]
+    if not differing:
+        return [
+            "kvpilot's spend (`GET /v1/spend`, per pool, read before and after each replay) "
+            "equals the responses' usage at the pools' prices in every replay: requests, "
+            "prompt, cached and completion tokens, and dollars to the last digit."
+        ]
+    return ["kvpilot's spend DIFFERS from the responses' usage:", "", *differing]
 
 
 def _ratios(

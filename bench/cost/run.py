@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from bench.cost import spend
 from bench.cost.config import PAID_POOL, PAID_PREFIX, POLICIES, SINGLES, CostConfig
 from bench.cost.report import markdown, summarize
 from bench.rig.loadgen import replay
@@ -22,6 +23,7 @@ from bench.rig.routes import Policy
 from bench.rig.stack import (
     MODEL,
     POLICY_NAME,
+    POOL,
     Stack,
     policy_body,
     put_pool,
@@ -96,14 +98,16 @@ def build_workload(config: CostConfig) -> tuple[Workload, dict[str, Any]]:
     return workload, calibration
 
 
-def _paid_pool(port: int) -> dict[str, Any]:
-    """The paid API as a pool: by DNS name, so kvpilot treats it as an external provider."""
+def _paid_pool(port: int, config: CostConfig) -> dict[str, Any]:
+    """The paid API as a pool: by DNS name, so kvpilot treats it as an external provider;
+    priced per token, so kvpilot counts what it costs."""
     return {
         "apiVersion": "kvpilot.io/v1",
         "kind": "Pool",
         "metadata": {"name": PAID_POOL},
         "spec": {
             "models": [MODEL],
+            "price": config.prices.pool_price(paid=True),
             "endpoints": [{"address": "localhost", "port": port}],
             "healthCheck": {"path": "/health", "interval": "1s", "timeout": "500ms"},
         },
@@ -147,6 +151,8 @@ def run_one(
         # once the overflow has come back to nothing.
         wait_until(lambda: _overflow_idle(stack), 60, "the overflow to settle")
     replicas = [(r.id, r.url) for r in stack.backends.replicas]
+    # kvpilot's account starts after the warm-up and the probes, once their usage is in.
+    before = spend.settled(stack.kvpilot.api_url, stack.token)
     run = asyncio.run(
         replay(
             workload,
@@ -160,6 +166,7 @@ def run_one(
         )
     )
     summary = summarize(run, config)
+    summary["spend"] = _spend_check(stack, run.results, before, config)
     summary["wall_seconds"] = run.wall_seconds
     summary["timed_out"] = run.timed_out
     print(
@@ -168,10 +175,48 @@ def run_one(
         f"paid share of tokens {summary['paid_token_share']:.1%}; "
         f"${summary['dollars_per_1k']['paid']:.4f} paid, "
         f"${summary['dollars_per_1k']['owned']:.4f} owned per 1,000 requests; "
-        f"goodput {summary['goodput_per_s']:.2f}/s ({run.wall_seconds:.0f}s wall)",
+        f"goodput {summary['goodput_per_s']:.2f}/s ({run.wall_seconds:.0f}s wall); "
+        f"paid $ in the replay {summary['spend']['paid_dollars']['kvpilot']:.6f} by kvpilot, "
+        f"{summary['spend']['paid_dollars']['responses']:.6f} from the responses "
+        f"({'they differ' if summary['spend']['differences'] else 'equal'})",
         flush=True,
     )
     return summary
+
+
+def _spend_check(
+    stack: Stack,
+    results: list[Any],
+    before: dict[str, spend.PoolSpend],
+    config: CostConfig,
+) -> dict[str, Any]:
+    """kvpilot's spend over the replay beside the responses' usage at the same prices
+    (``bench.cost.spend``), and where they differ."""
+    responses = spend.from_responses(results, config.prices)
+    after = spend.settled(
+        stack.kvpilot.api_url,
+        stack.token,
+        expect=sum(s.requests for s in responses.values()),
+        since=before,
+    )
+    counted = spend.between(after, before)
+    differences = spend.differences(counted, responses)
+    for line in differences:
+        print(f"   SPEND DIFFERS: {line}", flush=True)
+    hourly = spend.hourly(stack.kvpilot.api_url, stack.token, POOL)
+    return {
+        "kvpilot": {pool: s.as_json() for pool, s in sorted(counted.items())},
+        "responses": {pool: s.as_json() for pool, s in sorted(responses.items())},
+        "differences": differences,
+        "paid_dollars": {
+            "kvpilot": float(counted.get(PAID_POOL, spend.PoolSpend()).cost),
+            "responses": float(responses.get(PAID_POOL, spend.PoolSpend()).cost),
+        },
+        "owned_hourly": {
+            "kvpilot": None if hourly is None else float(hourly),
+            "config": config.replicas * config.prices.owned_per_replica_hour,
+        },
+    }
 
 
 def _overflow_idle(stack: Stack) -> bool:
@@ -206,8 +251,8 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
                 simulator=config.paid_sim,
             ).start()
         )
-        put_pool(stack)
-        stack.put(_paid_pool(paid.replicas[0].port))
+        put_pool(stack, price=config.prices.pool_price(paid=False))
+        stack.put(_paid_pool(paid.replicas[0].port, config))
         for policy in POLICIES:
             if config.policies and policy.key not in config.policies:
                 continue
