@@ -22,6 +22,11 @@ below ``low`` it gives back as many steps as the headroom under ``low`` allows, 
 costs money every second. The floor and cap (``minShare``, ``maxShare``) bound the shares after the loop, so
 they hold whatever the telemetry says.
 
+Feed-forward (``feedForward``, off by default): each round, on top of the loop's share of
+plain requests, the replicas' excess demand (``excess_demand``) of the rest, times its
+weight. It reacts within a telemetry scrape where the loop waits ``raiseInterval``, and
+holds nothing between rounds.
+
 Without a fresh record the level falls to zero: no telemetry buys no paid tokens (the
 route's failover tiers and retries still cover replicas that are down).
 
@@ -186,6 +191,18 @@ def give_back_steps(pressure: float, saturation: Saturation) -> int:
     return max(1, math.floor(headroom * 100 / saturation.step + 1e-9))
 
 
+def excess_demand(signals: Sequence[Signal]) -> float:
+    """The share of the replicas' demand above their bound on batch fill: 1 - bound / fill
+    (0 at or below the bound). Demand is requests in flight, running and waiting, against
+    batch slots: by Little's law the arrival rate times the time a request holds a slot, so
+    this is the part of the arrivals their capacity does not serve; the only measure of
+    arrivals the loop has, and one that lags while the queue drains."""
+    fill = next((signal for signal in signals if signal.name == "fill"), None)
+    if fill is None or fill.mean <= fill.bound:
+        return 0.0
+    return 1.0 - fill.bound / fill.mean
+
+
 def next_level(
     before: AdmissionDecision,
     pressure: float | None,
@@ -246,6 +263,11 @@ def decide_overflow(
         plain = sessions = 1.0 - level.share(ALL)
     else:
         plain, sessions = 1.0 - level.share(PLAIN), 1.0 - level.share(SESSIONS)
+    extra = overflow.feed_forward * excess_demand(signals)
+    if extra > 0:
+        plain = plain + (1.0 - plain) * extra
+        if overflow.conversations == "with":
+            sessions = plain
     low, high = overflow.min_share / 100, overflow.max_share / 100
     still = {pool: until for pool, until in resting.items() if until > now and pool in providers}
     provider = next((pool for pool in providers if pool not in still), "")
@@ -266,6 +288,7 @@ __all__ = [
     "SESSIONS",
     "OverflowDecision",
     "decide_overflow",
+    "excess_demand",
     "give_back_steps",
     "next_level",
     "overflow_signals",

@@ -16,7 +16,9 @@ Each policy replays the same requests, one after the other on the same stack:
 - failover only: the paid API as a failover tier (taken when the owned replicas are
   unhealthy, or by retries of failed requests);
 - cost-aware overflow: ``overflow`` with its defaults (the paid API takes the excess
-  while the owned replicas are saturated, requests without a session first).
+  while the owned replicas are saturated, requests without a session first);
+- cost-aware + feed-forward (run only when named with ``--policies``): the same with
+  ``feedForward: 0.5``, the replicas' excess demand added each round at half weight.
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
@@ -109,6 +111,12 @@ POLICIES: tuple[Policy, ...] = (
     ),
     Policy("failover_only", "failover only", {**ROUTE, "tiers": [[POOL], [PAID_POOL]]}),
     Policy("cost_aware", "cost-aware overflow", {**ROUTE, "overflow": {"pools": [PAID_POOL]}}),
+    Policy(
+        "cost_aware_ff",
+        "cost-aware + feed-forward 0.5",
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "feedForward": 0.5}},
+        default=False,
+    ),
 )
 
 

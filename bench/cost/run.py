@@ -146,7 +146,7 @@ def run_one(
     wait_until(lambda: _serving(stack, policy), 60, f"Envoy to serve {policy.key}")
     ready_for_replay(stack, workload.system_prompts(), idle_timeout=120)
     httpx.post(f"{paid_url}/admin/reset", json={}, timeout=10).raise_for_status()
-    if policy.key == "cost_aware":
+    if "overflow" in policy.route and "maxShare" not in policy.route["overflow"]:
         # The warm-up fills every replica with the long system prompts at once: start only
         # once the overflow has come back to nothing.
         wait_until(lambda: _overflow_idle(stack), 60, "the overflow to settle")
@@ -254,7 +254,7 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
         put_pool(stack, price=config.prices.pool_price(paid=False))
         stack.put(_paid_pool(paid.replicas[0].port, config))
         for policy in POLICIES:
-            if config.policies and policy.key not in config.policies:
+            if policy.key not in config.policies if config.policies else not policy.default:
                 continue
             results[policy.key] = run_one(
                 stack, paid.replicas[0].url, config.policy(policy), workload, config
