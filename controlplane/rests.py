@@ -60,16 +60,19 @@ def rest_of(key: str, kv: KeyValue | None) -> tuple[str, str, float] | None:
 
 
 class RestBoard:
-    """The rests of every replica but this one, kept from the etcd mirror's changes (no scan
-    of the whole mirror per compile), and merged with this replica's own."""
+    """Every replica's rests as etcd holds them, kept from the etcd mirror's changes (no scan
+    of the whole mirror per compile), merged with the rests this replica learned itself. Its
+    own records count too: a replica started again under the same ``--replica-id`` keeps
+    skipping a pool its previous run saw answer 429."""
 
     def __init__(self, local: ProviderRests, replica_id: str) -> None:
         self.local = local
         self.replica_id = replica_id
         self.remote: dict[str, tuple[str, float]] = {}
-        """Record key -> (pool, until) of the other replicas' rests."""
+        """Record key -> (pool, until) of the rests in etcd."""
         self.listeners: list[Callable[[], None]] = []
-        """Called when another replica's rest arrives (a rebuild is due)."""
+        """Called when another replica's rest arrives (a rebuild is due; this replica's own
+        rebuilt when it learned the rest)."""
 
     def on_change(self, change: StateChange, items: Mapping[str, KeyValue]) -> None:
         """Follow the mirror: the rest records among the changed keys (every one after a
@@ -82,11 +85,11 @@ class RestBoard:
             if not key.startswith(RESTS_PREFIX):
                 continue
             rest = rest_of(key, items.get(key))
-            if rest is None or rest[0] == self.replica_id:
+            if rest is None:
                 self.remote.pop(key, None)
                 continue
             self.remote[key] = rest[1:]
-            arrived = True
+            arrived = arrived or rest[0] != self.replica_id
         if arrived:
             for listener in self.listeners:
                 listener()

@@ -70,20 +70,23 @@ def test_every_replicas_rests_merge_the_longest_winning() -> None:
         rest_key("b", "cheap"): record(NOW + 8, "b"),
         rest_key("c", "cheap"): record(NOW + 3, "c"),
         rest_key("c", "dear"): record(NOW - 1, "c"),  # over: skipped on reading
-        rest_key("a", "dear"): record(NOW + 50, "a"),  # this replica's own: from memory
+        rest_key("a", "tidy"): record(NOW + 50, "a"),  # its own, from before a restart
         "objects/pools/cheap": record(0),
     }
     board.on_change(change(*items), items)
     assert len(calls) == 1
     local.observe("cheap", "4")
-    assert board.active(NOW) == {"cheap": NOW + 8}
+    assert board.active(NOW) == {"cheap": NOW + 8, "tidy": NOW + 50}
     local.observe("cheap", "12")
-    assert board.active(NOW) == {"cheap": NOW + 12}
+    assert board.active(NOW)["cheap"] == NOW + 12
+    # Its own record arriving (written after it learned the rest) rebuilds nothing more.
+    board.on_change(change(rest_key("a", "tidy")), items)
+    assert len(calls) == 1
 
     # A record removed (its lease ended) no longer counts, and calls nobody.
     del items[rest_key("b", "cheap")]
     board.on_change(change(rest_key("b", "cheap")), items)
-    assert board.active(NOW + 5) == {"cheap": NOW + 12} and len(calls) == 1
+    assert board.active(NOW + 5)["cheap"] == NOW + 12 and len(calls) == 1
     # After a re-list the board holds exactly what etcd holds.
     board.on_change(change(full=True), {rest_key("d", "dear"): record(NOW + 2, "d")})
     assert board.remote == {rest_key("d", "dear"): ("dear", NOW + 2)} and len(calls) == 2
