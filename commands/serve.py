@@ -39,6 +39,7 @@ from controlplane.reconcile.budgets import BudgetWatcher
 from controlplane.reconcile.difficulty import DifficultyLoop, virtual_models_of
 from controlplane.reconcile.loop import Reconciler
 from controlplane.reconcile.metrics import ReconcileMetrics
+from controlplane.rests import RestBoard, RestPublisher
 from controlplane.rollouts.controller import RolloutController
 from controlplane.rollouts.signals import PlanResolver, SignalPublisher
 from controlplane.rollouts.state import register_metrics as register_rollout_metrics
@@ -141,10 +142,15 @@ async def serve(
     audit = AuditLog(client, config.prefix, retention=config.audit_retention)
     store = Store(client, config.prefix, on_write=audit.record)
 
+    signals = SignalBook(PlanResolver(lambda: reconciler.plan))
+    # Overflow skips a paid pool that answered 429 until its Retry-After has passed: a rest
+    # learned by this replica's Envoys or by another replica's (through etcd).
+    rests = RestBoard(signals.rests, config.replica_id)
     mirror: StateMirror
 
     def on_change(change: StateChange) -> None:
         reconciler.on_change(change, mirror.items)
+        rests.on_change(change, mirror.items)
 
     mirror = StateMirror(client, config.prefix, on_change)
     Gauge(
@@ -179,7 +185,6 @@ async def serve(
     else:
         raise ValueError("ServeConfig needs xds_tls or xds_insecure_plaintext=True")
     ads.add_to(grpc_server)
-    signals = SignalBook(PlanResolver(lambda: reconciler.plan))
     scores = ScoreBook(registry)
     usage = UsageBook(PlanContext(lambda: reconciler.plan, lambda: reconciler.state))
     registry.register(SpendCollector(usage.ledger))
@@ -193,9 +198,11 @@ async def serve(
         reconciler.set_difficulty,
         registry=registry,
     )
-    # Overflow skips a paid pool that answered 429 until its Retry-After has passed.
-    reconciler.provider_backoff = signals.rests.active
+    rest_publisher = RestPublisher(store, signals.rests, config.replica_id)
+    reconciler.provider_backoff = rests.active
     signals.rests.listeners.append(reconciler.live_changed)
+    signals.rests.listeners.append(rest_publisher.poke)
+    rests.listeners.append(reconciler.live_changed)
     register_rollout_metrics(registry, lambda: mirror.items)
 
     app = create_app(
@@ -260,6 +267,7 @@ async def serve(
         ),
         asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
         spend,
+        asyncio.create_task(rest_publisher.run(), name="provider-rests"),
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(difficulty.run(), name="virtual-model-shares"),
         asyncio.create_task(api.serve(), name="rest-api"),

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -214,6 +214,59 @@ def decide(
     before = previous or AdmissionDecision()
     restricted = [c for c in reversed(classes) if c.when_saturated != "admit"]
     top = len(restricted) * steps_per_class(saturation)
+    step = step_level(before, pressure, top, now=now, saturation=saturation)
+    level = step.level
+    admitted = admitted_shares(classes, level, saturation)
+    before_admitted, before_since = before.admitted or {}, before.since or {}
+    class_since = {
+        name: now if before_admitted.get(name, 1.0) != share else before_since.get(name, -math.inf)
+        for name, share in admitted.items()
+    }
+    return AdmissionDecision(
+        level=level,
+        pressure=pressure,
+        changed_at=step.changed_at,
+        pressure_at_change=step.pressure_at_change,
+        admitted=admitted,
+        next_step_at=step.next_step_at,
+        next_step=step.next_step,
+        since=class_since,
+        signals=signals,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LevelStep:
+    """One round of a level's hysteresis (``step_level``)."""
+
+    level: int
+    changed_at: float
+    """Wall-clock time of the last level change (this round's, if it moved)."""
+    pressure_at_change: float
+    next_step_at: float
+    """When the level would move next at an unchanged pressure; ``inf`` when it holds."""
+    next_step: Direction | None
+
+
+def _one_step(pressure: float) -> int:
+    return 1
+
+
+def step_level(
+    before: AdmissionDecision,
+    pressure: float | None,
+    top: int,
+    *,
+    now: float,
+    saturation: Saturation,
+    give_back: Callable[[float], int] = _one_step,
+) -> LevelStep:
+    """The hysteresis that admission and overflow (``signals.overflow``) both hold their
+    level with (the module notes): restrict at once by ``restrict_steps`` at or above
+    ``high`` unless the pressure is falling, give back ``give_back(pressure)`` steps at or
+    below ``low`` (one for admission), each no sooner than its interval after the last
+    change, nothing in the band; no pressure (no fresh telemetry) returns to zero. The
+    level stays within 0 and `top`."""
     level, changed_at, at_change = before.level, before.changed_at, before.pressure_at_change
     since = now - changed_at
     if pressure is None:
@@ -225,7 +278,7 @@ def decide(
     ):
         target = level + restrict_steps(level, pressure, saturation)
     elif pressure <= saturation.low and since >= saturation.recover_interval:
-        target = level - 1
+        target = level - give_back(pressure)
     else:
         target = level
     target = max(0, min(top, target))
@@ -238,23 +291,7 @@ def decide(
             next_step_at, next_step = changed_at + saturation.shed_interval, "restrict"
         elif pressure <= saturation.low and level > 0:
             next_step_at, next_step = changed_at + saturation.recover_interval, "readmit"
-    admitted = admitted_shares(classes, level, saturation)
-    before_admitted, before_since = before.admitted or {}, before.since or {}
-    class_since = {
-        name: now if before_admitted.get(name, 1.0) != share else before_since.get(name, -math.inf)
-        for name, share in admitted.items()
-    }
-    return AdmissionDecision(
-        level=level,
-        pressure=pressure,
-        changed_at=changed_at,
-        pressure_at_change=at_change,
-        admitted=admitted,
-        next_step_at=next_step_at,
-        next_step=next_step,
-        since=class_since,
-        signals=signals,
-    )
+    return LevelStep(level, changed_at, at_change, next_step_at, next_step)
 
 
 def restrict_steps(level: int, pressure: float, saturation: Saturation) -> int:
@@ -289,6 +326,7 @@ def admitted_shares(
 __all__ = [
     "AdmissionDecision",
     "Direction",
+    "LevelStep",
     "Signal",
     "admitted_shares",
     "busiest_mean",
@@ -297,5 +335,6 @@ __all__ = [
     "pool_signals",
     "pressure_of",
     "restrict_steps",
+    "step_level",
     "steps_per_class",
 ]

@@ -22,6 +22,11 @@ below ``low`` it gives back as many steps as the headroom under ``low`` allows, 
 costs money every second. The floor and cap (``minShare``, ``maxShare``) bound the shares after the loop, so
 they hold whatever the telemetry says.
 
+Feed-forward (``feedForward``, off by default): each round, on top of the loop's share of
+plain requests, the replicas' excess demand (``excess_demand``) of the rest, times its
+weight. It reacts within a telemetry scrape where the loop waits ``raiseInterval``, and
+holds nothing between rounds.
+
 Without a fresh record the level falls to zero: no telemetry buys no paid tokens (the
 route's failover tiers and retries still cover replicas that are down).
 
@@ -49,13 +54,12 @@ from policies.models import (
     ServiceClass,
 )
 from signals.admission import (
-    FALLING,
     AdmissionDecision,
     Signal,
     admitted_shares,
     pool_signals,
     pressure_of,
-    restrict_steps,
+    step_level,
     steps_per_class,
 )
 from signals.telemetry import TelemetryRecord
@@ -187,6 +191,18 @@ def give_back_steps(pressure: float, saturation: Saturation) -> int:
     return max(1, math.floor(headroom * 100 / saturation.step + 1e-9))
 
 
+def excess_demand(signals: Sequence[Signal]) -> float:
+    """The share of the replicas' demand above their bound on batch fill: 1 - bound / fill
+    (0 at or below the bound). Demand is requests in flight, running and waiting, against
+    batch slots: by Little's law the arrival rate times the time a request holds a slot, so
+    this is the part of the arrivals their capacity does not serve; the only measure of
+    arrivals the loop has, and one that lags while the queue drains."""
+    fill = next((signal for signal in signals if signal.name == "fill"), None)
+    if fill is None or fill.mean <= fill.bound:
+        return 0.0
+    return 1.0 - fill.bound / fill.mean
+
+
 def next_level(
     before: AdmissionDecision,
     pressure: float | None,
@@ -196,41 +212,27 @@ def next_level(
     saturation: Saturation,
     signals: tuple[Signal, ...] = (),
 ) -> AdmissionDecision:
-    """Admission's loop (``policies.admission.decide``), but giving back as many steps as
-    the headroom under ``low`` allows (``give_back_steps``) instead of one: a paid pool that
-    keeps traffic the owned replicas could take back costs money every second, where a shed
-    class that comes back late costs nothing. The band and the intervals still hold."""
+    """Admission's hysteresis (``signals.admission.step_level``), but giving back as many
+    steps as the headroom under ``low`` allows (``give_back_steps``) instead of one: a paid
+    pool that keeps traffic the owned replicas could take back costs money every second,
+    where a shed class that comes back late costs nothing. The band and the intervals still
+    hold."""
     top = len(classes) * steps_per_class(saturation)
-    level, changed_at, at_change = before.level, before.changed_at, before.pressure_at_change
-    since = now - changed_at
-    if pressure is None:
-        target = 0
-    elif (
-        pressure >= saturation.high
-        and since >= saturation.shed_interval
-        and pressure >= FALLING * at_change
-    ):
-        target = level + restrict_steps(level, pressure, saturation)
-    elif pressure <= saturation.low and since >= saturation.recover_interval:
-        target = level - give_back_steps(pressure, saturation)
-    else:
-        target = level
-    target = max(0, min(top, target))
-    if target != level:
-        level, changed_at, at_change = target, now, pressure or 0.0
-    next_step_at = math.inf
-    if pressure is not None:
-        if pressure >= saturation.high and level < top and pressure >= FALLING * at_change:
-            next_step_at = changed_at + saturation.shed_interval
-        elif pressure <= saturation.low and level > 0:
-            next_step_at = changed_at + saturation.recover_interval
+    step = step_level(
+        before,
+        pressure,
+        top,
+        now=now,
+        saturation=saturation,
+        give_back=lambda at: give_back_steps(at, saturation),
+    )
     return AdmissionDecision(
-        level=level,
+        level=step.level,
         pressure=pressure,
-        changed_at=changed_at,
-        pressure_at_change=at_change,
-        admitted=admitted_shares(classes, level, saturation),
-        next_step_at=next_step_at,
+        changed_at=step.changed_at,
+        pressure_at_change=step.pressure_at_change,
+        admitted=admitted_shares(classes, step.level, saturation),
+        next_step_at=step.next_step_at,
         signals=signals,
     )
 
@@ -261,6 +263,11 @@ def decide_overflow(
         plain = sessions = 1.0 - level.share(ALL)
     else:
         plain, sessions = 1.0 - level.share(PLAIN), 1.0 - level.share(SESSIONS)
+    extra = overflow.feed_forward * excess_demand(signals)
+    if extra > 0:
+        plain = plain + (1.0 - plain) * extra
+        if overflow.conversations == "with":
+            sessions = plain
     low, high = overflow.min_share / 100, overflow.max_share / 100
     still = {pool: until for pool, until in resting.items() if until > now and pool in providers}
     provider = next((pool for pool in providers if pool not in still), "")
@@ -281,6 +288,7 @@ __all__ = [
     "SESSIONS",
     "OverflowDecision",
     "decide_overflow",
+    "excess_demand",
     "give_back_steps",
     "next_level",
     "overflow_signals",

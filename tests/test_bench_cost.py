@@ -1,18 +1,23 @@
 """The cost benchmark's arithmetic: dollars from tokens and prices, idle owned dollars from
-the replicas' samples, the peak window, goodput, and targets judged on the median."""
+the replicas' samples, the peak window, goodput, targets judged on the median, and the
+responses' usage priced as kvpilot prices it."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
+from decimal import Decimal
 
 import pytest
 from harness.golden import BENCH, check, updating
 
-from bench.cost.config import Phase, Prices, default_config
+from bench.cost.config import PAID_POOL, Phase, Prices, default_config
 from bench.cost.report import markdown, summarize, targets
 from bench.cost.results import CostSummary, Dollars
+from bench.cost.spend import PoolSpend, between, differences, from_responses, from_view
 from bench.rig.loadgen import LoadSample, RequestResult, RunResult
+from bench.rig.stack import POOL
+from signals.spend import TokenPrice
 
 CONFIG = replace(
     default_config(),
@@ -122,4 +127,48 @@ def test_the_report_rendered_from_a_runs_file_is_the_committed_markdown() -> Non
     )
     assert [list(s.to_json().items()) for s in results[1].values()] == [
         list(entry.items()) for entry in data["1"].values()
+    ]
+
+
+def test_the_responses_account_prices_paid_usage_as_kvpilot_does() -> None:
+    results = [
+        result(12.0, "paid-0", 0.5),
+        result(13.0, "replica-0", 0.5),
+        replace(result(14.0, "paid-0", 0.5), prompt_tokens=0, completion_tokens=0),  # no usage
+    ]
+    account = from_responses(results, CONFIG.prices)
+    assert account[POOL] == PoolSpend(1, 1000, 400, 100, Decimal(0))
+    exact = TokenPrice(
+        currency="USD", input=Decimal("1.0"), cached_input=Decimal("0.5"), output=Decimal("2.0")
+    ).cost(1000, 400, 100)
+    assert account[PAID_POOL] == PoolSpend(1, 1000, 400, 100, exact)
+    assert CONFIG.prices.pool_price(paid=True) == {
+        "currency": "USD",
+        "input": "1.0",
+        "cachedInput": "0.5",
+        "output": "2.0",
+    }
+    assert CONFIG.prices.pool_price(paid=False) == {"currency": "USD", "replicaHour": "3.6"}
+
+
+def test_kvpilots_account_of_a_replay_is_the_difference_of_two_readings() -> None:
+    def view(requests: int, cost: str) -> dict[str, object]:
+        row = {
+            "pool": PAID_POOL,
+            "currency": "USD",
+            "requests": requests,
+            "promptTokens": 10 * requests,
+            "cachedTokens": 0,
+            "completionTokens": requests,
+            "cost": cost,
+        }
+        return {"rows": [row, {**row, "pool": POOL, "cost": "0"}]}
+
+    before, after = from_view(view(2, "0.000004")), from_view(view(5, "0.000010"))
+    counted = between(after, before)
+    assert counted[PAID_POOL] == PoolSpend(3, 30, 0, 3, Decimal("0.000006"))
+    assert differences(counted, counted) == []
+    short = {**counted, PAID_POOL: PoolSpend(2, 30, 0, 3, Decimal("0.000006"))}
+    assert differences(short, counted) == [
+        f"pool {PAID_POOL}: requests 2 by kvpilot's spend, 3 from the responses"
     ]

@@ -1,7 +1,7 @@
 """Cost-aware overflow through a real Envoy: requests go to a paid pool only while the owned
 replicas are saturated, conversations stay on the owned replicas while they can take them,
 traffic returns without flapping, and a paid pool that answers 429 rests for its
-Retry-After.
+Retry-After, for the Envoys of every kvpilot replica.
 
 The owned replicas' telemetry is written straight into etcd, as an agent writes it, so the
 test decides when they are saturated; everything after etcd is the real path (kvpilot
@@ -24,12 +24,12 @@ from typing import Any
 import httpx
 import pytest
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
-from harness.rig import Rig
+from harness.rig import KvpilotFactory, Rig, api_client
 from harness.wait import wait_until
 
 from controlplane.etcd import EtcdClient
 from controlplane.etcd.store import Store
-from controlplane.local import EmbeddedEtcd
+from controlplane.local import EmbeddedEtcd, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -273,3 +273,95 @@ def test_a_paid_pool_that_answers_429_rests_for_its_retry_after(rig: Rig, backen
         assert answered_by(client, rig, 3, {}) == ["cheap"] * 3
         assert cheap.refused == refused
         print(f"a 429 moved the overflow in {moved:.2f} s; the pool rested {rested:.2f} s")
+
+
+def test_a_429_seen_by_one_replica_rests_the_pool_for_every_replicas_envoys(
+    etcd_prefix: str, kvpilot_factory: KvpilotFactory, envoy_factory: Any, backends: Any
+) -> None:
+    """Envoys of fleet `a` talk to one kvpilot, those of fleet `b` to another. Only fleet
+    `a`'s Envoy meets the 429; fleet `b`'s stops sending to the pool all the same, through
+    the rest replica `a` writes to etcd, and both come back when the rest is over."""
+    kvpilots = {
+        name: kvpilot_factory(etcd_prefix, extra_args=["--replica-id", name]) for name in "ab"
+    }
+    rigs = {
+        name: Rig(
+            kvpilot,
+            envoy_factory(xds_port=kvpilot.xds_port, fleet=name),
+            api_client(kvpilot),
+            free_port(),
+        )
+        for name, kvpilot in kvpilots.items()
+    }
+    replicas = backends(1, id_prefix="owned")
+    ports = [r.port for r in replicas.replicas]
+    retry_after = 6.0
+    with (
+        rigs["a"].api,
+        rigs["b"].api,
+        paid_stand_in("cheap") as cheap,
+        paid_stand_in("dear") as dear,
+    ):
+        route = {
+            "name": "chat",
+            "tiers": [["owned"]],
+            "overflow": {"pools": ["cheap", "dear"], "minShare": 100, "conversations": "with"},
+        }
+        rigs["a"].apply(
+            pool("owned", ports, health_check=FAST_HEALTH_CHECK),
+            paid_pool("cheap", cheap.port),
+            paid_pool("dear", dear.port),
+            *(
+                policy(f"paid-{name}", rig.listener_port, [route], fleets=[name])
+                for name, rig in rigs.items()
+            ),
+        )
+        client = httpx.Client(timeout=10)
+
+        def overflow_pool(name: str) -> str:
+            entry = overflow_entries(rigs[name]).get(f"paid-{name}/chat#0/overflow")
+            return entry[0].rsplit("/", 1)[-1] if entry is not None else ""
+
+        for name, rig in rigs.items():
+            rig.wait_ready(f"paid-{name}/chat", ports)
+            wait_until(
+                lambda rig=rig: answered_by(client, rig, 1, {}) == ["cheap"],
+                30,
+                message=f"fleet {name}'s Envoy to send to the cheapest pool",
+            )
+
+        # Only fleet a's Envoy meets the 429 (its request is retried on the next pool).
+        cheap.retry_after = f"{retry_after:.0f}"
+        first = client.post(rigs["a"].url(), json=chat())
+        assert first.status_code == 200 and first.headers["x-backend-id"] == "dear"
+        assert cheap.first_429 is not None and cheap.refused == 1
+        for name in "ab":
+            wait_until(
+                lambda name=name: overflow_pool(name) == "dear",
+                10,
+                message=f"fleet {name}'s overflow to move to the next pool",
+            )
+        moved = time.monotonic() - cheap.first_429
+        cheap.retry_after = None
+        hits = cheap.hits
+        for rig in rigs.values():
+            assert set(answered_by(client, rig, 5, {})) == {"dear"}
+        assert cheap.hits == hits  # resting for both fleets: not even tried
+        assert cheap.refused == 1  # fleet b's Envoy never met the 429 itself
+
+        # Both back once the rest is over, and not before.
+        back: dict[str, float] = {}
+        for name in "ab":
+            wait_until(
+                lambda name=name: overflow_pool(name) == "cheap",
+                30,
+                message=f"fleet {name}'s overflow back on the cheap pool after its Retry-After",
+            )
+            back[name] = time.monotonic() - cheap.first_429
+        assert min(back.values()) >= retry_after
+        for rig in rigs.values():
+            assert answered_by(client, rig, 3, {}) == ["cheap"] * 3
+        print(
+            f"a 429 through fleet a moved both fleets' overflow in {moved:.2f} s; "
+            f"back after {back['a']:.2f} s (a) and {back['b']:.2f} s (b)"
+        )

@@ -1,18 +1,21 @@
 """Token accounting end to end: simulated vLLM replicas -> a real Envoy whose Lua filter reads
 each response's usage -> the access log service of a real `kvpilot serve` -> etcd -> the
-REST view, Prometheus, the CLI, and a restarted replica that continues from what it stored."""
+REST view, Prometheus, the CLI, a restarted replica that continues from what it stored, and a
+paid provider reached by DNS name whose client leaves after the last event."""
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from decimal import Decimal
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
 from harness.auth import READ_TOKEN
-from harness.builders import chat
+from harness.builders import chat, policy, pool, route
 from harness.rig import BackendFactory, KvpilotFactory, Rig
 from harness.spend import (
     PRICE,
@@ -22,6 +25,7 @@ from harness.spend import (
     start,
     wait_counted,
 )
+from harness.wait import wait_until
 
 from commands.cli import main as cli_main
 
@@ -196,3 +200,135 @@ def test_a_restarted_replica_continues_from_the_spend_it_stored(
         wait_counted(rig, sum(first.values()) + sum(second.values()))
         final = {tenant: row["requests"] for tenant, row in by(rig, "tenant").items()}
         assert final == dict(first + second)
+
+
+class StreamingProvider:
+    """An OpenAI-ish provider reached by DNS name (``localhost``), so Envoy logs its resolved
+    address and not the pool's: it answers a stream with one text event, the usage event and
+    ``[DONE]``, then holds the response open until ``release`` is set, as a server that ends
+    its stream a moment after the last event does."""
+
+    USAGE = {
+        "prompt_tokens": 1200,
+        "completion_tokens": 30,
+        "prompt_tokens_details": {"cached_tokens": 200},
+    }
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        provider = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", "0"))))
+                if not body.get("stream"):
+                    answer = {
+                        "object": "chat.completion",
+                        "model": "m-api",
+                        "choices": [
+                            {"index": 0, "message": {"role": "assistant", "content": "hi"}}
+                        ],
+                        "usage": provider.USAGE,
+                    }
+                    payload = json.dumps(answer).encode()
+                    self.send_response(200)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                delta = {"index": 0, "delta": {"content": "hi"}}
+                for event in (
+                    {"object": "chat.completion.chunk", "model": "m-api", "choices": [delta]},
+                    {"object": "chat.completion.chunk", "model": "m-api", "choices": [],
+                     "usage": provider.USAGE},
+                ):  # fmt: skip
+                    self._chunk(f"data: {json.dumps(event)}\n\n".encode())
+                self._chunk(b"data: [DONE]\n\n")
+                provider.release.wait(30)
+                self._chunk(b"")
+
+            def _chunk(self, data: bytes) -> None:
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port: int = self.server.server_address[1]
+
+
+def test_a_providers_usage_is_priced_even_when_the_client_leaves_after_the_last_event(
+    rig: Rig,
+) -> None:
+    """Two things a paid API meets that simulated replicas on 127.0.0.1 do not: Envoy logs
+    the address a DNS name resolved to, which names no pool (the pool comes from the host's
+    metadata instead), and clients (the OpenAI SDK among them) stop reading at ``[DONE]``
+    and may close the connection before the stream's end reached Envoy."""
+    provider = StreamingProvider()
+    threading.Thread(target=provider.server.serve_forever, daemon=True).start()
+    try:
+        rig.apply(
+            pool(
+                "api",
+                [],
+                models=["m-api"],
+                endpoints=[{"address": "localhost", "port": provider.port}],
+                healthCheck={"enabled": False},
+                price=PRICE,
+            ),
+            policy("web", rig.listener_port, [route("api", name="api")]),
+        )
+        with httpx.Client(timeout=30) as client:
+            wait_until(
+                lambda: client.post(rig.url(), json=chat("m-api", "hello")).status_code == 200,
+                30,
+                message="the provider through Envoy",
+            )
+        # The client reads to [DONE] and closes its connection; the provider has not ended
+        # the stream yet.
+        with httpx.Client(timeout=30) as client:
+            body = chat("m-api", "hello") | {
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            with client.stream("POST", rig.url(), json=body) as response:
+                assert response.status_code == 200
+                seen = []
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        seen.append(json.loads(line[6:]) if line != "data: [DONE]" else None)
+                    if seen and seen[-1] is None:
+                        break  # [DONE]: leaving the block closes the connection mid-stream
+                assert seen[-2]["usage"] == StreamingProvider.USAGE
+        assert not provider.release.is_set()  # the provider had not ended the stream
+        rows = wait_until(
+            lambda: (rows := pool_rows(rig)).get("api", {}).get("requests", 0) >= 2 and rows,
+            30,
+            message="both responses counted for the provider's pool",
+        )
+        assert "" not in rows, rows  # nothing the accounting could not place
+        api = spend(rig, by="pool")["rows"]
+        (row,) = [r for r in api if r["pool"] == "api"]
+        # Every response of the warm-up and the stream: 1,000 uncached and 200 cached prompt
+        # tokens and 30 completion tokens at the pool's price.
+        each = (1000 * Decimal("2.50") + 200 * Decimal("1.25") + 30 * Decimal("10")) / 1_000_000
+        assert row["currency"] == "USD"
+        assert Decimal(row["cost"]) == each * row["requests"]
+        assert row["completionTokens"] == 30 * row["requests"]
+    finally:
+        provider.release.set()
+        provider.server.shutdown()
+        provider.server.server_close()

@@ -127,6 +127,25 @@ def test_a_saturated_pool_sends_its_excess_to_the_cheapest_paid_pool_plain_reque
     assert later.plain == 1.0 and last.sessions > 0.0
 
 
+def test_feed_forward_adds_the_excess_demand_of_what_stays_each_round_and_holds_nothing() -> None:
+    # Fill 1.35 over a bound of 0.9: a third of the demand is above it. The loop sends half
+    # the plain requests; the feed-forward, at weight 0.6, a third of the other half on top.
+    hot = decision(1.35, feedForward=0.6)
+    assert hot.plain == pytest.approx(0.5 + 0.5 * 0.6 / 3)
+    assert hot.sessions == 0.0 and hot.level == decision(1.35).level
+    # Next round, before the rise interval: the loop holds, the feed-forward follows the fill.
+    less = decision(1.0, feedForward=0.6, previous=hot, now=NOW + 1)
+    assert less.plain == pytest.approx(0.5 + 0.5 * 0.6 * (1 - 0.9 / 1.0))
+    # At or under the bound it adds nothing; without telemetry nothing at all.
+    assert decision(0.85, feedForward=1.0, previous=hot, now=NOW + 2).plain == 0.5
+    assert decision(None, feedForward=1.0).plain == 0.0
+    # Off by default, and with conversations 'with' both kinds move together.
+    both = decision(1.35, feedForward=1.0, conversations="with")
+    assert (
+        both.plain == both.sessions > 1.0 - decision(1.35, conversations="with").level.share("all")
+    )
+
+
 def test_the_share_comes_back_by_the_headroom_under_low_and_holds_in_the_band() -> None:
     hot = decision(1.35)
     # In the band (pressure between low 0.8 and high 1.0): nothing moves.

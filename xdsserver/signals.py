@@ -45,7 +45,8 @@ from xdsserver.identity import FleetBinding, PeerCheck, check_peer
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 from xdsserver.translate import AFFINITY_SUFFIX
-from xdsserver.translate.listeners import DIFFICULTY_LOG, POOL_TAG, RETRY_AFTER
+from xdsserver.translate.listeners import DIFFICULTY_LOG, RETRY_AFTER
+from xdsserver.translate.metadata import POOL_TAG
 from xdsserver.translate.usage import USAGE_LOG_PREFIX
 from xdsserver.usage import UsageBook
 
@@ -97,7 +98,9 @@ class ProviderRests:
 
     Learned from the access log of the Envoys connected to this replica: overflow skips a
     resting pool (``PolicyState.provider_backoff``) until the time it asked for has passed.
-    A rest only grows: a late entry that asks for less does not shorten it."""
+    A rest only grows: a late entry that asks for less does not shorten it. Other replicas
+    learn it through etcd (``controlplane.rests``), which takes the rests that began or
+    grew from ``changed``."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
@@ -105,6 +108,8 @@ class ProviderRests:
         """Pool -> wall-clock time its rest ends."""
         self.listeners: list[Callable[[], None]] = []
         """Called when a pool starts resting or rests longer (a rebuild is due)."""
+        self.changed: set[str] = set()
+        """Pools whose rest began or grew since ``take_changed`` was last called."""
 
     def observe(self, pool: str, retry_after: str | None) -> None:
         """A 429 from `pool`, with the ``Retry-After`` it carried (None: none)."""
@@ -114,6 +119,7 @@ class ProviderRests:
         # Whole tenths: entries of one burst of 429s do not each move the rest a little.
         if until > self.until.get(pool, -math.inf) + 0.1:
             self.until[pool] = until
+            self.changed.add(pool)
             log.info("paid pool %s answered 429; it rests for %.1f s", pool, seconds)
             for listener in self.listeners:
                 listener()
@@ -123,6 +129,11 @@ class ProviderRests:
         for pool in [pool for pool, until in self.until.items() if until <= now]:
             del self.until[pool]
         return dict(self.until)
+
+    def take_changed(self) -> dict[str, float]:
+        """The rests that began or grew since the last call that still run: pool -> until."""
+        changed, self.changed = self.changed, set()
+        return {pool: self.until[pool] for pool in sorted(changed) if pool in self.until}
 
 
 class SignalBook:

@@ -4,9 +4,10 @@ Envoy's accounting filter (``xdsserver.translate.usage``) leaves each response's
 dynamic metadata, and the connection manager's access log sends it to kvpilot's access log
 service in batches. Here one entry becomes one row of counters: the tenant from the route's
 tenant header, the model that answered (the response's ``model``), the pool of the upstream
-host that served the last attempt, the service class and the route from the route entry's
-name, the virtual model the client called (when a virtual model's Lua chose the model), and
-the cost at the pool's price in force when the entry arrived.
+host that served the last attempt (a provider's from the host's ``kvpilot.pool`` metadata,
+a replica's from its address), the service class and the route from the route entry's name,
+the virtual model the client called (when a virtual model's Lua chose the model), and the
+cost at the pool's price in force when the entry arrived.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 
 from signals.spend import Ledger, Spend, SpendKey, TokenPrice
 from xdsserver.translate.listeners import DIFFICULTY_METADATA
+from xdsserver.translate.metadata import POOL_TAG
 from xdsserver.translate.usage import USAGE_FILTER
 
 
@@ -68,12 +70,18 @@ class UsageBook:
         completion = int(values["completion"].number_value) if "completion" in values else 0
         model = values["model"].string_value if "model" in values else ""
         route, service_class = parse_route_name(common.route_name)
+        # A provider's host names its pool in its metadata (its address is a DNS name, so
+        # the address Envoy logs names no pool); a replica is found by its address.
         socket = common.upstream_remote_address.socket_address
         pool = (
-            self.context.pool(common.upstream_cluster, socket.address, socket.port_value)
-            if socket.address
-            else None
-        ) or ""
+            common.custom_tags.get(POOL_TAG, "")
+            or (
+                self.context.pool(common.upstream_cluster, socket.address, socket.port_value)
+                if socket.address
+                else None
+            )
+            or ""
+        )
         header = self.context.tenant_header(route)
         tenant = entry.request.request_headers.get(header, "") if header else ""
         price = self.context.price(pool) if pool else None

@@ -16,7 +16,9 @@ Each policy replays the same requests, one after the other on the same stack:
 - failover only: the paid API as a failover tier (taken when the owned replicas are
   unhealthy, or by retries of failed requests);
 - cost-aware overflow: ``overflow`` with its defaults (the paid API takes the excess
-  while the owned replicas are saturated, requests without a session first).
+  while the owned replicas are saturated, requests without a session first);
+- cost-aware + feed-forward (run only when named with ``--policies``): the same with
+  ``feedForward: 0.5``, the replicas' excess demand added each round at half weight.
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
@@ -55,8 +57,9 @@ class Phase:
 
 @dataclass(frozen=True)
 class Prices:
-    """What the benchmark pays. Kept here, in one place, until pools carry prices (then
-    these come from the Pool objects and the dollars from kvpilot's counters)."""
+    """What the benchmark pays: written into the pools' ``price`` (``pool_price``), so
+    kvpilot prices the responses itself, and used by the load generator's own account of
+    the same responses (``bench.cost.spend``)."""
 
     owned_per_replica_hour: float = 2.50
     """An owned GPU replica, dollars per hour, busy or idle."""
@@ -66,6 +69,18 @@ class Prices:
     """Paid API, cached prompt tokens, dollars per million."""
     paid_output_per_mtok: float = 0.60
     """Paid API, completion tokens, dollars per million."""
+
+    def pool_price(self, paid: bool) -> dict[str, str]:
+        """The Pool ``price`` of the paid API (per token) or of an owned replica (per hour),
+        each number in its shortest decimal form, as kvpilot reads numbers."""
+        if not paid:
+            return {"currency": "USD", "replicaHour": str(self.owned_per_replica_hour)}
+        return {
+            "currency": "USD",
+            "input": str(self.paid_input_per_mtok),
+            "cachedInput": str(self.paid_cached_input_per_mtok),
+            "output": str(self.paid_output_per_mtok),
+        }
 
     def paid(self, prompt: int, cached: int, completion: int) -> float:
         """Dollars one paid request costs."""
@@ -97,6 +112,12 @@ POLICIES: tuple[Policy, ...] = (
     ),
     Policy("failover_only", "failover only", {**ROUTE, "tiers": [[POOL], [PAID_POOL]]}),
     Policy("cost_aware", "cost-aware overflow", {**ROUTE, "overflow": {"pools": [PAID_POOL]}}),
+    Policy(
+        "cost_aware_ff",
+        "cost-aware + feed-forward 0.5",
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "feedForward": 0.5}},
+        default=False,
+    ),
 )
 
 

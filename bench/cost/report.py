@@ -123,6 +123,16 @@ ROWS: tuple[tuple[str, Value, str], ...] = (
     ("owned $ / 1,000 requests", lambda s: s.dollars_per_1k.owned, "{:.4f}"),
     ("paid $ / 1,000 requests", lambda s: s.dollars_per_1k.paid, "{:.4f}"),
     ("paid $ in the run", lambda s: s.dollars.paid, "{:.5f}"),
+    (
+        "paid $ in the replay, kvpilot's spend",
+        lambda s: None if s.spend is None else s.spend.paid_dollars.kvpilot,
+        "{:.6f}",
+    ),
+    (
+        "paid $ in the replay, responses' usage",
+        lambda s: None if s.spend is None else s.spend.paid_dollars.responses,
+        "{:.6f}",
+    ),
     ("paid share of tokens", lambda s: s.paid_token_share, "{:.1%}"),
     ("idle owned $", lambda s: s.idle_owned_dollars, "{:.4f}"),
     ("owned utilization", lambda s: s.owned_utilization, "{:.0%}"),
@@ -147,6 +157,7 @@ def table(results: Results) -> list[str]:
         cells = [_fmt(_column(results, p.key, value), fmt) for p in policies]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("| budget overshoot | " + " | ".join("n/a (no budget)" for _ in policies) + " |")
+    lines += ["", *spend_agreement(results)]
     lines += ["", "Paid share of requests by phase (median over seeds):", ""]
     first = next(iter(results.values()))
     names = list(next(iter(first.values())).phases) if first else []
@@ -162,6 +173,32 @@ def table(results: Results) -> list[str]:
 def _paid_share(summary: CostSummary, phase: str) -> float | None:
     row = summary.phases.get(phase)
     return None if row is None else row.paid_share
+
+
+def spend_agreement(results: Results) -> list[str]:
+    """Whether kvpilot's own spend over each replay equals the responses' usage at the same
+    prices (``bench.cost.spend``), to the token and to the last digit of money."""
+    differing = [
+        f"- seed {seed}, {policy}: " + "; ".join(summary.spend.differences)
+        for seed, per_policy in results.items()
+        for policy, summary in per_policy.items()
+        if summary.spend is not None and summary.spend.differences
+    ]
+    checked = sum(
+        1
+        for per_policy in results.values()
+        for summary in per_policy.values()
+        if summary.spend is not None
+    )
+    if not checked:
+        return ["kvpilot's spend was not read in this run."]
+    if not differing:
+        return [
+            "kvpilot's spend (`GET /v1/spend`, per pool, read before and after each replay) "
+            "equals the responses' usage at the pools' prices in every replay: requests, "
+            "prompt, cached and completion tokens, and dollars to the last digit."
+        ]
+    return ["kvpilot's spend DIFFERS from the responses' usage:", "", *differing]
 
 
 def _ratios(

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.rig.jsonfields import known
+from bench.rig.jsonfields import known, without_none
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,43 @@ class PhaseRow:
     ttft_p99: float | None
 
 
+@dataclass(frozen=True)
+class PaidDollars:
+    """The paid pool's dollars over one replay, by kvpilot's spend and from the responses."""
+
+    kvpilot: float
+    responses: float
+
+
+@dataclass(frozen=True)
+class OwnedHourly:
+    """What the owned pool costs per hour, by kvpilot's spend view and by the config."""
+
+    kvpilot: float | None
+    config: float
+
+
+@dataclass(frozen=True)
+class SpendCheck:
+    """kvpilot's own spend over one replay beside the responses' usage at the same prices
+    (``bench.cost.spend``): per pool, and every difference (none when they agree)."""
+
+    kvpilot: dict[str, dict[str, Any]]
+    """Pool -> requests, tokens and cost, as ``bench.cost.spend.PoolSpend.as_json``."""
+    responses: dict[str, dict[str, Any]]
+    differences: list[str]
+    paid_dollars: PaidDollars
+    owned_hourly: OwnedHourly
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SpendCheck:
+        return cls(
+            **known(cls, data, "paid_dollars", "owned_hourly"),
+            paid_dollars=PaidDollars(**data["paid_dollars"]),
+            owned_hourly=OwnedHourly(**data["owned_hourly"]),
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class CostSummary:
     """One policy's numbers over the measured window (requests sent after the ramp)."""
@@ -66,18 +103,21 @@ class CostSummary:
     budget_overshoot: float | None
     """Always None: no pool has a budget yet."""
     phases: dict[str, PhaseRow] = field(default_factory=dict)
+    spend: SpendCheck | None = None
+    """kvpilot's spend against the responses' usage (files of older runs have none)."""
     wall_seconds: float = 0.0
     timed_out: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return without_none(asdict(self), "spend")
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CostSummary:
         """The numbers as a run's JSON file holds them (``results[policy]``)."""
         return cls(
-            **known(cls, data, "dollars", "dollars_per_1k", "phases"),
+            **known(cls, data, "dollars", "dollars_per_1k", "phases", "spend"),
             dollars=Dollars(**data["dollars"]),
             dollars_per_1k=Dollars(**data["dollars_per_1k"]),
             phases={name: PhaseRow(**row) for name, row in data.get("phases", {}).items()},
+            spend=SpendCheck.from_json(data["spend"]) if "spend" in data else None,
         )

@@ -15,14 +15,22 @@ from typing import Any
 
 import httpx
 
+from bench.cost import spend
 from bench.cost.config import PAID_POOL, PAID_PREFIX, POLICIES, SINGLES, CostConfig
 from bench.cost.report import markdown, summarize
-from bench.cost.results import CostCalibration, CostSummary
+from bench.cost.results import (
+    CostCalibration,
+    CostSummary,
+    OwnedHourly,
+    PaidDollars,
+    SpendCheck,
+)
 from bench.rig.loadgen import replay
 from bench.rig.routes import Policy
 from bench.rig.stack import (
     MODEL,
     POLICY_NAME,
+    POOL,
     Stack,
     policy_body,
     put_pool,
@@ -96,14 +104,16 @@ def build_workload(config: CostConfig) -> tuple[Workload, CostCalibration]:
     return workload, calibration
 
 
-def _paid_pool(port: int) -> dict[str, Any]:
-    """The paid API as a pool: by DNS name, so kvpilot treats it as an external provider."""
+def _paid_pool(port: int, config: CostConfig) -> dict[str, Any]:
+    """The paid API as a pool: by DNS name, so kvpilot treats it as an external provider;
+    priced per token, so kvpilot counts what it costs."""
     return {
         "apiVersion": "kvpilot.io/v1",
         "kind": "Pool",
         "metadata": {"name": PAID_POOL},
         "spec": {
             "models": [MODEL],
+            "price": config.prices.pool_price(paid=True),
             "endpoints": [{"address": "localhost", "port": port}],
             "healthCheck": {"path": "/health", "interval": "1s", "timeout": "500ms"},
         },
@@ -142,11 +152,13 @@ def run_one(
     wait_until(lambda: _serving(stack, policy), 60, f"Envoy to serve {policy.key}")
     ready_for_replay(stack, workload.system_prompts(), idle_timeout=120)
     httpx.post(f"{paid_url}/admin/reset", json={}, timeout=10).raise_for_status()
-    if policy.key == "cost_aware":
+    if "overflow" in policy.route and "maxShare" not in policy.route["overflow"]:
         # The warm-up fills every replica with the long system prompts at once: start only
         # once the overflow has come back to nothing.
         wait_until(lambda: _overflow_idle(stack), 60, "the overflow to settle")
     replicas = [(r.id, r.url) for r in stack.backends.replicas]
+    # kvpilot's account starts after the warm-up and the probes, once their usage is in.
+    before = spend.settled(stack.kvpilot.api_url, stack.token)
     run = asyncio.run(
         replay(
             workload,
@@ -159,17 +171,56 @@ def run_one(
             sample_interval=0.5,
         )
     )
-    summary = summarize(run, config)
+    check = _spend_check(stack, run.results, before, config)
+    summary = replace(summarize(run, config), spend=check)
     print(
         f"   {summary.ok}/{summary.requests} ok; TTFT p50 {summary.ttft_p50:.3f} "
         f"p99 {summary.ttft_p99:.3f} (peak p99 {summary.peak_ttft_p99:.3f}); "
         f"paid share of tokens {summary.paid_token_share:.1%}; "
         f"${summary.dollars_per_1k.paid:.4f} paid, "
         f"${summary.dollars_per_1k.owned:.4f} owned per 1,000 requests; "
-        f"goodput {summary.goodput_per_s:.2f}/s ({run.wall_seconds:.0f}s wall)",
+        f"goodput {summary.goodput_per_s:.2f}/s ({run.wall_seconds:.0f}s wall); "
+        f"paid $ in the replay {check.paid_dollars.kvpilot:.6f} by kvpilot, "
+        f"{check.paid_dollars.responses:.6f} from the responses "
+        f"({'they differ' if check.differences else 'equal'})",
         flush=True,
     )
     return summary
+
+
+def _spend_check(
+    stack: Stack,
+    results: list[Any],
+    before: dict[str, spend.PoolSpend],
+    config: CostConfig,
+) -> SpendCheck:
+    """kvpilot's spend over the replay beside the responses' usage at the same prices
+    (``bench.cost.spend``), and where they differ."""
+    responses = spend.from_responses(results, config.prices)
+    after = spend.settled(
+        stack.kvpilot.api_url,
+        stack.token,
+        expect=sum(s.requests for s in responses.values()),
+        since=before,
+    )
+    counted = spend.between(after, before)
+    differences = spend.differences(counted, responses)
+    for line in differences:
+        print(f"   SPEND DIFFERS: {line}", flush=True)
+    hourly = spend.hourly(stack.kvpilot.api_url, stack.token, POOL)
+    return SpendCheck(
+        kvpilot={pool: s.as_json() for pool, s in sorted(counted.items())},
+        responses={pool: s.as_json() for pool, s in sorted(responses.items())},
+        differences=differences,
+        paid_dollars=PaidDollars(
+            kvpilot=float(counted.get(PAID_POOL, spend.PoolSpend()).cost),
+            responses=float(responses.get(PAID_POOL, spend.PoolSpend()).cost),
+        ),
+        owned_hourly=OwnedHourly(
+            kvpilot=None if hourly is None else float(hourly),
+            config=config.replicas * config.prices.owned_per_replica_hour,
+        ),
+    )
 
 
 def _overflow_idle(stack: Stack) -> bool:
@@ -204,10 +255,10 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
                 simulator=config.paid_sim,
             ).start()
         )
-        put_pool(stack)
-        stack.put(_paid_pool(paid.replicas[0].port))
+        put_pool(stack, price=config.prices.pool_price(paid=False))
+        stack.put(_paid_pool(paid.replicas[0].port, config))
         for policy in POLICIES:
-            if config.policies and policy.key not in config.policies:
+            if policy.key not in config.policies if config.policies else not policy.default:
                 continue
             results[policy.key] = run_one(
                 stack, paid.replicas[0].url, config.policy(policy), workload, config

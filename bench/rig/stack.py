@@ -168,9 +168,15 @@ def start_agent(
 # --------------------------------------------------------------------------- configuration
 
 
-def put_pool(stack: Stack, name: str = POOL, replicas: Sequence[int] | None = None) -> None:
+def put_pool(
+    stack: Stack,
+    name: str = POOL,
+    replicas: Sequence[int] | None = None,
+    *,
+    price: Mapping[str, str] | None = None,
+) -> None:
     """The pool `name` of the stack's replicas at the indices `replicas` (default: all of
-    them), and the default fleet without access logs."""
+    them), with the Pool `price` when given, and the default fleet without access logs."""
     every = stack.backends.replicas
     indices = range(len(every)) if replicas is None else replicas
     stack.put(
@@ -179,6 +185,7 @@ def put_pool(stack: Stack, name: str = POOL, replicas: Sequence[int] | None = No
             "kind": "Pool",
             "metadata": {"name": name},
             "spec": {
+                **({"price": dict(price)} if price is not None else {}),
                 "models": [MODEL],
                 # Named, so the ring places replica i at the same points in every run.
                 "endpoints": [

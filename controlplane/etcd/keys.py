@@ -23,6 +23,9 @@ key                                            value
 ``{prefix}/status/envoys/{replica}/{node_id}`` an Envoy's connection status as seen by one
                                                control-plane replica, under that replica's
                                                lease (gone when the replica is)
+``{prefix}/status/rests/{replica}/{pool}``     when a paid pool's rest after a 429 ends, as
+                                               one replica learned it, under a lease that
+                                               ends with the rest (``controlplane.rests``)
 ``{prefix}-audit/{revision}-{random}``         one audit entry (``controlplane.audit``);
                                                beside the prefix, not under it, so the
                                                daemon's mirror never loads the log

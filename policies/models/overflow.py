@@ -102,6 +102,17 @@ class Overflow(Model):
         "got room does not take back more than it can hold (flapping). Default: 5s.",
     )
 
+    feed_forward: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Weight of a feed-forward share added each round to what the loop sends: "
+        "the replicas' excess demand, 1 - fill / (their mean batch fill), of the requests "
+        "still on them, times this weight; it follows the telemetry at once, with no "
+        "interval and no hysteresis, and falls to nothing when the fill is at or below the "
+        "bound. Plain requests first, as the loop. Default: 0 (off).",
+    )
+
     @field_validator("pools")
     @classmethod
     def _unique(cls, pools: list[str]) -> list[str]:

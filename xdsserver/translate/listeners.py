@@ -24,12 +24,14 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.type.matcher.v3 import metadata_pb2
 from envoy.type.matcher.v3 import regex_pb2 as regex_matcher_pb2
 from envoy.type.matcher.v3 import value_pb2 as value_matcher_pb2
-from envoy.type.metadata.v3 import metadata_pb2 as metadata_kind_pb2
-from envoy.type.tracing.v3 import custom_tag_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from compiler.plan import PlanListener
-from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
+from xdsserver.translate.metadata import (
+    MODEL_METADATA_KEY,
+    MODEL_METADATA_NAMESPACE,
+    pool_tag,
+)
 from xdsserver.translate.protos import ads_source, duration, http_filter_chain, pack, socket_address
 from xdsserver.translate.tracing import listener_tracing
 from xdsserver.translate.usage import usage_filter, usage_log
@@ -38,12 +40,8 @@ LOCAL_RATELIMIT = "envoy.filters.http.local_ratelimit"
 SIGNALS_CLUSTER = "kvpilot_signals"
 """The bootstrap cluster that reaches kvpilot's access log service (deploy/envoy/)."""
 SIGNALS_FLUSH_INTERVAL = 0.25
-RETRY_AFTER = "retry-after"
-POOL_TAG = "kvpilot.pool"
-"""Access-log tag with the pool of the upstream host (external providers carry it)."""
-POOL_METADATA_NAMESPACE = "kvpilot"
-POOL_METADATA_KEY = "pool"
 """Seconds Envoy buffers access log entries before sending them (its default is 1 s)."""
+RETRY_AFTER = "retry-after"
 LUA = "envoy.filters.http.lua"
 DIFFICULTY_METADATA = "kvpilot.difficulty"
 """Dynamic metadata a virtual model's Lua writes (``xdsserver.translate.difficulty``):
@@ -208,18 +206,7 @@ def upstream_signal_log(log_name: str, *, retry_after: bool = False) -> accesslo
         config.additional_response_headers_to_log.append(RETRY_AFTER)
         # The pool of the host that answered: a provider's address is a DNS name, and behind
         # an aggregate the logged cluster need not be the provider's own.
-        config.common_config.custom_tags.append(
-            custom_tag_pb2.CustomTag(
-                tag=POOL_TAG,
-                metadata=custom_tag_pb2.CustomTag.Metadata(
-                    kind=metadata_kind_pb2.MetadataKind(host=metadata_kind_pb2.MetadataKind.Host()),
-                    metadata_key=metadata_kind_pb2.MetadataKey(
-                        key=POOL_METADATA_NAMESPACE,
-                        path=[metadata_kind_pb2.MetadataKey.PathSegment(key=POOL_METADATA_KEY)],
-                    ),
-                ),
-            )
-        )
+        config.common_config.custom_tags.append(pool_tag())
     return accesslog_pb2.AccessLog(name="envoy.access_loggers.http_grpc", typed_config=pack(config))
 
 

@@ -22,11 +22,8 @@ from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 
 from compiler.plan import PlanCluster
 from xdsserver.translate.clusters import INTERNAL_SUFFIX, cluster_base, translate_endpoints
-from xdsserver.translate.listeners import (
-    POOL_METADATA_KEY,
-    POOL_METADATA_NAMESPACE,
-    local_replies,
-)
+from xdsserver.translate.listeners import local_replies
+from xdsserver.translate.metadata import POOL_METADATA_KEY, POOL_METADATA_NAMESPACE
 from xdsserver.translate.protos import duration, http_filter_chain, pack
 
 

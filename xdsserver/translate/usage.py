@@ -14,8 +14,11 @@ Why this shape (docs/cost.md has the measurements):
   cannot leave its budget by streaming. The usage-only event that the client did not ask for
   is removed from the stream again, so such a client sees what it would have seen without
   kvpilot.
-- The counts go into dynamic metadata (namespace ``kvpilot.usage``). Only the connection
-  manager's access log sees them: the router's upstream log is written before the response
+- The counts go into dynamic metadata (namespace ``kvpilot.usage``) as soon as a chunk
+  carries them, not at the end of the stream: a client that closes its connection once it
+  has read the last event (before the stream's end reached Envoy) resets the stream, the
+  script never gets past its loop, and the usage it was sent must still count. Only the
+  connection manager's access log sees them: the router's upstream log is written before the response
   body has passed the filter (seen with Envoy 1.40). That log goes to kvpilot's access log
   service with the tenant header, and kvpilot aggregates (``xdsserver.usage``).
 """
@@ -32,6 +35,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 
+from xdsserver.translate.metadata import pool_tag
 from xdsserver.translate.protos import duration, pack
 
 USAGE_FILTER = "kvpilot.usage"
@@ -58,6 +62,16 @@ local function last_number(text, key, old)
       return value
     end
     value, at = tonumber(digits), e + 1
+  end
+end
+
+local function record(handle, prompt, cached, completion, model)
+  local md = handle:streamInfo():dynamicMetadata()
+  md:set(NS, "prompt", prompt or 0)
+  md:set(NS, "cached", cached or 0)
+  md:set(NS, "completion", completion or 0)
+  if model ~= nil then
+    md:set(NS, "model", model)
   end
 end
 
@@ -120,6 +134,12 @@ function envoy_on_response(handle)
         prompt = last_number(text, "prompt_tokens", prompt)
         completion = last_number(text, "completion_tokens", completion)
         cached = last_number(text, "cached_tokens", cached)
+        -- Recorded at once: a client that closes its connection after the last event
+        -- (before the end of the stream reaches Envoy) ends the stream here, and the
+        -- usage it was sent still counts.
+        if prompt ~= nil or completion ~= nil then
+          record(handle, prompt, cached, completion, model)
+        end
         if added then
           local kept, n = string.gsub(bytes,
             'data: {{[^\\n]-"choices"%s*:%s*%[%s*%][^\\n]-"usage"[^\\n]*\\n\\n', '')
@@ -132,13 +152,7 @@ function envoy_on_response(handle)
     end
   end
   if prompt ~= nil or completion ~= nil then
-    local md = handle:streamInfo():dynamicMetadata()
-    md:set(NS, "prompt", prompt or 0)
-    md:set(NS, "cached", cached or 0)
-    md:set(NS, "completion", completion or 0)
-    if model ~= nil then
-      md:set(NS, "model", model)
-    end
+    record(handle, prompt, cached, completion, model)
   end
 end
 """
@@ -157,7 +171,8 @@ def usage_filter() -> hcm_pb2.HttpFilter:
 
 def usage_log(listener: str, tenant_headers: Iterable[str]) -> accesslog_pb2.AccessLog:
     """The connection manager's log of every request to kvpilot's access log service, with
-    the usage metadata and the tenant headers of the listener's routes. Envoy buffers entries
+    the usage metadata, the tenant headers of the listener's routes and the answering
+    host's pool tag. Envoy buffers entries
     for ``USAGE_FLUSH_INTERVAL`` and sends them in batches over one gRPC stream."""
     return accesslog_pb2.AccessLog(
         name="envoy.access_loggers.http_grpc",
@@ -172,6 +187,9 @@ def usage_log(listener: str, tenant_headers: Iterable[str]) -> accesslog_pb2.Acc
                         )
                     ),
                     buffer_flush_interval=duration(USAGE_FLUSH_INTERVAL),
+                    # The pool of the host that served the last attempt, where its address
+                    # cannot tell it: a provider's address is a DNS name.
+                    custom_tags=[pool_tag()],
                 ),
                 additional_request_headers_to_log=sorted(set(tenant_headers)),
             )
