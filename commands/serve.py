@@ -43,6 +43,7 @@ from controlplane.rollouts.controller import RolloutController
 from controlplane.rollouts.signals import PlanResolver, SignalPublisher
 from controlplane.rollouts.state import register_metrics as register_rollout_metrics
 from controlplane.spend import PlanContext, SpendCollector, SpendPublisher, fleet_spend
+from xdsserver.arrivals import ArrivalBook
 from xdsserver.difficultylog import ScoreBook
 from xdsserver.identity import FleetBinding
 from xdsserver.server import AdsServer
@@ -177,9 +178,19 @@ async def serve(
     scores = ScoreBook(registry)
     usage = UsageBook(PlanContext(lambda: reconciler.plan, lambda: reconciler.state))
     registry.register(SpendCollector(usage.ledger))
+    arrivals = ArrivalBook()
     AccessLogServer(
-        signals, cache, binding=binding, status=connections, scores=scores, usage=usage
+        signals,
+        cache,
+        binding=binding,
+        status=connections,
+        scores=scores,
+        usage=usage,
+        arrivals=arrivals,
     ).add_to(grpc_server)
+    # Spill reads each fleet's arrival rate and its locality's service times at every compile.
+    reconciler.arrivals = arrivals.rates
+    reconciler.service_times = arrivals.service_times
     difficulty = DifficultyLoop(
         scores,
         lambda: virtual_models_of(reconciler.state.policies if reconciler.state else {}),

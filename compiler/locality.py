@@ -123,12 +123,19 @@ def spill_key(fleet: str, cluster: str) -> str:
 
 
 def spill_decision(
-    fleet: str, cluster: PlanCluster, view: PlanCluster, where: Locality | None, state: PolicyState
+    fleet: str,
+    cluster: PlanCluster,
+    view: PlanCluster,
+    where: Locality | None,
+    state: PolicyState,
+    *,
+    feed_forward: bool = True,
 ) -> SpillDecision:
     """This round's spill for `fleet`'s `view` of `cluster` (the fleet at `where`): from the
     replicas of its own locality in the first tier that serve (healthy or degraded), the
     telemetry of the replicas at the view's priority 0 and that of priority 1. Decided even
-    while the fleet's locality has no replica, so that it ramps back when they return."""
+    while the fleet's locality has no replica, so that it ramps back when they return. With
+    `feed_forward`, the fleet's arrival rate and its locality's capacity set the share."""
     home = [
         e
         for e in cluster.endpoints
@@ -137,16 +144,44 @@ def spill_decision(
     serving = [e for e in view.endpoints if e.priority == 0 and e.health in _SERVING]
     spill_to = [e for e in view.endpoints if e.priority == 1 and e.health in _SERVING]
     key = spill_key(fleet, cluster.eds_service or cluster.name)
+    first = [e for e in view.endpoints if e.priority == 0]
     return decide_spill(
         state.previous_spill.get(key),
         local=len(home),
         fill=_fill(serving, state),
         next_fill=_fill(spill_to, state),
         now=state.now,
+        arrivals=state.arrivals.get(key) if feed_forward else None,
+        capacity=capacity(serving, state) if feed_forward else None,
+        healthy=len(serving) / len(first) if first else 1.0,
     )
 
 
 _SERVING = ("healthy", "degraded")
+
+
+def capacity(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
+    """Requests per second `endpoints` can serve: each one's batch slots (``max_running`` from
+    fresh telemetry) over the mean time a request is served there (Little's law at a full
+    batch; ``PolicyState.service_times``), a replica without its own time taking the mean of
+    the others'. None when no replica has both a fresh batch size and a time."""
+    keys = [f"{e.address}:{e.port}" for e in endpoints]
+    times = [state.service_times[key] for key in keys if key in state.service_times]
+    if not times:
+        return None
+    mean_time = sum(times) / len(times)
+    total = 0.0
+    for endpoint, key in zip(endpoints, keys, strict=True):
+        pool = state.pools.get(endpoint.pool)
+        record = state.telemetry.get(endpoint.pool, {}).get(key)
+        if pool is None or pool.spec.telemetry is None or record is None:
+            continue
+        if not record.max_running or state.now - record.at > pool.spec.telemetry.max_age:
+            continue
+        seconds = state.service_times.get(key, mean_time)
+        if seconds > 0:
+            total += record.max_running / seconds
+    return round(total, 4) if total > 0 else None
 
 
 def _fill(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
@@ -177,6 +212,7 @@ __all__ = [
     "NEAR",
     "PLACE_SEPARATOR",
     "REGION",
+    "capacity",
     "capacity_rank",
     "fleet_view",
     "needs_view",
