@@ -132,7 +132,7 @@ class SpillDecision:
     @property
     def overprovisioning(self) -> int:
         """The ClusterLoadAssignment's overprovisioning factor, in percent."""
-        if self.feed_forward:
+        if self.feed_forward and self.keep < 1.0:
             # Envoy gives priority 0 min(1, healthy x factor): the factor that gives it `keep`
             # with only part of it healthy, never above Envoy's own (health spill still
             # bounds what the locality keeps).
@@ -221,7 +221,8 @@ def _feed_forward(
 ) -> SpillDecision:
     """The share from the arrival rate and the capacity, corrected by the fill loop."""
     trim, trim_since = before.trim, before.trim_since
-    if now - trim_since >= DWELL:
+    # The fill shows a change of the share only as the requests admitted before it finish.
+    if now - max(trim_since, before.since) >= DWELL:
         wanted = trim
         if fill is not None and fill > HIGH_FILL:
             draining = before.step_fill is not None and fill < before.step_fill

@@ -18,7 +18,7 @@ class RegionsBenchmark:
     summary = "two regions: locality-aware vs blind; overload, region down, spot wave"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--policies", default="", help="comma list of blind, aware")
+        parser.add_argument("--policies", default="", help="comma list of blind, fill, aware")
 
     def run(self, args: argparse.Namespace) -> Written:
         from bench.regions.config import POLICIES, default_regions_config
