@@ -4,7 +4,8 @@ A route's cluster lists its replicas with failover tier k at priority k. For a f
 declares where it runs (``Fleet.spec.locality``) each tier is split again, nearest first: the
 fleet's own zone, the rest of its own region, then every other region (endpoints without a
 locality count as far away). For a pool with ``preferCapacity`` each of those is split once
-more by capacity kind, the preferred kind first. The resulting (tier, place, kind) groups
+more by capacity kind, the preferred kind first (the cheapest first where the pool prices its
+kinds, ``PoolSpec.capacity_order``). The resulting (tier, place, kind) groups
 become priorities 0, 1, 2, ... in that order, without gaps, so Envoy's priority machinery
 does the rest: a priority spills to the next what its health cannot serve (the
 overprovisioning factor, 1.4 by default), a draining or dead replica's share moves at once,
@@ -65,7 +66,7 @@ def fleet_view(
 ) -> PlanCluster:
     """`cluster` with its endpoints' priorities as a fleet at `where` gets them."""
     prefer = {
-        name: pool.spec.prefer_capacity
+        name: pool.spec.capacity_order()
         for name in {endpoint.pool for endpoint in cluster.endpoints}
         if (pool := pools.get(name)) is not None
     }
