@@ -31,7 +31,8 @@ from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 
-from xdsserver.signals import route_cluster
+from policies.names import LOCAL_SUFFIX
+from xdsserver.translate import AFFINITY_SUFFIX
 
 ARRIVAL_WINDOW = 8.0
 """Seconds over which arrivals are counted: at 10 requests a second, 80 of them, a Poisson
@@ -44,6 +45,14 @@ its first and last byte together, which says nothing of its time in the batch.""
 
 _START = accesslog_pb2.AccessLogType.UpstreamPoolReady
 _END = (accesslog_pb2.AccessLogType.UpstreamEnd, accesslog_pb2.AccessLogType.NotSet)
+
+
+def route_cluster(cluster: str) -> str:
+    """The route cluster an Envoy cluster belongs to (a hash twin, or its replicas part)."""
+    # A capacity-bound route's twins are "/affinity-<factor>" (policy and route names hold
+    # no "/", so everything from the suffix on is the twin's).
+    head, found, _ = cluster.partition(AFFINITY_SUFFIX)
+    return (head if found else cluster).removesuffix(LOCAL_SUFFIX)
 
 
 def _seconds(value: Any) -> float:
@@ -127,4 +136,4 @@ class ArrivalBook:
         return out
 
 
-__all__ = ["ARRIVAL_WINDOW", "MIN_SERVICE", "SERVICE_WINDOW", "ArrivalBook"]
+__all__ = ["ARRIVAL_WINDOW", "MIN_SERVICE", "SERVICE_WINDOW", "ArrivalBook", "route_cluster"]

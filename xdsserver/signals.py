@@ -32,7 +32,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -40,18 +40,14 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import duration_pb2
 
 from compiler.rollout import PoolSignals
-from policies.names import LOCAL_SUFFIX
+from xdsserver.arrivals import ArrivalBook, route_cluster
 from xdsserver.difficultylog import ScoreBook
 from xdsserver.identity import FleetBinding, PeerCheck, check_peer
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
-from xdsserver.translate import AFFINITY_SUFFIX
 from xdsserver.translate.listeners import ARRIVALS_LOG, DIFFICULTY_LOG, POOL_TAG, RETRY_AFTER
 from xdsserver.translate.usage import USAGE_LOG_PREFIX
 from xdsserver.usage import UsageBook
-
-if TYPE_CHECKING:
-    from xdsserver.arrivals import ArrivalBook
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +56,6 @@ class PoolResolver(Protocol):
     """Which pool an upstream host of a cluster belongs to (None: not a pool's host)."""
 
     def __call__(self, cluster: str, address: str, port: int) -> str | None: ...
-
-
-def route_cluster(cluster: str) -> str:
-    """The route cluster an Envoy cluster belongs to (a hash twin, or its replicas part)."""
-    # A capacity-bound route's twins are "/affinity-<factor>" (policy and route names hold
-    # no "/", so everything from the suffix on is the twin's).
-    head, found, _ = cluster.partition(AFFINITY_SUFFIX)
-    return (head if found else cluster).removesuffix(LOCAL_SUFFIX)
 
 
 def _seconds(value: duration_pb2.Duration) -> float:
