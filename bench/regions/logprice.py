@@ -76,9 +76,9 @@ def _fleet(listener: int, backend: int) -> FleetPlan:
         },
     }
     objects = [parse_object(pool), parse_object(fleet), parse_object(policy)]
-    fleet = compile_plan(PolicyState.from_objects(objects)).fleet("us-east")
-    assert fleet is not None
-    return fleet
+    plan = compile_plan(PolicyState.from_objects(objects)).fleet("us-east")
+    assert plan is not None
+    return plan
 
 
 def _bootstrap(fleet: FleetPlan, signals: int, admin: int) -> dict[str, Any]:
