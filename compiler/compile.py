@@ -186,9 +186,10 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                             for vhost in vhosts
                             for route in vhost.routes
                         ),
-                        # A located fleet's spill reads its Envoys' request starts.
-                        arrivals_log=feed_forward
-                        and any(c.kind == "eds" and priorities(c) > 1 for c in port_clusters),
+                        # A located fleet's spill reads its Envoys' request starts. Not
+                        # tied to how many priorities there are now: a listener change
+                        # drains the listener's connections.
+                        arrivals_log=feed_forward and any(c.kind == "eds" for c in port_clusters),
                         tracing=settings.tracing,
                     )
                 )

@@ -75,7 +75,7 @@ STEP = 0.1
 LOAD = 0.97
 """The share of its capacity a locality is given by feed-forward: a little under 1, so a queue
 that formed while the spill was found drains."""
-DEADBAND = 0.03
+DEADBAND = 0.05
 """Feed-forward leaves ``keep`` alone when its new value is this close: the arrival rate over
 a few seconds is a Poisson count, and every move of the factor is an EDS push."""
 TRIM_RANGE = (0.5, 1.5)
@@ -201,11 +201,19 @@ def decide_spill(
     elif keep < 1.0 and (fill is None or fill < LOW_FILL):
         keep = min(1.0, keep + STEP)
     keep = round(keep, 4)
+    # A ramp after an outage stays one until it reaches all of the traffic, so that feed-
+    # forward, when its signal comes back, goes on from the ramp rather than jumping.
+    ramp = before.ramp and keep < 1.0
     if keep == before.keep:
         return SpillDecision(
-            keep=keep, since=before.since, local=local, fill=fill, step_fill=before.step_fill
+            keep=keep,
+            since=before.since,
+            local=local,
+            fill=fill,
+            step_fill=before.step_fill,
+            ramp=ramp,
         )
-    return SpillDecision(keep=keep, since=now, local=local, fill=fill, step_fill=fill)
+    return SpillDecision(keep=keep, since=now, local=local, fill=fill, step_fill=fill, ramp=ramp)
 
 
 def _feed_forward(

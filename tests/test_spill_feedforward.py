@@ -19,7 +19,7 @@ from signals import PolicyState
 from signals.spill import DEADBAND, DWELL, FLOOR, LOAD, STEP, SpillDecision, decide_spill
 from signals.telemetry import TelemetryRecord
 from tests.harness.golden import load_case
-from xdsserver.arrivals import ARRIVAL_WINDOW, ArrivalBook
+from xdsserver.arrivals import ARRIVAL_WINDOW, CHANGE_WINDOW, MIN_SPAN, ArrivalBook
 from xdsserver.signals import SignalBook
 from xdsserver.static import validate_with_envoy
 from xdsserver.translate import translate
@@ -85,6 +85,18 @@ def test_the_fill_loop_trims_the_estimate_after_the_dwell() -> None:
     # Room again: the correction comes back by steps.
     room = _ff(later, arrivals=11.0, capacity=8.5, fill=0.5, now=100.0 + 2 * DWELL)
     assert room.trim == pytest.approx(later.trim + STEP)
+
+
+def test_a_ramp_goes_on_when_feed_forward_comes_back_in_the_middle_of_it() -> None:
+    gone = decide_spill(SpillDecision(keep=1.0, local=4), local=0, fill=None, now=0.0)
+    back = decide_spill(gone, local=4, fill=0.3, now=1.0)  # no arrivals yet: fill alone
+    step = decide_spill(back, local=4, fill=0.3, now=1.0 + DWELL)
+    assert step.keep == FLOOR + STEP and step.ramp
+    # Arrivals again: the capacity would take all of it, but the ramp goes on by steps.
+    resumed = _ff(step, arrivals=6.0, capacity=8.5, fill=0.3, now=2.0 + DWELL)
+    assert resumed.keep == step.keep
+    later = _ff(resumed, arrivals=6.0, capacity=8.5, fill=0.3, now=1.0 + 2 * DWELL)
+    assert later.keep == pytest.approx(FLOOR + 2 * STEP)
 
 
 def test_without_arrivals_the_fill_loop_alone_decides() -> None:
@@ -224,6 +236,22 @@ def test_the_arrival_book_counts_first_attempts_over_its_window() -> None:
     assert book.rates() == {"us/chat/chat": pytest.approx(2.0)}
     clock[0] += ARRIVAL_WINDOW
     assert book.rates() == {}
+
+
+def test_a_change_of_rate_shows_within_the_short_window() -> None:
+    clock = [1000.0]
+    book = ArrivalBook(lambda: clock[0])
+    book.observe(_entry(START), "us")
+    clock[0] += MIN_SPAN / 2
+    assert book.rates() == {}  # too soon to say
+    for _ in range(int(ARRIVAL_WINDOW * 5)):  # 5 a second
+        book.observe(_entry(START), "us")
+        clock[0] += 0.2
+    assert book.rates()["us/chat/chat"] == pytest.approx(5.0, rel=0.05)
+    for _ in range(int(CHANGE_WINDOW * 15)):  # then 15 a second: an overload begins
+        book.observe(_entry(START), "us")
+        clock[0] += 1 / 15
+    assert book.rates()["us/chat/chat"] == pytest.approx(15.0, rel=0.05)
 
 
 def test_the_arrival_book_times_streamed_answers_from_first_to_last_byte() -> None:

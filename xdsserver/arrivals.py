@@ -24,6 +24,7 @@ replicas is seen in part by each (``docs/regions.md``, limits).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,9 +35,18 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from policies.names import LOCAL_SUFFIX
 from xdsserver.translate import AFFINITY_SUFFIX
 
-ARRIVAL_WINDOW = 8.0
-"""Seconds over which arrivals are counted: at 10 requests a second, 80 of them, a Poisson
-count within about 11% of the rate; the spill follows a change of rate within this."""
+ARRIVAL_WINDOW = 16.0
+"""Seconds over which arrivals are counted: at 10 requests a second, 160 of them, a Poisson
+count within about 8% of the rate (one standard deviation)."""
+CHANGE_WINDOW = 4.0
+"""The last seconds, compared with the long window: when their rate is further from it than
+``CHANGE_SIGMAS`` standard deviations of their own count, the rate has changed (an overload
+begins or ends) and the short window's rate is given, so the spill follows a change within
+a few seconds and is steady otherwise."""
+CHANGE_SIGMAS = 3.0
+MIN_SPAN = 2.0
+"""A key seen for less than this gives no rate yet: one entry in its first second is no
+estimate."""
 SERVICE_WINDOW = 30.0
 """Seconds over which service times are averaged per host."""
 MIN_SERVICE = 0.05
@@ -104,8 +114,9 @@ class ArrivalBook:
             self._served.setdefault(host, deque()).append((now, seconds))
 
     def rates(self, now: float | None = None) -> dict[str, float]:
-        """``fleet/cluster`` -> requests started per second over the last ``ARRIVAL_WINDOW``
-        (over the time since the first one, when that is shorter, but at least a second)."""
+        """``fleet/cluster`` -> requests started per second: over the last
+        ``ARRIVAL_WINDOW`` (over the time since the first one, when that is shorter), or over
+        the last ``CHANGE_WINDOW`` when that differs from it beyond noise."""
         now = self.clock() if now is None else now
         out: dict[str, float] = {}
         for key in list(self._starts):
@@ -116,8 +127,17 @@ class ArrivalBook:
                 del self._starts[key]
                 self._first.pop(key, None)
                 continue
-            span = max(1.0, min(ARRIVAL_WINDOW, now - self._first[key]))
-            out[key] = round(len(starts) / span, 4)
+            age = now - self._first[key]
+            if age < MIN_SPAN:
+                continue
+            span = min(ARRIVAL_WINDOW, age)
+            rate = len(starts) / span
+            short_span = min(CHANGE_WINDOW, span)
+            recent = sum(1 for at in starts if at > now - short_span)
+            expected = rate * short_span
+            if abs(recent - expected) > CHANGE_SIGMAS * math.sqrt(max(expected, 1.0)):
+                rate = recent / short_span
+            out[key] = round(rate, 4)
         return out
 
     def service_times(self, now: float | None = None) -> dict[str, float]:
@@ -136,4 +156,11 @@ class ArrivalBook:
         return out
 
 
-__all__ = ["ARRIVAL_WINDOW", "MIN_SERVICE", "SERVICE_WINDOW", "ArrivalBook", "route_cluster"]
+__all__ = [
+    "ARRIVAL_WINDOW",
+    "CHANGE_WINDOW",
+    "MIN_SERVICE",
+    "SERVICE_WINDOW",
+    "ArrivalBook",
+    "route_cluster",
+]
