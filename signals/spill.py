@@ -54,7 +54,7 @@ not flooded.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ENVOY_OVERPROVISIONING = 140
 """Envoy's default overprovisioning factor, in percent: what a locality keeping everything
@@ -168,6 +168,33 @@ def decide_spill(
     nothing, so none is added then). With `arrivals` and `capacity` (requests per second)
     the share follows them at once and the fill corrects the estimate (module docstring);
     `healthy` is the share of priority 0's replicas that serve."""
+    decision = _decide(
+        previous,
+        local=local,
+        fill=fill,
+        now=now,
+        next_fill=next_fill,
+        arrivals=arrivals,
+        capacity=capacity,
+        healthy=healthy,
+    )
+    if arrivals is not None and decision.arrivals is None:
+        # Shown in status and logs although the fill loop decided (no capacity yet).
+        decision = replace(decision, arrivals=arrivals)
+    return decision
+
+
+def _decide(
+    previous: SpillDecision | None,
+    *,
+    local: int,
+    fill: float | None,
+    now: float,
+    next_fill: float | None,
+    arrivals: float | None,
+    capacity: float | None,
+    healthy: float,
+) -> SpillDecision:
     before = previous or SpillDecision()
     if arrivals and capacity and local > 0 and not before.outage:
         # (A ramp after an outage goes on under feed-forward, limited by it.)
