@@ -43,7 +43,7 @@ CHANGE_WINDOW = 4.0
 ``CHANGE_SIGMAS`` standard deviations of their own count, the rate has changed (an overload
 begins or ends) and the short window's rate is given, so the spill follows a change within
 a few seconds and is steady otherwise."""
-CHANGE_SIGMAS = 3.0
+CHANGE_SIGMAS = 4.0
 MIN_SPAN = 2.0
 """A key seen for less than this gives no rate yet: one entry in its first second is no
 estimate."""
