@@ -16,6 +16,7 @@ the locality that serves it. Saturation, which Envoy cannot see, moves the facto
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -150,7 +151,9 @@ def spill_decision(
         state.previous_spill.get(key),
         local=len(home),
         fill=_fill(serving, state),
-        next_fill=_fill(spill_to, state),
+        # No replica of the next priority serves: spilling more gains nothing (Envoy keeps
+        # everything here anyway), so nothing is cut (as into one that queues).
+        next_fill=_fill(spill_to, state) if spill_to else math.inf,
         now=state.now,
         arrivals=state.arrivals.get(key) if feed_forward else None,
         capacity=capacity(serving, state) if feed_forward else None,

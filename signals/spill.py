@@ -36,7 +36,9 @@ request is served there, Little's law), and sets ``keep = trim x LOAD x C / A`` 
 at once: only the excess crosses, and a locality that lost replicas (a spot wave) loses
 their capacity in the same round. The fill loop above then corrects the estimate rather than
 the share: ``trim`` falls when the fill queues and rises back when it has room, with the
-same dwell, and the floor still holds. Moves of ``keep`` smaller than ``DEADBAND`` are left
+same dwell, and the floor still holds. While the estimate says no spill is needed, only a
+queue that lasts a dwell moves ``trim``: arrivals come in bursts, and one queues for a
+moment well under capacity. Moves of ``keep`` smaller than ``DEADBAND`` are left
 out, so the noise of a Poisson arrival count does not push Envoy a new factor every round.
 
 With feed-forward the factor also counts priority 0's healthy share h: Envoy gives it
@@ -123,6 +125,8 @@ class SpillDecision:
     ramp: bool = False
     """The locality is taking its traffic back after an outage, ``STEP`` per ``DWELL``,
     whatever the feed-forward would allow."""
+    high_since: float = field(default=math.inf, compare=False)
+    """Since when the fill has been above ``HIGH_FILL`` (infinite: it is not)."""
 
     @property
     def feed_forward(self) -> bool:
@@ -256,12 +260,18 @@ def _feed_forward(
 ) -> SpillDecision:
     """The share from the arrival rate and the capacity, corrected by the fill loop."""
     trim, trim_since = before.trim, before.trim_since
+    queueing = fill is not None and fill > HIGH_FILL
+    high_since = (before.high_since if before.high_since <= now else now) if queueing else math.inf
+    # While the estimate says the locality has room (no spill), a queue says it is wrong only
+    # when it lasts: a burst of arrivals queues for a moment at 70% of capacity too.
+    spilling = arrivals >= trim * LOAD * capacity
     # The fill shows a change of the share only as the requests admitted before it finish.
     if now - max(trim_since, before.since) >= DWELL:
         wanted = trim
-        if fill is not None and fill > HIGH_FILL:
+        if fill is not None and queueing:
             draining = before.step_fill is not None and fill < before.step_fill
-            if not draining and (next_fill is None or next_fill < HIGH_FILL):
+            lasting = spilling or now - high_since >= DWELL
+            if lasting and not draining and (next_fill is None or next_fill < HIGH_FILL):
                 wanted = trim * max(MAX_CUT, TARGET_FILL / fill)
         elif before.keep < 1.0 and (fill is None or fill < LOW_FILL):
             wanted = trim + STEP
@@ -293,6 +303,7 @@ def _feed_forward(
         trim_since=trim_since,
         healthy=healthy,
         ramp=ramp,
+        high_since=high_since,
     )
 
 

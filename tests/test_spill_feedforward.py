@@ -99,6 +99,21 @@ def test_a_ramp_goes_on_when_feed_forward_comes_back_in_the_middle_of_it() -> No
     assert later.keep == pytest.approx(FLOOR + 2 * STEP)
 
 
+def test_under_capacity_only_a_lasting_queue_corrects_the_estimate() -> None:
+    calm = _ff(None, arrivals=6.0, capacity=8.5, fill=0.7)
+    burst = _ff(calm, arrivals=6.0, capacity=8.5, fill=1.3, now=110.0)
+    assert burst.trim == 1.0 and burst.keep == 1.0  # a burst: the estimate stands
+    lasting = _ff(burst, arrivals=6.0, capacity=8.5, fill=1.3, now=110.0 + DWELL)
+    assert lasting.trim < 1.0  # still queueing a dwell later: the estimate was too high
+    over = _ff(None, arrivals=11.0, capacity=8.5, fill=1.3)
+    assert over.trim < 1.0  # spilling already: the fill corrects at once
+
+
+def test_nothing_is_cut_towards_a_next_priority_without_serving_replicas() -> None:
+    down = _ff(None, arrivals=11.0, capacity=8.5, fill=1.3, next_fill=float("inf"))
+    assert down.trim == 1.0
+
+
 def test_without_arrivals_the_fill_loop_alone_decides() -> None:
     assert _ff(None, fill=1.1).keep == pytest.approx(0.95 / 1.1, abs=1e-4)
     assert not _ff(None, fill=1.1).feed_forward
