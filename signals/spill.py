@@ -37,7 +37,7 @@ at once: only the excess crosses, and a locality that lost replicas (a spot wave
 their capacity in the same round. The fill loop above then corrects the estimate rather than
 the share: ``trim`` falls when the fill queues and rises back when it has room, with the
 same dwell, and the floor still holds. While the estimate says no spill is needed, only a
-queue that lasts a dwell moves ``trim``: arrivals come in bursts, and one queues for a
+queue that lasts ``LASTING`` seconds moves ``trim``: arrivals come in bursts, and one queues for a
 moment well under capacity. Moves of ``keep`` smaller than ``DEADBAND`` are left
 out, so the noise of a Poisson arrival count does not push Envoy a new factor every round.
 
@@ -80,6 +80,10 @@ that formed while the spill was found drains."""
 DEADBAND = 0.05
 """Feed-forward leaves ``keep`` alone when its new value is this close: the arrival rate over
 a few seconds is a Poisson count, and every move of the factor is an EDS push."""
+LASTING = 15.0
+"""Seconds a queue must last, while the estimate says the locality has room, before it lowers
+``trim``: at 70% of capacity a burst of arrivals queues for several seconds (seen in the
+regions benchmark with 5 s), and a ``trim`` learned then over-spills the next overload."""
 TRIM_RANGE = (0.5, 1.5)
 """Bounds of the fill loop's correction of the feed-forward estimate."""
 MAX_CUT = 0.85
@@ -270,7 +274,7 @@ def _feed_forward(
         wanted = trim
         if fill is not None and queueing:
             draining = before.step_fill is not None and fill < before.step_fill
-            lasting = spilling or now - high_since >= DWELL
+            lasting = spilling or now - high_since >= LASTING
             if lasting and not draining and (next_fill is None or next_fill < HIGH_FILL):
                 wanted = trim * max(MAX_CUT, TARGET_FILL / fill)
         elif before.keep < 1.0 and (fill is None or fill < LOW_FILL):
@@ -313,6 +317,7 @@ __all__ = [
     "ENVOY_OVERPROVISIONING",
     "FLOOR",
     "HIGH_FILL",
+    "LASTING",
     "LOAD",
     "LOW_FILL",
     "STEP",

@@ -16,7 +16,16 @@ from compiler.plan import PlanEndpoint
 from controlplane.local import find_binary
 from policies import Fleet, Pool, RoutingPolicy
 from signals import PolicyState
-from signals.spill import DEADBAND, DWELL, FLOOR, LOAD, STEP, SpillDecision, decide_spill
+from signals.spill import (
+    DEADBAND,
+    DWELL,
+    FLOOR,
+    LASTING,
+    LOAD,
+    STEP,
+    SpillDecision,
+    decide_spill,
+)
 from signals.telemetry import TelemetryRecord
 from tests.harness.golden import load_case
 from xdsserver.arrivals import ARRIVAL_WINDOW, CHANGE_WINDOW, MIN_SPAN, ArrivalBook
@@ -103,8 +112,10 @@ def test_under_capacity_only_a_lasting_queue_corrects_the_estimate() -> None:
     calm = _ff(None, arrivals=6.0, capacity=8.5, fill=0.7)
     burst = _ff(calm, arrivals=6.0, capacity=8.5, fill=1.3, now=110.0)
     assert burst.trim == 1.0 and burst.keep == 1.0  # a burst: the estimate stands
-    lasting = _ff(burst, arrivals=6.0, capacity=8.5, fill=1.3, now=110.0 + DWELL)
-    assert lasting.trim < 1.0  # still queueing a dwell later: the estimate was too high
+    still = _ff(burst, arrivals=6.0, capacity=8.5, fill=1.3, now=110.0 + DWELL)
+    assert still.trim == 1.0
+    lasting = _ff(still, arrivals=6.0, capacity=8.5, fill=1.3, now=110.0 + LASTING)
+    assert lasting.trim < 1.0  # still queueing long after: the estimate was too high
     over = _ff(None, arrivals=11.0, capacity=8.5, fill=1.3)
     assert over.trim < 1.0  # spilling already: the fill corrects at once
 
