@@ -274,7 +274,9 @@ def _feed_forward(
         wanted = trim
         if fill is not None and queueing:
             draining = before.step_fill is not None and fill < before.step_fill
-            lasting = spilling or now - high_since >= LASTING
+            # A spill already in force for a dwell that still queues: the estimate is too
+            # high. (Not in the round the spill starts: that queue formed before it.)
+            lasting = (spilling and before.keep < 1.0) or now - high_since >= LASTING
             if lasting and not draining and (next_fill is None or next_fill < HIGH_FILL):
                 wanted = trim * max(MAX_CUT, TARGET_FILL / fill)
         elif before.keep < 1.0 and (fill is None or fill < LOW_FILL):

@@ -117,7 +117,9 @@ def test_under_capacity_only_a_lasting_queue_corrects_the_estimate() -> None:
     lasting = _ff(still, arrivals=6.0, capacity=8.5, fill=1.3, now=110.0 + LASTING)
     assert lasting.trim < 1.0  # still queueing long after: the estimate was too high
     over = _ff(None, arrivals=11.0, capacity=8.5, fill=1.3)
-    assert over.trim < 1.0  # spilling already: the fill corrects at once
+    assert over.trim == 1.0 and over.keep < 1.0  # the spill starts: its queue came before it
+    still = _ff(over, arrivals=11.0, capacity=8.5, fill=1.3, now=100.0 + DWELL)
+    assert still.trim < 1.0  # spilling for a dwell and still queueing: the fill corrects
 
 
 def test_nothing_is_cut_towards_a_next_priority_without_serving_replicas() -> None:

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +31,6 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from bench.difficulty.luaprice import BACKEND, _body, _cpu, _request
 from compiler import compile_plan
 from compiler.plan import FleetPlan
 from controlplane.local import find_binary
@@ -41,6 +41,66 @@ from xdsserver.arrivals import ArrivalBook
 from xdsserver.signals import AccessLogServer, SignalBook
 from xdsserver.static import static_bootstrap
 from xdsserver.translate import translate
+
+UPSTREAM = r"""
+import asyncio, sys
+BODY = b'{"id":"x","object":"chat.completion","model":"small","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}'
+CHUNK = b'data: {"id":"x","model":"small","choices":[{"delta":{"content":"ok"}}]}\n\n'
+async def handle(reader, writer):
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            body = await reader.readexactly(length)
+            if b'"stream": true' in body:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                for piece in (CHUNK, CHUNK, b"data: [DONE]\n\n"):
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                writer.write(b"0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
+    async with server:
+        await server.serve_forever()
+asyncio.run(main())
+"""
+"""An upstream that answers at once, as JSON or as a short SSE stream (``argv[1]``: port)."""
+
+
+def _cpu(pid: int) -> float:
+    """User and system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _body(stream: bool = False) -> bytes:
+    body: dict[str, Any] = {
+        "model": "small",
+        "messages": [{"role": "user", "content": "Explain how the cache works and why."}],
+    }
+    if stream:
+        body["stream"] = True
+    return json.dumps(body).encode()
+
+
+def _request(conn: http.client.HTTPConnection, body: bytes) -> tuple[float, float]:
+    """(time to the first body byte, total time)."""
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    response = conn.getresponse()
+    response.read(1)
+    first = time.perf_counter() - start
+    response.read()
+    if response.status != 200:
+        raise RuntimeError(f"status {response.status}")
+    return first, time.perf_counter() - start
 
 
 def _fleet(listener: int, backend: int) -> FleetPlan:
@@ -132,7 +192,7 @@ def _connect(port: int) -> http.client.HTTPConnection:
     while True:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            _request(conn, _body("small", 100))
+            _request(conn, _body())
             return conn
         except (OSError, RuntimeError):
             if time.monotonic() > deadline:
@@ -148,7 +208,7 @@ def measure(requests: int) -> dict[str, Any]:
     ready.wait(10)
     ports = {"without": free_port(), "with": free_port()}
     upstream = subprocess.Popen(
-        [sys.executable, "-c", BACKEND, str(backend)], stdout=subprocess.DEVNULL
+        [sys.executable, "-c", UPSTREAM, str(backend)], stdout=subprocess.DEVNULL
     )
     envoys: dict[str, subprocess.Popen[bytes]] = {}
     with tempfile.TemporaryDirectory() as workdir:
@@ -176,7 +236,7 @@ def measure(requests: int) -> dict[str, Any]:
             conns = {kind: _connect(port) for kind, port in ports.items()}
             results: dict[str, Any] = {}
             for label, stream in (("JSON", False), ("streamed", True)):
-                body = _body("small", 100, stream)
+                body = _body(stream)
                 times: dict[str, list[float]] = {kind: [] for kind in ports}
                 cpu = dict.fromkeys(ports, 0.0)
                 for _ in range(50):
@@ -187,7 +247,7 @@ def measure(requests: int) -> dict[str, Any]:
                     for kind in ("with", "without") if index % 2 else ("without", "with"):
                         before = _cpu(envoys[kind].pid)
                         for _ in range(block):
-                            first, total, _model = _request(conns[kind], body)
+                            first, total = _request(conns[kind], body)
                             times[kind].append(first if stream else total)
                         cpu[kind] += _cpu(envoys[kind].pid) - before
                 results[label] = {
