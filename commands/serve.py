@@ -191,6 +191,7 @@ async def serve(
     # Spill reads each fleet's arrival rate and its locality's service times at every compile.
     reconciler.arrivals = arrivals.rates
     reconciler.service_times = arrivals.service_times
+    reconciler.completions = arrivals.completions
     difficulty = DifficultyLoop(
         scores,
         lambda: virtual_models_of(reconciler.state.policies if reconciler.state else {}),

@@ -168,7 +168,9 @@ def capacity(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | N
     """Requests per second `endpoints` can serve: each one's batch slots (``max_running`` from
     fresh telemetry) over the mean time a request is served there (Little's law at a full
     batch; ``PolicyState.service_times``), a replica without its own time taking the mean of
-    the others'. None when no replica has both a fresh batch size and a time."""
+    the others', or what they completed per second over the last seconds when that is more
+    (a full locality's completion rate is its capacity). None when no replica has both a
+    fresh batch size and a time."""
     keys = [f"{e.address}:{e.port}" for e in endpoints]
     times = [state.service_times[key] for key in keys if key in state.service_times]
     if not times:
@@ -185,7 +187,12 @@ def capacity(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | N
         seconds = state.service_times.get(key, mean_time)
         if seconds > 0:
             total += record.max_running / seconds
-    return round(total, 4) if total > 0 else None
+    if total <= 0:
+        return None
+    # What the replicas completed is capacity they have: while they are full it is all of
+    # it, and it holds where the byte timings lag the batch (a slow stream writer).
+    done = sum(state.completions.get(key, 0.0) for key in keys)
+    return round(max(total, done), 4)
 
 
 def _fill(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:

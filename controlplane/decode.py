@@ -152,6 +152,7 @@ class DecodedState:
         provider_backoff: Mapping[str, float] | None = None,
         arrivals: Mapping[str, float] | None = None,
         service_times: Mapping[str, float] | None = None,
+        completions: Mapping[str, float] | None = None,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
         per-pool mappings are shared with this state and must not be changed."""
@@ -169,4 +170,5 @@ class DecodedState:
             provider_backoff=provider_backoff or {},
             arrivals=arrivals or {},
             service_times=service_times or {},
+            completions=completions or {},
         )

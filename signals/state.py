@@ -52,6 +52,9 @@ class PolicyState:
     service_times: Mapping[str, float] = field(default_factory=dict)
     """Mean seconds a streamed request spent being served (first to last byte from the
     replica) on each upstream host, ``address:port``, over its recent requests."""
+    completions: Mapping[str, float] = field(default_factory=dict)
+    """Answers completed per second on each upstream host, ``address:port``, over the last
+    few seconds (from every fleet's arrivals log)."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)

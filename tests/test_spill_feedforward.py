@@ -201,6 +201,9 @@ def test_capacity_is_the_slots_over_the_service_time() -> None:
     # 16 slots each; the second replica takes the first one's time: 32 / 8 s.
     assert capacity([_endpoint(1), _endpoint(2)], state) == pytest.approx(4.0)
     assert capacity([_endpoint(1)], _located()) is None  # no time measured
+    # Completing more than the byte timings allow: the completion rate is the capacity.
+    busy = replace(state, completions={"10.0.1.1:8000": 3.0, "10.0.1.2:8000": 2.5})
+    assert capacity([_endpoint(1), _endpoint(2)], busy) == pytest.approx(5.5)
     stale = replace(state, now=200.0)
     assert capacity([_endpoint(1), _endpoint(2)], stale) is None  # no fresh batch size
 
@@ -291,8 +294,11 @@ def test_the_arrival_book_times_streamed_answers_from_first_to_last_byte() -> No
     book.observe(_entry(END, first=0.1, last=9.0, status=503), "us")
     book.observe(_entry(END), "us")  # no bytes back
     assert book.service_times() == {"10.0.1.1:8000": pytest.approx(7.5)}
+    clock[0] += MIN_SPAN
+    # Every 200 counts as a completion, streamed or not: four over the two seconds.
+    assert book.completions() == {"10.0.1.1:8000": pytest.approx(4 / MIN_SPAN)}
     clock[0] += 60
-    assert book.service_times() == {}
+    assert book.service_times() == {} and book.completions() == {}
 
 
 def test_rollout_signals_skip_the_start_entries() -> None:

@@ -78,6 +78,8 @@ class ArrivalBook:
         self._starts: dict[str, deque[float]] = {}
         self._first: dict[str, float] = {}
         self._served: dict[str, deque[tuple[float, float]]] = {}
+        self._done: dict[str, deque[float]] = {}
+        self._done_first: dict[str, float] = {}
         self.entries = 0
         """Entries read (starts and ends)."""
 
@@ -101,6 +103,9 @@ class ArrivalBook:
         socket = common.upstream_remote_address.socket_address
         if not socket.address or entry.response.response_code.value != 200:
             return
+        host = f"{socket.address}:{socket.port_value}"
+        self._done.setdefault(host, deque()).append(now)
+        self._done_first.setdefault(host, now)
         if not (
             common.HasField("time_to_first_upstream_rx_byte")
             and common.HasField("time_to_last_upstream_rx_byte")
@@ -110,7 +115,6 @@ class ArrivalBook:
             common.time_to_first_upstream_rx_byte
         )
         if seconds >= MIN_SERVICE:
-            host = f"{socket.address}:{socket.port_value}"
             self._served.setdefault(host, deque()).append((now, seconds))
 
     def rates(self, now: float | None = None) -> dict[str, float]:
@@ -138,6 +142,25 @@ class ArrivalBook:
             if abs(recent - expected) > CHANGE_SIGMAS * math.sqrt(max(expected, 1.0)):
                 rate = recent / short_span
             out[key] = round(rate, 4)
+        return out
+
+    def completions(self, now: float | None = None) -> dict[str, float]:
+        """``address:port`` -> answers completed there per second (200, from any fleet)
+        over the last ``ARRIVAL_WINDOW``: while its replicas are full, a locality's
+        completion rate is its capacity, whatever its byte timings say."""
+        now = self.clock() if now is None else now
+        out: dict[str, float] = {}
+        for host in list(self._done):
+            done = self._done[host]
+            while done and done[0] <= now - ARRIVAL_WINDOW:
+                done.popleft()
+            if not done:
+                del self._done[host]
+                self._done_first.pop(host, None)
+                continue
+            age = now - self._done_first[host]
+            if age >= MIN_SPAN:
+                out[host] = round(len(done) / min(ARRIVAL_WINDOW, age), 4)
         return out
 
     def service_times(self, now: float | None = None) -> dict[str, float]:
