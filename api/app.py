@@ -316,8 +316,9 @@ def _saturation(plan: RoutingPlan | None) -> list[dict[str, Any]]:
 
 def _spill(plan: RoutingPlan | None) -> list[dict[str, Any]]:
     """Per located fleet and route: the share of the fleet's traffic its own locality keeps
-    (the rest spills to the next priority), the replicas it has, their batch fill, and
-    whether it is back from an outage and ramping."""
+    (the rest spills to the next priority), the replicas it has, their batch fill, whether
+    it is back from an outage and ramping, and, with feed-forward, the fleet's arrival rate,
+    its locality's capacity (requests per second) and the fill loop's correction."""
     if plan is None:
         return []
     return [
@@ -328,6 +329,9 @@ def _spill(plan: RoutingPlan | None) -> list[dict[str, Any]]:
             "batchFill": decision.fill,
             "outage": decision.outage,
             "since": decision.since if math.isfinite(decision.since) else None,
+            "arrivals": decision.arrivals,
+            "capacity": decision.capacity,
+            "trim": decision.trim,
         }
         for key, decision in sorted(plan.spill.items())
     ]

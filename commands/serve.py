@@ -50,6 +50,7 @@ from controlplane.spend import (
     SpendPublisher,
     fleet_spend,
 )
+from xdsserver.arrivals import ArrivalBook
 from xdsserver.difficultylog import ScoreBook
 from xdsserver.identity import FleetBinding
 from xdsserver.server import AdsServer
@@ -189,9 +190,20 @@ async def serve(
     usage = UsageBook(PlanContext(lambda: reconciler.plan, lambda: reconciler.state))
     registry.register(SpendCollector(usage.ledger))
     registry.register(SavingsCollector(usage.ledger, lambda: reconciler.state))
+    arrivals = ArrivalBook()
     AccessLogServer(
-        signals, cache, binding=binding, status=connections, scores=scores, usage=usage
+        signals,
+        cache,
+        binding=binding,
+        status=connections,
+        scores=scores,
+        usage=usage,
+        arrivals=arrivals,
     ).add_to(grpc_server)
+    # Spill reads each fleet's arrival rate and its locality's service times at every compile.
+    reconciler.arrivals = arrivals.rates
+    reconciler.service_times = arrivals.service_times
+    reconciler.completions = arrivals.completions
     difficulty = DifficultyLoop(
         scores,
         lambda: virtual_models_of(reconciler.state.policies if reconciler.state else {}),

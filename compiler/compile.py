@@ -163,9 +163,10 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
             clusters: list[PlanCluster] = []
             for port, policies in _by_port(state, fleet).items():
                 vhosts, port_clusters, port_diagnostics = merge_listener(fleet, policies, in_fleet)
+                feed_forward = where is not None and settings.spill_signal == "arrivals"
                 if where is not None or any(p.spec.prefer_capacity for p in state.pools.values()):
                     port_clusters, vhosts = _fleet_views(
-                        name, where, port_clusters, vhosts, state, spill
+                        name, where, port_clusters, vhosts, state, spill, feed_forward
                     )
                 diagnostics.extend(port_diagnostics)
                 clusters.extend(port_clusters)
@@ -185,6 +186,10 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                             for vhost in vhosts
                             for route in vhost.routes
                         ),
+                        # A located fleet's spill reads its Envoys' request starts. Not
+                        # tied to how many priorities there are now: a listener change
+                        # drains the listener's connections.
+                        arrivals_log=feed_forward and any(c.kind == "eds" for c in port_clusters),
                         tracing=settings.tracing,
                     )
                 )
@@ -228,6 +233,7 @@ def _fleet_views(
     vhosts: list[PlanVirtualHost],
     state: PolicyState,
     spill: dict[str, SpillDecision],
+    feed_forward: bool = True,
 ) -> tuple[list[PlanCluster], list[PlanVirtualHost]]:
     """The clusters of one listener as `fleet` (at `where`) gets them, with each spill
     decision recorded in `spill`; the routes whose cluster now has several priorities retry
@@ -240,7 +246,7 @@ def _fleet_views(
             continue
         view = fleet_view(cluster, where, state.pools)
         count = priorities(view)
-        decision = spill_decision(fleet, cluster, view, where, state)
+        decision = spill_decision(fleet, cluster, view, where, state, feed_forward=feed_forward)
         spill[spill_key(fleet, view.eds_service or view.name)] = decision
         if count > 1 and decision.keep < 1.0:
             # With one priority there is nowhere to spill to: Envoy's default stays.

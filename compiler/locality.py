@@ -4,7 +4,8 @@ A route's cluster lists its replicas with failover tier k at priority k. For a f
 declares where it runs (``Fleet.spec.locality``) each tier is split again, nearest first: the
 fleet's own zone, the rest of its own region, then every other region (endpoints without a
 locality count as far away). For a pool with ``preferCapacity`` each of those is split once
-more by capacity kind, the preferred kind first. The resulting (tier, place, kind) groups
+more by capacity kind, the preferred kind first (the cheapest first where the pool prices its
+kinds, ``PoolSpec.capacity_order``). The resulting (tier, place, kind) groups
 become priorities 0, 1, 2, ... in that order, without gaps, so Envoy's priority machinery
 does the rest: a priority spills to the next what its health cannot serve (the
 overprovisioning factor, 1.4 by default), a draining or dead replica's share moves at once,
@@ -15,6 +16,7 @@ the locality that serves it. Saturation, which Envoy cannot see, moves the facto
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -65,7 +67,7 @@ def fleet_view(
 ) -> PlanCluster:
     """`cluster` with its endpoints' priorities as a fleet at `where` gets them."""
     prefer = {
-        name: pool.spec.prefer_capacity
+        name: pool.spec.capacity_order()
         for name in {endpoint.pool for endpoint in cluster.endpoints}
         if (pool := pools.get(name)) is not None
     }
@@ -123,12 +125,19 @@ def spill_key(fleet: str, cluster: str) -> str:
 
 
 def spill_decision(
-    fleet: str, cluster: PlanCluster, view: PlanCluster, where: Locality | None, state: PolicyState
+    fleet: str,
+    cluster: PlanCluster,
+    view: PlanCluster,
+    where: Locality | None,
+    state: PolicyState,
+    *,
+    feed_forward: bool = True,
 ) -> SpillDecision:
     """This round's spill for `fleet`'s `view` of `cluster` (the fleet at `where`): from the
     replicas of its own locality in the first tier that serve (healthy or degraded), the
     telemetry of the replicas at the view's priority 0 and that of priority 1. Decided even
-    while the fleet's locality has no replica, so that it ramps back when they return."""
+    while the fleet's locality has no replica, so that it ramps back when they return. With
+    `feed_forward`, the fleet's arrival rate and its locality's capacity set the share."""
     home = [
         e
         for e in cluster.endpoints
@@ -137,16 +146,53 @@ def spill_decision(
     serving = [e for e in view.endpoints if e.priority == 0 and e.health in _SERVING]
     spill_to = [e for e in view.endpoints if e.priority == 1 and e.health in _SERVING]
     key = spill_key(fleet, cluster.eds_service or cluster.name)
+    first = [e for e in view.endpoints if e.priority == 0]
     return decide_spill(
         state.previous_spill.get(key),
         local=len(home),
         fill=_fill(serving, state),
-        next_fill=_fill(spill_to, state),
+        # No replica of the next priority serves: spilling more gains nothing (Envoy keeps
+        # everything here anyway), so nothing is cut (as into one that queues).
+        next_fill=_fill(spill_to, state) if spill_to else math.inf,
         now=state.now,
+        arrivals=state.arrivals.get(key) if feed_forward else None,
+        capacity=capacity(serving, state) if feed_forward else None,
+        healthy=len(serving) / len(first) if first else 1.0,
     )
 
 
 _SERVING = ("healthy", "degraded")
+
+
+def capacity(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
+    """Requests per second `endpoints` can serve: each one's batch slots (``max_running`` from
+    fresh telemetry) over the mean time a request is served there (Little's law at a full
+    batch; ``PolicyState.service_times``), a replica without its own time taking the mean of
+    the others', or what they completed per second over the last seconds when that is more
+    (a full locality's completion rate is its capacity). None when no replica has both a
+    fresh batch size and a time."""
+    keys = [f"{e.address}:{e.port}" for e in endpoints]
+    times = [state.service_times[key] for key in keys if key in state.service_times]
+    if not times:
+        return None
+    mean_time = sum(times) / len(times)
+    total = 0.0
+    for endpoint, key in zip(endpoints, keys, strict=True):
+        pool = state.pools.get(endpoint.pool)
+        record = state.telemetry.get(endpoint.pool, {}).get(key)
+        if pool is None or pool.spec.telemetry is None or record is None:
+            continue
+        if not record.max_running or state.now - record.at > pool.spec.telemetry.max_age:
+            continue
+        seconds = state.service_times.get(key, mean_time)
+        if seconds > 0:
+            total += record.max_running / seconds
+    if total <= 0:
+        return None
+    # What the replicas completed is capacity they have: while they are full it is all of
+    # it, and it holds where the byte timings lag the batch (a slow stream writer).
+    done = sum(state.completions.get(key, 0.0) for key in keys)
+    return round(max(total, done), 4)
 
 
 def _fill(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
@@ -177,6 +223,7 @@ __all__ = [
     "NEAR",
     "PLACE_SEPARATOR",
     "REGION",
+    "capacity",
     "capacity_rank",
     "fleet_view",
     "needs_view",

@@ -337,6 +337,9 @@ class PlanListener:
     """Report every upstream attempt (pool host, status, time to first byte) to kvpilot over
     Envoy's gRPC access log service: some route here is under a Rollout that reads the
     data plane."""
+    arrivals_log: bool = False
+    """Report each upstream attempt's start and end to kvpilot (``xdsserver.arrivals``): a
+    route here spills by its fleet's arrival rate (``FleetSpec.spill``)."""
     tracing: Tracing | None = None
     """The fleet's OpenTelemetry tracing, when it traces requests."""
 

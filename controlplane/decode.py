@@ -150,6 +150,9 @@ class DecodedState:
         previous_overflow: Mapping[str, OverflowDecision] | None = None,
         now: float = 0.0,
         provider_backoff: Mapping[str, float] | None = None,
+        arrivals: Mapping[str, float] | None = None,
+        service_times: Mapping[str, float] | None = None,
+        completions: Mapping[str, float] | None = None,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
         per-pool mappings are shared with this state and must not be changed."""
@@ -165,4 +168,7 @@ class DecodedState:
             previous_overflow=previous_overflow or {},
             now=now,
             provider_backoff=provider_backoff or {},
+            arrivals=arrivals or {},
+            service_times=service_times or {},
+            completions=completions or {},
         )

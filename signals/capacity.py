@@ -97,12 +97,14 @@ def pool_costs(
                 )
             )
             continue
-        replicas = sum(
-            1
+        serving = [
+            endpoint
             for endpoint in pool_endpoints(pool, state.registered.get(name, {}))
             if endpoint.health in ("healthy", "degraded")
-        )
-        hourly = price.replica_hour * replicas
+        ]
+        replicas = len(serving)
+        # Each replica at the price of its capacity kind (spot, on-demand, ...).
+        hourly = sum((price.replica_price(e.capacity) or Decimal(0) for e in serving), Decimal(0))
         cost = (
             (hourly * Decimal(str(round(elapsed, 3))) / 3600).quantize(Decimal("0.000001"))
             if elapsed is not None

@@ -26,6 +26,25 @@ telemetry says (a wrong reading cannot send the whole fleet away), and rises bac
 when the fill is unknown (stale or missing telemetry: fail local; Envoy's health spill still
 works).
 
+Feed-forward: the fleet's arrivals against its locality's capacity
+-------------------------------------------------------------------
+Batch fill shows a cut only as the requests admitted before it finish (seconds for LLM
+requests), and a queue that formed before the cut keeps the fill high after the rate is
+right. Where Envoy reports each request's start (``xdsserver.arrivals``), the loop knows the
+fleet's arrival rate A and its locality's capacity C (its batch slots over the mean time one
+request is served there, Little's law), and sets ``keep = trim x LOAD x C / A`` (at most 1)
+at once: only the excess crosses, and a locality that lost replicas (a spot wave) loses
+their capacity in the same round. The fill loop above then corrects the estimate rather than
+the share: ``trim`` falls when the fill queues and rises back when it has room, with the
+same dwell, and the floor still holds. While the estimate says no spill is needed, only a
+queue that lasts ``LASTING`` seconds moves ``trim``: arrivals come in bursts, and one queues for a
+moment well under capacity. Moves of ``keep`` smaller than ``DEADBAND`` are left
+out, so the noise of a Poisson arrival count does not push Envoy a new factor every round.
+
+With feed-forward the factor also counts priority 0's healthy share h: Envoy gives it
+``h x factor``, so the factor is ``keep / h``, never more than Envoy's own 140 (health
+spill stays an upper bound on what the locality keeps).
+
 A locality that comes back
 --------------------------
 When a fleet's own locality lost every replica and has some again (a region back after an
@@ -37,7 +56,7 @@ not flooded.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ENVOY_OVERPROVISIONING = 140
 """Envoy's default overprovisioning factor, in percent: what a locality keeping everything
@@ -55,6 +74,18 @@ LOW_FILL = 0.85
 """Below this the locality has room: keep more."""
 STEP = 0.1
 """How much ``keep`` rises per step, when the locality has room or comes back."""
+LOAD = 0.97
+"""The share of its capacity a locality is given by feed-forward: a little under 1, so a queue
+that formed while the spill was found drains."""
+DEADBAND = 0.05
+"""Feed-forward leaves ``keep`` alone when its new value is this close: the arrival rate over
+a few seconds is a Poisson count, and every move of the factor is an EDS push."""
+LASTING = 15.0
+"""Seconds a queue must last, while the estimate says the locality has room, before it lowers
+``trim``: at 70% of capacity a burst of arrivals queues for several seconds (seen in the
+regions benchmark with 5 s), and a ``trim`` learned then over-spills the next overload."""
+TRIM_RANGE = (0.5, 1.5)
+"""Bounds of the fill loop's correction of the feed-forward estimate."""
 MAX_CUT = 0.85
 """``keep`` falls at most to this share of itself in one step."""
 DWELL = 5.0
@@ -83,10 +114,38 @@ class SpillDecision:
     step_fill: float | None = field(default=None, compare=False)
     """The fill when ``keep`` last changed: a queue that has shrunk since is draining, and
     the last cut is left to work before another."""
+    arrivals: float | None = field(default=None, compare=False)
+    """Requests per second the fleet's Envoys started on this route (feed-forward); None:
+    not reported."""
+    capacity: float | None = field(default=None, compare=False)
+    """Requests per second the fleet's own locality can serve: its serving replicas' batch
+    slots over the mean service time there; None: unknown."""
+    trim: float = 1.0
+    """The fill loop's correction of the feed-forward estimate (``TRIM_RANGE``)."""
+    trim_since: float = -math.inf
+    """Wall-clock time of the last change of ``trim``."""
+    healthy: float = 1.0
+    """Share of priority 0's replicas that serve (Envoy scales the factor by it)."""
+    ramp: bool = False
+    """The locality is taking its traffic back after an outage, ``STEP`` per ``DWELL``,
+    whatever the feed-forward would allow."""
+    high_since: float = field(default=math.inf, compare=False)
+    """Since when the fill has been above ``HIGH_FILL`` (infinite: it is not)."""
+
+    @property
+    def feed_forward(self) -> bool:
+        """True when ``keep`` came from the arrival rate and the capacity."""
+        return bool(self.arrivals and self.capacity)
 
     @property
     def overprovisioning(self) -> int:
         """The ClusterLoadAssignment's overprovisioning factor, in percent."""
+        if self.feed_forward and self.keep < 1.0:
+            # Envoy gives priority 0 min(1, healthy x factor): the factor that gives it `keep`
+            # with only part of it healthy, never above Envoy's own (health spill still
+            # bounds what the locality keeps).
+            wanted = 100 * self.keep / max(self.healthy, 0.01)
+            return max(1, min(ENVOY_OVERPROVISIONING, round(wanted)))
         if self.keep >= 1.0:
             return ENVOY_OVERPROVISIONING
         return max(1, round(100 * self.keep))
@@ -107,12 +166,56 @@ def decide_spill(
     fill: float | None,
     now: float,
     next_fill: float | None = None,
+    arrivals: float | None = None,
+    capacity: float | None = None,
+    healthy: float = 1.0,
 ) -> SpillDecision:
     """This round's share for one fleet and route, from the last round's, the number of
     replicas in the fleet's priority 0 and their batch fill; `next_fill` is the fill of the
     priority that would take the spill (a spill into replicas that queue as well gains
-    nothing, so none is added then)."""
+    nothing, so none is added then). With `arrivals` and `capacity` (requests per second)
+    the share follows them at once and the fill corrects the estimate (module docstring);
+    `healthy` is the share of priority 0's replicas that serve."""
+    decision = _decide(
+        previous,
+        local=local,
+        fill=fill,
+        now=now,
+        next_fill=next_fill,
+        arrivals=arrivals,
+        capacity=capacity,
+        healthy=healthy,
+    )
+    if arrivals is not None and decision.arrivals is None:
+        # Shown in status and logs although the fill loop decided (no capacity yet).
+        decision = replace(decision, arrivals=arrivals)
+    return decision
+
+
+def _decide(
+    previous: SpillDecision | None,
+    *,
+    local: int,
+    fill: float | None,
+    now: float,
+    next_fill: float | None,
+    arrivals: float | None,
+    capacity: float | None,
+    healthy: float,
+) -> SpillDecision:
     before = previous or SpillDecision()
+    if arrivals and capacity and local > 0 and not before.outage:
+        # (A ramp after an outage goes on under feed-forward, limited by it.)
+        return _feed_forward(
+            before,
+            local=local,
+            fill=fill,
+            now=now,
+            next_fill=next_fill,
+            arrivals=arrivals,
+            capacity=capacity,
+            healthy=healthy,
+        )
     keep = before.keep
     if local == 0:
         # Nothing to keep: Envoy sends everything on by health. Remember an outage, so the
@@ -123,7 +226,7 @@ def decide_spill(
         return SpillDecision(keep=keep, since=since, local=0, fill=fill, outage=outage)
     if before.outage:
         # Back from an outage: start low, rise by steps from now.
-        return SpillDecision(keep=FLOOR, since=now, local=local, fill=fill)
+        return SpillDecision(keep=FLOOR, since=now, local=local, fill=fill, ramp=True)
     if now - before.since < DWELL:
         pass
     elif fill is not None and fill > HIGH_FILL:
@@ -133,18 +236,91 @@ def decide_spill(
     elif keep < 1.0 and (fill is None or fill < LOW_FILL):
         keep = min(1.0, keep + STEP)
     keep = round(keep, 4)
+    # A ramp after an outage stays one until it reaches all of the traffic, so that feed-
+    # forward, when its signal comes back, goes on from the ramp rather than jumping.
+    ramp = before.ramp and keep < 1.0
     if keep == before.keep:
         return SpillDecision(
-            keep=keep, since=before.since, local=local, fill=fill, step_fill=before.step_fill
+            keep=keep,
+            since=before.since,
+            local=local,
+            fill=fill,
+            step_fill=before.step_fill,
+            ramp=ramp,
         )
-    return SpillDecision(keep=keep, since=now, local=local, fill=fill, step_fill=fill)
+    return SpillDecision(keep=keep, since=now, local=local, fill=fill, step_fill=fill, ramp=ramp)
+
+
+def _feed_forward(
+    before: SpillDecision,
+    *,
+    local: int,
+    fill: float | None,
+    now: float,
+    next_fill: float | None,
+    arrivals: float,
+    capacity: float,
+    healthy: float,
+) -> SpillDecision:
+    """The share from the arrival rate and the capacity, corrected by the fill loop."""
+    trim, trim_since = before.trim, before.trim_since
+    queueing = fill is not None and fill > HIGH_FILL
+    high_since = (before.high_since if before.high_since <= now else now) if queueing else math.inf
+    # While the estimate says the locality has room (no spill), a queue says it is wrong only
+    # when it lasts: a burst of arrivals queues for a moment at 70% of capacity too.
+    spilling = arrivals >= trim * LOAD * capacity
+    # The fill shows a change of the share only as the requests admitted before it finish.
+    if now - max(trim_since, before.since) >= DWELL:
+        wanted = trim
+        if fill is not None and queueing:
+            draining = before.step_fill is not None and fill < before.step_fill
+            # A spill already in force for a dwell that still queues: the estimate is too
+            # high. (Not in the round the spill starts: that queue formed before it.)
+            lasting = (spilling and before.keep < 1.0) or now - high_since >= LASTING
+            if lasting and not draining and (next_fill is None or next_fill < HIGH_FILL):
+                wanted = trim * max(MAX_CUT, TARGET_FILL / fill)
+        elif before.keep < 1.0 and (fill is None or fill < LOW_FILL):
+            wanted = trim + STEP
+        elif trim < 1.0 and (fill is None or fill < LOW_FILL):
+            # No spill needed and room to spare: the correction relaxes.
+            wanted = min(1.0, trim + STEP)
+        wanted = round(min(TRIM_RANGE[1], max(TRIM_RANGE[0], wanted)), 4)
+        if wanted != trim:
+            trim, trim_since = wanted, now
+    target = round(max(FLOOR, min(1.0, trim * LOAD * capacity / arrivals)), 4)
+    keep, since, step_fill = before.keep, before.since, before.step_fill
+    ramp = before.ramp
+    if ramp and target > keep:
+        # Back from an outage: up by steps, never faster than the ramp.
+        if now - since >= DWELL:
+            keep, since, step_fill = round(min(target, keep + STEP), 4), now, fill
+        ramp = keep < target
+    elif abs(target - keep) >= DEADBAND or (target == 1.0 and keep != 1.0):
+        keep, since, step_fill, ramp = target, now, fill, False
+    return SpillDecision(
+        keep=keep,
+        since=since,
+        local=local,
+        fill=fill,
+        step_fill=step_fill,
+        arrivals=arrivals,
+        capacity=capacity,
+        trim=trim,
+        trim_since=trim_since,
+        healthy=healthy,
+        ramp=ramp,
+        high_since=high_since,
+    )
 
 
 __all__ = [
+    "DEADBAND",
     "DWELL",
     "ENVOY_OVERPROVISIONING",
     "FLOOR",
     "HIGH_FILL",
+    "LASTING",
+    "LOAD",
     "LOW_FILL",
     "STEP",
     "TARGET_FILL",

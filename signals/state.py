@@ -45,6 +45,16 @@ class PolicyState:
     provider_backoff: Mapping[str, float] = field(default_factory=dict)
     """Paid pools resting after a 429: pool name -> wall-clock time its ``Retry-After`` ends
     (learned from Envoy's access log, ``xdsserver.signals``)."""
+    arrivals: Mapping[str, float] = field(default_factory=dict)
+    """Requests per second each fleet's Envoys started on each route cluster, over the last
+    few seconds: ``fleet/cluster`` (``compiler.locality.spill_key``) -> rate (reported at each
+    request's start over the access log service, ``xdsserver.arrivals``)."""
+    service_times: Mapping[str, float] = field(default_factory=dict)
+    """Mean seconds a streamed request spent being served (first to last byte from the
+    replica) on each upstream host, ``address:port``, over its recent requests."""
+    completions: Mapping[str, float] = field(default_factory=dict)
+    """Answers completed per second on each upstream host, ``address:port``, over the last
+    few seconds (from every fleet's arrivals log)."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)

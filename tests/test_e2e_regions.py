@@ -183,6 +183,28 @@ def test_a_saturated_region_spills_only_part_of_its_fleets_traffic(
     # The calm region keeps all of its own.
     assert all(a.startswith("eu-west") for a in _answers(fleets.url("eu-west"), 40))
 
+    # Each Envoy reported its requests' starts (the arrivals log): the next compile, which
+    # fresh telemetry brings, reads each fleet's arrival rate.
+    def arrivals() -> dict[str, float | None]:
+        for region in REGIONS:
+            _answers(fleets.url(region), 5)
+        asyncio.run(
+            _write_telemetry(
+                etcd,
+                etcd_prefix,
+                {**dict.fromkeys(ports["us-east"], busy), **dict.fromkeys(ports["eu-west"], calm)},
+            )
+        )
+        spill = fleets.api.get("/v1/status").json()["spill"]
+        return {e["fleetRoute"]: e["arrivals"] for e in spill}
+
+    wait_until(
+        lambda: all(arrivals().get(f"{r}/chat-{r}/all") for r in REGIONS),
+        30,
+        interval=0.5,
+        message="kvpilot to learn both fleets' arrival rates from their Envoys",
+    )
+
 
 def _factor(envoy: Any) -> int | None:
     """The overprovisioning factor of the first ClusterLoadAssignment Envoy holds."""

@@ -36,10 +36,24 @@ MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
         {"endpoints"},
     ),
     (
+        "spill by arrivals: the located fleets' arrivals log",
+        "regions-locality",
+        ("objects", 2, "spec", "spillSignal"),
+        "fill",
+        {"listeners"},
+    ),
+    (
         "spot preference",
         "regions-spot",
         ("objects", 0, "spec", "preferCapacity"),
         ["on-demand", "spot"],
+        {"endpoints"},
+    ),
+    (
+        "spot preference by price",
+        "regions-spot",
+        ("objects", 0, "spec", "price"),
+        {"replicaHour": "4.20", "byCapacity": {"on-demand": "1.00", "spot": "2.00"}},
         {"endpoints"},
     ),
     (

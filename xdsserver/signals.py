@@ -35,17 +35,17 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import duration_pb2
 
 from compiler.rollout import PoolSignals
-from policies.names import LOCAL_SUFFIX
+from xdsserver.arrivals import ArrivalBook, route_cluster
 from xdsserver.difficultylog import ScoreBook
 from xdsserver.identity import FleetBinding, PeerCheck, check_peer
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
-from xdsserver.translate import AFFINITY_SUFFIX
-from xdsserver.translate.listeners import DIFFICULTY_LOG, RETRY_AFTER
+from xdsserver.translate.listeners import ARRIVALS_LOG, DIFFICULTY_LOG, RETRY_AFTER
 from xdsserver.translate.metadata import POOL_TAG
 from xdsserver.translate.usage import USAGE_LOG_PREFIX
 from xdsserver.usage import UsageBook
@@ -57,14 +57,6 @@ class PoolResolver(Protocol):
     """Which pool an upstream host of a cluster belongs to (None: not a pool's host)."""
 
     def __call__(self, cluster: str, address: str, port: int) -> str | None: ...
-
-
-def route_cluster(cluster: str) -> str:
-    """The route cluster an Envoy cluster belongs to (a hash twin, or its replicas part)."""
-    # A capacity-bound route's twins are "/affinity-<factor>" (policy and route names hold
-    # no "/", so everything from the suffix on is the twin's).
-    head, found, _ = cluster.partition(AFFINITY_SUFFIX)
-    return (head if found else cluster).removesuffix(LOCAL_SUFFIX)
 
 
 def _seconds(value: duration_pb2.Duration) -> float:
@@ -157,6 +149,8 @@ class SignalBook:
     def observe(self, entry: Any, fleet: str = "") -> None:
         """Count one ``HTTPAccessLogEntry`` logged by an Envoy of ``fleet``."""
         common = entry.common_properties
+        if common.access_log_type == accesslog_pb2.AccessLogType.UpstreamPoolReady:
+            return  # an attempt's start (arrivals, on the same router): counted when it ends
         paid = common.custom_tags.get(POOL_TAG, "")
         if paid and entry.response.response_code.value == 429:
             self.rests.observe(paid, entry.response.response_headers.get(RETRY_AFTER))
@@ -217,6 +211,7 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         status: ConnectionRegistry | None = None,
         scores: ScoreBook | None = None,
         usage: UsageBook | None = None,
+        arrivals: ArrivalBook | None = None,
     ) -> None:
         self.book = book
         self.cache = cache
@@ -228,6 +223,8 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         """Where entries of virtual models' score logs go (``xdsserver.difficultylog``)."""
         self.usage = usage
         """Where entries of the usage logs (``kvpilot.usage/<listener>``) go."""
+        self.arrivals = arrivals
+        """Where entries of the arrivals logs (``xdsserver.arrivals``) go."""
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Register the service on a grpc.aio server (beside ADS)."""
@@ -265,6 +262,11 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
                 if self.scores is not None:
                     for entry in message.http_logs.log_entry:
                         self.scores.observe(entry)
+                continue
+            if log_name.startswith(ARRIVALS_LOG):
+                if self.arrivals is not None:
+                    for entry in message.http_logs.log_entry:
+                        self.arrivals.observe(entry, fleet)
                 continue
             if log_name.startswith(USAGE_LOG_PREFIX):
                 if self.usage is not None:

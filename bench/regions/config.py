@@ -8,9 +8,12 @@ from pathlib import Path
 
 from replicasim.simulator import SimConfig
 
-POLICIES = ("blind", "aware")
-"""``blind``: the fleets have no locality (today's behaviour); ``aware``: each fleet declares
-its region, and kvpilot orders the replicas for it (``compiler.locality``)."""
+POLICIES = ("blind", "fill", "aware")
+"""``blind``: the fleets have no locality (today's behaviour without a Fleet locality);
+``fill``: each fleet declares its region, and its spill follows its replicas' batch fill alone
+(``spillSignal: fill``, the loop before feed-forward); ``aware``: the same with the default
+feed-forward from the fleet's arrival rate against its locality's capacity
+(``signals.spill``)."""
 
 
 @dataclass(frozen=True)

@@ -41,23 +41,45 @@ class Offered(Stats):
 
 
 @dataclass(frozen=True)
+class Served:
+    """Region A's capacity as its replicas showed it during the overload (a shared machine
+    slows the simulated replicas as a run goes on, so the capacity measured at the start can
+    be high): what they completed per second, their mean in flight over their batch slots,
+    and the excess that follows, (fleet A's rate - completed) / fleet A's rate."""
+
+    completed_rps: float
+    in_flight_over_slots: float | None
+    excess: float | None
+
+
+@dataclass(frozen=True)
 class Overload:
     """The second half of the overload, per fleet, and the cross share expected of the
     overloaded fleet (only the excess: (load - 1) / load)."""
 
     fleets: dict[str, Offered]
     expected_cross: float
+    served: Served | None = None
+    """What region A's replicas served (files of older runs have none)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             **{f: asdict(o) for f, o in self.fleets.items()},
             "expected_cross": self.expected_cross,
         }
+        if self.served is not None:
+            out["served"] = asdict(self.served)
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Overload:
-        fleets = {f: Offered.from_json(o) for f, o in data.items() if f != "expected_cross"}
-        return cls(fleets, float(data["expected_cross"]))
+        fleets = {
+            f: Offered.from_json(o)
+            for f, o in data.items()
+            if f not in ("expected_cross", "served")
+        }
+        served = Served(**data["served"]) if "served" in data else None
+        return cls(fleets, float(data["expected_cross"]), served)
 
 
 @dataclass(frozen=True)

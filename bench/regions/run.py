@@ -1,4 +1,5 @@
-"""Run the regions benchmark: per policy (locality-blind, locality-aware) a fresh rig and the
+"""Run the regions benchmark: per policy (locality-blind, locality-aware by batch fill alone,
+locality-aware with feed-forward) a fresh rig and the
 same phases, every request recorded; then the report.
 
 Phases, one after another (region A is the first region, B the second):
@@ -160,7 +161,8 @@ async def _drive(stack: RegionsStack, marks: Marks) -> list[Sent]:
 def run_policy(config: RegionsConfig, policy: str, state_dir: Path) -> tuple[Marks, list[Sent]]:
     """One policy's run on a fresh rig."""
     say(f"policy {policy}: starting the rig")
-    with start_regions(config, state_dir / policy, aware=policy == "aware") as stack:
+    signal = "fill" if policy == "fill" else "arrivals"
+    with start_regions(config, state_dir / policy, aware=policy != "blind", signal=signal) as stack:
         marks = Marks()
         marks.service = asyncio.run(measure_service_time(stack))
         marks.capacity = config.replicas * config.sim.max_batch / marks.service

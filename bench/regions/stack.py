@@ -66,7 +66,9 @@ class RegionsStack:
         ]
 
 
-def objects(config: RegionsConfig, ports: dict[str, int], *, aware: bool) -> list[dict[str, Any]]:
+def objects(
+    config: RegionsConfig, ports: dict[str, int], *, aware: bool, signal: str = "arrivals"
+) -> list[dict[str, Any]]:
     """The Pool (endpoints come from the agents), per region a Fleet (with its locality when
     `aware`) and a RoutingPolicy for that fleet on its own port."""
     out: list[dict[str, Any]] = [
@@ -82,7 +84,9 @@ def objects(config: RegionsConfig, ports: dict[str, int], *, aware: bool) -> lis
         }
     ]
     for region in config.regions:
-        spec: dict[str, Any] = {"locality": {"region": region}} if aware else {}
+        spec: dict[str, Any] = (
+            {"locality": {"region": region}, "spillSignal": signal} if aware else {}
+        )
         out.append(
             {"apiVersion": API_VERSION, "kind": "Fleet", "metadata": {"name": region}, "spec": spec}
         )
@@ -139,7 +143,9 @@ def _agent(
 
 
 @contextlib.contextmanager
-def start_regions(config: RegionsConfig, state_dir: Path, *, aware: bool) -> Iterator[RegionsStack]:
+def start_regions(
+    config: RegionsConfig, state_dir: Path, *, aware: bool, signal: str = "arrivals"
+) -> Iterator[RegionsStack]:
     """The rig for one policy, stopped on exit."""
     token = secrets.token_urlsafe(24)
     with contextlib.ExitStack() as stack:
@@ -174,7 +180,7 @@ def start_regions(config: RegionsConfig, state_dir: Path, *, aware: bool) -> Ite
             path.unlink(missing_ok=True)
         rig = RegionsStack(config, kvpilot, token, {}, backends, ports, notices)
         client = rig.client()
-        for body in objects(config, ports, aware=aware):
+        for body in objects(config, ports, aware=aware, signal=signal):
             client.put(body)
         for region, spot in zip(config.regions, config.spot, strict=True):
             replicas = backends[region].replicas

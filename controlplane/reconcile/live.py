@@ -174,12 +174,15 @@ class LiveDecisions:
             if before is not None and before.keep != decision.keep:
                 log.info(
                     "%s: own locality keeps %.0f%% of the traffic (was %.0f%%; %d replicas, "
-                    "batch fill %s)",
+                    "batch fill %s; arrivals %s/s, capacity %s/s, trim %s)",
                     key,
                     100 * decision.keep,
                     100 * before.keep,
                     decision.local,
                     decision.fill,
+                    decision.arrivals,
+                    decision.capacity,
+                    decision.trim,
                 )
         self.spill = plan.spill
         self._spill_at = min((d.next_at for d in plan.spill.values()), default=math.inf) + 0.05

@@ -136,6 +136,12 @@ class Reconciler:
         self._last_change = 0.0
         self._built = asyncio.Event()
         self.provider_backoff: Callable[[float], Mapping[str, float]] = lambda now: {}
+        self.arrivals: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Requests per second each fleet starts per route cluster (``xdsserver.arrivals``)."""
+        self.service_times: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Mean service seconds per upstream host (``xdsserver.arrivals``)."""
+        self.completions: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Answers completed per second per upstream host (``xdsserver.arrivals``)."""
         """Paid pools resting after a 429 at a time: pool -> until (``ProviderRests.active``)."""
         self._pending_live = False
         self.over_budget: dict[str, float] = {}
@@ -316,6 +322,9 @@ class Reconciler:
             previous_spill=self._live.spill,
             now=now,
             provider_backoff=self.provider_backoff(now),
+            arrivals=self.arrivals(now),
+            service_times=self.service_times(now),
+            completions=self.completions(now),
         )
         if self.budget_verdicts is not None:
             # Decided afresh for every compile, so the first snapshot after a restart already

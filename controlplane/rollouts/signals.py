@@ -27,7 +27,8 @@ from compiler.rollout import PoolSignals, merge
 from controlplane.etcd import EtcdClosed, EtcdError, KeyValue
 from controlplane.etcd.keys import STATUS, decode_json, encode_json
 from controlplane.etcd.store import Store
-from xdsserver.signals import SignalBook, route_cluster
+from xdsserver.arrivals import route_cluster
+from xdsserver.signals import SignalBook
 
 log = logging.getLogger(__name__)
 

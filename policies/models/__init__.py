@@ -37,10 +37,12 @@ from policies.models.difficulty import (
 )
 from policies.models.fields import (
     API_VERSION,
+    CAPACITIES,
     ENDPOINT_ID_PATTERN,
     ENDPOINT_ID_RULE,
     NAME_PATTERN,
     NAME_RULE,
+    Capacity,
     Duration,
     HeaderName,
     Model,
@@ -70,11 +72,9 @@ from policies.models.policy import (
     RoutingPolicySpec,
 )
 from policies.models.pool import (
-    CAPACITIES,
     TELEMETRY_MAX_AGE,
     TLS,
     AuthHeader,
-    Capacity,
     CircuitBreakers,
     Endpoint,
     EndpointHealth,

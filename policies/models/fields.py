@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
 from pydantic.alias_generators import to_camel
@@ -95,3 +95,9 @@ def is_ip(address: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+Capacity = Literal["on-demand", "spot", "reserved"]
+"""How a replica's machine is bought: on-demand, spot (cheaper, preemptible with a notice)
+or reserved (committed)."""
+CAPACITIES: tuple[Capacity, ...] = ("on-demand", "spot", "reserved")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from policies.models.fields import Duration, Model
@@ -92,4 +94,12 @@ class FleetSpec(Model):
         "that has replicas, and serves each Envoy the view of its place (zone, else region); "
         "an Envoy without a node locality, or in a place without replicas, gets the fleet's "
         "own view (at locality, if set). Default: false.",
+    )
+    spill_signal: Literal["arrivals", "fill"] = Field(
+        "arrivals",
+        description="What a located fleet's spill follows. arrivals: its Envoys report each "
+        "request's start to kvpilot (the router's upstream log), and its locality keeps what "
+        "its capacity serves of the fleet's arrival rate, at once, corrected by the replicas' "
+        "batch fill; fill: the batch fill alone, without the extra log (a cut is seen only as "
+        "the requests admitted before it finish). Default: arrivals.",
     )

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from policies.models.fields import Duration, HeaderName, Model, Name, is_ip
+from policies.models.fields import Capacity, Duration, HeaderName, Model, Name, is_ip
 from policies.models.price import Price
 
 
@@ -45,11 +45,6 @@ class Locality(Model):
 
 
 EndpointHealth = Literal["healthy", "unhealthy", "draining", "degraded"]
-
-Capacity = Literal["on-demand", "spot", "reserved"]
-"""How a replica's machine is bought: on-demand, spot (cheaper, preemptible with a notice)
-or reserved (committed)."""
-CAPACITIES: tuple[Capacity, ...] = ("on-demand", "spot", "reserved")
 
 
 class Endpoint(Model):
@@ -255,8 +250,24 @@ class PoolSpec(Model):
         description="Capacity kinds in order of preference, for example ['spot', 'on-demand']: "
         "within each locality, endpoints of the first kind are tried first and the others "
         "take what they cannot serve (health, saturation). Endpoints of an unlisted or "
-        "unknown kind come last. Default: none (all alike).",
+        "unknown kind come last. Where price.byCapacity prices the listed kinds, they are "
+        "tried cheapest first (this order breaks ties and places unpriced kinds). "
+        "Default: none (all alike).",
     )
+
+    def capacity_order(self) -> list[Capacity]:
+        """The kinds in the order their endpoints are tried: ``prefer_capacity``, sorted by
+        replica-hour price where ``price.by_capacity`` prices a kind (the stated order
+        breaking ties), kinds without a price of their own after the priced ones, in the
+        stated order."""
+        by_kind = self.price.by_capacity if self.price is not None else {}
+        if not by_kind:
+            return list(self.prefer_capacity)
+        stated = {kind: index for index, kind in enumerate(self.prefer_capacity)}
+        return sorted(
+            self.prefer_capacity,
+            key=lambda kind: (kind not in by_kind, by_kind.get(kind, 0), stated[kind]),
+        )
 
     @field_validator("prefer_capacity")
     @classmethod

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, PlainSerializer, model_validator
 
-from policies.models.fields import Model
+from policies.models.fields import Capacity, Model
 
 CURRENCIES = ("AUD", "CAD", "CHF", "CNY", "EUR", "GBP", "INR", "JPY", "USD")
 """ISO 4217 codes kvpilot accepts. Spend is summed per currency and never converted."""
@@ -70,6 +70,20 @@ class Price(Model):
     replica_hour: Money | None = Field(
         None, description="Per replica and hour, for owned capacity. Default: none."
     )
+    by_capacity: dict[Capacity, Money] = Field(
+        default_factory=dict,
+        description="Per replica and hour by how the replica's machine is bought (the "
+        "endpoint's capacity: on-demand, spot, reserved), for example {spot: '1.40', "
+        "on-demand: '4.20'}; replicas of a kind not listed here, or of no kind, cost "
+        "replicaHour. A pool with preferCapacity tries its kinds cheapest first. Needs "
+        "replicaHour. Default: none.",
+    )
+
+    def replica_price(self, capacity: Capacity | None) -> Decimal | None:
+        """What one replica of `capacity` costs per hour (None: not priced per replica)."""
+        if capacity is not None and capacity in self.by_capacity:
+            return self.by_capacity[capacity]
+        return self.replica_hour
 
     @model_validator(mode="after")
     def _one_kind(self) -> Price:
@@ -81,6 +95,11 @@ class Price(Model):
         if per_token and self.replica_hour is not None:
             raise ValueError(
                 "price a pool per token (input, output) or per replica-hour (replicaHour), not both"
+            )
+        if self.by_capacity and self.replica_hour is None:
+            raise ValueError(
+                "byCapacity needs replicaHour: the price of a replica of a kind it does not "
+                "list (byCapacity prices owned replicas, not tokens)"
             )
         if not per_token and self.replica_hour is None:
             raise ValueError("a price needs input and output, or replicaHour")

@@ -12,6 +12,7 @@ from envoy.config.core.v3 import (
     substitution_format_string_pb2,
 )
 from envoy.config.listener.v3 import listener_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2 as accesslog_data_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
@@ -48,6 +49,8 @@ DIFFICULTY_METADATA = "kvpilot.difficulty"
 ``virtual`` (policy/name), ``target``, ``score``, ``source`` (header, builtin, external or
 fallback), ``forced`` (cap or floor)."""
 DIFFICULTY_LOG = "kvpilot-difficulty"
+ARRIVALS_LOG = "kvpilot-arrivals"
+"""Log name prefix of the router's arrivals log (``xdsserver.arrivals``): ``<prefix>/<listener>``."""
 """``log_name`` prefix of the access log that reports scores (``xdsserver.difficultylog``)."""
 SERVICE_CLASS = "kvpilot.service_class"
 """A second local rate limit filter, for service classes: class budgets with tenant shares,
@@ -140,9 +143,18 @@ def translate_listener(listener: PlanListener) -> listener_pb2.Listener:
         filters.append(hcm_pb2.HttpFilter(name=LUA, typed_config=pack(lua_pb2.Lua())))
     router = router_pb2.Router()
     if listener.upstream_signals:
-        router.upstream_log.append(
-            upstream_signal_log(listener.name, retry_after=listener.overflows)
-        )
+        signal_log = upstream_signal_log(listener.name, retry_after=listener.overflows)
+        if listener.arrivals_log:
+            # The flush below applies to every upstream log of the router: rollouts and
+            # overflow read finished attempts only.
+            signal_log.filter.log_type_filter.types.append(accesslog_data_pb2.UpstreamPoolReady)
+            signal_log.filter.log_type_filter.exclude = True
+        router.upstream_log.append(signal_log)
+    if listener.arrivals_log:
+        # One entry when an attempt gets its upstream stream (cluster and host chosen), one
+        # when it ends: arrival rates and service times for the spill loop.
+        router.upstream_log_options.flush_upstream_log_on_upstream_stream = True
+        router.upstream_log.append(arrivals_log(listener.name))
     filters.append(hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pack(router)))
     manager = hcm_pb2.HttpConnectionManager(
         stat_prefix=listener.name,
@@ -208,6 +220,28 @@ def upstream_signal_log(log_name: str, *, retry_after: bool = False) -> accesslo
         # an aggregate the logged cluster need not be the provider's own.
         config.common_config.custom_tags.append(pool_tag())
     return accesslog_pb2.AccessLog(name="envoy.access_loggers.http_grpc", typed_config=pack(config))
+
+
+def arrivals_log(listener_name: str) -> accesslog_pb2.AccessLog:
+    """The router's arrivals log to kvpilot's access log service (``xdsserver.arrivals``):
+    every attempt's start and end, with its cluster, host and timings, nothing else."""
+    return accesslog_pb2.AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        typed_config=pack(
+            als_pb2.HttpGrpcAccessLogConfig(
+                common_config=als_pb2.CommonGrpcAccessLogConfig(
+                    log_name=f"{ARRIVALS_LOG}/{listener_name}",
+                    transport_api_version=config_source_pb2.V3,
+                    grpc_service=grpc_service_pb2.GrpcService(
+                        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(
+                            cluster_name=SIGNALS_CLUSTER
+                        )
+                    ),
+                    buffer_flush_interval=duration(SIGNALS_FLUSH_INTERVAL),
+                ),
+            )
+        ),
+    )
 
 
 def score_log(listener_name: str) -> accesslog_pb2.AccessLog:
