@@ -15,8 +15,8 @@ from pydantic import ValidationError
 from compiler.compile import PolicyState, compile_plan
 from policies.models import BOUNDED_LOAD_LADDER, Endpoint, Pool, Route, RoutingPolicy
 from signals.saturation import (
+    LOOSEN_DWELL,
     LOOSEN_MARGIN,
-    MIN_DWELL,
     PEAK_HOLD,
     SaturationDecision,
     capacity_factor,
@@ -150,7 +150,7 @@ def test_the_rung_tightens_at_once_and_loosens_with_margin_and_dwell(
 
 def test_a_looser_rung_held_back_by_its_dwell_is_due_when_the_dwell_ends() -> None:
     held = decide_bound(at(150, NOW - 1), (7, 32), now=NOW, ladder=LADDER, usual=USUAL)
-    assert held.factor == 150 and held.calm_at == NOW - 1 + MIN_DWELL
+    assert held.factor == 150 and held.calm_at == NOW - 1 + LOOSEN_DWELL
     later = decide_bound(held, (7, 32), now=held.calm_at, ladder=LADDER, usual=USUAL)
     assert later.factor == 300 and later.calm_at == math.inf
     # Nothing looser to wait for: no rebuild due.
@@ -198,22 +198,35 @@ def test_the_rung_follows_the_held_peak_of_the_mean(
 
 def test_a_lull_loosens_the_rung_only_as_its_peak_fades_and_a_burst_tightens_at_once() -> None:
     """Batches of 8: a pool at 4 in flight takes 125%; a lull to 0.5 in flight would allow
-    1034% at once, but the rung follows the faded peak and loosens a step at a time; the
-    burst that ends the lull tightens it in the same round."""
+    1034% at once, but the rung follows the faded peak, no sooner than the dwell after each
+    change; the burst that ends the lull tightens it in the same round."""
     busy = decide_bound(None, (4, 8), now=NOW, ladder=LADDER, usual=USUAL)
     assert busy.factor == 125 and busy.peak == 4
-    lull = decide_bound(busy, (0.5, 8), now=NOW + MIN_DWELL + 1, ladder=LADDER, usual=USUAL)
-    assert lull.factor == 125 and lull.peak == pytest.approx(4 * math.exp(-6 / PEAK_HOLD))
-    later, rungs = lull, []
-    for step in range(2, 6):
-        later = decide_bound(
-            later, (0.5, 8), now=NOW + step * (MIN_DWELL + 1), ladder=LADDER, usual=USUAL
-        )
+    rungs, later = [], busy
+    for seconds in (6, 16, 24, 32):
+        later = decide_bound(later, (0.5, 8), now=NOW + seconds, ladder=LADDER, usual=USUAL)
         rungs.append(later.factor)
-    # 12, 18, 24 and 30 s into the lull: the peak of 4 faded to 2.7, 2.2, 1.8 and 1.5.
-    assert rungs == [150, 200, 200, 300]
-    burst = decide_bound(later, (6, 8), now=NOW + 31, ladder=LADDER, usual=USUAL)
+    # The peak of 4 faded to 3.3 (158%, within the dwell), 2.3 (220%: 200), 1.8 (288%, within
+    # the dwell of that change) and 1.4 (374%: 300).
+    assert rungs == [125, 200, 200, 300]
+    assert later.peak == pytest.approx(4 * math.exp(-32 / PEAK_HOLD))
+    burst = decide_bound(later, (6, 8), now=NOW + 33, ladder=LADDER, usual=USUAL)
     assert burst.factor == 100 and burst.peak == 6
+
+
+def test_a_fading_peak_is_due_for_a_rebuild_without_new_telemetry() -> None:
+    """An agent writes a record only when its numbers move: the control plane rebuilds at
+    ``calm_at``, when the faded peak clears the next rung, whether or not telemetry came."""
+    busy = decide_bound(None, (4, 8), now=NOW, ladder=LADDER, usual=USUAL)
+    lull = decide_bound(busy, (0.5, 8), now=NOW + 6, ladder=LADDER, usual=USUAL)
+    assert lull.factor == 125
+    target = usable_batch(8) * 100 / (150 * LOOSEN_MARGIN)
+    assert lull.calm_at == pytest.approx(NOW + 6 + PEAK_HOLD * math.log(lull.peak / target))
+    due = decide_bound(lull, (0.5, 8), now=lull.calm_at + 1e-6, ladder=LADDER, usual=USUAL)
+    assert due.factor == 150
+    # A mean above what the next rung needs: nothing is due until telemetry says otherwise.
+    held = decide_bound(busy, (4, 8), now=NOW + 60, ladder=LADDER, usual=USUAL)
+    assert held.factor == 125 and held.calm_at == math.inf
 
 
 def test_without_evidence_the_peak_is_forgotten() -> None:
