@@ -249,6 +249,11 @@ def decide_bound(
         factor, wanted, fill = usual, None, None
     else:
         mean, batch = load
+        if before is None or before.peak is None:
+            # The first evidence (a new route, or telemetry back): the dwell starts now, so
+            # a pool that starts idle does not take the top rung and then tighten a rung at
+            # a time as its load ramps up, each change a twin that has counted nothing yet.
+            since = now
         peak = held_peak(before, mean, now=now)
         wanted = capacity_factor(batch, peak)
         fill = round(mean / batch, 6) if batch else None

@@ -81,7 +81,11 @@ def _session_clusters(plan: Any) -> set[str]:
 
 
 def at(factor: int, since: float = NOW - 100) -> SaturationDecision:
-    return SaturationDecision(saturated=factor == 100, since=since, factor=factor)
+    """A decision at rung `factor` since `since`, after a round that saw an idle pool (its held
+    peak faded to nothing)."""
+    return SaturationDecision(
+        saturated=factor == 100, since=since, factor=factor, peak=0.0, peak_at=since
+    )
 
 
 @pytest.mark.parametrize(
@@ -120,14 +124,20 @@ def test_the_bound_lets_the_busiest_replica_fill_the_usable_batch(
     [
         pytest.param(None, None, USUAL, id="no batch size known: the usual bound"),
         pytest.param(at(300), None, USUAL, id="telemetry gone: back to the usual bound"),
-        pytest.param(None, (4, 8), 125, id="batches of 8 half full: 125, the largest rung <= 129"),
-        pytest.param(None, (11, 32), 200, id="batches of 32 a third full: 200"),
         pytest.param(
-            None, (usable_batch(32) / 2, 32), 150, id="exactly 200 allowed: the margin keeps 150"
+            None, (30, 128), USUAL, id="first evidence: the usual rung until the dwell is over"
         ),
-        pytest.param(None, (30, 128), 300, id="batches of 128 under a quarter: the top rung"),
-        pytest.param(None, (6, 8), 100, id="batches of 8 three quarters full: the floor"),
-        pytest.param(None, (9, 8), 100, id="queues: the floor"),
+        pytest.param(at(125), (4, 8), 125, id="batches of 8 half full: 125, the largest <= 129"),
+        pytest.param(at(125), (11, 32), 200, id="batches of 32 a third full: 200"),
+        pytest.param(
+            at(125),
+            (usable_batch(32) / 2, 32),
+            150,
+            id="exactly 200 allowed: the margin keeps 150",
+        ),
+        pytest.param(at(125), (30, 128), 300, id="batches of 128 under a quarter: the top rung"),
+        pytest.param(None, (6, 8), 100, id="batches of 8 three quarters full: the floor at once"),
+        pytest.param(at(125), (9, 8), 100, id="queues: the floor"),
         pytest.param(at(300), (20, 32), 125, id="tightens at once, down to what fits"),
         pytest.param(at(200, NOW - 1), (16, 32), 150, id="tightens even within the dwell"),
         pytest.param(at(150), (12.5, 32), 150, id="200 allowed but not cleared by the margin"),
@@ -143,9 +153,12 @@ def test_the_rung_tightens_at_once_and_loosens_with_margin_and_dwell(
     assert decision.factor == factor
     assert decision.saturated is (factor == LADDER[0])
     before = previous.factor if previous else USUAL
-    assert decision.since == (
-        NOW if factor != before else (previous.since if previous else -math.inf)
-    )
+    if previous is None and load is not None:
+        assert decision.since == NOW  # the first evidence starts the dwell
+    else:
+        assert decision.since == (
+            NOW if factor != before else (previous.since if previous else -math.inf)
+        )
 
 
 def test_a_looser_rung_held_back_by_its_dwell_is_due_when_the_dwell_ends() -> None:
@@ -217,9 +230,9 @@ def test_a_lull_loosens_the_rung_only_as_its_peak_fades_and_a_burst_tightens_at_
 def test_a_fading_peak_is_due_for_a_rebuild_without_new_telemetry() -> None:
     """An agent writes a record only when its numbers move: the control plane rebuilds at
     ``calm_at``, when the faded peak clears the next rung, whether or not telemetry came."""
-    busy = decide_bound(None, (4, 8), now=NOW, ladder=LADDER, usual=USUAL)
+    busy = decide_bound(at(125), (4, 8), now=NOW, ladder=LADDER, usual=USUAL)
     lull = decide_bound(busy, (0.5, 8), now=NOW + 6, ladder=LADDER, usual=USUAL)
-    assert lull.factor == 125
+    assert lull.factor == 125 and lull.peak is not None
     target = usable_batch(8) * 100 / (150 * LOOSEN_MARGIN)
     assert lull.calm_at == pytest.approx(NOW + 6 + PEAK_HOLD * math.log(lull.peak / target))
     due = decide_bound(lull, (0.5, 8), now=lull.calm_at + 1e-6, ladder=LADDER, usual=USUAL)
@@ -332,7 +345,7 @@ def test_a_capacity_bound_that_cannot_work_is_refused(route: dict[str, Any], mes
 def test_session_requests_take_the_twin_whose_bound_fits_the_batch() -> None:
     # Batches of 8, 5.2 of them usable: 1 in flight allows 517% (the top rung), 4 allows 129%
     # (125), 6 is past the usable part (86%: the floor).
-    calm = compile_plan(_state(running=1))
+    calm = compile_plan(_state(running=1, previous=at(125)))
     assert calm.saturation["r/live"].factor == 300
     assert _session_clusters(calm) == {"r/live/affinity-300"}
 
