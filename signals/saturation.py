@@ -63,7 +63,9 @@ that would have been served at once (each paying its history's prefill elsewhere
 so a change of rung is a route update (RDS) and never a cluster update (CDS). It tightens as
 soon as the factor falls below its rung (a queue is building) and loosens only when the
 factor clears the next rung by ``LOOSEN_MARGIN`` and ``LOOSEN_DWELL`` seconds after its last
-change, so a pool near a rung does not switch every round. Fewer switches matter beyond the
+change (or after the first record that knew the batch size: a pool that starts idle stays at
+``hashBalanceFactor`` while its load ramps up), so a pool near a rung does not switch every
+round. Fewer switches matter beyond the
 route updates: Envoy counts requests in flight per cluster, so right after a switch the new
 twin does not see the requests the old one sent, and its bound holds only as those finish.
 """

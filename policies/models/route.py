@@ -194,7 +194,9 @@ class SessionAffinity(Model):
         "the peak of the requests in flight fades (by e in 30 s), so a lull does not leave a "
         "loose bound to the burst that ends it. Needs balancing: telemetry. "
         "false keeps two fixed bounds (hashBalanceFactor, and saturatedHashBalanceFactor while "
-        "the batches are nearly full). Default: false (docs/bounded-load.md).",
+        "the batches are nearly full). Default: false: at batches of 8 each change of rung "
+        "sends requests to a twin that does not count the ones in flight through the others, "
+        "and the fixed bounds still won some cells there (docs/bounded-load.md).",
     )
     prefix_hash_chars: int = Field(
         0,
