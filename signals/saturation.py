@@ -37,18 +37,37 @@ the 110% overload held 0.75 to 1.1. Without a record that knows its batch size
 The bound that follows capacity
 -------------------------------
 Two fixed bounds are a multiple of the mean, and the mean is the wrong unit: what matters is
-whether a replica can take a request into its batch now. Envoy lets a host carry
+whether a replica can take a request into its batch soon. Envoy lets a host carry
 ``factor / 100`` times the mean requests in flight, so with batch size ``B`` and mean ``m``
-the factor ``100 * B / m`` lets the busiest replica fill its batch and spill nothing its
-batch can take. At batches of 8 and the calm fill of 0.75 that is about 133 (the old 125);
-at batches of 32 or 128, where the calm mean is a smaller share of the batch, 200 or more,
-where 125 spilled turns that would have been served at once (each paying its history's
-prefill elsewhere). A ``capacityBound`` route (``decide_bound``) takes the largest rung of
-its ladder (``SessionAffinity.ladder``) at or below that factor: every rung is a twin of the
-same ring, so a change of rung is a route update (RDS) and never a cluster update (CDS). It tightens as soon as the factor falls below its rung (a
-queue is building) and loosens only when the factor clears the next rung by
-``LOOSEN_MARGIN`` and ``MIN_DWELL`` seconds after its last change, so a pool near a rung
-does not switch every round.
+the factor ``100 * B / m`` would let the busiest replica fill its batch. Two things make
+that too loose on small batches, both seen in the scenario benchmark at batch size 8, where
+the slowest first tokens came from a replica holding 9 to 12 requests (past its 8 slots)
+right after a burst, waiting a second or more for a slot:
+
+- Envoy applies the factor to the live mean, the control plane chose it from the mean of
+  the last scrape; between the two, the busiest replica's count moves by about its square
+  root (arrivals are close to Poisson). So the factor is sized for the *usable* batch,
+  ``B - sqrt(B)`` (``usable_batch``: 5.2 of 8, 26.3 of 32, 116.7 of 128): the square-root
+  headroom of a queue with ``B`` servers. A slot waited for costs about a request's lifetime
+  over ``B``: seconds at 8, little at 128, where the headroom is a tenth of the batch.
+- A lull (fewer requests for a few seconds) made the factor jump to the top rung, and the
+  burst that ended it found a bound sized for an idle pool. So the mean the factor is
+  computed from is its held peak (``held_peak``): this round's mean, or the last peak
+  decayed by ``e`` every ``PEAK_HOLD`` seconds, whichever is larger.
+
+At batches of 8 half full that is 129 (the fixed bounds' 125); at batches of 32 or 128,
+where the calm mean is a smaller share of the batch, 200 or more, where 125 spilled turns
+that would have been served at once (each paying its history's prefill elsewhere). A
+``capacityBound`` route (``decide_bound``) takes the largest rung of its ladder
+(``SessionAffinity.ladder``) at or below that factor: every rung is a twin of the same ring,
+so a change of rung is a route update (RDS) and never a cluster update (CDS). It tightens as
+soon as the factor falls below its rung (a queue is building) and loosens only when the
+factor clears the next rung by ``LOOSEN_MARGIN`` and ``LOOSEN_DWELL`` seconds after its last
+change (or after the first record that knew the batch size: a pool that starts idle stays at
+``hashBalanceFactor`` while its load ramps up), so a pool near a rung does not switch every
+round. Fewer switches matter beyond the
+route updates: Envoy counts requests in flight per cluster, so right after a switch the new
+twin does not see the requests the old one sent, and its bound holds only as those finish.
 """
 
 from __future__ import annotations
@@ -90,10 +109,16 @@ class SaturationDecision:
     """``capacityBound`` routes: the bounded load session requests take (a rung of the
     route's ladder); 0 on other routes (``saturated`` says which of two bounds)."""
     wanted: float | None = field(default=None, compare=False)
-    """``capacityBound`` routes: ``100 * batch / mean in flight`` this round."""
+    """``capacityBound`` routes: the factor at which the busiest replica fills the usable part
+    of its batch this round, at the held peak of the mean in flight (``capacity_factor``)."""
+    peak: float | None = field(default=None, compare=False)
+    """``capacityBound`` routes: the mean requests in flight the rung is sized for: this
+    round's mean, or the last peak decayed by ``PEAK_HOLD``, whichever is larger."""
+    peak_at: float = field(default=-math.inf, compare=False)
+    """When ``peak`` was computed."""
     loosen_at: float = field(default=math.inf, compare=False)
-    """``capacityBound`` routes: when a looser rung that the factor already clears is due (its
-    dwell ends); infinite when none is."""
+    """``capacityBound`` routes: when the next looser rung is due if nothing changes (its dwell
+    ends and the held peak has faded enough); infinite when none can be."""
 
     @property
     def calm_at(self) -> float:
@@ -147,6 +172,25 @@ def decide_saturation(
 LOOSEN_MARGIN = 1.1
 """A capacity-bound route moves to a looser rung only when the factor its replicas allow
 clears that rung by this much: the rung's headroom against the noise of one scrape."""
+LOOSEN_DWELL = 15.0
+"""... and no sooner than this many seconds after its last change of rung. Each change sends
+session requests to a twin whose in-flight counts hold only its own requests, so for a while
+its bound spills hot sessions and documents it should keep (or keeps what it should spill):
+at batch size 8 a 5 s dwell changed the rung 7 to 9 times per 40 s run and cost the
+documents mix hit rate."""
+PEAK_HOLD = 30.0
+"""Seconds over which the peak of a pool's mean in flight decays (by a factor of e): a lull
+loosens the rung only as the peak it follows fades, so the burst that ends the lull does not
+find a bound sized for an idle pool (about the lifetime of a few requests)."""
+
+
+def held_peak(previous: SaturationDecision | None, mean: float, *, now: float) -> float:
+    """The mean in flight a capacity-bound route sizes its rung for: `mean`, or the previous
+    round's peak decayed over ``PEAK_HOLD`` seconds, whichever is larger."""
+    if previous is None or previous.peak is None:
+        return mean
+    decayed = previous.peak * math.exp(-max(0.0, now - previous.peak_at) / PEAK_HOLD)
+    return max(mean, decayed)
 
 
 def in_flight(
@@ -173,10 +217,18 @@ def in_flight(
     )
 
 
+def usable_batch(batch: float) -> float:
+    """The share of a batch of `batch` sequences the busiest replica may fill and still take
+    the next request soon: ``batch - sqrt(batch)``, at least 1 (5.2 of 8, 26.3 of 32, 116.7 of
+    128; see the module notes)."""
+    return max(1.0, batch - math.sqrt(batch))
+
+
 def capacity_factor(batch: float, mean: float) -> float:
-    """The bounded load (percent of the mean) at which the busiest replica just fills its
-    batch: ``100 * batch / mean``; infinite while nothing is in flight."""
-    return math.inf if mean <= 0 else 100.0 * batch / mean
+    """The bounded load (percent of the mean) at which the busiest replica just fills the
+    usable part of its batch: ``100 * usable_batch(batch) / mean``; infinite while nothing is
+    in flight."""
+    return math.inf if mean <= 0 else 100.0 * usable_batch(batch) / mean
 
 
 def decide_bound(
@@ -193,12 +245,19 @@ def decide_bound(
     before = previous if previous is not None and previous.factor else None
     current = before.factor if before is not None else usual
     since = before.since if before is not None else -math.inf
+    peak: float | None = None
     if load is None:
         # No evidence: the usual bound, as stale weights go neutral.
         factor, wanted, fill = usual, None, None
     else:
         mean, batch = load
-        wanted = capacity_factor(batch, mean)
+        if before is None or before.peak is None:
+            # The first evidence (a new route, or telemetry back): the dwell starts now, so
+            # a pool that starts idle does not take the top rung and then tighten a rung at
+            # a time as its load ramps up, each change a twin that has counted nothing yet.
+            since = now
+        peak = held_peak(before, mean, now=now)
+        wanted = capacity_factor(batch, peak)
         fill = round(mean / batch, 6) if batch else None
         fits = [r for r in ladder if r <= wanted] or [ladder[0]]
         factor = current
@@ -206,13 +265,20 @@ def decide_bound(
             factor = fits[-1]
         else:
             looser = [r for r in ladder if r > current and r * LOOSEN_MARGIN <= wanted]
-            if looser and now - since >= MIN_DWELL:
+            if looser and now - since >= LOOSEN_DWELL:
                 factor = looser[-1]
     if factor != current:
         since = now
     loosen_at = math.inf
-    if wanted is not None and any(r > factor and r * LOOSEN_MARGIN <= wanted for r in ladder):
-        loosen_at = since + MIN_DWELL
+    looser = [r for r in ladder if r > factor]
+    if load is not None and peak is not None and looser:
+        # The next looser rung is due once its dwell is over and the held peak has faded to
+        # where the factor clears that rung by the margin; never while this round's mean
+        # itself is above that.
+        target = 100.0 * usable_batch(load[1]) / (looser[0] * LOOSEN_MARGIN)
+        if load[0] <= target:
+            fade = PEAK_HOLD * math.log(peak / target) if peak > target else 0.0
+            loosen_at = max(since + LOOSEN_DWELL, now + fade)
     return SaturationDecision(
         saturated=factor == ladder[0],
         since=since,
@@ -221,18 +287,24 @@ def decide_bound(
         factor=factor,
         wanted=None if wanted is None else round(min(wanted, 1e6), 3),
         loosen_at=loosen_at,
+        peak=None if peak is None else round(peak, 6),
+        peak_at=now,
     )
 
 
 __all__ = [
     "CALM_SHARE",
+    "LOOSEN_DWELL",
     "LOOSEN_MARGIN",
     "MIN_DWELL",
+    "PEAK_HOLD",
     "SaturationDecision",
     "batch_fill",
     "capacity_factor",
     "decide_bound",
     "decide_saturation",
+    "held_peak",
     "in_flight",
     "saturated_fill",
+    "usable_batch",
 ]

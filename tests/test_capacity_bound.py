@@ -15,12 +15,15 @@ from pydantic import ValidationError
 from compiler.compile import PolicyState, compile_plan
 from policies.models import BOUNDED_LOAD_LADDER, Endpoint, Pool, Route, RoutingPolicy
 from signals.saturation import (
+    LOOSEN_DWELL,
     LOOSEN_MARGIN,
-    MIN_DWELL,
+    PEAK_HOLD,
     SaturationDecision,
     capacity_factor,
     decide_bound,
+    held_peak,
     in_flight,
+    usable_batch,
 )
 from signals.telemetry import TelemetryRecord
 from xdsserver.translate import translate
@@ -78,19 +81,39 @@ def _session_clusters(plan: Any) -> set[str]:
 
 
 def at(factor: int, since: float = NOW - 100) -> SaturationDecision:
-    return SaturationDecision(saturated=factor == 100, since=since, factor=factor)
+    """A decision at rung `factor` since `since`, after a round that saw an idle pool (its held
+    peak faded to nothing)."""
+    return SaturationDecision(
+        saturated=factor == 100, since=since, factor=factor, peak=0.0, peak_at=since
+    )
+
+
+@pytest.mark.parametrize(
+    ("batch", "usable"),
+    [
+        pytest.param(8, 8 - math.sqrt(8), id="8: 5.2, a third kept free"),
+        pytest.param(32, 32 - math.sqrt(32), id="32: 26.3"),
+        pytest.param(128, 128 - math.sqrt(128), id="128: 116.7, a tenth kept free"),
+        pytest.param(2, 1, id="never below one sequence"),
+    ],
+)
+def test_the_usable_batch_keeps_a_square_root_of_the_batch_free(
+    batch: float, usable: float
+) -> None:
+    assert usable_batch(batch) == pytest.approx(usable)
 
 
 @pytest.mark.parametrize(
     ("batch", "mean", "factor"),
     [
-        pytest.param(8, 6, 100 * 8 / 6, id="batches of 8 three quarters full: 133"),
-        pytest.param(32, 12, 100 * 32 / 12, id="batches of 32 at 12 in flight: 267"),
-        pytest.param(8, 10, 80, id="queues: below 100"),
+        pytest.param(8, 4, 100 * (8 - math.sqrt(8)) / 4, id="batches of 8 half full: 129"),
+        pytest.param(8, 6, 100 * (8 - math.sqrt(8)) / 6, id="8, three quarters full: 86"),
+        pytest.param(32, 12, 100 * (32 - math.sqrt(32)) / 12, id="32 at 12 in flight: 220"),
+        pytest.param(128, 40, 100 * (128 - math.sqrt(128)) / 40, id="128 at 40: 292"),
         pytest.param(8, 0, math.inf, id="idle: no bound needed"),
     ],
 )
-def test_the_bound_lets_the_busiest_replica_fill_its_batch(
+def test_the_bound_lets_the_busiest_replica_fill_the_usable_batch(
     batch: float, mean: float, factor: float
 ) -> None:
     assert capacity_factor(batch, mean) == pytest.approx(factor)
@@ -101,15 +124,24 @@ def test_the_bound_lets_the_busiest_replica_fill_its_batch(
     [
         pytest.param(None, None, USUAL, id="no batch size known: the usual bound"),
         pytest.param(at(300), None, USUAL, id="telemetry gone: back to the usual bound"),
-        pytest.param(None, (6, 8), 125, id="batches of 8 at 0.75: 125, the largest rung <= 133"),
-        pytest.param(None, (14, 32), 200, id="batches of 32 under half full: 200"),
-        pytest.param(None, (16, 32), 150, id="exactly 200 allowed: the margin keeps 150"),
-        pytest.param(None, (30, 128), 300, id="batches of 128 under a quarter: the top rung"),
-        pytest.param(None, (9, 8), 100, id="queues: the floor"),
-        pytest.param(at(300), (24, 32), 125, id="tightens at once, down to what fits"),
-        pytest.param(at(200, NOW - 1), (20, 32), 150, id="tightens even within the dwell"),
-        pytest.param(at(150), (16, 32), 150, id="200 allowed but not cleared by the margin"),
-        pytest.param(at(150), (14, 32), 200, id="cleared by the margin: looser"),
+        pytest.param(
+            None, (30, 128), USUAL, id="first evidence: the usual rung until the dwell is over"
+        ),
+        pytest.param(at(125), (4, 8), 125, id="batches of 8 half full: 125, the largest <= 129"),
+        pytest.param(at(125), (11, 32), 200, id="batches of 32 a third full: 200"),
+        pytest.param(
+            at(125),
+            (usable_batch(32) / 2, 32),
+            150,
+            id="exactly 200 allowed: the margin keeps 150",
+        ),
+        pytest.param(at(125), (30, 128), 300, id="batches of 128 under a quarter: the top rung"),
+        pytest.param(None, (6, 8), 100, id="batches of 8 three quarters full: the floor at once"),
+        pytest.param(at(125), (9, 8), 100, id="queues: the floor"),
+        pytest.param(at(300), (20, 32), 125, id="tightens at once, down to what fits"),
+        pytest.param(at(200, NOW - 1), (16, 32), 150, id="tightens even within the dwell"),
+        pytest.param(at(150), (12.5, 32), 150, id="200 allowed but not cleared by the margin"),
+        pytest.param(at(150), (11.5, 32), 200, id="cleared by the margin: looser"),
         pytest.param(at(150, NOW - 1), (8, 32), 150, id="looser only after the dwell"),
         pytest.param(at(100), (2, 32), 300, id="after the dwell, straight to the rung it clears"),
     ],
@@ -121,15 +153,18 @@ def test_the_rung_tightens_at_once_and_loosens_with_margin_and_dwell(
     assert decision.factor == factor
     assert decision.saturated is (factor == LADDER[0])
     before = previous.factor if previous else USUAL
-    assert decision.since == (
-        NOW if factor != before else (previous.since if previous else -math.inf)
-    )
+    if previous is None and load is not None:
+        assert decision.since == NOW  # the first evidence starts the dwell
+    else:
+        assert decision.since == (
+            NOW if factor != before else (previous.since if previous else -math.inf)
+        )
 
 
 def test_a_looser_rung_held_back_by_its_dwell_is_due_when_the_dwell_ends() -> None:
-    held = decide_bound(at(150, NOW - 1), (8, 32), now=NOW, ladder=LADDER, usual=USUAL)
-    assert held.factor == 150 and held.calm_at == NOW - 1 + MIN_DWELL
-    later = decide_bound(held, (8, 32), now=held.calm_at, ladder=LADDER, usual=USUAL)
+    held = decide_bound(at(150, NOW - 1), (7, 32), now=NOW, ladder=LADDER, usual=USUAL)
+    assert held.factor == 150 and held.calm_at == NOW - 1 + LOOSEN_DWELL
+    later = decide_bound(held, (7, 32), now=held.calm_at, ladder=LADDER, usual=USUAL)
     assert later.factor == 300 and later.calm_at == math.inf
     # Nothing looser to wait for: no rebuild due.
     assert decide_bound(at(150), (24, 32), now=NOW, ladder=LADDER, usual=USUAL).calm_at == (
@@ -145,6 +180,74 @@ def test_noise_around_a_rung_changes_nothing_within_the_margin() -> None:
         assert 150 <= capacity_factor(32, mean) < 200 * LOOSEN_MARGIN
         decision = decide_bound(decision, (mean, 32), now=NOW, ladder=LADDER, usual=USUAL)
         assert decision.factor == 150
+
+
+@pytest.mark.parametrize(
+    ("previous", "mean", "peak"),
+    [
+        pytest.param(None, 3.0, 3.0, id="no peak yet: this round's mean"),
+        pytest.param(
+            SaturationDecision(factor=125, peak=8.0, peak_at=NOW - PEAK_HOLD),
+            2.0,
+            8.0 / math.e,
+            id="a lull: the peak decayed by e over the hold",
+        ),
+        pytest.param(
+            SaturationDecision(factor=125, peak=8.0, peak_at=NOW - PEAK_HOLD),
+            4.0,
+            4.0,
+            id="busier than the faded peak: this round's mean",
+        ),
+        pytest.param(
+            SaturationDecision(factor=125, peak=8.0, peak_at=NOW), 2.0, 8.0, id="no time passed"
+        ),
+    ],
+)
+def test_the_rung_follows_the_held_peak_of_the_mean(
+    previous: SaturationDecision | None, mean: float, peak: float
+) -> None:
+    assert held_peak(previous, mean, now=NOW) == pytest.approx(peak)
+
+
+def test_a_lull_loosens_the_rung_only_as_its_peak_fades_and_a_burst_tightens_at_once() -> None:
+    """Batches of 8: a pool at 4 in flight takes 125%; a lull to 0.5 in flight would allow
+    1034% at once, but the rung follows the faded peak, no sooner than the dwell after each
+    change; the burst that ends the lull tightens it in the same round."""
+    busy = decide_bound(None, (4, 8), now=NOW, ladder=LADDER, usual=USUAL)
+    assert busy.factor == 125 and busy.peak == 4
+    rungs, later = [], busy
+    for seconds in (6, 16, 24, 32):
+        later = decide_bound(later, (0.5, 8), now=NOW + seconds, ladder=LADDER, usual=USUAL)
+        rungs.append(later.factor)
+    # The peak of 4 faded to 3.3 (158%, within the dwell), 2.3 (220%: 200), 1.8 (288%, within
+    # the dwell of that change) and 1.4 (374%: 300).
+    assert rungs == [125, 200, 200, 300]
+    assert later.peak == pytest.approx(4 * math.exp(-32 / PEAK_HOLD))
+    burst = decide_bound(later, (6, 8), now=NOW + 33, ladder=LADDER, usual=USUAL)
+    assert burst.factor == 100 and burst.peak == 6
+
+
+def test_a_fading_peak_is_due_for_a_rebuild_without_new_telemetry() -> None:
+    """An agent writes a record only when its numbers move: the control plane rebuilds at
+    ``calm_at``, when the faded peak clears the next rung, whether or not telemetry came."""
+    busy = decide_bound(at(125), (4, 8), now=NOW, ladder=LADDER, usual=USUAL)
+    lull = decide_bound(busy, (0.5, 8), now=NOW + 6, ladder=LADDER, usual=USUAL)
+    assert lull.factor == 125 and lull.peak is not None
+    target = usable_batch(8) * 100 / (150 * LOOSEN_MARGIN)
+    assert lull.calm_at == pytest.approx(NOW + 6 + PEAK_HOLD * math.log(lull.peak / target))
+    due = decide_bound(lull, (0.5, 8), now=lull.calm_at + 1e-6, ladder=LADDER, usual=USUAL)
+    assert due.factor == 150
+    # A mean above what the next rung needs: nothing is due until telemetry says otherwise.
+    held = decide_bound(busy, (4, 8), now=NOW + 60, ladder=LADDER, usual=USUAL)
+    assert held.factor == 125 and held.calm_at == math.inf
+
+
+def test_without_evidence_the_peak_is_forgotten() -> None:
+    busy = decide_bound(None, (4, 8), now=NOW, ladder=LADDER, usual=USUAL)
+    gone = decide_bound(busy, None, now=NOW + 1, ladder=LADDER, usual=USUAL)
+    assert gone.factor == USUAL and gone.peak is None
+    back = decide_bound(gone, (0.5, 8), now=NOW + 2, ladder=LADDER, usual=USUAL)
+    assert back.peak == 0.5
 
 
 def test_in_flight_is_the_mean_over_fresh_records_that_know_their_batch() -> None:
@@ -240,16 +343,17 @@ def test_a_capacity_bound_that_cannot_work_is_refused(route: dict[str, Any], mes
 
 
 def test_session_requests_take_the_twin_whose_bound_fits_the_batch() -> None:
-    # Batches of 8: 2 in flight allows 400% (the top rung), 6 allows 133% (125), 8 is full.
-    calm = compile_plan(_state(running=2))
+    # Batches of 8, 5.2 of them usable: 1 in flight allows 517% (the top rung), 4 allows 129%
+    # (125), 6 is past the usable part (86%: the floor).
+    calm = compile_plan(_state(running=1, previous=at(125)))
     assert calm.saturation["r/live"].factor == 300
     assert _session_clusters(calm) == {"r/live/affinity-300"}
 
-    busy = compile_plan(_state(running=6, previous=calm.saturation["r/live"]))
+    busy = compile_plan(_state(running=4, previous=calm.saturation["r/live"]))
     assert busy.saturation["r/live"].factor == 125
     assert _session_clusters(busy) == {"r/live/affinity"}
 
-    full = compile_plan(_state(running=8, previous=busy.saturation["r/live"]))
+    full = compile_plan(_state(running=6, previous=busy.saturation["r/live"]))
     assert full.saturation["r/live"].factor == 100
     assert _session_clusters(full) == {"r/live/affinity-saturated"}
 

@@ -140,10 +140,12 @@ class LiveDecisions:
                 if before is not None and before.factor != decision.factor:
                     metrics.bounded_load_changes.labels(route).inc()
                     log.info(
-                        "%s: at batch fill %s the busiest replica fits its batch at %s%%; "
-                        "session requests take the %d%% bound (was %d%%)",
+                        "%s: at batch fill %s (held peak %s in flight) the busiest replica "
+                        "fits its usable batch at %s%%; session requests take the %d%% bound "
+                        "(was %d%%)",
                         route,
                         decision.fill,
+                        decision.peak,
                         decision.wanted,
                         decision.factor,
                         before.factor,

@@ -142,10 +142,10 @@ scenario benchmark's overload 100 cut TTFT p99 to under half of 125's."""
 BOUNDED_LOAD_LADDER: tuple[int, ...] = (100, 125, 150, 200, 300)
 """The bounded loads a ``capacityBound`` route may take (percent of the mean in flight), each
 its own consistent-hash twin of one ring. About 1.25-1.5x apart: the factor that lets the
-busiest replica fill its batch and no more, ``100 * batch / mean in flight``, is 100 at full
-batches, 125-150 at the calm fill of small batches and 200-300 at the calm fill of large
-ones (the scenario benchmark at batch sizes 8, 32 and 128). Five twins cost Envoy little
-(docs/benchmarks.md)."""
+busiest replica fill the usable part of its batch and no more, ``100 * (batch - sqrt(batch))
+/ mean in flight`` (``signals.saturation.usable_batch``), is 100 at nearly full batches,
+100-150 at the fill of small batches and 200-300 at the calm fill of large ones (the scenario
+benchmark at batch sizes 8, 32 and 128). Five twins cost Envoy little (docs/bounded-load.md)."""
 
 
 class SessionAffinity(Model):
@@ -185,13 +185,18 @@ class SessionAffinity(Model):
         False,
         description="Bounded load follows the replicas' batch capacity: session requests take "
         "the largest of the bounds 100, 125, 150, 200 and 300 (each a twin of one ring) at "
-        "which the busiest replica still fits its batch, 100 x batch size / mean requests in "
-        "flight, read from live telemetry (vLLM's max_num_seqs or kvpilot agent "
-        "--max-running). saturatedHashBalanceFactor is the tightest it goes; without a "
-        "known batch size it is hashBalanceFactor. Tightens at once, loosens after 5 s. "
-        "Needs balancing: telemetry. Default: false: under overload at batches of 8 it kept "
-        "hot sessions the fixed bounds spill (TTFT p99 1.4x theirs); at batches of 32 and 128 "
-        "it beat them (docs/bounded-load.md).",
+        "which the busiest replica still fits the usable part of its batch (the batch size "
+        "less its square root, so a burst that arrives before the next scrape still finds a "
+        "free slot): 100 x (batch - sqrt(batch)) / mean requests in flight, read from live "
+        "telemetry (vLLM's max_num_seqs or kvpilot agent --max-running). "
+        "saturatedHashBalanceFactor is the tightest it goes; without a known batch size it is "
+        "hashBalanceFactor. Tightens at once; loosens no sooner than 5 s after, and only as "
+        "the peak of the requests in flight fades (by e in 30 s), so a lull does not leave a "
+        "loose bound to the burst that ends it. Needs balancing: telemetry. "
+        "false keeps two fixed bounds (hashBalanceFactor, and saturatedHashBalanceFactor while "
+        "the batches are nearly full). Default: false: at batches of 8 each change of rung "
+        "sends requests to a twin that does not count the ones in flight through the others, "
+        "and the fixed bounds still won some cells there (docs/bounded-load.md).",
     )
     prefix_hash_chars: int = Field(
         0,
@@ -374,7 +379,7 @@ class Route(Model):
                 "saturated_hash_balance_factor",
             ): TELEMETRY_SATURATED_HASH_BALANCE_FACTOR,
         }
-        missing = {
+        missing: dict[str, Any] = {
             names[0]: value for names, value in defaults.items() if not set(names) & set(affinity)
         }
         if affinity.get("hashBalanceFactor", affinity.get("hash_balance_factor")) == 0:
