@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from api import ApiContext, create_app
 from api.auth import AuthConfig, AuthConfigError, TokenReloader, WriteRateLimit
 from commands.serve_config import ServeConfig, add_arguments, check_xds, config_from_args
+from controlplane.arrivals import ArrivalBoard, ArrivalPublisher
 from controlplane.asgi import UvicornServer
 from controlplane.audit import AuditLog
 from controlplane.envoystatus import StatusPublisher
@@ -147,11 +148,16 @@ async def serve(
     # Overflow skips a paid pool that answered 429 until its Retry-After has passed: a rest
     # learned by this replica's Envoys or by another replica's (through etcd).
     rests = RestBoard(signals.rests, config.replica_id)
+    # Spill reads a fleet's arrival rate from every replica's Envoys: this replica's from
+    # memory, the others' from etcd.
+    arrivals = ArrivalBook()
+    shared_arrivals = ArrivalBoard(arrivals.rates, config.replica_id)
     mirror: StateMirror
 
     def on_change(change: StateChange) -> None:
         reconciler.on_change(change, mirror.items)
         rests.on_change(change, mirror.items)
+        shared_arrivals.on_change(change, mirror.items)
 
     mirror = StateMirror(client, config.prefix, on_change)
     Gauge(
@@ -190,7 +196,6 @@ async def serve(
     usage = UsageBook(PlanContext(lambda: reconciler.plan, lambda: reconciler.state))
     registry.register(SpendCollector(usage.ledger))
     registry.register(SavingsCollector(usage.ledger, lambda: reconciler.state))
-    arrivals = ArrivalBook()
     AccessLogServer(
         signals,
         cache,
@@ -201,7 +206,8 @@ async def serve(
         arrivals=arrivals,
     ).add_to(grpc_server)
     # Spill reads each fleet's arrival rate and its locality's service times at every compile.
-    reconciler.arrivals = arrivals.rates
+    reconciler.arrivals = shared_arrivals.rates
+    arrival_publisher = ArrivalPublisher(store, arrivals.rates, config.replica_id)
     reconciler.service_times = arrivals.service_times
     reconciler.completions = arrivals.completions
     difficulty = DifficultyLoop(
@@ -280,6 +286,7 @@ async def serve(
         asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
         spend,
         asyncio.create_task(rest_publisher.run(), name="provider-rests"),
+        asyncio.create_task(arrival_publisher.run(), name="arrival-rates"),
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(difficulty.run(), name="virtual-model-shares"),
         asyncio.create_task(api.serve(), name="rest-api"),

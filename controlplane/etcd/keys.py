@@ -26,6 +26,11 @@ key                                            value
 ``{prefix}/status/rests/{replica}/{pool}``     when a paid pool's rest after a 429 ends, as
                                                one replica learned it, under a lease that
                                                ends with the rest (``controlplane.rests``)
+``{prefix}/status/arrivals/{replica}/{route}`` a fleet's arrival rate on a route cluster
+                                               (``{route}`` is ``fleet/cluster``, its ``/``
+                                               escaped) as one replica's Envoys report it,
+                                               written when it moves, under the replica's
+                                               lease (``controlplane.arrivals``)
 ``{prefix}-audit/{revision}-{random}``         one audit entry (``controlplane.audit``);
                                                beside the prefix, not under it, so the
                                                daemon's mirror never loads the log
