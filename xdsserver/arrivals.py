@@ -19,7 +19,8 @@ first byte is the first token; the prefill before it is left out, a small part o
 with a few hundred tokens to generate.
 
 The counts are this kvpilot replica's: a fleet whose Envoys are spread over several kvpilot
-replicas is seen in part by each (``docs/regions.md``, limits).
+replicas is seen in part by each, and ``controlplane.arrivals`` adds the others' rates
+through etcd.
 """
 
 from __future__ import annotations
