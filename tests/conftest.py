@@ -9,6 +9,12 @@ fixture picks free ports and its own temporary directory, so pytest-xdist worker
 
 from __future__ import annotations
 
+import os
+
+# Before anything imports grpc: the fixtures fork to exec etcd and Envoy while gRPC threads
+# run, and gRPC's fork handlers can abort such a child before it execs (see `commands`).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol, TypeVar
