@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
+from bench.rig.probe import cpu_seconds
 from bench.rig.report import table
 from controlplane.agent.scrape import AgentConfig
 from controlplane.etcd import EtcdClient, EtcdError
@@ -114,7 +113,7 @@ async def telemetry_at_scale(
         )
         await asyncio.sleep(2 * agent.interval)
         pushes_before = await _telemetry_pushes(metrics_url)
-        cpu_before = _cpu_seconds(kvpilot_pid)
+        cpu_before = cpu_seconds(kvpilot_pid)
         started = time.monotonic()
         tick = 1
         while time.monotonic() - started < seconds:
@@ -152,7 +151,7 @@ async def telemetry_at_scale(
             tick += 1
             await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - tick_started)))
         elapsed = time.monotonic() - started
-        cpu = _cpu_seconds(kvpilot_pid) - cpu_before
+        cpu = cpu_seconds(kvpilot_pid) - cpu_before
         pushes = await _telemetry_pushes(metrics_url) - pushes_before
     # A round stands for one second of the agents' world. On a loaded machine a round can take
     # longer than a second to simulate; rates per round are then the conservative reading
@@ -203,12 +202,6 @@ AGENT_BACKENDS = 8
 records in one transaction."""
 BASELINE_REFRESH = 3.0
 """The agent's refresh before the write band: an unchanged record every 3 s."""
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process, seconds (/proc/PID/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _telemetry_pushes(metrics_url: str) -> float:

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,8 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from bench.rig.virtualmodel import stub_upstream, virtual_model_objects
+from bench.rig.probe import cpu_seconds, stub_upstream
+from bench.rig.virtualmodel import virtual_model_objects
 from compiler import compile_plan
 from controlplane.local import find_binary
 from controlplane.local.process import free_port
@@ -139,11 +139,6 @@ def _sink(port: int, book: ScoreBook, ready: threading.Event) -> None:
         await server.wait_for_termination()
 
     asyncio.run(serve())
-
-
-def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _body(model: str, size: int, stream: bool = False) -> bytes:
@@ -270,13 +265,13 @@ def measure(
                 block = max(1, min(500, requests // 4))
                 for index in range(max(1, requests // block)):
                     for kind in ("direct", "virtual") if index % 2 else ("virtual", "direct"):
-                        before = _cpu(envoy.pid)
+                        before = cpu_seconds(envoy.pid)
                         for _ in range(block):
                             first, total, model = _request(conn, bodies[kind])
                             times[kind].append(first if stream else total)
                             if kind == "virtual" and model not in ("small", "large"):
                                 raise RuntimeError(f"virtual model answered by {model!r}")
-                        cpu[kind] += _cpu(envoy.pid) - before
+                        cpu[kind] += cpu_seconds(envoy.pid) - before
                 paths = {
                     kind: PathCost(
                         median_ms=1000 * statistics.median(values),

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.difficulty.prompts import PromptMix, generate
-from bench.rig.virtualmodel import stub_upstream, virtual_model_objects
+from bench.rig.probe import stub_upstream
+from bench.rig.virtualmodel import virtual_model_objects
 from controlplane.local import free_port, local_stack
 from controlplane.local.process import wait_until
 

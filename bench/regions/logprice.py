@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from bench.rig.probe import cpu_seconds, stub_upstream
 from compiler import compile_plan
 from compiler.plan import FleetPlan
 from controlplane.local import find_binary
@@ -41,43 +41,6 @@ from xdsserver.arrivals import ArrivalBook
 from xdsserver.signals import AccessLogServer, SignalBook
 from xdsserver.static import static_bootstrap
 from xdsserver.translate import translate
-
-UPSTREAM = r"""
-import asyncio, sys
-BODY = b'{"id":"x","object":"chat.completion","model":"small","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}'
-CHUNK = b'data: {"id":"x","model":"small","choices":[{"delta":{"content":"ok"}}]}\n\n'
-async def handle(reader, writer):
-    try:
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":")[1])
-            body = await reader.readexactly(length)
-            if b'"stream": true' in body:
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-                for piece in (CHUNK, CHUNK, b"data: [DONE]\n\n"):
-                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                writer.write(b"0\r\n\r\n")
-            else:
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        writer.close()
-async def main():
-    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
-    async with server:
-        await server.serve_forever()
-asyncio.run(main())
-"""
-"""An upstream that answers at once, as JSON or as a short SSE stream (``argv[1]``: port)."""
-
-
-def _cpu(pid: int) -> float:
-    """User and system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _body(stream: bool = False) -> bytes:
@@ -207,11 +170,8 @@ def measure(requests: int) -> dict[str, Any]:
     threading.Thread(target=_sink, args=(signals, book, ready), daemon=True).start()
     ready.wait(10)
     ports = {"without": free_port(), "with": free_port()}
-    upstream = subprocess.Popen(
-        [sys.executable, "-c", UPSTREAM, str(backend)], stdout=subprocess.DEVNULL
-    )
     envoys: dict[str, subprocess.Popen[bytes]] = {}
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as workdir, stub_upstream(backend):
         try:
             for kind, port in ports.items():
                 fleet = _fleet(port, backend)
@@ -245,11 +205,11 @@ def measure(requests: int) -> dict[str, Any]:
                 block = max(1, min(500, requests // 4))
                 for index in range(max(1, requests // block)):
                     for kind in ("with", "without") if index % 2 else ("without", "with"):
-                        before = _cpu(envoys[kind].pid)
+                        before = cpu_seconds(envoys[kind].pid)
                         for _ in range(block):
                             first, total = _request(conns[kind], body)
                             times[kind].append(first if stream else total)
-                        cpu[kind] += _cpu(envoys[kind].pid) - before
+                        cpu[kind] += cpu_seconds(envoys[kind].pid) - before
                 results[label] = {
                     kind: {
                         "median_ms": 1000 * statistics.median(values),
@@ -266,8 +226,6 @@ def measure(requests: int) -> dict[str, Any]:
             for envoy in envoys.values():
                 envoy.terminate()
                 envoy.wait(10)
-            upstream.terminate()
-            upstream.wait(10)
 
 
 def main(argv: list[str] | None = None) -> int:
