@@ -7,12 +7,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from harness.regions import two_region_state
 from pydantic import ValidationError
 
 from compiler import compile_plan
 from compiler.locality import FAR, NEAR, REGION, place_rank
 from compiler.plan import PlanEndpoint
-from policies import Endpoint, Fleet, Pool, RoutingPolicy
+from policies import Endpoint, Fleet, Pool
 from policies.models import Locality
 from signals import PolicyState
 from signals.spill import DWELL, FLOOR, STEP, SpillDecision, decide_spill
@@ -116,48 +117,17 @@ def test_a_region_that_comes_back_ramps_to_all_of_its_traffic_by_steps() -> None
 
 
 def _state(*, fill_us: float, now: float = 100.0, **live: Any) -> PolicyState:
-    endpoints = [
-        {"address": f"10.0.{r}.{i}", "port": 8000, "locality": {"region": region}}
-        for r, region in ((1, "us"), (2, "eu"))
-        for i in (1, 2)
-    ]
-    objects = [
-        Pool.model_validate(
-            {
-                "kind": "Pool",
-                "metadata": {"name": "llama"},
-                "spec": {"endpoints": endpoints, "telemetry": {"maxAge": "5s"}},
-            }
-        ),
-        RoutingPolicy.model_validate(
-            {
-                "kind": "RoutingPolicy",
-                "metadata": {"name": "chat"},
-                "spec": {
-                    "fleets": ["us", "eu"],
-                    "routes": [{"name": "chat", "tiers": [["llama"]]}],
-                },
-            }
-        ),
-        *(
-            Fleet.model_validate(
-                {"kind": "Fleet", "metadata": {"name": n}, "spec": {"locality": {"region": n}}}
-            )
-            for n in ("us", "eu")
-        ),
-    ]
+    """Region us's two replicas filled to ``fill_us`` of their batch (above 1: queueing)."""
     telemetry = {
-        "llama": {
-            f"10.0.1.{i}:8000": TelemetryRecord(
-                at=now - 0.5,
-                running=16 * min(fill_us, 1),
-                waiting=16 * max(0, fill_us - 1),
-                max_running=16,
-            )
-            for i in (1, 2)
-        }
+        f"10.0.1.{i}:8000": TelemetryRecord(
+            at=now - 0.5,
+            running=16 * min(fill_us, 1),
+            waiting=16 * max(0, fill_us - 1),
+            max_running=16,
+        )
+        for i in (1, 2)
     }
-    return PolicyState.from_objects(objects, telemetry=telemetry, now=now, **live)
+    return two_region_state(telemetry, now=now, **live)
 
 
 def _factor(plan: Any, fleet: str) -> int:

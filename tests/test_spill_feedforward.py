@@ -14,7 +14,7 @@ from compiler import compile_plan
 from compiler.locality import capacity
 from compiler.plan import PlanEndpoint
 from controlplane.local import find_binary
-from policies import Fleet, Pool, RoutingPolicy
+from policies import Fleet
 from signals import PolicyState
 from signals.spill import (
     DEADBAND,
@@ -28,6 +28,7 @@ from signals.spill import (
 )
 from signals.telemetry import TelemetryRecord
 from tests.harness.golden import load_case
+from tests.harness.regions import two_region_state
 from xdsserver.arrivals import ARRIVAL_WINDOW, CHANGE_WINDOW, MIN_SPAN, ArrivalBook
 from xdsserver.signals import SignalBook
 from xdsserver.static import validate_with_envoy
@@ -149,51 +150,15 @@ def _endpoint(i: int) -> PlanEndpoint:
     return PlanEndpoint("llama", f"10.0.1.{i}", 8000, 100, 0, region="us")
 
 
-def _located(**live: Any) -> PolicyState:
-    endpoints = [
-        {"address": f"10.0.{r}.{i}", "port": 8000, "locality": {"region": region}}
-        for r, region in ((1, "us"), (2, "eu"))
-        for i in (1, 2)
-    ]
-    signal = live.pop("signal", "arrivals")
-    objects = [
-        Pool.model_validate(
-            {
-                "kind": "Pool",
-                "metadata": {"name": "llama"},
-                "spec": {"endpoints": endpoints, "telemetry": {"maxAge": "5s"}},
-            }
-        ),
-        RoutingPolicy.model_validate(
-            {
-                "kind": "RoutingPolicy",
-                "metadata": {"name": "chat"},
-                "spec": {
-                    "fleets": ["us", "eu"],
-                    "routes": [{"name": "chat", "tiers": [["llama"]]}],
-                },
-            }
-        ),
-        *(
-            Fleet.model_validate(
-                {
-                    "kind": "Fleet",
-                    "metadata": {"name": n},
-                    "spec": {"locality": {"region": n}, "spillSignal": signal},
-                }
-            )
-            for n in ("us", "eu")
-        ),
-    ]
+def _located(*, signal: str = "arrivals", **live: Any) -> PolicyState:
+    """Every replica running 12 of its 16 slots; the fleets' spillSignal is ``signal``."""
     now = 100.0
     telemetry = {
-        "llama": {
-            f"10.0.{r}.{i}:8000": TelemetryRecord(at=now - 0.5, running=12, max_running=16)
-            for r in (1, 2)
-            for i in (1, 2)
-        }
+        f"10.0.{r}.{i}:8000": TelemetryRecord(at=now - 0.5, running=12, max_running=16)
+        for r in (1, 2)
+        for i in (1, 2)
     }
-    return PolicyState.from_objects(objects, telemetry=telemetry, now=now, **live)
+    return two_region_state(telemetry, now=now, spill_signal=signal, **live)
 
 
 def test_capacity_is_the_slots_over_the_service_time() -> None:

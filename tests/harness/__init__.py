@@ -8,6 +8,8 @@
 - ``rig``: one ``kvpilot serve``, one Envoy and the REST API, and applying objects;
 - ``api``: the REST API in process over a real etcd;
 - ``xdsclient``: an ADS test client and server, and xDS message builders;
+- ``regions``: two regions in one policy state (pool, policy, a fleet per region) for the
+  spill tests;
 - ``agent``, ``gated_backend``: model-server stand-ins the tests control;
 - ``auth``, ``wait``, ``processes``: the test tokens, waiting with a deadline, finding
   processes and freezing etcd.
