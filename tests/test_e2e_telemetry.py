@@ -144,6 +144,55 @@ async def make_setup(
     await client.close()
 
 
+class Twins:
+    """An affinity route's twin clusters (the same ring under different bounded loads): which
+    replica each session lands on, which twin answers, and the batch telemetry that moves the
+    route from one twin to another."""
+
+    def __init__(self, setup: Setup, max_running: int) -> None:
+        self.setup = setup
+        self.max_running = max_running
+
+    def placement(self) -> dict[str, str]:
+        """Which replica answers each of 24 sessions."""
+        with httpx.Client(timeout=10) as client:
+            return {
+                session: client.post(
+                    self.setup.url, json=chat(), headers={"x-session-id": session}
+                ).headers.get("x-backend-id", "none")
+                for session in (f"session-{index}" for index in range(24))
+            }
+
+    def served_by(self, twin: str) -> bool:
+        """The next session request is answered through `twin`."""
+        stats = self.setup.envoy.stats
+        before = int(stats().get(f"cluster.{twin}.upstream_rq_total", 0))
+        httpx.post(self.setup.url, json=chat(), headers={"x-session-id": "probe"}, timeout=10)
+        return int(stats().get(f"cluster.{twin}.upstream_rq_total", 0)) > before
+
+    async def batches(self, running: float) -> None:
+        """Every replica reports `running` in flight out of its batch of `max_running`."""
+        for port in self.setup.ports:
+            await self.setup.put(port, running=running, max_running=self.max_running)
+
+
+async def affinity_twins(
+    make_setup: Callable[..., Any],
+    twins: tuple[str, ...],
+    *,
+    capacity_bound: bool,
+    max_running: int,
+) -> Twins:
+    """A telemetry affinity route (``capacityBound`` as given) with every one of `twins` in
+    Envoy. A long maxAge: the records are written once and must not go stale meanwhile."""
+    setup: Setup = await make_setup(
+        "telemetry", affinity={"capacityBound": capacity_bound}, max_age="60s"
+    )
+    for twin in twins:
+        await setup.wait_weights(dict.fromkeys(setup.ports, 100), 30, f"{twin} in Envoy", twin)
+    return Twins(setup, max_running)
+
+
 async def test_a_long_queue_lowers_the_weight_in_envoy_and_traffic_moves_away(
     make_setup: Callable[..., Any],
 ) -> None:
@@ -250,38 +299,17 @@ async def test_on_an_affinity_route_a_slow_replica_gets_less_of_the_ring_and_a_q
 async def test_saturated_replicas_tighten_bounded_load_and_every_session_keeps_its_replica(
     make_setup: Callable[..., Any],
 ) -> None:
-    setup: Setup = await make_setup("telemetry", affinity={"capacityBound": False}, max_age="60s")
     usual, tight = CLUSTER + "/affinity", CLUSTER + SATURATED_SUFFIX
-    for twin in (usual, tight):
-        await setup.wait_weights(dict.fromkeys(setup.ports, 100), 30, f"{twin} in Envoy", twin)
+    twins = await affinity_twins(make_setup, (usual, tight), capacity_bound=False, max_running=8)
+    setup = twins.setup
 
-    def placement() -> dict[str, str]:
-        """Which replica answers each of 24 sessions."""
-        with httpx.Client(timeout=10) as client:
-            return {
-                session: client.post(
-                    setup.url, json=chat(), headers={"x-session-id": session}
-                ).headers.get("x-backend-id", "none")
-                for session in (f"session-{index}" for index in range(24))
-            }
-
-    def served_by_twin(twin: str) -> bool:
-        """The next session request is answered through `twin`."""
-        before = int(setup.envoy.stats().get(f"cluster.{twin}.upstream_rq_total", 0))
-        httpx.post(setup.url, json=chat(), headers={"x-session-id": "probe"}, timeout=10)
-        return int(setup.envoy.stats().get(f"cluster.{twin}.upstream_rq_total", 0)) > before
-
-    async def batches(running: float) -> None:
-        for port in setup.ports:
-            await setup.put(port, running=running, max_running=8)
-
-    calm = await asyncio.to_thread(placement)
-    assert await asyncio.to_thread(served_by_twin, usual)
+    calm = await asyncio.to_thread(twins.placement)
+    assert await asyncio.to_thread(twins.served_by, usual)
     assert len(set(calm.values())) > 1, calm
 
     # Every batch full: session requests take the twin bounded at 100%.
-    await batches(8)
-    await poll(lambda: asyncio.to_thread(served_by_twin, tight), 15, "the saturated twin")
+    await twins.batches(8)
+    await poll(lambda: asyncio.to_thread(twins.served_by, tight), 15, "the saturated twin")
     route = {"route": CLUSTER}
     assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 1
     assert metric(setup.kvpilot.api_url, "kvpilot_route_batch_fill", **route) == 1.0
@@ -291,55 +319,36 @@ async def test_saturated_replicas_tighten_bounded_load_and_every_session_keeps_i
         (s["route"], s["saturated"], s["batchFill"], s["saturatedAt"]) for s in status["saturation"]
     ] == [(CLUSTER, True, 1.0, 0.8)]
     # Both twins hash the same ring: no session changes replica when the bound does.
-    assert await asyncio.to_thread(placement) == calm
+    assert await asyncio.to_thread(twins.placement) == calm
 
     # Room again: back to the usual bound once the pool has been saturated for the dwell.
-    await batches(1)
+    await twins.batches(1)
     await poll(
-        lambda: asyncio.to_thread(served_by_twin, usual), MIN_DWELL + 15, "the usual twin again"
+        lambda: asyncio.to_thread(twins.served_by, usual), MIN_DWELL + 15, "the usual twin again"
     )
     assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 0
-    assert await asyncio.to_thread(placement) == calm
+    assert await asyncio.to_thread(twins.placement) == calm
 
 
 async def test_the_bound_follows_the_batch_along_its_ladder_and_every_session_keeps_its_replica(
     make_setup: Callable[..., Any],
 ) -> None:
-    setup: Setup = await make_setup("telemetry", affinity={"capacityBound": True}, max_age="60s")
     usual, full, roomy = (
         CLUSTER + suffix for suffix in ("/affinity", SATURATED_SUFFIX, "/affinity-300")
     )
-    for twin in (usual, full, roomy):
-        await setup.wait_weights(dict.fromkeys(setup.ports, 100), 30, f"{twin} in Envoy", twin)
-
-    def placement() -> dict[str, str]:
-        """Which replica answers each of 24 sessions."""
-        with httpx.Client(timeout=10) as client:
-            return {
-                session: client.post(
-                    setup.url, json=chat(), headers={"x-session-id": session}
-                ).headers.get("x-backend-id", "none")
-                for session in (f"session-{index}" for index in range(24))
-            }
-
-    def served_by_twin(twin: str) -> bool:
-        """The next session request is answered through `twin`."""
-        before = int(setup.envoy.stats().get(f"cluster.{twin}.upstream_rq_total", 0))
-        httpx.post(setup.url, json=chat(), headers={"x-session-id": "probe"}, timeout=10)
-        return int(setup.envoy.stats().get(f"cluster.{twin}.upstream_rq_total", 0)) > before
-
-    async def batches(running: float) -> None:
-        for port in setup.ports:
-            await setup.put(port, running=running, max_running=32)
+    twins = await affinity_twins(
+        make_setup, (usual, full, roomy), capacity_bound=True, max_running=32
+    )
+    setup = twins.setup
 
     # No batch size known yet: the usual bound.
-    before = await asyncio.to_thread(placement)
-    assert await asyncio.to_thread(served_by_twin, usual)
+    before = await asyncio.to_thread(twins.placement)
+    assert await asyncio.to_thread(twins.served_by, usual)
 
     # Batches of 32 full: past their usable part (100 x (32 - sqrt 32) / 32 = 82%), so 100%,
     # no replica above the mean.
-    await batches(32)
-    await poll(lambda: asyncio.to_thread(served_by_twin, full), 15, "the 100% twin")
+    await twins.batches(32)
+    await poll(lambda: asyncio.to_thread(twins.served_by, full), 15, "the 100% twin")
     route = {"route": CLUSTER}
     assert metric(setup.kvpilot.api_url, "kvpilot_route_bounded_load", **route) == 100
     async with httpx.AsyncClient(base_url=setup.kvpilot.api_url, headers=ADMIN) as api:
@@ -347,14 +356,14 @@ async def test_the_bound_follows_the_batch_along_its_ladder_and_every_session_ke
     assert [(s["route"], s["boundedLoad"], s["fitsBatchAt"]) for s in status["saturation"]] == [
         (CLUSTER, 100, 82.322)
     ]
-    assert await asyncio.to_thread(placement) == before
+    assert await asyncio.to_thread(twins.placement) == before
 
     # 4 of 32 in flight allow 659%: the top rung, once the held peak of 32 in flight has faded
     # to where 300% fits (with the loosening margin), about 42 s, and the dwells allow. The
     # records are written again meanwhile, as a running agent keeps writing them.
     async def roomy_after_writing_again() -> bool:
-        await batches(4)
-        return await asyncio.to_thread(served_by_twin, roomy)
+        await twins.batches(4)
+        return await asyncio.to_thread(twins.served_by, roomy)
 
     fade = PEAK_HOLD * math.log(32 / (usable_batch(32) * 100 / 330))
     # Each step up waits for its dwell too: the deadline allows three of them besides.
@@ -363,7 +372,7 @@ async def test_the_bound_follows_the_batch_along_its_ladder_and_every_session_ke
     # Down to 100%, then up as the peak fades, each change at least 15 s after the last: to
     # 300 in three steps or more (125, 200, 300 when the rebuilds come on time).
     assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) >= 4
-    assert await asyncio.to_thread(placement) == before
+    assert await asyncio.to_thread(twins.placement) == before
 
 
 async def test_stale_telemetry_falls_back_to_the_static_weight(
