@@ -14,33 +14,32 @@ time to the first chunk is measured.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import http.client
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-from google.protobuf import json_format
-
-from bench.rig.probe import cpu_seconds, stub_upstream
+from bench.rig.probe import (
+    Timings,
+    connect,
+    cpu_seconds,
+    envoy_process,
+    probe_bootstrap,
+    start_log_sink,
+    stub_upstream,
+    timed_request,
+)
 from bench.rig.virtualmodel import virtual_model_objects
 from compiler import compile_plan
-from controlplane.local import find_binary
 from controlplane.local.process import free_port
 from policies import parse_object
 from signals import PolicyState
 from xdsserver.difficultylog import ScoreBook
-from xdsserver.signals import AccessLogServer, SignalBook
-from xdsserver.static import static_bootstrap
-from xdsserver.translate import translate
 
 SCORER = r"""
 import asyncio, sys
@@ -85,60 +84,7 @@ def _bootstrap(
     listener: int, backend: int, signals: int, admin: int, scorer: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     plan = compile_plan(PolicyState.from_objects(_policy(listener, backend, scorer)))
-    bootstrap: dict[str, Any] = json.loads(
-        json_format.MessageToJson(
-            static_bootstrap(translate(plan.fleets[0])), preserving_proto_field_name=True
-        )
-    )
-    bootstrap["static_resources"]["clusters"].append(
-        {
-            "name": "kvpilot_signals",
-            "type": "STATIC",
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {"http2_protocol_options": {}},
-                }
-            },
-            "load_assignment": {
-                "cluster_name": "kvpilot_signals",
-                "endpoints": [
-                    {
-                        "lb_endpoints": [
-                            {
-                                "endpoint": {
-                                    "address": {
-                                        "socket_address": {
-                                            "address": "127.0.0.1",
-                                            "port_value": signals,
-                                        }
-                                    }
-                                }
-                            }
-                        ]
-                    }
-                ],
-            },
-        }
-    )
-    bootstrap["admin"] = {
-        "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}
-    }
-    return bootstrap
-
-
-def _sink(port: int, book: ScoreBook, ready: threading.Event) -> None:
-    """kvpilot's access log service on ``port``, in a thread of its own."""
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        AccessLogServer(SignalBook(lambda cluster, address, port: None), scores=book).add_to(server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        ready.set()
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
+    return probe_bootstrap(plan.fleets[0], signals, admin)
 
 
 def _body(model: str, size: int, stream: bool = False) -> bytes:
@@ -149,36 +95,14 @@ def _body(model: str, size: int, stream: bool = False) -> bytes:
     return json.dumps(body).encode()
 
 
-def _request(conn: http.client.HTTPConnection, body: bytes) -> tuple[float, float, str]:
-    """(time to the first body byte, total time, the answering model header)."""
-    start = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
-    response = conn.getresponse()
-    response.read(1)
-    first = time.perf_counter() - start
-    response.read()
-    if response.status != 200:
-        raise RuntimeError(f"status {response.status}")
-    return first, time.perf_counter() - start, response.getheader("x-kvpilot-model") or ""
-
-
-@dataclass(frozen=True)
-class PathCost:
-    """One path's requests (straight to the small model, or through the virtual model)."""
-
-    median_ms: float
-    p99_ms: float
-    """Of the time to the first chunk for a streamed request, to the end otherwise."""
-    cpu_us_per_request: float
-    """Envoy's CPU time over the path's blocks of requests, per request."""
-
-
 @dataclass(frozen=True)
 class SizeCost:
     """Both paths at one body size."""
 
-    direct: PathCost
-    virtual: PathCost
+    direct: Timings
+    """Straight to the small model."""
+    virtual: Timings
+    """Through the virtual model."""
     over_budget_percent: float | None = None
     """With a budget: the percent of virtual requests slower than the direct median plus it."""
 
@@ -212,35 +136,11 @@ def measure(
     percent of virtual requests whose time exceeded the direct median plus the budget."""
     backend, listener, signals, admin = free_port(), free_port(), free_port(), free_port()
     book = ScoreBook()
-    ready = threading.Event()
-    threading.Thread(target=_sink, args=(signals, book, ready), daemon=True).start()
-    ready.wait(10)
+    start_log_sink(signals, scores=book)
     with tempfile.TemporaryDirectory() as workdir, stub_upstream(backend):
-        config = Path(workdir) / "envoy.json"
-        config.write_text(json.dumps(_bootstrap(listener, backend, signals, admin, scorer)))
-        envoy = subprocess.Popen(
-            [
-                str(find_binary("envoy")),
-                "-c",
-                str(config),
-                "--concurrency",
-                "1",
-                "--use-dynamic-base-id",
-                "-l",
-                "error",
-            ],
-        )
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    conn = http.client.HTTPConnection("127.0.0.1", listener, timeout=10)
-                    _request(conn, _body("small", 100))
-                    break
-                except (OSError, RuntimeError):
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
+        bootstrap = _bootstrap(listener, backend, signals, admin, scorer)
+        with envoy_process(Path(workdir) / "envoy.json", bootstrap) as envoy:
+            conn = connect(listener, _body("small", 100))
             results: dict[str, SizeCost] = {}
             sizes = (
                 (("0.1 KB", 100, False),)
@@ -261,25 +161,19 @@ def measure(
                 }
                 for _ in range(50):  # warm up both paths
                     for kind in bodies:
-                        _request(conn, bodies[kind])
+                        timed_request(conn, bodies[kind])
                 block = max(1, min(500, requests // 4))
                 for index in range(max(1, requests // block)):
                     for kind in ("direct", "virtual") if index % 2 else ("virtual", "direct"):
                         before = cpu_seconds(envoy.pid)
                         for _ in range(block):
-                            first, total, model = _request(conn, bodies[kind])
+                            first, total, response = timed_request(conn, bodies[kind])
+                            model = response.getheader("x-kvpilot-model") or ""
                             times[kind].append(first if stream else total)
                             if kind == "virtual" and model not in ("small", "large"):
                                 raise RuntimeError(f"virtual model answered by {model!r}")
                         cpu[kind] += cpu_seconds(envoy.pid) - before
-                paths = {
-                    kind: PathCost(
-                        median_ms=1000 * statistics.median(values),
-                        p99_ms=1000 * sorted(values)[int(0.99 * len(values))],
-                        cpu_us_per_request=1e6 * cpu[kind] / len(values),
-                    )
-                    for kind, values in times.items()
-                }
+                paths = {kind: Timings.of(values, cpu[kind]) for kind, values in times.items()}
                 over: float | None = None
                 if budget is not None:
                     limit = statistics.median(times["direct"]) + budget
@@ -294,9 +188,6 @@ def measure(
                 if sample.name.endswith("_total")
             )
             return LuaPrice(results, logged)
-        finally:
-            envoy.terminate()
-            envoy.wait(10)
 
 
 def external(requests: int, timeout: float = 0.05) -> dict[str, SizeCost]:

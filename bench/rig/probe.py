@@ -1,6 +1,9 @@
 """What the probes that price an Envoy feature share (`bench.difficulty.luaprice`,
 `bench.difficulty.sharerun`, `bench.regions.logprice`, `bench.controlplane.scale`): a stub
-upstream that answers every request at once, and a process's CPU time.
+upstream that answers every request at once, a process's CPU time, the Envoy they run
+(kvpilot's static bootstrap of a fleet with an admin port and the ``kvpilot_signals``
+cluster, one worker), kvpilot's access log service as the sink of its logs, and timed
+requests.
 
 The upstream is a separate Python process so that its work is not counted as Envoy's, and
 answers at once so that Envoy's own work is most of a request's time.
@@ -8,12 +11,32 @@ answers at once so that Envoy's own work is most of a request's time.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import http.client
+import json
 import os
+import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from compiler.plan import FleetPlan
+from controlplane.local import find_binary
+from xdsserver.arrivals import ArrivalBook
+from xdsserver.difficultylog import ScoreBook
+from xdsserver.signals import AccessLogServer, SignalBook
+from xdsserver.static import static_bootstrap
+from xdsserver.translate import translate
+from xdsserver.usage import UsageBook
 
 STUB_UPSTREAM = r"""
 import asyncio, sys
@@ -65,3 +88,138 @@ def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of a process, seconds (/proc/PID/stat fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Timings:
+    """One side's requests in a probe (with or without the feature priced)."""
+
+    median_ms: float
+    p99_ms: float
+    """Of the time to the first chunk for a streamed request, to the end otherwise."""
+    cpu_us_per_request: float
+    """Envoy's CPU time over the side's blocks of requests, per request."""
+
+    @classmethod
+    def of(cls, seconds: Sequence[float], cpu: float) -> Timings:
+        """From each request's time and Envoy's CPU seconds over them all."""
+        return cls(
+            median_ms=1000 * statistics.median(seconds),
+            p99_ms=1000 * sorted(seconds)[int(0.99 * len(seconds))],
+            cpu_us_per_request=1e6 * cpu / len(seconds),
+        )
+
+
+def probe_bootstrap(fleet: FleetPlan, signals: int, admin: int) -> dict[str, Any]:
+    """kvpilot's static bootstrap of ``fleet`` as JSON, with the ``kvpilot_signals`` cluster
+    (HTTP/2) at the log sink on ``127.0.0.1:signals`` and Envoy's admin on ``admin``."""
+    bootstrap: dict[str, Any] = json.loads(
+        json_format.MessageToJson(
+            static_bootstrap(translate(fleet)), preserving_proto_field_name=True
+        )
+    )
+    protocol = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    address = {"socket_address": {"address": "127.0.0.1", "port_value": signals}}
+    bootstrap["static_resources"]["clusters"].append(
+        {
+            "name": "kvpilot_signals",
+            "type": "STATIC",
+            "typed_extension_protocol_options": {
+                protocol: {
+                    "@type": f"type.googleapis.com/{protocol}",
+                    "explicit_http_config": {"http2_protocol_options": {}},
+                }
+            },
+            "load_assignment": {
+                "cluster_name": "kvpilot_signals",
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+            },
+        }
+    )
+    bootstrap["admin"] = {
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}
+    }
+    return bootstrap
+
+
+def start_log_sink(
+    port: int,
+    *,
+    scores: ScoreBook | None = None,
+    usage: UsageBook | None = None,
+    arrivals: ArrivalBook | None = None,
+) -> None:
+    """kvpilot's access log service on ``127.0.0.1:port`` in a daemon thread of its own,
+    filling the books given; returns once it listens."""
+    ready = threading.Event()
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        AccessLogServer(
+            SignalBook(lambda cluster, address, port: None),
+            scores=scores,
+            usage=usage,
+            arrivals=arrivals,
+        ).add_to(server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    threading.Thread(target=lambda: asyncio.run(serve()), daemon=True).start()
+    ready.wait(10)
+
+
+@contextlib.contextmanager
+def envoy_process(config: Path, bootstrap: dict[str, Any]) -> Iterator[subprocess.Popen[bytes]]:
+    """A real Envoy with one worker running ``bootstrap`` (written to ``config``) while the
+    block runs; only errors are logged."""
+    config.write_text(json.dumps(bootstrap))
+    process = subprocess.Popen(
+        [
+            str(find_binary("envoy")),
+            "-c",
+            str(config),
+            "--concurrency",
+            "1",
+            "--use-dynamic-base-id",
+            "-l",
+            "error",
+        ]
+    )
+    try:
+        yield process
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def timed_request(
+    conn: http.client.HTTPConnection, body: bytes
+) -> tuple[float, float, http.client.HTTPResponse]:
+    """POST ``body`` to the chat completions path: (time to the first body byte, total
+    time, the response read to its end). A status other than 200 is a `RuntimeError`."""
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    response = conn.getresponse()
+    response.read(1)
+    first = time.perf_counter() - start
+    response.read()
+    if response.status != 200:
+        raise RuntimeError(f"status {response.status}")
+    return first, time.perf_counter() - start, response
+
+
+def connect(port: int, body: bytes, within: float = 30) -> http.client.HTTPConnection:
+    """A keep-alive connection to the listener on ``127.0.0.1:port`` once a request with
+    ``body`` is answered through it (Envoy starting); gives up after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            timed_request(conn, body)
+            return conn
+        except (OSError, RuntimeError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
