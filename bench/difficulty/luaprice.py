@@ -167,9 +167,9 @@ def measure(
                     for kind in ("direct", "virtual") if index % 2 else ("virtual", "direct"):
                         before = cpu_seconds(envoy.pid)
                         for _ in range(block):
-                            first, total, response = timed_request(conn, bodies[kind])
-                            model = response.getheader("x-kvpilot-model") or ""
-                            times[kind].append(first if stream else total)
+                            answer = timed_request(conn, bodies[kind])
+                            model = answer.response.getheader("x-kvpilot-model") or ""
+                            times[kind].append(answer.first if stream else answer.total)
                             if kind == "virtual" and model not in ("small", "large"):
                                 raise RuntimeError(f"virtual model answered by {model!r}")
                         cpu[kind] += cpu_seconds(envoy.pid) - before

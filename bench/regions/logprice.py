@@ -124,8 +124,8 @@ def measure(requests: int) -> dict[str, Any]:
                 for kind in ("with", "without") if index % 2 else ("without", "with"):
                     before = cpu_seconds(envoys[kind].pid)
                     for _ in range(block):
-                        first, total, _ = timed_request(conns[kind], body)
-                        times[kind].append(first if stream else total)
+                        answer = timed_request(conns[kind], body)
+                        times[kind].append(answer.first if stream else answer.total)
                     cpu[kind] += cpu_seconds(envoys[kind].pid) - before
             results[label] = {
                 kind: asdict(Timings.of(values, cpu[kind])) for kind, values in times.items()

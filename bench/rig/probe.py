@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf import json_format
@@ -194,20 +194,30 @@ def envoy_process(config: Path, bootstrap: dict[str, Any]) -> Iterator[subproces
         process.wait(10)
 
 
-def timed_request(
-    conn: http.client.HTTPConnection, body: bytes
-) -> tuple[float, float, http.client.HTTPResponse]:
-    """POST ``body`` to the chat completions path: (time to the first body byte, total
-    time, the response read to its end). A status other than 200 is a `RuntimeError`."""
+class Answer(NamedTuple):
+    """One timed request's answer."""
+
+    first: float
+    """Seconds to the first byte of the body: a stream's first event, a JSON answer's start."""
+    total: float
+    """Seconds to the end of the body."""
+    body: bytes
+    response: http.client.HTTPResponse
+    """Read to its end; its headers are still there."""
+
+
+def timed_request(conn: http.client.HTTPConnection, body: bytes) -> Answer:
+    """POST ``body`` to the chat completions path and read the answer to its end. A status
+    other than 200 is a `RuntimeError`."""
     start = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
     response = conn.getresponse()
-    response.read(1)
+    head = response.read(1)
     first = time.perf_counter() - start
-    response.read()
+    rest = response.read()
     if response.status != 200:
         raise RuntimeError(f"status {response.status}")
-    return first, time.perf_counter() - start, response
+    return Answer(first, time.perf_counter() - start, head + rest, response)
 
 
 def connect(port: int, body: bytes, within: float = 30) -> http.client.HTTPConnection:
