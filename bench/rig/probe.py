@@ -1,9 +1,9 @@
 """What the probes that price an Envoy feature share (`bench.difficulty.luaprice`,
-`bench.difficulty.sharerun`, `bench.regions.logprice`, `bench.controlplane.scale`): a stub
-upstream that answers every request at once, a process's CPU time, the Envoy they run
-(kvpilot's static bootstrap of a fleet with an admin port and the ``kvpilot_signals``
-cluster, one worker), kvpilot's access log service as the sink of its logs, and timed
-requests.
+`bench.difficulty.sharerun`, `bench.regions.logprice`, `bench.cost.filterprice`,
+`bench.controlplane.scale`): a stub upstream that answers every request at once, a process's
+CPU time, the Envoy they run (kvpilot's static bootstrap of a fleet with an admin port and the
+``kvpilot_signals`` cluster, one worker), kvpilot's access log service as the sink of its
+logs, and timed requests.
 
 The upstream is a separate Python process so that its work is not counted as Envoy's, and
 answers at once so that Envoy's own work is most of a request's time.
