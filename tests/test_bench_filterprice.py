@@ -59,6 +59,11 @@ def test_each_side_has_the_filter_it_names_and_envoy_accepts_it(
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
+def test_a_side_it_does_not_know_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="side: 'half'"):
+        side_bootstrap("half", accounting_fleet(10000, 8000), 9000, 9001)
+
+
 def test_the_results_read_back_from_their_json() -> None:
     timings = Timings(median_ms=90.0, p99_ms=101.0, cpu_us_per_request=3400.0)
     streamed = AnswerCost(timings, timings, events_per_response=46.0, chunk_loop=timings)

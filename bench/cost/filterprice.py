@@ -192,6 +192,8 @@ def side_bootstrap(side: str, fleet: FleetPlan, signals: int, admin: int) -> dic
     """The bootstrap of one side: the accounting filter kept (``with_filter``), taken out of
     every listener's chain (``without``), or its Lua replaced by `CHUNK_LOOP` (``chunk_loop``).
     """
+    if side not in SIDES:
+        raise ValueError(f"side: {side!r} is none of {', '.join(SIDES)}")
     bootstrap = probe_bootstrap(fleet, signals, admin)
     found = 0
     for listener in bootstrap["static_resources"]["listeners"]:
