@@ -18,6 +18,13 @@ replica's queue (a full replica's queue would otherwise make its capacity look s
 first byte is the first token; the prefill before it is left out, a small part of a request
 with a few hundred tokens to generate.
 
+Overflow that follows the route's arrival rate (``Overflow.signal: arrivals``,
+``signals.overflowff``) reads the same log on its routes' listeners: the route's demand is
+the first attempts on its own cluster (and its affinity twin) plus those on its overflow
+aggregates and provider clusters (``route_demand``), whichever pool took them; the share of
+its own starts that carried a session (the affinity twin's, ``session_rates``); and what its
+replicas completed over the last few seconds (``completions`` with a shorter window).
+
 The counts are this kvpilot replica's: a fleet whose Envoys are spread over several kvpilot
 replicas is seen in part by each, and ``controlplane.arrivals`` adds the others' rates
 through etcd.
@@ -28,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -54,6 +61,10 @@ MIN_SERVICE = 0.05
 """Service times below this are not counted: an answer sent in one piece (not streamed) has
 its first and last byte together, which says nothing of its time in the batch."""
 
+OVERFLOW_PARTS = ("/overflow/", "/provider/")
+"""What follows a route cluster's name in the names of its overflow aggregates and paid
+pools' clusters (``policies.names``): starts there are the route's demand too."""
+
 _START = accesslog_pb2.AccessLogType.UpstreamPoolReady
 _END = (accesslog_pb2.AccessLogType.UpstreamEnd, accesslog_pb2.AccessLogType.NotSet)
 
@@ -64,6 +75,19 @@ def route_cluster(cluster: str) -> str:
     # no "/", so everything from the suffix on is the twin's).
     head, found, _ = cluster.partition(AFFINITY_SUFFIX)
     return (head if found else cluster).removesuffix(LOCAL_SUFFIX)
+
+
+def route_demand(rates: Mapping[str, float], route: str) -> float:
+    """A route's demand: the requests per second started on its own cluster (`route`,
+    ``policy/route``) and on its overflow aggregates and paid pools' clusters, by every fleet,
+    from ``fleet/cluster`` rates (``ArrivalBook.rates``, or every replica's through
+    ``controlplane.arrivals``)."""
+    total = 0.0
+    for key, rate in rates.items():
+        _, _, cluster = key.partition("/")
+        if cluster == route or any(cluster.startswith(route + part) for part in OVERFLOW_PARTS):
+            total += rate
+    return round(total, 4)
 
 
 def _seconds(value: Any) -> float:
@@ -81,6 +105,7 @@ class ArrivalBook:
         self._served: dict[str, deque[tuple[float, float]]] = {}
         self._done: dict[str, deque[float]] = {}
         self._done_first: dict[str, float] = {}
+        self._sessions: dict[str, deque[float]] = {}
         self.entries = 0
         """Entries read (starts and ends)."""
 
@@ -98,6 +123,9 @@ class ArrivalBook:
             key = f"{fleet}/{cluster}"
             self._starts.setdefault(key, deque()).append(now)
             self._first.setdefault(key, now)
+            if cluster != common.upstream_cluster.removesuffix(LOCAL_SUFFIX):
+                # The affinity twin's: a request with a session (overflow's conversations).
+                self._sessions.setdefault(key, deque()).append(now)
             return
         if common.access_log_type not in _END:
             return
@@ -145,11 +173,41 @@ class ArrivalBook:
             out[key] = round(rate, 4)
         return out
 
-    def completions(self, now: float | None = None) -> dict[str, float]:
-        """``address:port`` -> answers completed there per second (200, from any fleet)
-        over the last ``ARRIVAL_WINDOW``: while its replicas are full, a locality's
-        completion rate is its capacity, whatever its byte timings say."""
+    def demand(self, route: str, now: float | None = None) -> float:
+        """Requests per second this replica's Envoys started on `route` (``policy/route``),
+        whichever pool took them: its own replicas, its overflow aggregates or its paid
+        pools (``route_demand``)."""
+        return route_demand(self.rates(now), route)
+
+    def session_rates(self, now: float | None = None) -> dict[str, float]:
+        """``fleet/cluster`` -> requests with a session (started on the route's affinity
+        twin) per second over the last ``ARRIVAL_WINDOW``: with ``rates``, the share of a
+        route's own starts that are conversations."""
         now = self.clock() if now is None else now
+        out: dict[str, float] = {}
+        for key in list(self._sessions):
+            starts = self._sessions[key]
+            while starts and starts[0] <= now - ARRIVAL_WINDOW:
+                starts.popleft()
+            first = self._first.get(key)
+            if not starts or first is None:
+                # (No start of the key within the window: ``rates`` has dropped it too.)
+                if not starts:
+                    del self._sessions[key]
+                continue
+            age = now - first
+            if age >= MIN_SPAN:
+                out[key] = round(len(starts) / min(ARRIVAL_WINDOW, age), 4)
+        return out
+
+    def completions(
+        self, now: float | None = None, window: float = ARRIVAL_WINDOW
+    ) -> dict[str, float]:
+        """``address:port`` -> answers completed there per second (200, from any fleet)
+        over the last `window` seconds (at most ``ARRIVAL_WINDOW``): while its replicas are
+        full, a locality's completion rate is its capacity, whatever its byte timings say."""
+        now = self.clock() if now is None else now
+        window = min(window, ARRIVAL_WINDOW)
         out: dict[str, float] = {}
         for host in list(self._done):
             done = self._done[host]
@@ -161,7 +219,8 @@ class ArrivalBook:
                 continue
             age = now - self._done_first[host]
             if age >= MIN_SPAN:
-                out[host] = round(len(done) / min(ARRIVAL_WINDOW, age), 4)
+                count = sum(1 for at in done if at > now - window)
+                out[host] = round(count / min(window, age), 4)
         return out
 
     def service_times(self, now: float | None = None) -> dict[str, float]:
@@ -184,7 +243,9 @@ __all__ = [
     "ARRIVAL_WINDOW",
     "CHANGE_WINDOW",
     "MIN_SERVICE",
+    "OVERFLOW_PARTS",
     "SERVICE_WINDOW",
     "ArrivalBook",
     "route_cluster",
+    "route_demand",
 ]
