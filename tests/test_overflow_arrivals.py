@@ -3,11 +3,22 @@ the route's demand from the arrivals log, and the decision (``signals.overflowff
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from pydantic import ValidationError
 
 from policies.models import Overflow
+from signals.overflowff import (
+    PRIOR_SHARE,
+    SAMPLE_WINDOW,
+    ArrivalsDecision,
+    decide_arrivals,
+    kind_shares,
+)
+from signals.spill import DEADBAND, LOAD
 from xdsserver.arrivals import ARRIVAL_WINDOW, ArrivalBook, route_demand
 
 START = accesslog_pb2.AccessLogType.UpstreamPoolReady
@@ -101,3 +112,137 @@ def test_completions_over_a_shorter_window_see_only_the_last_seconds() -> None:
     host = "10.0.1.1:8000"
     assert book.completions(window=5.0)[host] == pytest.approx(4.0, rel=0.06)
     assert book.completions()[host] == pytest.approx(30 / ARRIVAL_WINDOW, rel=0.06)
+
+
+# --------------------------------------------------------------------------- the decision
+
+NOW = 10_000.0
+
+
+def _round(
+    previous: ArrivalsDecision | None,
+    demand: float | None,
+    *,
+    now: float,
+    running: float = 0.5,
+    fill: float | None = 0.5,
+    completions: float | None = None,
+    slots: float = 32,
+    service_time: float | None = 4.0,
+) -> ArrivalsDecision:
+    return decide_arrivals(
+        previous,
+        demand=demand,
+        slots=slots,
+        running=running,
+        fill=fill,
+        completions=completions,
+        service_time=service_time,
+        now=now,
+        recover_interval=5.0,
+    )
+
+
+def test_before_a_saturated_period_the_prior_is_a_conservative_share_of_slots_over_time() -> None:
+    # 32 slots, 4 s per request: 8/s at light load, 0.7 of it assumed.
+    light = _round(None, 3.0, now=NOW)
+    assert light.capacity == pytest.approx(PRIOR_SHARE * 8.0) and not light.measured
+    assert light.paid == 0.0 and "within" in light.why
+    peak = _round(light, 9.0, now=NOW + 1)
+    assert peak.paid == pytest.approx(1 - LOAD * PRIOR_SHARE * 8.0 / 9.0, abs=1e-3)
+    assert "above" in peak.why
+
+
+def test_capacity_is_the_completion_rate_of_a_full_period_and_is_held_after_it() -> None:
+    decision = _round(None, 9.0, now=NOW)
+    # Full, but not for a sample window yet: the prior stays.
+    decision = _round(decision, 9.0, now=NOW + 1, running=1.0, fill=1.0, completions=4.4)
+    decision = _round(decision, 9.0, now=NOW + 3, running=1.0, fill=1.0, completions=4.4)
+    assert not decision.measured
+    decision = _round(
+        decision, 9.0, now=NOW + 1 + SAMPLE_WINDOW, running=1.0, fill=1.0, completions=4.4
+    )
+    assert decision.measured and decision.capacity == pytest.approx(4.4)
+    # The peak's capacity, not the light load's: the paid share follows it at once.
+    assert decision.paid == pytest.approx(1 - LOAD * 4.4 / 9.0, abs=0.01)
+    # A light period afterwards does not replace it (completions there are not capacity).
+    later = _round(decision, 3.0, now=NOW + 60, running=0.4, fill=0.4, completions=3.0)
+    assert later.capacity == pytest.approx(4.4) and later.measured
+    # Half the replicas lost: half the slots, half the capacity, in the same round.
+    assert _round(later, 3.0, now=NOW + 61, slots=16).capacity == pytest.approx(2.2)
+
+
+def test_the_share_does_not_flap_on_noise_and_comes_back_when_demand_falls() -> None:
+    decision = _round(None, 10.0, now=NOW, service_time=3.5)  # capacity 6.4/s (prior)
+    first = decision.paid
+    assert first > 0.3
+    # A count a little off: held.
+    noisy = _round(decision, 9.6, now=NOW + 1, service_time=3.5)
+    assert noisy.paid == first and "hysteresis" in noisy.why
+    # Demand falls under capacity: nothing moves before the recover interval ...
+    fallen = _round(noisy, 4.0, now=NOW + 2, service_time=3.5)
+    assert fallen.paid == first and fallen.next_at == pytest.approx(NOW + 5.0)
+    # ... then all of it comes back at once.
+    back = _round(fallen, 4.0, now=NOW + 5.0, service_time=3.5)
+    assert back.paid == 0.0 and back.next_at == math.inf
+
+
+def test_a_rise_is_taken_at_once_whatever_the_last_change() -> None:
+    decision = _round(None, 8.0, now=NOW)
+    higher = _round(decision, 14.0, now=NOW + 0.5)
+    assert higher.paid > decision.paid + DEADBAND
+
+
+def test_without_telemetry_arrivals_or_capacity_nothing_goes_to_paid() -> None:
+    assert _round(None, 9.0, now=NOW, fill=None).why == "no fresh telemetry"
+    assert _round(None, None, now=NOW).why == "no arrivals reported"
+    nothing = _round(None, 9.0, now=NOW, service_time=None)
+    assert nothing.paid == 0.0 and nothing.why == "no capacity estimate yet"
+
+
+def test_a_queue_that_lasts_with_a_share_in_force_trims_the_estimate() -> None:
+    decision = _round(None, 9.0, now=NOW)  # prior 5.6/s: 40% paid
+    assert decision.paid > 0
+    still = _round(decision, 9.0, now=NOW + 2, fill=1.5)
+    assert still.trim == 1.0  # within the dwell: the queue formed before the share
+    cut = _round(still, 9.0, now=NOW + 6, fill=1.5)
+    assert cut.trim == pytest.approx(max(0.85, 0.95 / 1.5)) and cut.paid > decision.paid
+    # Room to spare with a share in force: the trim rises back, a dwell later.
+    eased = _round(cut, 9.0, now=NOW + 12, fill=0.6)
+    assert eased.trim == pytest.approx(cut.trim + 0.1)
+
+
+def test_plain_requests_take_the_share_first() -> None:
+    assert kind_shares(0.2, 0.4, "last") == (0.5, 0.0)
+    assert kind_shares(0.55, 0.4, "last") == (1.0, 0.25)
+    assert kind_shares(0.3, 0.4, "with") == (0.3, 0.3)
+    assert kind_shares(0.25, None, "last") == (0.5, 0.0)  # before any is seen: half plain
+
+
+def test_the_plain_share_is_learned_while_nothing_overflows() -> None:
+    learned = decide_arrivals(
+        None,
+        demand=3.0,
+        slots=32,
+        running=0.5,
+        fill=0.5,
+        completions=None,
+        service_time=4.0,
+        own_starts=3.0,
+        session_starts=1.8,
+        now=NOW,
+    )
+    assert learned.plain_share == pytest.approx(0.4)
+    overflowing = decide_arrivals(
+        replace(learned, paid=0.3),
+        demand=9.0,
+        slots=32,
+        running=1.0,
+        fill=1.0,
+        completions=None,
+        service_time=4.0,
+        own_starts=6.0,
+        session_starts=5.4,  # the plain ones went to paid: not a new share
+        now=NOW + 1,
+    )
+    assert overflowing.plain_share == pytest.approx(0.4)
