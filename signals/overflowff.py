@@ -57,6 +57,7 @@ where p is the share of the demand without a session, learned while nothing over
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from signals.spill import (
@@ -71,6 +72,24 @@ from signals.spill import (
     TARGET_FILL,
     TRIM_RANGE,
 )
+
+OVERFLOW_PARTS = ("/overflow/", "/provider/")
+"""What follows a route cluster's name in the names of its overflow aggregates and paid
+pools' clusters (``policies.names``): starts there are the route's demand too."""
+
+
+def route_demand(rates: Mapping[str, float], route: str) -> float:
+    """A route's demand: the requests per second started on its own cluster (`route`,
+    ``policy/route``) and on its overflow aggregates and paid pools' clusters, by every fleet,
+    from ``fleet/cluster`` rates (``ArrivalBook.rates``, or every replica's through
+    ``controlplane.arrivals``)."""
+    total = 0.0
+    for key, rate in rates.items():
+        _, _, cluster = key.partition("/")
+        if cluster == route or any(cluster.startswith(route + part) for part in OVERFLOW_PARTS):
+            total += rate
+    return round(total, 4)
+
 
 FULL = 0.95
 """Mean running / batch size at or above which the owned replicas' batches count as full."""
@@ -166,8 +185,7 @@ def decide_arrivals(
     fill: float | None,
     completions: float | None,
     service_time: float | None,
-    own_starts: float | None = None,
-    session_starts: float | None = None,
+    session_share: float | None = None,
     now: float,
     recover_interval: float = 5.0,
 ) -> ArrivalsDecision:
@@ -177,8 +195,8 @@ def decide_arrivals(
     (fresh telemetry); `running`: their mean running / batch size; `fill`: their mean
     (running + waiting) / batch size; `completions`: what they completed per second over the
     last ``SAMPLE_WINDOW``; `service_time`: their mean seconds per request (first to last
-    byte); `own_starts` and `session_starts`: requests per second started on the route's own
-    replicas, and of those with a session."""
+    byte); `session_share`: the share of the requests started on the route's own replicas
+    that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``)."""
     before = previous or ArrivalsDecision()
     # Capacity, from the completions of a full period when there is one.
     full = running is not None and running >= FULL
@@ -199,8 +217,8 @@ def decide_arrivals(
     capacity, measured = capacity_of(per_slot, slots, service_time)
     # What share of the demand has no session: learned while nothing overflows.
     plain_share = before.plain_share
-    if before.paid == 0 and own_starts and session_starts is not None:
-        plain_share = round(max(0.0, 1.0 - session_starts / own_starts), 4)
+    if before.paid == 0 and session_share is not None:
+        plain_share = round(min(1.0, max(0.0, 1.0 - session_share)), 4)
     base = replace(
         before,
         demand=demand,
@@ -280,6 +298,7 @@ def decide_arrivals(
 
 __all__ = [
     "FULL",
+    "OVERFLOW_PARTS",
     "PLAIN_PRIOR",
     "PRIOR_SHARE",
     "SAMPLE_WEIGHT",
@@ -288,4 +307,5 @@ __all__ = [
     "capacity_of",
     "decide_arrivals",
     "kind_shares",
+    "route_demand",
 ]

@@ -55,6 +55,13 @@ class PolicyState:
     completions: Mapping[str, float] = field(default_factory=dict)
     """Answers completed per second on each upstream host, ``address:port``, over the last
     few seconds (from every fleet's arrivals log)."""
+    recent_completions: Mapping[str, float] = field(default_factory=dict)
+    """Answers completed per second on each upstream host, ``address:port``, over the last
+    ``signals.overflowff.SAMPLE_WINDOW`` seconds: the capacity samples of overflow by
+    arrivals."""
+    session_shares: Mapping[str, float] = field(default_factory=dict)
+    """Route cluster (``policy/route``) -> share of the requests started on its own replicas
+    that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``)."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)

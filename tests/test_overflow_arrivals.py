@@ -8,9 +8,12 @@ from dataclasses import replace
 
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
+from harness.builders import policy, pool
 from pydantic import ValidationError
 
-from policies.models import Overflow
+from compiler.compile import PolicyState, compile_plan
+from policies.models import Overflow, PolicyObject, Pool, RoutingPolicy
+from signals.overflow import OverflowDecision
 from signals.overflowff import (
     PRIOR_SHARE,
     SAMPLE_WINDOW,
@@ -19,6 +22,7 @@ from signals.overflowff import (
     kind_shares,
 )
 from signals.spill import DEADBAND, LOAD
+from signals.telemetry import TelemetryRecord
 from xdsserver.arrivals import ARRIVAL_WINDOW, ArrivalBook, route_demand
 
 START = accesslog_pb2.AccessLogType.UpstreamPoolReady
@@ -85,6 +89,8 @@ def test_the_route_demand_counts_every_pool_that_took_its_requests() -> None:
         "edge/main/chat/overflow/paid",
     }
     assert book.session_rates() == {"edge/main/chat": pytest.approx(8 / 4.5, rel=0.01)}
+    shares = book.session_shares()
+    assert shares["main/chat"] == pytest.approx(0.5) and shares["main/other"] == 0.0
     clock[0] += ARRIVAL_WINDOW
     assert book.demand("main/chat") == 0.0 and book.session_rates() == {}
 
@@ -228,8 +234,7 @@ def test_the_plain_share_is_learned_while_nothing_overflows() -> None:
         fill=0.5,
         completions=None,
         service_time=4.0,
-        own_starts=3.0,
-        session_starts=1.8,
+        session_share=0.6,
         now=NOW,
     )
     assert learned.plain_share == pytest.approx(0.4)
@@ -241,8 +246,84 @@ def test_the_plain_share_is_learned_while_nothing_overflows() -> None:
         fill=1.0,
         completions=None,
         service_time=4.0,
-        own_starts=6.0,
-        session_starts=5.4,  # the plain ones went to paid: not a new share
+        session_share=0.9,  # the plain ones went to paid: not a new share
         now=NOW + 1,
     )
     assert overflowing.plain_share == pytest.approx(0.4)
+
+
+# --------------------------------------------------------------------------- the compile
+
+PORTS = (8001, 8002, 8003, 8004)
+
+
+def _state(
+    demand: float, *, running: float, previous: OverflowDecision | None = None, now: float = NOW
+) -> PolicyState:
+    objects: list[PolicyObject] = [
+        Pool.model_validate(pool("owned", PORTS, telemetry={"format": "vllm"})),
+        Pool.model_validate(
+            pool(
+                "paid",
+                [],
+                endpoints=[{"address": "localhost", "port": 9443}],
+                healthCheck={"enabled": False},
+            )
+        ),
+        RoutingPolicy.model_validate(
+            policy(
+                "main",
+                10000,
+                [
+                    {
+                        "name": "chat",
+                        "tiers": [["owned"]],
+                        "sessionAffinity": {"header": "x-session-id"},
+                        "overflow": {"pools": ["paid"], "signal": "arrivals"},
+                    }
+                ],
+            )
+        ),
+    ]
+    hosts = [f"127.0.0.1:{port}" for port in PORTS]
+    return PolicyState.from_objects(
+        objects,
+        telemetry={
+            "owned": {
+                host: TelemetryRecord(at=now - 1, running=8 * running, max_running=8)
+                for host in hosts
+            }
+        },
+        now=now,
+        # Two fleets' Envoys, some of the requests already on the paid pool's aggregate.
+        arrivals={
+            "default/main/chat": demand * 0.6,
+            "edge/main/chat": demand * 0.2,
+            "default/main/chat/overflow/paid": demand * 0.2,
+        },
+        service_times={host: 4.0 for host in hosts},  # 32 slots / 4 s: prior 0.7 x 8/s
+        session_shares={"main/chat": 0.6},
+        previous_overflow={"main/chat": previous} if previous is not None else {},
+    )
+
+
+def test_the_compiled_route_overflows_the_demand_above_capacity_plain_requests_first() -> None:
+    light = compile_plan(_state(3.0, running=0.4)).overflow["main/chat"]
+    assert light.signal == "arrivals" and light.arrivals is not None
+    assert light.arrivals.demand == pytest.approx(3.0)
+    assert light.plain == light.sessions == 0.0
+    assert light.arrivals.plain_share == pytest.approx(0.4)  # learned: nothing overflowed
+    peak = compile_plan(_state(12.0, running=1.0, previous=light, now=NOW + 1))
+    decision = peak.overflow["main/chat"]
+    paid = 1 - LOAD * PRIOR_SHARE * 8.0 / 12.0
+    assert decision.arrivals is not None and decision.arrivals.paid == pytest.approx(paid, abs=1e-3)
+    # 40% of the demand has no session: those go first, all of them and some conversations.
+    assert decision.plain == 1.0
+    assert decision.sessions == pytest.approx((paid - 0.4) / 0.6, abs=1e-3)
+    assert decision.provider == "paid"
+    # The route entries carry it (Envoy draws per request).
+    listener = peak.fleets[0].listeners[0]
+    assert listener.arrivals_log
+    route = listener.virtual_hosts[0].routes[0]
+    assert route.overflow is not None and route.overflow.arrivals
+    assert route.overflow.plain == 1.0

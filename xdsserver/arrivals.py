@@ -35,12 +35,13 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 
 from policies.names import LOCAL_SUFFIX
+from signals.overflowff import OVERFLOW_PARTS, route_demand
 from xdsserver.translate import AFFINITY_SUFFIX
 
 ARRIVAL_WINDOW = 16.0
@@ -61,10 +62,6 @@ MIN_SERVICE = 0.05
 """Service times below this are not counted: an answer sent in one piece (not streamed) has
 its first and last byte together, which says nothing of its time in the batch."""
 
-OVERFLOW_PARTS = ("/overflow/", "/provider/")
-"""What follows a route cluster's name in the names of its overflow aggregates and paid
-pools' clusters (``policies.names``): starts there are the route's demand too."""
-
 _START = accesslog_pb2.AccessLogType.UpstreamPoolReady
 _END = (accesslog_pb2.AccessLogType.UpstreamEnd, accesslog_pb2.AccessLogType.NotSet)
 
@@ -75,19 +72,6 @@ def route_cluster(cluster: str) -> str:
     # no "/", so everything from the suffix on is the twin's).
     head, found, _ = cluster.partition(AFFINITY_SUFFIX)
     return (head if found else cluster).removesuffix(LOCAL_SUFFIX)
-
-
-def route_demand(rates: Mapping[str, float], route: str) -> float:
-    """A route's demand: the requests per second started on its own cluster (`route`,
-    ``policy/route``) and on its overflow aggregates and paid pools' clusters, by every fleet,
-    from ``fleet/cluster`` rates (``ArrivalBook.rates``, or every replica's through
-    ``controlplane.arrivals``)."""
-    total = 0.0
-    for key, rate in rates.items():
-        _, _, cluster = key.partition("/")
-        if cluster == route or any(cluster.startswith(route + part) for part in OVERFLOW_PARTS):
-            total += rate
-    return round(total, 4)
 
 
 def _seconds(value: Any) -> float:
@@ -199,6 +183,25 @@ class ArrivalBook:
             if age >= MIN_SPAN:
                 out[key] = round(len(starts) / min(ARRIVAL_WINDOW, age), 4)
         return out
+
+    def session_shares(self, now: float | None = None) -> dict[str, float]:
+        """Route cluster (``policy/route``) -> the share of the requests this replica's
+        Envoys started on the route's own replicas that had a session, every fleet
+        together: what overflow's ``conversations: last`` needs to turn a share of the
+        demand into shares of each kind (``signals.overflowff.kind_shares``)."""
+        now = self.clock() if now is None else now
+        sessions = self.session_rates(now)
+        starts: dict[str, float] = {}
+        with_session: dict[str, float] = {}
+        for key, rate in self.rates(now).items():
+            _, _, cluster = key.partition("/")
+            starts[cluster] = starts.get(cluster, 0.0) + rate
+            with_session[cluster] = with_session.get(cluster, 0.0) + sessions.get(key, 0.0)
+        return {
+            cluster: round(min(1.0, with_session[cluster] / rate), 4)
+            for cluster, rate in starts.items()
+            if rate > 0
+        }
 
     def completions(
         self, now: float | None = None, window: float = ARRIVAL_WINDOW
