@@ -214,6 +214,7 @@ async def serve(
     # Overflow by arrivals (signals.overflowff): capacity samples and the conversations' share.
     reconciler.recent_completions = lambda now: arrivals.completions(now, window=SAMPLE_WINDOW)
     reconciler.session_shares = arrivals.session_shares
+    reconciler.recent_demands = arrivals.recent_demands
     difficulty = DifficultyLoop(
         scores,
         lambda: virtual_models_of(reconciler.state.policies if reconciler.state else {}),

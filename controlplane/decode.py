@@ -155,6 +155,7 @@ class DecodedState:
         completions: Mapping[str, float] | None = None,
         recent_completions: Mapping[str, float] | None = None,
         session_shares: Mapping[str, float] | None = None,
+        recent_demands: Mapping[str, float] | None = None,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
         per-pool mappings are shared with this state and must not be changed."""
@@ -175,4 +176,5 @@ class DecodedState:
             completions=completions or {},
             recent_completions=recent_completions or {},
             session_shares=session_shares or {},
+            recent_demands=recent_demands or {},
         )

@@ -219,7 +219,9 @@ def _by_arrivals(
         signals,
         providers,
         state.provider_backoff,
-        demand=route_demand(state.arrivals, name) or None,
+        # The larger of every replica's rate (16 s, shared through etcd) and this replica's
+        # own over the last 4 s: a rise counts at once, a fall waits for the long window.
+        demand=max(route_demand(state.arrivals, name), state.recent_demands.get(name, 0.0)) or None,
         slots=slots,
         running=running,
         completions=sum(done) if done else None,

@@ -78,6 +78,16 @@ OVERFLOW_PARTS = ("/overflow/", "/provider/")
 pools' clusters (``policies.names``): starts there are the route's demand too."""
 
 
+def route_of(cluster: str) -> str:
+    """The route cluster (``policy/route``) that a route cluster, one of its overflow
+    aggregates or one of its paid pools' clusters belongs to."""
+    for part in OVERFLOW_PARTS:
+        head, found, _ = cluster.partition(part)
+        if found:
+            return head
+    return cluster
+
+
 def route_demand(rates: Mapping[str, float], route: str) -> float:
     """A route's demand: the requests per second started on its own cluster (`route`,
     ``policy/route``) and on its overflow aggregates and paid pools' clusters, by every fleet,
@@ -308,4 +318,5 @@ __all__ = [
     "decide_arrivals",
     "kind_shares",
     "route_demand",
+    "route_of",
 ]

@@ -327,3 +327,26 @@ def test_the_compiled_route_overflows_the_demand_above_capacity_plain_requests_f
     route = listener.virtual_hosts[0].routes[0]
     assert route.overflow is not None and route.overflow.arrivals
     assert route.overflow.plain == 1.0
+
+
+def test_a_rise_of_demand_shows_in_the_recent_rate_within_seconds() -> None:
+    clock = [1000.0]
+    book = ArrivalBook(lambda: clock[0])
+    for _ in range(20):  # 1 a second for 20 s
+        book.observe(_entry(START, "main/chat"), "edge")
+        book.observe(
+            _entry(START, "main/chat/overflow/paid"),
+            "edge",
+        )
+        clock[0] += 1.0
+    # Then 6 a second for 4 s (4 on the owned replicas, 2 on the paid pool).
+    clock[0] += 0.25
+    for _ in range(8):
+        for _ in range(2):
+            book.observe(_entry(START, "main/chat"), "edge")
+        book.observe(_entry(START, "main/chat/overflow/paid"), "edge")
+        clock[0] += 0.5
+    clock[0] -= 0.25
+    assert book.recent_demands() == {"main/chat": pytest.approx(6.0)}
+    # The rates over the long window average the rise in: 2 a second before it.
+    assert book.demand("main/chat") < 4.0

@@ -41,7 +41,7 @@ from typing import Any
 from envoy.data.accesslog.v3 import accesslog_pb2
 
 from policies.names import LOCAL_SUFFIX
-from signals.overflowff import OVERFLOW_PARTS, route_demand
+from signals.overflowff import OVERFLOW_PARTS, route_demand, route_of
 from xdsserver.translate import AFFINITY_SUFFIX
 
 ARRIVAL_WINDOW = 16.0
@@ -184,6 +184,24 @@ class ArrivalBook:
                 out[key] = round(len(starts) / min(ARRIVAL_WINDOW, age), 4)
         return out
 
+    def recent_demands(self, now: float | None = None) -> dict[str, float]:
+        """Route cluster (``policy/route``) -> requests per second this replica's Envoys
+        started on the route (its own cluster, overflow aggregates and paid pools, every
+        fleet) over the last ``CHANGE_WINDOW`` seconds alone: a rise shows here within
+        seconds, where the shared rate averages it over ``ARRIVAL_WINDOW`` unless it is far
+        beyond noise. Routes seen for less than ``CHANGE_WINDOW`` give none."""
+        now = self.clock() if now is None else now
+        self.rates(now)  # drops what left the window
+        out: dict[str, float] = {}
+        for key, starts in self._starts.items():
+            if now - self._first.get(key, now) < CHANGE_WINDOW:
+                continue
+            _, _, cluster = key.partition("/")
+            route = route_of(cluster)
+            recent = sum(1 for at in starts if at > now - CHANGE_WINDOW)
+            out[route] = round(out.get(route, 0.0) + recent / CHANGE_WINDOW, 4)
+        return out
+
     def session_shares(self, now: float | None = None) -> dict[str, float]:
         """Route cluster (``policy/route``) -> the share of the requests this replica's
         Envoys started on the route's own replicas that had a session, every fleet
@@ -251,4 +269,5 @@ __all__ = [
     "ArrivalBook",
     "route_cluster",
     "route_demand",
+    "route_of",
 ]
