@@ -18,7 +18,7 @@ from signals.overflow import (
     overflow_signals,
     provider_order,
 )
-from signals.overflowff import route_demand
+from signals.overflowff import blend_demand, route_demand
 from signals.saturation import (
     SaturationDecision,
     batch_fill,
@@ -213,19 +213,22 @@ def _by_arrivals(
     keys = [endpoint.key for endpoint in endpoints]
     times = [state.service_times[key] for key in keys if key in state.service_times]
     done = [state.recent_completions[key] for key in keys if key in state.recent_completions]
+    completed = [state.completions[key] for key in keys if key in state.completions]
     return decide_overflow_arrivals(
         state.previous_overflow.get(name),
         overflow,
         signals,
         providers,
         state.provider_backoff,
-        # The larger of every replica's rate (16 s, shared through etcd) and this replica's
-        # own over the last 4 s: a rise counts at once, a fall waits for the long window.
-        demand=max(route_demand(state.arrivals, name), state.recent_demands.get(name, 0.0)) or None,
+        # Every replica's rate (16 s, shared through etcd), or this replica's own over the
+        # last 4 s when it is above it beyond noise: a rise counts within seconds.
+        demand=blend_demand(route_demand(state.arrivals, name), state.recent_demands.get(name))
+        or None,
         slots=slots,
         running=running,
         completions=sum(done) if done else None,
         service_time=sum(times) / len(times) if times else None,
         session_share=state.session_shares.get(name),
         now=state.now,
+        completed=sum(completed) if completed else None,
     )

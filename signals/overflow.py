@@ -306,6 +306,7 @@ def decide_overflow_arrivals(
     service_time: float | None,
     session_share: float | None,
     now: float,
+    completed: float | None = None,
 ) -> OverflowDecision:
     """This round's decision for a route with ``signal: arrivals``: the share of its demand
     above the owned replicas' capacity (``signals.overflowff``), split between plain
@@ -322,6 +323,7 @@ def decide_overflow_arrivals(
         fill=fill,
         completions=completions,
         service_time=service_time,
+        completed=completed,
         session_share=session_share,
         now=now,
         recover_interval=overflow.recover_interval,

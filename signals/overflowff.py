@@ -78,6 +78,26 @@ OVERFLOW_PARTS = ("/overflow/", "/provider/")
 pools' clusters (``policies.names``): starts there are the route's demand too."""
 
 
+RISE_SIGMAS = 2.0
+"""The recent rate (the last ``RECENT_WINDOW`` seconds) replaces the long one when it is
+above it by more than this many standard deviations of its own count: a rise shows within
+seconds, the noise of a few seconds' count does not."""
+RECENT_WINDOW = 4.0
+"""Seconds of the recent rate (``xdsserver.arrivals.CHANGE_WINDOW``)."""
+
+
+def blend_demand(long: float, recent: float | None) -> float:
+    """The demand overflow reads: the long window's rate, or the recent one when it is
+    above it beyond noise (``RISE_SIGMAS``). A fall waits for the long window (and the
+    hysteresis), so the share is not given back on a quiet second."""
+    if recent is None or recent <= long:
+        return long
+    expected = long * RECENT_WINDOW
+    if (recent - long) * RECENT_WINDOW > RISE_SIGMAS * math.sqrt(max(expected, 1.0)):
+        return recent
+    return long
+
+
 def route_of(cluster: str) -> str:
     """The route cluster (``policy/route``) that a route cluster, one of its overflow
     aggregates or one of its paid pools' clusters belongs to."""
@@ -195,6 +215,7 @@ def decide_arrivals(
     fill: float | None,
     completions: float | None,
     service_time: float | None,
+    completed: float | None = None,
     session_share: float | None = None,
     now: float,
     recover_interval: float = 5.0,
@@ -205,7 +226,8 @@ def decide_arrivals(
     (fresh telemetry); `running`: their mean running / batch size; `fill`: their mean
     (running + waiting) / batch size; `completions`: what they completed per second over the
     last ``SAMPLE_WINDOW``; `service_time`: their mean seconds per request (first to last
-    byte); `session_share`: the share of the requests started on the route's own replicas
+    byte); `completed`: what they completed per second over a longer window, full or not, a
+    lower bound of their capacity; `session_share`: the share of the requests started on the route's own replicas
     that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``)."""
     before = previous or ArrivalsDecision()
     # Capacity, from the completions of a full period when there is one.
@@ -225,6 +247,10 @@ def decide_arrivals(
         )
         per_slot = round(per_slot, 6)
     capacity, measured = capacity_of(per_slot, slots, service_time)
+    if capacity is not None and completed is not None and completed > capacity:
+        # What they served is capacity they have, full or not: an estimate below it sends
+        # more to paid than needed, and then the batches never fill to measure it.
+        capacity = round(completed, 4)
     # What share of the demand has no session: learned while nothing overflows.
     plain_share = before.plain_share
     if before.paid == 0 and session_share is not None:
@@ -311,9 +337,12 @@ __all__ = [
     "OVERFLOW_PARTS",
     "PLAIN_PRIOR",
     "PRIOR_SHARE",
+    "RECENT_WINDOW",
+    "RISE_SIGMAS",
     "SAMPLE_WEIGHT",
     "SAMPLE_WINDOW",
     "ArrivalsDecision",
+    "blend_demand",
     "capacity_of",
     "decide_arrivals",
     "kind_shares",

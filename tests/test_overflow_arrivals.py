@@ -18,6 +18,7 @@ from signals.overflowff import (
     PRIOR_SHARE,
     SAMPLE_WINDOW,
     ArrivalsDecision,
+    blend_demand,
     decide_arrivals,
     kind_shares,
 )
@@ -350,3 +351,26 @@ def test_a_rise_of_demand_shows_in_the_recent_rate_within_seconds() -> None:
     assert book.recent_demands() == {"main/chat": pytest.approx(6.0)}
     # The rates over the long window average the rise in: 2 a second before it.
     assert book.demand("main/chat") < 4.0
+
+
+def test_the_recent_rate_counts_only_when_it_rises_beyond_noise() -> None:
+    assert blend_demand(4.0, None) == 4.0
+    assert blend_demand(4.0, 3.0) == 4.0  # a fall waits for the long window
+    assert blend_demand(4.0, 5.0) == 4.0  # 20 starts where 16 were expected: noise
+    assert blend_demand(4.0, 7.0) == 7.0  # 28 where 16 were: a rise
+
+
+def test_what_the_replicas_completed_bounds_the_capacity_from_below() -> None:
+    decision = decide_arrivals(
+        None,
+        demand=6.0,
+        slots=32,
+        running=0.8,
+        fill=0.8,
+        completions=None,
+        service_time=4.0,  # prior 5.6/s
+        completed=5.9,  # but they served 5.9/s without being full
+        now=NOW,
+    )
+    assert decision.capacity == pytest.approx(5.9) and not decision.measured
+    assert decision.paid == 0.0  # 6.0 against 0.97 x 5.9: within the dead band
