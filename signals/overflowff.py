@@ -11,8 +11,10 @@ batches, seconds late. Here the route's Envoys report each request's start
 
 ``demand`` is the route's requests per second, whichever pool took them (its own replicas,
 its overflow aggregates, its paid pools: ``xdsserver.arrivals.route_demand``, every kvpilot
-replica's through ``controlplane.arrivals``). ``LOAD`` (0.97, as spill's) leaves a little
-room so a queue that formed while the share was found drains.
+replica's through ``controlplane.arrivals``), or this replica's own rate over the last few
+seconds when that is above it beyond noise (``blend_demand``): a rise counts within seconds,
+a fall waits for the long window. ``LOAD`` (0.97, as spill's) leaves a little room so a
+queue that formed while the share was found drains.
 
 Capacity: measured while the batches are full
 ---------------------------------------------
@@ -27,7 +29,9 @@ batch the completion rate is the capacity. It is kept per batch slot (a replica 
 lost moves it at once) and held between saturated periods, each new sample averaged in
 (``SAMPLE_WEIGHT``). Before any saturated period the prior is conservative: batch slots over
 the mean service time seen so far, times ``PRIOR_SHARE`` (0.7: the benchmark's full-batch
-capacity was 0.67-0.71 of the light-load one).
+capacity was 0.67-0.71 of the light-load one). Whatever the estimate, what the replicas
+completed over the last seconds, full or not, bounds it from below: a share that keeps the
+batches from filling would otherwise keep a low prior from ever being measured.
 
 The trim, as spill's
 --------------------
