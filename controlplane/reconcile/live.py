@@ -135,6 +135,10 @@ class LiveDecisions:
                 math.nan if decision.fill is None else decision.fill
             )
             before = self.saturation.get(route)
+            if before is not None and before.ladder is not decision.ladder and decision.path:
+                log.info("%s: bounded load from %s", route, decision.path)
+            if before is not None and before.factor and not decision.factor:
+                metrics.bounded_load.remove(route)
             if decision.factor:
                 metrics.bounded_load.labels(route).set(decision.factor)
                 if before is not None and before.factor != decision.factor:
