@@ -141,7 +141,7 @@ class LiveDecisions:
                 metrics.bounded_load.remove(route)
             if decision.factor:
                 metrics.bounded_load.labels(route).set(decision.factor)
-                if before is not None and before.factor != decision.factor:
+                if before is not None and before.factor and before.factor != decision.factor:
                     metrics.bounded_load_changes.labels(route).inc()
                     log.info(
                         "%s: at batch fill %s (held peak %s in flight) the busiest replica "
@@ -156,6 +156,8 @@ class LiveDecisions:
                     )
                 continue
             if before is not None and before.saturated != decision.saturated:
+                # A change of twin all the same: counted as a ladder's change of rung is.
+                metrics.bounded_load_changes.labels(route).inc()
                 log.info(
                     "%s: replicas %s at batch fill %s; session requests take the %s bound",
                     route,
