@@ -313,6 +313,7 @@ async def test_saturated_replicas_tighten_bounded_load_and_every_session_keeps_i
     route = {"route": CLUSTER}
     assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 1
     assert metric(setup.kvpilot.api_url, "kvpilot_route_batch_fill", **route) == 1.0
+    assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) == 1
     async with httpx.AsyncClient(base_url=setup.kvpilot.api_url, headers=ADMIN) as api:
         status = (await api.get("/v1/status")).json()
     assert [
@@ -327,6 +328,7 @@ async def test_saturated_replicas_tighten_bounded_load_and_every_session_keeps_i
         lambda: asyncio.to_thread(twins.served_by, usual), MIN_DWELL + 15, "the usual twin again"
     )
     assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 0
+    assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) == 2
     assert await asyncio.to_thread(twins.placement) == calm
 
 
@@ -405,6 +407,7 @@ async def test_at_batches_of_8_the_capacity_bound_takes_the_fixed_bounds_and_the
         (s["route"], s["saturated"], s["boundedLoad"], s["ladder"], s["boundPath"])
         for s in status["saturation"]
     ] == [(CLUSTER, True, None, False, "batch 8: ladder needs > 16; fixed bounds")]
+    assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) == 1
     assert await asyncio.to_thread(twins.placement) == before
 
     # Room again: the fixed bounds' calm twin once the dwell is over; never a ladder rung.
@@ -414,6 +417,7 @@ async def test_at_batches_of_8_the_capacity_bound_takes_the_fixed_bounds_and_the
     )
     assert not endpoint_weights(setup.envoy, roomy)
     assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 0
+    assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) == 2
     assert await asyncio.to_thread(twins.placement) == before
 
 
