@@ -296,7 +296,8 @@ def _unread_model_lists(state: PolicyState | None) -> list[dict[str, Any]]:
 def _saturation(plan: RoutingPlan | None) -> list[dict[str, Any]]:
     """Per telemetry route with a saturated bound: whether its session requests take it now,
     the batch fill that decided it, the fill that saturates the route, and since when; for a
-    capacity-bound route also its bound and the bound its batches allow."""
+    capacity-bound route also its bound and the bound its batches allow, or that its batches
+    are too small for the ladder and it takes the fixed bounds."""
     if plan is None:
         return []
     return [
@@ -310,6 +311,11 @@ def _saturation(plan: RoutingPlan | None) -> list[dict[str, Any]]:
             # allows this round (100 x batch size / mean in flight); null on other routes.
             "boundedLoad": decision.factor or None,
             "fitsBatchAt": decision.wanted if decision.factor else None,
+            # capacityBound routes: whether they take the ladder or, at batches too small
+            # for it, the two fixed bounds, and why ("batch 8: ladder needs > 16; fixed
+            # bounds"); null on other routes.
+            "ladder": decision.ladder,
+            "boundPath": decision.path,
         }
         for route, decision in sorted(plan.saturation.items())
     ]

@@ -60,7 +60,7 @@ from compiler.plan import (
     PlanVirtualHost,
     RoutingPlan,
 )
-from policies.models import FleetSpec, Locality, RoutingPolicy
+from policies.models import FleetSpec, Locality, Route, RoutingPolicy
 from policies.names import cluster_name, listener_name
 from signals.live import (
     admission_decisions,
@@ -68,6 +68,7 @@ from signals.live import (
     saturation_decisions,
     telemetry_weights,
 )
+from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.state import PolicyState, pool_endpoints
 
@@ -89,6 +90,18 @@ def rollout_clusters(state: PolicyState) -> set[str]:
         for rollout in state.rollouts.values()
         if any(rule.metric is not None for rule in rollout.spec.analysis.rules)
     }
+
+
+def on_path(route: Route, decision: SaturationDecision | None) -> Route:
+    """`route` as it compiles this round: a ``capacityBound`` route whose batches are too
+    small for the ladder (``SaturationDecision.ladder`` false, ``signals.saturation.ladder_pays``)
+    compiles as the same route without ``capacityBound``, to the fixed bounds' two twins and
+    their route entries; any other route as it is."""
+    affinity = route.session_affinity
+    if decision is None or decision.ladder is not False or affinity is None:
+        return route
+    fixed = affinity.model_copy(update={"capacity_bound": False})
+    return route.model_copy(update={"session_affinity": fixed})
 
 
 def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPlan:
@@ -113,7 +126,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
             entry = memo.route(
                 policy,
                 index,
-                route,
+                on_path(route, saturated),
                 state,
                 weights,
                 admission.get(name),

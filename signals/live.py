@@ -22,7 +22,7 @@ from signals.overflowff import blend_demand, route_demand
 from signals.saturation import (
     SaturationDecision,
     batch_fill,
-    decide_bound,
+    decide_capacity_route,
     decide_saturation,
     in_flight,
     saturated_fill,
@@ -117,7 +117,8 @@ def saturation_decisions(state: PolicyState) -> dict[str, SaturationDecision]:
     """Saturation for every route whose bounded load tightens when its replicas are
     saturated (``sessionAffinity.saturatedHashBalanceFactor``): route cluster name
     (``policy/route``) -> decision, from the batch fill of the route's first-tier replicas.
-    A ``capacityBound`` route's decision is its rung of bounded load (``decide_bound``)."""
+    A ``capacityBound`` route's decision is its rung of bounded load, or the two fixed bounds'
+    decision at batches too small for the ladder (``decide_capacity_route``)."""
     out: dict[str, SaturationDecision] = {}
     for policy_name in sorted(state.policies):
         for route in state.policies[policy_name].spec.routes:
@@ -127,12 +128,19 @@ def saturation_decisions(state: PolicyState) -> dict[str, SaturationDecision]:
             name = cluster_name(policy_name, route.name)
             if affinity.capacity_bound and route.balancing == "telemetry":
                 endpoints, telemetry, max_age = _first_tier(state, route)
-                out[name] = decide_bound(
+                saturated_at = (
+                    saturated_fill(affinity.hash_balance_factor)
+                    if affinity.saturated_hash_balance_factor
+                    else None
+                )
+                out[name] = decide_capacity_route(
                     state.previous_saturation.get(name),
                     in_flight(endpoints, telemetry, now=state.now, max_age=max_age),
+                    batch_fill(endpoints, telemetry, now=state.now, max_age=max_age),
                     now=state.now,
                     ladder=affinity.ladder(),
                     usual=affinity.hash_balance_factor,
+                    saturated_at=saturated_at,
                 )
                 continue
             if not affinity.saturated_hash_balance_factor:

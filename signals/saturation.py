@@ -68,6 +68,15 @@ change (or after the first record that knew the batch size: a pool that starts i
 round. Fewer switches matter beyond the
 route updates: Envoy counts requests in flight per cluster, so right after a switch the new
 twin does not see the requests the old one sent, and its bound holds only as those finish.
+
+Small batches: the fixed bounds instead of the ladder
+-----------------------------------------------------
+The ladder pays only where one scrape's noise is small against the batch (``ladder_pays``:
+batches above 16). At smaller batches a ``capacityBound`` route takes the two fixed bounds'
+decisions (``decide_saturation``) and compiles to their twins alone
+(``decide_capacity_route``); the batch size it was decided from is kept, so a route whose
+telemetry goes stale keeps its path. Before any record knew its batch size the route keeps
+the ladder it asked for (its session requests take ``hashBalanceFactor`` either way).
 """
 
 from __future__ import annotations
@@ -75,7 +84,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from policies.models import Endpoint
 from signals.telemetry import TelemetryRecord
@@ -119,6 +128,16 @@ class SaturationDecision:
     loosen_at: float = field(default=math.inf, compare=False)
     """``capacityBound`` routes: when the next looser rung is due if nothing changes (its dwell
     ends and the held peak has faded enough); infinite when none can be."""
+    ladder: bool | None = None
+    """``capacityBound`` routes: whether they take the ladder (``decide_bound``, one twin per
+    rung) or, at batches too small for it (``ladder_pays``), the two fixed bounds
+    (``decide_saturation`` and their two twins); ``None`` on other routes. It changes the
+    route's clusters, so it counts in equality."""
+    batch: float | None = field(default=None, compare=False)
+    """``capacityBound`` routes: the mean batch size the path was chosen from (the last one
+    known, kept while telemetry is stale)."""
+    path: str | None = field(default=None, compare=False)
+    """``capacityBound`` routes: which path and why, for operators (``path_reason``)."""
 
     @property
     def calm_at(self) -> float:
@@ -292,8 +311,90 @@ def decide_bound(
     )
 
 
+def ladder_pays(batch: float) -> bool:
+    """Whether a ``capacityBound`` route over replicas that batch `batch` sequences takes the
+    ladder of bounds rather than the two fixed bounds: when the usable batch is more than
+    ``CALM_SHARE`` of the batch, ``batch - sqrt(batch) > CALM_SHARE * batch``, that is
+    ``sqrt(batch) < (1 - CALM_SHARE) * batch``, or ``batch > 1 / (1 - CALM_SHARE) ** 2``:
+    batches above 16 (``LADDER_MIN_BATCH``). False at 8 and 16, true at 17 and above (32, 128).
+
+    Why: the square-root headroom (``usable_batch``) is the noise of one scrape in the
+    busiest replica's count. The fixed bounds' hysteresis band, between the fill that
+    saturates a route and ``CALM_SHARE`` of it, is a quarter of what it separates; a decision
+    that moves with less than the noise is no decision. At batches of 16 or less the noise
+    is that quarter of the batch or more, and the square root eats the batch: at 8 the
+    usable batch is 5.2 (65%), and one request more or less in a mean of 1 to 4 in flight
+    moves the factor ``100 * 5.2 / mean`` across a whole rung (517, 259, 172, 129), so the
+    ladder's rungs are not apart enough to be worth the switches: every switch sends session
+    requests to a twin that has not counted the requests in flight through the others. In
+    the routing benchmark at batch size 8 the rung changed 4 to 6 times per 40 s run and its
+    TTFT p99 was level with the fixed bounds' (1.01-1.18x), not better. At 32 the usable
+    batch is 26.3 (82%); a request more in a mean of 8 to 16 moves the factor by a tenth,
+    less than the rungs' spacing, and the ladder won (0.5-0.8x the fixed bounds' TTFT p99
+    at 32 and 128). Without the floor of one sequence, so a batch of
+    one or two is small too."""
+    return math.sqrt(batch) < (1.0 - CALM_SHARE) * batch
+
+
+LADDER_MIN_BATCH = 1.0 / (1.0 - CALM_SHARE) ** 2
+"""The ladder needs batches above this (16): ``ladder_pays``."""
+
+
+def path_reason(ladder: bool, batch: float | None, *, known: bool = True) -> str:
+    """What a ``capacityBound`` route's status says about its path: ``batch 8: ladder needs >
+    16; fixed bounds``, ``batch 32: ladder``, ``batch unknown: ladder`` (before any record
+    knew it), ``batch 8 (last known): ...`` while telemetry is stale."""
+    if batch is None:
+        size = "batch unknown"
+    else:
+        size = f"batch {batch:g}" + ("" if known else " (last known)")
+    if ladder:
+        return f"{size}: ladder"
+    return f"{size}: ladder needs > {LADDER_MIN_BATCH:g}; fixed bounds"
+
+
+def decide_capacity_route(
+    previous: SaturationDecision | None,
+    load: tuple[float, float] | None,
+    fill: float | None,
+    *,
+    now: float,
+    ladder: Sequence[int],
+    usual: int,
+    saturated_at: float | None,
+) -> SaturationDecision:
+    """This round's decision for a ``capacityBound`` route: its ladder (``decide_bound``) at
+    batches where it pays (``ladder_pays``), else the fixed bounds' decision
+    (``decide_saturation`` from the batch `fill`, at `saturated_at`, ``saturated_fill`` of
+    ``hashBalanceFactor``; ``None`` when the route has no saturated bound: always calm).
+    `load` is (mean in flight, mean batch size) (``in_flight``). Without a known batch size
+    the route keeps the path it took last (the ladder at first)."""
+    known = load is not None
+    if load is not None:
+        batch: float | None = load[1]
+        takes_ladder = ladder_pays(load[1])
+    else:
+        batch = previous.batch if previous is not None else None
+        takes_ladder = previous is None or previous.ladder is not False
+    # A change of path starts the other path's hysteresis afresh.
+    before = previous if previous is not None and previous.ladder is takes_ladder else None
+    if takes_ladder:
+        decision = decide_bound(before, load, now=now, ladder=ladder, usual=usual)
+    elif saturated_at is None:
+        decision = SaturationDecision(fill=fill)
+    else:
+        decision = decide_saturation(before, fill, now=now, bound=saturated_at)
+    return replace(
+        decision,
+        ladder=takes_ladder,
+        batch=batch,
+        path=path_reason(takes_ladder, batch, known=known),
+    )
+
+
 __all__ = [
     "CALM_SHARE",
+    "LADDER_MIN_BATCH",
     "LOOSEN_DWELL",
     "LOOSEN_MARGIN",
     "MIN_DWELL",
@@ -302,9 +403,12 @@ __all__ = [
     "batch_fill",
     "capacity_factor",
     "decide_bound",
+    "decide_capacity_route",
     "decide_saturation",
     "held_peak",
     "in_flight",
+    "ladder_pays",
+    "path_reason",
     "saturated_fill",
     "usable_batch",
 ]

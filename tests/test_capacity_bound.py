@@ -40,9 +40,11 @@ def record(
     return TelemetryRecord(at=at, running=running, waiting=waiting, max_running=batch)
 
 
-def _state(running: float, previous: SaturationDecision | None = None) -> PolicyState:
+def _state(
+    running: float, previous: SaturationDecision | None = None, *, batch: float | None = 32
+) -> PolicyState:
     """A telemetry route at its defaults over four replicas running `running` each in
-    batches of 8."""
+    batches of `batch` (32: the ladder; 8: the fixed bounds, ``ladder_pays``)."""
     objects = [
         Pool.model_validate(pool("p", list(PORTS))),
         RoutingPolicy.model_validate(
@@ -62,7 +64,7 @@ def _state(running: float, previous: SaturationDecision | None = None) -> Policy
     ]
     return PolicyState.from_objects(
         objects,
-        telemetry={"p": {f"127.0.0.1:{port}": record(running) for port in PORTS}},
+        telemetry={"p": {f"127.0.0.1:{port}": record(running, batch=batch) for port in PORTS}},
         previous_saturation={"r/live": previous} if previous else {},
         now=NOW,
     )
@@ -84,7 +86,12 @@ def at(factor: int, since: float = NOW - 100) -> SaturationDecision:
     """A decision at rung `factor` since `since`, after a round that saw an idle pool (its held
     peak faded to nothing)."""
     return SaturationDecision(
-        saturated=factor == 100, since=since, factor=factor, peak=0.0, peak_at=since
+        saturated=factor == 100,
+        since=since,
+        factor=factor,
+        peak=0.0,
+        peak_at=since,
+        ladder=True,
     )
 
 
@@ -343,17 +350,17 @@ def test_a_capacity_bound_that_cannot_work_is_refused(route: dict[str, Any], mes
 
 
 def test_session_requests_take_the_twin_whose_bound_fits_the_batch() -> None:
-    # Batches of 8, 5.2 of them usable: 1 in flight allows 517% (the top rung), 4 allows 129%
-    # (125), 6 is past the usable part (86%: the floor).
-    calm = compile_plan(_state(running=1, previous=at(125)))
+    # Batches of 32, 26.3 of them usable: 4 in flight allow 658% (the top rung), 20 allow
+    # 132% (125), 27 are past the usable part (98%: the floor).
+    calm = compile_plan(_state(running=4, previous=at(125)))
     assert calm.saturation["r/live"].factor == 300
     assert _session_clusters(calm) == {"r/live/affinity-300"}
 
-    busy = compile_plan(_state(running=4, previous=calm.saturation["r/live"]))
+    busy = compile_plan(_state(running=20, previous=calm.saturation["r/live"]))
     assert busy.saturation["r/live"].factor == 125
     assert _session_clusters(busy) == {"r/live/affinity"}
 
-    full = compile_plan(_state(running=6, previous=busy.saturation["r/live"]))
+    full = compile_plan(_state(running=27, previous=busy.saturation["r/live"]))
     assert full.saturation["r/live"].factor == 100
     assert _session_clusters(full) == {"r/live/affinity-saturated"}
 
@@ -379,3 +386,59 @@ def test_session_requests_take_the_twin_whose_bound_fits_the_batch() -> None:
         if c.name.startswith("r/live")
     }
     assert len(services) == 1
+
+
+def _twin_factors(resources: Any) -> dict[str, int]:
+    return {
+        c.name: c.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value
+        for c in resources.clusters
+        if c.name.startswith("r/live/affinity")
+    }
+
+
+def test_batches_of_8_compile_to_the_fixed_bounds_twins_and_their_route_entries() -> None:
+    """At batches too small for the ladder (``ladder_pays``) the route compiles to what the
+    same route without ``capacityBound`` compiles to: two twins, the session entries on the
+    usual one while calm and on the saturated one while the batches are full."""
+    calm = compile_plan(_state(running=1, batch=8))
+    decision = calm.saturation["r/live"]
+    assert decision.ladder is False and decision.factor == 0 and not decision.saturated
+    assert decision.path == "batch 8: ladder needs > 16; fixed bounds"
+    assert _session_clusters(calm) == {"r/live/affinity"}
+    full = compile_plan(_state(running=7, previous=decision, batch=8))
+    assert full.saturation["r/live"].saturated is True
+    assert _session_clusters(full) == {"r/live/affinity-saturated"}
+
+    resources = translate(calm.fleets[0])
+    assert _twin_factors(resources) == {"r/live/affinity": 125, "r/live/affinity-saturated": 100}
+    assert resources.clusters == translate(full.fleets[0]).clusters
+
+    # The same route without capacityBound, on the same telemetry: the same resources.
+    fixed = _state(running=1, batch=8)
+    spec = fixed.policies["r"].spec
+    route = spec.routes[0]
+    assert route.session_affinity is not None
+    plain = route.model_copy(
+        update={
+            "session_affinity": route.session_affinity.model_copy(update={"capacity_bound": False})
+        }
+    )
+    fixed.policies["r"] = fixed.policies["r"].model_copy(
+        update={"spec": spec.model_copy(update={"routes": [plain]})}
+    )
+    theirs = translate(compile_plan(fixed).fleets[0])
+    assert theirs.clusters == resources.clusters and theirs.routes == resources.routes
+
+
+def test_without_a_known_batch_size_the_route_keeps_its_ladder_of_twins() -> None:
+    """Before any record knows its batch size the route compiles to its ladder, as it asks;
+    the first record of a small batch drops the three twins the fixed bounds do not use
+    (a cluster update), and the two left keep their names."""
+    unknown = compile_plan(_state(running=1, batch=None))
+    assert unknown.saturation["r/live"].ladder is True
+    assert set(_twin_factors(translate(unknown.fleets[0])).values()) == set(LADDER)
+    small = compile_plan(_state(running=1, previous=unknown.saturation["r/live"], batch=8))
+    assert _twin_factors(translate(small.fleets[0])) == {
+        "r/live/affinity": 125,
+        "r/live/affinity-saturated": 100,
+    }

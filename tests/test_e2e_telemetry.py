@@ -313,6 +313,7 @@ async def test_saturated_replicas_tighten_bounded_load_and_every_session_keeps_i
     route = {"route": CLUSTER}
     assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 1
     assert metric(setup.kvpilot.api_url, "kvpilot_route_batch_fill", **route) == 1.0
+    assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) == 1
     async with httpx.AsyncClient(base_url=setup.kvpilot.api_url, headers=ADMIN) as api:
         status = (await api.get("/v1/status")).json()
     assert [
@@ -327,6 +328,7 @@ async def test_saturated_replicas_tighten_bounded_load_and_every_session_keeps_i
         lambda: asyncio.to_thread(twins.served_by, usual), MIN_DWELL + 15, "the usual twin again"
     )
     assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 0
+    assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) == 2
     assert await asyncio.to_thread(twins.placement) == calm
 
 
@@ -372,6 +374,50 @@ async def test_the_bound_follows_the_batch_along_its_ladder_and_every_session_ke
     # Down to 100%, then up as the peak fades, each change at least 15 s after the last: to
     # 300 in three steps or more (125, 200, 300 when the rebuilds come on time).
     assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) >= 4
+    assert await asyncio.to_thread(twins.placement) == before
+
+
+async def test_at_batches_of_8_the_capacity_bound_takes_the_fixed_bounds_and_their_twins(
+    make_setup: Callable[..., Any],
+) -> None:
+    """Batches of 8 are too small for the ladder (``ladder_pays``): once a record says so, the
+    ladder's other twins leave Envoy, session requests take the fixed bounds' twins as those
+    bounds decide (100% while every batch is full), the status says why, and no session
+    changes replica."""
+    usual, full, roomy = (
+        CLUSTER + suffix for suffix in ("/affinity", SATURATED_SUFFIX, "/affinity-300")
+    )
+    twins = await affinity_twins(
+        make_setup, (usual, full, roomy), capacity_bound=True, max_running=8
+    )
+    setup = twins.setup
+    # No batch size known yet: the ladder the route asks for, at the usual bound.
+    before = await asyncio.to_thread(twins.placement)
+    assert await asyncio.to_thread(twins.served_by, usual)
+
+    await twins.batches(8)
+    await poll(lambda: asyncio.to_thread(twins.served_by, full), 15, "the saturated twin")
+    await poll(lambda: not endpoint_weights(setup.envoy, roomy), 15, "the 300% twin gone")
+    assert endpoint_weights(setup.envoy, usual) and endpoint_weights(setup.envoy, full)
+    route = {"route": CLUSTER}
+    assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 1
+    async with httpx.AsyncClient(base_url=setup.kvpilot.api_url, headers=ADMIN) as api:
+        status = (await api.get("/v1/status")).json()
+    assert [
+        (s["route"], s["saturated"], s["boundedLoad"], s["ladder"], s["boundPath"])
+        for s in status["saturation"]
+    ] == [(CLUSTER, True, None, False, "batch 8: ladder needs > 16; fixed bounds")]
+    assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) == 1
+    assert await asyncio.to_thread(twins.placement) == before
+
+    # Room again: the fixed bounds' calm twin once the dwell is over; never a ladder rung.
+    await twins.batches(1)
+    await poll(
+        lambda: asyncio.to_thread(twins.served_by, usual), MIN_DWELL + 15, "the usual twin again"
+    )
+    assert not endpoint_weights(setup.envoy, roomy)
+    assert metric(setup.kvpilot.api_url, "kvpilot_route_saturated", **route) == 0
+    assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) == 2
     assert await asyncio.to_thread(twins.placement) == before
 
 

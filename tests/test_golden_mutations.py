@@ -246,6 +246,20 @@ MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
         {"clusters", "routes"},
     ),
     (
+        "capacity bound at small batches: the fixed bounds' decisions",
+        "capacity-bound-small",
+        (*TELEMETRY_BUSY, "running"),
+        2,
+        {"routes"},
+    ),
+    (
+        "capacity bound at small batches: the ladder from batches above 16",
+        "capacity-bound-small",
+        (*TELEMETRY_BUSY, "max_running"),
+        64,
+        {"clusters", "routes"},
+    ),
+    (
         "saturation calm",
         "saturation-calm",
         (*SATURATED, "waiting"),

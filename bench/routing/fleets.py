@@ -114,7 +114,9 @@ def kvpilot_weights(api_url: str, pool: str) -> dict[str, float]:
 
 
 def bound_changes(api_url: str) -> dict[str, float]:
-    """kvpilot's count of bounded-load changes (route updates) per capacity-bound route."""
+    """kvpilot's count of bounded-load changes (route updates to another twin) per telemetry
+    route with session affinity: a capacity-bound route's rungs, or the fixed bounds'
+    switches between the usual and the saturated twin."""
     out = {}
     for line in httpx.get(f"{api_url}/metrics", timeout=5.0).text.splitlines():
         if line.startswith("kvpilot_bounded_load_changes_total{"):

@@ -135,9 +135,13 @@ class LiveDecisions:
                 math.nan if decision.fill is None else decision.fill
             )
             before = self.saturation.get(route)
+            if before is not None and before.ladder is not decision.ladder and decision.path:
+                log.info("%s: bounded load from %s", route, decision.path)
+            if before is not None and before.factor and not decision.factor:
+                metrics.bounded_load.remove(route)
             if decision.factor:
                 metrics.bounded_load.labels(route).set(decision.factor)
-                if before is not None and before.factor != decision.factor:
+                if before is not None and before.factor and before.factor != decision.factor:
                     metrics.bounded_load_changes.labels(route).inc()
                     log.info(
                         "%s: at batch fill %s (held peak %s in flight) the busiest replica "
@@ -152,6 +156,8 @@ class LiveDecisions:
                     )
                 continue
             if before is not None and before.saturated != decision.saturated:
+                # A change of twin all the same: counted as a ladder's change of rung is.
+                metrics.bounded_load_changes.labels(route).inc()
                 log.info(
                     "%s: replicas %s at batch fill %s; session requests take the %s bound",
                     route,

@@ -129,8 +129,9 @@ class ReconcileMetrics:
         )
         self.bounded_load_changes = Counter(
             "kvpilot_bounded_load_changes",
-            "Changes of a capacity-bound route's bounded load: each a route update (RDS) "
-            "to another twin of the same ring, never a cluster update.",
+            "Changes of the bounded load a telemetry route's session requests take (a rung "
+            "of a capacityBound ladder, or between the usual and the saturated bound): each a "
+            "route update (RDS) to another twin of the same ring, never a cluster update.",
             ["route"],
             **kwargs,
         )

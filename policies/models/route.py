@@ -190,13 +190,14 @@ class SessionAffinity(Model):
         "free slot): 100 x (batch - sqrt(batch)) / mean requests in flight, read from live "
         "telemetry (vLLM's max_num_seqs or kvpilot agent --max-running). "
         "saturatedHashBalanceFactor is the tightest it goes; without a known batch size it is "
-        "hashBalanceFactor. Tightens at once; loosens no sooner than 5 s after, and only as "
+        "hashBalanceFactor. Tightens at once; loosens no sooner than 15 s after, and only as "
         "the peak of the requests in flight fades (by e in 30 s), so a lull does not leave a "
         "loose bound to the burst that ends it. Needs balancing: telemetry. "
         "false keeps two fixed bounds (hashBalanceFactor, and saturatedHashBalanceFactor while "
-        "the batches are nearly full). Default: false: at batches of 8 each change of rung "
-        "sends requests to a twin that does not count the ones in flight through the others, "
-        "and the fixed bounds still won some cells there (docs/bounded-load.md).",
+        "the batches are nearly full). At batches of 16 or less (the replicas' mean) the "
+        "ladder does not pay: the square root of the batch, the noise of one scrape, is a "
+        "quarter of it or more, so the route takes those two fixed bounds and their twins "
+        "(the status says which and why). Default: false (docs/bounded-load.md).",
     )
     prefix_hash_chars: int = Field(
         0,
