@@ -43,6 +43,13 @@ MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
         {"listeners"},
     ),
     (
+        "overflow by arrivals: the arrivals log on its route's listener",
+        "overflow-arrivals",
+        ("objects", 2, "spec", "routes", 0, "overflow", "signal"),
+        "fill",
+        {"listeners"},
+    ),
+    (
         "spot preference",
         "regions-spot",
         ("objects", 0, "spec", "preferCapacity"),
