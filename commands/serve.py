@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from api import ApiContext, create_app
 from api.auth import AuthConfig, AuthConfigError, TokenReloader, WriteRateLimit
 from commands.serve_config import ServeConfig, add_arguments, check_xds, config_from_args
+from compiler.locality import batch_slots
 from controlplane.arrivals import ArrivalBoard, ArrivalPublisher
 from controlplane.asgi import UvicornServer
 from controlplane.audit import AuditLog
@@ -150,7 +151,9 @@ async def serve(
     rests = RestBoard(signals.rests, config.replica_id)
     # Spill reads a fleet's arrival rate from every replica's Envoys: this replica's from
     # memory, the others' from etcd.
-    arrivals = ArrivalBook()
+    # Service times come only from attempts that found a free batch slot on their host: the
+    # slots are the agents' max_running (read from the last compile's telemetry).
+    arrivals = ArrivalBook(slots=lambda: batch_slots(reconciler.state))
     shared_arrivals = ArrivalBoard(arrivals.rates, config.replica_id)
     mirror: StateMirror
 

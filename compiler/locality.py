@@ -195,6 +195,23 @@ def capacity(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | N
     return round(max(total, done), 4)
 
 
+def batch_slots(state: PolicyState | None) -> dict[str, int]:
+    """``address:port`` -> batch slots (``max_running``) of every replica with fresh telemetry
+    that reports them (``xdsserver.arrivals.ArrivalBook`` times only the requests that found
+    one free)."""
+    if state is None:
+        return {}
+    out: dict[str, int] = {}
+    for name, records in state.telemetry.items():
+        pool = state.pools.get(name)
+        if pool is None or pool.spec.telemetry is None:
+            continue
+        for key, record in records.items():
+            if record.max_running and state.now - record.at <= pool.spec.telemetry.max_age:
+                out[key] = int(record.max_running)
+    return out
+
+
 def _fill(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
     """The mean batch fill of `endpoints` from fresh telemetry (``signals.saturation``),
     weighted by how many each pool has; None when none has a fresh record."""
@@ -223,6 +240,7 @@ __all__ = [
     "NEAR",
     "PLACE_SEPARATOR",
     "REGION",
+    "batch_slots",
     "capacity",
     "capacity_rank",
     "fleet_view",

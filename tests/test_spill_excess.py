@@ -1,0 +1,102 @@
+"""Only the excess crosses: service times free of the replicas' queue wait, the drain term for
+a lasting queue, and what status shows of a spill decision (pure: no Envoy, no etcd)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2
+
+from xdsserver.arrivals import PENDING_LIMIT, ArrivalBook
+
+START = accesslog_pb2.AccessLogType.UpstreamPoolReady
+END = accesslog_pb2.AccessLogType.UpstreamEnd
+HOST = "10.0.1.1:8000"
+
+
+def _entry(
+    kind: accesslog_pb2.AccessLogType.ValueType,
+    request: int,
+    *,
+    attempt: int = 1,
+    first: float | None = None,
+    last: float | None = None,
+    status: int = 200,
+) -> accesslog_pb2.HTTPAccessLogEntry:
+    """One entry of request number `request` (its start time says which)."""
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    common = entry.common_properties
+    common.access_log_type = kind
+    common.upstream_cluster = "chat/chat/local"
+    common.upstream_request_attempt_count = attempt
+    common.start_time.FromMicroseconds(1_700_000_000_000_000 + request)
+    common.upstream_remote_address.socket_address.address = "10.0.1.1"
+    common.upstream_remote_address.socket_address.port_value = 8000
+    if first is not None:
+        common.time_to_first_upstream_rx_byte.FromNanoseconds(int(first * 1e9))
+    if last is not None:
+        common.time_to_last_upstream_rx_byte.FromNanoseconds(int(last * 1e9))
+    entry.response.response_code.value = status
+    return entry
+
+
+def _book(slots: dict[str, int] | None) -> tuple[ArrivalBook, list[float]]:
+    clock = [1000.0]
+    book = ArrivalBook(lambda: clock[0], slots=None if slots is None else lambda: slots)
+    return book, clock
+
+
+def _fill_host(book: ArrivalBook, count: int, **kwargs: Any) -> None:
+    for request in range(count):
+        book.observe(_entry(START, request, **kwargs), "us")
+
+
+def test_an_attempt_that_waited_for_a_slot_gives_no_service_time() -> None:
+    book, _ = _book({HOST: 2})
+    _fill_host(book, 3)  # the third finds both slots taken: it queues in the replica
+    assert book.in_flight() == {HOST: 3}
+    assert (book.free_starts, book.queued_starts) == (2, 1)
+    book.observe(_entry(END, 0, first=0.1, last=7.6), "us")
+    book.observe(_entry(END, 1, first=0.1, last=7.6), "us")
+    # First byte at once (headers before the queue) and its 5 s wait in the stream's time.
+    book.observe(_entry(END, 2, first=0.1, last=12.5), "us")
+    assert book.service_times() == {HOST: pytest.approx(7.5)}
+    assert book.in_flight() == {}
+
+
+def test_without_the_hosts_slots_every_streamed_answer_counts_as_before() -> None:
+    book, _ = _book(None)
+    _fill_host(book, 3)
+    for request, last in ((0, 7.6), (1, 7.6), (2, 12.1)):
+        book.observe(_entry(END, request, first=0.1, last=last), "us")
+    assert book.service_times() == {HOST: pytest.approx(9.0)}
+    # An end whose start was never seen counts too (a replica started before the log did).
+    unseen, _ = _book({HOST: 2})
+    unseen.observe(_entry(END, 7, first=0.1, last=9.1), "us")
+    assert unseen.service_times() == {HOST: pytest.approx(9.0)}
+
+
+def test_a_slot_frees_when_an_attempt_ends_whatever_its_answer() -> None:
+    book, _ = _book({HOST: 1})
+    book.observe(_entry(START, 0), "us")
+    book.observe(_entry(END, 0, status=503), "us")  # failed: still out of the batch
+    book.observe(_entry(START, 1), "us")  # finds the slot free
+    book.observe(_entry(END, 1, first=0.1, last=5.1), "us")
+    assert book.service_times() == {HOST: pytest.approx(5.0)}
+    # A retry is a new attempt of the same request: its own start and end.
+    book.observe(_entry(START, 2), "us")
+    book.observe(_entry(START, 2, attempt=2), "us")
+    assert book.in_flight() == {HOST: 2}
+    book.observe(_entry(END, 2, attempt=1, status=503), "us")
+    book.observe(_entry(END, 2, attempt=2, first=0.1, last=3.1), "us")
+    assert book.in_flight() == {}
+    # The retry started with the first attempt still in flight: no free slot, not timed.
+    assert book.service_times() == {HOST: pytest.approx(5.0)}
+
+
+def test_a_start_whose_end_never_comes_stops_counting_in_flight() -> None:
+    book, clock = _book({HOST: 4})
+    _fill_host(book, 3)
+    clock[0] += PENDING_LIMIT + 1
+    assert book.in_flight() == {}
