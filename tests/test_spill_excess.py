@@ -8,6 +8,19 @@ from typing import Any
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 
+from signals.spill import (
+    DEADBAND,
+    DRAIN_S,
+    DWELL,
+    FLOOR,
+    LASTING,
+    LOAD,
+    QUEUE_SIGMAS,
+    SETTLE,
+    SpillDecision,
+    decide_spill,
+    queue_chance,
+)
 from xdsserver.arrivals import PENDING_LIMIT, ArrivalBook
 
 START = accesslog_pb2.AccessLogType.UpstreamPoolReady
@@ -100,3 +113,58 @@ def test_a_start_whose_end_never_comes_stops_counting_in_flight() -> None:
     _fill_host(book, 3)
     clock[0] += PENDING_LIMIT + 1
     assert book.in_flight() == {}
+
+
+def _ff(previous: SpillDecision | None, **kwargs: Any) -> SpillDecision:
+    args: dict[str, Any] = {"local": 4, "fill": 0.9, "now": 100.0, "healthy": 1.0, "slots": 64}
+    args.update(kwargs)
+    return decide_spill(previous, **args)
+
+
+def test_the_queue_a_poisson_load_has_by_chance_is_four_deviations_of_the_slots() -> None:
+    assert queue_chance(64) == pytest.approx(32.0)  # 4 replicas of 16 slots
+    assert queue_chance(16) == pytest.approx(QUEUE_SIGMAS * 4)
+    assert queue_chance(0) == 0.0
+
+
+def test_a_queue_beyond_chance_is_drained_on_top_of_the_excess() -> None:
+    plain = _ff(None, arrivals=11.0, capacity=8.5, queued=20.0)
+    assert plain.keep == pytest.approx(LOAD * 8.5 / 11.0, abs=1e-4)  # a chance queue
+    assert plain.drain == 0.0
+    deep = _ff(None, arrivals=11.0, capacity=8.5, queued=42.0, fill=1.6)
+    # 10 requests over chance, drained in DRAIN_S: 2 a second less for the locality.
+    drain = (42.0 - queue_chance(64)) / DRAIN_S
+    assert deep.drain == pytest.approx(drain)
+    assert deep.keep == pytest.approx((LOAD * 8.5 - drain) / 11.0, abs=1e-4)
+    assert (deep.queued, deep.slots) == (42.0, 64)
+    # Drained: the share goes back to the excess alone.
+    after = _ff(deep, arrivals=11.0, capacity=8.5, queued=10.0, now=101.0)
+    assert after.keep == pytest.approx(plain.keep, abs=1e-4)
+    # Never below the floor, whatever the queue.
+    assert _ff(None, arrivals=11.0, capacity=8.5, queued=500.0).keep == FLOOR
+
+
+def test_with_the_queue_known_only_a_lasting_queue_moves_trim() -> None:
+    over = _ff(None, arrivals=11.0, capacity=8.5, queued=40.0, fill=1.6)
+    # Spilling for a dwell and still queueing: the drain term is at work, trim stands.
+    later = _ff(over, arrivals=11.0, capacity=8.5, queued=40.0, fill=1.6, now=100.0 + DWELL)
+    assert later.trim == 1.0
+    lasting = _ff(later, arrivals=11.0, capacity=8.5, queued=40.0, fill=1.6, now=100.0 + LASTING)
+    assert lasting.trim < 1.0
+    # Without the queue, as before: a spill that still queues after a dwell corrects trim.
+    blind = _ff(None, arrivals=11.0, capacity=8.5, fill=1.6, slots=None)
+    blind = _ff(blind, arrivals=11.0, capacity=8.5, fill=1.6, slots=None, now=100.0 + DWELL)
+    assert blind.trim < 1.0
+
+
+def test_a_small_move_is_made_once_the_estimate_has_held_it() -> None:
+    first = _ff(None, arrivals=11.0, capacity=8.5, queued=0.0)
+    nudged = 11.0 * (1 + DEADBAND / 2)
+    soon = _ff(first, arrivals=nudged, capacity=8.5, queued=0.0, now=100.0 + SETTLE / 2)
+    assert soon.keep == first.keep  # within the deadband, not for long: noise
+    held = _ff(soon, arrivals=nudged, capacity=8.5, queued=0.0, now=100.0 + SETTLE)
+    assert held.keep == pytest.approx(LOAD * 8.5 / nudged, abs=1e-4) and held.since == 110.0
+    # Without the queue known the deadband holds as before.
+    old = _ff(None, arrivals=11.0, capacity=8.5, slots=None)
+    old = _ff(old, arrivals=nudged, capacity=8.5, slots=None, now=100.0 + SETTLE)
+    assert old.keep == first.keep
