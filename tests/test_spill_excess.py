@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 
+from api.app import _spill
+from compiler import compile_plan
 from signals.spill import (
     DEADBAND,
     DRAIN_S,
@@ -21,6 +23,8 @@ from signals.spill import (
     decide_spill,
     queue_chance,
 )
+from signals.telemetry import TelemetryRecord
+from tests.harness.regions import two_region_state
 from xdsserver.arrivals import PENDING_LIMIT, ArrivalBook
 
 START = accesslog_pb2.AccessLogType.UpstreamPoolReady
@@ -168,3 +172,32 @@ def test_a_small_move_is_made_once_the_estimate_has_held_it() -> None:
     old = _ff(None, arrivals=11.0, capacity=8.5, slots=None)
     old = _ff(old, arrivals=nudged, capacity=8.5, slots=None, now=100.0 + SETTLE)
     assert old.keep == first.keep
+
+
+def test_status_shows_why_a_share_was_kept() -> None:
+    # us: 2 replicas of 16 slots, 8 s a request: 4/s by the slots; they completed 4.5/s,
+    # and 30 requests wait in them (queue_chance(32) = 22.6 by chance).
+    telemetry = {
+        f"10.0.{r}.{i}:8000": TelemetryRecord(at=99.5, running=16, waiting=15, max_running=16)
+        for r in (1, 2)
+        for i in (1, 2)
+    }
+    times = {f"10.0.{r}.{i}:8000": 8.0 for r in (1, 2) for i in (1, 2)}
+    state = two_region_state(
+        telemetry,
+        arrivals={"us/chat/chat": 5.0},
+        service_times=times,
+        completions={"10.0.1.1:8000": 2.5, "10.0.1.2:8000": 2.0},
+    )
+    plan = compile_plan(state)
+    (entry,) = [e for e in _spill(plan) if e["fleetRoute"] == "us/chat/chat"]
+    drain = (30 - queue_chance(32)) / DRAIN_S
+    assert entry["slotCapacity"] == pytest.approx(4.0)
+    assert entry["completed"] == pytest.approx(4.5)
+    assert entry["capacity"] == pytest.approx(4.5)
+    assert entry["queued"] == 30
+    assert entry["drain"] == pytest.approx(drain, abs=1e-4)
+    assert entry["keep"] == pytest.approx((LOAD * 4.5 - drain) / 5.0, abs=1e-4)
+    # A fleet without arrivals of its own: the fill loop, no drain.
+    (eu,) = [e for e in _spill(plan) if e["fleetRoute"] == "eu/chat/chat"]
+    assert eu["keep"] == 1.0 and eu["drain"] == 0.0
