@@ -280,6 +280,8 @@ async def serve(
     spend = asyncio.create_task(SpendPublisher(store, usage, config.replica_id).run(), name="spend")
     budgets = BudgetWatcher(reconciler, usage.ledger, lambda: mirror.items, config.replica_id)
     usage.listeners.append(budgets.poke)
+    # Revokes its lease when cancelled: the other replicas stop counting this one's Envoys.
+    arrival_rates = asyncio.create_task(arrival_publisher.run(), name="arrival-rates")
     tasks = [
         asyncio.create_task(mirror.run(), name="etcd-watch"),
         asyncio.create_task(budgets.run(), name="budgets"),
@@ -289,7 +291,7 @@ async def serve(
         asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
         spend,
         asyncio.create_task(rest_publisher.run(), name="provider-rests"),
-        asyncio.create_task(arrival_publisher.run(), name="arrival-rates"),
+        arrival_rates,
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(difficulty.run(), name="virtual-model-shares"),
         asyncio.create_task(api.serve(), name="rest-api"),
@@ -332,7 +334,8 @@ async def serve(
         # records from etcd at once instead of after the lease TTL: let it, while etcd is open.
         publisher.cancel()
         spend.cancel()
-        await asyncio.wait([publisher, spend], timeout=3.0)
+        arrival_rates.cancel()
+        await asyncio.wait([publisher, spend, arrival_rates], timeout=3.0)
         for task in tasks:
             task.cancel()
         # Closing the channel ends an etcd watch that is still being opened; waiting for the
