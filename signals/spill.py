@@ -53,8 +53,9 @@ less than its capacity until the excess has drained, in about ``DRAIN_S`` second
 one service time a locality of S slots at capacity gets a Poisson count of about S arrivals,
 whose standard deviation is sqrt(S), and the count above S waits; ``QUEUE_SIGMAS`` standard
 deviations of it (32 for 4 replicas of 16 slots) is chance, more is a queue to drain. With Q
-known, ``trim`` moves only for a queue that lasts ``LASTING`` seconds (the drain term takes
-the one that formed before the spill), and a move of ``keep`` under ``DEADBAND`` is made
+known, ``trim`` falls only for a queue beyond Q0 that lasts ``LASTING`` seconds (the drain
+term takes the one that formed before the spill; a batch fill over ``HIGH_FILL`` within Q0 is
+the queue of a load at capacity, which feed-forward sets), and a move of ``keep`` under ``DEADBAND`` is made
 once it has waited ``SETTLE`` seconds, so ``keep`` settles on the estimate rather than up to
 5 points off it.
 
@@ -328,7 +329,12 @@ def _feed_forward(
     the drain of a queue beyond chance (with `queued` and `slots`)."""
     knows_queue = queued is not None and bool(slots)
     trim, trim_since = before.trim, before.trim_since
-    queueing = fill is not None and fill > HIGH_FILL
+    # With the queue known, a queue within chance of a load at capacity (which feed-forward
+    # sets) says nothing of the estimate: only one beyond it is queueing.
+    if knows_queue and queued is not None and slots:
+        queueing = fill is not None and queued > queue_chance(slots)
+    else:
+        queueing = fill is not None and fill > HIGH_FILL
     high_since = (before.high_since if before.high_since <= now else now) if queueing else math.inf
     # While the estimate says the locality has room (no spill), a queue says it is wrong only
     # when it lasts: a burst of arrivals queues for a moment at 70% of capacity too.

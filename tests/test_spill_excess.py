@@ -201,3 +201,14 @@ def test_status_shows_why_a_share_was_kept() -> None:
     # A fleet without arrivals of its own: the fill loop, no drain.
     (eu,) = [e for e in _spill(plan) if e["fleetRoute"] == "eu/chat/chat"]
     assert eu["keep"] == 1.0 and eu["drain"] == 0.0
+
+
+def test_a_queue_within_chance_never_moves_trim_however_long_it_lasts() -> None:
+    # 97% of capacity queues a little all the time: a batch fill over 1.05, 13 waiting.
+    decision = _ff(None, arrivals=11.0, capacity=8.5, queued=13.0, fill=1.2)
+    for step in range(1, 8):
+        decision = _ff(
+            decision, arrivals=11.0, capacity=8.5, queued=13.0, fill=1.2, now=100.0 + step * DWELL
+        )
+    assert decision.trim == 1.0
+    assert decision.keep == pytest.approx(LOAD * 8.5 / 11.0, abs=1e-4)
