@@ -362,7 +362,10 @@ def _feed_forward(
         if wanted != trim:
             trim, trim_since = wanted, now
     drain = 0.0
-    if knows_queue and queued is not None and slots:
+    # Not into a next priority without serving replicas, or one that queues as well: the
+    # queue would only move (as the fill loop adds no spill there).
+    room_next = next_fill is None or next_fill < HIGH_FILL
+    if knows_queue and queued is not None and slots and room_next:
         drain = max(0.0, queued - queue_chance(slots)) / DRAIN_S
     target = round(max(FLOOR, min(1.0, (trim * LOAD * capacity - drain) / arrivals)), 4)
     keep, since, step_fill = before.keep, before.since, before.step_fill

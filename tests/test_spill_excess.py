@@ -178,8 +178,10 @@ def test_status_shows_why_a_share_was_kept() -> None:
     # us: 2 replicas of 16 slots, 8 s a request: 4/s by the slots; they completed 4.5/s,
     # and 30 requests wait in them (queue_chance(32) = 22.6 by chance).
     telemetry = {
-        f"10.0.{r}.{i}:8000": TelemetryRecord(at=99.5, running=16, waiting=15, max_running=16)
-        for r in (1, 2)
+        f"10.0.1.{i}:8000": TelemetryRecord(at=99.5, running=16, waiting=15, max_running=16)
+        for i in (1, 2)
+    } | {  # eu has room for the spill
+        f"10.0.2.{i}:8000": TelemetryRecord(at=99.5, running=10, waiting=0, max_running=16)
         for i in (1, 2)
     }
     times = {f"10.0.{r}.{i}:8000": 8.0 for r in (1, 2) for i in (1, 2)}
@@ -212,3 +214,10 @@ def test_a_queue_within_chance_never_moves_trim_however_long_it_lasts() -> None:
         )
     assert decision.trim == 1.0
     assert decision.keep == pytest.approx(LOAD * 8.5 / 11.0, abs=1e-4)
+
+
+def test_no_queue_is_drained_into_a_priority_that_cannot_take_it() -> None:
+    for next_fill in (float("inf"), 1.3):  # nothing serves there, or it queues as well
+        decision = _ff(None, arrivals=6.0, capacity=8.5, queued=60.0, next_fill=next_fill)
+        assert decision.drain == 0.0 and decision.keep == 1.0
+    assert _ff(None, arrivals=6.0, capacity=8.5, queued=60.0, next_fill=0.7).keep < 1.0
