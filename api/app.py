@@ -259,6 +259,7 @@ def _add_status_routes(app: FastAPI, context: ApiContext) -> None:
             "saturation": _saturation(plan),
             "unreadModelLists": _unread_model_lists(reconciler.state),
             "spill": _spill(plan),
+            "overflow": _overflow(plan),
             "lastBuild": {
                 "revision": build.revision,
                 "at": build.at or None,
@@ -343,6 +344,40 @@ def _spill(plan: RoutingPlan | None) -> list[dict[str, Any]]:
         }
         for key, decision in sorted(plan.spill.items())
     ]
+
+
+def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
+    """Per route with overflow: what sets its paid share (``fill``: the loop on the owned
+    replicas' pressure; ``arrivals``: the route's arrival rate against their capacity), the
+    shares of plain requests and conversations sent to the paid pool that takes them, the
+    pressure, and with ``arrivals`` the demand, the capacity (requests per second, and
+    whether it was measured at a full batch or is the prior), the share of the demand sent
+    to paid pools and why."""
+    if plan is None:
+        return []
+    out = []
+    for route, decision in sorted(plan.overflow.items()):
+        entry: dict[str, Any] = {
+            "route": route,
+            "signal": decision.signal,
+            "provider": decision.provider or None,
+            "requests": decision.plain,
+            "sessions": decision.sessions,
+            "pressure": decision.pressure,
+            "resting": sorted(decision.resting),
+        }
+        arrivals = decision.arrivals
+        if arrivals is not None:
+            entry.update(
+                demand=arrivals.demand,
+                capacity=arrivals.capacity,
+                capacityMeasured=arrivals.measured,
+                paidShare=arrivals.paid,
+                trim=arrivals.trim,
+                why=arrivals.why,
+            )
+        out.append(entry)
+    return out
 
 
 def _add_audit_routes(app: FastAPI, context: ApiContext) -> None:

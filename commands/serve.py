@@ -52,6 +52,7 @@ from controlplane.spend import (
     SpendPublisher,
     fleet_spend,
 )
+from signals.overflowff import SAMPLE_WINDOW
 from xdsserver.arrivals import ArrivalBook
 from xdsserver.difficultylog import ScoreBook
 from xdsserver.identity import FleetBinding
@@ -213,6 +214,10 @@ async def serve(
     arrival_publisher = ArrivalPublisher(store, arrivals.rates, config.replica_id)
     reconciler.service_times = arrivals.service_times
     reconciler.completions = arrivals.completions
+    # Overflow by arrivals (signals.overflowff): capacity samples and the conversations' share.
+    reconciler.recent_completions = lambda now: arrivals.completions(now, window=SAMPLE_WINDOW)
+    reconciler.session_shares = arrivals.session_shares
+    reconciler.recent_demands = arrivals.recent_demands
     difficulty = DifficultyLoop(
         scores,
         lambda: virtual_models_of(reconciler.state.policies if reconciler.state else {}),

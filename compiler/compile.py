@@ -189,7 +189,13 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                         # A located fleet's spill reads its Envoys' request starts. Not
                         # tied to how many priorities there are now: a listener change
                         # drains the listener's connections.
-                        arrivals_log=feed_forward and any(c.kind == "eds" for c in port_clusters),
+                        arrivals_log=(feed_forward and any(c.kind == "eds" for c in port_clusters))
+                        # Overflow that follows the route's arrival rate reads them too.
+                        or any(
+                            route.overflow is not None and route.overflow.arrivals
+                            for vhost in vhosts
+                            for route in vhost.routes
+                        ),
                         tracing=settings.tracing,
                     )
                 )

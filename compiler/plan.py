@@ -143,6 +143,9 @@ class PlanOverflow:
     """Share of the requests with a session header sent there, 0 to 1."""
     members: int = 1
     """Clusters in that aggregate: retries move across them."""
+    arrivals: bool = False
+    """The share follows the route's arrival rate (``overflow.signal: arrivals``): its
+    listener reports every upstream attempt's start and end (``PlanListener.arrivals_log``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +342,8 @@ class PlanListener:
     data plane."""
     arrivals_log: bool = False
     """Report each upstream attempt's start and end to kvpilot (``xdsserver.arrivals``): a
-    route here spills by its fleet's arrival rate (``FleetSpec.spill``)."""
+    route here spills by its fleet's arrival rate (``FleetSpec.spill``), or overflows by its
+    own (``Overflow.signal``)."""
     tracing: Tracing | None = None
     """The fleet's OpenTelemetry tracing, when it traces requests."""
 

@@ -447,6 +447,7 @@ def _overflow_clusters(
         plain=decision.plain if chosen else 0.0,
         sessions=decision.sessions if chosen else 0.0,
         members=len(order) + (1 if replicas else 0),
+        arrivals=route.overflow.signal == "arrivals",
     )
     return clusters, plan_overflow
 

@@ -153,6 +153,9 @@ class DecodedState:
         arrivals: Mapping[str, float] | None = None,
         service_times: Mapping[str, float] | None = None,
         completions: Mapping[str, float] | None = None,
+        recent_completions: Mapping[str, float] | None = None,
+        session_shares: Mapping[str, float] | None = None,
+        recent_demands: Mapping[str, float] | None = None,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
         per-pool mappings are shared with this state and must not be changed."""
@@ -171,4 +174,7 @@ class DecodedState:
             arrivals=arrivals or {},
             service_times=service_times or {},
             completions=completions or {},
+            recent_completions=recent_completions or {},
+            session_shares=session_shares or {},
+            recent_demands=recent_demands or {},
         )

@@ -6,15 +6,19 @@ of a route's requests that its paid pools take (``signals.overflow``)."""
 
 from __future__ import annotations
 
-from policies.models import TELEMETRY_MAX_AGE, Endpoint, Route
+from collections.abc import Mapping, Sequence
+
+from policies.models import TELEMETRY_MAX_AGE, Endpoint, Overflow, Route
 from policies.names import cluster_name
-from signals.admission import AdmissionDecision, decide, pool_signals, pressure_of
+from signals.admission import AdmissionDecision, Signal, decide, pool_signals, pressure_of
 from signals.overflow import (
     OverflowDecision,
     decide_overflow,
+    decide_overflow_arrivals,
     overflow_signals,
     provider_order,
 )
+from signals.overflowff import blend_demand, route_demand
 from signals.saturation import (
     SaturationDecision,
     batch_fill,
@@ -155,16 +159,76 @@ def overflow_decisions(state: PolicyState) -> dict[str, OverflowDecision]:
                 continue
             endpoints, telemetry, max_age = _first_tier(state, route)
             name = cluster_name(policy_name, route.name)
+            signals = overflow_signals(
+                overflow, endpoints, telemetry, now=state.now, max_age=max_age
+            )
+            providers = [
+                pool
+                for pool in provider_order(overflow, state.pools)
+                if is_external(state.pools[pool])
+            ]
+            if overflow.signal == "arrivals":
+                out[name] = _by_arrivals(
+                    state, name, overflow, endpoints, telemetry, max_age, signals, providers
+                )
+                continue
             out[name] = decide_overflow(
                 state.previous_overflow.get(name),
                 overflow,
-                overflow_signals(overflow, endpoints, telemetry, now=state.now, max_age=max_age),
-                [
-                    pool
-                    for pool in provider_order(overflow, state.pools)
-                    if is_external(state.pools[pool])
-                ],
+                signals,
+                providers,
                 state.provider_backoff,
                 now=state.now,
             )
     return out
+
+
+def _by_arrivals(
+    state: PolicyState,
+    name: str,
+    overflow: Overflow,
+    endpoints: Sequence[Endpoint],
+    telemetry: Mapping[str, TelemetryRecord],
+    max_age: float,
+    signals: tuple[Signal, ...],
+    providers: Sequence[str],
+) -> OverflowDecision:
+    """The decision of a route with ``overflow.signal: arrivals`` (``signals.overflowff``):
+    its demand (every replica's arrival rates), its first tier's batch slots and mean running
+    share from fresh telemetry, and what those replicas completed and how long they took."""
+    fresh = [
+        (endpoint.key, record)
+        for endpoint in endpoints
+        if (record := telemetry.get(endpoint.key)) is not None
+        and record.max_running
+        and state.now - record.at <= max_age
+    ]
+    slots = sum(record.max_running or 0.0 for _, record in fresh)
+    running = (
+        sum((record.running or 0.0) / (record.max_running or 1.0) for _, record in fresh)
+        / len(fresh)
+        if fresh
+        else None
+    )
+    keys = [endpoint.key for endpoint in endpoints]
+    times = [state.service_times[key] for key in keys if key in state.service_times]
+    done = [state.recent_completions[key] for key in keys if key in state.recent_completions]
+    completed = [state.completions[key] for key in keys if key in state.completions]
+    return decide_overflow_arrivals(
+        state.previous_overflow.get(name),
+        overflow,
+        signals,
+        providers,
+        state.provider_backoff,
+        # Every replica's rate (16 s, shared through etcd), or this replica's own over the
+        # last 4 s when it is above it beyond noise: a rise counts within seconds.
+        demand=blend_demand(route_demand(state.arrivals, name), state.recent_demands.get(name))
+        or None,
+        slots=slots,
+        running=running,
+        completions=sum(done) if done else None,
+        service_time=sum(times) / len(times) if times else None,
+        session_share=state.session_shares.get(name),
+        now=state.now,
+        completed=sum(completed) if completed else None,
+    )

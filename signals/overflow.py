@@ -62,6 +62,7 @@ from signals.admission import (
     step_level,
     steps_per_class,
 )
+from signals.overflowff import ArrivalsDecision, decide_arrivals, kind_shares
 from signals.telemetry import TelemetryRecord
 
 PLAIN, SESSIONS, ALL = "requests", "sessions", "all"
@@ -83,12 +84,21 @@ class OverflowDecision:
     """The paid pool that takes the overflow: the cheapest not resting; empty when none."""
     resting: Mapping[str, float] = field(default_factory=dict, compare=False)
     """Paid pools resting after a 429: pool -> wall-clock time they come back."""
+    arrivals: ArrivalsDecision | None = field(default=None, compare=False)
+    """With ``signal: arrivals``: the decision from the route's arrival rate
+    (``signals.overflowff``), which set the shares; None for the fill loop."""
 
     @property
     def next_step_at(self) -> float:
-        """When a rebuild is due although telemetry stays the same: the level's next step or
-        a resting provider's return."""
-        return min(self.level.next_step_at, min(self.resting.values(), default=math.inf))
+        """When a rebuild is due although telemetry stays the same: the level's next step,
+        a step back of the arrivals decision, or a resting provider's return."""
+        step = self.arrivals.next_at if self.arrivals is not None else self.level.next_step_at
+        return min(step, min(self.resting.values(), default=math.inf))
+
+    @property
+    def signal(self) -> str:
+        """What set the shares: ``arrivals`` or ``fill``."""
+        return "fill" if self.arrivals is None else "arrivals"
 
     @property
     def pressure(self) -> float | None:
@@ -282,12 +292,63 @@ def decide_overflow(
     )
 
 
+def decide_overflow_arrivals(
+    previous: OverflowDecision | None,
+    overflow: Overflow,
+    signals: tuple[Signal, ...],
+    providers: Sequence[str],
+    resting: Mapping[str, float],
+    *,
+    demand: float | None,
+    slots: float,
+    running: float | None,
+    completions: float | None,
+    service_time: float | None,
+    session_share: float | None,
+    now: float,
+    completed: float | None = None,
+) -> OverflowDecision:
+    """This round's decision for a route with ``signal: arrivals``: the share of its demand
+    above the owned replicas' capacity (``signals.overflowff``), split between plain
+    requests and conversations, bounded by the floor and the cap, to the first of
+    `providers` not resting. `signals` are the fill loop's, shown in status (its pressure)
+    and read for the batch fill."""
+    fill = next((signal.mean for signal in signals if signal.name == "fill"), None)
+    before = previous.arrivals if previous is not None else None
+    decision = decide_arrivals(
+        before,
+        demand=demand,
+        slots=slots,
+        running=running,
+        fill=fill,
+        completions=completions,
+        service_time=service_time,
+        completed=completed,
+        session_share=session_share,
+        now=now,
+        recover_interval=overflow.recover_interval,
+    )
+    plain, sessions = kind_shares(decision.paid, decision.plain_share, overflow.conversations)
+    low, high = overflow.min_share / 100, overflow.max_share / 100
+    still = {pool: until for pool, until in resting.items() if until > now and pool in providers}
+    provider = next((pool for pool in providers if pool not in still), "")
+    return OverflowDecision(
+        level=AdmissionDecision(pressure=pressure_of(signals), signals=signals),
+        plain=round(min(high, max(low, plain)), 6) if provider else 0.0,
+        sessions=round(min(high, max(low, sessions)), 6) if provider else 0.0,
+        provider=provider,
+        resting=still,
+        arrivals=decision,
+    )
+
+
 __all__ = [
     "ALL",
     "PLAIN",
     "SESSIONS",
     "OverflowDecision",
     "decide_overflow",
+    "decide_overflow_arrivals",
     "excess_demand",
     "give_back_steps",
     "next_level",

@@ -55,6 +55,17 @@ class PolicyState:
     completions: Mapping[str, float] = field(default_factory=dict)
     """Answers completed per second on each upstream host, ``address:port``, over the last
     few seconds (from every fleet's arrivals log)."""
+    recent_completions: Mapping[str, float] = field(default_factory=dict)
+    """Answers completed per second on each upstream host, ``address:port``, over the last
+    ``signals.overflowff.SAMPLE_WINDOW`` seconds: the capacity samples of overflow by
+    arrivals."""
+    recent_demands: Mapping[str, float] = field(default_factory=dict)
+    """Route cluster -> requests per second this kvpilot replica's Envoys started on the
+    route over the last few seconds alone (``ArrivalBook.recent_demands``): overflow by
+    arrivals takes the larger of it and the shared rate, so a rise shows at once."""
+    session_shares: Mapping[str, float] = field(default_factory=dict)
+    """Route cluster (``policy/route``) -> share of the requests started on its own replicas
+    that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``)."""
     now: float = 0.0
     """Wall-clock seconds that telemetry ages are measured against."""
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)

@@ -108,6 +108,23 @@ def test_targets_are_judged_on_the_median_over_seeds() -> None:
     assert verdicts["cost-aware goodput at least the static split's"] is True
 
 
+def test_overflow_by_arrivals_is_judged_against_the_loop_only_when_it_ran() -> None:
+    quiet = summarize(RunResult(results=[], samples=[], wall_seconds=0.0, timed_out=False), CONFIG)
+    base = replace(
+        quiet, ttft_p99=2.0, peak_ttft_p99=2.0, goodput_per_s=1.0, dollars=Dollars(0.0, 1.0)
+    )
+    loop = replace(base, peak_ttft_p99=1.0, dollars=Dollars(0.0, 0.8))
+    arrivals = replace(base, peak_ttft_p99=1.2, dollars=Dollars(0.0, 0.5))
+    run = {"static_split": base, "cost_aware": loop, "owned_only": base}
+    assert not any(what.startswith("by arrivals") for what, _, _ in targets({1: run}))
+    verdicts = {
+        what: met for what, met, _ in targets({1: {**run, "cost_aware_arrivals": arrivals}})
+    }
+    assert verdicts["by arrivals: paid spend below the loop's"] is True
+    assert verdicts["by arrivals: TTFT p99 at the peak below the loop's"] is False
+    assert verdicts["by arrivals: paid spend at most 0.6x the static split's"] is True
+
+
 def test_the_excess_over_capacity_bounds_what_overflow_can_save() -> None:
     # Base 10 s at 0.5, peak 10 s at 1.5: 5 of 20 load-seconds are above capacity.
     assert CONFIG.excess_share() == pytest.approx(0.25)

@@ -13,17 +13,13 @@ own) that answer 200, or 429 with a Retry-After, as the test says.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.paid import overflow_entries, paid_pool, paid_stand_in
 from harness.rig import KvpilotFactory, Rig, api_client
 from harness.wait import wait_until
 
@@ -35,71 +31,6 @@ pytestmark = pytest.mark.e2e
 
 CLUSTER = "paid/chat"
 SESSION = {"x-session-id": "conversation-1"}
-
-
-class PaidStandIn:
-    """An OpenAI-ish provider on its own thread: answers 200 with ``x-backend-id: <name>``,
-    or, while ``retry_after`` is set, 429 with that Retry-After. Counts what it was sent."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.hits = 0
-        self.refused = 0
-        self.retry_after: str | None = None
-        self.first_429: float | None = None
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length", "0")))
-                stand_in.hits += 1
-                limited = stand_in.retry_after
-                if limited is not None:
-                    stand_in.refused += 1
-                    if stand_in.first_429 is None:
-                        stand_in.first_429 = time.monotonic()
-                    body = {"error": {"message": "rate limited", "type": "rate_limit_error"}}
-                    self._send(429, body, {"retry-after": limited})
-                    return
-                self._send(200, {"object": "chat.completion"}, {})
-
-            def do_GET(self) -> None:
-                self._send(200, {"status": "ok"}, {})
-
-            def _send(self, status: int, body: Any, headers: dict[str, str]) -> None:
-                payload = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("x-backend-id", stand_in.name)
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                self.send_header("content-length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port: int = self.server.server_address[1]
-
-
-@contextlib.contextmanager
-def paid_stand_in(name: str) -> Iterator[PaidStandIn]:
-    stand_in = PaidStandIn(name)
-    threading.Thread(target=stand_in.server.serve_forever, daemon=True).start()
-    try:
-        yield stand_in
-    finally:
-        stand_in.server.shutdown()
-        stand_in.server.server_close()
-
-
-def paid_pool(name: str, port: int) -> dict[str, Any]:
-    """A paid pool: the stand-in by DNS name, so it is an external provider."""
-    return pool(
-        name, [], endpoints=[{"address": "localhost", "port": port}], healthCheck={"enabled": False}
-    )
 
 
 def put_fill(etcd: EmbeddedEtcd, prefix: str, ports: list[int], fill: float) -> None:
@@ -124,23 +55,6 @@ def put_fill(etcd: EmbeddedEtcd, prefix: str, ports: list[int], fill: float) -> 
             await client.close()
 
     asyncio.run(put())
-
-
-def overflow_entries(rig: Rig) -> dict[str, tuple[str, int]]:
-    """Envoy's overflow route entries now: name -> (cluster, share in millionths)."""
-    dump = rig.envoy.config_dump()
-    out = {}
-    for config in dump["configs"]:
-        for dynamic in config.get("dynamic_route_configs", []):
-            for vhost in dynamic["route_config"].get("virtual_hosts", []):
-                for route in vhost.get("routes", []):
-                    if route["name"].endswith("/overflow"):
-                        fraction = route["match"]["runtime_fraction"]["default_value"]
-                        out[route["name"]] = (
-                            route["route"]["cluster"],
-                            int(fraction.get("numerator", 0)),
-                        )
-    return out
 
 
 def answered_by(client: httpx.Client, rig: Rig, n: int, headers: dict[str, str]) -> list[str]:

@@ -26,6 +26,13 @@ its start by the request's start time and attempt number) and takes service time
 attempts that started while their host had a free slot: those went into the batch at once.
 Without a host's slots every streamed answer counts, as before.
 
+Overflow that follows the route's arrival rate (``Overflow.signal: arrivals``,
+``signals.overflowff``) reads the same log on its routes' listeners: the route's demand is
+the first attempts on its own cluster (and its affinity twin) plus those on its overflow
+aggregates and provider clusters (``route_demand``), whichever pool took them; the share of
+its own starts that carried a session (the affinity twin's, ``session_rates``); and what its
+replicas completed over the last few seconds (``completions`` with a shorter window).
+
 The counts are this kvpilot replica's: a fleet whose Envoys are spread over several kvpilot
 replicas is seen in part by each, and ``controlplane.arrivals`` adds the others' rates
 through etcd.
@@ -42,6 +49,7 @@ from typing import Any
 from envoy.data.accesslog.v3 import accesslog_pb2
 
 from policies.names import LOCAL_SUFFIX
+from signals.overflowff import OVERFLOW_PARTS, route_demand, route_of
 from xdsserver.translate import AFFINITY_SUFFIX
 
 ARRIVAL_WINDOW = 16.0
@@ -112,6 +120,7 @@ class ArrivalBook:
         self._served: dict[str, deque[tuple[float, float]]] = {}
         self._done: dict[str, deque[float]] = {}
         self._done_first: dict[str, float] = {}
+        self._sessions: dict[str, deque[float]] = {}
         self.entries = 0
         """Entries read (starts and ends)."""
 
@@ -138,6 +147,9 @@ class ArrivalBook:
             key = f"{fleet}/{cluster}"
             self._starts.setdefault(key, deque()).append(now)
             self._first.setdefault(key, now)
+            if cluster != common.upstream_cluster.removesuffix(LOCAL_SUFFIX):
+                # The affinity twin's: a request with a session (overflow's conversations).
+                self._sessions.setdefault(key, deque()).append(now)
             return
         if common.access_log_type not in _END:
             return
@@ -233,11 +245,78 @@ class ArrivalBook:
             out[key] = round(rate, 4)
         return out
 
-    def completions(self, now: float | None = None) -> dict[str, float]:
-        """``address:port`` -> answers completed there per second (200, from any fleet)
-        over the last ``ARRIVAL_WINDOW``: while its replicas are full, a locality's
-        completion rate is its capacity, whatever its byte timings say."""
+    def demand(self, route: str, now: float | None = None) -> float:
+        """Requests per second this replica's Envoys started on `route` (``policy/route``),
+        whichever pool took them: its own replicas, its overflow aggregates or its paid
+        pools (``route_demand``)."""
+        return route_demand(self.rates(now), route)
+
+    def session_rates(self, now: float | None = None) -> dict[str, float]:
+        """``fleet/cluster`` -> requests with a session (started on the route's affinity
+        twin) per second over the last ``ARRIVAL_WINDOW``: with ``rates``, the share of a
+        route's own starts that are conversations."""
         now = self.clock() if now is None else now
+        out: dict[str, float] = {}
+        for key in list(self._sessions):
+            starts = self._sessions[key]
+            while starts and starts[0] <= now - ARRIVAL_WINDOW:
+                starts.popleft()
+            first = self._first.get(key)
+            if not starts or first is None:
+                # (No start of the key within the window: ``rates`` has dropped it too.)
+                if not starts:
+                    del self._sessions[key]
+                continue
+            age = now - first
+            if age >= MIN_SPAN:
+                out[key] = round(len(starts) / min(ARRIVAL_WINDOW, age), 4)
+        return out
+
+    def recent_demands(self, now: float | None = None) -> dict[str, float]:
+        """Route cluster (``policy/route``) -> requests per second this replica's Envoys
+        started on the route (its own cluster, overflow aggregates and paid pools, every
+        fleet) over the last ``CHANGE_WINDOW`` seconds alone: a rise shows here within
+        seconds, where the shared rate averages it over ``ARRIVAL_WINDOW`` unless it is far
+        beyond noise. Routes seen for less than ``CHANGE_WINDOW`` give none."""
+        now = self.clock() if now is None else now
+        self.rates(now)  # drops what left the window
+        out: dict[str, float] = {}
+        for key, starts in self._starts.items():
+            if now - self._first.get(key, now) < CHANGE_WINDOW:
+                continue
+            _, _, cluster = key.partition("/")
+            route = route_of(cluster)
+            recent = sum(1 for at in starts if at > now - CHANGE_WINDOW)
+            out[route] = round(out.get(route, 0.0) + recent / CHANGE_WINDOW, 4)
+        return out
+
+    def session_shares(self, now: float | None = None) -> dict[str, float]:
+        """Route cluster (``policy/route``) -> the share of the requests this replica's
+        Envoys started on the route's own replicas that had a session, every fleet
+        together: what overflow's ``conversations: last`` needs to turn a share of the
+        demand into shares of each kind (``signals.overflowff.kind_shares``)."""
+        now = self.clock() if now is None else now
+        sessions = self.session_rates(now)
+        starts: dict[str, float] = {}
+        with_session: dict[str, float] = {}
+        for key, rate in self.rates(now).items():
+            _, _, cluster = key.partition("/")
+            starts[cluster] = starts.get(cluster, 0.0) + rate
+            with_session[cluster] = with_session.get(cluster, 0.0) + sessions.get(key, 0.0)
+        return {
+            cluster: round(min(1.0, with_session[cluster] / rate), 4)
+            for cluster, rate in starts.items()
+            if rate > 0
+        }
+
+    def completions(
+        self, now: float | None = None, window: float = ARRIVAL_WINDOW
+    ) -> dict[str, float]:
+        """``address:port`` -> answers completed there per second (200, from any fleet)
+        over the last `window` seconds (at most ``ARRIVAL_WINDOW``): while its replicas are
+        full, a locality's completion rate is its capacity, whatever its byte timings say."""
+        now = self.clock() if now is None else now
+        window = min(window, ARRIVAL_WINDOW)
         out: dict[str, float] = {}
         for host in list(self._done):
             done = self._done[host]
@@ -249,7 +328,8 @@ class ArrivalBook:
                 continue
             age = now - self._done_first[host]
             if age >= MIN_SPAN:
-                out[host] = round(len(done) / min(ARRIVAL_WINDOW, age), 4)
+                count = sum(1 for at in done if at > now - window)
+                out[host] = round(count / min(window, age), 4)
         return out
 
     def service_times(self, now: float | None = None) -> dict[str, float]:
@@ -272,8 +352,11 @@ __all__ = [
     "ARRIVAL_WINDOW",
     "CHANGE_WINDOW",
     "MIN_SERVICE",
+    "OVERFLOW_PARTS",
     "PENDING_LIMIT",
     "SERVICE_WINDOW",
     "ArrivalBook",
     "route_cluster",
+    "route_demand",
+    "route_of",
 ]

@@ -18,7 +18,10 @@ Each policy replays the same requests, one after the other on the same stack:
 - cost-aware overflow: ``overflow`` with its defaults (the paid API takes the excess
   while the owned replicas are saturated, requests without a session first);
 - cost-aware + feed-forward (run only when named with ``--policies``): the same with
-  ``feedForward: 0.5``, the replicas' excess demand added each round at half weight.
+  ``feedForward: 0.5``, the replicas' excess demand added each round at half weight;
+- cost-aware by arrivals (run only when named with ``--policies``): ``signal: arrivals``,
+  the paid share from the route's arrival rate against the owned replicas' capacity
+  measured at full batches (``signals.overflowff``).
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
@@ -116,6 +119,12 @@ POLICIES: tuple[Policy, ...] = (
         "cost_aware_ff",
         "cost-aware + feed-forward 0.5",
         {**ROUTE, "overflow": {"pools": [PAID_POOL], "feedForward": 0.5}},
+        default=False,
+    ),
+    Policy(
+        "cost_aware_arrivals",
+        "cost-aware by arrivals",
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "arrivals"}},
         default=False,
     ),
 )

@@ -215,13 +215,14 @@ class LiveDecisions:
             ):
                 log.info(
                     "overflow on %s: %s takes %.0f%% of requests and %.0f%% of conversations "
-                    "at pressure %s (resting: %s)",
+                    "at pressure %s (resting: %s)%s",
                     route,
                     decision.provider or "no paid pool",
                     decision.plain * 100,
                     decision.sessions * 100,
                     decision.pressure,
                     sorted(decision.resting) or "none",
+                    f"; {decision.arrivals.why}" if decision.arrivals is not None else "",
                 )
         for route in self.overflow.keys() - plan.overflow.keys():
             for kind in ("requests", "sessions"):

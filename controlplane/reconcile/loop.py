@@ -142,6 +142,12 @@ class Reconciler:
         """Mean service seconds per upstream host (``xdsserver.arrivals``)."""
         self.completions: Callable[[float], Mapping[str, float]] = lambda now: {}
         """Answers completed per second per upstream host (``xdsserver.arrivals``)."""
+        self.recent_completions: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """The same over the last few seconds: overflow by arrivals' capacity samples."""
+        self.recent_demands: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Each route's starts per second over the last few seconds (``xdsserver.arrivals``)."""
+        self.session_shares: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Share of each route's own starts that had a session (``xdsserver.arrivals``)."""
         """Paid pools resting after a 429 at a time: pool -> until (``ProviderRests.active``)."""
         self._pending_live = False
         self.over_budget: dict[str, float] = {}
@@ -325,6 +331,9 @@ class Reconciler:
             arrivals=self.arrivals(now),
             service_times=self.service_times(now),
             completions=self.completions(now),
+            recent_completions=self.recent_completions(now),
+            session_shares=self.session_shares(now),
+            recent_demands=self.recent_demands(now),
         )
         if self.budget_verdicts is not None:
             # Decided afresh for every compile, so the first snapshot after a restart already

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from policies.models.fields import Duration, Model, Name
 
 Conversations = Literal["last", "with"]
+OverflowSignal = Literal["arrivals", "fill"]
 
 
 class Overflow(Model):
@@ -102,6 +103,16 @@ class Overflow(Model):
         "got room does not take back more than it can hold (flapping). Default: 5s.",
     )
 
+    signal: OverflowSignal = Field(
+        "fill",
+        description="What sets the paid share. fill: the loop on the owned replicas' "
+        "pressure (batch fill, queue, TTFT) described above. arrivals: the route's arrival "
+        "rate, as its Envoys report each request's start, against the owned replicas' "
+        "capacity measured while their batches were full; the paid pools take what is above "
+        "it, corrected by the batch fill (signals.overflowff). Its listeners then report "
+        "every upstream attempt's start and end to kvpilot. Not with feedForward. "
+        "Default: fill.",
+    )
     feed_forward: float = Field(
         0.0,
         ge=0,
@@ -127,4 +138,9 @@ class Overflow(Model):
             raise ValueError("overflow minShare must not be above maxShare")
         if self.low >= self.high:
             raise ValueError("overflow low must be below high (the hysteresis band)")
+        if self.signal == "arrivals" and self.feed_forward > 0:
+            raise ValueError(
+                "overflow feedForward is for signal: fill; with signal: arrivals the "
+                "arrival rate sets the share already (remove feedForward)"
+            )
         return self

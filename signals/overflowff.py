@@ -1,0 +1,355 @@
+"""Overflow from the route's arrival rate against its owned replicas' capacity (pure, no I/O).
+
+Which routes use it
+-------------------
+Routes with ``overflow.signal: arrivals`` (``policies.models.Overflow``). The fill loop
+(``signals.overflow``) sees a rise of demand only as requests already admitted fill the
+batches, seconds late. Here the route's Envoys report each request's start
+(``xdsserver.arrivals``), so the paid share follows the demand itself:
+
+    keep = trim x LOAD x capacity / demand        paid share = max(0, 1 - keep)
+
+``demand`` is the route's requests per second, whichever pool took them (its own replicas,
+its overflow aggregates, its paid pools: ``xdsserver.arrivals.route_demand``, every kvpilot
+replica's through ``controlplane.arrivals``), or this replica's own rate over the last few
+seconds when that is above it beyond noise (``blend_demand``): a rise counts within seconds,
+a fall waits for the long window. ``LOAD`` (0.97, as spill's) leaves a little room so a
+queue that formed while the share was found drains.
+
+Capacity: measured while the batches are full
+---------------------------------------------
+What the owned replicas serve per second depends on how full they are: a request's time in
+a full batch is longer than in a light one (its decode steps carry more sequences and the
+prefill of every new arrival). A capacity taken at light load, batch slots over the service
+time seen then, was 6.3/s in the cost benchmark where the replicas served 4.2-4.5/s at the
+peak, and sent too little to the paid pool there. So the capacity is what the replicas
+*completed* per second while their batches were full (mean running / batch size at least
+``FULL``) for at least ``SAMPLE_WINDOW`` seconds, counted over those seconds: at a full
+batch the completion rate is the capacity. It is kept per batch slot (a replica added or
+lost moves it at once) and held between saturated periods, each new sample averaged in
+(``SAMPLE_WEIGHT``). Before any saturated period the prior is conservative: batch slots over
+the mean service time seen so far, times ``PRIOR_SHARE`` (0.7: the benchmark's full-batch
+capacity was 0.67-0.71 of the light-load one). Whatever the estimate, what the replicas
+completed over the last seconds, full or not, bounds it from below: a share that keeps the
+batches from filling would otherwise keep a low prior from ever being measured.
+
+The trim, as spill's
+--------------------
+The batch fill ((running + waiting) / batch size) corrects the estimate rather than the
+share (``signals.spill``'s constants): above ``HIGH_FILL`` while a paid share has been in
+force for a ``DWELL`` (or a queue lasting ``LASTING`` seconds without one) and not draining,
+``trim`` falls in proportion (``TARGET_FILL / fill``, at most to ``MAX_CUT`` of itself); below
+``LOW_FILL`` with a paid share it rises by ``STEP``; bounded by ``TRIM_RANGE``, changed at most
+once a ``DWELL``.
+
+Hysteresis
+----------
+The share rises at once when the target is ``DEADBAND`` above it (demand that arrives now is
+served now, by someone). It falls to the target, at most once per ``recoverInterval``
+(``Overflow.recover_interval``), when the target is ``DEADBAND`` below it, or to nothing
+when the target is nothing: a Poisson count over a few seconds does not move it back and
+forth, and traffic returns to the owned replicas when demand falls.
+
+Kinds of request
+----------------
+The share is of the route's whole demand. With ``conversations: last`` the requests
+without a session take it first: plain share = paid / p, sessions = (paid - p) / (1 - p),
+where p is the share of the demand without a session, learned while nothing overflowed
+(the starts on the route's own cluster against its affinity twin), 0.5 before that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from signals.spill import (
+    DEADBAND,
+    DWELL,
+    HIGH_FILL,
+    LASTING,
+    LOAD,
+    LOW_FILL,
+    MAX_CUT,
+    STEP,
+    TARGET_FILL,
+    TRIM_RANGE,
+)
+
+OVERFLOW_PARTS = ("/overflow/", "/provider/")
+"""What follows a route cluster's name in the names of its overflow aggregates and paid
+pools' clusters (``policies.names``): starts there are the route's demand too."""
+
+
+RISE_SIGMAS = 2.0
+"""The recent rate (the last ``RECENT_WINDOW`` seconds) replaces the long one when it is
+above it by more than this many standard deviations of its own count: a rise shows within
+seconds, the noise of a few seconds' count does not."""
+RECENT_WINDOW = 4.0
+"""Seconds of the recent rate (``xdsserver.arrivals.CHANGE_WINDOW``)."""
+
+
+def blend_demand(long: float, recent: float | None) -> float:
+    """The demand overflow reads: the long window's rate, or the recent one when it is
+    above it beyond noise (``RISE_SIGMAS``). A fall waits for the long window (and the
+    hysteresis), so the share is not given back on a quiet second."""
+    if recent is None or recent <= long:
+        return long
+    expected = long * RECENT_WINDOW
+    if (recent - long) * RECENT_WINDOW > RISE_SIGMAS * math.sqrt(max(expected, 1.0)):
+        return recent
+    return long
+
+
+def route_of(cluster: str) -> str:
+    """The route cluster (``policy/route``) that a route cluster, one of its overflow
+    aggregates or one of its paid pools' clusters belongs to."""
+    for part in OVERFLOW_PARTS:
+        head, found, _ = cluster.partition(part)
+        if found:
+            return head
+    return cluster
+
+
+def route_demand(rates: Mapping[str, float], route: str) -> float:
+    """A route's demand: the requests per second started on its own cluster (`route`,
+    ``policy/route``) and on its overflow aggregates and paid pools' clusters, by every fleet,
+    from ``fleet/cluster`` rates (``ArrivalBook.rates``, or every replica's through
+    ``controlplane.arrivals``)."""
+    total = 0.0
+    for key, rate in rates.items():
+        _, _, cluster = key.partition("/")
+        if cluster == route or any(cluster.startswith(route + part) for part in OVERFLOW_PARTS):
+            total += rate
+    return round(total, 4)
+
+
+FULL = 0.95
+"""Mean running / batch size at or above which the owned replicas' batches count as full."""
+SAMPLE_WINDOW = 5.0
+"""Seconds the batches must have been full, and the window completions are counted over,
+for a capacity sample: at 4 completions a second, 20 of them."""
+SAMPLE_WEIGHT = 0.5
+"""Weight of a new capacity sample against the held one."""
+PRIOR_SHARE = 0.7
+"""The prior capacity before any saturated period: this share of batch slots over the
+mean service time seen so far (module docstring)."""
+PLAIN_PRIOR = 0.5
+"""Share of the demand without a session assumed before it was seen."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalsDecision:
+    """One route's overflow by arrivals; kept between rounds."""
+
+    paid: float = 0.0
+    """Share of the route's demand sent to the paid pools, 0 to 1 (before the floor and
+    cap of ``Overflow``)."""
+    since: float = -math.inf
+    """Wall-clock time of the last change of ``paid``."""
+    demand: float | None = None
+    """The route's requests per second this round; None: not reported yet."""
+    capacity: float | None = None
+    """The owned replicas' requests per second used this round; None: unknown."""
+    measured: bool = False
+    """``capacity`` comes from a saturated period (else from the prior)."""
+    per_slot: float | None = None
+    """Held capacity per batch slot, measured while the batches were full."""
+    full_since: float = math.inf
+    """Since when the batches have been full (infinite: they are not)."""
+    trim: float = 1.0
+    """The fill's correction of the estimate (``TRIM_RANGE``)."""
+    trim_since: float = -math.inf
+    high_since: float = math.inf
+    """Since when the fill has been above ``HIGH_FILL``."""
+    step_fill: float | None = None
+    """The fill at the last change of ``paid`` or ``trim``: a lower fill now is a queue
+    draining."""
+    plain_share: float | None = None
+    """Share of the demand without a session, learned while nothing overflowed."""
+    fill: float | None = field(default=None, compare=False)
+    target: float = field(default=0.0, compare=False)
+    """The share the estimate asked for this round (``paid`` follows it with hysteresis)."""
+    why: str = field(default="", compare=False)
+    """In words, for status and logs."""
+    recover_interval: float = field(default=5.0, compare=False)
+
+    @property
+    def next_at(self) -> float:
+        """When a step back is due although nothing else triggers a rebuild."""
+        if self.paid > 0 and self.target < self.paid:
+            return self.since + self.recover_interval
+        return math.inf
+
+
+def capacity_of(
+    per_slot: float | None, slots: float, service_time: float | None
+) -> tuple[float | None, bool]:
+    """(capacity in requests per second, measured): the held full-batch rate per slot times
+    the slots, else the conservative prior, else None."""
+    if slots <= 0:
+        return None, False
+    if per_slot is not None:
+        return round(per_slot * slots, 4), True
+    if service_time is not None and service_time > 0:
+        return round(PRIOR_SHARE * slots / service_time, 4), False
+    return None, False
+
+
+def kind_shares(paid: float, plain_share: float | None, conversations: str) -> tuple[float, float]:
+    """(share of requests without a session, share of conversations) that send `paid` of
+    the whole demand to the paid pools; plain requests first with ``conversations: last``."""
+    if conversations == "with":
+        return paid, paid
+    p = PLAIN_PRIOR if plain_share is None else min(1.0, max(0.0, plain_share))
+    if p <= 0:
+        return (1.0 if paid > 0 else 0.0), paid
+    plain = min(1.0, paid / p)
+    sessions = max(0.0, (paid - p) / (1.0 - p)) if p < 1.0 else 0.0
+    return round(plain, 6), round(min(1.0, sessions), 6)
+
+
+def decide_arrivals(
+    previous: ArrivalsDecision | None,
+    *,
+    demand: float | None,
+    slots: float,
+    running: float | None,
+    fill: float | None,
+    completions: float | None,
+    service_time: float | None,
+    completed: float | None = None,
+    session_share: float | None = None,
+    now: float,
+    recover_interval: float = 5.0,
+) -> ArrivalsDecision:
+    """This round's share for one route.
+
+    `demand`: the route's requests per second; `slots`: the owned replicas' batch slots
+    (fresh telemetry); `running`: their mean running / batch size; `fill`: their mean
+    (running + waiting) / batch size; `completions`: what they completed per second over the
+    last ``SAMPLE_WINDOW``; `service_time`: their mean seconds per request (first to last
+    byte); `completed`: what they completed per second over a longer window, full or not, a
+    lower bound of their capacity; `session_share`: the share of the requests started on the route's own replicas
+    that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``)."""
+    before = previous or ArrivalsDecision()
+    # Capacity, from the completions of a full period when there is one.
+    full = running is not None and running >= FULL
+    full_since = (min(before.full_since, now)) if full else math.inf
+    per_slot = before.per_slot
+    if (
+        full
+        and now - full_since >= SAMPLE_WINDOW
+        and completions is not None
+        and completions > 0
+        and slots > 0
+    ):
+        sample = completions / slots
+        per_slot = (
+            sample if per_slot is None else (1 - SAMPLE_WEIGHT) * per_slot + SAMPLE_WEIGHT * sample
+        )
+        per_slot = round(per_slot, 6)
+    capacity, measured = capacity_of(per_slot, slots, service_time)
+    if capacity is not None and completed is not None and completed > capacity:
+        # What they served is capacity they have, full or not: an estimate below it sends
+        # more to paid than needed, and then the batches never fill to measure it.
+        capacity = round(completed, 4)
+    # What share of the demand has no session: learned while nothing overflows.
+    plain_share = before.plain_share
+    if before.paid == 0 and session_share is not None:
+        plain_share = round(min(1.0, max(0.0, 1.0 - session_share)), 4)
+    base = replace(
+        before,
+        demand=demand,
+        capacity=capacity,
+        measured=measured,
+        per_slot=per_slot,
+        full_since=full_since,
+        plain_share=plain_share,
+        fill=fill,
+        recover_interval=recover_interval,
+    )
+    if not demand or capacity is None or fill is None:
+        # No estimate (no arrivals reported, no capacity, or no fresh telemetry): nothing to
+        # paid pools, as the fill loop without telemetry.
+        why = (
+            "no fresh telemetry"
+            if fill is None
+            else "no capacity estimate yet"
+            if capacity is None
+            else "no arrivals reported"
+        )
+        since = before.since if before.paid == 0 else now
+        return replace(
+            base, paid=0.0, since=since, target=0.0, why=why, high_since=math.inf, step_fill=None
+        )
+    # The trim, from the batch fill (as spill's).
+    trim, trim_since = before.trim, before.trim_since
+    queueing = fill > HIGH_FILL
+    high_since = (min(before.high_since, now)) if queueing else math.inf
+    if now - max(trim_since, before.since) >= DWELL:
+        wanted = trim
+        draining = before.step_fill is not None and fill < before.step_fill
+        if queueing:
+            lasting = before.paid > 0 or now - high_since >= LASTING
+            if lasting and not draining:
+                wanted = trim * max(MAX_CUT, TARGET_FILL / fill)
+        elif fill < LOW_FILL and (before.paid > 0 or trim < 1.0):
+            wanted = trim + STEP if before.paid > 0 else min(1.0, trim + STEP)
+        wanted = round(min(TRIM_RANGE[1], max(TRIM_RANGE[0], wanted)), 4)
+        if wanted != trim:
+            trim, trim_since = wanted, now
+    keep = trim * LOAD * capacity / demand
+    target = round(max(0.0, 1.0 - keep), 4)
+    paid, since, step_fill = before.paid, before.since, before.step_fill
+    if trim_since == now:
+        step_fill = fill
+    rise = target >= paid + DEADBAND
+    fall = (
+        paid > 0
+        and now - since >= recover_interval
+        and (target <= paid - DEADBAND or target == 0.0)
+    )
+    if rise or fall:
+        paid, since, step_fill = target, now, fill
+    what = "measured full" if measured else "prior"
+    if target > 0:
+        why = (
+            f"demand {demand:.2f}/s above {trim * LOAD:.2f} x capacity {capacity:.2f}/s "
+            f"({what}): {target:.0%} to paid"
+        )
+    else:
+        why = f"demand {demand:.2f}/s within {trim * LOAD:.2f} x capacity {capacity:.2f}/s ({what})"
+    if paid != target:
+        why += f"; holding {paid:.0%} (hysteresis)"
+    return replace(
+        base,
+        paid=paid,
+        since=since,
+        trim=trim,
+        trim_since=trim_since,
+        high_since=high_since,
+        step_fill=step_fill,
+        target=target,
+        why=why,
+    )
+
+
+__all__ = [
+    "FULL",
+    "OVERFLOW_PARTS",
+    "PLAIN_PRIOR",
+    "PRIOR_SHARE",
+    "RECENT_WINDOW",
+    "RISE_SIGMAS",
+    "SAMPLE_WEIGHT",
+    "SAMPLE_WINDOW",
+    "ArrivalsDecision",
+    "blend_demand",
+    "capacity_of",
+    "decide_arrivals",
+    "kind_shares",
+    "route_demand",
+    "route_of",
+]
