@@ -325,7 +325,8 @@ def _spill(plan: RoutingPlan | None) -> list[dict[str, Any]]:
     """Per located fleet and route: the share of the fleet's traffic its own locality keeps
     (the rest spills to the next priority), the replicas it has, their batch fill, whether
     it is back from an outage and ramping, and, with feed-forward, the fleet's arrival rate,
-    its locality's capacity (requests per second) and the fill loop's correction."""
+    its locality's capacity (requests per second) with its two parts, the fill loop's
+    correction, and the queue in the locality's replicas with the share its drain takes."""
     if plan is None:
         return []
     return [
@@ -339,6 +340,13 @@ def _spill(plan: RoutingPlan | None) -> list[dict[str, Any]]:
             "arrivals": decision.arrivals,
             "capacity": decision.capacity,
             "trim": decision.trim,
+            # Why the share was kept: the capacity's two parts (slots over service time,
+            # and what the replicas completed per second), the requests waiting in them and
+            # what the drain of that queue takes off the locality's share.
+            "slotCapacity": decision.slot_capacity,
+            "completed": decision.completed,
+            "queued": decision.queued,
+            "drain": decision.drain,
         }
         for key, decision in sorted(plan.spill.items())
     ]

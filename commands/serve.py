@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from api import ApiContext, create_app
 from api.auth import AuthConfig, AuthConfigError, TokenReloader, WriteRateLimit
 from commands.serve_config import ServeConfig, add_arguments, check_xds, config_from_args
+from compiler.locality import batch_slots
 from controlplane.arrivals import ArrivalBoard, ArrivalPublisher
 from controlplane.asgi import UvicornServer
 from controlplane.audit import AuditLog
@@ -151,7 +152,9 @@ async def serve(
     rests = RestBoard(signals.rests, config.replica_id)
     # Spill reads a fleet's arrival rate from every replica's Envoys: this replica's from
     # memory, the others' from etcd.
-    arrivals = ArrivalBook()
+    # Service times come only from attempts that found a free batch slot on their host: the
+    # slots are the agents' max_running (read from the last compile's telemetry).
+    arrivals = ArrivalBook(slots=lambda: batch_slots(reconciler.state))
     shared_arrivals = ArrivalBoard(arrivals.rates, config.replica_id)
     mirror: StateMirror
 
@@ -282,6 +285,8 @@ async def serve(
     spend = asyncio.create_task(SpendPublisher(store, usage, config.replica_id).run(), name="spend")
     budgets = BudgetWatcher(reconciler, usage.ledger, lambda: mirror.items, config.replica_id)
     usage.listeners.append(budgets.poke)
+    # Revokes its lease when cancelled: the other replicas stop counting this one's Envoys.
+    arrival_rates = asyncio.create_task(arrival_publisher.run(), name="arrival-rates")
     tasks = [
         asyncio.create_task(mirror.run(), name="etcd-watch"),
         asyncio.create_task(budgets.run(), name="budgets"),
@@ -291,7 +296,7 @@ async def serve(
         asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
         spend,
         asyncio.create_task(rest_publisher.run(), name="provider-rests"),
-        asyncio.create_task(arrival_publisher.run(), name="arrival-rates"),
+        arrival_rates,
         asyncio.create_task(reconciler.run(), name="reconcile"),
         asyncio.create_task(difficulty.run(), name="virtual-model-shares"),
         asyncio.create_task(api.serve(), name="rest-api"),
@@ -334,7 +339,8 @@ async def serve(
         # records from etcd at once instead of after the lease TTL: let it, while etcd is open.
         publisher.cancel()
         spend.cancel()
-        await asyncio.wait([publisher, spend], timeout=3.0)
+        arrival_rates.cancel()
+        await asyncio.wait([publisher, spend, arrival_rates], timeout=3.0)
         for task in tasks:
             task.cancel()
         # Closing the channel ends an etcd watch that is still being opened; waiting for the

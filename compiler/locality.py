@@ -147,6 +147,8 @@ def spill_decision(
     spill_to = [e for e in view.endpoints if e.priority == 1 and e.health in _SERVING]
     key = spill_key(fleet, cluster.eds_service or cluster.name)
     first = [e for e in view.endpoints if e.priority == 0]
+    parts = capacity_parts(serving, state) if feed_forward else None
+    queued, slots = _queue(serving, state) if feed_forward else (None, None)
     return decide_spill(
         state.previous_spill.get(key),
         local=len(home),
@@ -156,8 +158,12 @@ def spill_decision(
         next_fill=_fill(spill_to, state) if spill_to else math.inf,
         now=state.now,
         arrivals=state.arrivals.get(key) if feed_forward else None,
-        capacity=capacity(serving, state) if feed_forward else None,
+        capacity=_capacity_of(parts),
         healthy=len(serving) / len(first) if first else 1.0,
+        queued=queued,
+        slots=slots,
+        slot_capacity=parts[0] if parts else None,
+        completed=parts[1] if parts else None,
     )
 
 
@@ -171,6 +177,18 @@ def capacity(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | N
     the others', or what they completed per second over the last seconds when that is more
     (a full locality's completion rate is its capacity). None when no replica has both a
     fresh batch size and a time."""
+    return _capacity_of(capacity_parts(endpoints, state))
+
+
+def _capacity_of(parts: tuple[float, float] | None) -> float | None:
+    return round(max(parts), 4) if parts is not None else None
+
+
+def capacity_parts(
+    endpoints: Sequence[PlanEndpoint], state: PolicyState
+) -> tuple[float, float] | None:
+    """The two parts of ``capacity``: requests per second by the batch slots over the service
+    times, and what the replicas completed per second lately; None where ``capacity`` is."""
     keys = [f"{e.address}:{e.port}" for e in endpoints]
     times = [state.service_times[key] for key in keys if key in state.service_times]
     if not times:
@@ -192,7 +210,44 @@ def capacity(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | N
     # What the replicas completed is capacity they have: while they are full it is all of
     # it, and it holds where the byte timings lag the batch (a slow stream writer).
     done = sum(state.completions.get(key, 0.0) for key in keys)
-    return round(max(total, done), 4)
+    return round(total, 4), round(done, 4)
+
+
+def _queue(
+    endpoints: Sequence[PlanEndpoint], state: PolicyState
+) -> tuple[float | None, int | None]:
+    """Requests waiting in `endpoints` and their batch slots, from fresh telemetry that
+    reports both; (None, None) when none does."""
+    waiting, slots = 0.0, 0
+    for endpoint in endpoints:
+        pool = state.pools.get(endpoint.pool)
+        record = state.telemetry.get(endpoint.pool, {}).get(f"{endpoint.address}:{endpoint.port}")
+        if pool is None or pool.spec.telemetry is None or record is None:
+            continue
+        if state.now - record.at > pool.spec.telemetry.max_age:
+            continue
+        if record.waiting is None or not record.max_running:
+            continue
+        waiting += record.waiting
+        slots += int(record.max_running)
+    return (round(waiting, 4), slots) if slots else (None, None)
+
+
+def batch_slots(state: PolicyState | None) -> dict[str, int]:
+    """``address:port`` -> batch slots (``max_running``) of every replica with fresh telemetry
+    that reports them (``xdsserver.arrivals.ArrivalBook`` times only the requests that found
+    one free)."""
+    if state is None:
+        return {}
+    out: dict[str, int] = {}
+    for name, records in state.telemetry.items():
+        pool = state.pools.get(name)
+        if pool is None or pool.spec.telemetry is None:
+            continue
+        for key, record in records.items():
+            if record.max_running and state.now - record.at <= pool.spec.telemetry.max_age:
+                out[key] = int(record.max_running)
+    return out
 
 
 def _fill(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
@@ -223,7 +278,9 @@ __all__ = [
     "NEAR",
     "PLACE_SEPARATOR",
     "REGION",
+    "batch_slots",
     "capacity",
+    "capacity_parts",
     "capacity_rank",
     "fleet_view",
     "needs_view",

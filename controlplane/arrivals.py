@@ -10,7 +10,8 @@ once per ``ARRIVAL_INTERVAL`` and only the rates that moved by more than ``ARRIV
 its own rates, which it reads from memory (``ArrivalBoard``).
 
 The records carry one lease per replica, kept alive while the replica publishes: a replica
-that stops (or loses etcd) stops counting ``ARRIVAL_LEASE`` seconds later at most. A rate
+that stops cleanly revokes it on the way out, and its records go at once; one that dies (or
+loses etcd) stops counting ``ARRIVAL_LEASE`` seconds later at most. A rate
 that is unchanged is not written again; its record stays while the lease lives. A shared
 rate lags the other replicas' counts by the interval plus the watch, about a second: spill
 follows a change of a fleet's demand that much later than its own Envoys' part.
@@ -41,6 +42,9 @@ ARRIVAL_CHANGE = 0.05
 the rate's own noise over its window is about 8% at 10 requests a second."""
 ARRIVAL_LEASE = 5
 """Seconds a replica's records outlive its last keepalive."""
+
+REVOKE_TIMEOUT = 2.0
+"""Seconds a stopping replica waits for etcd to revoke its lease."""
 
 Rates = Callable[[float], Mapping[str, float]]
 """``now`` -> ``fleet/cluster`` -> requests started per second."""
@@ -195,16 +199,33 @@ class ArrivalPublisher:
             self.writes += 1
 
     async def run(self) -> None:
-        """Publish every ``interval`` until cancelled."""
-        while True:
-            try:
-                await self.flush()
-            except EtcdClosed:
-                log.info("etcd client closed; arrival rates are no longer shared")
-                return
-            except EtcdError as error:
-                log.warning("cannot share arrival rates (will retry): %s", error)
-            await asyncio.sleep(self.interval)
+        """Publish every ``interval`` until cancelled; on the way out the lease is revoked,
+        so the other replicas stop counting this one's rates at once rather than when the
+        lease expires."""
+        try:
+            while True:
+                try:
+                    await self.flush()
+                except EtcdClosed:
+                    log.info("etcd client closed; arrival rates are no longer shared")
+                    return
+                except EtcdError as error:
+                    log.warning("cannot share arrival rates (will retry): %s", error)
+                await asyncio.sleep(self.interval)
+        finally:
+            await self.revoke()
+
+    async def revoke(self) -> None:
+        """Revoke the lease (its records go with it); etcd unreachable: they expire."""
+        lease, self.lease = self.lease, 0
+        self.published.clear()
+        if not lease:
+            return
+        try:
+            async with asyncio.timeout(REVOKE_TIMEOUT):
+                await self.store.client.revoke_lease(lease)
+        except (EtcdError, TimeoutError) as error:
+            log.info("arrival rates' lease not revoked (it expires instead): %s", error)
 
 
 __all__ = [
@@ -212,6 +233,7 @@ __all__ = [
     "ARRIVAL_CHANGE",
     "ARRIVAL_INTERVAL",
     "ARRIVAL_LEASE",
+    "REVOKE_TIMEOUT",
     "ArrivalBoard",
     "ArrivalPublisher",
     "arrival_key",

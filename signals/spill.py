@@ -41,6 +41,24 @@ queue that lasts ``LASTING`` seconds moves ``trim``: arrivals come in bursts, an
 moment well under capacity. Moves of ``keep`` smaller than ``DEADBAND`` are left
 out, so the noise of a Poisson arrival count does not push Envoy a new factor every round.
 
+The queue a locality already has
+--------------------------------
+Feed-forward gives the locality ``LOAD`` of its capacity from the round the overload is seen,
+but the requests that arrived before that are queued in its replicas, and at 97% of capacity
+that queue drains at 3% of it: slowly, and every request behind it waits. Where telemetry
+gives the replicas' waiting requests Q, the share also sends the queue's excess away:
+``keep = (trim x LOAD x C - max(0, Q - Q0) / DRAIN_S) / A``, the locality taking that much
+less than its capacity until the excess has drained, in about ``DRAIN_S`` seconds. Q0
+(``queue_chance``) is the queue a Poisson load near capacity has without any overload: over
+one service time a locality of S slots at capacity gets a Poisson count of about S arrivals,
+whose standard deviation is sqrt(S), and the count above S waits; ``QUEUE_SIGMAS`` standard
+deviations of it (32 for 4 replicas of 16 slots) is chance, more is a queue to drain. With Q
+known, ``trim`` falls only for a queue beyond Q0 that lasts ``LASTING`` seconds (the drain
+term takes the one that formed before the spill; a batch fill over ``HIGH_FILL`` within Q0 is
+the queue of a load at capacity, which feed-forward sets), and a move of ``keep`` under ``DEADBAND`` is made
+once it has waited ``SETTLE`` seconds, so ``keep`` settles on the estimate rather than up to
+5 points off it.
+
 With feed-forward the factor also counts priority 0's healthy share h: Envoy gives it
 ``h x factor``, so the factor is ``keep / h``, never more than Envoy's own 140 (health
 spill stays an upper bound on what the locality keeps).
@@ -86,6 +104,14 @@ LASTING = 15.0
 regions benchmark with 5 s), and a ``trim`` learned then over-spills the next overload."""
 TRIM_RANGE = (0.5, 1.5)
 """Bounds of the fill loop's correction of the feed-forward estimate."""
+DRAIN_S = 5.0
+"""Seconds in which the drain term sends away a lasting queue's excess over chance."""
+QUEUE_SIGMAS = 4.0
+"""Standard deviations of a Poisson count of one service time's arrivals (sqrt of the
+locality's slots) that a queue reaches by chance at capacity (``queue_chance``)."""
+SETTLE = 10.0
+"""Seconds after the last change of ``keep`` from which a move under ``DEADBAND`` is made
+(with the queue known): the estimate holds that long, so it is not noise."""
 MAX_CUT = 0.85
 """``keep`` falls at most to this share of itself in one step."""
 DWELL = 5.0
@@ -131,6 +157,17 @@ class SpillDecision:
     whatever the feed-forward would allow."""
     high_since: float = field(default=math.inf, compare=False)
     """Since when the fill has been above ``HIGH_FILL`` (infinite: it is not)."""
+    queued: float | None = field(default=None, compare=False)
+    """Requests waiting in the locality's replicas (telemetry); None: not known."""
+    slots: int | None = field(default=None, compare=False)
+    """Batch slots of the locality's serving replicas with fresh telemetry."""
+    slot_capacity: float | None = field(default=None, compare=False)
+    """Requests per second by the slots over the service time alone (before the completion
+    rate's floor)."""
+    completed: float | None = field(default=None, compare=False)
+    """Requests per second the locality's replicas completed lately (the capacity's floor)."""
+    drain: float = field(default=0.0, compare=False)
+    """Requests per second taken off the locality's share to drain its queue's excess."""
 
     @property
     def feed_forward(self) -> bool:
@@ -159,6 +196,12 @@ class SpillDecision:
         return math.inf
 
 
+def queue_chance(slots: int) -> float:
+    """The queue a locality of `slots` batch slots has by chance at capacity (module
+    docstring): ``QUEUE_SIGMAS`` x sqrt(slots)."""
+    return QUEUE_SIGMAS * math.sqrt(max(slots, 0))
+
+
 def decide_spill(
     previous: SpillDecision | None,
     *,
@@ -169,13 +212,20 @@ def decide_spill(
     arrivals: float | None = None,
     capacity: float | None = None,
     healthy: float = 1.0,
+    queued: float | None = None,
+    slots: int | None = None,
+    slot_capacity: float | None = None,
+    completed: float | None = None,
 ) -> SpillDecision:
     """This round's share for one fleet and route, from the last round's, the number of
     replicas in the fleet's priority 0 and their batch fill; `next_fill` is the fill of the
     priority that would take the spill (a spill into replicas that queue as well gains
     nothing, so none is added then). With `arrivals` and `capacity` (requests per second)
     the share follows them at once and the fill corrects the estimate (module docstring);
-    `healthy` is the share of priority 0's replicas that serve."""
+    `healthy` is the share of priority 0's replicas that serve. `queued` (requests waiting in
+    the locality's replicas) and `slots` (their batch slots) give the drain term; without
+    them the share is as before. `slot_capacity` and `completed` (the capacity's two parts)
+    are kept for status."""
     decision = _decide(
         previous,
         local=local,
@@ -185,11 +235,18 @@ def decide_spill(
         arrivals=arrivals,
         capacity=capacity,
         healthy=healthy,
+        queued=queued,
+        slots=slots,
     )
-    if arrivals is not None and decision.arrivals is None:
-        # Shown in status and logs although the fill loop decided (no capacity yet).
-        decision = replace(decision, arrivals=arrivals)
-    return decision
+    # Shown in status and logs although the fill loop decided (no capacity yet).
+    return replace(
+        decision,
+        arrivals=arrivals if decision.arrivals is None else decision.arrivals,
+        queued=queued,
+        slots=slots,
+        slot_capacity=slot_capacity,
+        completed=completed,
+    )
 
 
 def _decide(
@@ -202,6 +259,8 @@ def _decide(
     arrivals: float | None,
     capacity: float | None,
     healthy: float,
+    queued: float | None,
+    slots: int | None,
 ) -> SpillDecision:
     before = previous or SpillDecision()
     if arrivals and capacity and local > 0 and not before.outage:
@@ -215,6 +274,8 @@ def _decide(
             arrivals=arrivals,
             capacity=capacity,
             healthy=healthy,
+            queued=queued,
+            slots=slots,
         )
     keep = before.keep
     if local == 0:
@@ -261,10 +322,19 @@ def _feed_forward(
     arrivals: float,
     capacity: float,
     healthy: float,
+    queued: float | None = None,
+    slots: int | None = None,
 ) -> SpillDecision:
-    """The share from the arrival rate and the capacity, corrected by the fill loop."""
+    """The share from the arrival rate and the capacity, corrected by the fill loop, less
+    the drain of a queue beyond chance (with `queued` and `slots`)."""
+    knows_queue = queued is not None and bool(slots)
     trim, trim_since = before.trim, before.trim_since
-    queueing = fill is not None and fill > HIGH_FILL
+    # With the queue known, a queue within chance of a load at capacity (which feed-forward
+    # sets) says nothing of the estimate: only one beyond it is queueing.
+    if knows_queue and queued is not None and slots:
+        queueing = fill is not None and queued > queue_chance(slots)
+    else:
+        queueing = fill is not None and fill > HIGH_FILL
     high_since = (before.high_since if before.high_since <= now else now) if queueing else math.inf
     # While the estimate says the locality has room (no spill), a queue says it is wrong only
     # when it lasts: a burst of arrivals queues for a moment at 70% of capacity too.
@@ -276,7 +346,11 @@ def _feed_forward(
             draining = before.step_fill is not None and fill < before.step_fill
             # A spill already in force for a dwell that still queues: the estimate is too
             # high. (Not in the round the spill starts: that queue formed before it.)
-            lasting = (spilling and before.keep < 1.0) or now - high_since >= LASTING
+            # With the queue known the drain term takes the one that formed before the
+            # spill: only a queue that lasts says the estimate is wrong.
+            lasting = (
+                spilling and before.keep < 1.0 and not knows_queue
+            ) or now - high_since >= LASTING
             if lasting and not draining and (next_fill is None or next_fill < HIGH_FILL):
                 wanted = trim * max(MAX_CUT, TARGET_FILL / fill)
         elif before.keep < 1.0 and (fill is None or fill < LOW_FILL):
@@ -287,15 +361,23 @@ def _feed_forward(
         wanted = round(min(TRIM_RANGE[1], max(TRIM_RANGE[0], wanted)), 4)
         if wanted != trim:
             trim, trim_since = wanted, now
-    target = round(max(FLOOR, min(1.0, trim * LOAD * capacity / arrivals)), 4)
+    drain = 0.0
+    # Not into a next priority without serving replicas, or one that queues as well: the
+    # queue would only move (as the fill loop adds no spill there).
+    room_next = next_fill is None or next_fill < HIGH_FILL
+    if knows_queue and queued is not None and slots and room_next:
+        drain = max(0.0, queued - queue_chance(slots)) / DRAIN_S
+    target = round(max(FLOOR, min(1.0, (trim * LOAD * capacity - drain) / arrivals)), 4)
     keep, since, step_fill = before.keep, before.since, before.step_fill
     ramp = before.ramp
+    # A small move that the estimate holds for a while is made (with the queue known).
+    settled = knows_queue and target != keep and now - since >= SETTLE
     if ramp and target > keep:
         # Back from an outage: up by steps, never faster than the ramp.
         if now - since >= DWELL:
             keep, since, step_fill = round(min(target, keep + STEP), 4), now, fill
         ramp = keep < target
-    elif abs(target - keep) >= DEADBAND or (target == 1.0 and keep != 1.0):
+    elif abs(target - keep) >= DEADBAND or (target == 1.0 and keep != 1.0) or settled:
         keep, since, step_fill, ramp = target, now, fill, False
     return SpillDecision(
         keep=keep,
@@ -310,11 +392,13 @@ def _feed_forward(
         healthy=healthy,
         ramp=ramp,
         high_since=high_since,
+        drain=round(drain, 4),
     )
 
 
 __all__ = [
     "DEADBAND",
+    "DRAIN_S",
     "DWELL",
     "ENVOY_OVERPROVISIONING",
     "FLOOR",
@@ -322,8 +406,11 @@ __all__ = [
     "LASTING",
     "LOAD",
     "LOW_FILL",
+    "QUEUE_SIGMAS",
+    "SETTLE",
     "STEP",
     "TARGET_FILL",
     "SpillDecision",
     "decide_spill",
+    "queue_chance",
 ]

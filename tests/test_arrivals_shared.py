@@ -150,3 +150,37 @@ async def test_two_replicas_rates_sum_at_a_reader_and_a_stopped_ones_disappears(
         for task in (running_a, running_b, watching):
             task.cancel()
         await asyncio.gather(running_a, running_b, watching, return_exceptions=True)
+
+
+async def test_a_replica_that_stops_cleanly_revokes_its_lease_and_is_no_longer_counted_at_once(
+    client: EtcdClient, etcd_prefix: str
+) -> None:
+    store = Store(client, etcd_prefix)
+    # A lease far longer than the wait below: only a revoke removes the records in time.
+    stopping = ArrivalPublisher(
+        store, lambda now: {"east/chat": 3.0}, "s", interval=0.1, lease_ttl=60
+    )
+    reader = ArrivalBoard(lambda now: {}, "r")
+    mirror: StateMirror
+
+    def on_change(state_change: StateChange) -> None:
+        reader.on_change(state_change, mirror.items)
+
+    mirror = StateMirror(client, etcd_prefix, on_change)
+    watching = asyncio.create_task(mirror.run())
+    running = asyncio.create_task(stopping.run())
+    try:
+        await mirror.wait_synced()
+        await poll(lambda: reader.rates(0.0) == {"east/chat": 3.0}, within=10, message="counted")
+        lease = stopping.lease
+        assert lease and await client.lease_time_to_live(lease) > 0
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        assert await client.lease_time_to_live(lease) == 0  # revoked, not left to expire
+        await poll(lambda: reader.rates(0.0) == {}, within=3, message="no longer counted")
+        records, _ = await client.get_prefix(store.keys.absolute(ARRIVALS_PREFIX))
+        assert not records
+    finally:
+        for task in (running, watching):
+            task.cancel()
+        await asyncio.gather(running, watching, return_exceptions=True)

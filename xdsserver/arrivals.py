@@ -13,10 +13,18 @@ fleets whose routes spill (``PlanListener.arrivals_log``).
 From the start entries: first attempts per (fleet, route cluster) over the last
 ``ARRIVAL_WINDOW`` seconds (retries are not new demand). From the end entries of streamed
 answers: the time from the replica's first byte to its last, per host, over the last
-``SERVICE_WINDOW`` seconds: the time a request spends in the batch, without its wait in the
-replica's queue (a full replica's queue would otherwise make its capacity look smaller). The
-first byte is the first token; the prefill before it is left out, a small part of a request
-with a few hundred tokens to generate.
+``SERVICE_WINDOW`` seconds. The first byte is the first token where the replica queues
+before it answers; the prefill before it is left out, a small part of a request with a few
+hundred tokens to generate.
+
+A server that sends its answer's headers before the request gets a batch slot (the
+simulator, and any server that starts its stream at once) has its queue wait inside that
+time, and a queueing locality's capacity (slots over service time) then looks smaller than
+it is, so it spills more than its excess. With the hosts' batch slots (``slots``: the agents'
+``max_running``), the book counts the attempts in flight per host (each end entry matched to
+its start by the request's start time and attempt number) and takes service times only from
+attempts that started while their host had a free slot: those went into the batch at once.
+Without a host's slots every streamed answer counts, as before.
 
 Overflow that follows the route's arrival rate (``Overflow.signal: arrivals``,
 ``signals.overflowff``) reads the same log on its routes' listeners: the route's demand is
@@ -35,7 +43,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -62,6 +70,12 @@ MIN_SERVICE = 0.05
 """Service times below this are not counted: an answer sent in one piece (not streamed) has
 its first and last byte together, which says nothing of its time in the batch."""
 
+PENDING_LIMIT = 600.0
+"""Seconds an attempt's start waits for its end entry: one lost (an Envoy that stopped) no
+longer counts in flight after that."""
+SLOTS_REFRESH = 1.0
+"""Seconds between two reads of the hosts' batch slots (``slots``)."""
+
 _START = accesslog_pb2.AccessLogType.UpstreamPoolReady
 _END = (accesslog_pb2.AccessLogType.UpstreamEnd, accesslog_pb2.AccessLogType.NotSet)
 
@@ -82,8 +96,25 @@ class ArrivalBook:
     """Request starts per (fleet, route cluster) and service times per host, over sliding
     windows; ``rates`` and ``service_times`` give what the next compile reads."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        slots: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
         self.clock = clock
+        self.slots = slots
+        """``address:port`` -> batch slots (``max_running``); None: not known."""
+        self._slots: Mapping[str, int] = {}
+        self._slots_at = -math.inf
+        self._in_flight: dict[str, int] = {}
+        """``address:port`` -> attempts started there whose end has not come."""
+        self._pending: dict[tuple[str, bytes, int], tuple[float, bool]] = {}
+        """(host, request start, attempt) -> (when it started, whether its time counts: not when
+        its host had no free slot)."""
+        self.free_starts = 0
+        """Attempts that started while their host had a free slot (service times taken)."""
+        self.queued_starts = 0
+        """Attempts that started while their host's slots were all taken (not timed)."""
         self._starts: dict[str, deque[float]] = {}
         self._first: dict[str, float] = {}
         self._served: dict[str, deque[tuple[float, float]]] = {}
@@ -101,7 +132,16 @@ class ArrivalBook:
         if not cluster:
             return
         now = self.clock()
+        socket = common.upstream_remote_address.socket_address
+        host = f"{socket.address}:{socket.port_value}" if socket.address else ""
+        attempt = (
+            host,
+            common.start_time.SerializeToString() if common.HasField("start_time") else b"",
+            common.upstream_request_attempt_count,
+        )
         if common.access_log_type == _START:
+            if host:
+                self._start_attempt(attempt, now)
             if common.upstream_request_attempt_count > 1:
                 return  # a retry: the same request again, not new demand
             key = f"{fleet}/{cluster}"
@@ -113,10 +153,9 @@ class ArrivalBook:
             return
         if common.access_log_type not in _END:
             return
-        socket = common.upstream_remote_address.socket_address
-        if not socket.address or entry.response.response_code.value != 200:
+        free = self._end_attempt(attempt) if host else None
+        if not host or entry.response.response_code.value != 200:
             return
-        host = f"{socket.address}:{socket.port_value}"
         self._done.setdefault(host, deque()).append(now)
         self._done_first.setdefault(host, now)
         if not (
@@ -127,8 +166,57 @@ class ArrivalBook:
         seconds = _seconds(common.time_to_last_upstream_rx_byte) - _seconds(
             common.time_to_first_upstream_rx_byte
         )
-        if seconds >= MIN_SERVICE:
+        # An attempt that waited for a slot has that wait in its time: left out (None: its
+        # start was not seen or the host's slots are unknown, so it counts as before).
+        if seconds >= MIN_SERVICE and free is not False:
             self._served.setdefault(host, deque()).append((now, seconds))
+
+    def _host_slots(self, now: float) -> Mapping[str, int]:
+        if self.slots is not None and now - self._slots_at >= SLOTS_REFRESH:
+            self._slots, self._slots_at = self.slots(), now
+        return self._slots
+
+    def _start_attempt(self, attempt: tuple[str, bytes, int], now: float) -> None:
+        """Count an attempt in flight on its host, noting whether the host had a free slot."""
+        host = attempt[0]
+        if self._pending and len(self._pending) % 256 == 0:
+            self._expire(now)
+        slots = self._host_slots(now).get(host)
+        running = self._in_flight.get(host, 0)
+        free: bool | None = None if not slots else running < slots
+        if free is True:
+            self.free_starts += 1
+        elif free is False:
+            self.queued_starts += 1
+        if attempt in self._pending:
+            return  # the same start twice (a resent batch): counted once
+        self._pending[attempt] = (now, free is not False)
+        self._in_flight[host] = running + 1
+
+    def _end_attempt(self, attempt: tuple[str, bytes, int]) -> bool | None:
+        """The attempt is no longer in flight; whether it started with a free slot (None: its
+        start was not seen)."""
+        started = self._pending.pop(attempt, None)
+        if started is None:
+            return None
+        host = attempt[0]
+        left = self._in_flight.get(host, 0) - 1
+        if left > 0:
+            self._in_flight[host] = left
+        else:
+            self._in_flight.pop(host, None)
+        return started[1]
+
+    def _expire(self, now: float) -> None:
+        for attempt, (at, _) in list(self._pending.items()):
+            if at < now - PENDING_LIMIT:
+                self._end_attempt(attempt)
+
+    def in_flight(self) -> dict[str, int]:
+        """``address:port`` -> attempts started there whose end has not come (as this
+        replica's Envoys report them)."""
+        self._expire(self.clock())
+        return dict(self._in_flight)
 
     def rates(self, now: float | None = None) -> dict[str, float]:
         """``fleet/cluster`` -> requests started per second: over the last
@@ -265,6 +353,7 @@ __all__ = [
     "CHANGE_WINDOW",
     "MIN_SERVICE",
     "OVERFLOW_PARTS",
+    "PENDING_LIMIT",
     "SERVICE_WINDOW",
     "ArrivalBook",
     "route_cluster",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -21,6 +22,10 @@ class Marks:
     """Requests per second one region serves at full batches."""
     service: float = 0.0
     """Seconds of one request served alone in its own region."""
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    """Every spill decision kvpilot's status showed, each time one changed: ``t`` (seconds
+    since the load started), ``fleetRoute`` and the entry's inputs (arrivals, capacity and
+    its parts, queue, drain, trim, batch fill) and ``keep``."""
 
 
 __all__ = ["Marks"]

@@ -86,6 +86,31 @@ async def _watch_drains(
             await asyncio.sleep(0.1)
 
 
+SPILL_POLL = 0.5
+"""Seconds between two reads of kvpilot's spill decisions (``/v1/status``)."""
+
+
+async def _watch_spill(
+    stack: RegionsStack, load: OpenLoop, marks: Marks, stop: asyncio.Event
+) -> None:
+    """Record each spill decision as it changes, with its inputs (``Marks.decisions``)."""
+    url = f"{stack.kvpilot.api_url}/v1/status"
+    headers = {"authorization": f"Bearer {stack.token}"}
+    last: dict[str, dict[str, Any]] = {}
+    async with httpx.AsyncClient(timeout=5) as client:
+        while not stop.is_set():
+            try:
+                entries = (await client.get(url, headers=headers)).json().get("spill", [])
+            except (httpx.HTTPError, ValueError, AttributeError):
+                entries = []
+            for entry in entries if isinstance(entries, list) else []:
+                key = str(entry.get("fleetRoute"))
+                if last.get(key) != entry:
+                    last[key] = entry
+                    marks.decisions.append({"t": round(load.now(), 2), **entry})
+            await asyncio.sleep(SPILL_POLL)
+
+
 async def _phases(stack: RegionsStack, load: OpenLoop, marks: Marks) -> None:
     config = stack.config
     a, b = config.regions
@@ -149,12 +174,13 @@ async def _drive(stack: RegionsStack, marks: Marks) -> list[Sent]:
     stop = asyncio.Event()
     runner = asyncio.create_task(load.run())
     watcher = asyncio.create_task(_watch_drains(stack, load, marks, stop))
+    spill = asyncio.create_task(_watch_spill(stack, load, marks, stop))
     try:
         await _phases(stack, load, marks)
     finally:
         load.stop()
         stop.set()
-        await asyncio.gather(runner, watcher, return_exceptions=True)
+        await asyncio.gather(runner, watcher, spill, return_exceptions=True)
     return load.records
 
 
@@ -190,6 +216,12 @@ def run_regions_bench(config: RegionsConfig, *, state_dir: Path) -> Path:
         policy: [r.to_json() for r in records] for policy, (_, records) in runs.items()
     }
     (config.out_dir / f"regions-{stamp}.requests.json").write_text(json.dumps(requests))
+    # Each spill decision with its inputs, per policy, with the phases to read them against.
+    decisions = {
+        policy: {"phases": marks.phases, "decisions": marks.decisions}
+        for policy, (marks, _) in runs.items()
+    }
+    (config.out_dir / f"regions-{stamp}.decisions.json").write_text(json.dumps(decisions, indent=1))
     return write_report(config, summary, config.out_dir / f"regions-{stamp}.md")
 
 

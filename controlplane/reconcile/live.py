@@ -182,7 +182,8 @@ class LiveDecisions:
             if before is not None and before.keep != decision.keep:
                 log.info(
                     "%s: own locality keeps %.0f%% of the traffic (was %.0f%%; %d replicas, "
-                    "batch fill %s; arrivals %s/s, capacity %s/s, trim %s)",
+                    "batch fill %s; arrivals %s/s, capacity %s/s (slots %s/s, completed "
+                    "%s/s), queued %s, drain %s/s, trim %s)",
                     key,
                     100 * decision.keep,
                     100 * before.keep,
@@ -190,6 +191,10 @@ class LiveDecisions:
                     decision.fill,
                     decision.arrivals,
                     decision.capacity,
+                    decision.slot_capacity,
+                    decision.completed,
+                    decision.queued,
+                    decision.drain,
                     decision.trim,
                 )
         self.spill = plan.spill
