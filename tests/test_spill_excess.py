@@ -25,37 +25,17 @@ from signals.spill import (
 )
 from signals.telemetry import TelemetryRecord
 from tests.harness.regions import two_region_state
+from tests.harness.upstreamlog import END, START, upstream_entry
 from xdsserver.arrivals import PENDING_LIMIT, ArrivalBook
 
-START = accesslog_pb2.AccessLogType.UpstreamPoolReady
-END = accesslog_pb2.AccessLogType.UpstreamEnd
 HOST = "10.0.1.1:8000"
 
 
 def _entry(
-    kind: accesslog_pb2.AccessLogType.ValueType,
-    request: int,
-    *,
-    attempt: int = 1,
-    first: float | None = None,
-    last: float | None = None,
-    status: int = 200,
+    kind: accesslog_pb2.AccessLogType.ValueType, request: int, **kwargs: Any
 ) -> accesslog_pb2.HTTPAccessLogEntry:
     """One entry of request number `request` (its start time says which)."""
-    entry = accesslog_pb2.HTTPAccessLogEntry()
-    common = entry.common_properties
-    common.access_log_type = kind
-    common.upstream_cluster = "chat/chat/local"
-    common.upstream_request_attempt_count = attempt
-    common.start_time.FromMicroseconds(1_700_000_000_000_000 + request)
-    common.upstream_remote_address.socket_address.address = "10.0.1.1"
-    common.upstream_remote_address.socket_address.port_value = 8000
-    if first is not None:
-        common.time_to_first_upstream_rx_byte.FromNanoseconds(int(first * 1e9))
-    if last is not None:
-        common.time_to_last_upstream_rx_byte.FromNanoseconds(int(last * 1e9))
-    entry.response.response_code.value = status
-    return entry
+    return upstream_entry(kind, start_us=1_700_000_000_000_000 + request, **kwargs)
 
 
 def _book(slots: dict[str, int] | None) -> tuple[ArrivalBook, list[float]]:

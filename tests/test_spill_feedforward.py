@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from envoy.data.accesslog.v3 import accesslog_pb2
 
 from compiler import compile_plan
 from compiler.locality import capacity
@@ -29,14 +28,12 @@ from signals.spill import (
 from signals.telemetry import TelemetryRecord
 from tests.harness.golden import load_case
 from tests.harness.regions import two_region_state
+from tests.harness.upstreamlog import END, START, upstream_entry
 from xdsserver.arrivals import ARRIVAL_WINDOW, CHANGE_WINDOW, MIN_SPAN, ArrivalBook
 from xdsserver.signals import SignalBook
 from xdsserver.static import validate_with_envoy
 from xdsserver.translate import translate
 from xdsserver.translate.listeners import ARRIVALS_LOG, translate_listener
-
-START = accesslog_pb2.AccessLogType.UpstreamPoolReady
-END = accesslog_pb2.AccessLogType.UpstreamEnd
 
 
 def _ff(previous: SpillDecision | None, **kwargs: Any) -> SpillDecision:
@@ -195,39 +192,14 @@ def test_a_bad_spill_signal_is_refused_naming_the_field() -> None:
         )
 
 
-def _entry(
-    kind: int,
-    *,
-    cluster: str = "chat/chat/local",
-    port: int = 8000,
-    attempt: int = 1,
-    first: float | None = None,
-    last: float | None = None,
-    status: int = 200,
-) -> accesslog_pb2.HTTPAccessLogEntry:
-    entry = accesslog_pb2.HTTPAccessLogEntry()
-    common = entry.common_properties
-    common.access_log_type = kind  # type: ignore[assignment]
-    common.upstream_cluster = cluster
-    common.upstream_request_attempt_count = attempt
-    common.upstream_remote_address.socket_address.address = "10.0.1.1"
-    common.upstream_remote_address.socket_address.port_value = port
-    if first is not None:
-        common.time_to_first_upstream_rx_byte.FromNanoseconds(int(first * 1e9))
-    if last is not None:
-        common.time_to_last_upstream_rx_byte.FromNanoseconds(int(last * 1e9))
-    entry.response.response_code.value = status
-    return entry
-
-
 def test_the_arrival_book_counts_first_attempts_over_its_window() -> None:
     clock = [1000.0]
     book = ArrivalBook(lambda: clock[0])
     for _ in range(10):
-        book.observe(_entry(START), "us")
+        book.observe(upstream_entry(START), "us")
         clock[0] += 0.5
-    book.observe(_entry(START, attempt=2), "us")  # a retry: not new demand
-    book.observe(_entry(START, cluster=""), "us")  # a local reply: no cluster
+    book.observe(upstream_entry(START, attempt=2), "us")  # a retry: not new demand
+    book.observe(upstream_entry(START, cluster=""), "us")  # a local reply: no cluster
     # Ten starts over the five seconds since the first.
     assert book.rates() == {"us/chat/chat": pytest.approx(2.0)}
     clock[0] += ARRIVAL_WINDOW
@@ -237,15 +209,15 @@ def test_the_arrival_book_counts_first_attempts_over_its_window() -> None:
 def test_a_change_of_rate_shows_within_the_short_window() -> None:
     clock = [1000.0]
     book = ArrivalBook(lambda: clock[0])
-    book.observe(_entry(START), "us")
+    book.observe(upstream_entry(START), "us")
     clock[0] += MIN_SPAN / 2
     assert book.rates() == {}  # too soon to say
     for _ in range(int(ARRIVAL_WINDOW * 5)):  # 5 a second
-        book.observe(_entry(START), "us")
+        book.observe(upstream_entry(START), "us")
         clock[0] += 0.2
     assert book.rates()["us/chat/chat"] == pytest.approx(5.0, rel=0.05)
     for _ in range(int(CHANGE_WINDOW * 15)):  # then 15 a second: an overload begins
-        book.observe(_entry(START), "us")
+        book.observe(upstream_entry(START), "us")
         clock[0] += 1 / 15
     assert book.rates()["us/chat/chat"] == pytest.approx(15.0, rel=0.05)
 
@@ -253,11 +225,11 @@ def test_a_change_of_rate_shows_within_the_short_window() -> None:
 def test_the_arrival_book_times_streamed_answers_from_first_to_last_byte() -> None:
     clock = [1000.0]
     book = ArrivalBook(lambda: clock[0])
-    book.observe(_entry(END, first=2.0, last=9.5), "us")  # 2 s queued in the replica
-    book.observe(_entry(END, first=0.1, last=7.6), "us")
-    book.observe(_entry(END, first=0.1, last=0.1), "us")  # not streamed: says nothing
-    book.observe(_entry(END, first=0.1, last=9.0, status=503), "us")
-    book.observe(_entry(END), "us")  # no bytes back
+    book.observe(upstream_entry(END, first=2.0, last=9.5), "us")  # 2 s queued in the replica
+    book.observe(upstream_entry(END, first=0.1, last=7.6), "us")
+    book.observe(upstream_entry(END, first=0.1, last=0.1), "us")  # not streamed: says nothing
+    book.observe(upstream_entry(END, first=0.1, last=9.0, status=503), "us")
+    book.observe(upstream_entry(END), "us")  # no bytes back
     assert book.service_times() == {"10.0.1.1:8000": pytest.approx(7.5)}
     clock[0] += MIN_SPAN
     # Every 200 counts as a completion, streamed or not: four over the two seconds.
@@ -268,9 +240,9 @@ def test_the_arrival_book_times_streamed_answers_from_first_to_last_byte() -> No
 
 def test_rollout_signals_skip_the_start_entries() -> None:
     book = SignalBook(lambda cluster, address, port: "llama")
-    book.observe(_entry(START), "us")
+    book.observe(upstream_entry(START), "us")
     assert not book.counters
-    book.observe(_entry(END, first=0.1, last=1.0), "us")
+    book.observe(upstream_entry(END, first=0.1, last=1.0), "us")
     assert book.counters["chat/chat"]["llama"].requests == 1
 
 
