@@ -281,7 +281,7 @@ def _affinity(**route: Any) -> Any:
 @pytest.mark.parametrize(
     ("route", "ladder"),
     [
-        pytest.param({"balancing": "telemetry", "sessionAffinity": {}}, (), id="off by default"),
+        pytest.param({"balancing": "telemetry", "sessionAffinity": {}}, LADDER, id="on by default"),
         pytest.param(
             {"balancing": "telemetry", "sessionAffinity": {"capacityBound": True}},
             LADDER,
@@ -316,7 +316,7 @@ def _affinity(**route: Any) -> Any:
         pytest.param({"sessionAffinity": {}}, (), id="not a telemetry route"),
     ],
 )
-def test_a_telemetry_route_follows_capacity_when_told_to(
+def test_a_telemetry_route_follows_capacity_unless_told_not_to(
     route: dict[str, Any], ladder: tuple[int, ...]
 ) -> None:
     assert _affinity(**route).ladder() == ladder

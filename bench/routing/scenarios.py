@@ -126,8 +126,9 @@ SUITE_POLICIES: tuple[Policy, ...] = (
     # The README's recommended route, with its fields and nothing else: telemetry balancing
     # and session affinity at kvpilot's defaults for it (bounded load 125%, 100% while
     # saturated), plus the prompt-prefix hashing the documents of the mix scenario need.
-    # This row turns on `capacityBound` (opt-in): the bounded load follows the replicas' batch
-    # capacity. The README's route without it (two fixed bounds) is `kvpilot_twin` beside it.
+    # With `capacityBound` (the default on such a route, written out here): the bounded load
+    # follows the replicas' batch capacity. The route with `capacityBound: false` (two fixed
+    # bounds) is `kvpilot_twin` beside it.
     Policy(
         RECOMMENDED,
         "kvpilot: affinity + telemetry, capacityBound",
@@ -136,7 +137,7 @@ SUITE_POLICIES: tuple[Policy, ...] = (
             "sessionAffinity": {**_RECOMMENDED_AFFINITY, "capacityBound": True},
         },
     ),
-    # The recommended route as the README writes it: two fixed bounds, 125% and 100% while
+    # The recommended route with `capacityBound: false`: two fixed bounds, 125% and 100% while
     # saturated. What the capacity bound refines, so it runs by default.
     _recommended_with(
         "kvpilot_twin",

@@ -197,7 +197,8 @@ class SessionAffinity(Model):
         "the batches are nearly full). At batches of 16 or less (the replicas' mean) the "
         "ladder does not pay: the square root of the batch, the noise of one scrape, is a "
         "quarter of it or more, so the route takes those two fixed bounds and their twins "
-        "(the status says which and why). Default: false (docs/bounded-load.md).",
+        "(the status says which and why). Default: true on a route with balancing: telemetry "
+        "and bounded load, else false (docs/bounded-load.md).",
     )
     prefix_hash_chars: int = Field(
         0,
@@ -383,9 +384,12 @@ class Route(Model):
         missing: dict[str, Any] = {
             names[0]: value for names, value in defaults.items() if not set(names) & set(affinity)
         }
+        if not {"capacityBound", "capacity_bound"} & set(affinity):
+            missing["capacityBound"] = True
         if affinity.get("hashBalanceFactor", affinity.get("hash_balance_factor")) == 0:
             # Bounded load turned off stays off, saturated or not.
             missing.pop("saturatedHashBalanceFactor", None)
+            missing.pop("capacityBound", None)
         return {**data, key: {**affinity, **missing}} if missing else data
 
     @model_validator(mode="after")
