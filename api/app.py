@@ -358,7 +358,7 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
     shares of plain requests and conversations sent to the paid pool that takes them, the
     pressure, and with ``arrivals`` the demand, the capacity (requests per second, and
     whether it was measured at a full batch or is the prior), the share of the demand sent
-    to paid pools, the owned replicas' queue and what of it is drained there, and why."""
+    to paid pools and why."""
     if plan is None:
         return []
     out = []
@@ -380,8 +380,6 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
                 capacityMeasured=arrivals.measured,
                 paidShare=arrivals.paid,
                 trim=arrivals.trim,
-                queued=arrivals.queued,
-                drain=arrivals.drain,
                 why=arrivals.why,
             )
         out.append(entry)

@@ -203,8 +203,7 @@ def _by_arrivals(
 ) -> OverflowDecision:
     """The decision of a route with ``overflow.signal: arrivals`` (``signals.overflowff``):
     its demand (every replica's arrival rates), its first tier's batch slots and mean running
-    share and waiting requests from fresh telemetry, and what those replicas completed and
-    how long they took."""
+    share from fresh telemetry, and what those replicas completed and how long they took."""
     fresh = [
         (endpoint.key, record)
         for endpoint in endpoints
@@ -219,7 +218,6 @@ def _by_arrivals(
         if fresh
         else None
     )
-    waiting = [record.waiting for _, record in fresh if record.waiting is not None]
     keys = [endpoint.key for endpoint in endpoints]
     times = [state.service_times[key] for key in keys if key in state.service_times]
     done = [state.recent_completions[key] for key in keys if key in state.recent_completions]
@@ -241,6 +239,4 @@ def _by_arrivals(
         session_share=state.session_shares.get(name),
         now=state.now,
         completed=sum(completed) if completed else None,
-        # The queue the owned replicas report (all fresh ones must): its excess is drained.
-        queued=round(sum(waiting), 4) if fresh and len(waiting) == len(fresh) else None,
     )

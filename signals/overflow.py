@@ -307,14 +307,12 @@ def decide_overflow_arrivals(
     session_share: float | None,
     now: float,
     completed: float | None = None,
-    queued: float | None = None,
 ) -> OverflowDecision:
     """This round's decision for a route with ``signal: arrivals``: the share of its demand
     above the owned replicas' capacity (``signals.overflowff``), split between plain
     requests and conversations, bounded by the floor and the cap, to the first of
     `providers` not resting. `signals` are the fill loop's, shown in status (its pressure)
-    and read for the batch fill; `queued` the owned replicas' waiting requests (the drain
-    term)."""
+    and read for the batch fill."""
     fill = next((signal.mean for signal in signals if signal.name == "fill"), None)
     before = previous.arrivals if previous is not None else None
     decision = decide_arrivals(
@@ -327,7 +325,6 @@ def decide_overflow_arrivals(
         service_time=service_time,
         completed=completed,
         session_share=session_share,
-        queued=queued,
         now=now,
         recover_interval=overflow.recover_interval,
     )

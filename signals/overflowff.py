@@ -42,18 +42,6 @@ force for a ``DWELL`` (or a queue lasting ``LASTING`` seconds without one) and n
 ``LOW_FILL`` with a paid share it rises by ``STEP``; bounded by ``TRIM_RANGE``, changed at most
 once a ``DWELL``.
 
-The queue the peak left
------------------------
-At ``LOAD`` of capacity a queue that formed before the share was found (a step up of
-demand) drains at 3% of capacity, and every request behind it waits; on the way down the
-share falls with the demand while that queue is still there. Where telemetry gives the
-owned replicas' waiting requests Q, the share also sends the queue's excess to paid, as
-regions' spill (``signals.spill``): ``keep = (trim x LOAD x capacity - max(0, Q - Q0) /
-DRAIN_S) / demand``, Q0 = ``queue_chance`` of their batch slots (4 x sqrt(slots), the queue
-of a Poisson load at capacity), so the excess drains in about ``DRAIN_S`` seconds and a
-queue within chance moves nothing. With Q known the trim, too, is spill's: it falls only for a
-queue beyond Q0 that lasts ``LASTING`` seconds (the drain term takes the one the peak left).
-
 Hysteresis
 ----------
 The share rises at once when the target is ``DEADBAND`` above it (demand that arrives now is
@@ -87,8 +75,6 @@ from signals.spill import (
     STEP,
     TARGET_FILL,
     TRIM_RANGE,
-    drain_rate,
-    queue_chance,
 )
 
 OVERFLOW_PARTS = ("/overflow/", "/provider/")
@@ -183,11 +169,6 @@ class ArrivalsDecision:
     plain_share: float | None = None
     """Share of the demand without a session, learned while nothing overflowed."""
     fill: float | None = field(default=None, compare=False)
-    queued: float | None = field(default=None, compare=False)
-    """Requests waiting in the owned replicas (telemetry); None: not known."""
-    drain: float = field(default=0.0, compare=False)
-    """Requests per second sent to paid beyond the excess demand, to drain the owned
-    replicas' queue beyond chance."""
     target: float = field(default=0.0, compare=False)
     """The share the estimate asked for this round (``paid`` follows it with hysteresis)."""
     why: str = field(default="", compare=False)
@@ -240,7 +221,6 @@ def decide_arrivals(
     service_time: float | None,
     completed: float | None = None,
     session_share: float | None = None,
-    queued: float | None = None,
     now: float,
     recover_interval: float = 5.0,
 ) -> ArrivalsDecision:
@@ -252,9 +232,7 @@ def decide_arrivals(
     last ``SAMPLE_WINDOW``; `service_time`: their mean seconds per request (first to last
     byte); `completed`: what they completed per second over a longer window, full or not, a
     lower bound of their capacity; `session_share`: the share of the requests started on the route's own replicas
-    that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``); `queued`: the
-    requests waiting in those replicas, whose excess over chance is drained to paid (module
-    docstring); without it the share is as before."""
+    that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``)."""
     before = previous or ArrivalsDecision()
     # Capacity, from the completions of a full period when there is one.
     full = running is not None and running >= FULL
@@ -290,8 +268,6 @@ def decide_arrivals(
         full_since=full_since,
         plain_share=plain_share,
         fill=fill,
-        queued=queued,
-        drain=0.0,
         recover_interval=recover_interval,
     )
     if not demand or capacity is None or fill is None:
@@ -310,20 +286,13 @@ def decide_arrivals(
         )
     # The trim, from the batch fill (as spill's).
     trim, trim_since = before.trim, before.trim_since
-    # With the queue known, as spill's: only a queue beyond chance is queueing, and the
-    # drain term takes the one that formed before the share was found, so only one that
-    # lasts says the estimate is wrong.
-    knows_queue = queued is not None and slots > 0
-    if knows_queue and queued is not None:
-        queueing = queued > queue_chance(slots)
-    else:
-        queueing = fill > HIGH_FILL
+    queueing = fill > HIGH_FILL
     high_since = (min(before.high_since, now)) if queueing else math.inf
     if now - max(trim_since, before.since) >= DWELL:
         wanted = trim
         draining = before.step_fill is not None and fill < before.step_fill
         if queueing:
-            lasting = (before.paid > 0 and not knows_queue) or now - high_since >= LASTING
+            lasting = before.paid > 0 or now - high_since >= LASTING
             if lasting and not draining:
                 wanted = trim * max(MAX_CUT, TARGET_FILL / fill)
         elif fill < LOW_FILL and (before.paid > 0 or trim < 1.0):
@@ -331,8 +300,7 @@ def decide_arrivals(
         wanted = round(min(TRIM_RANGE[1], max(TRIM_RANGE[0], wanted)), 4)
         if wanted != trim:
             trim, trim_since = wanted, now
-    drain = drain_rate(queued, slots) if queued is not None and slots > 0 else 0.0
-    keep = (trim * LOAD * capacity - drain) / demand
+    keep = trim * LOAD * capacity / demand
     target = round(max(0.0, 1.0 - keep), 4)
     paid, since, step_fill = before.paid, before.since, before.step_fill
     if trim_since == now:
@@ -346,12 +314,7 @@ def decide_arrivals(
     if rise or fall:
         paid, since, step_fill = target, now, fill
     what = "measured full" if measured else "prior"
-    if target > 0 and drain > 0:
-        why = (
-            f"demand {demand:.2f}/s, {trim * LOAD:.2f} x capacity {capacity:.2f}/s ({what}) "
-            f"less {drain:.2f}/s draining {queued:.0f} queued: {target:.0%} to paid"
-        )
-    elif target > 0:
+    if target > 0:
         why = (
             f"demand {demand:.2f}/s above {trim * LOAD:.2f} x capacity {capacity:.2f}/s "
             f"({what}): {target:.0%} to paid"
@@ -368,7 +331,6 @@ def decide_arrivals(
         trim_since=trim_since,
         high_since=high_since,
         step_fill=step_fill,
-        drain=round(drain, 4),
         target=target,
         why=why,
     )

@@ -196,17 +196,10 @@ class SpillDecision:
         return math.inf
 
 
-def queue_chance(slots: float) -> float:
+def queue_chance(slots: int) -> float:
     """The queue a locality of `slots` batch slots has by chance at capacity (module
     docstring): ``QUEUE_SIGMAS`` x sqrt(slots)."""
     return QUEUE_SIGMAS * math.sqrt(max(slots, 0))
-
-
-def drain_rate(queued: float, slots: float) -> float:
-    """Requests per second taken off replicas' share so that the part of their queue
-    (`queued` waiting requests over `slots` batch slots) beyond chance (``queue_chance``)
-    drains in about ``DRAIN_S`` seconds; 0 within chance."""
-    return max(0.0, queued - queue_chance(slots)) / DRAIN_S
 
 
 def decide_spill(
@@ -373,7 +366,7 @@ def _feed_forward(
     # queue would only move (as the fill loop adds no spill there).
     room_next = next_fill is None or next_fill < HIGH_FILL
     if knows_queue and queued is not None and slots and room_next:
-        drain = drain_rate(queued, slots)
+        drain = max(0.0, queued - queue_chance(slots)) / DRAIN_S
     target = round(max(FLOOR, min(1.0, (trim * LOAD * capacity - drain) / arrivals)), 4)
     keep, since, step_fill = before.keep, before.since, before.step_fill
     ramp = before.ramp
@@ -419,6 +412,5 @@ __all__ = [
     "TARGET_FILL",
     "SpillDecision",
     "decide_spill",
-    "drain_rate",
     "queue_chance",
 ]

@@ -183,8 +183,6 @@ def test_overflow_by_arrivals_sends_the_excess_to_paid_and_returns_when_demand_f
             wait_until(lambda: paid.hits > hits + 10, 20, message="requests on the paid pool")
             peak = overflow_status(rig)
             assert peak["paidShare"] > 0.05 and "above" in peak["why"], peak
-            # Two waiting in each replica: within chance of four slots (8), nothing drained.
-            assert peak["queued"] == pytest.approx(4.0) and peak["drain"] == 0.0, peak
             assert peak["provider"] == "paid" and peak["requests"] > 0
             # The owned replicas keep serving their part.
             assert owned & set(taken())

@@ -22,7 +22,7 @@ from signals.overflowff import (
     decide_arrivals,
     kind_shares,
 )
-from signals.spill import DEADBAND, DRAIN_S, LOAD, queue_chance
+from signals.spill import DEADBAND, LOAD
 from signals.telemetry import TelemetryRecord
 from xdsserver.arrivals import ARRIVAL_WINDOW, ArrivalBook, route_demand
 
@@ -136,7 +136,6 @@ def _round(
     completions: float | None = None,
     slots: float = 32,
     service_time: float | None = 4.0,
-    queued: float | None = None,
 ) -> ArrivalsDecision:
     return decide_arrivals(
         previous,
@@ -146,7 +145,6 @@ def _round(
         fill=fill,
         completions=completions,
         service_time=service_time,
-        queued=queued,
         now=now,
         recover_interval=5.0,
     )
@@ -221,56 +219,6 @@ def test_a_queue_that_lasts_with_a_share_in_force_trims_the_estimate() -> None:
     assert eased.trim == pytest.approx(cut.trim + 0.1)
 
 
-def test_a_queue_beyond_chance_is_drained_to_paid() -> None:
-    # 32 slots, prior capacity 5.6/s; chance is 4 x sqrt(32) = 22.6 queued.
-    chance = queue_chance(32)
-    plain = _round(None, 8.0, now=NOW, fill=1.3)
-    assert plain.drain == 0.0
-    # 10 queued beyond chance: 2/s more to paid until they drain in DRAIN_S.
-    queued = _round(None, 8.0, now=NOW, fill=1.3, queued=chance + 10)
-    assert queued.drain == pytest.approx(10 / DRAIN_S)
-    assert queued.paid == pytest.approx(1 - (LOAD * 5.6 - 10 / DRAIN_S) / 8.0, abs=1e-3)
-    assert queued.paid > plain.paid + DEADBAND
-    assert queued.queued == pytest.approx(chance + 10)
-    # Said in the reason given in status and logs.
-    assert "draining 33 queued" in queued.why and f"less {10 / DRAIN_S:.2f}/s" in queued.why
-    # Below capacity, a queue beyond chance sends its excess alone.
-    light = _round(None, 4.0, now=NOW, fill=1.2, queued=chance + 10)
-    assert light.paid == pytest.approx(1 - (LOAD * 5.6 - 2.0) / 4.0, abs=1e-3)
-    assert "draining" in light.why
-
-
-def test_a_queue_within_chance_moves_nothing() -> None:
-    chance = queue_chance(32)
-    plain = _round(None, 8.0, now=NOW, fill=1.2)
-    within = _round(None, 8.0, now=NOW, fill=1.2, queued=chance - 1)
-    assert within.drain == 0.0 and within.paid == plain.paid
-    assert "draining" not in within.why
-    # Nor below capacity: nothing to paid.
-    light = _round(None, 4.0, now=NOW, fill=1.0, queued=chance)
-    assert light.paid == 0.0 and light.drain == 0.0
-
-
-def test_the_drain_keeps_the_share_up_on_the_way_down_with_the_hysteresis() -> None:
-    chance = queue_chance(32)
-    peak = _round(None, 10.0, now=NOW, fill=1.3, queued=chance)
-    assert peak.paid == pytest.approx(1 - LOAD * 5.6 / 10.0, abs=1e-3)
-    # Demand falls under capacity while the peak's queue is still 5 beyond chance:
-    # nothing moves before the recover interval ...
-    fallen = _round(peak, 5.0, now=NOW + 1, fill=1.3, queued=chance + 5)
-    assert fallen.paid == peak.paid and "hysteresis" in fallen.why
-    # ... then the share falls to what drains the queue, not to nothing.
-    down = _round(fallen, 5.0, now=NOW + 5, fill=1.3, queued=chance + 5)
-    assert down.paid == pytest.approx(1 - (LOAD * 5.6 - 5 / DRAIN_S) / 5.0, abs=1e-3)
-    assert 0.0 < down.paid < peak.paid
-    # A queue a little smaller is within the dead band: held.
-    held = _round(down, 5.0, now=NOW + 11, fill=1.2, queued=chance + 4)
-    assert held.paid == down.paid and "hysteresis" in held.why
-    # Drained to chance: everything back to the owned replicas after the interval.
-    drained = _round(held, 5.0, now=NOW + 12, fill=0.9, queued=chance - 5)
-    assert drained.paid == 0.0 and drained.drain == 0.0
-
-
 def test_plain_requests_take_the_share_first() -> None:
     assert kind_shares(0.2, 0.4, "last") == (0.5, 0.0)
     assert kind_shares(0.55, 0.4, "last") == (1.0, 0.25)
@@ -311,12 +259,7 @@ PORTS = (8001, 8002, 8003, 8004)
 
 
 def _state(
-    demand: float,
-    *,
-    running: float,
-    previous: OverflowDecision | None = None,
-    now: float = NOW,
-    waiting: float | None = None,
+    demand: float, *, running: float, previous: OverflowDecision | None = None, now: float = NOW
 ) -> PolicyState:
     objects: list[PolicyObject] = [
         Pool.model_validate(pool("owned", PORTS, telemetry={"format": "vllm"})),
@@ -348,9 +291,7 @@ def _state(
         objects,
         telemetry={
             "owned": {
-                host: TelemetryRecord(
-                    at=now - 1, running=8 * running, max_running=8, waiting=waiting
-                )
+                host: TelemetryRecord(at=now - 1, running=8 * running, max_running=8)
                 for host in hosts
             }
         },
@@ -387,36 +328,6 @@ def test_the_compiled_route_overflows_the_demand_above_capacity_plain_requests_f
     route = listener.virtual_hosts[0].routes[0]
     assert route.overflow is not None and route.overflow.arrivals
     assert route.overflow.plain == 1.0
-
-
-def test_the_compiled_route_drains_the_owned_replicas_queue_beyond_chance() -> None:
-    # 4 replicas of 8 slots: chance is 4 x sqrt(32) = 22.6; 10 waiting in each is 17.4 more.
-    plain = compile_plan(_state(12.0, running=1.0)).overflow["main/chat"].arrivals
-    within = compile_plan(_state(12.0, running=1.0, waiting=5)).overflow["main/chat"].arrivals
-    beyond = compile_plan(_state(12.0, running=1.0, waiting=10)).overflow["main/chat"].arrivals
-    assert plain is not None and within is not None and beyond is not None
-    assert plain.queued is None and within.queued == 20 and beyond.queued == 40
-    assert within.paid == plain.paid and within.drain == 0.0
-    drain = (40 - queue_chance(32)) / DRAIN_S
-    assert beyond.drain == pytest.approx(drain, abs=1e-3)
-    assert beyond.paid == pytest.approx(1 - (LOAD * PRIOR_SHARE * 8.0 - drain) / 12.0, abs=1e-3)
-
-
-def test_with_the_queue_known_only_a_lasting_queue_beyond_chance_trims() -> None:
-    chance = queue_chance(32)
-    decision = _round(None, 8.0, now=NOW, fill=1.3, queued=chance + 10)
-    assert decision.paid > 0
-    # A share in force for a dwell, the queue still there: the drain takes it, no trim ...
-    decision = _round(decision, 8.0, now=NOW + 6, fill=1.3, queued=chance + 10)
-    assert decision.trim == 1.0
-    # ... until it has lasted.
-    decision = _round(decision, 8.0, now=NOW + 16, fill=1.3, queued=chance + 10)
-    assert decision.trim < 1.0
-    # A high fill within chance is the queue of a load at capacity: no trim however long.
-    steady = _round(None, 8.0, now=NOW, fill=1.2, queued=chance - 2)
-    for t in range(6, 60, 6):
-        steady = _round(steady, 8.0, now=NOW + t, fill=1.2, queued=chance - 2)
-    assert steady.trim == 1.0
 
 
 def test_a_rise_of_demand_shows_in_the_recent_rate_within_seconds() -> None:
