@@ -26,6 +26,7 @@ from signals.saturation import (
     decide_saturation,
     in_flight,
     saturated_fill,
+    sized_records,
 )
 from signals.state import PolicyState, is_external, pool_endpoints
 from signals.telemetry import TelemetryRecord
@@ -204,17 +205,10 @@ def _by_arrivals(
     """The decision of a route with ``overflow.signal: arrivals`` (``signals.overflowff``):
     its demand (every replica's arrival rates), its first tier's batch slots and mean running
     share from fresh telemetry, and what those replicas completed and how long they took."""
-    fresh = [
-        (endpoint.key, record)
-        for endpoint in endpoints
-        if (record := telemetry.get(endpoint.key)) is not None
-        and record.max_running
-        and state.now - record.at <= max_age
-    ]
-    slots = sum(record.max_running or 0.0 for _, record in fresh)
+    fresh = sized_records(endpoints, telemetry, now=state.now, max_age=max_age)
+    slots = sum(batch for _, batch in fresh)
     running = (
-        sum((record.running or 0.0) / (record.max_running or 1.0) for _, record in fresh)
-        / len(fresh)
+        sum((record.running or 0.0) / batch for record, batch in fresh) / len(fresh)
         if fresh
         else None
     )

@@ -161,13 +161,29 @@ def batch_fill(
     """The mean batch fill of the replicas ``endpoints`` (see the module notes);
     ``telemetry`` is keyed by ``Endpoint.key``."""
     fills = [
-        ((record.running or 0.0) + (record.waiting or 0.0)) / record.max_running
-        for endpoint in endpoints
-        if (record := telemetry.get(endpoint.key)) is not None
-        and record.max_running is not None
-        and now - record.at <= max_age
+        ((record.running or 0.0) + (record.waiting or 0.0)) / batch
+        for record, batch in sized_records(endpoints, telemetry, now=now, max_age=max_age)
     ]
     return round(statistics.fmean(fills), 6) if fills else None
+
+
+def sized_records(
+    endpoints: Sequence[Endpoint],
+    telemetry: Mapping[str, TelemetryRecord],
+    *,
+    now: float,
+    max_age: float,
+) -> list[tuple[TelemetryRecord, float]]:
+    """The fresh records (no older than `max_age`) of ``endpoints`` that know their batch
+    size, each with that size (``max_running``); ``telemetry`` is keyed by
+    ``Endpoint.key``."""
+    return [
+        (record, record.max_running)
+        for endpoint in endpoints
+        if (record := telemetry.get(endpoint.key)) is not None
+        and record.max_running
+        and now - record.at <= max_age
+    ]
 
 
 def decide_saturation(
@@ -222,11 +238,8 @@ def in_flight(
     """(mean requests in flight, mean batch size) over the fresh records of ``endpoints``
     that know their batch size; ``None`` without one."""
     pairs = [
-        ((record.running or 0.0) + (record.waiting or 0.0), record.max_running)
-        for endpoint in endpoints
-        if (record := telemetry.get(endpoint.key)) is not None
-        and record.max_running is not None
-        and now - record.at <= max_age
+        ((record.running or 0.0) + (record.waiting or 0.0), batch)
+        for record, batch in sized_records(endpoints, telemetry, now=now, max_age=max_age)
     ]
     if not pairs:
         return None
@@ -410,5 +423,6 @@ __all__ = [
     "ladder_pays",
     "path_reason",
     "saturated_fill",
+    "sized_records",
     "usable_batch",
 ]
