@@ -10,7 +10,7 @@ batches, seconds late. Here the route's Envoys report each request's start
     keep = trim x LOAD x capacity / demand        paid share = max(0, 1 - keep)
 
 ``demand`` is the route's requests per second, whichever pool took them (its own replicas,
-its overflow aggregates, its paid pools: ``xdsserver.arrivals.route_demand``, every kvpilot
+its overflow aggregates, its paid pools: ``route_demand``, every kvpilot
 replica's through ``controlplane.arrivals``), or this replica's own rate over the last few
 seconds when that is above it beyond noise (``blend_demand``): a rise counts within seconds,
 a fall waits for the long window. ``LOAD`` (0.97, as spill's) leaves a little room so a

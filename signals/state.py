@@ -62,7 +62,8 @@ class PolicyState:
     recent_demands: Mapping[str, float] = field(default_factory=dict)
     """Route cluster -> requests per second this kvpilot replica's Envoys started on the
     route over the last few seconds alone (``ArrivalBook.recent_demands``): overflow by
-    arrivals takes the larger of it and the shared rate, so a rise shows at once."""
+    arrivals takes it over the shared rate when it is higher beyond noise
+    (``signals.overflowff.blend_demand``), so a rise shows within seconds."""
     session_shares: Mapping[str, float] = field(default_factory=dict)
     """Route cluster (``policy/route``) -> share of the requests started on its own replicas
     that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``)."""

@@ -21,10 +21,11 @@ from signals.overflowff import (
     blend_demand,
     decide_arrivals,
     kind_shares,
+    route_demand,
 )
 from signals.spill import DEADBAND, LOAD
 from signals.telemetry import TelemetryRecord
-from xdsserver.arrivals import ARRIVAL_WINDOW, ArrivalBook, route_demand
+from xdsserver.arrivals import ARRIVAL_WINDOW, ArrivalBook
 
 START = accesslog_pb2.AccessLogType.UpstreamPoolReady
 END = accesslog_pb2.AccessLogType.UpstreamEnd
@@ -80,9 +81,10 @@ def test_the_route_demand_counts_every_pool_that_took_its_requests() -> None:
     clock[0] += 0.5
     # Over the 4.5 s since the first start: (16 owned + 8 paid) / 4.5 by edge, and core's 1
     # over the same span (its first start is 0.5 s old: under MIN_SPAN, no rate yet).
-    assert book.demand("main/chat") == pytest.approx(24 / 4.5, rel=0.01)
-    assert book.demand("main/other") == pytest.approx(8 / 4.5, rel=0.01)
-    assert book.demand("main/ch") == 0.0  # a prefix of another route's name is not it
+    assert route_demand(book.rates(), "main/chat") == pytest.approx(24 / 4.5, rel=0.01)
+    assert route_demand(book.rates(), "main/other") == pytest.approx(8 / 4.5, rel=0.01)
+    # A prefix of another route's name is not it.
+    assert route_demand(book.rates(), "main/ch") == 0.0
     # The spill's rates are what they were: one key per fleet and route cluster.
     assert set(book.rates()) == {
         "edge/main/chat",
@@ -93,7 +95,7 @@ def test_the_route_demand_counts_every_pool_that_took_its_requests() -> None:
     shares = book.session_shares()
     assert shares["main/chat"] == pytest.approx(0.5) and shares["main/other"] == 0.0
     clock[0] += ARRIVAL_WINDOW
-    assert book.demand("main/chat") == 0.0 and book.session_rates() == {}
+    assert route_demand(book.rates(), "main/chat") == 0.0 and book.session_rates() == {}
 
 
 def test_route_demand_adds_every_replica_and_fleet() -> None:
@@ -350,7 +352,7 @@ def test_a_rise_of_demand_shows_in_the_recent_rate_within_seconds() -> None:
     clock[0] -= 0.25
     assert book.recent_demands() == {"main/chat": pytest.approx(6.0)}
     # The rates over the long window average the rise in: 2 a second before it.
-    assert book.demand("main/chat") < 4.0
+    assert route_demand(book.rates(), "main/chat") < 4.0
 
 
 def test_the_recent_rate_counts_only_when_it_rises_beyond_noise() -> None:

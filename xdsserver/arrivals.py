@@ -29,9 +29,10 @@ Without a host's slots every streamed answer counts, as before.
 Overflow that follows the route's arrival rate (``Overflow.signal: arrivals``,
 ``signals.overflowff``) reads the same log on its routes' listeners: the route's demand is
 the first attempts on its own cluster (and its affinity twin) plus those on its overflow
-aggregates and provider clusters (``route_demand``), whichever pool took them; the share of
-its own starts that carried a session (the affinity twin's, ``session_rates``); and what its
-replicas completed over the last few seconds (``completions`` with a shorter window).
+aggregates and provider clusters (``signals.overflowff.route_demand`` of ``rates``),
+whichever pool took them; the share of its own starts that carried a session (the affinity
+twin's, ``session_rates``); and what its replicas completed over the last few seconds
+(``completions`` with a shorter window).
 
 The counts are this kvpilot replica's: a fleet whose Envoys are spread over several kvpilot
 replicas is seen in part by each, and ``controlplane.arrivals`` adds the others' rates
@@ -49,7 +50,7 @@ from typing import Any
 from envoy.data.accesslog.v3 import accesslog_pb2
 
 from policies.names import LOCAL_SUFFIX
-from signals.overflowff import OVERFLOW_PARTS, route_demand, route_of
+from signals.overflowff import route_of
 from xdsserver.translate import AFFINITY_SUFFIX
 
 ARRIVAL_WINDOW = 16.0
@@ -245,12 +246,6 @@ class ArrivalBook:
             out[key] = round(rate, 4)
         return out
 
-    def demand(self, route: str, now: float | None = None) -> float:
-        """Requests per second this replica's Envoys started on `route` (``policy/route``),
-        whichever pool took them: its own replicas, its overflow aggregates or its paid
-        pools (``route_demand``)."""
-        return route_demand(self.rates(now), route)
-
     def session_rates(self, now: float | None = None) -> dict[str, float]:
         """``fleet/cluster`` -> requests with a session (started on the route's affinity
         twin) per second over the last ``ARRIVAL_WINDOW``: with ``rates``, the share of a
@@ -352,11 +347,8 @@ __all__ = [
     "ARRIVAL_WINDOW",
     "CHANGE_WINDOW",
     "MIN_SERVICE",
-    "OVERFLOW_PARTS",
     "PENDING_LIMIT",
     "SERVICE_WINDOW",
     "ArrivalBook",
     "route_cluster",
-    "route_demand",
-    "route_of",
 ]
