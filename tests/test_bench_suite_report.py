@@ -193,6 +193,26 @@ def test_goodput_at_another_objective_counts_over_the_measured_window() -> None:
     assert goodput([], 1.0, window=55.0).share is None
 
 
+@pytest.mark.parametrize("interval", [0.6, 1.2, 2.4])
+def test_a_fleets_telemetry_outlives_its_agents_refresh(interval: float) -> None:
+    """The agent writes a record nothing moved again after 3 intervals (its refresh), at
+    the first scrape after that: a record must stay fresh for longer, or a learned capacity
+    weight falls back to the static one between two refreshes (it did at batch size 128,
+    2.4 s an interval, with a fixed 5 s)."""
+    from types import SimpleNamespace
+
+    from bench.routing.fleets import pool_body
+    from policies.models import Pool
+
+    replica = SimpleNamespace(host="127.0.0.1", port=9000)
+    fleet = SimpleNamespace(pool="p", replicas=[replica], policy=None)
+    pool = Pool.model_validate(pool_body(fleet, agent_interval=interval))  # type: ignore[arg-type]
+    telemetry = pool.spec.telemetry
+    assert telemetry is not None
+    assert telemetry.max_age > 4 * interval
+    assert telemetry.max_age >= 5.0
+
+
 def _golden(name: str, text: str) -> None:
     """`text` against the committed ``tests/golden/bench/<name>``."""
     check({name: text}, BENCH, update=updating())

@@ -45,9 +45,26 @@ class Fleet:
         return self.policy.route.get("balancing") == "telemetry"
 
 
-def pool_body(fleet: Fleet, scenario: Scenario | None = None) -> dict[str, Any]:
+MAX_AGE_INTERVALS = 5
+"""The pool's telemetry ``maxAge`` in the agent's scrape intervals (at least 5 s). The bench
+starts its agents with a refresh of 3 intervals, so a record that nothing moved is written
+again at most about 4 intervals after the last: a ``maxAge`` shorter than that lets records
+go stale between refreshes, and a stale record resets a learned capacity weight to the
+static one (at batch size 128 the interval is 2.4 s and a fixed 5 s did just that)."""
+
+
+def telemetry_max_age(agent_interval: float) -> float:
+    """Seconds a fleet's telemetry stays fresh when its agent scrapes every
+    `agent_interval` wall-clock seconds."""
+    return max(5.0, MAX_AGE_INTERVALS * agent_interval)
+
+
+def pool_body(
+    fleet: Fleet, scenario: Scenario | None = None, *, agent_interval: float = 1.0
+) -> dict[str, Any]:
     """The fleet's pool; a ``weights_by_speed`` policy's endpoints weighted by the
-    scenario's true speeds (100 for a full-speed replica)."""
+    scenario's true speeds (100 for a full-speed replica); telemetry fresh for
+    `telemetry_max_age` of the agent's interval."""
 
     def weight(index: int) -> dict[str, int]:
         if scenario is None or not fleet.policy.weights_by_speed:
@@ -67,7 +84,10 @@ def pool_body(fleet: Fleet, scenario: Scenario | None = None) -> dict[str, Any]:
                 for index, r in enumerate(fleet.replicas)
             ],
             "healthCheck": {"path": "/health", "interval": "1s", "timeout": "500ms"},
-            "telemetry": {"format": "vllm", "maxAge": "5s"},
+            "telemetry": {
+                "format": "vllm",
+                "maxAge": f"{telemetry_max_age(agent_interval):g}s",
+            },
         },
     }
 

@@ -240,9 +240,10 @@ def _run_once(
     kvpilot starts it with no memory of the last one (telemetry, hysteresis)."""
     begun = time.monotonic()
     old = [fleet.pool for fleet in fleets if fleet.pool]
+    interval = config.agent_interval * config.sim.time_scale
     for fleet in fleets:
         fleet.pool = f"run{number}-{fleet.policy.key.replace('_', '-')}"
-        client.put(pool_body(fleet, scenario))
+        client.put(pool_body(fleet, scenario, agent_interval=interval))
         client.put(policy_body(fleet))
     for name in old:
         client.delete("pools", name)
@@ -256,7 +257,7 @@ def _run_once(
                         local.etcd.endpoint,
                         [r.url for r in fleet.replicas],
                         pool=fleet.pool,
-                        interval=config.agent_interval * config.sim.time_scale,
+                        interval=interval,
                         max_running=config.sim.max_batch,
                     )
                 )
