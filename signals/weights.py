@@ -33,6 +33,9 @@ sets only what changes slowly: how fast each replica is.
   (the first of them may still hold time from before a slowdown); it rises
   one level at a time after as many records at ``capacity_rise`` times the next level or
   faster, so sessions come back to a recovered replica gradually instead of in one spike.
+  A rise too needs the median's word where the pool has medians: the others' long prefill
+  steps inflate their mean TPOT, and the pool's reference with it, so a half-speed replica
+  can read 0.75 on the mean while its median stays one bucket up (about half).
   The fall band is wide (0.65): a replica that only looks slower because it is busier
   (its steps carry more prefill) stays put, a half-speed or 3x-slowed one does not. The
   agents write a record that moved the speed and the two after it (``WriteBand.speed``),
@@ -328,17 +331,28 @@ def capacity_weights(
             speed, seen_at = reference / tpot, record.at
             higher = [level for level in levels if level > factor]
             median = medians.get(key)
+            slower = speed < factor * params.capacity_band
+            rise_to = min(higher) * params.capacity_rise if higher else None
+            # What the median says the replica's speed is: the mean is not enough alone. A
+            # replica busy with long prompts has a high mean TPOT at full speed (it must not
+            # fall), and the others' long prefill steps inflate the pool's reference, so a
+            # half-speed replica can look fast (it must not rise).
+            median_says: bool | None
             if typical_reference is None:
-                median_says = True  # no medians in the pool: the mean decides alone
+                median_says = slower or (rise_to is not None and speed >= rise_to)
+            elif not slower and (rise_to is None or speed < rise_to):
+                median_says = False
             elif median is None:
                 median_says = None  # too few tokens for one: no evidence either way
-            else:
+            elif slower:
                 median_says = typical_reference / median < params.capacity_band
-            if speed < factor * params.capacity_band and median_says is None:
+            else:
+                median_says = typical_reference / median >= (rise_to or 0.0)
+            if median_says is None:
                 pass
-            elif speed < factor * params.capacity_band and median_says:
+            elif median_says and slower:
                 streak = min(streak, 0) - 1
-            elif higher and speed >= min(higher) * params.capacity_rise:
+            elif median_says:
                 streak = max(streak, 0) + 1
             else:
                 streak = 0

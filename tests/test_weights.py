@@ -410,6 +410,29 @@ def test_a_record_without_a_median_is_no_evidence_where_the_pool_has_them() -> N
     assert _rounds([0.09] * 3, medians=slow, others_median=0.0177) == [100, 100, 35]
 
 
+def test_a_half_speed_replica_that_only_looks_fast_does_not_rise() -> None:
+    """The others' long prefill steps inflate their mean TPOT, and the pool's reference with
+    it: the half-speed replica's mean speed reads 0.75, above the 0.63 a rise to 0.7 needs.
+    Its median (one coarse bucket up, 0.47 of the others') says it is still at half."""
+    tpots = [0.06, 0.06, *[0.04] * 4]
+    medians: list[float | None] = [0.0375] * 6
+    assert _rounds(tpots, medians=medians, others_median=0.0177) == [100, 50, 50, 50, 50, 50]
+    # Without medians in the pool the mean decides alone, as before.
+    assert _rounds(tpots) == [100, 50, 50, 70, 70, 70]
+
+
+def test_a_recovered_replica_rises_when_its_median_agrees() -> None:
+    tpots = [0.09, 0.09, *[0.03] * 8]
+    medians: list[float | None] = [0.0375, 0.0375, *[0.0177] * 8]
+    assert _rounds(tpots, medians=medians, others_median=0.0177) == [
+        *[100, 35, 35, 50, 50, 70, 70, 100, 100, 100]
+    ]
+    # A record without a median neither counts towards the rise nor breaks the run.
+    tpots = [0.06, 0.06, 0.03, 0.03, 0.03]
+    medians = [0.0375, 0.0375, 0.0177, None, 0.0177]
+    assert _rounds(tpots, medians=medians, others_median=0.0177) == [100, 50, 50, 50, 70]
+
+
 def test_a_record_counts_once_however_often_the_pool_is_recompiled() -> None:
     slow = {
         e.key: TelemetryRecord(at=NOW, time_per_output_token=0.09 if i == 0 else 0.03)
