@@ -19,6 +19,9 @@ sets only what changes slowly: how fast each replica is.
 - Speed: each record's mean time per output token (TPOT) against the pool's median TPOT;
   ``speed_e = median_j tpot_j / tpot_e``. A replica at half speed, or slowed by a noisy
   neighbour, takes longer per token whatever its load; a busy replica only a little longer.
+  The median is the pool's only when more than half of its fresh endpoints gave a TPOT: as
+  a pool drains, the slowest replicas are the last still decoding, and the median of those
+  alone would read them at full speed. Without one, a record is no evidence either way.
 - Slow, not busy: a step that prefills a long prompt stalls every sequence of the batch, so
   a replica busy with long prompts has a higher mean TPOT at full speed. Where the model
   server exports the TPOT histogram, its median between scrapes (a few long steps do not
@@ -306,13 +309,13 @@ def capacity_weights(
         for key, record in fresh.items()
         if record.time_per_output_token is not None
     }
-    reference = statistics.median(tpots.values()) if len(tpots) >= 2 else None
+    reference = _pool_reference(tpots, len(fresh))
     medians = {
         key: record.median_time_per_output_token
         for key, record in fresh.items()
         if record.median_time_per_output_token is not None
     }
-    typical_reference = statistics.median(medians.values()) if len(medians) >= 2 else None
+    typical_reference = _pool_reference(medians, len(fresh))
     levels = sorted(params.capacity_levels, reverse=True)
     out: dict[str, WeightDecision] = {}
     for endpoint in endpoints:
@@ -338,11 +341,12 @@ def capacity_weights(
             # fall), and the others' long prefill steps inflate the pool's reference, so a
             # half-speed replica can look fast (it must not rise).
             median_says: bool | None
-            if typical_reference is None:
+            if not medians:
+                # No medians in the pool (a server without the histogram): the mean alone.
                 median_says = slower or (rise_to is not None and speed >= rise_to)
             elif not slower and (rise_to is None or speed < rise_to):
                 median_says = False
-            elif median is None:
+            elif median is None or typical_reference is None:
                 median_says = None  # too few tokens for one: no evidence either way
             elif slower:
                 median_says = typical_reference / median < params.capacity_band
@@ -375,6 +379,16 @@ def capacity_weights(
             streak=streak,
         )
     return out
+
+
+def _pool_reference(values: Mapping[str, float], fresh: int) -> float | None:
+    """The pool's median of `values` (times per output token by endpoint), or ``None``
+    unless more than half of the `fresh` endpoints gave one (and at least two): as a pool
+    drains, the slowest replicas are the last still decoding, and a median of those alone
+    would make a half-speed replica the pool's norm and give it its full share back."""
+    if len(values) < 2 or 2 * len(values) <= fresh:
+        return None
+    return statistics.median(values.values())
 
 
 def _saturated(

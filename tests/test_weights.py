@@ -433,6 +433,36 @@ def test_a_recovered_replica_rises_when_its_median_agrees() -> None:
     assert _rounds(tpots, medians=medians, others_median=0.0177) == [100, 50, 50, 50, 70]
 
 
+def _pool_rounds(rounds: list[list[float | None]]) -> list[int]:
+    """One record per endpoint and round, with the TPOTs given (``None``: an idle replica's
+    record, no tokens); replica 0's weight after each round."""
+    previous: dict[str, WeightDecision] = {}
+    weights = []
+    for index, tpots in enumerate(rounds):
+        at = NOW + index
+        telemetry = {
+            e.key: TelemetryRecord(at=at, time_per_output_token=tpot)
+            for e, tpot in zip(CAPACITY_ENDPOINTS, tpots, strict=True)
+        }
+        previous = pool_weights(
+            CAPACITY_ENDPOINTS, telemetry, now=at, previous=previous, affinity=True
+        )
+        weights.append(previous[CAPACITY_ENDPOINTS[0].key].weight)
+    return weights
+
+
+def test_the_slow_replicas_left_decoding_as_the_pool_drains_are_not_its_norm() -> None:
+    """The half-speed replicas finish their work last: when only they still decode, the
+    median of their TPOTs is theirs, and they would read full speed. Half the pool or
+    fewer gives no reference, and the learned half stays."""
+    busy: list[float | None] = [0.06, 0.03, 0.03, 0.03]
+    draining: list[float | None] = [0.06, 0.06, None, None]
+    assert _pool_rounds([busy, busy, *[draining] * 4]) == [100, 50, 50, 50, 50, 50]
+    # Three of four is a majority: the reference is the pool's again.
+    three: list[float | None] = [0.03, 0.03, 0.03, None]
+    assert _pool_rounds([busy, busy, three, three, three]) == [100, 50, 50, 70, 70]
+
+
 def test_a_record_counts_once_however_often_the_pool_is_recompiled() -> None:
     slow = {
         e.key: TelemetryRecord(at=NOW, time_per_output_token=0.09 if i == 0 else 0.03)
