@@ -61,6 +61,18 @@ def test_a_fall_after_a_change_is_a_new_change_point() -> None:
     assert rate == pytest.approx(5.0, rel=0.01)
 
 
+def test_a_burst_taken_for_a_change_is_undone_when_the_rate_falls_back() -> None:
+    starts = _even(10.0, 0.0, 30.0) + _even(18.0, 30.0, 34.0)
+    rate, change = _rate(starts, 34.0)
+    assert change == pytest.approx(30.0) and rate == pytest.approx(18.0, rel=0.01)
+    # Eight seconds more at 10: the rates on either side of the change point agree within
+    # HOLD_SIGMAS, and the long window's rate is back.
+    starts += _even(10.0, 34.0, 42.0)
+    rate, change = _rate(starts, 42.0, change=30.0)
+    assert change is None
+    assert rate == pytest.approx(len([s for s in starts if s > 42.0 - ARRIVAL_WINDOW]) / 16)
+
+
 def test_right_after_a_change_point_there_is_nothing_to_compare_with() -> None:
     starts = _even(5.0, 0.0, 30.0) + _even(15.0, 30.0, 35.0)
     # One second after the change point: the rate since it, no new change point.

@@ -67,6 +67,10 @@ CHANGE_SIGMAS = 3.0
 second raises a false change about 11 times an hour (each gives a 4 s rate for a moment that
 grows back to 16 s); at 4, the doubling is missed half of the time and the rate follows it
 over the whole long window."""
+HOLD_SIGMAS = 2.0
+"""A change point is kept while the rates before and after it still differ by this many
+standard deviations: a burst taken for a change (the rate after it regresses to the one
+before) is undone within seconds, where a real change only grows more certain."""
 MIN_BEFORE = CHANGE_WINDOW / 2
 """Seconds before the last ``CHANGE_WINDOW`` needed to compare them with: right after a
 change point there is nothing to compare against yet."""
@@ -105,13 +109,23 @@ def change_point_rate(
     later) or since `change`, the last change point, when that is later. Its
     ``CHANGE_WINDOW`` last seconds are compared with the seconds before them: a difference
     beyond ``CHANGE_SIGMAS`` standard deviations (of the two rates' difference, at their
-    pooled rate) makes the start of those seconds the change point. So right after a change
+    pooled rate) makes the start of those seconds the change point, kept while the rates
+    before and after it differ by ``HOLD_SIGMAS`` (a burst taken for a change is undone as
+    the rate after it falls back to the one before). So right after a change
     the rate is over ``CHANGE_WINDOW`` seconds, then over the time since the change as it
     grows, its noise falling with the evidence, until the long window holds only what
     followed the change; and a steady rate is the long window's. `starts` are ascending and
     none is older than the long window; `change` None: none held."""
     if change is not None and change <= since:
         change = None  # the window now holds only what followed it
+    if change is not None and change - since >= MIN_BEFORE and now > change:
+        ahead, behind = change - since, now - change
+        older = sum(1 for at in starts if at < change)
+        newer = len(starts) - older
+        pooled = max(len(starts) / (now - since), 1.0 / (now - since))
+        spread = math.sqrt(pooled * (1.0 / ahead + 1.0 / behind))
+        if abs(newer / behind - older / ahead) < HOLD_SIGMAS * spread:
+            change = None  # the rates on either side agree again: it was a burst
     base = since if change is None else change
     cut = now - CHANGE_WINDOW
     before = cut - base
@@ -387,6 +401,7 @@ __all__ = [
     "ARRIVAL_WINDOW",
     "CHANGE_SIGMAS",
     "CHANGE_WINDOW",
+    "HOLD_SIGMAS",
     "MIN_SERVICE",
     "PENDING_LIMIT",
     "SERVICE_WINDOW",
