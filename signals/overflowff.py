@@ -42,6 +42,18 @@ force for a ``DWELL`` (or a queue lasting ``LASTING`` seconds without one) and n
 ``LOW_FILL`` with a paid share it rises by ``STEP``; bounded by ``TRIM_RANGE``, changed at most
 once a ``DWELL``.
 
+A queue beyond the objective, drained
+-------------------------------------
+The estimate keeps a queue from growing; it does not shrink one that formed while the share
+was found (at a rise, or at a peak whose capacity read high), and on the way down that queue
+is a wait every arrival pays. With a TTFT objective (``Overflow.ttft``) the owned replicas
+may hold the queue a request can wait through within ``QUEUE_WAIT`` of it: capacity x
+objective x 0.5 requests. What waits beyond that goes to the paid pools too, over
+``DRAIN_TIME`` (``drain_rate``): the share rises by that rate over the demand (with
+``conversations: last`` no further than the requests without a session reach). Without an
+objective nothing is drained: chance alone (``4 x sqrt(slots)``, spill's bound) was never
+reached in the cost benchmark, where 19 waiting at 5/s were already 4 s of a 1 s objective.
+
 Hysteresis
 ----------
 The share rises at once when the target is ``DEADBAND`` above it (demand that arrives now is
@@ -137,6 +149,13 @@ PRIOR_SHARE = 0.7
 mean service time seen so far (module docstring)."""
 PLAIN_PRIOR = 0.5
 """Share of the demand without a session assumed before it was seen."""
+QUEUE_WAIT = 0.5
+"""Share of the route's TTFT objective (``Overflow.ttft``) a request may spend waiting for
+a batch slot: the queue the owned replicas may hold is this much of the objective times
+their capacity, the rest of the objective is left to the prefill (the fill loop's TTFT
+signal bounds the engines' time to first token at half of it too)."""
+DRAIN_TIME = 5.0
+"""Seconds over which a queue beyond the objective's is sent to the paid pools."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +187,11 @@ class ArrivalsDecision:
     draining."""
     plain_share: float | None = None
     """Share of the demand without a session, learned while nothing overflowed."""
+    queued: float | None = field(default=None, compare=False)
+    """Requests waiting for a batch slot on the owned replicas this round."""
+    drain: float = field(default=0.0, compare=False)
+    """Requests per second sent to the paid pools this round, beyond the excess demand, to
+    drain a queue longer than the TTFT objective allows (``drain_rate``)."""
     fill: float | None = field(default=None, compare=False)
     target: float = field(default=0.0, compare=False)
     """The share the estimate asked for this round (``paid`` follows it with hysteresis)."""
@@ -197,6 +221,24 @@ def capacity_of(
     return None, False
 
 
+def drain_rate(
+    queued: float | None, capacity: float, objective: float | None
+) -> tuple[float, float]:
+    """(requests per second to send to the paid pools to drain the owned replicas' queue,
+    the queue allowed): the queue beyond what a request may wait for a slot within the TTFT
+    `objective` (``QUEUE_WAIT`` of it, at `capacity` requests per second), sent over
+    ``DRAIN_TIME``. Nothing without an objective or a queue.
+
+    A queue the peak left behind is a wait every later arrival pays until the replicas have
+    served it; the estimate from demand and capacity keeps the queue from growing but does
+    not shrink it, and the trim moves slowly (``DWELL``). Each request drained costs what a
+    paid request costs, and each is one that would have missed the objective."""
+    if objective is None or queued is None or capacity <= 0:
+        return 0.0, math.inf
+    allowed = capacity * objective * QUEUE_WAIT
+    return round(max(0.0, queued - allowed) / DRAIN_TIME, 4), round(allowed, 4)
+
+
 def kind_shares(paid: float, plain_share: float | None, conversations: str) -> tuple[float, float]:
     """(share of requests without a session, share of conversations) that send `paid` of
     the whole demand to the paid pools; plain requests first with ``conversations: last``."""
@@ -221,6 +263,9 @@ def decide_arrivals(
     service_time: float | None,
     completed: float | None = None,
     session_share: float | None = None,
+    queued: float | None = None,
+    objective: float | None = None,
+    conversations: str = "last",
     now: float,
     recover_interval: float = 5.0,
 ) -> ArrivalsDecision:
@@ -232,7 +277,12 @@ def decide_arrivals(
     last ``SAMPLE_WINDOW``; `service_time`: their mean seconds per request (first to last
     byte); `completed`: what they completed per second over a longer window, full or not, a
     lower bound of their capacity; `session_share`: the share of the requests started on the route's own replicas
-    that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``)."""
+    that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``); `queued`: the
+    requests waiting for a slot on the owned replicas; `objective`: the route's TTFT
+    objective in seconds (``Overflow.ttft``), without which no queue is drained
+    (``drain_rate``); `conversations`: ``Overflow.conversations``: with ``last`` the drain
+    takes requests without a session only, never conversations (the share it adds stops at
+    the share of the demand without one)."""
     before = previous or ArrivalsDecision()
     # Capacity, from the completions of a full period when there is one.
     full = running is not None and running >= FULL
@@ -267,6 +317,8 @@ def decide_arrivals(
         per_slot=per_slot,
         full_since=full_since,
         plain_share=plain_share,
+        queued=queued,
+        drain=0.0,
         fill=fill,
         recover_interval=recover_interval,
     )
@@ -302,6 +354,19 @@ def decide_arrivals(
             trim, trim_since = wanted, now
     keep = trim * LOAD * capacity / demand
     target = round(max(0.0, 1.0 - keep), 4)
+    drain, allowed = drain_rate(queued, capacity, objective)
+    if drain > 0:
+        # The queue beyond the objective's goes to paid as well; with conversations last
+        # only as far as the requests without a session reach.
+        limit = (
+            1.0
+            if conversations == "with"
+            else (PLAIN_PRIOR if plain_share is None else plain_share)
+        )
+        drained = round(max(0.0, 1.0 - keep + drain / demand), 4)
+        drain_share = max(target, min(drained, limit)) - target
+        drain = round(drain_share * demand, 4)
+        target = round(target + drain_share, 4)
     paid, since, step_fill = before.paid, before.since, before.step_fill
     if trim_since == now:
         step_fill = fill
@@ -314,17 +379,24 @@ def decide_arrivals(
     if rise or fall:
         paid, since, step_fill = target, now, fill
     what = "measured full" if measured else "prior"
-    if target > 0:
+    excess = round(target - drain / demand, 4) if drain > 0 else target
+    if excess > 0:
         why = (
             f"demand {demand:.2f}/s above {trim * LOAD:.2f} x capacity {capacity:.2f}/s "
-            f"({what}): {target:.0%} to paid"
+            f"({what}): {excess:.0%} to paid"
         )
     else:
         why = f"demand {demand:.2f}/s within {trim * LOAD:.2f} x capacity {capacity:.2f}/s ({what})"
+    if drain > 0 and queued is not None:
+        why += (
+            f"; queue {queued:.0f} above the objective's {allowed:.1f}: {drain:.2f}/s more "
+            f"to drain it, {target:.0%} to paid"
+        )
     if paid != target:
         why += f"; holding {paid:.0%} (hysteresis)"
     return replace(
         base,
+        drain=drain,
         paid=paid,
         since=since,
         trim=trim,
@@ -337,10 +409,12 @@ def decide_arrivals(
 
 
 __all__ = [
+    "DRAIN_TIME",
     "FULL",
     "OVERFLOW_PARTS",
     "PLAIN_PRIOR",
     "PRIOR_SHARE",
+    "QUEUE_WAIT",
     "RECENT_WINDOW",
     "RISE_SIGMAS",
     "SAMPLE_WEIGHT",
@@ -349,6 +423,7 @@ __all__ = [
     "blend_demand",
     "capacity_of",
     "decide_arrivals",
+    "drain_rate",
     "kind_shares",
     "route_demand",
     "route_of",
