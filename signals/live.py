@@ -235,4 +235,5 @@ def _by_arrivals(
         now=state.now,
         completed=sum(completed) if completed else None,
         queued=sum(record.waiting or 0.0 for record, _ in fresh) if fresh else None,
+        recent=state.recent_demands.get(name),
     )

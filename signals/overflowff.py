@@ -60,7 +60,11 @@ The share rises at once when the target is ``DEADBAND`` above it (demand that ar
 served now, by someone). It falls to the target, at most once per ``recoverInterval``
 (``Overflow.recover_interval``), when the target is ``DEADBAND`` below it, or to nothing
 when the target is nothing: a Poisson count over a few seconds does not move it back and
-forth, and traffic returns to the owned replicas when demand falls.
+forth, and traffic returns to the owned replicas when demand falls. A fall goes no lower
+than what the last few seconds' rate alone asks for when that rate is the higher: in a
+rise the long window still holds the rate from before, and the cost benchmark's seed 3
+gave its whole share back in the middle of one (demand read 3.5/s of some 5) and met the
+peak with a queue. On the way down the recent rate is the lower one and changes nothing.
 
 Kinds of request
 ----------------
@@ -266,6 +270,7 @@ def decide_arrivals(
     queued: float | None = None,
     objective: float | None = None,
     conversations: str = "last",
+    recent: float | None = None,
     now: float,
     recover_interval: float = 5.0,
 ) -> ArrivalsDecision:
@@ -371,13 +376,20 @@ def decide_arrivals(
     if trim_since == now:
         step_fill = fill
     rise = target >= paid + DEADBAND
+    if recent is not None and recent > demand:
+        # Falls wait for the recent rate too: in a rise the long window still holds the
+        # lower rate of before, and a share given back then is a queue a second later.
+        held = round(max(0.0, 1.0 - trim * LOAD * capacity / recent), 4)
+        floor = max(target, min(held, paid))
+    else:
+        floor = target
     fall = (
-        paid > 0
-        and now - since >= recover_interval
-        and (target <= paid - DEADBAND or target == 0.0)
+        paid > 0 and now - since >= recover_interval and (floor <= paid - DEADBAND or floor == 0.0)
     )
-    if rise or fall:
+    if rise:
         paid, since, step_fill = target, now, fill
+    elif fall:
+        paid, since, step_fill = floor, now, fill
     what = "measured full" if measured else "prior"
     excess = round(target - drain / demand, 4) if drain > 0 else target
     if excess > 0:
@@ -393,7 +405,8 @@ def decide_arrivals(
             f"to drain it, {target:.0%} to paid"
         )
     if paid != target:
-        why += f"; holding {paid:.0%} (hysteresis)"
+        held_by = f", the last seconds' {recent:.2f}/s" if floor > target and recent else ""
+        why += f"; holding {paid:.0%} (hysteresis{held_by})"
     return replace(
         base,
         drain=drain,

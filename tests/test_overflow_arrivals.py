@@ -145,6 +145,7 @@ def _round(
     objective: float | None = None,
     conversations: str = "last",
     session_share: float | None = None,
+    recent: float | None = None,
 ) -> ArrivalsDecision:
     return decide_arrivals(
         previous,
@@ -158,6 +159,7 @@ def _round(
         objective=objective,
         conversations=conversations,
         session_share=session_share,
+        recent=recent,
         now=now,
         recover_interval=5.0,
     )
@@ -205,6 +207,23 @@ def test_the_share_does_not_flap_on_noise_and_comes_back_when_demand_falls() -> 
     # ... then all of it comes back at once.
     back = _round(fallen, 4.0, now=NOW + 5.0, service_time=3.5)
     assert back.paid == 0.0 and back.next_at == math.inf
+
+
+def test_a_share_is_not_given_back_while_the_recent_rate_still_asks_for_it() -> None:
+    # Capacity 5.6/s (prior). A rise to 8/s was taken from the recent rate ...
+    # (A fill of 0.9 moves no trim.)
+    risen = _round(None, 8.0, now=NOW, recent=8.0, fill=0.9)
+    assert risen.paid == pytest.approx(1 - LOAD * PRIOR_SHARE * 8.0 / 8.0, abs=1e-3)
+    # ... and the long window, still half the rate from before the rise, reads within
+    # capacity: the last seconds' 8/s hold the share.
+    lagging = _round(risen, 5.0, now=NOW + 6, recent=8.0, fill=0.9)
+    assert lagging.target == 0.0 and lagging.paid == risen.paid
+    assert "the last seconds' 8.00/s" in lagging.why
+    # Both agree the demand fell: it comes back.
+    assert _round(lagging, 5.0, now=NOW + 7, recent=4.0, fill=0.9).paid == 0.0
+    # Only part of the way: the share falls to what the recent rate asks for.
+    partial = _round(risen, 5.0, now=NOW + 6, recent=7.0, fill=0.9)
+    assert partial.paid == pytest.approx(1 - LOAD * PRIOR_SHARE * 8.0 / 7.0, abs=1e-3)
 
 
 def test_a_rise_is_taken_at_once_whatever_the_last_change() -> None:
