@@ -55,7 +55,9 @@ whose standard deviation is sqrt(S), and the count above S waits; ``QUEUE_SIGMAS
 deviations of it (32 for 4 replicas of 16 slots) is chance, more is a queue to drain. With Q
 known, ``trim`` falls only for a queue beyond Q0 that lasts ``LASTING`` seconds (the drain
 term takes the one that formed before the spill; a batch fill over ``HIGH_FILL`` within Q0 is
-the queue of a load at capacity, which feed-forward sets), and a move of ``keep`` under ``DEADBAND`` is made
+the queue of a load at capacity, which feed-forward sets) and rises only for a fill under
+``LOW_FILL`` that lasts as long (at ``LOAD`` of its capacity a locality's fill dips under it by
+chance, one standard deviation at 64 slots, and a ``trim`` raised then under-spills), and a move of ``keep`` under ``DEADBAND`` is made
 once it has waited ``SETTLE`` seconds, so ``keep`` settles on the estimate rather than up to
 5 points off it.
 
@@ -157,6 +159,8 @@ class SpillDecision:
     whatever the feed-forward would allow."""
     high_since: float = field(default=math.inf, compare=False)
     """Since when the fill has been above ``HIGH_FILL`` (infinite: it is not)."""
+    low_since: float = field(default=math.inf, compare=False)
+    """Since when the fill has been below ``LOW_FILL`` (infinite: it is not)."""
     queued: float | None = field(default=None, compare=False)
     """Requests waiting in the locality's replicas (telemetry); None: not known."""
     slots: int | None = field(default=None, compare=False)
@@ -336,6 +340,8 @@ def _feed_forward(
     else:
         queueing = fill is not None and fill > HIGH_FILL
     high_since = (before.high_since if before.high_since <= now else now) if queueing else math.inf
+    roomy = fill is not None and fill < LOW_FILL
+    low_since = (before.low_since if before.low_since <= now else now) if roomy else math.inf
     # While the estimate says the locality has room (no spill), a queue says it is wrong only
     # when it lasts: a burst of arrivals queues for a moment at 70% of capacity too.
     spilling = arrivals >= trim * LOAD * capacity
@@ -354,7 +360,12 @@ def _feed_forward(
             if lasting and not draining and (next_fill is None or next_fill < HIGH_FILL):
                 wanted = trim * max(MAX_CUT, TARGET_FILL / fill)
         elif before.keep < 1.0 and (fill is None or fill < LOW_FILL):
-            wanted = trim + STEP
+            # Room while spilling: the estimate is too low. With the queue known, only room
+            # that lasts: given LOAD of its capacity, a locality's fill is a Poisson count of
+            # about its slots over their number, and dips under LOW_FILL by chance for
+            # seconds (one standard deviation at 64 slots), as a queue rises over HIGH_FILL.
+            if not knows_queue or fill is None or now - low_since >= LASTING:
+                wanted = trim + STEP
         elif trim < 1.0 and (fill is None or fill < LOW_FILL):
             # No spill needed and room to spare: the correction relaxes.
             wanted = min(1.0, trim + STEP)
@@ -392,6 +403,7 @@ def _feed_forward(
         healthy=healthy,
         ramp=ramp,
         high_since=high_since,
+        low_since=low_since,
         drain=round(drain, 4),
     )
 

@@ -19,6 +19,7 @@ from signals.spill import (
     LOAD,
     QUEUE_SIGMAS,
     SETTLE,
+    STEP,
     SpillDecision,
     decide_spill,
     queue_chance,
@@ -139,6 +140,28 @@ def test_with_the_queue_known_only_a_lasting_queue_moves_trim() -> None:
     blind = _ff(None, arrivals=11.0, capacity=8.5, fill=1.6, slots=None)
     blind = _ff(blind, arrivals=11.0, capacity=8.5, fill=1.6, slots=None, now=100.0 + DWELL)
     assert blind.trim < 1.0
+
+
+def test_with_the_queue_known_only_lasting_room_raises_trim() -> None:
+    over = _ff(None, arrivals=11.0, capacity=8.5, queued=0.0, fill=0.95)
+    assert over.keep < 1.0 and over.trim == 1.0
+    # The fill of a load at 97% of capacity dips under LOW_FILL for a few seconds by chance
+    # (a lull in the arrivals): the estimate stands, however often it happens.
+    decision, now = over, 100.0 + DWELL
+    for fill in (0.75, 0.75, 0.9, 0.75, 0.75, 0.9) * 3:
+        decision = _ff(decision, arrivals=11.0, capacity=8.5, queued=0.0, fill=fill, now=now)
+        assert decision.trim == 1.0 and decision.keep == over.keep
+        now += LASTING / 6
+    # Room that lasts: the capacity is more than the estimate.
+    start = now
+    while now <= start + LASTING:
+        decision = _ff(decision, arrivals=11.0, capacity=8.5, queued=0.0, fill=0.75, now=now)
+        now += 1.0
+    assert decision.trim == pytest.approx(1.0 + STEP)
+    # Without the queue, as before: one round of room after a dwell raises it.
+    blind = _ff(None, arrivals=11.0, capacity=8.5, fill=0.95, slots=None)
+    blind = _ff(blind, arrivals=11.0, capacity=8.5, fill=0.75, slots=None, now=100.0 + DWELL)
+    assert blind.trim == pytest.approx(1.0 + STEP)
 
 
 def test_a_small_move_is_made_once_the_estimate_has_held_it() -> None:

@@ -11,7 +11,8 @@ to kvpilot's access log service in batches (``SIGNALS_FLUSH_INTERVAL``), on the 
 fleets whose routes spill (``PlanListener.arrivals_log``).
 
 From the start entries: first attempts per (fleet, route cluster) over the last
-``ARRIVAL_WINDOW`` seconds (retries are not new demand). From the end entries of streamed
+``ARRIVAL_WINDOW`` seconds, or over the time since the rate last changed beyond noise
+(``change_point_rate``; retries are not new demand). From the end entries of streamed
 answers: the time from the replica's first byte to its last, per host, over the last
 ``SERVICE_WINDOW`` seconds. The first byte is the first token where the replica queues
 before it answers; the prefill before it is left out, a small part of a request with a few
@@ -44,7 +45,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -57,11 +58,18 @@ ARRIVAL_WINDOW = 16.0
 """Seconds over which arrivals are counted: at 10 requests a second, 160 of them, a Poisson
 count within about 8% of the rate (one standard deviation)."""
 CHANGE_WINDOW = 4.0
-"""The last seconds, compared with the long window: when their rate is further from it than
-``CHANGE_SIGMAS`` standard deviations of their own count, the rate has changed (an overload
-begins or ends) and the short window's rate is given, so the spill follows a change within
-a few seconds and is steady otherwise."""
-CHANGE_SIGMAS = 4.0
+"""The last seconds, compared with the seconds before them in the long window (or since the
+last change point): when their rates differ by more than ``CHANGE_SIGMAS`` standard
+deviations of that difference, the rate changed (an overload begins or ends) at the start of
+these seconds, and the rate is counted from there on (``change_point_rate``)."""
+CHANGE_SIGMAS = 3.0
+"""At 3, a doubling (5.5 to 11 a second) is found in a median 3.5 s, and a steady 10 a
+second raises a false change about 11 times an hour (each gives a 4 s rate for a moment that
+grows back to 16 s); at 4, the doubling is missed half of the time and the rate follows it
+over the whole long window."""
+MIN_BEFORE = CHANGE_WINDOW / 2
+"""Seconds before the last ``CHANGE_WINDOW`` needed to compare them with: right after a
+change point there is nothing to compare against yet."""
 MIN_SPAN = 2.0
 """A key seen for less than this gives no rate yet: one entry in its first second is no
 estimate."""
@@ -87,6 +95,35 @@ def route_cluster(cluster: str) -> str:
     # no "/", so everything from the suffix on is the twin's).
     head, found, _ = cluster.partition(AFFINITY_SUFFIX)
     return (head if found else cluster).removesuffix(LOCAL_SUFFIX)
+
+
+def change_point_rate(
+    starts: Sequence[float], now: float, since: float, change: float | None
+) -> tuple[float, float | None]:
+    """Requests per second from their start times, and the change point to keep for the next
+    call: counted since `since` (the long window's start, or the first start when that is
+    later) or since `change`, the last change point, when that is later. Its
+    ``CHANGE_WINDOW`` last seconds are compared with the seconds before them: a difference
+    beyond ``CHANGE_SIGMAS`` standard deviations (of the two rates' difference, at their
+    pooled rate) makes the start of those seconds the change point. So right after a change
+    the rate is over ``CHANGE_WINDOW`` seconds, then over the time since the change as it
+    grows, its noise falling with the evidence, until the long window holds only what
+    followed the change; and a steady rate is the long window's. `starts` are ascending and
+    none is older than the long window; `change` None: none held."""
+    if change is not None and change <= since:
+        change = None  # the window now holds only what followed it
+    base = since if change is None else change
+    cut = now - CHANGE_WINDOW
+    before = cut - base
+    if before >= MIN_BEFORE:
+        older = sum(1 for at in starts if base <= at <= cut)
+        recent = sum(1 for at in starts if at > cut)
+        pooled = max((older + recent) / (now - base), 1.0 / (now - base))
+        spread = math.sqrt(pooled * (1.0 / CHANGE_WINDOW + 1.0 / before))
+        if abs(recent / CHANGE_WINDOW - older / before) > CHANGE_SIGMAS * spread:
+            change = base = cut
+    count = sum(1 for at in starts if at >= base)
+    return count / (now - base), change
 
 
 def _seconds(value: Any) -> float:
@@ -118,6 +155,9 @@ class ArrivalBook:
         """Attempts that started while their host's slots were all taken (not timed)."""
         self._starts: dict[str, deque[float]] = {}
         self._first: dict[str, float] = {}
+        self._change: dict[str, float] = {}
+        """``fleet/cluster`` -> its last change point (``change_point_rate``), while the long
+        window still holds starts from before it."""
         self._served: dict[str, deque[tuple[float, float]]] = {}
         self._done: dict[str, deque[float]] = {}
         self._done_first: dict[str, float] = {}
@@ -221,8 +261,8 @@ class ArrivalBook:
 
     def rates(self, now: float | None = None) -> dict[str, float]:
         """``fleet/cluster`` -> requests started per second: over the last
-        ``ARRIVAL_WINDOW`` (over the time since the first one, when that is shorter), or over
-        the last ``CHANGE_WINDOW`` when that differs from it beyond noise."""
+        ``ARRIVAL_WINDOW`` (over the time since the first one, when that is shorter), or,
+        after a change of rate, over the time since the change (``change_point_rate``)."""
         now = self.clock() if now is None else now
         out: dict[str, float] = {}
         for key in list(self._starts):
@@ -232,17 +272,17 @@ class ArrivalBook:
             if not starts:
                 del self._starts[key]
                 self._first.pop(key, None)
+                self._change.pop(key, None)
                 continue
             age = now - self._first[key]
             if age < MIN_SPAN:
                 continue
-            span = min(ARRIVAL_WINDOW, age)
-            rate = len(starts) / span
-            short_span = min(CHANGE_WINDOW, span)
-            recent = sum(1 for at in starts if at > now - short_span)
-            expected = rate * short_span
-            if abs(recent - expected) > CHANGE_SIGMAS * math.sqrt(max(expected, 1.0)):
-                rate = recent / short_span
+            since = now - min(ARRIVAL_WINDOW, age)
+            rate, change = change_point_rate(starts, now, since, self._change.get(key))
+            if change is None:
+                self._change.pop(key, None)
+            else:
+                self._change[key] = change
             out[key] = round(rate, 4)
         return out
 
@@ -345,10 +385,12 @@ class ArrivalBook:
 
 __all__ = [
     "ARRIVAL_WINDOW",
+    "CHANGE_SIGMAS",
     "CHANGE_WINDOW",
     "MIN_SERVICE",
     "PENDING_LIMIT",
     "SERVICE_WINDOW",
     "ArrivalBook",
+    "change_point_rate",
     "route_cluster",
 ]

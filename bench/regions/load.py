@@ -72,7 +72,9 @@ class OpenLoop:
         self.max_tokens = max_tokens
         self.records: list[Sent] = []
         self.started = time.monotonic()
-        self._random = random.Random(seed)
+        # One random stream per region: with a shared one, which region draws next depends on
+        # the event loop's timing, and the same seed gave different arrivals from run to run.
+        self._random = {fleet: random.Random(f"{seed}/{fleet}") for fleet in urls}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
 
@@ -105,7 +107,7 @@ class OpenLoop:
                 await asyncio.sleep(0.05)
                 due = time.monotonic()
                 continue
-            due += self._random.expovariate(rate)
+            due += self._random[fleet].expovariate(rate)
             now = time.monotonic()
             if due < now - 1.0:
                 due = now  # more than a second behind: drop the backlog, not a burst

@@ -26,6 +26,12 @@ class Marks:
     """Every spill decision kvpilot's status showed, each time one changed: ``t`` (seconds
     since the load started), ``fleetRoute`` and the entry's inputs (arrivals, capacity and
     its parts, queue, drain, trim, batch fill) and ``keep``."""
+    envoy_stats: list[dict[str, Any]] = field(default_factory=list)
+    """At each phase's start and end: ``t``, ``phase``, ``edge`` (start or end), ``sent`` (per
+    fleet, the requests the generator had sent by then) and ``stats`` (per region, that
+    Envoy's request counters: downstream and upstream requests, pending, overflow, retries,
+    circuit breakers), to tell requests that waited in or were refused by Envoy's
+    connection pool from those the arrivals log counts."""
 
 
 __all__ = ["Marks"]

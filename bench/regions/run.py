@@ -86,6 +86,46 @@ async def _watch_drains(
             await asyncio.sleep(0.1)
 
 
+ENVOY_STATS = (
+    "downstream_rq_total|downstream_rq_active|upstream_rq_total|upstream_rq_active"
+    "|upstream_rq_pending|upstream_cx_overflow|upstream_rq_retry|circuit_breakers"
+    "|upstream_cx_total|upstream_cx_active|upstream_rq_completed"
+)
+"""The Envoy counters and gauges the run records at each phase's edges (``Marks.envoy_stats``)."""
+
+
+async def _envoy_stats(stack: RegionsStack) -> dict[str, dict[str, int]]:
+    """Region -> its Envoy's request counters (``ENVOY_STATS``), kvpilot's xDS and signals
+    clusters left out."""
+    out: dict[str, dict[str, int]] = {}
+    async with httpx.AsyncClient(timeout=5) as client:
+        for region, envoy in stack.envoys.items():
+            try:
+                response = await client.get(
+                    f"{envoy.admin_url}/stats", params={"format": "json", "filter": ENVOY_STATS}
+                )
+                stats = response.json().get("stats", [])
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
+            out[region] = {
+                str(s["name"]): int(s["value"])
+                for s in stats
+                if isinstance(s, dict) and "value" in s and "xds" not in str(s.get("name"))
+            }
+    return out
+
+
+async def _snapshot(
+    stack: RegionsStack, load: OpenLoop, marks: Marks, phase: str, edge: str
+) -> None:
+    sent: dict[str, int] = {}
+    for record in load.records:
+        sent[record.fleet] = sent.get(record.fleet, 0) + 1
+    t = round(load.now(), 2)
+    stats = await _envoy_stats(stack)
+    marks.envoy_stats.append({"t": t, "phase": phase, "edge": edge, "sent": sent, "stats": stats})
+
+
 SPILL_POLL = 0.5
 """Seconds between two reads of kvpilot's spill decisions (``/v1/status``)."""
 
@@ -122,8 +162,10 @@ async def _phases(stack: RegionsStack, load: OpenLoop, marks: Marks) -> None:
     async def phase(name: str, seconds: float) -> float:
         start = load.now()
         say(f"  {name}: {seconds:g}s")
+        await _snapshot(stack, load, marks, name, "start")
         await asyncio.sleep(seconds)
         marks.phases[name] = (start, load.now())
+        await _snapshot(stack, load, marks, name, "end")
         return start
 
     rates(config.steady_load, config.steady_load)
@@ -218,7 +260,11 @@ def run_regions_bench(config: RegionsConfig, *, state_dir: Path) -> Path:
     (config.out_dir / f"regions-{stamp}.requests.json").write_text(json.dumps(requests))
     # Each spill decision with its inputs, per policy, with the phases to read them against.
     decisions = {
-        policy: {"phases": marks.phases, "decisions": marks.decisions}
+        policy: {
+            "phases": marks.phases,
+            "decisions": marks.decisions,
+            "envoyStats": marks.envoy_stats,
+        }
         for policy, (marks, _) in runs.items()
     }
     (config.out_dir / f"regions-{stamp}.decisions.json").write_text(json.dumps(decisions, indent=1))
