@@ -296,6 +296,27 @@ def test_the_drain_takes_conversations_only_when_they_overflow_with_the_rest() -
     assert excess.paid == pytest.approx(1 - LOAD * PRIOR_SHARE * 8.0 / 12.0, abs=1e-3)
 
 
+def test_room_made_by_a_drain_or_a_held_share_does_not_raise_the_trim() -> None:
+    # 40% paid from the excess (capacity 5.6/s prior, 9/s), then the demand falls within
+    # capacity: the share is held for the recover interval and the batches empty. That room
+    # is the held share's, not capacity the estimate missed.
+    decision = _round(None, 9.0, now=NOW, fill=0.9)
+    held = _round(decision, 4.0, now=NOW + 3, fill=0.5)
+    assert held.paid == decision.paid and held.target == 0.0
+    # At the recover interval the share comes back, and the trim stays where it was.
+    fallen = _round(held, 4.0, now=NOW + 5, fill=0.5)
+    assert fallen.paid == 0.0 and fallen.trim == 1.0
+    # A drain: the queue is sent to paid and the batches have room a dwell later.
+    calm = _round(None, 5.0, now=NOW, fill=0.9, session_share=0.5)
+    drained = _round(calm, 5.0, now=NOW + 1, fill=1.6, queued=22.8, objective=1.0)
+    assert drained.drain > 0
+    after = _round(drained, 5.0, now=NOW + 7, fill=0.5, queued=0.0, objective=1.0)
+    assert after.trim == 1.0
+    # The estimate's own share with room to spare still raises it.
+    own = _round(decision, 9.0, now=NOW + 6, fill=0.5)
+    assert own.trim == pytest.approx(1.1)
+
+
 def test_plain_requests_take_the_share_first() -> None:
     assert kind_shares(0.2, 0.4, "last") == (0.5, 0.0)
     assert kind_shares(0.55, 0.4, "last") == (1.0, 0.25)
