@@ -358,7 +358,8 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
     shares of plain requests and conversations sent to the paid pool that takes them, the
     pressure, and with ``arrivals`` the demand, the capacity (requests per second, and
     whether it was measured at a full batch or is the prior), the share of the demand sent
-    to paid pools and why."""
+    to paid pools, the owned replicas' queue and the rate sent to paid to drain it (beyond
+    the TTFT objective's queue) and why."""
     if plan is None:
         return []
     out = []
@@ -380,6 +381,8 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
                 capacityMeasured=arrivals.measured,
                 paidShare=arrivals.paid,
                 trim=arrivals.trim,
+                queued=arrivals.queued,
+                drain=arrivals.drain,
                 why=arrivals.why,
             )
         out.append(entry)

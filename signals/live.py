@@ -204,7 +204,8 @@ def _by_arrivals(
 ) -> OverflowDecision:
     """The decision of a route with ``overflow.signal: arrivals`` (``signals.overflowff``):
     its demand (every replica's arrival rates), its first tier's batch slots and mean running
-    share from fresh telemetry, and what those replicas completed and how long they took."""
+    share and waiting requests from fresh telemetry, and what those replicas completed and
+    how long they took."""
     fresh = sized_records(endpoints, telemetry, now=state.now, max_age=max_age)
     slots = sum(batch for _, batch in fresh)
     running = (
@@ -233,4 +234,6 @@ def _by_arrivals(
         session_share=state.session_shares.get(name),
         now=state.now,
         completed=sum(completed) if completed else None,
+        queued=sum(record.waiting or 0.0 for record, _ in fresh) if fresh else None,
+        recent=state.recent_demands.get(name),
     )

@@ -307,12 +307,16 @@ def decide_overflow_arrivals(
     session_share: float | None,
     now: float,
     completed: float | None = None,
+    queued: float | None = None,
+    recent: float | None = None,
 ) -> OverflowDecision:
     """This round's decision for a route with ``signal: arrivals``: the share of its demand
     above the owned replicas' capacity (``signals.overflowff``), split between plain
     requests and conversations, bounded by the floor and the cap, to the first of
     `providers` not resting. `signals` are the fill loop's, shown in status (its pressure)
-    and read for the batch fill."""
+    and read for the batch fill; `queued`: the requests waiting for a slot on the owned
+    replicas, drained to the paid pools beyond what ``overflow.ttft`` allows; `recent`: the
+    route's demand over the last few seconds alone, below which the share is not given back."""
     fill = next((signal.mean for signal in signals if signal.name == "fill"), None)
     before = previous.arrivals if previous is not None else None
     decision = decide_arrivals(
@@ -325,6 +329,10 @@ def decide_overflow_arrivals(
         service_time=service_time,
         completed=completed,
         session_share=session_share,
+        queued=queued,
+        recent=recent,
+        objective=overflow.ttft,
+        conversations=overflow.conversations,
         now=now,
         recover_interval=overflow.recover_interval,
     )

@@ -208,3 +208,65 @@ def test_overflow_by_arrivals_sends_the_excess_to_paid_and_returns_when_demand_f
                 f"overflow began {took:.2f} s after the load rose, ended {returned:.2f} s after "
                 f"it fell; at the peak {peak}"
             )
+
+
+def test_a_queue_beyond_the_objective_is_drained_to_paid_and_the_share_returns(
+    rig: Rig, backends: Any, etcd: EmbeddedEtcd, etcd_prefix: str
+) -> None:
+    replicas = backends(
+        2, id_prefix="owned", simulator=SimConfig(max_batch=SLOTS, stream_interval=0.05)
+    )
+    ports = [r.port for r in replicas.replicas]
+    owned = {r.id for r in replicas.replicas}
+    with (
+        paid_stand_in("paid") as paid,
+        telemetry_writer(etcd, etcd_prefix, ports) as fill,
+    ):
+        route = {
+            "name": "chat",
+            "tiers": [["owned"]],
+            "overflow": {
+                "pools": ["paid"],
+                "signal": "arrivals",
+                "ttft": "1s",
+                "recoverInterval": "2s",
+            },
+        }
+        rig.apply(
+            pool("owned", ports, telemetry={"maxAge": "10s"}, health_check=FAST_HEALTH_CHECK),
+            paid_pool("paid", paid.port),
+            policy("paid", rig.listener_port, [route]),
+        )
+        rig.wait_ready(CLUSTER, ports)
+        rate = [1.0]
+        with open_load(rig, rate) as taken:
+            calm = wait_until(
+                lambda: (s := overflow_status(rig))["demand"] and s["capacity"] and s,
+                30,
+                message="demand and capacity reported",
+            )
+            assert calm["paidShare"] == 0.0 and calm["drain"] == 0.0, calm
+            assert set(taken()) <= owned and paid.hits == 0
+            # The demand stays within capacity, but the replicas report 18 waiting each:
+            # far beyond the queue a 1 s objective allows, so it is drained to paid.
+            fill[0] = 10.0
+            drained = wait_until(
+                lambda: (s := overflow_status(rig))["drain"] > 0 and s,
+                30,
+                message="a drain of the queue",
+            )
+            assert drained["queued"] == pytest.approx(36.0), drained
+            assert "within" in drained["why"] and "to drain it" in drained["why"], drained
+            wait_until(lambda: overflow_entries(rig) != {}, 30, message="overflow to paid")
+            hits = paid.hits
+            wait_until(lambda: paid.hits > hits + 3, 20, message="requests on the paid pool")
+            # The queue is served: the share comes back and the owned replicas take it all.
+            fill[0] = 0.3
+            wait_until(lambda: overflow_entries(rig) == {}, 40, message="the overflow to end")
+            back = overflow_status(rig)
+            assert back["paidShare"] == 0.0 and back["drain"] == 0.0, back
+            wait_until(lambda: _settled(paid), 10, message="the paid pool idle")
+            taken()
+            answered: list[str] = []
+            wait_until(lambda: len(_extend(answered, taken())) >= 3, 20, message="answers after it")
+            assert set(answered) <= owned, answered

@@ -15,11 +15,14 @@ from compiler.compile import PolicyState, compile_plan
 from policies.models import Overflow, PolicyObject, Pool, RoutingPolicy
 from signals.overflow import OverflowDecision
 from signals.overflowff import (
+    DRAIN_TIME,
     PRIOR_SHARE,
+    QUEUE_WAIT,
     SAMPLE_WINDOW,
     ArrivalsDecision,
     blend_demand,
     decide_arrivals,
+    drain_rate,
     kind_shares,
     route_demand,
 )
@@ -138,6 +141,11 @@ def _round(
     completions: float | None = None,
     slots: float = 32,
     service_time: float | None = 4.0,
+    queued: float | None = None,
+    objective: float | None = None,
+    conversations: str = "last",
+    session_share: float | None = None,
+    recent: float | None = None,
 ) -> ArrivalsDecision:
     return decide_arrivals(
         previous,
@@ -147,6 +155,11 @@ def _round(
         fill=fill,
         completions=completions,
         service_time=service_time,
+        queued=queued,
+        objective=objective,
+        conversations=conversations,
+        session_share=session_share,
+        recent=recent,
         now=now,
         recover_interval=5.0,
     )
@@ -196,6 +209,23 @@ def test_the_share_does_not_flap_on_noise_and_comes_back_when_demand_falls() -> 
     assert back.paid == 0.0 and back.next_at == math.inf
 
 
+def test_a_share_is_not_given_back_while_the_recent_rate_still_asks_for_it() -> None:
+    # Capacity 5.6/s (prior). A rise to 8/s was taken from the recent rate ...
+    # (A fill of 0.9 moves no trim.)
+    risen = _round(None, 8.0, now=NOW, recent=8.0, fill=0.9)
+    assert risen.paid == pytest.approx(1 - LOAD * PRIOR_SHARE * 8.0 / 8.0, abs=1e-3)
+    # ... and the long window, still half the rate from before the rise, reads within
+    # capacity: the last seconds' 8/s hold the share.
+    lagging = _round(risen, 5.0, now=NOW + 6, recent=8.0, fill=0.9)
+    assert lagging.target == 0.0 and lagging.paid == risen.paid
+    assert "the last seconds' 8.00/s" in lagging.why
+    # Both agree the demand fell: it comes back.
+    assert _round(lagging, 5.0, now=NOW + 7, recent=4.0, fill=0.9).paid == 0.0
+    # Only part of the way: the share falls to what the recent rate asks for.
+    partial = _round(risen, 5.0, now=NOW + 6, recent=7.0, fill=0.9)
+    assert partial.paid == pytest.approx(1 - LOAD * PRIOR_SHARE * 8.0 / 7.0, abs=1e-3)
+
+
 def test_a_rise_is_taken_at_once_whatever_the_last_change() -> None:
     decision = _round(None, 8.0, now=NOW)
     higher = _round(decision, 14.0, now=NOW + 0.5)
@@ -219,6 +249,72 @@ def test_a_queue_that_lasts_with_a_share_in_force_trims_the_estimate() -> None:
     # Room to spare with a share in force: the trim rises back, a dwell later.
     eased = _round(cut, 9.0, now=NOW + 12, fill=0.6)
     assert eased.trim == pytest.approx(cut.trim + 0.1)
+
+
+def test_the_queue_beyond_the_objective_is_drained_over_the_drain_time() -> None:
+    # 5/s capacity, a 1 s objective: a request may wait 0.5 s, so 2.5 may wait.
+    assert drain_rate(2.0, 5.0, 1.0) == (0.0, 2.5)
+    assert drain_rate(12.5, 5.0, 1.0) == (pytest.approx(10.0 / DRAIN_TIME), 2.5)
+    # No objective, no queue reported: nothing drained.
+    assert drain_rate(50.0, 5.0, None) == (0.0, math.inf)
+    assert drain_rate(None, 5.0, 1.0) == (0.0, math.inf)
+
+
+def test_a_queue_left_by_the_peak_goes_to_paid_until_it_is_served() -> None:
+    # Demand within capacity (prior 5.6/s): no excess, but 22.8 waiting, 20 beyond the
+    # 2.8 a 1 s objective allows (5.6/s x 0.5 s): 4/s more to the paid pools.
+    calm = _round(None, 5.0, now=NOW, fill=1.6, objective=1.0, session_share=0.5)
+    assert calm.paid == 0.0
+    queued = _round(calm, 5.0, now=NOW + 1, fill=1.6, queued=22.8, objective=1.0)
+    capacity = PRIOR_SHARE * 8.0
+    allowed = capacity * 1.0 * QUEUE_WAIT
+    drain = (22.8 - allowed) / DRAIN_TIME
+    assert queued.drain == pytest.approx(5.0 * queued.paid, abs=1e-3)
+    assert queued.paid == pytest.approx(min(0.5, 1 - (LOAD * capacity - drain) / 5.0), abs=1e-3)
+    assert queued.paid > 0.3 and "to drain it" in queued.why and "within" in queued.why
+    # The same queue without an objective: nothing drained.
+    assert _round(calm, 5.0, now=NOW + 1, fill=1.6, queued=22.8).paid == 0.0
+    # Served: the share comes back after the recover interval.
+    served = _round(queued, 5.0, now=NOW + 7, fill=0.8, queued=1.0, objective=1.0)
+    assert served.paid == 0.0 and served.drain == 0.0
+
+
+def test_the_drain_takes_conversations_only_when_they_overflow_with_the_rest() -> None:
+    # 40% of the demand has no session: with conversations last, a drain that would need
+    # 60% of the demand stops at 40%; with conversations: with it takes what it needs.
+    learned = _round(None, 5.0, now=NOW, session_share=0.6)
+    assert learned.plain_share == pytest.approx(0.4)
+    last = _round(learned, 5.0, now=NOW + 1, fill=2.0, queued=40.0, objective=1.0)
+    assert last.paid == pytest.approx(0.4)
+    both = _round(
+        learned, 5.0, now=NOW + 1, fill=2.0, queued=40.0, objective=1.0, conversations="with"
+    )
+    assert both.paid > 0.6
+    # Demand above capacity already overflows conversations: the drain adds nothing there
+    # under conversations last, and never lowers the excess's own share.
+    excess = _round(learned, 12.0, now=NOW + 1, fill=2.0, queued=40.0, objective=1.0)
+    assert excess.paid == pytest.approx(1 - LOAD * PRIOR_SHARE * 8.0 / 12.0, abs=1e-3)
+
+
+def test_room_made_by_a_drain_or_a_held_share_does_not_raise_the_trim() -> None:
+    # 40% paid from the excess (capacity 5.6/s prior, 9/s), then the demand falls within
+    # capacity: the share is held for the recover interval and the batches empty. That room
+    # is the held share's, not capacity the estimate missed.
+    decision = _round(None, 9.0, now=NOW, fill=0.9)
+    held = _round(decision, 4.0, now=NOW + 3, fill=0.5)
+    assert held.paid == decision.paid and held.target == 0.0
+    # At the recover interval the share comes back, and the trim stays where it was.
+    fallen = _round(held, 4.0, now=NOW + 5, fill=0.5)
+    assert fallen.paid == 0.0 and fallen.trim == 1.0
+    # A drain: the queue is sent to paid and the batches have room a dwell later.
+    calm = _round(None, 5.0, now=NOW, fill=0.9, session_share=0.5)
+    drained = _round(calm, 5.0, now=NOW + 1, fill=1.6, queued=22.8, objective=1.0)
+    assert drained.drain > 0
+    after = _round(drained, 5.0, now=NOW + 7, fill=0.5, queued=0.0, objective=1.0)
+    assert after.trim == 1.0
+    # The estimate's own share with room to spare still raises it.
+    own = _round(decision, 9.0, now=NOW + 6, fill=0.5)
+    assert own.trim == pytest.approx(1.1)
 
 
 def test_plain_requests_take_the_share_first() -> None:

@@ -21,7 +21,8 @@ Each policy replays the same requests, one after the other on the same stack:
   ``feedForward: 0.5``, the replicas' excess demand added each round at half weight;
 - cost-aware by arrivals (run only when named with ``--policies``): ``signal: arrivals``,
   the paid share from the route's arrival rate against the owned replicas' capacity
-  measured at full batches (``signals.overflowff``).
+  measured at full batches (``signals.overflowff``), with the benchmark's TTFT objective
+  (``ttft: 1s``) so that a queue beyond it is drained to the paid API.
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
@@ -124,7 +125,7 @@ POLICIES: tuple[Policy, ...] = (
     Policy(
         "cost_aware_arrivals",
         "cost-aware by arrivals",
-        {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "arrivals"}},
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "arrivals", "ttft": "1s"}},
         default=False,
     ),
 )

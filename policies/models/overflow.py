@@ -40,7 +40,9 @@ class Overflow(Model):
         gt=0,
         description="The route's time-to-first-token objective: the replicas cannot meet it "
         "once their mean time to first token (as the engines report it) passes half of it. "
-        "Default: none (batch fill and queue only).",
+        "With signal: arrivals, the requests waiting on them beyond what can be served within "
+        "half of it go to the paid pools too (drained over 5 s). "
+        "Default: none (batch fill and queue only; with arrivals, no queue drained).",
     )
     fill: float = Field(
         0.9,
