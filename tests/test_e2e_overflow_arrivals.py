@@ -133,30 +133,43 @@ def overflow_status(rig: Rig) -> dict[str, Any]:
     return next(e for e in status["overflow"] if e["route"] == CLUSTER)
 
 
-def test_overflow_by_arrivals_sends_the_excess_to_paid_and_returns_when_demand_falls(
-    rig: Rig, backends: Any, etcd: EmbeddedEtcd, etcd_prefix: str
-) -> None:
+@contextmanager
+def owned_and_paid(
+    rig: Rig,
+    backends: Any,
+    etcd: EmbeddedEtcd,
+    etcd_prefix: str,
+    route: dict[str, Any],
+) -> Iterator[tuple[set[str], Any, list[float]]]:
+    """Two simulated owned replicas whose telemetry this test writes, a paid stand-in and
+    `route` over them, ready: yields (the owned replicas' ids, the stand-in, the fill)."""
     replicas = backends(
         2, id_prefix="owned", simulator=SimConfig(max_batch=SLOTS, stream_interval=0.05)
     )
     ports = [r.port for r in replicas.replicas]
-    owned = {r.id for r in replicas.replicas}
     with (
         paid_stand_in("paid") as paid,
         telemetry_writer(etcd, etcd_prefix, ports) as fill,
     ):
-        route = {
-            "name": "chat",
-            "tiers": [["owned"]],
-            "sessionAffinity": {"header": "x-session-id"},
-            "overflow": {"pools": ["paid"], "signal": "arrivals", "recoverInterval": "2s"},
-        }
         rig.apply(
             pool("owned", ports, telemetry={"maxAge": "10s"}, health_check=FAST_HEALTH_CHECK),
             paid_pool("paid", paid.port),
             policy("paid", rig.listener_port, [route]),
         )
         rig.wait_ready(CLUSTER, ports)
+        yield {r.id for r in replicas.replicas}, paid, fill
+
+
+def test_overflow_by_arrivals_sends_the_excess_to_paid_and_returns_when_demand_falls(
+    rig: Rig, backends: Any, etcd: EmbeddedEtcd, etcd_prefix: str
+) -> None:
+    route = {
+        "name": "chat",
+        "tiers": [["owned"]],
+        "sessionAffinity": {"header": "x-session-id"},
+        "overflow": {"pools": ["paid"], "signal": "arrivals", "recoverInterval": "2s"},
+    }
+    with owned_and_paid(rig, backends, etcd, etcd_prefix, route) as (owned, paid, fill):
         rate = [1.0]
         with open_load(rig, rate) as taken:
             # Light: one request a second against four slots; their service times and the
@@ -213,31 +226,17 @@ def test_overflow_by_arrivals_sends_the_excess_to_paid_and_returns_when_demand_f
 def test_a_queue_beyond_the_objective_is_drained_to_paid_and_the_share_returns(
     rig: Rig, backends: Any, etcd: EmbeddedEtcd, etcd_prefix: str
 ) -> None:
-    replicas = backends(
-        2, id_prefix="owned", simulator=SimConfig(max_batch=SLOTS, stream_interval=0.05)
-    )
-    ports = [r.port for r in replicas.replicas]
-    owned = {r.id for r in replicas.replicas}
-    with (
-        paid_stand_in("paid") as paid,
-        telemetry_writer(etcd, etcd_prefix, ports) as fill,
-    ):
-        route = {
-            "name": "chat",
-            "tiers": [["owned"]],
-            "overflow": {
-                "pools": ["paid"],
-                "signal": "arrivals",
-                "ttft": "1s",
-                "recoverInterval": "2s",
-            },
-        }
-        rig.apply(
-            pool("owned", ports, telemetry={"maxAge": "10s"}, health_check=FAST_HEALTH_CHECK),
-            paid_pool("paid", paid.port),
-            policy("paid", rig.listener_port, [route]),
-        )
-        rig.wait_ready(CLUSTER, ports)
+    route = {
+        "name": "chat",
+        "tiers": [["owned"]],
+        "overflow": {
+            "pools": ["paid"],
+            "signal": "arrivals",
+            "ttft": "1s",
+            "recoverInterval": "2s",
+        },
+    }
+    with owned_and_paid(rig, backends, etcd, etcd_prefix, route) as (owned, paid, fill):
         rate = [1.0]
         with open_load(rig, rate) as taken:
             calm = wait_until(
