@@ -63,6 +63,7 @@ from signals.admission import (
     steps_per_class,
 )
 from signals.overflowff import ArrivalsDecision, decide_arrivals, kind_shares
+from signals.saturation import batch_fill
 from signals.telemetry import TelemetryRecord
 
 PLAIN, SESSIONS, ALL = "requests", "sessions", "all"
@@ -180,15 +181,9 @@ def overflow_signals(
         saturation=saturation,
         ttft_bound=saturation.ttft,
     )
-    fills = [
-        ((record.running or 0.0) + (record.waiting or 0.0)) / record.max_running
-        for endpoint in endpoints
-        if (record := telemetry.get(endpoint.key)) is not None
-        and record.max_running
-        and now - record.at <= max_age
-    ]
-    if fills:
-        signals = (*signals, Signal("fill", sum(fills) / len(fills), overflow.fill))
+    fill = batch_fill(endpoints, telemetry, now=now, max_age=max_age)
+    if fill is not None:
+        signals = (*signals, Signal("fill", fill, overflow.fill))
     return signals
 
 
