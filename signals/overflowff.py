@@ -10,10 +10,11 @@ batches, seconds late. Here the route's Envoys report each request's start
     keep = trim x LOAD x capacity / demand        paid share = max(0, 1 - keep)
 
 ``demand`` is the route's requests per second, whichever pool took them (its own replicas,
-its overflow aggregates, its paid pools: ``route_demand``, every kvpilot
-replica's through ``controlplane.arrivals``), or this replica's own rate over the last few
-seconds when that is above it beyond noise (``blend_demand``): a rise counts within seconds,
-a fall waits for the long window. ``LOAD`` (0.97, as spill's) leaves a little room so a
+its overflow aggregates, its paid pools: ``route_demand``, every kvpilot replica's through
+``controlplane.arrivals``; each counted over the long window, or since the rate's last
+change point, ``xdsserver.arrivals.change_point_rate``), or this replica's own rate over
+the last few seconds when that is above it beyond noise (``blend_demand``): a rise counts
+within seconds, a fall waits for the shared rate. ``LOAD`` (0.97, as spill's) leaves a little room so a
 queue that formed while the share was found drains.
 
 Capacity: measured while the batches are full
@@ -52,7 +53,7 @@ was found (at a rise, or at a peak whose capacity read high), and on the way dow
 is a wait every arrival pays. With a TTFT objective (``Overflow.ttft``) the owned replicas
 may hold the queue a request can wait through within ``QUEUE_WAIT`` of it: capacity x
 objective x 0.5 requests. What waits beyond that goes to the paid pools too, over
-``DRAIN_TIME`` (``drain_rate``): the share rises by that rate over the demand (with
+spill's ``DRAIN_S`` (``drain_rate``): the share rises by that rate over the demand (with
 ``conversations: last`` no further than the requests without a session reach). Without an
 objective nothing is drained: chance alone (``4 x sqrt(slots)``, spill's bound) was never
 reached in the cost benchmark, where 19 waiting at 5/s were already 4 s of a 1 s objective.
@@ -85,6 +86,7 @@ from dataclasses import dataclass, field, replace
 
 from signals.spill import (
     DEADBAND,
+    DRAIN_S,
     DWELL,
     HIGH_FILL,
     LASTING,
@@ -161,8 +163,6 @@ QUEUE_WAIT = 0.5
 a batch slot: the queue the owned replicas may hold is this much of the objective times
 their capacity, the rest of the objective is left to the prefill (the fill loop's TTFT
 signal bounds the engines' time to first token at half of it too)."""
-DRAIN_TIME = 5.0
-"""Seconds over which a queue beyond the objective's is sent to the paid pools."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +234,7 @@ def drain_rate(
     """(requests per second to send to the paid pools to drain the owned replicas' queue,
     the queue allowed): the queue beyond what a request may wait for a slot within the TTFT
     `objective` (``QUEUE_WAIT`` of it, at `capacity` requests per second), sent over
-    ``DRAIN_TIME``. Nothing without an objective or a queue.
+    ``DRAIN_S`` (as spill's drain). Nothing without an objective or a queue.
 
     A queue the peak left behind is a wait every later arrival pays until the replicas have
     served it; the estimate from demand and capacity keeps the queue from growing but does
@@ -243,7 +243,7 @@ def drain_rate(
     if objective is None or queued is None or capacity <= 0:
         return 0.0, math.inf
     allowed = capacity * objective * QUEUE_WAIT
-    return round(max(0.0, queued - allowed) / DRAIN_TIME, 4), round(allowed, 4)
+    return round(max(0.0, queued - allowed) / DRAIN_S, 4), round(allowed, 4)
 
 
 def kind_shares(paid: float, plain_share: float | None, conversations: str) -> tuple[float, float]:
@@ -431,7 +431,6 @@ def decide_arrivals(
 
 
 __all__ = [
-    "DRAIN_TIME",
     "FULL",
     "OVERFLOW_PARTS",
     "PLAIN_PRIOR",

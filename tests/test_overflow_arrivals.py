@@ -15,7 +15,6 @@ from compiler.compile import PolicyState, compile_plan
 from policies.models import Overflow, PolicyObject, Pool, RoutingPolicy
 from signals.overflow import OverflowDecision
 from signals.overflowff import (
-    DRAIN_TIME,
     PRIOR_SHARE,
     QUEUE_WAIT,
     SAMPLE_WINDOW,
@@ -26,7 +25,7 @@ from signals.overflowff import (
     kind_shares,
     route_demand,
 )
-from signals.spill import DEADBAND, LOAD
+from signals.spill import DEADBAND, DRAIN_S, LOAD
 from signals.telemetry import TelemetryRecord
 from xdsserver.arrivals import ARRIVAL_WINDOW, ArrivalBook
 
@@ -254,7 +253,7 @@ def test_a_queue_that_lasts_with_a_share_in_force_trims_the_estimate() -> None:
 def test_the_queue_beyond_the_objective_is_drained_over_the_drain_time() -> None:
     # 5/s capacity, a 1 s objective: a request may wait 0.5 s, so 2.5 may wait.
     assert drain_rate(2.0, 5.0, 1.0) == (0.0, 2.5)
-    assert drain_rate(12.5, 5.0, 1.0) == (pytest.approx(10.0 / DRAIN_TIME), 2.5)
+    assert drain_rate(12.5, 5.0, 1.0) == (pytest.approx(10.0 / DRAIN_S), 2.5)
     # No objective, no queue reported: nothing drained.
     assert drain_rate(50.0, 5.0, None) == (0.0, math.inf)
     assert drain_rate(None, 5.0, 1.0) == (0.0, math.inf)
@@ -268,7 +267,7 @@ def test_a_queue_left_by_the_peak_goes_to_paid_until_it_is_served() -> None:
     queued = _round(calm, 5.0, now=NOW + 1, fill=1.6, queued=22.8, objective=1.0)
     capacity = PRIOR_SHARE * 8.0
     allowed = capacity * 1.0 * QUEUE_WAIT
-    drain = (22.8 - allowed) / DRAIN_TIME
+    drain = (22.8 - allowed) / DRAIN_S
     assert queued.drain == pytest.approx(5.0 * queued.paid, abs=1e-3)
     assert queued.paid == pytest.approx(min(0.5, 1 - (LOAD * capacity - drain) / 5.0), abs=1e-3)
     assert queued.paid > 0.3 and "to drain it" in queued.why and "within" in queued.why
