@@ -119,12 +119,9 @@ def change_point_rate(
     if change is not None and change <= since:
         change = None  # the window now holds only what followed it
     if change is not None and change - since >= MIN_BEFORE and now > change:
-        ahead, behind = change - since, now - change
         older = sum(1 for at in starts if at < change)
-        newer = len(starts) - older
-        pooled = max(len(starts) / (now - since), 1.0 / (now - since))
-        spread = math.sqrt(pooled * (1.0 / ahead + 1.0 / behind))
-        if abs(newer / behind - older / ahead) < HOLD_SIGMAS * spread:
+        apart = _sigmas_apart(older, change - since, len(starts) - older, now - change)
+        if apart < HOLD_SIGMAS:
             change = None  # the rates on either side agree again: it was a burst
     base = since if change is None else change
     cut = now - CHANGE_WINDOW
@@ -132,12 +129,19 @@ def change_point_rate(
     if before >= MIN_BEFORE:
         older = sum(1 for at in starts if base <= at <= cut)
         recent = sum(1 for at in starts if at > cut)
-        pooled = max((older + recent) / (now - base), 1.0 / (now - base))
-        spread = math.sqrt(pooled * (1.0 / CHANGE_WINDOW + 1.0 / before))
-        if abs(recent / CHANGE_WINDOW - older / before) > CHANGE_SIGMAS * spread:
+        if _sigmas_apart(older, before, recent, CHANGE_WINDOW) > CHANGE_SIGMAS:
             change = base = cut
     count = sum(1 for at in starts if at >= base)
     return count / (now - base), change
+
+
+def _sigmas_apart(older: int, ahead: float, newer: int, behind: float) -> float:
+    """How many standard deviations apart two Poisson rates are: `older` starts over `ahead`
+    seconds against `newer` over the `behind` seconds that followed, the deviation of their
+    difference taken at their pooled rate (at least one start over both spans)."""
+    pooled = max(older + newer, 1) / (ahead + behind)
+    spread = math.sqrt(pooled * (1.0 / ahead + 1.0 / behind))
+    return abs(newer / behind - older / ahead) / spread
 
 
 def _seconds(value: Any) -> float:
