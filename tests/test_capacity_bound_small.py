@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from policies.models import BOUNDED_LOAD_LADDER
 from signals.saturation import (
     CALM_SHARE,
     LADDER_MIN_BATCH,
@@ -22,7 +23,6 @@ from signals.saturation import (
     usable_batch,
 )
 
-LADDER = (100, 125, 150, 200, 300)
 USUAL = 125
 SATURATED_AT = saturated_fill(USUAL)  # 0.8
 NOW = 1000.0
@@ -38,7 +38,13 @@ def decide(
     """One round for a pool whose every replica holds the mean (so the fill is mean / batch)."""
     fill = None if load is None else load[0] / load[1]
     return decide_capacity_route(
-        previous, load, fill, now=now, ladder=LADDER, usual=USUAL, saturated_at=saturated_at
+        previous,
+        load,
+        fill,
+        now=now,
+        ladder=BOUNDED_LOAD_LADDER,
+        usual=USUAL,
+        saturated_at=saturated_at,
     )
 
 
