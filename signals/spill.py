@@ -56,10 +56,10 @@ deviations of it (32 for 4 replicas of 16 slots) is chance, more is a queue to d
 known, ``trim`` falls only for a queue beyond Q0 that lasts ``LASTING`` seconds (the drain
 term takes the one that formed before the spill; a batch fill over ``HIGH_FILL`` within Q0 is
 the queue of a load at capacity, which feed-forward sets) and rises only for a fill under
-``LOW_FILL`` that lasts as long (at ``LOAD`` of its capacity a locality's fill dips under it by
-chance, one standard deviation at 64 slots, and a ``trim`` raised then under-spills), and a move of ``keep`` under ``DEADBAND`` is made
-once it has waited ``SETTLE`` seconds, so ``keep`` settles on the estimate rather than up to
-5 points off it.
+``LOW_FILL`` that lasts as long (at ``LOAD`` of its capacity a locality's fill dips under it
+by chance, one standard deviation at 64 slots, and a ``trim`` raised then under-spills), and
+a move of ``keep`` under ``DEADBAND`` is made once it has waited ``SETTLE`` seconds, so
+``keep`` settles on the estimate rather than up to 5 points off it.
 
 With feed-forward the factor also counts priority 0's healthy share h: Envoy gives it
 ``h x factor``, so the factor is ``keep / h``, never more than Envoy's own 140 (health
