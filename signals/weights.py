@@ -149,6 +149,13 @@ class WeightParams:
     """A replica counts as fit for the next level up at this share of it or faster."""
     capacity_confirm: int = 2
     """Consecutive records that must agree before the capacity factor moves."""
+    prefill_busy: float = 2.0
+    """A record whose prompt tokens prefilled per output token are above this multiple of
+    the pool's median (``prefill_floor`` at least) is no evidence of speed either way: its
+    steps carried prompts the others did not (a burst of new documents)."""
+    prefill_floor: float = 0.5
+    """The least pool median ``prefill_busy`` is taken of: in a pool whose prompts are all
+    cached a few tokens of a question are not a burst."""
 
 
 SIGNAL_WEIGHTS = {"queue": 1.0, "running": 0.5, "kv": 0.5, "tokens": 0.5}
@@ -316,6 +323,17 @@ def capacity_weights(
         if record.median_time_per_output_token is not None
     }
     typical_reference = _pool_reference(medians, len(fresh))
+    prefills = {
+        key: record.prefill_per_token
+        for key, record in fresh.items()
+        if record.prefill_per_token is not None
+    }
+    prefill_reference = _pool_reference(prefills, len(fresh))
+    busy_above = (
+        None
+        if prefill_reference is None
+        else params.prefill_busy * max(prefill_reference, params.prefill_floor)
+    )
     levels = sorted(params.capacity_levels, reverse=True)
     out: dict[str, WeightDecision] = {}
     for endpoint in endpoints:
@@ -340,8 +358,13 @@ def capacity_weights(
             # replica busy with long prompts has a high mean TPOT at full speed (it must not
             # fall), and the others' long prefill steps inflate the pool's reference, so a
             # half-speed replica can look fast (it must not rise).
+            prefill = prefills.get(key)
             median_says: bool | None
-            if not medians:
+            if busy_above is not None and prefill is not None and prefill > busy_above:
+                # Busy, not slow: its steps carried prompts the pool's did not. No evidence
+                # either way; a run of slow records goes on past it.
+                median_says = None
+            elif not medians:
                 # No medians in the pool (a server without the histogram): the mean alone.
                 median_says = slower or (rise_to is not None and speed >= rise_to)
             elif not slower and (rise_to is None or speed < rise_to):

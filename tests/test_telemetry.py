@@ -223,6 +223,32 @@ def test_time_per_output_token_is_the_mean_between_scrapes() -> None:
     assert idle.time_per_output_token is None  # no token generated: no evidence
 
 
+def test_prefill_per_token_is_the_uncached_prompt_tokens_per_output_token() -> None:
+    def scrape(queries: float, hits: float, tokens: float) -> str:
+        return (
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f"vllm:prefix_cache_queries_total {queries}\n"
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f"vllm:prefix_cache_hits_total {hits}\n"
+            "# TYPE vllm:time_per_output_token_seconds histogram\n"
+            f'vllm:time_per_output_token_seconds_bucket{{le="+Inf"}} {tokens}\n'
+            f"vllm:time_per_output_token_seconds_sum {tokens * 0.02}\n"
+            f"vllm:time_per_output_token_seconds_count {tokens}\n"
+        )
+
+    first, counters = extract(parse_samples(scrape(1000, 800, 100)), VLLM, at=1.0)
+    assert first.prefill_per_token is None  # totals since start say nothing about now
+    # 5,000 prompt tokens asked, 1,000 found cached: 4,000 prefilled for 200 output tokens.
+    burst, counters = extract(
+        parse_samples(scrape(6000, 1800, 300)), VLLM, at=2.0, previous=counters
+    )
+    assert burst.prefill_per_token == pytest.approx(20.0)
+    decoding, _ = extract(parse_samples(scrape(6000, 1800, 500)), VLLM, at=3.0, previous=counters)
+    assert decoding.prefill_per_token == 0.0  # no prompt in the interval: all decode
+    idle, _ = extract(parse_samples(scrape(6000, 1800, 300)), VLLM, at=3.0, previous=counters)
+    assert idle.prefill_per_token is None  # no token generated: no evidence
+
+
 def test_median_time_per_output_token_shrugs_off_a_few_long_prefill_steps() -> None:
     """Two engines of one replica (summed bucket by bucket), vLLM V1's histogram name. Between
     the scrapes 200 tokens came at about 14 ms and 16 in steps stalled by a long prefill
