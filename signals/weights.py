@@ -30,6 +30,14 @@ sets only what changes slowly: how fast each replica is.
   about 2x apart, so the median says whether, the mean says how much). A record with too
   few tokens for a median (a slowed replica decoding one sequence) is no evidence either
   way: it neither counts towards a fall nor breaks a run of slow records.
+- Busy with prompts the pool does not have: a burst of new documents on one replica puts a
+  prefill chunk into most of its steps, and then its median TPOT reads it at a third of
+  its speed too. The record's prompt tokens prefilled per output token (the prefix cache's
+  queries less its hits) say so: above ``prefill_busy`` (2) times the pool's median (at
+  least ``prefill_floor``), the record is no evidence either way, as above. In the
+  scenario benchmark's documents mix such bursts cut a replica of a fleet of equal
+  replicas to 50 and back, 3 to 6 ring changes a run that moved sessions off their
+  caches; a slow replica prefills what the others do and still falls.
 - Capacity factor, on a ladder of levels (``capacity_levels``: 1, 0.7, 0.5, 0.35, 0.25). It
   falls only after ``capacity_confirm`` consecutive records put the replica below
   ``capacity_band`` times its level, straight to the level nearest the last one's speed
