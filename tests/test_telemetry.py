@@ -206,14 +206,20 @@ def test_the_write_band_lets_noise_through_only_on_refresh() -> None:
     assert band.moved(decoding, decoding.model_copy(update={"time_per_output_token": None}))
 
 
+def histogram(name: str, seconds: float, count: float) -> str:
+    """A histogram with only its +Inf bucket, in Prometheus text: `count` observations that
+    sum to `seconds`."""
+    return (
+        f"# TYPE {name} histogram\n"
+        f'{name}_bucket{{le="+Inf"}} {count}\n'
+        f"{name}_sum {seconds}\n"
+        f"{name}_count {count}\n"
+    )
+
+
 def test_time_per_output_token_is_the_mean_between_scrapes() -> None:
     def scrape(seconds: float, tokens: float) -> str:
-        return (
-            "# TYPE vllm:time_per_output_token_seconds histogram\n"
-            f'vllm:time_per_output_token_seconds_bucket{{le="+Inf"}} {tokens}\n'
-            f"vllm:time_per_output_token_seconds_sum {seconds}\n"
-            f"vllm:time_per_output_token_seconds_count {tokens}\n"
-        )
+        return histogram("vllm:time_per_output_token_seconds", seconds, tokens)
 
     first, counters = extract(parse_samples(scrape(10.0, 500)), VLLM, at=1.0)
     assert first.time_per_output_token is None  # totals since start say nothing about now
@@ -230,11 +236,7 @@ def test_prefill_per_token_is_the_uncached_prompt_tokens_per_output_token() -> N
             f"vllm:prefix_cache_queries_total {queries}\n"
             "# TYPE vllm:prefix_cache_hits counter\n"
             f"vllm:prefix_cache_hits_total {hits}\n"
-            "# TYPE vllm:time_per_output_token_seconds histogram\n"
-            f'vllm:time_per_output_token_seconds_bucket{{le="+Inf"}} {tokens}\n'
-            f"vllm:time_per_output_token_seconds_sum {tokens * 0.02}\n"
-            f"vllm:time_per_output_token_seconds_count {tokens}\n"
-        )
+        ) + histogram("vllm:time_per_output_token_seconds", tokens * 0.02, tokens)
 
     first, counters = extract(parse_samples(scrape(1000, 800, 100)), VLLM, at=1.0)
     assert first.prefill_per_token is None  # totals since start say nothing about now
@@ -309,13 +311,8 @@ def test_time_to_first_token_is_the_mean_since_the_last_first_token_while_the_re
     None
 ):
     def scrape(seconds: float, count: float, running: int) -> str:
-        return (
-            f"vllm:num_requests_running {running}\n"
-            "vllm:num_requests_waiting 0\n"
-            "# TYPE vllm:time_to_first_token_seconds histogram\n"
-            f'vllm:time_to_first_token_seconds_bucket{{le="+Inf"}} {count}\n'
-            f"vllm:time_to_first_token_seconds_sum {seconds}\n"
-            f"vllm:time_to_first_token_seconds_count {count}\n"
+        return (f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n") + histogram(
+            "vllm:time_to_first_token_seconds", seconds, count
         )
 
     first, counters = extract(parse_samples(scrape(50.0, 100, 4)), VLLM, at=1.0)
