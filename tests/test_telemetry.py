@@ -311,9 +311,8 @@ def test_time_to_first_token_is_the_mean_since_the_last_first_token_while_the_re
     None
 ):
     def scrape(seconds: float, count: float, running: int) -> str:
-        return (f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n") + histogram(
-            "vllm:time_to_first_token_seconds", seconds, count
-        )
+        counts = f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n"
+        return counts + histogram("vllm:time_to_first_token_seconds", seconds, count)
 
     first, counters = extract(parse_samples(scrape(50.0, 100, 4)), VLLM, at=1.0)
     assert first.ttft is None  # totals since start say nothing about now
