@@ -131,7 +131,7 @@ def test_the_excess_over_capacity_bounds_what_overflow_can_save() -> None:
 
 
 def test_capacity_is_measured_only_while_every_owned_replica_is_full() -> None:
-    full = {"replica-0": 8, "replica-1": 9}
+    full: dict[str, float] = {"replica-0": 8, "replica-1": 9}
     samples = [
         LoadSample(at=10.0, in_flight={"replica-0": 8, "replica-1": 3}),  # one has room
         *(LoadSample(at=11.0 + i, in_flight=full) for i in range(6)),  # 11 to 17: all full
@@ -142,7 +142,9 @@ def test_capacity_is_measured_only_while_every_owned_replica_is_full() -> None:
     results = [result(end - 2.0, "replica-0", 1.0) for end in ends]  # latency = ttft + 1
     results.append(result(12.0, "paid-0", 1.0, session="d1"))  # paid: not the owned's
     run = RunResult(results=results, samples=samples, wall_seconds=20.0, timed_out=False)
-    assert full_rate(run, 8, (0.0, 30.0)) == FullRate(rate=pytest.approx(4 / 6), seconds=6.0)
+    measured = full_rate(run, 8, (0.0, 30.0))
+    assert measured is not None
+    assert (measured.rate, measured.seconds) == (pytest.approx(4 / 6), 6.0)
     # Full for less than 5 s: no measure. Nor outside the window.
     assert full_rate(run, 9, (0.0, 30.0)) is None
     assert full_rate(run, 8, (14.0, 30.0)) is None
