@@ -144,7 +144,7 @@ def test_capacity_is_measured_only_while_every_owned_replica_is_full() -> None:
     run = RunResult(results=results, samples=samples, wall_seconds=20.0, timed_out=False)
     measured = full_rate(run, 8, (0.0, 30.0))
     assert measured is not None
-    assert (measured.rate, measured.seconds) == (pytest.approx(4 / 6), 6.0)
+    assert measured.rate == pytest.approx(4 / 6) and measured.seconds == 6.0
     # Full for less than 5 s: no measure. Nor outside the window.
     assert full_rate(run, 9, (0.0, 30.0)) is None
     assert full_rate(run, 8, (14.0, 30.0)) is None
