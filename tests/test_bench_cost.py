@@ -12,8 +12,8 @@ import pytest
 from harness.golden import BENCH, check, updating
 
 from bench.cost.config import PAID_POOL, Phase, Prices, default_config
-from bench.cost.report import markdown, summarize, targets
-from bench.cost.results import CostSummary, Dollars
+from bench.cost.report import full_rate, markdown, measured_floor, summarize, targets
+from bench.cost.results import CostSummary, Dollars, FullRate, PhaseRow
 from bench.cost.spend import PoolSpend, between, differences, from_responses, from_view
 from bench.rig.loadgen import LoadSample, RequestResult, RunResult
 from bench.rig.stack import POOL
@@ -128,6 +128,54 @@ def test_overflow_by_arrivals_is_judged_against_the_loop_only_when_it_ran() -> N
 def test_the_excess_over_capacity_bounds_what_overflow_can_save() -> None:
     # Base 10 s at 0.5, peak 10 s at 1.5: 5 of 20 load-seconds are above capacity.
     assert CONFIG.excess_share() == pytest.approx(0.25)
+
+
+def test_capacity_is_measured_only_while_every_owned_replica_is_full() -> None:
+    full: dict[str, float] = {"replica-0": 8, "replica-1": 9}
+    samples = [
+        LoadSample(at=10.0, in_flight={"replica-0": 8, "replica-1": 3}),  # one has room
+        *(LoadSample(at=11.0 + i, in_flight=full) for i in range(6)),  # 11 to 17: all full
+        LoadSample(at=17.0, in_flight={"replica-0": 2, "replica-1": 2}),
+        LoadSample(at=18.0, in_flight={"replica-0": 2, "replica-1": 2}),
+    ]
+    ends = [10.5, 11.5, 12.0, 13.2, 16.9, 17.5]  # four end inside the full 6 s
+    results = [result(end - 2.0, "replica-0", 1.0) for end in ends]  # latency = ttft + 1
+    results.append(result(12.0, "paid-0", 1.0, session="d1"))  # paid: not the owned's
+    run = RunResult(results=results, samples=samples, wall_seconds=20.0, timed_out=False)
+    measured = full_rate(run, 8, (0.0, 30.0))
+    assert measured is not None
+    assert measured.rate == pytest.approx(4 / 6) and measured.seconds == 6.0
+    # Full for less than 5 s: no measure. Nor outside the window.
+    assert full_rate(run, 9, (0.0, 30.0)) is None
+    assert full_rate(run, 8, (14.0, 30.0)) is None
+
+
+def test_the_measured_floor_counts_the_offered_requests_above_the_measured_capacity() -> None:
+    quiet = summarize(RunResult(results=[], samples=[], wall_seconds=0.0, timed_out=False), CONFIG)
+
+    def phases(base: int, peak: int, paid: float = 0.0) -> dict[str, PhaseRow]:
+        return {"base": PhaseRow(base, paid, 1.0), "peak": PhaseRow(peak, paid, 1.0)}
+
+    # Owned only finished 2 requests/s while full; the other policies answered more of the
+    # peak (its turns came back sooner): 40 offered there, 20 above 2/s over 10 s.
+    owned = replace(quiet, phases=phases(10, 25), owned_full=FullRate(2.0, 8.0))
+    static = replace(quiet, phases=phases(10, 40), dollars=Dollars(0.0, 10.0), paid_requests=10)
+    aware = replace(quiet, phases=phases(10, 38), dollars=Dollars(0.0, 10.0), paid_requests=20)
+    floor = measured_floor(
+        {"owned_only": owned, "static_split": static, "cost_aware": aware}, CONFIG
+    )
+    assert floor is not None
+    assert floor.excess == pytest.approx(20.0)
+    assert floor.share == pytest.approx(20 / 50)
+    # 50 requests over 20 load-seconds: 2.5/s at 100%, so 2/s is 80% of it.
+    assert floor.nominal == pytest.approx(0.8)
+    # At cost-aware's $0.50 a paid request (cheaper than the static split's $1): $10, 1.0x.
+    assert floor.spend == pytest.approx(1.0)
+    assert measured_floor({"static_split": static, "cost_aware": aware}, CONFIG) is None
+    rendered = markdown(
+        {1: {"owned_only": owned, "static_split": static, "cost_aware": aware}}, CONFIG
+    )
+    assert "| 1 | 2.00 (80%) | 20 requests (40.0%) | 1.00x | 1.00x |" in rendered
 
 
 def test_the_report_rendered_from_a_runs_file_is_the_committed_markdown() -> None:

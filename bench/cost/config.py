@@ -22,7 +22,8 @@ Each policy replays the same requests, one after the other on the same stack:
 - cost-aware by arrivals (run only when named with ``--policies``): ``signal: arrivals``,
   the paid share from the route's arrival rate against the owned replicas' capacity
   measured at full batches (``signals.overflowff``), with the benchmark's TTFT objective
-  (``ttft: 1s``) so that a queue beyond it is drained to the paid API.
+  (``ttft: 1s``) so that a queue beyond it is drained to the paid API; and (also only when
+  named) the same with an objective of 2 s, which holds a longer queue on the owned replicas.
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
@@ -126,6 +127,15 @@ POLICIES: tuple[Policy, ...] = (
         "cost_aware_arrivals",
         "cost-aware by arrivals",
         {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "arrivals", "ttft": "1s"}},
+        default=False,
+    ),
+    # The same with an objective twice the benchmark's: a longer queue is held on the owned
+    # replicas before it is drained. Where the objective sits between paid spend and the
+    # peak's latency.
+    Policy(
+        "cost_aware_arrivals_2s",
+        "cost-aware by arrivals, objective 2 s",
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "arrivals", "ttft": "2s"}},
         default=False,
     ),
 )

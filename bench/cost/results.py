@@ -41,6 +41,14 @@ class PhaseRow:
 
 
 @dataclass(frozen=True)
+class FullRate:
+    """Requests per second the owned replicas finished while all full, and over how long."""
+
+    rate: float
+    seconds: float
+
+
+@dataclass(frozen=True)
 class PaidDollars:
     """The paid pool's dollars over one replay, by kvpilot's spend and from the responses."""
 
@@ -103,21 +111,26 @@ class CostSummary:
     budget_overshoot: float | None
     """Always None: no pool has a budget yet."""
     phases: dict[str, PhaseRow] = field(default_factory=dict)
+    owned_full: FullRate | None = None
+    """How fast the owned replicas finished requests while every one of them had a full
+    batch: their measured capacity (``bench.cost.report.full_rate``); None when they never
+    were all full for long enough (and in files of older runs)."""
     spend: SpendCheck | None = None
     """kvpilot's spend against the responses' usage (files of older runs have none)."""
     wall_seconds: float = 0.0
     timed_out: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return without_none(asdict(self), "spend")
+        return without_none(asdict(self), "spend", "owned_full")
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CostSummary:
         """The numbers as a run's JSON file holds them (``results[policy]``)."""
         return cls(
-            **known(cls, data, "dollars", "dollars_per_1k", "phases", "spend"),
+            **known(cls, data, "dollars", "dollars_per_1k", "phases", "spend", "owned_full"),
             dollars=Dollars(**data["dollars"]),
             dollars_per_1k=Dollars(**data["dollars_per_1k"]),
             phases={name: PhaseRow(**row) for name, row in data.get("phases", {}).items()},
             spend=SpendCheck.from_json(data["spend"]) if "spend" in data else None,
+            owned_full=FullRate(**data["owned_full"]) if "owned_full" in data else None,
         )

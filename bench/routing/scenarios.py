@@ -145,6 +145,22 @@ SUITE_POLICIES: tuple[Policy, ...] = (
             "sessionAffinity": {**_RECOMMENDED_AFFINITY, "capacityBound": True},
         },
     ),
+    # The recommended route with a sixth, looser rung: 450% (its hashBalanceFactor, which a
+    # capacityBound route adds to the ladder). What a looser top while calm is measured by
+    # against the five-rung ladder; run only when named.
+    Policy(
+        "kvpilot_450",
+        "kvpilot: capacityBound, ladder up to 450%",
+        {
+            "balancing": "telemetry",
+            "sessionAffinity": {
+                **_RECOMMENDED_AFFINITY,
+                "capacityBound": True,
+                "hashBalanceFactor": 450,
+            },
+        },
+        default=False,
+    ),
     # The recommended route with `capacityBound: false`: two fixed bounds, 125% and 100% while
     # saturated. What the capacity bound refines, so it runs by default.
     _recommended_with(
