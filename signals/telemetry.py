@@ -60,6 +60,14 @@ class TelemetryRecord(BaseModel):
         "prefill stalls every sequence of the batch) move the mean but not the median, so "
         "the median tells a slow replica from a busy one.",
     )
+    prefill_per_token: float | None = Field(
+        None,
+        ge=0,
+        description="Prompt tokens prefilled since the previous scrape (the prefix cache's "
+        "queries less its hits) per output token in the same time: how much of the "
+        "replica's steps went to prompts. A replica that prefills several times what its "
+        "pool does is busy, not slow, however long its tokens took.",
+    )
     ttft: float | None = Field(
         None,
         gt=0,
@@ -345,6 +353,8 @@ def extract(
         tokens = _delta(counters.token_count, previous.token_count)
         if tokens and seconds:
             values["time_per_output_token"] = seconds / tokens
+        if tokens and asked is not None and found_hits is not None:
+            values["prefill_per_token"] = round(max(0.0, asked - found_hits) / tokens, 6)
         median = _median(counters.token_buckets, previous.token_buckets)
         if median:
             values["median_time_per_output_token"] = median

@@ -30,6 +30,14 @@ sets only what changes slowly: how fast each replica is.
   about 2x apart, so the median says whether, the mean says how much). A record with too
   few tokens for a median (a slowed replica decoding one sequence) is no evidence either
   way: it neither counts towards a fall nor breaks a run of slow records.
+- Busy with prompts the pool does not have: a burst of new documents on one replica puts a
+  prefill chunk into most of its steps, and then its median TPOT reads it at a third of
+  its speed too. The record's prompt tokens prefilled per output token (the prefix cache's
+  queries less its hits) say so: above ``prefill_busy`` (2) times the pool's median (at
+  least ``prefill_floor``), the record is no evidence either way, as above. In the
+  scenario benchmark's documents mix such bursts cut a replica of a fleet of equal
+  replicas to 50 and back, 3 to 6 ring changes a run that moved sessions off their
+  caches; a slow replica prefills what the others do and still falls.
 - Capacity factor, on a ladder of levels (``capacity_levels``: 1, 0.7, 0.5, 0.35, 0.25). It
   falls only after ``capacity_confirm`` consecutive records put the replica below
   ``capacity_band`` times its level, straight to the level nearest the last one's speed
@@ -149,6 +157,13 @@ class WeightParams:
     """A replica counts as fit for the next level up at this share of it or faster."""
     capacity_confirm: int = 2
     """Consecutive records that must agree before the capacity factor moves."""
+    prefill_busy: float = 2.0
+    """A record whose prompt tokens prefilled per output token are above this multiple of
+    the pool's median (``prefill_floor`` at least) is no evidence of speed either way: its
+    steps carried prompts the others did not (a burst of new documents)."""
+    prefill_floor: float = 0.5
+    """The least pool median ``prefill_busy`` is taken of: in a pool whose prompts are all
+    cached a few tokens of a question are not a burst."""
 
 
 SIGNAL_WEIGHTS = {"queue": 1.0, "running": 0.5, "kv": 0.5, "tokens": 0.5}
@@ -316,6 +331,17 @@ def capacity_weights(
         if record.median_time_per_output_token is not None
     }
     typical_reference = _pool_reference(medians, len(fresh))
+    prefills = {
+        key: record.prefill_per_token
+        for key, record in fresh.items()
+        if record.prefill_per_token is not None
+    }
+    prefill_reference = _pool_reference(prefills, len(fresh))
+    busy_above = (
+        None
+        if prefill_reference is None
+        else params.prefill_busy * max(prefill_reference, params.prefill_floor)
+    )
     levels = sorted(params.capacity_levels, reverse=True)
     out: dict[str, WeightDecision] = {}
     for endpoint in endpoints:
@@ -340,8 +366,13 @@ def capacity_weights(
             # replica busy with long prompts has a high mean TPOT at full speed (it must not
             # fall), and the others' long prefill steps inflate the pool's reference, so a
             # half-speed replica can look fast (it must not rise).
+            prefill = prefills.get(key)
             median_says: bool | None
-            if not medians:
+            if busy_above is not None and prefill is not None and prefill > busy_above:
+                # Busy, not slow: its steps carried prompts the pool's did not. No evidence
+                # either way; a run of slow records goes on past it.
+                median_says = None
+            elif not medians:
                 # No medians in the pool (a server without the histogram): the mean alone.
                 median_says = slower or (rise_to is not None and speed >= rise_to)
             elif not slower and (rise_to is None or speed < rise_to):

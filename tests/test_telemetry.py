@@ -206,14 +206,20 @@ def test_the_write_band_lets_noise_through_only_on_refresh() -> None:
     assert band.moved(decoding, decoding.model_copy(update={"time_per_output_token": None}))
 
 
+def histogram(name: str, seconds: float, count: float) -> str:
+    """A histogram with only its +Inf bucket, in Prometheus text: `count` observations that
+    sum to `seconds`."""
+    return (
+        f"# TYPE {name} histogram\n"
+        f'{name}_bucket{{le="+Inf"}} {count}\n'
+        f"{name}_sum {seconds}\n"
+        f"{name}_count {count}\n"
+    )
+
+
 def test_time_per_output_token_is_the_mean_between_scrapes() -> None:
     def scrape(seconds: float, tokens: float) -> str:
-        return (
-            "# TYPE vllm:time_per_output_token_seconds histogram\n"
-            f'vllm:time_per_output_token_seconds_bucket{{le="+Inf"}} {tokens}\n'
-            f"vllm:time_per_output_token_seconds_sum {seconds}\n"
-            f"vllm:time_per_output_token_seconds_count {tokens}\n"
-        )
+        return histogram("vllm:time_per_output_token_seconds", seconds, tokens)
 
     first, counters = extract(parse_samples(scrape(10.0, 500)), VLLM, at=1.0)
     assert first.time_per_output_token is None  # totals since start say nothing about now
@@ -221,6 +227,28 @@ def test_time_per_output_token_is_the_mean_between_scrapes() -> None:
     assert second.time_per_output_token == pytest.approx(0.06)
     idle, _ = extract(parse_samples(scrape(16.0, 600)), VLLM, at=3.0, previous=counters)
     assert idle.time_per_output_token is None  # no token generated: no evidence
+
+
+def test_prefill_per_token_is_the_uncached_prompt_tokens_per_output_token() -> None:
+    def scrape(queries: float, hits: float, tokens: float) -> str:
+        return (
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f"vllm:prefix_cache_queries_total {queries}\n"
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f"vllm:prefix_cache_hits_total {hits}\n"
+        ) + histogram("vllm:time_per_output_token_seconds", tokens * 0.02, tokens)
+
+    first, counters = extract(parse_samples(scrape(1000, 800, 100)), VLLM, at=1.0)
+    assert first.prefill_per_token is None  # totals since start say nothing about now
+    # 5,000 prompt tokens asked, 1,000 found cached: 4,000 prefilled for 200 output tokens.
+    burst, counters = extract(
+        parse_samples(scrape(6000, 1800, 300)), VLLM, at=2.0, previous=counters
+    )
+    assert burst.prefill_per_token == pytest.approx(20.0)
+    decoding, _ = extract(parse_samples(scrape(6000, 1800, 500)), VLLM, at=3.0, previous=counters)
+    assert decoding.prefill_per_token == 0.0  # no prompt in the interval: all decode
+    idle, _ = extract(parse_samples(scrape(6000, 1800, 300)), VLLM, at=3.0, previous=counters)
+    assert idle.prefill_per_token is None  # no token generated: no evidence
 
 
 def test_median_time_per_output_token_shrugs_off_a_few_long_prefill_steps() -> None:
@@ -283,14 +311,8 @@ def test_time_to_first_token_is_the_mean_since_the_last_first_token_while_the_re
     None
 ):
     def scrape(seconds: float, count: float, running: int) -> str:
-        return (
-            f"vllm:num_requests_running {running}\n"
-            "vllm:num_requests_waiting 0\n"
-            "# TYPE vllm:time_to_first_token_seconds histogram\n"
-            f'vllm:time_to_first_token_seconds_bucket{{le="+Inf"}} {count}\n'
-            f"vllm:time_to_first_token_seconds_sum {seconds}\n"
-            f"vllm:time_to_first_token_seconds_count {count}\n"
-        )
+        counts = f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n"
+        return counts + histogram("vllm:time_to_first_token_seconds", seconds, count)
 
     first, counters = extract(parse_samples(scrape(50.0, 100, 4)), VLLM, at=1.0)
     assert first.ttft is None  # totals since start say nothing about now

@@ -327,10 +327,13 @@ def _rounds(
     others: float = 0.03,
     medians: list[float | None] | None = None,
     others_median: float | None = None,
+    prefills: list[float | None] | None = None,
+    others_prefill: float | None = None,
 ) -> list[int]:
     """Feed one record per round (replica 0's TPOT, the others at `others`; with `medians`,
-    replica 0's median TPOT, the others' at `others_median`); replica 0's weight after each
-    round."""
+    replica 0's median TPOT, the others' at `others_median`; with `prefills`, replica 0's
+    prompt tokens prefilled per output token, the others' at `others_prefill`); replica 0's
+    weight after each round."""
     previous: dict[str, WeightDecision] = {}
     weights = []
     for index, tpot in enumerate(tpots):
@@ -341,6 +344,9 @@ def _rounds(
                 time_per_output_token=tpot if i == 0 else others,
                 median_time_per_output_token=(
                     None if medians is None else medians[index] if i == 0 else others_median
+                ),
+                prefill_per_token=(
+                    None if prefills is None else prefills[index] if i == 0 else others_prefill
                 ),
             )
             for i, e in enumerate(CAPACITY_ENDPOINTS)
@@ -394,6 +400,36 @@ def test_a_replica_busy_with_long_prompts_is_not_slow() -> None:
     """Its long prefill steps triple the mean TPOT, but most of its tokens come at the usual
     pace: the median (0.0177 s, like the others') says it is busy, not slow."""
     assert _rounds([0.09] * 4, medians=[0.0177] * 4, others_median=0.0177) == [100] * 4
+
+
+def test_a_replica_that_prefills_what_the_pool_does_not_is_busy_not_slow() -> None:
+    """A burst of new documents on one replica of a pool of equal replicas: its steps carry
+    their prompts, so even its median TPOT reads it at a third of the others' speed. It
+    prefilled 12 prompt tokens per output token where the others prefilled 0.6: busy, not
+    slow, and its share of the ring stays (a cut would move sessions away from their
+    caches)."""
+    burst: list[float | None] = [12.0] * 4
+    assert (
+        _rounds(
+            [0.09] * 4,
+            medians=[0.0375] * 4,
+            others_median=0.0177,
+            prefills=burst,
+            others_prefill=0.6,
+        )
+        == [100] * 4
+    )
+    # A slow replica prefills what the others do: it falls as before, and a burst among its
+    # records is no evidence either way (it does not break the run).
+    assert _rounds(
+        [0.09] * 3,
+        medians=[0.0375] * 3,
+        others_median=0.0177,
+        prefills=[0.7, 12.0, 0.5],
+        others_prefill=0.6,
+    ) == [100, 100, 35]
+    # Where every prompt is cached, a question's few tokens are not a burst.
+    assert _rounds([0.09] * 3, prefills=[0.3] * 3, others_prefill=0.05) == [100, 35, 35]
 
 
 def test_the_median_says_whether_the_mean_says_how_much() -> None:

@@ -114,6 +114,14 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         bounded_load(_STANDARD["affinity"], 0, "chash", "consistent hash, no bound"),
         default=True,
     ),
+    # The same again on its own replicas (A/A): how far two fleets making the same decisions
+    # land apart in one run, the noise of "at most 1.0x a consistent hash".
+    replace(
+        bounded_load(
+            _STANDARD["affinity"], 0, "chash_copy", "consistent hash, no bound (second copy, A/A)"
+        ),
+        default=False,
+    ),
     # The capacity-weight oracle: affinity alone whose ring shares are the true speeds. Run
     # where replicas differ in speed only: elsewhere it is affinity alone.
     replace(
