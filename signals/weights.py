@@ -49,7 +49,7 @@ sets only what changes slowly: how fast each replica is.
   can read 0.75 on the mean while its median stays one bucket up (about half).
   The fall band is wide (0.65): a replica that only looks slower because it is busier
   (its steps carry more prefill) stays put, a half-speed or 3x-slowed one does not. The
-  agents write a record that moved the speed and the two after it (``WriteBand.speed``),
+  agents write a record that moved the speed and the two after it (``signals.writeband.WriteBand.speed``),
   so two slow records in a row arrive within three scrape intervals.
 - ``weight_e = static_weight_e * factor_e``. Bounded load takes the weight into account too
   (a host's share of in-flight requests is capped in proportion to its weight), so a slow

@@ -10,7 +10,8 @@ import pytest
 
 from replicasim.lora import LoraSlots, UnknownAdapter
 from signals.discovery import Discovered, DiscoveryError, lora_adapters, parse_models
-from signals.telemetry import TelemetryRecord, WriteBand
+from signals.telemetry import TelemetryRecord
+from signals.writeband import WriteBand
 
 VLLM_MODELS = {
     "object": "list",

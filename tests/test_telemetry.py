@@ -11,11 +11,11 @@ from signals.telemetry import (
     Counters,
     MetricMap,
     TelemetryRecord,
-    WriteBand,
     extract,
     metric_map_for,
     parse_samples,
 )
+from signals.writeband import WriteBand
 
 VLLM_V1 = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -20,7 +20,7 @@ notice is out it registers every backend as draining, and Envoy stops sending it
 
 Cheap by design: one HTTP client for all backends, a cap on the size of a scrape, a scrape
 timeout shorter than the interval, and a record is written only when it moved beyond its
-band (``signals.telemetry.WriteBand``) from the one last written, or every ``--refresh``
+band (``signals.writeband.WriteBand``) from the one last written, or every ``--refresh``
 seconds to keep it fresh: at 10,000 endpoints that keeps etcd well under 2,000 writes a second
 (``python -m bench controlplane``).
 """
@@ -58,11 +58,11 @@ from signals.telemetry import (
     Counters,
     MetricMap,
     TelemetryRecord,
-    WriteBand,
     extract,
     metric_map_for,
     parse_samples,
 )
+from signals.writeband import WriteBand
 
 log = logging.getLogger("kvpilot.agent")
 
