@@ -78,10 +78,10 @@ FULL_MIN_SECONDS = 5.0
 
 
 def full_rate(run: RunResult, batch: int, window: tuple[float, float]) -> FullRate | None:
-    """How fast the owned replicas finished requests while
-    every one of them had a full batch (``batch`` or more in flight, so requests waited),
-    within `window`: their capacity as measured, with the workload's own mix and cache hits.
-    None when they were all full for less than ``FULL_MIN_SECONDS``.
+    """How fast the owned replicas finished requests while every one of them had a full
+    batch (``batch`` or more in flight, so requests waited), within `window`: their capacity
+    as measured, with the workload's own mix and cache hits. None when they were all full
+    for less than ``FULL_MIN_SECONDS``.
 
     Each load sample stands for the time until the next one; a request counts where it
     ended (its start plus its latency)."""
@@ -475,7 +475,8 @@ def markdown(results: Results, config: CostConfig) -> str:
         f"Bound: {excess:.1%} of the measured load is above the owned capacity "
         "(estimated at perfect affinity, an upper bound on capacity). A policy that keeps its latency at the peak sends at least that "
         "to the paid API; the static split sends 20%, so its paid spend can be cut to no "
-        f"less than about {excess / 0.2:.2f}x of it (tokens and prices alike).",
+        f"less than about {excess / 0.2:.2f}x of it if its paid requests cost what the "
+        "static split's do (the measured bound, where the run has one, prices them).",
         *_floor_lines(results, config),
     ]
     return "\n".join(lines) + "\n"
