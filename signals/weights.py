@@ -36,7 +36,7 @@ sets only what changes slowly: how fast each replica is.
   queries less its hits) say so: above ``prefill_busy`` (2) times the pool's median (at
   least ``prefill_floor``), the record is no evidence either way, as above. In the
   scenario benchmark's documents mix such bursts cut a replica of a fleet of equal
-  replicas to 50 and back, 3 to 6 ring changes a run that moved sessions off their
+  replicas to 50 and back, 2 to 6 ring changes a run that moved sessions off their
   caches; a slow replica prefills what the others do and still falls.
 - Capacity factor, on a ladder of levels (``capacity_levels``: 1, 0.7, 0.5, 0.35, 0.25). It
   falls only after ``capacity_confirm`` consecutive records put the replica below

@@ -115,7 +115,7 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         default=True,
     ),
     # The same again on its own replicas (A/A): how far two fleets making the same decisions
-    # land apart in one run, the noise of "at most 1.0x a consistent hash".
+    # land apart in one run, the control of "at most 1.0x a consistent hash".
     replace(
         bounded_load(
             _STANDARD["affinity"], 0, "chash_copy", "consistent hash, no bound (second copy, A/A)"
@@ -146,8 +146,8 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         },
     ),
     # The recommended route with a sixth, looser rung: 450% (its hashBalanceFactor, which a
-    # capacityBound route adds to the ladder). What a looser top while calm is measured by
-    # against the five-rung ladder; run only when named.
+    # capacityBound route adds to the ladder), to measure a looser top rung while calm
+    # against the five-rung ladder (docs/bounded-load.md); run only when named.
     Policy(
         "kvpilot_450",
         "kvpilot: capacityBound, ladder up to 450%",
