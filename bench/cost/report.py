@@ -385,7 +385,7 @@ def measured_floor(
     if not total:
         return None
     excess = sum(max(0.0, offered[phase.name] - rate * phase.duration) for phase in measured)
-    at_full = sum(offered.values()) / sum(p.load * p.duration for p in measured)
+    at_full = total / sum(p.load * p.duration for p in measured)
     prices = [
         s.dollars.paid / s.paid_requests for s in per_policy.values() if s.paid_requests >= 10
     ]
