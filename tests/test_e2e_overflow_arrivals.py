@@ -121,6 +121,31 @@ def _extend(into: list[str], more: list[str]) -> list[str]:
     return into
 
 
+def _reported(rig: Rig) -> dict[str, Any]:
+    """The route's overflow status once it reports a demand and a capacity."""
+    status: dict[str, Any] = wait_until(
+        lambda: (s := overflow_status(rig))["demand"] and s["capacity"] and s,
+        30,
+        message="demand and capacity reported",
+    )
+    return status
+
+
+def _answered_by_owned(
+    paid: Any, taken: Callable[[], list[str]], owned: set[str], count: int
+) -> int:
+    """Once the paid stand-in is idle (requests drawn before the route change may still be
+    there), the next `count` answers all come from the owned replicas; the paid stand-in's
+    hits when they began."""
+    wait_until(lambda: _settled(paid), 10, message="the paid pool idle")
+    taken()
+    hits = int(paid.hits)
+    answered: list[str] = []
+    wait_until(lambda: len(_extend(answered, taken())) >= count, 20, message="answers after it")
+    assert set(answered) <= owned, answered
+    return hits
+
+
 def _settled(paid: Any) -> bool:
     """No new request reached the paid stand-in over the last half second."""
     before = paid.hits
@@ -174,11 +199,7 @@ def test_overflow_by_arrivals_sends_the_excess_to_paid_and_returns_when_demand_f
         with open_load(rig, rate) as taken:
             # Light: one request a second against four slots; their service times and the
             # route's demand are reported, nothing goes to the paid pool.
-            light = wait_until(
-                lambda: (s := overflow_status(rig))["demand"] and s["capacity"] and s,
-                30,
-                message="demand and capacity reported",
-            )
+            light = _reported(rig)
             assert light["signal"] == "arrivals" and not light["capacityMeasured"]
             assert light["demand"] == pytest.approx(1.0, rel=0.5)
             assert light["paidShare"] == 0.0 and "within" in light["why"], light
@@ -209,13 +230,7 @@ def test_overflow_by_arrivals_sends_the_excess_to_paid_and_returns_when_demand_f
             returned = time.monotonic() - calm_at
             back = overflow_status(rig)
             assert back["paidShare"] == 0.0 and back["requests"] == 0.0, back
-            # Requests drawn before the route change may still be on the paid pool.
-            wait_until(lambda: _settled(paid), 10, message="the paid pool idle")
-            taken()
-            hits = paid.hits
-            answered: list[str] = []
-            wait_until(lambda: len(_extend(answered, taken())) >= 4, 20, message="answers after it")
-            assert set(answered) <= owned, answered
+            hits = _answered_by_owned(paid, taken, owned, 4)
             assert paid.hits == hits
             print(
                 f"overflow began {took:.2f} s after the load rose, ended {returned:.2f} s after "
@@ -239,11 +254,7 @@ def test_a_queue_beyond_the_objective_is_drained_to_paid_and_the_share_returns(
     with owned_and_paid(rig, backends, etcd, etcd_prefix, route) as (owned, paid, fill):
         rate = [1.0]
         with open_load(rig, rate) as taken:
-            calm = wait_until(
-                lambda: (s := overflow_status(rig))["demand"] and s["capacity"] and s,
-                30,
-                message="demand and capacity reported",
-            )
+            calm = _reported(rig)
             assert calm["paidShare"] == 0.0 and calm["drain"] == 0.0, calm
             assert set(taken()) <= owned and paid.hits == 0
             # The demand stays within capacity, but the replicas report 18 waiting each:
@@ -264,8 +275,4 @@ def test_a_queue_beyond_the_objective_is_drained_to_paid_and_the_share_returns(
             wait_until(lambda: overflow_entries(rig) == {}, 40, message="the overflow to end")
             back = overflow_status(rig)
             assert back["paidShare"] == 0.0 and back["drain"] == 0.0, back
-            wait_until(lambda: _settled(paid), 10, message="the paid pool idle")
-            taken()
-            answered: list[str] = []
-            wait_until(lambda: len(_extend(answered, taken())) >= 3, 20, message="answers after it")
-            assert set(answered) <= owned, answered
+            _answered_by_owned(paid, taken, owned, 3)
