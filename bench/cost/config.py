@@ -129,6 +129,21 @@ POLICIES: tuple[Policy, ...] = (
         {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "arrivals", "ttft": "1s"}},
         default=False,
     ),
+    # The loop giving back sooner: a step each 2 s instead of 5 (a telemetry scrape is 1 s),
+    # and, in the second, from a pressure of 0.9 instead of 0.8 (a narrower band). Where the
+    # loop's paid spend after the peak goes.
+    Policy(
+        "cost_aware_r2",
+        "cost-aware, recover 2 s",
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "recoverInterval": "2s"}},
+        default=False,
+    ),
+    Policy(
+        "cost_aware_r2_low9",
+        "cost-aware, recover 2 s, low 0.9",
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "recoverInterval": "2s", "low": 0.9}},
+        default=False,
+    ),
     # The same with an objective twice the benchmark's: a longer queue is held on the owned
     # replicas before it is drained. Where the objective sits between paid spend and the
     # peak's latency.
