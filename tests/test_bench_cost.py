@@ -176,6 +176,10 @@ def test_the_measured_floor_counts_the_offered_requests_above_the_measured_capac
         {1: {"owned_only": owned, "static_split": static, "cost_aware": aware}}, CONFIG
     )
     assert "| 1 | 2.00 (80%) | 20 requests (40.0%) | 1.00x | 1.00x |" in rendered
+    # The load the replicas met, phase by phase, over the measured capacity: 40 in the
+    # 10 s peak is 4/s, twice the 2/s; 10 in the base, half.
+    assert floor.load["peak"] == pytest.approx(2.0)
+    assert "| 1 | 0.50 | 2.00 |" in rendered
 
 
 def test_the_report_rendered_from_a_runs_file_is_the_committed_markdown() -> None:

@@ -10,7 +10,7 @@ import functools
 import itertools
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.cost.config import PAID_PREFIX, POLICIES, CostConfig
 from bench.cost.results import CostSummary, Dollars, FullRate, PhaseRow
@@ -356,6 +356,10 @@ class MeasuredFloor:
     spend: float | None
     """`excess` at the cheapest mean price per paid request of this seed, over the static
     split's paid dollars; None without a static split."""
+    load: Mapping[str, float] = field(default_factory=dict)
+    """Per measured phase, the offered requests per second over `rate`: the load the owned
+    replicas met, which is not the phase's nominal load (a conversation started in one
+    phase sends its later turns in the next ones)."""
 
 
 def measured_floor(
@@ -401,6 +405,7 @@ def measured_floor(
         excess=excess,
         share=excess / total,
         spend=spend,
+        load={phase.name: offered[phase.name] / phase.duration / rate for phase in measured},
     )
 
 
@@ -442,6 +447,20 @@ def _floor_lines(results: Results, config: CostConfig) -> list[str]:
             f"| {seed} | {floor.rate:.2f} ({floor.nominal:.0%}) | {floor.excess:.0f} requests "
             f"({floor.share:.1%}) | {spend} | " + " | ".join(paid) + " |"
         )
+    names = [p.name for p in config.phases if p.measured]
+    lines += [
+        "",
+        "The load the owned replicas met: offered requests per second over that capacity, "
+        "phase by phase (a conversation started in one phase sends its later turns in the "
+        "next ones, so the requests per second peak after the sessions' rate does).",
+        "",
+        "| seed | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for seed, floor in floors.items():
+        if floor is not None:
+            loads = (f"{floor.load[name]:.2f}" if name in floor.load else "n/a" for name in names)
+            lines.append(f"| {seed} | " + " | ".join(loads) + " |")
     return lines
 
 
