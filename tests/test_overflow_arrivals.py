@@ -25,6 +25,7 @@ from signals.overflowff import (
     drain_rate,
     kind_shares,
     route_demand,
+    settled,
 )
 from signals.spill import DEADBAND, DRAIN_S, LOAD
 from signals.telemetry import TelemetryRecord
@@ -185,8 +186,15 @@ def test_capacity_is_the_completion_rate_of_a_full_period_and_is_held_after_it()
     decision = _round(decision, 9.0, now=NOW + 1, running=1.0, fill=1.0, completions=4.4)
     decision = _round(decision, 9.0, now=NOW + 3, running=1.0, fill=1.0, completions=4.4)
     assert not decision.measured
+    # Full for a window, but not yet for a request's time before it: the batch still
+    # finishes requests admitted while it had room, so this is no sample.
     decision = _round(
-        decision, 9.0, now=NOW + 1 + SAMPLE_WINDOW, running=1.0, fill=1.0, completions=4.4
+        decision, 9.0, now=NOW + 1 + SAMPLE_WINDOW, running=1.0, fill=1.0, completions=3.0
+    )
+    assert not decision.measured
+    assert settled(4.0) == 2 * SAMPLE_WINDOW and settled(7.0) == 7.0 + SAMPLE_WINDOW
+    decision = _round(
+        decision, 9.0, now=NOW + 1 + settled(4.0), running=1.0, fill=1.0, completions=4.4
     )
     assert decision.measured and decision.capacity == pytest.approx(4.4)
     # The peak's capacity, not the light load's: the paid share follows it at once.
@@ -222,7 +230,7 @@ def test_capacity_is_sampled_from_the_replicas_that_are_full_while_the_pool_is_n
 
     decision = round_at(None, NOW)
     assert not decision.measured  # full, but not for a window yet
-    decision = round_at(decision, NOW + SAMPLE_WINDOW)
+    decision = round_at(decision, NOW + settled(4.0))
     # 2.5 completions a second on 16 full slots: 0.156 a slot, 5.0/s for the 32.
     assert decision.measured and decision.capacity == pytest.approx(5.0)
     # A replica that stops being full starts its window again.
@@ -234,7 +242,7 @@ def test_capacity_is_sampled_from_the_replicas_that_are_full_while_the_pool_is_n
         replicas=emptied,
         fill=0.7,
         service_time=4.0,
-        now=NOW + SAMPLE_WINDOW + 1,
+        now=NOW + settled(4.0) + 1,
     )
     assert set(again.full_since) == {"b"}
 
