@@ -25,20 +25,20 @@ prefill of every new arrival). A capacity taken at light load, batch slots over 
 time seen then, was 6.3/s in the cost benchmark where the replicas served 4.2-4.5/s at the
 peak, and sent too little to the paid pool there. So the capacity is what the replicas
 *completed* per second while their batches were full (running / batch size at least
-``FULL``) for at least ``SAMPLE_WINDOW`` seconds, counted over those seconds: at a full
-batch the completion rate is the capacity. Fullness is read replica by replica
-(``ReplicaLoad``): with session affinity the load is uneven, and while a paid share is in
-force the pool as a whole rarely stays full for the window (in the cost benchmark it never
-did, and the estimate stayed the prior, 3.4-4.6/s where the replicas served 4.6-5.0/s), but
-the replicas that are full show what a full batch completes. The sample is the full
-replicas' completions over their slots, once each has been full for a request's time in
-the batch and then the window (``settled``): a batch that has just filled still finishes
-the requests admitted while it had room, at the rate they came, and in the cost benchmark
-the first samples taken after 5 s read 2.4-3.5/s where the pool served 4.8/s. It is kept per batch slot (a replica added or lost
-moves it at once) and held between saturated periods, each new sample averaged in
-(``SAMPLE_WEIGHT``). Before any saturated period the prior is conservative: batch slots over
-the mean service time seen so far, times ``PRIOR_SHARE`` (0.7: the benchmark's full-batch
-capacity was 0.67-0.71 of the light-load one). Whatever the estimate, what the replicas
+``FULL``), counted over ``SAMPLE_WINDOW`` seconds: at a full batch the completion rate is
+the capacity. Fullness is read replica by replica (``ReplicaLoad``): with session affinity
+the load is uneven, and while a paid share is in force the pool as a whole rarely stays
+full (in the cost benchmark it never did for the window, and the estimate stayed the prior,
+3.4-4.6/s where the replicas served 4.6-5.0/s), but the replicas that are full show what a
+full batch completes. The sample is their completions over their slots, once each has been
+full for a request's time in the batch and then the window (``settled``): a batch that has
+just filled still finishes the requests admitted while it had room, at the rate they came
+(samples taken 5 s after a replica filled read 2.4-3.5/s where the pool served 4.8/s). It
+is kept per batch slot (a replica added or lost moves it at once) and held between
+saturated periods, each new sample averaged in (``SAMPLE_WEIGHT``). Before any saturated
+period the prior is conservative: batch slots over the mean service time seen so far, times
+``PRIOR_SHARE`` (0.7: the benchmark's full-batch capacity was 0.67-0.71 of the light-load
+one). Whatever the estimate, what the replicas
 completed over the last seconds, full or not, bounds it from below: a share that keeps the
 batches from filling would otherwise keep a low prior from ever being measured.
 
