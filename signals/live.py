@@ -18,7 +18,7 @@ from signals.overflow import (
     overflow_signals,
     provider_order,
 )
-from signals.overflowff import ReplicaLoad, blend_demand, route_demand
+from signals.overflowff import blend_demand, route_demand
 from signals.saturation import (
     SaturationDecision,
     batch_fill,
@@ -208,20 +208,14 @@ def _by_arrivals(
     how long they took."""
     fresh = sized_records(endpoints, telemetry, now=state.now, max_age=max_age)
     slots = sum(batch for _, batch in fresh)
-    replicas = [
-        ReplicaLoad(
-            key=endpoint.key,
-            slots=record.max_running,
-            running=(record.running or 0.0) / record.max_running,
-            completions=state.recent_completions.get(endpoint.key),
-        )
-        for endpoint in endpoints
-        if (record := telemetry.get(endpoint.key)) is not None
-        and record.max_running
-        and state.now - record.at <= max_age
-    ]
+    running = (
+        sum((record.running or 0.0) / batch for record, batch in fresh) / len(fresh)
+        if fresh
+        else None
+    )
     keys = [endpoint.key for endpoint in endpoints]
     times = [state.service_times[key] for key in keys if key in state.service_times]
+    done = [state.recent_completions[key] for key in keys if key in state.recent_completions]
     completed = [state.completions[key] for key in keys if key in state.completions]
     return decide_overflow_arrivals(
         state.previous_overflow.get(name),
@@ -234,7 +228,8 @@ def _by_arrivals(
         demand=blend_demand(route_demand(state.arrivals, name), state.recent_demands.get(name))
         or None,
         slots=slots,
-        replicas=replicas,
+        running=running,
+        completions=sum(done) if done else None,
         service_time=sum(times) / len(times) if times else None,
         session_share=state.session_shares.get(name),
         now=state.now,

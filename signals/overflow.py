@@ -62,7 +62,7 @@ from signals.admission import (
     step_level,
     steps_per_class,
 )
-from signals.overflowff import ArrivalsDecision, ReplicaLoad, decide_arrivals, kind_shares
+from signals.overflowff import ArrivalsDecision, decide_arrivals, kind_shares
 from signals.saturation import batch_fill
 from signals.telemetry import TelemetryRecord
 
@@ -296,7 +296,8 @@ def decide_overflow_arrivals(
     *,
     demand: float | None,
     slots: float,
-    replicas: Sequence[ReplicaLoad],
+    running: float | None,
+    completions: float | None,
     service_time: float | None,
     session_share: float | None,
     now: float,
@@ -317,8 +318,9 @@ def decide_overflow_arrivals(
         before,
         demand=demand,
         slots=slots,
-        replicas=replicas,
+        running=running,
         fill=fill,
+        completions=completions,
         service_time=service_time,
         completed=completed,
         session_share=session_share,

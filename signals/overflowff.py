@@ -24,21 +24,13 @@ a full batch is longer than in a light one (its decode steps carry more sequence
 prefill of every new arrival). A capacity taken at light load, batch slots over the service
 time seen then, was 6.3/s in the cost benchmark where the replicas served 4.2-4.5/s at the
 peak, and sent too little to the paid pool there. So the capacity is what the replicas
-*completed* per second while their batches were full (running / batch size at least
-``FULL``), counted over ``SAMPLE_WINDOW`` seconds: at a full batch the completion rate is
-the capacity. Fullness is read replica by replica (``ReplicaLoad``): with session affinity
-the load is uneven, and while a paid share is in force the pool as a whole rarely stays
-full (in the cost benchmark it never did for the window, and the estimate stayed the prior,
-3.4-4.6/s where the replicas served 4.6-5.0/s), but the replicas that are full show what a
-full batch completes. The sample is their completions over their slots, once each has been
-full for a request's time in the batch and then the window (``settled``): a batch that has
-just filled still finishes the requests admitted while it had room, at the rate they came
-(samples taken 5 s after a replica filled read 2.4-3.5/s where the pool served 4.8/s). It
-is kept per batch slot (a replica added or lost moves it at once) and held between
-saturated periods, each new sample averaged in (``SAMPLE_WEIGHT``). Before any saturated
-period the prior is conservative: batch slots over the mean service time seen so far, times
-``PRIOR_SHARE`` (0.7: the benchmark's full-batch capacity was 0.67-0.71 of the light-load
-one). Whatever the estimate, what the replicas
+*completed* per second while their batches were full (mean running / batch size at least
+``FULL``) for at least ``SAMPLE_WINDOW`` seconds, counted over those seconds: at a full
+batch the completion rate is the capacity. It is kept per batch slot (a replica added or
+lost moves it at once) and held between saturated periods, each new sample averaged in
+(``SAMPLE_WEIGHT``). Before any saturated period the prior is conservative: batch slots over
+the mean service time seen so far, times ``PRIOR_SHARE`` (0.7: the benchmark's full-batch
+capacity was 0.67-0.71 of the light-load one). Whatever the estimate, what the replicas
 completed over the last seconds, full or not, bounds it from below: a share that keeps the
 batches from filling would otherwise keep a low prior from ever being measured.
 
@@ -89,7 +81,7 @@ where p is the share of the demand without a session, learned while nothing over
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from signals.spill import (
@@ -174,50 +166,6 @@ signal bounds the engines' time to first token at half of it too)."""
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaLoad:
-    """One owned replica as the capacity sample reads it, from its fresh telemetry and the
-    completions its Envoys reported."""
-
-    key: str
-    slots: float
-    """Its batch size (``max_running``)."""
-    running: float
-    """Its running sequences over its batch size."""
-    completions: float | None
-    """What it completed per second over the last ``SAMPLE_WINDOW``; None: not reported."""
-
-
-def settled(service_time: float | None) -> float:
-    """Seconds a replica must have been full before its completions are a capacity sample:
-    a request's time in the batch (every one it finishes was admitted while it was full;
-    `service_time`, the replicas' mean, is taken at light load, so at least
-    ``SAMPLE_WINDOW``), then the window its completions are counted over."""
-    return max(SAMPLE_WINDOW, service_time or 0.0) + SAMPLE_WINDOW
-
-
-def capacity_sample(
-    replicas: Sequence[ReplicaLoad],
-    full_since: Mapping[str, float],
-    now: float,
-    service_time: float | None = None,
-) -> float | None:
-    """Completions per batch slot of the replicas that have been full for ``settled``
-    seconds (`full_since`: since when each has been), or None when none has (or none
-    reported a completion)."""
-    wait = settled(service_time)
-    sampled = [
-        replica
-        for replica in replicas
-        if now - full_since.get(replica.key, math.inf) >= wait
-        and replica.completions
-        and replica.slots > 0
-    ]
-    if not sampled:
-        return None
-    return sum(r.completions or 0.0 for r in sampled) / sum(r.slots for r in sampled)
-
-
-@dataclass(frozen=True, slots=True)
 class ArrivalsDecision:
     """One route's overflow by arrivals; kept between rounds."""
 
@@ -234,8 +182,8 @@ class ArrivalsDecision:
     """``capacity`` comes from a saturated period (else from the prior)."""
     per_slot: float | None = None
     """Held capacity per batch slot, measured while the batches were full."""
-    full_since: Mapping[str, float] = field(default_factory=dict)
-    """Replica key -> since when its batch has been full (absent: it is not)."""
+    full_since: float = math.inf
+    """Since when the batches have been full (infinite: they are not)."""
     trim: float = 1.0
     """The fill's correction of the estimate (``TRIM_RANGE``)."""
     trim_since: float = -math.inf
@@ -316,8 +264,9 @@ def decide_arrivals(
     *,
     demand: float | None,
     slots: float,
-    replicas: Sequence[ReplicaLoad],
+    running: float | None,
     fill: float | None,
+    completions: float | None,
     service_time: float | None,
     completed: float | None = None,
     session_share: float | None = None,
@@ -331,9 +280,9 @@ def decide_arrivals(
     """This round's share for one route.
 
     `demand`: the route's requests per second; `slots`: the owned replicas' batch slots
-    (fresh telemetry); `replicas`: each one's batch, running share and recent completions,
-    for the capacity sample (``capacity_sample``); `fill`: their mean (running + waiting) /
-    batch size; `service_time`: their mean seconds per request (first to last
+    (fresh telemetry); `running`: their mean running / batch size; `fill`: their mean
+    (running + waiting) / batch size; `completions`: what they completed per second over the
+    last ``SAMPLE_WINDOW``; `service_time`: their mean seconds per request (first to last
     byte); `completed`: what they completed per second over a longer window, full or not, a
     lower bound of their capacity; `session_share`: the share of the requests started on the route's own replicas
     that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``); `queued`: the
@@ -343,15 +292,18 @@ def decide_arrivals(
     takes requests without a session only, never conversations (the share it adds stops at
     the share of the demand without one)."""
     before = previous or ArrivalsDecision()
-    # Capacity, from the completions of the replicas that have been full for a window.
-    full_since = {
-        replica.key: min(before.full_since.get(replica.key, now), now)
-        for replica in replicas
-        if replica.running >= FULL
-    }
+    # Capacity, from the completions of a full period when there is one.
+    full = running is not None and running >= FULL
+    full_since = (min(before.full_since, now)) if full else math.inf
     per_slot = before.per_slot
-    sample = capacity_sample(replicas, full_since, now, service_time)
-    if sample is not None:
+    if (
+        full
+        and now - full_since >= SAMPLE_WINDOW
+        and completions is not None
+        and completions > 0
+        and slots > 0
+    ):
+        sample = completions / slots
         per_slot = (
             sample if per_slot is None else (1 - SAMPLE_WEIGHT) * per_slot + SAMPLE_WEIGHT * sample
         )
@@ -489,14 +441,11 @@ __all__ = [
     "SAMPLE_WEIGHT",
     "SAMPLE_WINDOW",
     "ArrivalsDecision",
-    "ReplicaLoad",
     "blend_demand",
     "capacity_of",
-    "capacity_sample",
     "decide_arrivals",
     "drain_rate",
     "kind_shares",
     "route_demand",
     "route_of",
-    "settled",
 ]

@@ -19,13 +19,11 @@ from signals.overflowff import (
     QUEUE_WAIT,
     SAMPLE_WINDOW,
     ArrivalsDecision,
-    ReplicaLoad,
     blend_demand,
     decide_arrivals,
     drain_rate,
     kind_shares,
     route_demand,
-    settled,
 )
 from signals.spill import DEADBAND, DRAIN_S, LOAD
 from signals.telemetry import TelemetryRecord
@@ -132,11 +130,6 @@ def test_completions_over_a_shorter_window_see_only_the_last_seconds() -> None:
 NOW = 10_000.0
 
 
-def _pool(running: float, completions: float | None, slots: float) -> list[ReplicaLoad]:
-    """The owned replicas as one: a pool whose batches are all `running` full."""
-    return [ReplicaLoad("pool", slots=slots, running=running, completions=completions)]
-
-
 def _round(
     previous: ArrivalsDecision | None,
     demand: float | None,
@@ -157,8 +150,9 @@ def _round(
         previous,
         demand=demand,
         slots=slots,
-        replicas=_pool(running, completions, slots),
+        running=running,
         fill=fill,
+        completions=completions,
         service_time=service_time,
         queued=queued,
         objective=objective,
@@ -186,15 +180,8 @@ def test_capacity_is_the_completion_rate_of_a_full_period_and_is_held_after_it()
     decision = _round(decision, 9.0, now=NOW + 1, running=1.0, fill=1.0, completions=4.4)
     decision = _round(decision, 9.0, now=NOW + 3, running=1.0, fill=1.0, completions=4.4)
     assert not decision.measured
-    # Full for a window, but not yet for a request's time before it: the batch still
-    # finishes requests admitted while it had room, so this is no sample.
     decision = _round(
-        decision, 9.0, now=NOW + 1 + SAMPLE_WINDOW, running=1.0, fill=1.0, completions=3.0
-    )
-    assert not decision.measured
-    assert settled(4.0) == 2 * SAMPLE_WINDOW and settled(7.0) == 7.0 + SAMPLE_WINDOW
-    decision = _round(
-        decision, 9.0, now=NOW + 1 + settled(4.0), running=1.0, fill=1.0, completions=4.4
+        decision, 9.0, now=NOW + 1 + SAMPLE_WINDOW, running=1.0, fill=1.0, completions=4.4
     )
     assert decision.measured and decision.capacity == pytest.approx(4.4)
     # The peak's capacity, not the light load's: the paid share follows it at once.
@@ -204,47 +191,6 @@ def test_capacity_is_the_completion_rate_of_a_full_period_and_is_held_after_it()
     assert later.capacity == pytest.approx(4.4) and later.measured
     # Half the replicas lost: half the slots, half the capacity, in the same round.
     assert _round(later, 3.0, now=NOW + 61, slots=16).capacity == pytest.approx(2.2)
-
-
-def test_capacity_is_sampled_from_the_replicas_that_are_full_while_the_pool_is_not() -> None:
-    # Two of four replicas full (affinity puts the load unevenly, a paid share keeps the
-    # mean below full): their completions per slot are the sample, the others' are not.
-    def replicas(at_full: float) -> list[ReplicaLoad]:
-        return [
-            ReplicaLoad("a", slots=8, running=1.0, completions=at_full),
-            ReplicaLoad("b", slots=8, running=1.0, completions=at_full),
-            ReplicaLoad("c", slots=8, running=0.5, completions=0.4),
-            ReplicaLoad("d", slots=8, running=0.25, completions=0.2),
-        ]
-
-    def round_at(previous: ArrivalsDecision | None, now: float) -> ArrivalsDecision:
-        return decide_arrivals(
-            previous,
-            demand=9.0,
-            slots=32,
-            replicas=replicas(1.25),
-            fill=0.7,
-            service_time=4.0,
-            now=now,
-        )
-
-    decision = round_at(None, NOW)
-    assert not decision.measured  # full, but not for a window yet
-    decision = round_at(decision, NOW + settled(4.0))
-    # 2.5 completions a second on 16 full slots: 0.156 a slot, 5.0/s for the 32.
-    assert decision.measured and decision.capacity == pytest.approx(5.0)
-    # A replica that stops being full starts its window again.
-    emptied = [replace(r, running=0.5) if r.key == "a" else r for r in replicas(1.25)]
-    again = decide_arrivals(
-        decision,
-        demand=9.0,
-        slots=32,
-        replicas=emptied,
-        fill=0.7,
-        service_time=4.0,
-        now=NOW + settled(4.0) + 1,
-    )
-    assert set(again.full_since) == {"b"}
 
 
 def test_the_share_does_not_flap_on_noise_and_comes_back_when_demand_falls() -> None:
@@ -382,8 +328,9 @@ def test_the_plain_share_is_learned_while_nothing_overflows() -> None:
         None,
         demand=3.0,
         slots=32,
-        replicas=_pool(0.5, None, 32),
+        running=0.5,
         fill=0.5,
+        completions=None,
         service_time=4.0,
         session_share=0.6,
         now=NOW,
@@ -393,8 +340,9 @@ def test_the_plain_share_is_learned_while_nothing_overflows() -> None:
         replace(learned, paid=0.3),
         demand=9.0,
         slots=32,
-        replicas=_pool(1.0, None, 32),
+        running=1.0,
         fill=1.0,
+        completions=None,
         service_time=4.0,
         session_share=0.9,  # the plain ones went to paid: not a new share
         now=NOW + 1,
@@ -519,8 +467,9 @@ def test_what_the_replicas_completed_bounds_the_capacity_from_below() -> None:
         None,
         demand=6.0,
         slots=32,
-        replicas=_pool(0.8, None, 32),
+        running=0.8,
         fill=0.8,
+        completions=None,
         service_time=4.0,  # prior 5.6/s
         completed=5.9,  # but they served 5.9/s without being full
         now=NOW,
