@@ -23,7 +23,9 @@ Each policy replays the same requests, one after the other on the same stack:
   the paid share from the route's arrival rate against the owned replicas' capacity
   measured at full batches (``signals.overflowff``), with the benchmark's TTFT objective
   (``ttft: 1s``) so that a queue beyond it is drained to the paid API; and (also only when
-  named) the same with an objective of 2 s, which holds a longer queue on the owned replicas.
+  named) the same with an objective of 2 s, which holds a longer queue on the owned replicas;
+- the loop giving back sooner (run only when named): ``recoverInterval: 2s``, and the same
+  with ``low: 0.9``.
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
