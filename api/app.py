@@ -41,6 +41,7 @@ from controlplane.etcd.store import (
 )
 from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError
 from policies.validate import field_path
+from signals.saturation import exported_bound
 from signals.state import PolicyState
 from xdsserver.render import snapshot_json
 
@@ -307,9 +308,10 @@ def _saturation(plan: RoutingPlan | None) -> list[dict[str, Any]]:
             "batchFill": decision.fill,
             "saturatedAt": decision.bound,
             "since": decision.since if math.isfinite(decision.since) else None,
-            # capacityBound routes: the bound session requests take, and the one the batch
-            # allows this round (100 x batch size / mean in flight); null on other routes.
-            "boundedLoad": decision.factor or None,
+            # capacityBound routes: the bound session requests take (0: none, the ladder's
+            # top rung), and the one the batch allows this round (100 x batch size / mean in
+            # flight); null on other routes.
+            "boundedLoad": exported_bound(decision.factor) if decision.factor else None,
             "fitsBatchAt": decision.wanted if decision.factor else None,
             # capacityBound routes: whether they take the ladder or, at batches too small
             # for it, the two fixed bounds, and why ("batch 8: ladder needs > 16; fixed

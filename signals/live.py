@@ -142,6 +142,9 @@ def saturation_decisions(state: PolicyState) -> dict[str, SaturationDecision]:
                     ladder=affinity.ladder(),
                     usual=affinity.hash_balance_factor,
                     saturated_at=saturated_at,
+                    replicas=len(
+                        sized_records(endpoints, telemetry, now=state.now, max_age=max_age)
+                    ),
                 )
                 continue
             if not affinity.saturated_hash_balance_factor:

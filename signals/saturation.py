@@ -60,7 +60,12 @@ where the calm mean is a smaller share of the batch, 200 or more, where 125 spil
 that would have been served at once (each paying its history's prefill elsewhere). A
 ``capacityBound`` route (``decide_bound``) takes the largest rung of its ladder
 (``SessionAffinity.ladder``) at or below that factor: every rung is a twin of the same ring,
-so a change of rung is a route update (RDS) and never a cluster update (CDS). It tightens as
+so a change of rung is a route update (RDS) and never a cluster update (CDS). Its top rung
+is no bound at all (``UNBOUNDED_RUNG``, the plain consistent hash of the same ring), taken
+from a factor of 100 x the replicas reporting (``unbounded_at``): there the whole pool's
+requests in flight fit the busiest replica's usable batch, and any bound would only spill
+a popular document or session off the replica that holds its prefix, which its batch would
+have taken at once. It tightens as
 soon as the factor falls below its rung (a queue is building) and loosens only when the
 factor clears the next rung by ``LOOSEN_MARGIN`` and ``LOOSEN_DWELL`` seconds after its last
 change (or after the first record that knew the batch size: a pool that starts idle stays at
@@ -86,7 +91,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from policies.models import Endpoint
+from policies.models import UNBOUNDED_RUNG, Endpoint
 from signals.telemetry import TelemetryRecord
 
 CALM_SHARE = 0.75
@@ -263,6 +268,31 @@ def capacity_factor(batch: float, mean: float) -> float:
     return math.inf if mean <= 0 else 100.0 * usable_batch(batch) / mean
 
 
+def unbounded_at(replicas: int, ladder: Sequence[int]) -> float:
+    """The factor from which a ``capacityBound`` route takes its ladder's ``UNBOUNDED_RUNG``
+    (no bound): 100 x `replicas` (those with fresh records that know their batch), where the
+    busiest replica's usable batch holds all the pool's requests in flight, so a bound could
+    spill only what a batch would have taken at once (and a factor that high never binds in
+    Envoy anyway: it lets one host carry them all). Never below the ladder's last bound, so
+    the rungs stay in order on pools of three replicas or fewer; infinite without a replica."""
+    if replicas <= 0:
+        return math.inf
+    top = max((r for r in ladder if r != UNBOUNDED_RUNG), default=0)
+    return float(max(100 * replicas, top))
+
+
+def exported_bound(factor: int) -> int:
+    """A rung as operators see it (``kvpilot_route_bounded_load``, the status's
+    ``boundedLoad``): its percent, or 0 for ``UNBOUNDED_RUNG`` (no bound, as
+    ``hashBalanceFactor: 0``)."""
+    return 0 if factor == UNBOUNDED_RUNG else factor
+
+
+def bound_text(factor: int) -> str:
+    """A rung in a log line: ``the 300% bound``, or ``no bound``."""
+    return "no bound" if factor == UNBOUNDED_RUNG else f"the {factor}% bound"
+
+
 def decide_bound(
     previous: SaturationDecision | None,
     load: tuple[float, float] | None,
@@ -270,14 +300,22 @@ def decide_bound(
     now: float,
     ladder: Sequence[int],
     usual: int,
+    replicas: int = 0,
 ) -> SaturationDecision:
     """This round's rung for a ``capacityBound`` route from the last one and `load` (mean in
     flight, batch size; ``in_flight``); `ladder` ascending (``SessionAffinity.ladder``),
-    `usual` the rung without evidence."""
+    `usual` the rung without evidence, `replicas` how many fresh records `load` is the mean
+    of (the ladder's ``UNBOUNDED_RUNG`` is taken at ``unbounded_at`` of them; never with 0)."""
     before = previous if previous is not None and previous.factor else None
     current = before.factor if before is not None else usual
     since = before.since if before is not None else -math.inf
     peak: float | None = None
+    top = unbounded_at(replicas, ladder)
+
+    def fits_at(rung: int) -> float:
+        """The factor from which `rung` fits (its bound, or ``unbounded_at`` for no bound)."""
+        return top if rung == UNBOUNDED_RUNG else float(rung)
+
     if load is None:
         # No evidence: the usual bound, as stale weights go neutral.
         factor, wanted, fill = usual, None, None
@@ -291,23 +329,28 @@ def decide_bound(
         peak = held_peak(before, mean, now=now)
         wanted = capacity_factor(batch, peak)
         fill = round(mean / batch, 6) if batch else None
-        fits = [r for r in ladder if r <= wanted] or [ladder[0]]
+        fits = [r for r in ladder if fits_at(r) <= wanted] or [ladder[0]]
         factor = current
-        if wanted < current:
+        if wanted < fits_at(current):
+            # Tighten at once, also from no bound when the pool fills (or loses replicas).
             factor = fits[-1]
         else:
-            looser = [r for r in ladder if r > current and r * LOOSEN_MARGIN <= wanted]
+            looser = [
+                r
+                for r in ladder
+                if fits_at(r) > fits_at(current) and fits_at(r) * LOOSEN_MARGIN <= wanted
+            ]
             if looser and now - since >= LOOSEN_DWELL:
                 factor = looser[-1]
     if factor != current:
         since = now
     loosen_at = math.inf
-    looser = [r for r in ladder if r > factor]
-    if load is not None and peak is not None and looser:
+    looser = [r for r in ladder if fits_at(r) > fits_at(factor)]
+    if load is not None and peak is not None and looser and math.isfinite(fits_at(looser[0])):
         # The next looser rung is due once its dwell is over and the held peak has faded to
         # where the factor clears that rung by the margin; never while this round's mean
         # itself is above that.
-        target = 100.0 * usable_batch(load[1]) / (looser[0] * LOOSEN_MARGIN)
+        target = 100.0 * usable_batch(load[1]) / (fits_at(looser[0]) * LOOSEN_MARGIN)
         if load[0] <= target:
             fade = PEAK_HOLD * math.log(peak / target) if peak > target else 0.0
             loosen_at = max(since + LOOSEN_DWELL, now + fade)
@@ -375,13 +418,15 @@ def decide_capacity_route(
     ladder: Sequence[int],
     usual: int,
     saturated_at: float | None,
+    replicas: int = 0,
 ) -> SaturationDecision:
     """This round's decision for a ``capacityBound`` route: its ladder (``decide_bound``) at
     batches where it pays (``ladder_pays``), else the fixed bounds' decision
     (``decide_saturation`` from the batch `fill`, at `saturated_at`, ``saturated_fill`` of
     ``hashBalanceFactor``; ``None`` when the route has no saturated bound: always calm).
-    `load` is (mean in flight, mean batch size) (``in_flight``). Without a known batch size
-    the route keeps the path it took last (the ladder at first)."""
+    `load` is (mean in flight, mean batch size) (``in_flight``) over `replicas` fresh
+    records. Without a known batch size the route keeps the path it took last (the ladder at
+    first)."""
     known = load is not None
     if load is not None:
         batch: float | None = load[1]
@@ -392,7 +437,9 @@ def decide_capacity_route(
     # A change of path starts the other path's hysteresis afresh.
     before = previous if previous is not None and previous.ladder is takes_ladder else None
     if takes_ladder:
-        decision = decide_bound(before, load, now=now, ladder=ladder, usual=usual)
+        decision = decide_bound(
+            before, load, now=now, ladder=ladder, usual=usual, replicas=replicas
+        )
     elif saturated_at is None:
         decision = SaturationDecision(fill=fill)
     else:
@@ -414,15 +461,18 @@ __all__ = [
     "PEAK_HOLD",
     "SaturationDecision",
     "batch_fill",
+    "bound_text",
     "capacity_factor",
     "decide_bound",
     "decide_capacity_route",
     "decide_saturation",
+    "exported_bound",
     "held_peak",
     "in_flight",
     "ladder_pays",
     "path_reason",
     "saturated_fill",
     "sized_records",
+    "unbounded_at",
     "usable_batch",
 ]

@@ -13,7 +13,14 @@ from harness.builders import policy, pool
 from pydantic import ValidationError
 
 from compiler.compile import PolicyState, compile_plan
-from policies.models import BOUNDED_LOAD_LADDER, Endpoint, Pool, Route, RoutingPolicy
+from policies.models import (
+    BOUNDED_LOAD_LADDER,
+    UNBOUNDED_RUNG,
+    Endpoint,
+    Pool,
+    Route,
+    RoutingPolicy,
+)
 from signals.saturation import (
     LOOSEN_DWELL,
     LOOSEN_MARGIN,
@@ -21,14 +28,18 @@ from signals.saturation import (
     SaturationDecision,
     capacity_factor,
     decide_bound,
+    exported_bound,
     held_peak,
     in_flight,
+    unbounded_at,
     usable_batch,
 )
 from signals.telemetry import TelemetryRecord
 from xdsserver.translate import translate
 
 LADDER = (100, 125, 150, 200, 300)
+FULL = (*LADDER, UNBOUNDED_RUNG)
+"""A route's whole ladder (``SessionAffinity.ladder``): the five bounds, then none."""
 USUAL = 125
 NOW = 1000.0
 PORTS = (8001, 8002, 8003, 8004)
@@ -168,6 +179,87 @@ def test_the_rung_tightens_at_once_and_loosens_with_margin_and_dwell(
         )
 
 
+@pytest.mark.parametrize(
+    ("replicas", "at_factor"),
+    [
+        pytest.param(8, 800.0, id="8 replicas: 800%, all in flight fit one usable batch"),
+        pytest.param(4, 400.0, id="4 replicas: 400%"),
+        pytest.param(2, 300.0, id="2 replicas: never below the last bound (300)"),
+        pytest.param(0, math.inf, id="no replica reporting: never"),
+    ],
+)
+def test_no_bound_from_a_factor_of_100_per_replica_reporting(
+    replicas: int, at_factor: float
+) -> None:
+    assert unbounded_at(replicas, FULL) == at_factor
+
+
+def unbounded(since: float = NOW - 100) -> SaturationDecision:
+    return at(UNBOUNDED_RUNG, since)
+
+
+# Batches of 128 (116.7 usable) over eight replicas: no bound from 800%, a mean of 14.6 in
+# flight, and looser to it only at 880% (13.3 in flight).
+@pytest.mark.parametrize(
+    ("previous", "mean", "replicas", "factor"),
+    [
+        pytest.param(at(300), 5, 8, UNBOUNDED_RUNG, id="calm (2334%): no bound"),
+        pytest.param(at(125), 5, 8, UNBOUNDED_RUNG, id="from any rung, after the dwell"),
+        pytest.param(at(300, NOW - 1), 5, 8, 300, id="not within the dwell"),
+        pytest.param(at(300), 13.5, 8, 300, id="864%: clears 800 but not by the margin"),
+        pytest.param(at(300), 13.0, 8, UNBOUNDED_RUNG, id="898%: cleared by the margin"),
+        pytest.param(unbounded(), 13.5, 8, UNBOUNDED_RUNG, id="864% keeps no bound"),
+        pytest.param(unbounded(NOW - 1), 15, 8, 300, id="778%: tightens at once, in the dwell"),
+        pytest.param(unbounded(), 60, 8, 150, id="the pool fills: straight to what fits"),
+        pytest.param(unbounded(), 130, 8, 100, id="queues: the floor"),
+        pytest.param(unbounded(), 10, 12, 300, id="more replicas report: 1167% < 1200%"),
+        pytest.param(at(300), 1, 0, 300, id="without a count of replicas: never unbounded"),
+    ],
+)
+def test_no_bound_while_the_pool_fits_one_batch_and_tightens_at_once_when_it_fills(
+    previous: SaturationDecision, mean: float, replicas: int, factor: int
+) -> None:
+    decision = decide_bound(
+        previous, (mean, 128), now=NOW, ladder=FULL, usual=USUAL, replicas=replicas
+    )
+    assert decision.factor == factor
+    assert decision.since == (previous.since if factor == previous.factor else NOW)
+
+
+def test_a_burst_takes_the_bound_back_and_its_fading_peak_gives_it_up_again() -> None:
+    """Eight replicas at batch 128: calm, the first record holds the usual bound through the
+    dwell, then no bound; a burst tightens at once; the peak it leaves loosens the rung only
+    as it fades (by e in 30 s) and no sooner than the dwell, back to no bound at last, each
+    step due at ``calm_at`` without new telemetry."""
+
+    def step(previous: SaturationDecision | None, mean: float, now: float) -> SaturationDecision:
+        return decide_bound(previous, (mean, 128), now=now, ladder=FULL, usual=USUAL, replicas=8)
+
+    first = step(None, 4, NOW)
+    assert first.factor == USUAL and first.calm_at == NOW + LOOSEN_DWELL
+    calm = step(first, 4, first.calm_at)
+    assert calm.factor == UNBOUNDED_RUNG and calm.calm_at == math.inf
+    burst = step(calm, 50, NOW + 20)  # 233%
+    assert burst.factor == 200 and burst.peak == 50
+    assert burst.calm_at == math.inf  # nothing is due while the burst lasts
+    rungs, later = [], step(burst, 4, NOW + 21)
+    assert later.factor == 200
+    while later.factor != UNBOUNDED_RUNG:
+        due = later.calm_at
+        assert due > later.since and math.isfinite(due)
+        later = step(later, 4, due + 1e-6)
+        rungs.append((later.factor, round(later.since - burst.since)))
+    # The peak of 50 fades to 35.4 (330%: 300) in 10 s, held to the dwell's 15 s; to 13.3
+    # (880%: no bound) in 40 s.
+    assert [r for r, _ in rungs] == [300, UNBOUNDED_RUNG]
+    assert [s for _, s in rungs] == [15, round(PEAK_HOLD * math.log(50 / 13.26))]
+
+
+def test_operators_see_no_bound_as_0() -> None:
+    assert exported_bound(UNBOUNDED_RUNG) == 0
+    assert exported_bound(300) == 300
+
+
 def test_a_looser_rung_held_back_by_its_dwell_is_due_when_the_dwell_ends() -> None:
     held = decide_bound(at(150, NOW - 1), (7, 32), now=NOW, ladder=LADDER, usual=USUAL)
     assert held.factor == 150 and held.calm_at == NOW - 1 + LOOSEN_DWELL
@@ -281,10 +373,10 @@ def _affinity(**route: Any) -> Any:
 @pytest.mark.parametrize(
     ("route", "ladder"),
     [
-        pytest.param({"balancing": "telemetry", "sessionAffinity": {}}, LADDER, id="on by default"),
+        pytest.param({"balancing": "telemetry", "sessionAffinity": {}}, FULL, id="on by default"),
         pytest.param(
             {"balancing": "telemetry", "sessionAffinity": {"capacityBound": True}},
-            LADDER,
+            FULL,
             id="turned on",
         ),
         pytest.param(
@@ -292,7 +384,7 @@ def _affinity(**route: Any) -> Any:
                 "balancing": "telemetry",
                 "sessionAffinity": {"capacityBound": True, "saturatedHashBalanceFactor": 150},
             },
-            (125, 150, 200, 300),
+            (125, 150, 200, 300, UNBOUNDED_RUNG),
             id="the saturated bound is the floor; the usual one stays a rung",
         ),
         pytest.param(
@@ -300,7 +392,7 @@ def _affinity(**route: Any) -> Any:
                 "balancing": "telemetry",
                 "sessionAffinity": {"capacityBound": True, "hashBalanceFactor": 175},
             },
-            (100, 125, 150, 175, 200, 300),
+            (100, 125, 150, 175, 200, 300, UNBOUNDED_RUNG),
             id="an own usual bound is a rung",
         ),
         pytest.param(
@@ -350,13 +442,18 @@ def test_a_capacity_bound_that_cannot_work_is_refused(route: dict[str, Any], mes
 
 
 def test_session_requests_take_the_twin_whose_bound_fits_the_batch() -> None:
-    # Batches of 32, 26.3 of them usable: 4 in flight allow 658% (the top rung), 20 allow
-    # 132% (125), 27 are past the usable part (98%: the floor).
+    # Batches of 32, 26.3 of them usable, over four replicas: 4 in flight each allow 658%,
+    # past 4 x 100% (all 16 in flight fit one replica's usable batch): no bound. 7 allow 376%
+    # (the top bound), 20 allow 132% (125), 27 are past the usable part (98%: the floor).
     calm = compile_plan(_state(running=4, previous=at(125)))
-    assert calm.saturation["r/live"].factor == 300
-    assert _session_clusters(calm) == {"r/live/affinity-300"}
+    assert calm.saturation["r/live"].factor == UNBOUNDED_RUNG
+    assert _session_clusters(calm) == {"r/live/affinity-unbounded"}
 
-    busy = compile_plan(_state(running=20, previous=calm.saturation["r/live"]))
+    warm = compile_plan(_state(running=7, previous=calm.saturation["r/live"]))
+    assert warm.saturation["r/live"].factor == 300
+    assert _session_clusters(warm) == {"r/live/affinity-300"}
+
+    busy = compile_plan(_state(running=20, previous=warm.saturation["r/live"]))
     assert busy.saturation["r/live"].factor == 125
     assert _session_clusters(busy) == {"r/live/affinity"}
 
@@ -365,9 +462,9 @@ def test_session_requests_take_the_twin_whose_bound_fits_the_batch() -> None:
     assert _session_clusters(full) == {"r/live/affinity-saturated"}
 
     # Only the route entries change (RDS): every twin exists either way, on one ring.
-    resources = [translate(plan.fleets[0]) for plan in (calm, busy, full)]
-    assert resources[0].clusters == resources[1].clusters == resources[2].clusters
-    assert resources[0].endpoints == resources[2].endpoints
+    resources = [translate(plan.fleets[0]) for plan in (calm, warm, busy, full)]
+    assert all(r.clusters == resources[0].clusters for r in resources)
+    assert resources[0].endpoints == resources[3].endpoints
     twins = {
         c.name: c.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value
         for c in resources[0].clusters
@@ -379,7 +476,15 @@ def test_session_requests_take_the_twin_whose_bound_fits_the_batch() -> None:
         "r/live/affinity-150": 150,
         "r/live/affinity-200": 200,
         "r/live/affinity-300": 300,
+        "r/live/affinity-unbounded": 0,
     }
+    # The twin without a bound is the plain consistent hash of the same ring: no bounded
+    # load configured at all, the same ring size.
+    by_name = {c.name: c for c in resources[0].clusters}
+    unbounded, bounded = by_name["r/live/affinity-unbounded"], by_name["r/live/affinity-300"]
+    assert not unbounded.common_lb_config.HasField("consistent_hashing_lb_config")
+    assert unbounded.lb_policy == bounded.lb_policy
+    assert unbounded.ring_hash_lb_config == bounded.ring_hash_lb_config
     services = {
         c.eds_cluster_config.service_name
         for c in resources[0].clusters
@@ -436,7 +541,8 @@ def test_without_a_known_batch_size_the_route_keeps_its_ladder_of_twins() -> Non
     (a cluster update), and the two left keep their names."""
     unknown = compile_plan(_state(running=1, batch=None))
     assert unknown.saturation["r/live"].ladder is True
-    assert set(_twin_factors(translate(unknown.fleets[0])).values()) == set(LADDER)
+    # Every bound, and the twin without one (0).
+    assert set(_twin_factors(translate(unknown.fleets[0])).values()) == {*LADDER, 0}
     small = compile_plan(_state(running=1, previous=unknown.saturation["r/live"], batch=8))
     assert _twin_factors(translate(small.fleets[0])) == {
         "r/live/affinity": 125,

@@ -32,7 +32,7 @@ from controlplane.etcd import EtcdClient
 from controlplane.etcd.store import Store
 from controlplane.local import EmbeddedEnvoy, EmbeddedEtcd, free_port
 from signals.saturation import LOOSEN_DWELL, MIN_DWELL, PEAK_HOLD, usable_batch
-from xdsserver.translate import SATURATED_SUFFIX
+from xdsserver.translate import SATURATED_SUFFIX, UNBOUNDED_SUFFIX
 
 pytestmark = pytest.mark.e2e
 
@@ -336,7 +336,7 @@ async def test_the_bound_follows_the_batch_along_its_ladder_and_every_session_ke
     make_setup: Callable[..., Any],
 ) -> None:
     usual, full, roomy = (
-        CLUSTER + suffix for suffix in ("/affinity", SATURATED_SUFFIX, "/affinity-300")
+        CLUSTER + suffix for suffix in ("/affinity", SATURATED_SUFFIX, UNBOUNDED_SUFFIX)
     )
     twins = await affinity_twins(
         make_setup, (usual, full, roomy), capacity_bound=True, max_running=32
@@ -360,19 +360,21 @@ async def test_the_bound_follows_the_batch_along_its_ladder_and_every_session_ke
     ]
     assert await asyncio.to_thread(twins.placement) == before
 
-    # 4 of 32 in flight allow 659%: the top rung, once the held peak of 32 in flight has faded
-    # to where 300% fits (with the loosening margin), about 42 s, and the dwells allow. The
-    # records are written again meanwhile, as a running agent keeps writing them.
+    # 4 of 32 in flight allow 659%, past 100% per replica (three: all 12 in flight fit one
+    # replica's usable batch): the top rung, no bound (a 300% bound would not bind over three
+    # replicas either), once the held peak of 32 in flight has faded to where 300% fits (with
+    # the loosening margin), about 42 s, and the dwells allow. The records are written again
+    # meanwhile, as a running agent keeps writing them.
     async def roomy_after_writing_again() -> bool:
         await twins.batches(4)
         return await asyncio.to_thread(twins.served_by, roomy)
 
     fade = PEAK_HOLD * math.log(32 / (usable_batch(32) * 100 / 330))
     # Each step up waits for its dwell too: the deadline allows three of them besides.
-    await poll(roomy_after_writing_again, fade + 3 * LOOSEN_DWELL + 15, "the 300% twin")
-    assert metric(setup.kvpilot.api_url, "kvpilot_route_bounded_load", **route) == 300
+    await poll(roomy_after_writing_again, fade + 3 * LOOSEN_DWELL + 15, "the twin without a bound")
+    assert metric(setup.kvpilot.api_url, "kvpilot_route_bounded_load", **route) == 0
     # Down to 100%, then up as the peak fades, each change at least 15 s after the last: to
-    # 300 in three steps or more (125, 200, 300 when the rebuilds come on time).
+    # no bound in three steps or more (125, 200, none when the rebuilds come on time).
     assert metric(setup.kvpilot.api_url, "kvpilot_bounded_load_changes_total", **route) >= 4
     assert await asyncio.to_thread(twins.placement) == before
 

@@ -146,17 +146,36 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         },
     ),
     # The recommended route with a sixth, looser rung: 450% (its hashBalanceFactor, which a
-    # capacityBound route adds to the ladder), to measure a looser top rung while calm
-    # against the five-rung ladder (docs/bounded-load.md); run only when named.
+    # capacityBound route adds to the ladder), to measure a looser rung while calm against
+    # the ladder without it (docs/bounded-load.md); run only when named. Being its usual
+    # bound, 450% is also what it holds before the batch size is known and through the dwell
+    # after the first record (125% on the recommended route).
     Policy(
         "kvpilot_450",
-        "kvpilot: capacityBound, ladder up to 450%",
+        "kvpilot: capacityBound, ladder with 450%",
         {
             "balancing": "telemetry",
             "sessionAffinity": {
                 **_RECOMMENDED_AFFINITY,
                 "capacityBound": True,
                 "hashBalanceFactor": 450,
+            },
+        },
+        default=False,
+    ),
+    # The recommended route whose usual bound is its top bound, 300%: the same rungs, held at
+    # 300% rather than 125% before the batch size is known and through the dwell after the
+    # first record. Beside `kvpilot_450` it tells the extra rung from the looser start
+    # (docs/bounded-load.md); run only when named.
+    Policy(
+        "kvpilot_start300",
+        "kvpilot: capacityBound, 300% until the dwell after the first record",
+        {
+            "balancing": "telemetry",
+            "sessionAffinity": {
+                **_RECOMMENDED_AFFINITY,
+                "capacityBound": True,
+                "hashBalanceFactor": 300,
             },
         },
         default=False,

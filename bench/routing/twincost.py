@@ -1,9 +1,9 @@
 """What each consistent-hash twin of a route costs Envoy: memory, health checks, connections.
 
-A ``capacityBound`` route has one twin per rung of its bounded-load ladder (five, or six when
-the route's own bound is not a rung), the route's replicas cluster beside them, each a cluster
-of its own in Envoy. This probe
-compiles one telemetry route over 8 replicas with 1, 2, 5 and 6 twins (one fixed bound, two
+A ``capacityBound`` route has one twin per rung of its bounded-load ladder (six: five bounds
+and one without a bound; seven when the route's own bound is not a rung), the route's replicas
+cluster beside them, each a cluster of its own in Envoy. This probe
+compiles one telemetry route over 8 replicas with 1, 2, 6 and 7 twins (one fixed bound, two
 fixed bounds, the ladder, a ladder with an extra rung), starts a real Envoy with
 exactly those clusters (static, so no control plane is needed: the clusters are kvpilot's
 own, with their endpoints inlined), sends requests through every twin so each opens its
@@ -46,7 +46,7 @@ VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("one fixed bound", {"capacityBound": False, "saturatedHashBalanceFactor": 0}),
     ("two fixed bounds", {"capacityBound": False}),
     ("capacity ladder", {"capacityBound": True}),
-    ("ladder with a sixth rung", {"capacityBound": True, "hashBalanceFactor": 175}),
+    ("ladder with an extra rung", {"capacityBound": True, "hashBalanceFactor": 175}),
 )
 
 

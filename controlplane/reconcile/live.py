@@ -18,7 +18,7 @@ from policies.models import TELEMETRY_MAX_AGE
 from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.overflow import OverflowDecision
-from signals.saturation import SaturationDecision
+from signals.saturation import SaturationDecision, bound_text, exported_bound
 from signals.spill import SpillDecision
 from signals.weights import WeightDecision
 
@@ -140,19 +140,18 @@ class LiveDecisions:
             if before is not None and before.factor and not decision.factor:
                 metrics.bounded_load.remove(route)
             if decision.factor:
-                metrics.bounded_load.labels(route).set(decision.factor)
+                metrics.bounded_load.labels(route).set(exported_bound(decision.factor))
                 if before is not None and before.factor and before.factor != decision.factor:
                     metrics.bounded_load_changes.labels(route).inc()
                     log.info(
                         "%s: at batch fill %s (held peak %s in flight) the busiest replica "
-                        "fits its usable batch at %s%%; session requests take the %d%% bound "
-                        "(was %d%%)",
+                        "fits its usable batch at %s%%; session requests take %s (was %s)",
                         route,
                         decision.fill,
                         decision.peak,
                         decision.wanted,
-                        decision.factor,
-                        before.factor,
+                        bound_text(decision.factor),
+                        bound_text(before.factor),
                     )
                 continue
             if before is not None and before.saturated != decision.saturated:

@@ -123,7 +123,8 @@ class ReconcileMetrics:
         self.bounded_load = Gauge(
             "kvpilot_route_bounded_load",
             "The bounded load (percent of the mean requests in flight) a capacity-bound "
-            "telemetry route's session requests take now (sessionAffinity.capacityBound).",
+            "telemetry route's session requests take now (sessionAffinity.capacityBound); 0: "
+            "none (the ladder's top rung, while all requests in flight fit one replica's batch).",
             ["route"],
             **kwargs,
         )

@@ -145,7 +145,17 @@ its own consistent-hash twin of one ring. About 1.25-1.5x apart: the factor that
 busiest replica fill the usable part of its batch and no more, ``100 * (batch - sqrt(batch))
 / mean in flight`` (``signals.saturation.usable_batch``), is 100 at nearly full batches,
 100-150 at the fill of small batches and 200-300 at the calm fill of large ones (the scenario
-benchmark at batch sizes 8, 32 and 128). Five twins cost Envoy little (docs/bounded-load.md)."""
+benchmark at batch sizes 8, 32 and 128). Five twins cost Envoy little (docs/bounded-load.md).
+Above them a ``capacityBound`` route has one more rung, ``UNBOUNDED_RUNG``: no bound at all."""
+
+UNBOUNDED_RUNG = 1_000_000
+"""The top rung of a ``capacityBound`` route's ladder: no bounded load (its twin has no
+``hash_balance_factor``: the plain consistent hash of the same ring). A number above every
+bound so the ladder stays ascending; it is never sent to Envoy as a factor. The route takes it
+while the whole pool's requests in flight would fit one replica's usable batch: at a factor of
+at least 100 x the replicas with fresh records (``signals.saturation.unbounded_at``), where a
+host may hold everything in flight and a bound can spill only what a batch would have taken
+at once."""
 
 
 class SessionAffinity(Model):
@@ -188,7 +198,9 @@ class SessionAffinity(Model):
         "which the busiest replica still fits the usable part of its batch (the batch size "
         "less its square root, so a burst that arrives before the next scrape still finds a "
         "free slot): 100 x (batch - sqrt(batch)) / mean requests in flight, read from live "
-        "telemetry (vLLM's max_num_seqs or kvpilot agent --max-running). "
+        "telemetry (vLLM's max_num_seqs or kvpilot agent --max-running). No bound at all (a "
+        "sixth twin, the plain consistent hash) while that is at least 100 x the replicas "
+        "reporting, when all requests in flight would fit one replica's usable batch. "
         "saturatedHashBalanceFactor is the tightest it goes; without a known batch size it is "
         "hashBalanceFactor. Tightens at once; loosens no sooner than 15 s after, and only as "
         "the peak of the requests in flight fades (by e in 30 s), so a lull does not leave a "
@@ -230,12 +242,13 @@ class SessionAffinity(Model):
     def ladder(self) -> tuple[int, ...]:
         """The bounds of a ``capacityBound`` route, ascending: ``BOUNDED_LOAD_LADDER`` from
         ``saturatedHashBalanceFactor`` (or the ladder's bottom when it is 0) up, plus
-        ``hashBalanceFactor`` (the bound without a known batch size). Empty on other routes."""
+        ``hashBalanceFactor`` (the bound without a known batch size), and last
+        ``UNBOUNDED_RUNG`` (no bound). Empty on other routes."""
         if not self.capacity_bound or not self.hash_balance_factor:
             return ()
         bottom = self.saturated_hash_balance_factor or BOUNDED_LOAD_LADDER[0]
         rungs = {r for r in BOUNDED_LOAD_LADDER if r >= bottom}
-        return tuple(sorted(rungs | {bottom, self.hash_balance_factor}))
+        return (*sorted(rungs | {bottom, self.hash_balance_factor}), UNBOUNDED_RUNG)
 
     @model_validator(mode="after")
     def _hot_prefixes(self) -> SessionAffinity:

@@ -23,6 +23,7 @@ from xdsserver import resources
 from xdsserver.translate.clusters import (
     AFFINITY_SUFFIX,
     SATURATED_SUFFIX,
+    UNBOUNDED_SUFFIX,
     aggregate_clusters,
     translate_cluster,
     translate_endpoints,
@@ -112,6 +113,7 @@ __all__ = [
     "COLLECTOR_CLUSTER",
     "PREFIX_KEY_HEADER",
     "SATURATED_SUFFIX",
+    "UNBOUNDED_SUFFIX",
     "FleetResources",
     "prefix_key_lua",
     "translate",

@@ -23,7 +23,7 @@ from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import wrappers_pb2
 
 from compiler.plan import PlanCluster, PlanEndpoint
-from policies.models import SessionAffinity
+from policies.models import UNBOUNDED_RUNG, SessionAffinity
 from policies.names import LOCAL_SUFFIX
 from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 from xdsserver.translate.protos import (
@@ -38,6 +38,9 @@ AFFINITY_SUFFIX = "/affinity"
 SATURATED_SUFFIX = "/affinity-saturated"
 """Suffix of the consistent-hash twin that bounds load tighter, for session requests while
 the route's replicas are saturated (``SessionAffinity.saturated_hash_balance_factor``)."""
+UNBOUNDED_SUFFIX = "/affinity-unbounded"
+"""Suffix of a ``capacityBound`` route's twin without a bound (``UNBOUNDED_RUNG``), for
+session requests while all the pool's requests in flight fit one replica's usable batch."""
 INTERNAL_SUFFIX = "/internal"
 """Suffix of the internal listener (and its cluster) in front of an authenticated provider."""
 
@@ -199,30 +202,37 @@ def affinity_suffixes(cluster: PlanCluster) -> tuple[str, ...]:
 
 def twin_suffix(affinity: SessionAffinity, factor: int) -> str:
     """The name suffix of the consistent-hash twin bounded at `factor` percent: the usual
-    bound's ``/affinity``, the saturated bound's ``/affinity-saturated``, any other rung of a
-    ``capacityBound`` ladder ``/affinity-<factor>``."""
+    bound's ``/affinity``, the saturated bound's ``/affinity-saturated``, a ``capacityBound``
+    ladder's rung without a bound (``UNBOUNDED_RUNG``) ``/affinity-unbounded``, any other rung
+    ``/affinity-<factor>``."""
     if factor == affinity.hash_balance_factor:
         return AFFINITY_SUFFIX
     if factor == affinity.saturated_hash_balance_factor:
         return SATURATED_SUFFIX
+    if factor == UNBOUNDED_RUNG:
+        return UNBOUNDED_SUFFIX
     return f"{AFFINITY_SUFFIX}-{factor}"
 
 
 def affinity_twins(cluster: PlanCluster) -> tuple[tuple[str, int], ...]:
-    """(name suffix, bounded load) of each consistent-hash twin of a cluster (``twins``);
-    none without affinity."""
+    """(name suffix, bounded load; 0 for none) of each consistent-hash twin of a cluster
+    (``twins``); none without affinity."""
     return () if cluster.affinity is None else twins(cluster.affinity)
 
 
 def twins(affinity: SessionAffinity) -> tuple[tuple[str, int], ...]:
-    """(name suffix, bounded load) of each consistent-hash twin of a route with `affinity`:
-    the usual one, the saturated one when the route tightens under saturation, one per rung
-    of a ``capacityBound`` route's ladder (``SessionAffinity.ladder``)."""
+    """(name suffix, bounded load Envoy is sent; 0 for none) of each consistent-hash twin of
+    a route with `affinity`: the usual one, the saturated one when the route tightens under
+    saturation, one per rung of a ``capacityBound`` route's ladder (``SessionAffinity.ladder``,
+    whose ``UNBOUNDED_RUNG`` is a twin without a bound)."""
     factors = [affinity.hash_balance_factor]
     if affinity.saturated_hash_balance_factor:
         factors.append(affinity.saturated_hash_balance_factor)
     factors.extend(rung for rung in affinity.ladder() if rung not in factors)
-    return tuple((twin_suffix(affinity, factor), factor) for factor in factors)
+    return tuple(
+        (twin_suffix(affinity, factor), 0 if factor == UNBOUNDED_RUNG else factor)
+        for factor in factors
+    )
 
 
 def model_subsets() -> cluster_pb2.Cluster.LbSubsetConfig:
