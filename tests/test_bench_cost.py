@@ -12,7 +12,8 @@ import pytest
 from harness.golden import BENCH, check, updating
 
 from bench.cost.config import PAID_POOL, Phase, Prices, default_config
-from bench.cost.report import full_rate, markdown, measured_floor, summarize, targets
+from bench.cost.floor import full_rate, measured_floor
+from bench.cost.report import markdown, summarize, targets
 from bench.cost.results import CostSummary, Dollars, FullRate, PhaseRow
 from bench.cost.spend import PoolSpend, between, differences, from_responses, from_view
 from bench.rig.loadgen import LoadSample, RequestResult, RunResult

@@ -113,7 +113,7 @@ class CostSummary:
     phases: dict[str, PhaseRow] = field(default_factory=dict)
     owned_full: FullRate | None = None
     """How fast the owned replicas finished requests while every one of them had a full
-    batch: their measured capacity (``bench.cost.report.full_rate``); None when they never
+    batch: their measured capacity (``bench.cost.floor.full_rate``); None when they never
     were all full for long enough (and in files of older runs)."""
     spend: SpendCheck | None = None
     """kvpilot's spend against the responses' usage (files of older runs have none)."""
@@ -134,3 +134,7 @@ class CostSummary:
             spend=SpendCheck.from_json(data["spend"]) if "spend" in data else None,
             owned_full=FullRate(**data["owned_full"]) if "owned_full" in data else None,
         )
+
+
+Results = Mapping[int, Mapping[str, CostSummary]]
+"""Seed -> policy -> its numbers."""
