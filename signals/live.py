@@ -24,7 +24,8 @@ from signals.saturation import (
     batch_fill,
     decide_capacity_route,
     decide_saturation,
-    in_flight,
+    mean_fill,
+    mean_in_flight,
     saturated_fill,
     sized_records,
 )
@@ -134,17 +135,16 @@ def saturation_decisions(state: PolicyState) -> dict[str, SaturationDecision]:
                     if affinity.saturated_hash_balance_factor
                     else None
                 )
+                records = sized_records(endpoints, telemetry, now=state.now, max_age=max_age)
                 out[name] = decide_capacity_route(
                     state.previous_saturation.get(name),
-                    in_flight(endpoints, telemetry, now=state.now, max_age=max_age),
-                    batch_fill(endpoints, telemetry, now=state.now, max_age=max_age),
+                    mean_in_flight(records),
+                    mean_fill(records),
                     now=state.now,
                     ladder=affinity.ladder(),
                     usual=affinity.hash_balance_factor,
                     saturated_at=saturated_at,
-                    replicas=len(
-                        sized_records(endpoints, telemetry, now=state.now, max_age=max_age)
-                    ),
+                    replicas=len(records),
                 )
                 continue
             if not affinity.saturated_hash_balance_factor:

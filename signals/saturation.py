@@ -165,9 +165,14 @@ def batch_fill(
 ) -> float | None:
     """The mean batch fill of the replicas ``endpoints`` (see the module notes);
     ``telemetry`` is keyed by ``Endpoint.key``."""
+    return mean_fill(sized_records(endpoints, telemetry, now=now, max_age=max_age))
+
+
+def mean_fill(records: Sequence[tuple[TelemetryRecord, float]]) -> float | None:
+    """The mean batch fill, (running + waiting) / batch size, of `records` (``sized_records``);
+    None without one."""
     fills = [
-        ((record.running or 0.0) + (record.waiting or 0.0)) / batch
-        for record, batch in sized_records(endpoints, telemetry, now=now, max_age=max_age)
+        ((record.running or 0.0) + (record.waiting or 0.0)) / batch for record, batch in records
     ]
     return round(statistics.fmean(fills), 6) if fills else None
 
@@ -242,15 +247,17 @@ def in_flight(
 ) -> tuple[float, float] | None:
     """(mean requests in flight, mean batch size) over the fresh records of ``endpoints``
     that know their batch size; ``None`` without one."""
-    pairs = [
-        ((record.running or 0.0) + (record.waiting or 0.0), batch)
-        for record, batch in sized_records(endpoints, telemetry, now=now, max_age=max_age)
-    ]
-    if not pairs:
+    return mean_in_flight(sized_records(endpoints, telemetry, now=now, max_age=max_age))
+
+
+def mean_in_flight(records: Sequence[tuple[TelemetryRecord, float]]) -> tuple[float, float] | None:
+    """(mean requests in flight, mean batch size) of `records` (``sized_records``); ``None``
+    without one."""
+    if not records:
         return None
     return (
-        round(statistics.fmean(p[0] for p in pairs), 6),
-        round(statistics.fmean(p[1] for p in pairs), 6),
+        round(statistics.fmean((r.running or 0.0) + (r.waiting or 0.0) for r, _ in records), 6),
+        round(statistics.fmean(batch for _, batch in records), 6),
     )
 
 
@@ -470,6 +477,8 @@ __all__ = [
     "held_peak",
     "in_flight",
     "ladder_pays",
+    "mean_fill",
+    "mean_in_flight",
     "path_reason",
     "saturated_fill",
     "sized_records",
