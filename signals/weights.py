@@ -38,6 +38,18 @@ sets only what changes slowly: how fast each replica is.
   scenario benchmark's documents mix such bursts cut a replica of a fleet of equal
   replicas to 50 and back, 2 to 6 ring changes a run that moved sessions off their
   caches; a slow replica prefills what the others do and still falls.
+- Busy with more than its share of the sequences: a decode step takes longer the more
+  sequences it holds (vLLM's, like the simulated replica's, grows by a fixed time per
+  sequence on top of a fixed base), so a replica holding the popular prefixes decodes three
+  times the pool's sequences at a TPOT well above the pool's, while it produces more tokens
+  a second than any other. Its tokens a second (running sequences over TPOT, by Little's law)
+  say so: at ``busy_throughput`` (1.5) times the pool's median or more, a slower record is no
+  evidence of a fall (it neither counts towards one nor breaks a run). A slow replica given
+  the pool's share of the work produces the pool's tokens a second (it only holds them
+  longer), and one with fewer slots produces fewer: both fall as before. In the scenario
+  benchmark's documents mix at batches of 128, the replica holding the popular documents
+  carried 3x the pool's mean in flight and was cut to 70 for 12 to 19 s, and its documents'
+  sessions moved off their caches.
 - Capacity factor, on a ladder of levels (``capacity_levels``: 1, 0.7, 0.5, 0.35, 0.25). It
   falls only after ``capacity_confirm`` consecutive records put the replica below
   ``capacity_band`` times its level, straight to the level nearest the last one's speed
@@ -164,6 +176,10 @@ class WeightParams:
     prefill_floor: float = 0.5
     """The least pool median ``prefill_busy`` is taken of: in a pool whose prompts are all
     cached a few tokens of a question are not a burst."""
+    busy_throughput: float = 1.5
+    """A record whose tokens a second (running sequences over TPOT) are at least this
+    multiple of the pool's median is no evidence of a fall: the replica is busier than the
+    others, not slower (its steps hold more sequences)."""
 
 
 SIGNAL_WEIGHTS = {"queue": 1.0, "running": 0.5, "kv": 0.5, "tokens": 0.5}
@@ -342,6 +358,19 @@ def capacity_weights(
         if prefill_reference is None
         else params.prefill_busy * max(prefill_reference, params.prefill_floor)
     )
+    # Tokens a second per unit of static weight: a replica given twice the weight is given
+    # twice the sessions.
+    static = {endpoint.key: endpoint.weight for endpoint in endpoints}
+    mean_weight = sum(static.values()) / len(static) if static else 1.0
+    throughputs = {
+        key: record.running / tpot / (static[key] / mean_weight)
+        for key, record in fresh.items()
+        if record.running and (tpot := tpots.get(key)) is not None and static[key] > 0
+    }
+    throughput_reference = _pool_reference(throughputs, len(fresh))
+    busier_above = (
+        None if throughput_reference is None else params.busy_throughput * throughput_reference
+    )
     levels = sorted(params.capacity_levels, reverse=True)
     out: dict[str, WeightDecision] = {}
     for endpoint in endpoints:
@@ -371,6 +400,10 @@ def capacity_weights(
             if busy_above is not None and prefill is not None and prefill > busy_above:
                 # Busy, not slow: its steps carried prompts the pool's did not. No evidence
                 # either way; a run of slow records goes on past it.
+                median_says = None
+            elif slower and busier_above is not None and throughputs.get(key, 0) >= busier_above:
+                # Busier, not slower: more sequences per step, more tokens a second than the
+                # pool's. No evidence of a fall; the run goes on past it.
                 median_says = None
             elif not medians:
                 # No medians in the pool (a server without the histogram): the mean alone.

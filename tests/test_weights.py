@@ -329,11 +329,16 @@ def _rounds(
     others_median: float | None = None,
     prefills: list[float | None] | None = None,
     others_prefill: float | None = None,
+    running: float | None = None,
+    others_running: float | None = None,
+    endpoints: list[Endpoint] | None = None,
 ) -> list[int]:
     """Feed one record per round (replica 0's TPOT, the others at `others`; with `medians`,
     replica 0's median TPOT, the others' at `others_median`; with `prefills`, replica 0's
-    prompt tokens prefilled per output token, the others' at `others_prefill`); replica 0's
+    prompt tokens prefilled per output token, the others' at `others_prefill`; with
+    `running`, replica 0's running sequences, the others' at `others_running`); replica 0's
     weight after each round."""
+    endpoints = endpoints or CAPACITY_ENDPOINTS
     previous: dict[str, WeightDecision] = {}
     weights = []
     for index, tpot in enumerate(tpots):
@@ -348,13 +353,12 @@ def _rounds(
                 prefill_per_token=(
                     None if prefills is None else prefills[index] if i == 0 else others_prefill
                 ),
+                running=running if i == 0 else others_running,
             )
-            for i, e in enumerate(CAPACITY_ENDPOINTS)
+            for i, e in enumerate(endpoints)
         }
-        previous = pool_weights(
-            CAPACITY_ENDPOINTS, telemetry, now=at, previous=previous, affinity=True
-        )
-        weights.append(previous[CAPACITY_ENDPOINTS[0].key].weight)
+        previous = pool_weights(endpoints, telemetry, now=at, previous=previous, affinity=True)
+        weights.append(previous[endpoints[0].key].weight)
     return weights
 
 
@@ -430,6 +434,34 @@ def test_a_replica_that_prefills_what_the_pool_does_not_is_busy_not_slow() -> No
     ) == [100, 100, 35]
     # Where every prompt is cached, a question's few tokens are not a burst.
     assert _rounds([0.09] * 3, prefills=[0.3] * 3, others_prefill=0.05) == [100, 35, 35]
+
+
+def test_a_replica_busier_than_its_share_is_not_slow() -> None:
+    """The replica holding the popular prefixes decodes four times the others' sequences,
+    and its longer steps double its TPOT: it makes twice the others' tokens a second, so it
+    is busy, not slow, and its share of the ring stays."""
+    assert _rounds([0.06] * 4, running=40, others_running=10) == [100] * 4
+    # Its medians agree with its mean: still no evidence of a fall.
+    busy = _rounds(
+        [0.06] * 4, medians=[0.0375] * 4, others_median=0.0177, running=40, others_running=10
+    )
+    assert busy == [100] * 4
+    # A busier record does not break a run of slow ones either.
+    assert _rounds([0.06] * 3, running=10, others_running=10)[-1] == 50
+
+
+def test_a_slow_replica_given_its_share_of_the_work_still_falls() -> None:
+    """Half speed with the pool's share of the sessions: it holds twice the sequences (it
+    keeps each twice as long) and makes the pool's tokens a second. Slow, not busier."""
+    assert _rounds([0.06] * 3, running=20, others_running=10) == [100, 50, 50]
+    # Fewer slots than the others (fewer sequences at a slower pace): slow as well.
+    assert _rounds([0.06] * 3, running=5, others_running=10) == [100, 50, 50]
+    # Twice the static weight: twice the sessions is its share, not more than it.
+    heavy = [
+        Endpoint(address="10.0.0.1", port=9000, weight=200),
+        *CAPACITY_ENDPOINTS[1:],
+    ]
+    assert _rounds([0.06] * 3, running=40, others_running=10, endpoints=heavy) == [200, 100, 100]
 
 
 def test_the_median_says_whether_the_mean_says_how_much() -> None:
