@@ -37,9 +37,9 @@ from signals.saturation import (
 from signals.telemetry import TelemetryRecord
 from xdsserver.translate import translate
 
-LADDER = (100, 125, 150, 200, 300)
+LADDER = (100, 125, 150, 200, 300, 450)
 FULL = (*LADDER, UNBOUNDED_RUNG)
-"""A route's whole ladder (``SessionAffinity.ladder``): the five bounds, then none."""
+"""A route's whole ladder (``SessionAffinity.ladder``): the six bounds, then none."""
 USUAL = 125
 NOW = 1000.0
 PORTS = (8001, 8002, 8003, 8004)
@@ -161,7 +161,7 @@ def test_the_bound_lets_the_busiest_replica_fill_the_usable_batch(
         pytest.param(at(150), (12.5, 32), 150, id="200 allowed but not cleared by the margin"),
         pytest.param(at(150), (11.5, 32), 200, id="cleared by the margin: looser"),
         pytest.param(at(150, NOW - 1), (8, 32), 150, id="looser only after the dwell"),
-        pytest.param(at(100), (2, 32), 300, id="after the dwell, straight to the rung it clears"),
+        pytest.param(at(100), (2, 32), 450, id="after the dwell, straight to the rung it clears"),
     ],
 )
 def test_the_rung_tightens_at_once_and_loosens_with_margin_and_dwell(
@@ -183,8 +183,9 @@ def test_the_rung_tightens_at_once_and_loosens_with_margin_and_dwell(
     ("replicas", "at_factor"),
     [
         pytest.param(8, 800.0, id="8 replicas: 800%, all in flight fit one usable batch"),
-        pytest.param(4, 400.0, id="4 replicas: 400%"),
-        pytest.param(2, 300.0, id="2 replicas: never below the last bound (300)"),
+        pytest.param(5, 500.0, id="5 replicas: 500%"),
+        pytest.param(4, 450.0, id="4 replicas: never below the last bound (450)"),
+        pytest.param(2, 450.0, id="2 replicas: 450 too"),
         pytest.param(0, math.inf, id="no replica reporting: never"),
     ],
 )
@@ -206,14 +207,15 @@ def unbounded(since: float = NOW - 100) -> SaturationDecision:
         pytest.param(at(300), 5, 8, UNBOUNDED_RUNG, id="calm (2334%): no bound"),
         pytest.param(at(125), 5, 8, UNBOUNDED_RUNG, id="from any rung, after the dwell"),
         pytest.param(at(300, NOW - 1), 5, 8, 300, id="not within the dwell"),
-        pytest.param(at(300), 13.5, 8, 300, id="864%: clears 800 but not by the margin"),
+        pytest.param(at(450), 13.5, 8, 450, id="864%: clears 800 but not by the margin"),
+        pytest.param(at(300), 13.5, 8, 450, id="864%: clears 450 by the margin"),
         pytest.param(at(300), 13.0, 8, UNBOUNDED_RUNG, id="898%: cleared by the margin"),
         pytest.param(unbounded(), 13.5, 8, UNBOUNDED_RUNG, id="864% keeps no bound"),
-        pytest.param(unbounded(NOW - 1), 15, 8, 300, id="778%: tightens at once, in the dwell"),
+        pytest.param(unbounded(NOW - 1), 15, 8, 450, id="778%: tightens at once, in the dwell"),
         pytest.param(unbounded(), 60, 8, 150, id="the pool fills: straight to what fits"),
         pytest.param(unbounded(), 130, 8, 100, id="queues: the floor"),
-        pytest.param(unbounded(), 10, 12, 300, id="more replicas report: 1167% < 1200%"),
-        pytest.param(at(300), 1, 0, 300, id="without a count of replicas: never unbounded"),
+        pytest.param(unbounded(), 10, 12, 450, id="more replicas report: 1167% < 1200%"),
+        pytest.param(at(450), 1, 0, 450, id="without a count of replicas: never unbounded"),
     ],
 )
 def test_no_bound_while_the_pool_fits_one_batch_and_tightens_at_once_when_it_fills(
@@ -249,10 +251,12 @@ def test_a_burst_takes_the_bound_back_and_its_fading_peak_gives_it_up_again() ->
         assert due > later.since and math.isfinite(due)
         later = step(later, 4, due + 1e-6)
         rungs.append((later.factor, round(later.since - burst.since)))
-    # The peak of 50 fades to 35.4 (330%: 300) in 10 s, held to the dwell's 15 s; to 13.3
-    # (880%: no bound) in 40 s.
-    assert [r for r, _ in rungs] == [300, UNBOUNDED_RUNG]
-    assert [s for _, s in rungs] == [15, round(PEAK_HOLD * math.log(50 / 13.26))]
+    # The peak of 50 fades to 35.4 (330%: 300) in 10 s, held to the dwell's 15 s; to 23.6
+    # (495%: 450) in 23 s, held to the next dwell's 30 s; to 13.3 (880%: no bound) in 40 s,
+    # held to 45 s.
+    assert [r for r, _ in rungs] == [300, 450, UNBOUNDED_RUNG]
+    assert [s for _, s in rungs] == [15, 30, 45]
+    assert PEAK_HOLD * math.log(50 / 23.57) < 30 and PEAK_HOLD * math.log(50 / 13.26) < 45
 
 
 def test_operators_see_no_bound_as_0() -> None:
@@ -384,7 +388,7 @@ def _affinity(**route: Any) -> Any:
                 "balancing": "telemetry",
                 "sessionAffinity": {"capacityBound": True, "saturatedHashBalanceFactor": 150},
             },
-            (125, 150, 200, 300, UNBOUNDED_RUNG),
+            (125, 150, 200, 300, 450, UNBOUNDED_RUNG),
             id="the saturated bound is the floor; the usual one stays a rung",
         ),
         pytest.param(
@@ -392,7 +396,7 @@ def _affinity(**route: Any) -> Any:
                 "balancing": "telemetry",
                 "sessionAffinity": {"capacityBound": True, "hashBalanceFactor": 175},
             },
-            (100, 125, 150, 175, 200, 300, UNBOUNDED_RUNG),
+            (100, 125, 150, 175, 200, 300, 450, UNBOUNDED_RUNG),
             id="an own usual bound is a rung",
         ),
         pytest.param(
@@ -476,12 +480,13 @@ def test_session_requests_take_the_twin_whose_bound_fits_the_batch() -> None:
         "r/live/affinity-150": 150,
         "r/live/affinity-200": 200,
         "r/live/affinity-300": 300,
+        "r/live/affinity-450": 450,
         "r/live/affinity-unbounded": 0,
     }
     # The twin without a bound is the plain consistent hash of the same ring: no bounded
     # load configured at all, the same ring size.
     by_name = {c.name: c for c in resources[0].clusters}
-    unbounded, bounded = by_name["r/live/affinity-unbounded"], by_name["r/live/affinity-300"]
+    unbounded, bounded = by_name["r/live/affinity-unbounded"], by_name["r/live/affinity-450"]
     assert not unbounded.common_lb_config.HasField("consistent_hashing_lb_config")
     assert unbounded.lb_policy == bounded.lb_policy
     assert unbounded.ring_hash_lb_config == bounded.ring_hash_lb_config

@@ -361,15 +361,15 @@ async def test_the_bound_follows_the_batch_along_its_ladder_and_every_session_ke
     assert await asyncio.to_thread(twins.placement) == before
 
     # 4 of 32 in flight allow 659%, past 100% per replica (three: all 12 in flight fit one
-    # replica's usable batch): the top rung, no bound (a 300% bound would not bind over three
-    # replicas either), once the held peak of 32 in flight has faded to where 300% fits (with
-    # the loosening margin), about 42 s, and the dwells allow. The records are written again
-    # meanwhile, as a running agent keeps writing them.
+    # replica's usable batch) and past the last bound (450%, which would not bind over three
+    # replicas either): the top rung, no bound, once the held peak of 32 in flight has faded
+    # to where 450% fits (with the loosening margin), about 54 s, and the dwells allow. The
+    # records are written again meanwhile, as a running agent keeps writing them.
     async def roomy_after_writing_again() -> bool:
         await twins.batches(4)
         return await asyncio.to_thread(twins.served_by, roomy)
 
-    fade = PEAK_HOLD * math.log(32 / (usable_batch(32) * 100 / 330))
+    fade = PEAK_HOLD * math.log(32 / (usable_batch(32) * 100 / 495))
     # Each step up waits for its dwell too: the deadline allows three of them besides.
     await poll(roomy_after_writing_again, fade + 3 * LOOSEN_DWELL + 15, "the twin without a bound")
     assert metric(setup.kvpilot.api_url, "kvpilot_route_bounded_load", **route) == 0

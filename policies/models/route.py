@@ -139,15 +139,16 @@ batches a queue at one replica while another has a free slot is what costs, and 
 scenario benchmark's overload 100 cut TTFT p99 to under half of 125's."""
 
 
-BOUNDED_LOAD_LADDER: tuple[int, ...] = (100, 125, 150, 200, 300)
+BOUNDED_LOAD_LADDER: tuple[int, ...] = (100, 125, 150, 200, 300, 450)
 """The bounded loads a ``capacityBound`` route may take (percent of the mean in flight), each
 its own consistent-hash twin of one ring. About 1.25-1.5x apart: the factor that lets the
 busiest replica fill the usable part of its batch and no more, ``100 * (batch - sqrt(batch))
 / mean in flight`` (``signals.saturation.usable_batch``), is 100 at nearly full batches,
-100-150 at the fill of small batches and 200-300 at the calm fill of large ones (the scenario
-benchmark at batch sizes 8, 32 and 128). Above them a ``capacityBound`` route has one more
-rung, ``UNBOUNDED_RUNG``: no bound at all. Its six twins cost Envoy little, about 0.3 MiB each
-per route at 8 replicas (docs/bounded-load.md)."""
+100-150 at the fill of small batches, 200-300 at the calm fill of large ones and 450-600 in
+the scenario benchmark's calm documents mix at batches of 32 (at batch sizes 8, 32 and 128).
+Above them a ``capacityBound`` route has one more rung, ``UNBOUNDED_RUNG``: no bound at all.
+Its seven twins cost Envoy little, about 0.3 MiB each per route at 8 replicas
+(docs/bounded-load.md)."""
 
 UNBOUNDED_RUNG = 1_000_000
 """The top rung of a ``capacityBound`` route's ladder: no bounded load (its twin has no
@@ -195,12 +196,12 @@ class SessionAffinity(Model):
     capacity_bound: bool = Field(
         False,
         description="Bounded load follows the replicas' batch capacity: session requests take "
-        "the largest of the bounds 100, 125, 150, 200 and 300 (each a twin of one ring) at "
+        "the largest of the bounds 100, 125, 150, 200, 300 and 450 (each a twin of one ring) at "
         "which the busiest replica still fits the usable part of its batch (the batch size "
         "less its square root, so a burst that arrives before the next scrape still finds a "
         "free slot): 100 x (batch - sqrt(batch)) / mean requests in flight, read from live "
         "telemetry (vLLM's max_num_seqs or kvpilot agent --max-running). No bound at all (a "
-        "sixth twin, the plain consistent hash) while that is at least 100 x the replicas "
+        "seventh twin, the plain consistent hash) while that is at least 100 x the replicas "
         "reporting, when all requests in flight would fit one replica's usable batch. "
         "saturatedHashBalanceFactor is the tightest it goes; without a known batch size it is "
         "hashBalanceFactor. Tightens at once; loosens no sooner than 15 s after, and only as "
