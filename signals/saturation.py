@@ -68,9 +68,10 @@ a popular document or session off the replica that holds its prefix, which its b
 have taken at once. It tightens as
 soon as the factor falls below its rung (a queue is building) and loosens only when the
 factor clears the next rung by ``LOOSEN_MARGIN`` and ``LOOSEN_DWELL`` seconds after its last
-change (or after the first record that knew the batch size: a pool that starts idle stays at
-``hashBalanceFactor`` while its load ramps up), so a pool near a rung does not switch every
-round. Fewer switches matter beyond the
+change (or after the first record that knew the batch size: the first record takes the
+loosest bound that fits, never no bound, so a pool that starts idle waits for the dwell
+before it takes no bound and tightens from a bound as its load ramps up), so a pool near a
+rung does not switch every round. Fewer switches matter beyond the
 route updates: Envoy counts requests in flight per cluster, so right after a switch the new
 twin does not see the requests the old one sent, and its bound holds only as those finish.
 
@@ -328,10 +329,11 @@ def decide_bound(
         factor, wanted, fill = usual, None, None
     else:
         mean, batch = load
-        if before is None or before.peak is None:
+        first = before is None or before.peak is None
+        if first:
             # The first evidence (a new route, or telemetry back): the dwell starts now, so
-            # a pool that starts idle does not take the top rung and then tighten a rung at
-            # a time as its load ramps up, each change a twin that has counted nothing yet.
+            # a pool that starts idle does not take no bound and then tighten a rung at a
+            # time as its load ramps up, each change a twin that has counted nothing yet.
             since = now
         peak = held_peak(before, mean, now=now)
         wanted = capacity_factor(batch, peak)
@@ -349,6 +351,12 @@ def decide_bound(
             ]
             if looser and now - since >= LOOSEN_DWELL:
                 factor = looser[-1]
+            elif first and (bounded := [r for r in looser if r != UNBOUNDED_RUNG]):
+                # Through the first dwell, the loosest bound that fits rather than the
+                # usual one: at 125% a calm pool's ramp spills the first requests of a
+                # popular document off the replica the hash gives it, and that replica then
+                # meets the document cold once the bound is loose.
+                factor = bounded[-1]
     if factor != current:
         since = now
     loosen_at = math.inf

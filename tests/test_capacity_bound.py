@@ -142,9 +142,8 @@ def test_the_bound_lets_the_busiest_replica_fill_the_usable_batch(
     [
         pytest.param(None, None, USUAL, id="no batch size known: the usual bound"),
         pytest.param(at(300), None, USUAL, id="telemetry gone: back to the usual bound"),
-        pytest.param(
-            None, (30, 128), USUAL, id="first evidence: the usual rung until the dwell is over"
-        ),
+        pytest.param(None, (30, 128), 300, id="first evidence: the loosest bound that fits (389%)"),
+        pytest.param(None, (2, 32), 450, id="first evidence: a bound, no bound after the dwell"),
         pytest.param(at(125), (4, 8), 125, id="batches of 8 half full: 125, the largest <= 129"),
         pytest.param(at(125), (11, 32), 200, id="batches of 32 a third full: 200"),
         pytest.param(
@@ -229,7 +228,7 @@ def test_no_bound_while_the_pool_fits_one_batch_and_tightens_at_once_when_it_fil
 
 
 def test_a_burst_takes_the_bound_back_and_its_fading_peak_gives_it_up_again() -> None:
-    """Eight replicas at batch 128: calm, the first record holds the usual bound through the
+    """Eight replicas at batch 128: calm, the first record holds the loosest bound through the
     dwell, then no bound; a burst tightens at once; the peak it leaves loosens the rung only
     as it fades (by e in 30 s) and no sooner than the dwell, back to no bound at last, each
     step due at ``calm_at`` without new telemetry."""
@@ -238,7 +237,7 @@ def test_a_burst_takes_the_bound_back_and_its_fading_peak_gives_it_up_again() ->
         return decide_bound(previous, (mean, 128), now=now, ladder=FULL, usual=USUAL, replicas=8)
 
     first = step(None, 4, NOW)
-    assert first.factor == USUAL and first.calm_at == NOW + LOOSEN_DWELL
+    assert first.factor == 450 and first.calm_at == NOW + LOOSEN_DWELL
     calm = step(first, 4, first.calm_at)
     assert calm.factor == UNBOUNDED_RUNG and calm.calm_at == math.inf
     burst = step(calm, 50, NOW + 20)  # 233%
