@@ -66,7 +66,8 @@ from a factor of 100 x the replicas reporting (``unbounded_at``): there the whol
 requests in flight fit the busiest replica's usable batch, and any bound would only spill
 a popular document or session off the replica that holds its prefix, which its batch would
 have taken at once. It tightens as
-soon as the factor falls below its rung (a queue is building) and loosens only when the
+soon as the factor falls below its rung by ``TIGHTEN_MARGIN`` (a queue is building) and
+loosens only when the
 factor clears the next rung by ``LOOSEN_MARGIN`` and ``LOOSEN_DWELL`` seconds after its last
 change (or after the first record that knew the batch size: the first record takes the
 loosest bound that fits, never no bound, so a pool that starts idle waits for the dwell
@@ -218,6 +219,14 @@ def decide_saturation(
 LOOSEN_MARGIN = 1.1
 """A capacity-bound route moves to a looser rung only when the factor its replicas allow
 clears that rung by this much: the rung's headroom against the noise of one scrape."""
+TIGHTEN_MARGIN = 1.1
+"""... and keeps its rung while the factor stays within this much below it: the busiest
+replica may then go past the usable part of its batch by a tenth at most (29 of 32, 128 of
+128), still within the batch. A held peak a few percent above the one that fits would
+otherwise take the next rung down, a third to half tighter: in the scenario benchmark's calm
+documents mix at batch size 32 the factor fell to 430-448% at bursts, the route took 300%
+for 15-25 s, and the replica holding the popular documents spilled them to replicas that
+had never prefilled them."""
 LOOSEN_DWELL = 15.0
 """... and no sooner than this many seconds after its last change of rung. Each change sends
 session requests to a twin whose in-flight counts hold only its own requests, so for a while
@@ -340,7 +349,7 @@ def decide_bound(
         fill = round(mean / batch, 6) if batch else None
         fits = [r for r in ladder if fits_at(r) <= wanted] or [ladder[0]]
         factor = current
-        if wanted < fits_at(current):
+        if wanted * TIGHTEN_MARGIN < fits_at(current):
             # Tighten at once, also from no bound when the pool fills (or loses replicas).
             factor = fits[-1]
         else:
@@ -474,6 +483,7 @@ __all__ = [
     "LOOSEN_MARGIN",
     "MIN_DWELL",
     "PEAK_HOLD",
+    "TIGHTEN_MARGIN",
     "SaturationDecision",
     "batch_fill",
     "bound_text",
