@@ -1,9 +1,9 @@
 """What each consistent-hash twin of a route costs Envoy: memory, health checks, connections.
 
-A ``capacityBound`` route has one twin per rung of its bounded-load ladder (six: five bounds
-and one without a bound; seven when the route's own bound is not a rung), the route's replicas
+A ``capacityBound`` route has one twin per rung of its bounded-load ladder (seven: six bounds
+and one without a bound; eight when the route's own bound is not a rung), the route's replicas
 cluster beside them, each a cluster of its own in Envoy. This probe
-compiles one telemetry route over 8 replicas with 1, 2, 6 and 7 twins (one fixed bound, two
+compiles one telemetry route over 8 replicas with 1, 2, 7 and 8 twins (one fixed bound, two
 fixed bounds, the ladder, a ladder with an extra rung), starts a real Envoy with
 exactly those clusters (static, so no control plane is needed: the clusters are kvpilot's
 own, with their endpoints inlined), sends requests through every twin so each opens its
