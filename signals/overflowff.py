@@ -577,7 +577,7 @@ def decide_arrivals(
         paid, since, step_fill = floor, now, fill
     what = "measured full" if measured else "prior"
     if mix is not None:
-        what += f"; in work, {mix:.0f} a request"
+        what += f"; in work, {mix:.0f} a request, {capacity * mix:.0f}/s"
     excess = round(target - drain / demand, 4) if drain > 0 else target
     if excess > 0:
         why = (

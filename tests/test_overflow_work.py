@@ -194,7 +194,7 @@ def test_capacity_in_work_does_not_depend_on_the_kind_the_replicas_served() -> N
     assert decision.paid == pytest.approx(paid, abs=1e-3)
     # Requests without a session carry 21% of the work: they go first, as many as that is.
     assert decision.plain_share == pytest.approx(6400 / 30400, abs=1e-4)
-    assert "in work, 304 a request" in decision.why
+    assert "in work, 304 a request, 4800/s" in decision.why
     # Measured in requests (12 turns a second over 32 slots) the same replicas would read
     # 12/s and send 1 - 0.97 x 12 / 20 = 42% of the requests to paid.
     assert paid < 1 - LOAD * 12.0 / 20.0 - 0.1
