@@ -18,7 +18,7 @@ from signals.overflow import (
     overflow_signals,
     provider_order,
 )
-from signals.overflowff import ReplicaLoad, blend_demand, route_demand
+from signals.overflowff import ReplicaLoad, blend_demand, computed_rate, route_demand
 from signals.saturation import (
     SaturationDecision,
     batch_fill,
@@ -221,13 +221,17 @@ def _by_arrivals(
     times = [state.service_times[key] for key in keys if key in state.service_times]
     done = [state.recent_completions[key] for key in keys if key in state.recent_completions]
     completed = [state.completions[key] for key in keys if key in state.completions]
-    # In work (signals.overflowff): each replica's fullness and the work it completed.
+    # In work (signals.overflowff): each replica's fullness, the work it computed at its last
+    # scrape and the work its responses carried.
     replicas = [
         ReplicaLoad(
             key=endpoint.key,
             slots=record.max_running,
             running=(record.running or 0.0) / record.max_running,
             work=state.recent_work.get(endpoint.key),
+            rate=computed_rate(
+                record.running, record.time_per_output_token, record.prefill_per_token
+            ),
         )
         for endpoint in endpoints
         if (record := telemetry.get(endpoint.key)) is not None

@@ -58,12 +58,20 @@ fifths of the work in that benchmark where it takes about a third of the engines
   last ``ARRIVAL_WINDOW`` (``KindWork``: every pool's responses, the kind from the route
   entry that took the request, with or without a session): rate x (p x plain work + (1 - p)
   x conversation work), p the share of requests without a session.
-- **Capacity** is the work per second the owned replicas completed while full, read replica
-  by replica (``ReplicaLoad``, ``work_sample``): each replica full for a request's time and
-  then ``SAMPLE_WINDOW`` (``settled``: a batch that has just filled still finishes what it
-  admitted while it had room, at the rate it came), its work over its slots. Held per slot
-  and averaged in as the requests' capacity is; before any sample, the prior in requests.
-  What the owned replicas completed over the long window, in work, bounds it from below.
+- **Capacity** is the work per second the owned replicas compute while full, read replica
+  by replica (``ReplicaLoad``) from the engines' own counters as the agent scrapes them
+  (``computed_rate``): running sequences over the mean time per output token is output
+  tokens a second, and ``prefill_per_token`` (uncached prompt tokens admitted per output
+  token) adds the prefill at ``PREFILL_WEIGHT``. Each round the replicas full at their last
+  scrape give a sample, their rates over their slots (``rate_sample``), averaged in at
+  ``RATE_WEIGHT``. Counted from the responses' usage instead (the work each brought when it
+  ended, ``work_sample``: each replica full for a request's time and then
+  ``SAMPLE_WINDOW``), the first run of the cost benchmark read 945-1,390 work/s where the
+  pool computed about 1,480 when all were full: a replica stays full for that long with a
+  paid share in force when its requests are long, and those end, and count, late. The
+  responses' usage is the sample only for replicas whose telemetry has no token timings.
+  Held per slot; before any sample, the prior in requests. What the owned replicas
+  completed over the long window, in work, bounds it from below.
 - **The share** is of the demand's work: the paid pools take what the owned replicas cannot
   compute, requests without a session first, as many of them as carry that work (the plain
   share of ``kind_shares`` is then the share of the work without a session). For status and
@@ -207,6 +215,10 @@ signal bounds the engines' time to first token at half of it too)."""
 PREFILL_WEIGHT = 0.1
 """What an uncached prompt token counts against an output token in overflow's unit of work
 (module docstring: the simulated engine's ratio is 0.086)."""
+RATE_WEIGHT = 0.2
+"""Weight of a round's sample of the full replicas' computed rates (``rate_sample``) against
+the held one: a scrape's second of steps is noisy (a long prefill's step is half a second),
+so about five rounds make the estimate."""
 MIN_WORK_REQUESTS = 8
 """Responses with usage a route needs over the window before its demand and capacity are
 counted in work; fewer: in requests."""
@@ -259,6 +271,30 @@ class ReplicaLoad:
     """Its running sequences over its batch size."""
     work: float | None
     """The work it completed per second over the last ``SAMPLE_WINDOW``; None: none seen."""
+    rate: float | None = None
+    """The work it computed per second at its last scrape (``computed_rate``); None: its
+    telemetry has no token timings."""
+
+
+def computed_rate(
+    running: float | None, time_per_output_token: float | None, prefill_per_token: float | None
+) -> float | None:
+    """Work per second an engine computes, from one scrape: `running` sequences each making a
+    token per `time_per_output_token` seconds, and `prefill_per_token` uncached prompt tokens
+    admitted per output token at ``PREFILL_WEIGHT``. None without a token time."""
+    if not running or not time_per_output_token or time_per_output_token <= 0:
+        return None
+    output = running / time_per_output_token
+    return output * (1.0 + PREFILL_WEIGHT * (prefill_per_token or 0.0))
+
+
+def rate_sample(replicas: Sequence[ReplicaLoad]) -> float | None:
+    """Work per second per batch slot the replicas full at their last scrape computed
+    (``ReplicaLoad.rate``), or None when none of them is full with a rate."""
+    sampled = [r for r in replicas if r.running >= FULL and r.rate and r.slots > 0]
+    if not sampled:
+        return None
+    return sum(r.rate or 0.0 for r in sampled) / sum(r.slots for r in sampled)
 
 
 def settled(service_time: float | None) -> float:
@@ -443,12 +479,14 @@ def decide_arrivals(
         if replica.running >= FULL
     }
     work_per_slot = before.work_per_slot
-    sample = work_sample(replicas, replicas_full_since, now, service_time)
+    # The engines' computed rates where the telemetry has them; else the responses' work.
+    weight, sample = RATE_WEIGHT, rate_sample(replicas)
+    if sample is None:
+        untimed = [replica for replica in replicas if not replica.rate]
+        weight, sample = SAMPLE_WEIGHT, work_sample(untimed, replicas_full_since, now, service_time)
     if sample is not None:
         work_per_slot = round(
-            sample
-            if work_per_slot is None
-            else (1 - SAMPLE_WEIGHT) * work_per_slot + SAMPLE_WEIGHT * sample,
+            sample if work_per_slot is None else (1 - weight) * work_per_slot + weight * sample,
             6,
         )
     # Capacity, from the completions of a full period when there is one.
@@ -616,6 +654,7 @@ __all__ = [
     "PREFILL_WEIGHT",
     "PRIOR_SHARE",
     "QUEUE_WAIT",
+    "RATE_WEIGHT",
     "RECENT_WINDOW",
     "RISE_SIGMAS",
     "SAMPLE_WEIGHT",
@@ -625,9 +664,11 @@ __all__ = [
     "ReplicaLoad",
     "blend_demand",
     "capacity_of",
+    "computed_rate",
     "decide_arrivals",
     "drain_rate",
     "kind_shares",
+    "rate_sample",
     "route_demand",
     "route_of",
     "settled",

@@ -18,11 +18,14 @@ from signals.overflowff import (
     MIN_WORK_REQUESTS,
     PREFILL_WEIGHT,
     PRIOR_SHARE,
+    RATE_WEIGHT,
     SAMPLE_WINDOW,
     ArrivalsDecision,
     KindWork,
     ReplicaLoad,
+    computed_rate,
     decide_arrivals,
+    rate_sample,
     settled,
     work_of,
     work_sample,
@@ -148,6 +151,25 @@ def test_a_replica_counts_once_it_has_been_full_for_a_request_and_a_window() -> 
     assert work_sample(replicas, {}, NOW, 4.0) is None
 
 
+def test_an_engine_computes_its_running_sequences_tokens_and_a_tenth_of_its_prefill() -> None:
+    # 8 sequences at 25 ms a token: 320 output tokens a second; 2 prompt tokens prefilled
+    # per output token add 640 a second at a tenth.
+    assert computed_rate(8, 0.025, 2.0) == pytest.approx(320 * 1.2)
+    assert computed_rate(8, 0.025, None) == pytest.approx(320)
+    assert computed_rate(8, None, 2.0) is None and computed_rate(0, 0.025, 2.0) is None
+
+
+def test_the_rate_sample_takes_the_replicas_full_at_their_last_scrape() -> None:
+    replicas = [
+        ReplicaLoad("r0", 8, 1.0, None, rate=400.0),
+        ReplicaLoad("r1", 8, 1.0, None, rate=320.0),
+        ReplicaLoad("r2", 8, 0.5, None, rate=100.0),  # not full: its rate is no capacity
+        ReplicaLoad("r3", 8, 1.0, 500.0),  # full, no token timings
+    ]
+    assert rate_sample(replicas) == pytest.approx(720 / 16)
+    assert rate_sample(replicas[2:]) is None
+
+
 CONVERSATIONS = KindWork(plain=40, plain_work=40 * 160.0, sessions=60, session_work=60 * 400.0)
 """The mixed demand: 40% plain requests of 160 work, 60% conversation turns of 400: 304 a
 request, 21% of the work without a session."""
@@ -240,7 +262,12 @@ PORTS = (8001, 8002, 8003, 8004)
 
 
 def _state(
-    demand: float, *, previous: OverflowDecision | None = None, now: float = NOW
+    demand: float,
+    *,
+    previous: OverflowDecision | None = None,
+    now: float = NOW,
+    tpot: float | None = None,
+    completed: float = 1000.0,
 ) -> PolicyState:
     objects: list[PolicyObject] = [
         Pool.model_validate(pool("owned", PORTS, telemetry={"format": "vllm"})),
@@ -271,7 +298,16 @@ def _state(
     return PolicyState.from_objects(
         objects,
         telemetry={
-            "owned": {host: TelemetryRecord(at=now - 1, running=8, max_running=8) for host in hosts}
+            "owned": {
+                host: TelemetryRecord(
+                    at=now - 1,
+                    running=8,
+                    max_running=8,
+                    time_per_output_token=tpot,
+                    prefill_per_token=2.0 if tpot else None,
+                )
+                for host in hosts
+            }
         },
         now=now,
         arrivals={"default/main/chat": demand},
@@ -279,7 +315,7 @@ def _state(
         session_shares={"main/chat": 0.6},
         previous_overflow={"main/chat": previous} if previous is not None else {},
         recent_work={host: 1200.0 for host in hosts},
-        completed_work={host: 1000.0 for host in hosts},
+        completed_work={host: completed for host in hosts},
         kind_work={"main/chat": CONVERSATIONS},
     )
 
@@ -298,3 +334,37 @@ def test_the_compiled_route_sends_the_excess_work_to_paid_plain_requests_first()
     share = 6400 / 30400
     assert peak.plain == 1.0
     assert peak.sessions == pytest.approx((paid - share) / (1 - share), abs=2e-3)
+
+
+def test_a_capacity_from_the_engines_rates_is_measured_at_once_and_averaged_in() -> None:
+    def round_(previous: ArrivalsDecision | None, rate: float, now: float) -> ArrivalsDecision:
+        return decide_arrivals(
+            previous,
+            demand=20.0,
+            slots=32,
+            running=1.0,
+            fill=1.0,
+            completions=None,
+            service_time=4.0,
+            now=now,
+            replicas=[ReplicaLoad(f"r{i}", 8, 1.0, work=1200.0, rate=rate) for i in range(4)],
+            kinds=CONVERSATIONS,
+        )
+
+    # Full at the scrape: no wait for a request's time (nothing is counted at its end).
+    first = round_(None, 360.0, NOW)
+    assert first.measured and first.work_per_slot == pytest.approx(45.0)
+    assert first.capacity == pytest.approx(45 * 32 / 304, rel=1e-3)
+    # The responses' work (1,200/s a replica) is not mixed in while the rates are there.
+    later = round_(first, 400.0, NOW + 1)
+    assert later.work_per_slot == pytest.approx((1 - RATE_WEIGHT) * 45 + RATE_WEIGHT * 50)
+
+
+def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> None:
+    # 8 running at 25 ms a token, 2 prompt tokens per output token: 384 work/s a replica,
+    # 1,536 for the pool, measured in the first round (above the 800 they completed).
+    decision = compile_plan(_state(20.0, tpot=0.025, completed=200.0)).overflow["main/chat"]
+    arrivals = decision.arrivals
+    assert arrivals is not None and arrivals.measured
+    assert arrivals.work_per_slot == pytest.approx(48.0)
+    assert arrivals.paid == pytest.approx(1 - LOAD * 1536 / (20 * 304), abs=1e-3)
