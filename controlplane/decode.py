@@ -160,6 +160,7 @@ class DecodedState:
         recent_work: Mapping[str, float] | None = None,
         completed_work: Mapping[str, float] | None = None,
         kind_work: Mapping[str, KindWork] | None = None,
+        work_per_output: Mapping[str, float] | None = None,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
         per-pool mappings are shared with this state and must not be changed."""
@@ -184,4 +185,5 @@ class DecodedState:
             recent_work=recent_work or {},
             completed_work=completed_work or {},
             kind_work=kind_work or {},
+            work_per_output=work_per_output or {},
         )

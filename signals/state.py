@@ -75,6 +75,9 @@ class PolicyState:
     work."""
     completed_work: Mapping[str, float] = field(default_factory=dict)
     """The same over the long window (``xdsserver.arrivals.ARRIVAL_WINDOW``)."""
+    work_per_output: Mapping[str, float] = field(default_factory=dict)
+    """Each upstream host's work per output token over the long window: its responses' work
+    over their completion tokens (the prefill they needed per token made)."""
     kind_work: Mapping[str, KindWork] = field(default_factory=dict)
     """Route cluster (``policy/route``) -> its responses over the long window by kind (with
     or without a session), every pool's, and their work: the demand in work."""

@@ -122,13 +122,17 @@ def test_the_book_counts_work_per_host_and_per_route_and_kind() -> None:
     # Over the last 2 s alone: the three that ended 0.5, 1 and 1.5 s ago.
     recent = book.host_work(window=2.0)
     assert recent["10.0.1.1:8001"] == pytest.approx(3 * plain / 2.0)
+    # Work per completion token: (150 + 8) / 150 for the plain requests' replica.
+    per_token = book.work_per_output()
+    assert per_token["10.0.1.1:8001"] == pytest.approx(plain / 150, abs=1e-4)
+    assert per_token["10.0.1.1:443"] == pytest.approx(paid / 150, abs=1e-4)
     kinds = book.kinds()["main/chat"]
     assert (kinds.plain, kinds.sessions) == (12, 10)
     assert kinds.plain_work == pytest.approx(10 * plain + 2 * paid)
     assert kinds.session_work == pytest.approx(10 * turn)
     # All of it leaves the window.
     clock[0] += ARRIVAL_WINDOW
-    assert book.host_work() == {} and book.kinds() == {}
+    assert book.host_work() == {} and book.kinds() == {} and book.work_per_output() == {}
 
 
 # --------------------------------------------------------------------------- the capacity
@@ -151,12 +155,13 @@ def test_a_replica_counts_once_it_has_been_full_for_a_request_and_a_window() -> 
     assert work_sample(replicas, {}, NOW, 4.0) is None
 
 
-def test_an_engine_computes_its_running_sequences_tokens_and_a_tenth_of_its_prefill() -> None:
-    # 8 sequences at 25 ms a token: 320 output tokens a second; 2 prompt tokens prefilled
-    # per output token add 640 a second at a tenth.
-    assert computed_rate(8, 0.025, 2.0) == pytest.approx(320 * 1.2)
-    assert computed_rate(8, 0.025, None) == pytest.approx(320)
-    assert computed_rate(8, None, 2.0) is None and computed_rate(0, 0.025, 2.0) is None
+def test_an_engine_computes_its_output_tokens_times_its_responses_work_per_token() -> None:
+    # 8 sequences at 25 ms a token: 320 output tokens a second; its responses needed 1.2
+    # work per output token (2 prompt tokens prefilled per token made, at a tenth).
+    assert computed_rate(8, 0.025, 1.2) == pytest.approx(320 * 1.2)
+    # Without a token time, or no response to say what a token costs: no rate.
+    assert computed_rate(8, 0.025, None) is None
+    assert computed_rate(8, None, 1.2) is None and computed_rate(0, 0.025, 1.2) is None
 
 
 def test_the_rate_sample_takes_the_replicas_full_at_their_last_scrape() -> None:
@@ -304,7 +309,6 @@ def _state(
                     running=8,
                     max_running=8,
                     time_per_output_token=tpot,
-                    prefill_per_token=2.0 if tpot else None,
                 )
                 for host in hosts
             }
@@ -317,6 +321,7 @@ def _state(
         recent_work={host: 1200.0 for host in hosts},
         completed_work={host: completed for host in hosts},
         kind_work={"main/chat": CONVERSATIONS},
+        work_per_output={host: 1.2 for host in hosts},
     )
 
 
@@ -361,8 +366,8 @@ def test_a_capacity_from_the_engines_rates_is_measured_at_once_and_averaged_in()
 
 
 def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> None:
-    # 8 running at 25 ms a token, 2 prompt tokens per output token: 384 work/s a replica,
-    # 1,536 for the pool, measured in the first round (above the 800 they completed).
+    # 8 running at 25 ms a token, 1.2 work per output token: 384 work/s a replica, 1,536
+    # for the pool, measured in the first round (above the 800 they completed).
     decision = compile_plan(_state(20.0, tpot=0.025, completed=200.0)).overflow["main/chat"]
     arrivals = decision.arrivals
     assert arrivals is not None and arrivals.measured

@@ -10,7 +10,8 @@ one without, ``/overflow`` when it went to a paid pool's aggregate). From them:
 
 - per host, the work its responses carried (``signals.overflowff.work_of``: output tokens
   plus the uncached prompt tokens at ``PREFILL_WEIGHT``) per second, over the last seconds
-  and over ``ARRIVAL_WINDOW``: while a replica is full, the capacity in work;
+  and over ``ARRIVAL_WINDOW``, and per completion token (what turns the engine's output
+  tokens a second, from its telemetry, into the work it computes: the capacity while full);
 - per route, its responses over ``ARRIVAL_WINDOW`` by kind (with or without a session),
   whichever pool served them, and their work: the demand's mean work per request.
 
@@ -48,7 +49,7 @@ class WorkBook:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self._hosts: dict[str, deque[tuple[float, float]]] = {}
+        self._hosts: dict[str, deque[tuple[float, float, int]]] = {}
         self._host_first: dict[str, float] = {}
         self._routes: dict[str, deque[tuple[float, bool, float]]] = {}
         self.entries = 0
@@ -63,10 +64,11 @@ class WorkBook:
         if entry.response.response_code.value != 200:
             return
         values = fields.fields
+        completion = int(values["completion"].number_value) if "completion" in values else 0
         work = work_of(
             int(values["prompt"].number_value),
             int(values["cached"].number_value) if "cached" in values else 0,
-            int(values["completion"].number_value) if "completion" in values else 0,
+            completion,
         )
         now = self.clock()
         self.entries += 1
@@ -76,7 +78,7 @@ class WorkBook:
         socket = common.upstream_remote_address.socket_address
         if socket.address:
             host = f"{socket.address}:{socket.port_value}"
-            self._hosts.setdefault(host, deque()).append((now, work))
+            self._hosts.setdefault(host, deque()).append((now, work, completion))
             self._host_first.setdefault(host, now)
 
     def _drop_old(self, now: float) -> None:
@@ -108,8 +110,20 @@ class WorkBook:
             age = now - self._host_first[host]
             if age < MIN_SPAN:
                 continue
-            work = sum(w for at, w in done if at > now - window)
+            work = sum(w for at, w, _ in done if at > now - window)
             out[host] = round(work / min(window, age), 4)
+        return out
+
+    def work_per_output(self, now: float | None = None) -> dict[str, float]:
+        """``address:port`` -> the work of its responses over ``ARRIVAL_WINDOW`` per
+        completion token: with the engine's output tokens a second, the work it computes."""
+        now = self.clock() if now is None else now
+        self._drop_old(now)
+        out: dict[str, float] = {}
+        for host, done in self._hosts.items():
+            tokens = sum(c for _, _, c in done)
+            if tokens > 0:
+                out[host] = round(sum(w for _, w, _ in done) / tokens, 4)
         return out
 
     def kinds(self, now: float | None = None) -> dict[str, KindWork]:

@@ -156,6 +156,8 @@ class Reconciler:
         """The same over the long window."""
         self.kind_work: Callable[[float], Mapping[str, KindWork]] = lambda now: {}
         """Each route's responses by kind and their work (``xdsserver.work``)."""
+        self.work_per_output: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Each upstream host's work per output token (``xdsserver.work``)."""
         """Paid pools resting after a 429 at a time: pool -> until (``ProviderRests.active``)."""
         self._pending_live = False
         self.over_budget: dict[str, float] = {}
@@ -345,6 +347,7 @@ class Reconciler:
             recent_work=self.recent_work(now),
             completed_work=self.completed_work(now),
             kind_work=self.kind_work(now),
+            work_per_output=self.work_per_output(now),
         )
         if self.budget_verdicts is not None:
             # Decided afresh for every compile, so the first snapshot after a restart already
