@@ -230,9 +230,7 @@ def _by_arrivals(
             running=(record.running or 0.0) / record.max_running,
             work=state.recent_work.get(endpoint.key),
             rate=computed_rate(
-                record.running,
-                record.time_per_output_token,
-                state.work_per_output.get(endpoint.key),
+                record.output_tokens_per_second, state.work_per_output.get(endpoint.key)
             ),
         )
         for endpoint in endpoints

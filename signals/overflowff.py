@@ -59,14 +59,17 @@ fifths of the work in that benchmark where it takes about a third of the engines
   entry that took the request, with or without a session): rate x (p x plain work + (1 - p)
   x conversation work), p the share of requests without a session.
 - **Capacity** is the work per second the owned replicas compute while full, read replica
-  by replica (``ReplicaLoad``, ``computed_rate``): running sequences over the mean time
-  per output token at the agent's last scrape is the output tokens the engine makes a
-  second, and the work per output token of the responses it served over the long window
-  (from their usage) turns that into work. Each round the replicas full at their last
+  by replica (``ReplicaLoad``, ``computed_rate``): the output tokens the engine made a
+  second between the agent's last two scrapes (``output_tokens_per_second``), times the
+  work per output token of the responses it served over the long window (from their
+  usage). Each round the replicas full at their last
   scrape give a sample, their rates over their slots (``rate_sample``), averaged in at
   ``RATE_WEIGHT``. The scrape's own ``prefill_per_token`` is not the ratio: it counts a
   prompt when the engine admits it, not as it prefills, so a scrape that admitted a long
-  prompt and decoded little read the pool at 7,000 work/s where it computed some 1,500. Counted from the responses' usage instead (the work each brought when it
+  prompt and decoded little read the pool at 7,000 work/s where it computed some 1,500.
+  Nor is running over the mean time per output token the output rate: sequences still in
+  their prefill run without making tokens, and steps without a decoding sequence are in no
+  token's time; it read 1,700-2,200 work/s there. Counted from the responses' usage instead (the work each brought when it
   ended, ``work_sample``: each replica full for a request's time and then
   ``SAMPLE_WINDOW``), the first run of the cost benchmark read 945-1,390 work/s where the
   pool computed about 1,480 when all were full: a replica stays full for that long with a
@@ -279,17 +282,14 @@ class ReplicaLoad:
 
 
 def computed_rate(
-    running: float | None, time_per_output_token: float | None, work_per_output: float | None
+    output_tokens_per_second: float | None, work_per_output: float | None
 ) -> float | None:
-    """Work per second an engine computes: `running` sequences each making a token per
-    `time_per_output_token` seconds (its last scrape), times the work per output token of
-    the responses it served (`work_per_output`: ``work_of`` over completion tokens, their
-    prefill included). None without either."""
-    if not running or not time_per_output_token or time_per_output_token <= 0:
+    """Work per second an engine computes: the output tokens it made a second (its last
+    scrape) times the work per output token of the responses it served (`work_per_output`:
+    ``work_of`` over completion tokens, their prefill included). None without either."""
+    if not output_tokens_per_second or not work_per_output:
         return None
-    if not work_per_output:
-        return None
-    return running / time_per_output_token * work_per_output
+    return output_tokens_per_second * work_per_output
 
 
 def rate_sample(replicas: Sequence[ReplicaLoad]) -> float | None:

@@ -156,12 +156,12 @@ def test_a_replica_counts_once_it_has_been_full_for_a_request_and_a_window() -> 
 
 
 def test_an_engine_computes_its_output_tokens_times_its_responses_work_per_token() -> None:
-    # 8 sequences at 25 ms a token: 320 output tokens a second; its responses needed 1.2
-    # work per output token (2 prompt tokens prefilled per token made, at a tenth).
-    assert computed_rate(8, 0.025, 1.2) == pytest.approx(320 * 1.2)
-    # Without a token time, or no response to say what a token costs: no rate.
-    assert computed_rate(8, 0.025, None) is None
-    assert computed_rate(8, None, 1.2) is None and computed_rate(0, 0.025, 1.2) is None
+    # 320 output tokens a second; its responses needed 1.2 work per output token (2 prompt
+    # tokens prefilled per token made, at a tenth).
+    assert computed_rate(320.0, 1.2) == pytest.approx(320 * 1.2)
+    # Without an output rate, or no response to say what a token costs: no rate.
+    assert computed_rate(320.0, None) is None
+    assert computed_rate(None, 1.2) is None and computed_rate(0.0, 1.2) is None
 
 
 def test_the_rate_sample_takes_the_replicas_full_at_their_last_scrape() -> None:
@@ -271,7 +271,7 @@ def _state(
     *,
     previous: OverflowDecision | None = None,
     now: float = NOW,
-    tpot: float | None = None,
+    output: float | None = None,
     completed: float = 1000.0,
 ) -> PolicyState:
     objects: list[PolicyObject] = [
@@ -308,7 +308,7 @@ def _state(
                     at=now - 1,
                     running=8,
                     max_running=8,
-                    time_per_output_token=tpot,
+                    output_tokens_per_second=output,
                 )
                 for host in hosts
             }
@@ -366,9 +366,9 @@ def test_a_capacity_from_the_engines_rates_is_measured_at_once_and_averaged_in()
 
 
 def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> None:
-    # 8 running at 25 ms a token, 1.2 work per output token: 384 work/s a replica, 1,536
+    # 320 output tokens a second, 1.2 work per output token: 384 work/s a replica, 1,536
     # for the pool, measured in the first round (above the 800 they completed).
-    decision = compile_plan(_state(20.0, tpot=0.025, completed=200.0)).overflow["main/chat"]
+    decision = compile_plan(_state(20.0, output=320.0, completed=200.0)).overflow["main/chat"]
     arrivals = decision.arrivals
     assert arrivals is not None and arrivals.measured
     assert arrivals.work_per_slot == pytest.approx(48.0)
