@@ -287,15 +287,17 @@ def computed_rate(
     """Work per second an engine computes: the output tokens it made a second (its last
     scrape) times the work per output token of the responses it served (`work_per_output`:
     ``work_of`` over completion tokens, their prefill included). None without either."""
-    if not output_tokens_per_second or not work_per_output:
+    if output_tokens_per_second is None or not work_per_output:
         return None
+    # A full engine that made no token between two scrapes was prefilling: a rate of
+    # nothing that counts, or the samples would hold only the scrapes between prefills.
     return output_tokens_per_second * work_per_output
 
 
 def rate_sample(replicas: Sequence[ReplicaLoad]) -> float | None:
     """Work per second per batch slot the replicas full at their last scrape computed
     (``ReplicaLoad.rate``), or None when none of them is full with a rate."""
-    sampled = [r for r in replicas if r.running >= FULL and r.rate and r.slots > 0]
+    sampled = [r for r in replicas if r.running >= FULL and r.rate is not None and r.slots > 0]
     if not sampled:
         return None
     return sum(r.rate or 0.0 for r in sampled) / sum(r.slots for r in sampled)
@@ -486,7 +488,7 @@ def decide_arrivals(
     # The engines' computed rates where the telemetry has them; else the responses' work.
     weight, sample = RATE_WEIGHT, rate_sample(replicas)
     if sample is None:
-        untimed = [replica for replica in replicas if not replica.rate]
+        untimed = [replica for replica in replicas if replica.rate is None]
         weight, sample = SAMPLE_WEIGHT, work_sample(untimed, replicas_full_since, now, service_time)
     if sample is not None:
         work_per_slot = round(

@@ -161,7 +161,9 @@ def test_an_engine_computes_its_output_tokens_times_its_responses_work_per_token
     assert computed_rate(320.0, 1.2) == pytest.approx(320 * 1.2)
     # Without an output rate, or no response to say what a token costs: no rate.
     assert computed_rate(320.0, None) is None
-    assert computed_rate(None, 1.2) is None and computed_rate(0.0, 1.2) is None
+    assert computed_rate(None, 1.2) is None
+    # No token made between two scrapes (a long prefill's step): a rate of nothing.
+    assert computed_rate(0.0, 1.2) == 0.0
 
 
 def test_the_rate_sample_takes_the_replicas_full_at_their_last_scrape() -> None:
@@ -172,6 +174,9 @@ def test_the_rate_sample_takes_the_replicas_full_at_their_last_scrape() -> None:
         ReplicaLoad("r3", 8, 1.0, 500.0),  # full, no token timings
     ]
     assert rate_sample(replicas) == pytest.approx(720 / 16)
+    # A full replica that made no token since its last scrape counts, at nothing.
+    prefilling = ReplicaLoad("r4", 8, 1.0, None, rate=0.0)
+    assert rate_sample([*replicas, prefilling]) == pytest.approx(720 / 24)
     assert rate_sample(replicas[2:]) is None
 
 
