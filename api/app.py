@@ -359,7 +359,9 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
     replicas' pressure; ``arrivals``: the route's arrival rate against their capacity), the
     shares of plain requests and conversations sent to the paid pool that takes them, the
     pressure, and with ``arrivals`` the demand, the capacity (requests per second, and
-    whether it was measured at a full batch or is the prior), the share of the demand sent
+    whether it was measured at a full batch or is the prior; with ``workPerRequest``, the
+    mean work of a request, both were counted in work and are shown at the current mix of
+    kinds), the share of the demand sent
     to paid pools, the owned replicas' queue and the rate sent to paid to drain it (beyond
     the TTFT objective's queue) and why."""
     if plan is None:
@@ -381,6 +383,7 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
                 demand=arrivals.demand,
                 capacity=arrivals.capacity,
                 capacityMeasured=arrivals.measured,
+                workPerRequest=arrivals.work,
                 paidShare=arrivals.paid,
                 trim=arrivals.trim,
                 queued=arrivals.queued,

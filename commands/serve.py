@@ -61,6 +61,7 @@ from xdsserver.signals import AccessLogServer, SignalBook
 from xdsserver.snapshot import SnapshotCache
 from xdsserver.status import ConnectionRegistry
 from xdsserver.usage import UsageBook
+from xdsserver.work import WorkBook
 
 __all__ = ["ServeConfig", "add_arguments", "config_from_args", "run", "serve"]
 
@@ -198,6 +199,7 @@ async def serve(
     ads.add_to(grpc_server)
     scores = ScoreBook(registry)
     usage = UsageBook(PlanContext(lambda: reconciler.plan, lambda: reconciler.state))
+    work = WorkBook()
     registry.register(SpendCollector(usage.ledger))
     registry.register(SavingsCollector(usage.ledger, lambda: reconciler.state))
     AccessLogServer(
@@ -208,6 +210,7 @@ async def serve(
         scores=scores,
         usage=usage,
         arrivals=arrivals,
+        work=work,
     ).add_to(grpc_server)
     # Spill reads each fleet's arrival rate and its locality's service times at every compile.
     reconciler.arrivals = shared_arrivals.rates
@@ -218,6 +221,11 @@ async def serve(
     reconciler.recent_completions = lambda now: arrivals.completions(now, window=SAMPLE_WINDOW)
     reconciler.session_shares = arrivals.session_shares
     reconciler.recent_demands = arrivals.recent_demands
+    # ... and in work, from the usage the responses carried (signals.overflowff).
+    reconciler.recent_work = lambda now: work.host_work(now, window=SAMPLE_WINDOW)
+    reconciler.completed_work = work.host_work
+    reconciler.kind_work = work.kinds
+    reconciler.work_per_output = work.work_per_output
     difficulty = DifficultyLoop(
         scores,
         lambda: virtual_models_of(reconciler.state.policies if reconciler.state else {}),

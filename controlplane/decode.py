@@ -22,6 +22,7 @@ from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.overflow import OverflowDecision
+from signals.overflowff import KindWork
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
@@ -156,6 +157,10 @@ class DecodedState:
         recent_completions: Mapping[str, float] | None = None,
         session_shares: Mapping[str, float] | None = None,
         recent_demands: Mapping[str, float] | None = None,
+        recent_work: Mapping[str, float] | None = None,
+        completed_work: Mapping[str, float] | None = None,
+        kind_work: Mapping[str, KindWork] | None = None,
+        work_per_output: Mapping[str, float] | None = None,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
         per-pool mappings are shared with this state and must not be changed."""
@@ -177,4 +182,8 @@ class DecodedState:
             recent_completions=recent_completions or {},
             session_shares=session_shares or {},
             recent_demands=recent_demands or {},
+            recent_work=recent_work or {},
+            completed_work=completed_work or {},
+            kind_work=kind_work or {},
+            work_per_output=work_per_output or {},
         )

@@ -18,7 +18,7 @@ from signals.overflow import (
     overflow_signals,
     provider_order,
 )
-from signals.overflowff import blend_demand, route_demand
+from signals.overflowff import ReplicaLoad, blend_demand, computed_rate, route_demand
 from signals.saturation import (
     SaturationDecision,
     batch_fill,
@@ -208,7 +208,8 @@ def _by_arrivals(
     """The decision of a route with ``overflow.signal: arrivals`` (``signals.overflowff``):
     its demand (every replica's arrival rates), its first tier's batch slots and mean running
     share and waiting requests from fresh telemetry, and what those replicas completed and
-    how long they took."""
+    how long they took; and, where responses carry usage, each replica's fullness, the work
+    it completed and the route's work by kind (``xdsserver.work``)."""
     fresh = sized_records(endpoints, telemetry, now=state.now, max_age=max_age)
     slots = sum(batch for _, batch in fresh)
     running = (
@@ -220,6 +221,24 @@ def _by_arrivals(
     times = [state.service_times[key] for key in keys if key in state.service_times]
     done = [state.recent_completions[key] for key in keys if key in state.recent_completions]
     completed = [state.completions[key] for key in keys if key in state.completions]
+    # In work (signals.overflowff): each replica's fullness, the work it computed at its last
+    # scrape and the work its responses carried.
+    replicas = [
+        ReplicaLoad(
+            key=endpoint.key,
+            slots=record.max_running,
+            running=(record.running or 0.0) / record.max_running,
+            work=state.recent_work.get(endpoint.key),
+            rate=computed_rate(
+                record.output_tokens_per_second, state.work_per_output.get(endpoint.key)
+            ),
+        )
+        for endpoint in endpoints
+        if (record := telemetry.get(endpoint.key)) is not None
+        and record.max_running
+        and state.now - record.at <= max_age
+    ]
+    work = [state.completed_work[key] for key in keys if key in state.completed_work]
     return decide_overflow_arrivals(
         state.previous_overflow.get(name),
         overflow,
@@ -239,4 +258,7 @@ def _by_arrivals(
         completed=sum(completed) if completed else None,
         queued=sum(record.waiting or 0.0 for record, _ in fresh) if fresh else None,
         recent=state.recent_demands.get(name),
+        replicas=replicas,
+        kinds=state.kind_work.get(name),
+        completed_work=sum(work) if work else None,
     )

@@ -62,7 +62,13 @@ from signals.admission import (
     step_level,
     steps_per_class,
 )
-from signals.overflowff import ArrivalsDecision, decide_arrivals, kind_shares
+from signals.overflowff import (
+    ArrivalsDecision,
+    KindWork,
+    ReplicaLoad,
+    decide_arrivals,
+    kind_shares,
+)
 from signals.saturation import batch_fill
 from signals.telemetry import TelemetryRecord
 
@@ -304,6 +310,9 @@ def decide_overflow_arrivals(
     completed: float | None = None,
     queued: float | None = None,
     recent: float | None = None,
+    replicas: Sequence[ReplicaLoad] = (),
+    kinds: KindWork | None = None,
+    completed_work: float | None = None,
 ) -> OverflowDecision:
     """This round's decision for a route with ``signal: arrivals``: the share of its demand
     above the owned replicas' capacity (``signals.overflowff``), split between plain
@@ -311,7 +320,9 @@ def decide_overflow_arrivals(
     `providers` not resting. `signals` are the fill loop's, shown in status (its pressure)
     and read for the batch fill; `queued`: the requests waiting for a slot on the owned
     replicas, drained to the paid pools beyond what ``overflow.ttft`` allows; `recent`: the
-    route's demand over the last few seconds alone, below which the share is not given back."""
+    route's demand over the last few seconds alone, below which the share is not given back;
+    `replicas`, `kinds`, `completed_work`: demand and capacity in work
+    (``signals.overflowff.decide_arrivals``)."""
     fill = next((signal.mean for signal in signals if signal.name == "fill"), None)
     before = previous.arrivals if previous is not None else None
     decision = decide_arrivals(
@@ -330,6 +341,9 @@ def decide_overflow_arrivals(
         conversations=overflow.conversations,
         now=now,
         recover_interval=overflow.recover_interval,
+        replicas=replicas,
+        kinds=kinds,
+        completed_work=completed_work,
     )
     plain, sessions = kind_shares(decision.paid, decision.plain_share, overflow.conversations)
     low, high = overflow.min_share / 100, overflow.max_share / 100

@@ -34,6 +34,58 @@ capacity was 0.67-0.71 of the light-load one). Whatever the estimate, what the r
 completed over the last seconds, full or not, bounds it from below: a share that keeps the
 batches from filling would otherwise keep a low prior from ever being measured.
 
+Capacity and demand in one unit of work
+---------------------------------------
+Requests per second are not one unit when the kinds differ: with requests without a
+session sent to the paid pools first, the owned replicas serve conversations alone at a
+peak, and a conversation (long answers, a history to prefill on a miss) completes fewer a
+second than the mixed load. Read replica by replica in requests, the capacity measured
+2.5-3.7/s where the whole pool served 4.8/s at the mixed load, and divided into a demand of
+every kind it sent too much to paid (0.95x the static split's spend in the cost benchmark).
+
+So where the route's responses carry an OpenAI ``usage`` (the accounting filter's, read from
+the listener's usage log: ``xdsserver.work``), demand and capacity are counted in the work
+the owned replicas compute: output tokens plus uncached prompt tokens at ``PREFILL_WEIGHT``
+of an output token (``work_of``). In a full batch a replica's time goes to decode steps, one
+token per sequence per step, and to prefilling what its cache does not hold; the weight is
+what a prefilled token costs against a decoded one (the simulated engine: 1/4000 s a prompt
+token, 23 ms a step of 8 sequences, 2.9 ms an output token: 0.086; on a GPU prefill is
+compute-bound at thousands of tokens a second and decode at a full batch memory-bound, the
+same order). Counting prompt tokens at par with output tokens would make the prefill four
+fifths of the work in that benchmark where it takes about a third of the engines' time.
+
+- **Demand** is the arrival rate times the mean work of a request of each kind over the
+  last ``ARRIVAL_WINDOW`` (``KindWork``: every pool's responses, the kind from the route
+  entry that took the request, with or without a session): rate x (p x plain work + (1 - p)
+  x conversation work), p the share of requests without a session.
+- **Capacity** is the work per second the owned replicas compute while full, read replica
+  by replica (``ReplicaLoad``, ``computed_rate``): the output tokens the engine made a
+  second between the agent's last two scrapes (``output_tokens_per_second``), times the
+  work per output token of the responses it served over the long window (from their
+  usage). Each round the replicas full at their last
+  scrape give a sample, their rates over their slots (``rate_sample``), averaged in at
+  ``RATE_WEIGHT``. The scrape's own ``prefill_per_token`` is not the ratio: it counts a
+  prompt when the engine admits it, not as it prefills, so a scrape that admitted a long
+  prompt and decoded little read the pool at 7,000 work/s where it computed some 1,500.
+  Nor is running over the mean time per output token the output rate: sequences still in
+  their prefill run without making tokens, and steps without a decoding sequence are in no
+  token's time; it read 1,700-2,200 work/s there. Counted from the responses' usage instead (the work each brought when it
+  ended, ``work_sample``: each replica full for a request's time and then
+  ``SAMPLE_WINDOW``), the first run of the cost benchmark read 945-1,390 work/s where the
+  pool computed about 1,480 when all were full: a replica stays full for that long with a
+  paid share in force when its requests are long, and those end, and count, late. The
+  responses' usage is the sample only for replicas whose telemetry has no token timings.
+  Held per slot; before any sample, the prior in requests. What the owned replicas
+  completed over the long window, in work, bounds it from below.
+- **The share** is of the demand's work: the paid pools take what the owned replicas cannot
+  compute, requests without a session first, as many of them as carry that work (the plain
+  share of ``kind_shares`` is then the share of the work without a session). For status and
+  the drain, the capacity is shown in requests at the current mix (capacity's work over a
+  request's mean work).
+
+Without usage (a backend that sends none, fewer than ``MIN_WORK_REQUESTS`` responses in the
+window) the unit is requests, as above.
+
 The trim, as spill's
 --------------------
 The batch fill ((running + waiting) / batch size) corrects the estimate rather than the
@@ -81,7 +133,7 @@ where p is the share of the demand without a session, learned while nothing over
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from signals.spill import (
@@ -165,6 +217,122 @@ their capacity, the rest of the objective is left to the prefill (the fill loop'
 signal bounds the engines' time to first token at half of it too)."""
 
 
+PREFILL_WEIGHT = 0.1
+"""What an uncached prompt token counts against an output token in overflow's unit of work
+(module docstring: the simulated engine's ratio is 0.086)."""
+RATE_WEIGHT = 0.2
+"""Weight of a round's sample of the full replicas' computed rates (``rate_sample``) against
+the held one: a scrape's second of steps is noisy (a long prefill's step is half a second),
+so about five rounds make the estimate."""
+MIN_WORK_REQUESTS = 8
+"""Responses with usage a route needs over the window before its demand and capacity are
+counted in work; fewer: in requests."""
+
+
+def work_of(prompt: int, cached: int, completion: int) -> float:
+    """The work one response took its replica: output tokens plus the uncached prompt
+    tokens at ``PREFILL_WEIGHT``."""
+    return completion + PREFILL_WEIGHT * max(0, prompt - cached)
+
+
+@dataclass(frozen=True, slots=True)
+class KindWork:
+    """A route's responses over the last window, every pool's, by kind: how many and their
+    work (``work_of``)."""
+
+    plain: int = 0
+    plain_work: float = 0.0
+    sessions: int = 0
+    session_work: float = 0.0
+
+    @property
+    def requests(self) -> int:
+        return self.plain + self.sessions
+
+    def mean(self) -> float | None:
+        """The mean work of a request at this mix of kinds (rate x mean is the demand's
+        work: the kinds' rates times their own means); None below ``MIN_WORK_REQUESTS``."""
+        total = self.plain_work + self.session_work
+        if self.requests < MIN_WORK_REQUESTS or total <= 0:
+            return None
+        return total / self.requests
+
+    def plain_work_share(self) -> float | None:
+        """The share of the demand's work without a session: what sending every such request
+        to paid takes off the owned replicas."""
+        total = self.plain_work + self.session_work
+        return self.plain_work / total if total > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """One owned replica as the capacity sample in work reads it: its fresh telemetry and
+    the work its responses carried."""
+
+    key: str
+    slots: float
+    """Its batch size (``max_running``)."""
+    running: float
+    """Its running sequences over its batch size."""
+    work: float | None
+    """The work it completed per second over the last ``SAMPLE_WINDOW``; None: none seen."""
+    rate: float | None = None
+    """The work it computed per second at its last scrape (``computed_rate``); None: its
+    telemetry has no token timings, or it served no response with usage lately."""
+
+
+def computed_rate(
+    output_tokens_per_second: float | None, work_per_output: float | None
+) -> float | None:
+    """Work per second an engine computes: the output tokens it made a second (its last
+    scrape) times the work per output token of the responses it served (`work_per_output`:
+    ``work_of`` over completion tokens, their prefill included). None without either."""
+    if output_tokens_per_second is None or not work_per_output:
+        return None
+    # A full engine that made no token between two scrapes was prefilling: a rate of
+    # nothing that counts, or the samples would hold only the scrapes between prefills.
+    return output_tokens_per_second * work_per_output
+
+
+def rate_sample(replicas: Sequence[ReplicaLoad]) -> float | None:
+    """Work per second per batch slot the replicas full at their last scrape computed
+    (``ReplicaLoad.rate``), or None when none of them is full with a rate."""
+    sampled = [r for r in replicas if r.running >= FULL and r.rate is not None and r.slots > 0]
+    if not sampled:
+        return None
+    return sum(r.rate or 0.0 for r in sampled) / sum(r.slots for r in sampled)
+
+
+def settled(service_time: float | None) -> float:
+    """Seconds a replica must have been full before its completions are a capacity sample:
+    a request's time in the batch (every one it finishes was admitted while it was full;
+    `service_time`, the replicas' mean, at least ``SAMPLE_WINDOW``), then the window its
+    completions are counted over."""
+    return max(SAMPLE_WINDOW, service_time or 0.0) + SAMPLE_WINDOW
+
+
+def work_sample(
+    replicas: Sequence[ReplicaLoad],
+    full_since: Mapping[str, float],
+    now: float,
+    service_time: float | None = None,
+) -> float | None:
+    """Work per second per batch slot of the replicas full for ``settled`` seconds
+    (`full_since`: since when each has been), or None when none has (or none completed
+    any)."""
+    wait = settled(service_time)
+    sampled = [
+        replica
+        for replica in replicas
+        if now - full_since.get(replica.key, math.inf) >= wait
+        and replica.work
+        and replica.slots > 0
+    ]
+    if not sampled:
+        return None
+    return sum(r.work or 0.0 for r in sampled) / sum(r.slots for r in sampled)
+
+
 @dataclass(frozen=True, slots=True)
 class ArrivalsDecision:
     """One route's overflow by arrivals; kept between rounds."""
@@ -184,6 +352,14 @@ class ArrivalsDecision:
     """Held capacity per batch slot, measured while the batches were full."""
     full_since: float = math.inf
     """Since when the batches have been full (infinite: they are not)."""
+    work_per_slot: float | None = None
+    """Held capacity in work per second per batch slot, measured replica by replica while
+    full (``work_sample``)."""
+    replicas_full_since: Mapping[str, float] = field(default_factory=dict)
+    """Replica key -> since when its batch has been full (absent: it is not)."""
+    work: float | None = None
+    """The mean work of a request this round when demand and capacity are counted in work
+    (``KindWork.mean``); None: in requests."""
     trim: float = 1.0
     """The fill's correction of the estimate (``TRIM_RANGE``)."""
     trim_since: float = -math.inf
@@ -276,6 +452,9 @@ def decide_arrivals(
     recent: float | None = None,
     now: float,
     recover_interval: float = 5.0,
+    replicas: Sequence[ReplicaLoad] = (),
+    kinds: KindWork | None = None,
+    completed_work: float | None = None,
 ) -> ArrivalsDecision:
     """This round's share for one route.
 
@@ -290,8 +469,32 @@ def decide_arrivals(
     objective in seconds (``Overflow.ttft``), without which no queue is drained
     (``drain_rate``); `conversations`: ``Overflow.conversations``: with ``last`` the drain
     takes requests without a session only, never conversations (the share it adds stops at
-    the share of the demand without one)."""
+    the share of the demand without one).
+
+    In work (module docstring), when `kinds` (the route's responses by kind over the window)
+    give a mean: `replicas`, each owned replica's batch, running share and the work it
+    completed over the last ``SAMPLE_WINDOW``, for the capacity sample; `completed_work`:
+    the work the owned replicas completed per second over the long window, its lower bound.
+    The capacity is then carried in requests at the current mix, and the share of plain
+    requests from the share of the work without a session."""
     before = previous or ArrivalsDecision()
+    mix = kinds.mean() if kinds is not None else None
+    replicas_full_since = {
+        replica.key: min(before.replicas_full_since.get(replica.key, now), now)
+        for replica in replicas
+        if replica.running >= FULL
+    }
+    work_per_slot = before.work_per_slot
+    # The engines' computed rates where the telemetry has them; else the responses' work.
+    weight, sample = RATE_WEIGHT, rate_sample(replicas)
+    if sample is None:
+        untimed = [replica for replica in replicas if replica.rate is None]
+        weight, sample = SAMPLE_WEIGHT, work_sample(untimed, replicas_full_since, now, service_time)
+    if sample is not None:
+        work_per_slot = round(
+            sample if work_per_slot is None else (1 - weight) * work_per_slot + weight * sample,
+            6,
+        )
     # Capacity, from the completions of a full period when there is one.
     full = running is not None and running >= FULL
     full_since = (min(before.full_since, now)) if full else math.inf
@@ -308,15 +511,29 @@ def decide_arrivals(
             sample if per_slot is None else (1 - SAMPLE_WEIGHT) * per_slot + SAMPLE_WEIGHT * sample
         )
         per_slot = round(per_slot, 6)
-    capacity, measured = capacity_of(per_slot, slots, service_time)
-    if capacity is not None and completed is not None and completed > capacity:
+    capacity: float | None
+    lower: float | None
+    if mix is not None and kinds is not None:
+        # In work: the held work per slot at the current mix of kinds, else the prior.
+        if work_per_slot is not None and slots > 0:
+            capacity, measured = round(work_per_slot * slots / mix, 4), True
+        else:
+            capacity, measured = capacity_of(None, slots, service_time)
+        lower = completed_work / mix if completed_work is not None else None
+        # Every pool's responses show the kinds' work wherever they were served.
+        share = kinds.plain_work_share()
+        plain_share = round(share, 4) if share is not None else before.plain_share
+    else:
+        capacity, measured = capacity_of(per_slot, slots, service_time)
+        lower = completed
+        # What share of the demand has no session: learned while nothing overflows.
+        plain_share = before.plain_share
+        if before.paid == 0 and session_share is not None:
+            plain_share = round(min(1.0, max(0.0, 1.0 - session_share)), 4)
+    if capacity is not None and lower is not None and lower > capacity:
         # What they served is capacity they have, full or not: an estimate below it sends
         # more to paid than needed, and then the batches never fill to measure it.
-        capacity = round(completed, 4)
-    # What share of the demand has no session: learned while nothing overflows.
-    plain_share = before.plain_share
-    if before.paid == 0 and session_share is not None:
-        plain_share = round(min(1.0, max(0.0, 1.0 - session_share)), 4)
+        capacity = round(lower, 4)
     base = replace(
         before,
         demand=demand,
@@ -324,6 +541,9 @@ def decide_arrivals(
         measured=measured,
         per_slot=per_slot,
         full_since=full_since,
+        work_per_slot=work_per_slot,
+        replicas_full_since=replicas_full_since,
+        work=round(mix, 2) if mix is not None else None,
         plain_share=plain_share,
         queued=queued,
         drain=0.0,
@@ -400,6 +620,8 @@ def decide_arrivals(
     elif fall:
         paid, since, step_fill = floor, now, fill
     what = "measured full" if measured else "prior"
+    if mix is not None:
+        what += f"; in work, {mix:.0f} a request, {capacity * mix:.0f}/s"
     excess = round(target - drain / demand, 4) if drain > 0 else target
     if excess > 0:
         why = (
@@ -432,20 +654,30 @@ def decide_arrivals(
 
 __all__ = [
     "FULL",
+    "MIN_WORK_REQUESTS",
     "OVERFLOW_PARTS",
     "PLAIN_PRIOR",
+    "PREFILL_WEIGHT",
     "PRIOR_SHARE",
     "QUEUE_WAIT",
+    "RATE_WEIGHT",
     "RECENT_WINDOW",
     "RISE_SIGMAS",
     "SAMPLE_WEIGHT",
     "SAMPLE_WINDOW",
     "ArrivalsDecision",
+    "KindWork",
+    "ReplicaLoad",
     "blend_demand",
     "capacity_of",
+    "computed_rate",
     "decide_arrivals",
     "drain_rate",
     "kind_shares",
+    "rate_sample",
     "route_demand",
     "route_of",
+    "settled",
+    "work_of",
+    "work_sample",
 ]

@@ -60,6 +60,13 @@ class TelemetryRecord(BaseModel):
         "prefill stalls every sequence of the batch) move the mean but not the median, so "
         "the median tells a slow replica from a busy one.",
     )
+    output_tokens_per_second: float | None = Field(
+        None,
+        ge=0,
+        description="Output tokens the engine made per second since the previous scrape "
+        "(the time-per-output-token histogram's count over the time between the scrapes): "
+        "at a full batch, what it computes, whatever the prompts' kinds.",
+    )
     prefill_per_token: float | None = Field(
         None,
         ge=0,
@@ -290,6 +297,8 @@ class Counters:
     """First tokens observed by that histogram then."""
     ttft: float | None = None
     """The mean time to first token measured then, carried while no new first token comes."""
+    at: float | None = None
+    """When that scrape was taken (wall-clock seconds)."""
 
 
 def _delta(now: float | None, before: float | None) -> float | None:
@@ -340,6 +349,7 @@ def extract(
         token_buckets=_buckets(samples, metric_map.token_buckets),
         ttft_seconds=total(metric_map.ttft_seconds),
         ttft_count=total(metric_map.ttft_count),
+        at=at,
     )
     if previous is not None:
         counters = _time_to_first_token(counters, previous, busy=_busy(values))
@@ -353,6 +363,8 @@ def extract(
         tokens = _delta(counters.token_count, previous.token_count)
         if tokens and seconds:
             values["time_per_output_token"] = seconds / tokens
+        if tokens is not None and previous.at is not None and at > previous.at:
+            values["output_tokens_per_second"] = round(tokens / (at - previous.at), 4)
         if tokens and asked is not None and found_hits is not None:
             values["prefill_per_token"] = round(max(0.0, asked - found_hits) / tokens, 6)
         median = _median(counters.token_buckets, previous.token_buckets)

@@ -121,7 +121,7 @@ def test_builtin_maps(text: str, metric_map: MetricMap, expected: dict[str, floa
 def test_prefix_hit_rate_comes_from_counter_deltas_between_scrapes() -> None:
     first, counters = extract(parse_samples(VLLM_V1), VLLM, at=1.0)
     assert first.prefix_hit_rate is None  # one sample of a counter is not a rate
-    assert counters == Counters(queries=1000.0, hits=250.0)
+    assert counters == Counters(queries=1000.0, hits=250.0, at=1.0)
     later = VLLM_V1.replace("} 1000.0", "} 1400.0").replace("} 250.0", "} 550.0")
     second, _ = extract(parse_samples(later), VLLM, at=2.0, previous=counters)
     assert second.prefix_hit_rate == pytest.approx(300 / 400)
@@ -227,6 +227,19 @@ def test_time_per_output_token_is_the_mean_between_scrapes() -> None:
     assert second.time_per_output_token == pytest.approx(0.06)
     idle, _ = extract(parse_samples(scrape(16.0, 600)), VLLM, at=3.0, previous=counters)
     assert idle.time_per_output_token is None  # no token generated: no evidence
+
+
+def test_output_tokens_per_second_are_the_tokens_made_between_scrapes_over_their_time() -> None:
+    def scrape(tokens: float) -> str:
+        return histogram("vllm:time_per_output_token_seconds", tokens * 0.025, tokens)
+
+    first, counters = extract(parse_samples(scrape(500)), VLLM, at=1.0)
+    assert first.output_tokens_per_second is None  # a total since start is no rate
+    second, counters = extract(parse_samples(scrape(580)), VLLM, at=1.25, previous=counters)
+    assert second.output_tokens_per_second == pytest.approx(320.0)
+    # Idle: no token made, a rate of nothing (not unknown).
+    idle, _ = extract(parse_samples(scrape(580)), VLLM, at=2.25, previous=counters)
+    assert idle.output_tokens_per_second == 0.0
 
 
 def test_prefill_per_token_is_the_uncached_prompt_tokens_per_output_token() -> None:

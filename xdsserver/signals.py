@@ -49,6 +49,7 @@ from xdsserver.translate.listeners import ARRIVALS_LOG, DIFFICULTY_LOG, RETRY_AF
 from xdsserver.translate.metadata import POOL_TAG
 from xdsserver.translate.usage import USAGE_LOG_PREFIX
 from xdsserver.usage import UsageBook
+from xdsserver.work import WorkBook
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +213,7 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         scores: ScoreBook | None = None,
         usage: UsageBook | None = None,
         arrivals: ArrivalBook | None = None,
+        work: WorkBook | None = None,
     ) -> None:
         self.book = book
         self.cache = cache
@@ -225,6 +227,9 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
         """Where entries of the usage logs (``kvpilot.usage/<listener>``) go."""
         self.arrivals = arrivals
         """Where entries of the arrivals logs (``xdsserver.arrivals``) go."""
+        self.work = work
+        """Where entries of the usage logs go as well, for the work they carried
+        (``xdsserver.work``: overflow by arrivals' unit)."""
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Register the service on a grpc.aio server (beside ADS)."""
@@ -273,6 +278,9 @@ class AccessLogServer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[mi
                     for entry in message.http_logs.log_entry:
                         self.usage.observe(entry)
                     self.usage.batch_done()
+                if self.work is not None:
+                    for entry in message.http_logs.log_entry:
+                        self.work.observe(entry)
                 continue
             for entry in message.http_logs.log_entry:
                 self.book.observe(entry, fleet)

@@ -51,6 +51,7 @@ from controlplane.reconcile.live import LiveDecisions
 from controlplane.reconcile.metrics import ReconcileMetrics
 from signals import PolicyState
 from signals.difficultyshare import ShareDecision
+from signals.overflowff import KindWork
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
 from xdsserver.snapshot import SnapshotCache
 
@@ -148,6 +149,15 @@ class Reconciler:
         """Each route's starts per second over the last few seconds (``xdsserver.arrivals``)."""
         self.session_shares: Callable[[float], Mapping[str, float]] = lambda now: {}
         """Share of each route's own starts that had a session (``xdsserver.arrivals``)."""
+        self.recent_work: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Work completed per second per upstream host over the last few seconds
+        (``xdsserver.work``): overflow by arrivals' capacity samples in work."""
+        self.completed_work: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """The same over the long window."""
+        self.kind_work: Callable[[float], Mapping[str, KindWork]] = lambda now: {}
+        """Each route's responses by kind and their work (``xdsserver.work``)."""
+        self.work_per_output: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Each upstream host's work per output token (``xdsserver.work``)."""
         """Paid pools resting after a 429 at a time: pool -> until (``ProviderRests.active``)."""
         self._pending_live = False
         self.over_budget: dict[str, float] = {}
@@ -334,6 +344,10 @@ class Reconciler:
             recent_completions=self.recent_completions(now),
             session_shares=self.session_shares(now),
             recent_demands=self.recent_demands(now),
+            recent_work=self.recent_work(now),
+            completed_work=self.completed_work(now),
+            kind_work=self.kind_work(now),
+            work_per_output=self.work_per_output(now),
         )
         if self.budget_verdicts is not None:
             # Decided afresh for every compile, so the first snapshot after a restart already

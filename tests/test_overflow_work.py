@@ -1,0 +1,380 @@
+"""Overflow by arrivals in one unit of work (``signals.overflowff``: output tokens plus the
+uncached prompt tokens at ``PREFILL_WEIGHT``): the work of a response, the book that reads
+it from the usage log (``xdsserver.work``), the capacity measured replica by replica in
+work, the demand at the mix of kinds, and the share that follows."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2
+from harness.builders import policy, pool
+
+from compiler.compile import PolicyState, compile_plan
+from policies.models import PolicyObject, Pool, RoutingPolicy
+from signals.overflow import OverflowDecision
+from signals.overflowff import (
+    MIN_WORK_REQUESTS,
+    PREFILL_WEIGHT,
+    PRIOR_SHARE,
+    RATE_WEIGHT,
+    SAMPLE_WINDOW,
+    ArrivalsDecision,
+    KindWork,
+    ReplicaLoad,
+    computed_rate,
+    decide_arrivals,
+    rate_sample,
+    settled,
+    work_of,
+    work_sample,
+)
+from signals.spill import LOAD
+from signals.telemetry import TelemetryRecord
+from xdsserver.arrivals import ARRIVAL_WINDOW
+from xdsserver.translate.usage import USAGE_FILTER
+from xdsserver.work import WorkBook, entry_kind
+
+NOW = 10_000.0
+
+# --------------------------------------------------------------------------- the unit
+
+
+def test_the_work_of_a_response_is_its_output_and_a_tenth_of_what_it_prefilled() -> None:
+    assert PREFILL_WEIGHT == 0.1
+    # 1,200 prompt tokens of which 1,000 were cached: 200 prefilled, 150 decoded.
+    assert work_of(1200, 1000, 150) == pytest.approx(150 + 20)
+    assert work_of(100, 0, 0) == pytest.approx(10)
+    # A cached count above the prompt's (a provider's rounding) prefills nothing.
+    assert work_of(100, 128, 50) == 50
+
+
+def test_the_mean_of_a_mix_is_the_kinds_rates_times_their_own_means() -> None:
+    # 4 plain requests of 100 and 6 conversation turns of 300: the demand's work at 5/s is
+    # 2/s x 100 + 3/s x 300 = 1,100, that is 5/s x 220.
+    kinds = KindWork(plain=4, plain_work=400.0, sessions=6, session_work=1800.0)
+    assert kinds.mean() == pytest.approx(220.0)
+    assert kinds.plain_work_share() == pytest.approx(400 / 2200)
+    # Too few responses: no mean (the unit stays requests).
+    few = KindWork(plain=MIN_WORK_REQUESTS - 1, plain_work=700.0)
+    assert few.mean() is None
+    assert KindWork().plain_work_share() is None
+
+
+# --------------------------------------------------------------------------- the book
+
+
+def _usage(
+    route_name: str,
+    *,
+    prompt: int,
+    cached: int,
+    completion: int,
+    port: int = 8001,
+    status: int = 200,
+    usage: bool = True,
+) -> accesslog_pb2.HTTPAccessLogEntry:
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    common = entry.common_properties
+    common.route_name = route_name
+    common.upstream_remote_address.socket_address.address = "10.0.1.1"
+    common.upstream_remote_address.socket_address.port_value = port
+    if usage:
+        fields = common.metadata.filter_metadata[USAGE_FILTER].fields
+        fields["prompt"].number_value = prompt
+        fields["cached"].number_value = cached
+        fields["completion"].number_value = completion
+    entry.response.response_code.value = status
+    return entry
+
+
+def test_the_kind_of_a_request_is_the_route_entry_that_took_it() -> None:
+    assert entry_kind("main/chat#0") == ("main/chat", False)
+    assert entry_kind("main/chat#0/prefix") == ("main/chat", False)
+    assert entry_kind("main/chat#0/overflow") == ("main/chat", False)
+    assert entry_kind("main/chat#0/affinity") == ("main/chat", True)
+    assert entry_kind("main/chat#1@gold/affinity/overflow") == ("main/chat", True)
+
+
+def test_the_book_counts_work_per_host_and_per_route_and_kind() -> None:
+    clock = [1000.0]
+    book = WorkBook(lambda: clock[0])
+    for _ in range(10):  # over 5 s: a plain request on 8001, a conversation turn on 8002
+        book.observe(_usage("main/chat#0", prompt=1080, cached=1000, completion=150))
+        book.observe(
+            _usage("main/chat#0/affinity", prompt=3100, cached=3000, completion=250, port=8002)
+        )
+        clock[0] += 0.5
+    # The plain ones' paid twins (served by a provider's host), a 503 and one without usage.
+    for _ in range(2):
+        book.observe(
+            _usage("main/chat#0/overflow", prompt=1080, cached=0, completion=150, port=443)
+        )
+    book.observe(_usage("main/chat#0", prompt=100, cached=0, completion=10, status=503))
+    book.observe(_usage("main/chat#0", prompt=100, cached=0, completion=10, usage=False))
+    plain, turn, paid = 150 + 8.0, 250 + 10.0, 150 + 108.0
+    assert book.entries == 22
+    assert book.host_work() == {
+        "10.0.1.1:8001": pytest.approx(10 * plain / 5.0),
+        "10.0.1.1:8002": pytest.approx(10 * turn / 5.0),
+    }  # (the provider's host was first seen just now: no rate yet)
+    # Over the last 2 s alone: the three that ended 0.5, 1 and 1.5 s ago.
+    recent = book.host_work(window=2.0)
+    assert recent["10.0.1.1:8001"] == pytest.approx(3 * plain / 2.0)
+    # Work per completion token: (150 + 8) / 150 for the plain requests' replica.
+    per_token = book.work_per_output()
+    assert per_token["10.0.1.1:8001"] == pytest.approx(plain / 150, abs=1e-4)
+    assert per_token["10.0.1.1:443"] == pytest.approx(paid / 150, abs=1e-4)
+    kinds = book.kinds()["main/chat"]
+    assert (kinds.plain, kinds.sessions) == (12, 10)
+    assert kinds.plain_work == pytest.approx(10 * plain + 2 * paid)
+    assert kinds.session_work == pytest.approx(10 * turn)
+    # All of it leaves the window.
+    clock[0] += ARRIVAL_WINDOW
+    assert book.host_work() == {} and book.kinds() == {} and book.work_per_output() == {}
+
+
+# --------------------------------------------------------------------------- the capacity
+
+
+def _replicas(running: float, work: float | None, count: int = 4) -> list[ReplicaLoad]:
+    return [ReplicaLoad(key=f"r{i}", slots=8, running=running, work=work) for i in range(count)]
+
+
+def test_a_replica_counts_once_it_has_been_full_for_a_request_and_a_window() -> None:
+    replicas = [*_replicas(1.0, 1000.0, 1), ReplicaLoad("r1", 8, 1.0, 600.0)]
+    # A request's time in the batch (at least a window), then the window.
+    assert settled(8.0) == 8.0 + SAMPLE_WINDOW
+    assert settled(4.0) == settled(None) == 2 * SAMPLE_WINDOW
+    wait = settled(4.0)
+    since = {"r0": NOW - wait, "r1": NOW - wait + 1}
+    # r1 filled a second too late: r0's work over its slots alone.
+    assert work_sample(replicas, since, NOW, 4.0) == pytest.approx(1000 / 8)
+    assert work_sample(replicas, {**since, "r1": NOW - wait}, NOW, 4.0) == pytest.approx(1600 / 16)
+    assert work_sample(replicas, {}, NOW, 4.0) is None
+
+
+def test_an_engine_computes_its_output_tokens_times_its_responses_work_per_token() -> None:
+    # 320 output tokens a second; its responses needed 1.2 work per output token (2 prompt
+    # tokens prefilled per token made, at a tenth).
+    assert computed_rate(320.0, 1.2) == pytest.approx(320 * 1.2)
+    # Without an output rate, or no response to say what a token costs: no rate.
+    assert computed_rate(320.0, None) is None
+    assert computed_rate(None, 1.2) is None
+    # No token made between two scrapes (a long prefill's step): a rate of nothing.
+    assert computed_rate(0.0, 1.2) == 0.0
+
+
+def test_the_rate_sample_takes_the_replicas_full_at_their_last_scrape() -> None:
+    replicas = [
+        ReplicaLoad("r0", 8, 1.0, None, rate=400.0),
+        ReplicaLoad("r1", 8, 1.0, None, rate=320.0),
+        ReplicaLoad("r2", 8, 0.5, None, rate=100.0),  # not full: its rate is no capacity
+        ReplicaLoad("r3", 8, 1.0, 500.0),  # full, no token timings
+    ]
+    assert rate_sample(replicas) == pytest.approx(720 / 16)
+    # A full replica that made no token since its last scrape counts, at nothing.
+    prefilling = ReplicaLoad("r4", 8, 1.0, None, rate=0.0)
+    assert rate_sample([*replicas, prefilling]) == pytest.approx(720 / 24)
+    assert rate_sample(replicas[2:]) is None
+
+
+CONVERSATIONS = KindWork(plain=40, plain_work=40 * 160.0, sessions=60, session_work=60 * 400.0)
+"""The mixed demand: 40% plain requests of 160 work, 60% conversation turns of 400: 304 a
+request, 21% of the work without a session."""
+
+
+def _work_round(
+    previous: ArrivalsDecision | None,
+    demand: float,
+    *,
+    now: float,
+    running: float,
+    work: float | None,
+    kinds: KindWork | None = CONVERSATIONS,
+    completed_work: float | None = None,
+) -> ArrivalsDecision:
+    return decide_arrivals(
+        previous,
+        demand=demand,
+        slots=32,
+        running=running,
+        fill=running,
+        completions=None,
+        service_time=4.0,  # prior 0.7 x 32 / 4 = 5.6/s
+        now=now,
+        replicas=_replicas(running, work),
+        kinds=kinds,
+        completed_work=completed_work,
+    )
+
+
+def test_capacity_in_work_does_not_depend_on_the_kind_the_replicas_served() -> None:
+    # The owned replicas are full and serve conversation turns alone (the plain requests
+    # went to paid): 3 turns of 400 a second each, 1,200 work/s per replica, 4,800 in all.
+    # In requests that read 12/s of turns, against a demand whose request is 304 on
+    # average: 4,800 / 304 = 15.8 requests a second of the mix.
+    decision = _work_round(None, 20.0, now=NOW, running=1.0, work=1200.0)
+    assert not decision.measured and decision.capacity == pytest.approx(PRIOR_SHARE * 8.0)
+    assert decision.work == pytest.approx(304.0)
+    decision = _work_round(decision, 20.0, now=NOW + settled(4.0), running=1.0, work=1200.0)
+    assert decision.measured and decision.work_per_slot == pytest.approx(150.0)
+    assert decision.capacity == pytest.approx(4800 / 304, rel=1e-3)
+    # The share is of the demand's work: 20/s x 304 against 0.97 x 4,800.
+    paid = 1 - LOAD * 4800 / (20 * 304)
+    assert decision.paid == pytest.approx(paid, abs=1e-3)
+    # Requests without a session carry 21% of the work: they go first, as many as that is.
+    assert decision.plain_share == pytest.approx(6400 / 30400, abs=1e-4)
+    assert "in work, 304 a request, 4800/s" in decision.why
+    # Measured in requests (12 turns a second over 32 slots) the same replicas would read
+    # 12/s and send 1 - 0.97 x 12 / 20 = 42% of the requests to paid.
+    assert paid < 1 - LOAD * 12.0 / 20.0 - 0.1
+
+
+def test_the_held_work_per_slot_follows_the_mix_of_the_demand() -> None:
+    decision = _work_round(None, 20.0, now=NOW, running=1.0, work=1200.0)
+    decision = _work_round(decision, 20.0, now=NOW + settled(4.0), running=1.0, work=1200.0)
+    # Later the demand is plain requests alone (160 a request): the same work is 30/s.
+    plain = KindWork(plain=50, plain_work=50 * 160.0)
+    later = _work_round(decision, 20.0, now=NOW + 60, running=0.5, work=300.0, kinds=plain)
+    assert later.measured and later.work_per_slot == decision.work_per_slot
+    assert later.capacity == pytest.approx(4800 / 160, rel=1e-3)
+    assert later.paid == 0.0 and later.plain_share == 1.0
+
+
+def test_what_the_replicas_computed_bounds_the_capacity_from_below_in_work() -> None:
+    # Not full (no sample), the prior 5.6/s; but they computed 2,000 work/s: 6.6/s of the mix.
+    decision = _work_round(None, 6.0, now=NOW, running=0.8, work=500.0, completed_work=2000.0)
+    assert not decision.measured
+    assert decision.capacity == pytest.approx(2000 / 304, rel=1e-3)
+    assert decision.paid == 0.0
+
+
+def test_without_usage_the_unit_stays_requests() -> None:
+    few = KindWork(plain=2, plain_work=300.0, sessions=3, session_work=1200.0)
+    for kinds in (None, few):
+        decision = _work_round(None, 9.0, now=NOW, running=1.0, work=1200.0, kinds=kinds)
+        assert decision.work is None
+        assert decision.capacity == pytest.approx(PRIOR_SHARE * 8.0)
+        assert "in work" not in decision.why
+        held = replace(decision, since=NOW)
+        later = _work_round(
+            held, 9.0, now=NOW + settled(4.0), running=1.0, work=1200.0, kinds=kinds
+        )
+        # The requests' pool-wide sample saw no completions: still the prior.
+        assert later.work_per_slot == pytest.approx(150.0) and not later.measured
+
+
+# --------------------------------------------------------------------------- the compile
+
+PORTS = (8001, 8002, 8003, 8004)
+
+
+def _state(
+    demand: float,
+    *,
+    previous: OverflowDecision | None = None,
+    now: float = NOW,
+    output: float | None = None,
+    completed: float = 1000.0,
+) -> PolicyState:
+    objects: list[PolicyObject] = [
+        Pool.model_validate(pool("owned", PORTS, telemetry={"format": "vllm"})),
+        Pool.model_validate(
+            pool(
+                "paid",
+                [],
+                endpoints=[{"address": "localhost", "port": 9443}],
+                healthCheck={"enabled": False},
+            )
+        ),
+        RoutingPolicy.model_validate(
+            policy(
+                "main",
+                10000,
+                [
+                    {
+                        "name": "chat",
+                        "tiers": [["owned"]],
+                        "sessionAffinity": {"header": "x-session-id"},
+                        "overflow": {"pools": ["paid"], "signal": "arrivals"},
+                    }
+                ],
+            )
+        ),
+    ]
+    hosts = [f"127.0.0.1:{port}" for port in PORTS]
+    return PolicyState.from_objects(
+        objects,
+        telemetry={
+            "owned": {
+                host: TelemetryRecord(
+                    at=now - 1,
+                    running=8,
+                    max_running=8,
+                    output_tokens_per_second=output,
+                )
+                for host in hosts
+            }
+        },
+        now=now,
+        arrivals={"default/main/chat": demand},
+        service_times={host: 4.0 for host in hosts},
+        session_shares={"main/chat": 0.6},
+        previous_overflow={"main/chat": previous} if previous is not None else {},
+        recent_work={host: 1200.0 for host in hosts},
+        completed_work={host: completed for host in hosts},
+        kind_work={"main/chat": CONVERSATIONS},
+        work_per_output={host: 1.2 for host in hosts},
+    )
+
+
+def test_the_compiled_route_sends_the_excess_work_to_paid_plain_requests_first() -> None:
+    first = compile_plan(_state(20.0)).overflow["main/chat"]
+    assert first.arrivals is not None and first.arrivals.work == pytest.approx(304.0)
+    # The lower bound: 4,000 work/s computed, 13.2/s of the mix (the prior is 5.6/s).
+    assert first.arrivals.capacity == pytest.approx(4000 / 304, rel=1e-3)
+    peak = compile_plan(_state(20.0, previous=first, now=NOW + settled(4.0))).overflow["main/chat"]
+    arrivals = peak.arrivals
+    assert arrivals is not None and arrivals.measured
+    paid = 1 - LOAD * 4800 / (20 * 304)
+    assert arrivals.paid == pytest.approx(paid, abs=1e-3)
+    # The plain requests carry 21% of the work: all of them go, then conversations.
+    share = 6400 / 30400
+    assert peak.plain == 1.0
+    assert peak.sessions == pytest.approx((paid - share) / (1 - share), abs=2e-3)
+
+
+def test_a_capacity_from_the_engines_rates_is_measured_at_once_and_averaged_in() -> None:
+    def round_(previous: ArrivalsDecision | None, rate: float, now: float) -> ArrivalsDecision:
+        return decide_arrivals(
+            previous,
+            demand=20.0,
+            slots=32,
+            running=1.0,
+            fill=1.0,
+            completions=None,
+            service_time=4.0,
+            now=now,
+            replicas=[ReplicaLoad(f"r{i}", 8, 1.0, work=1200.0, rate=rate) for i in range(4)],
+            kinds=CONVERSATIONS,
+        )
+
+    # Full at the scrape: no wait for a request's time (nothing is counted at its end).
+    first = round_(None, 360.0, NOW)
+    assert first.measured and first.work_per_slot == pytest.approx(45.0)
+    assert first.capacity == pytest.approx(45 * 32 / 304, rel=1e-3)
+    # The responses' work (1,200/s a replica) is not mixed in while the rates are there.
+    later = round_(first, 400.0, NOW + 1)
+    assert later.work_per_slot == pytest.approx((1 - RATE_WEIGHT) * 45 + RATE_WEIGHT * 50)
+
+
+def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> None:
+    # 320 output tokens a second, 1.2 work per output token: 384 work/s a replica, 1,536
+    # for the pool, measured in the first round (above the 800 they completed).
+    decision = compile_plan(_state(20.0, output=320.0, completed=200.0)).overflow["main/chat"]
+    arrivals = decision.arrivals
+    assert arrivals is not None and arrivals.measured
+    assert arrivals.work_per_slot == pytest.approx(48.0)
+    assert arrivals.paid == pytest.approx(1 - LOAD * 1536 / (20 * 304), abs=1e-3)

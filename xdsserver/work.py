@@ -1,0 +1,146 @@
+"""The work each response took its replica, from the usage Envoy's listeners log: overflow
+by arrivals' unit (``signals.overflowff``, "Capacity and demand in one unit of work").
+
+Every kvpilot listener's connection manager logs each response's OpenAI ``usage`` (the
+accounting filter's counts, ``xdsserver.translate.usage``) to kvpilot, where
+``xdsserver.usage.UsageBook`` prices it. The same entries name the upstream host that served
+the request's last attempt and the route entry that took it (``policy/route#0/affinity``
+for a request with the route's session header, ``policy/route#0`` or ``.../prefix`` for
+one without, ``/overflow`` when it went to a paid pool's aggregate). From them:
+
+- per host, the work its responses carried (``signals.overflowff.work_of``: output tokens
+  plus the uncached prompt tokens at ``PREFILL_WEIGHT``) per second, over the last seconds
+  and over ``ARRIVAL_WINDOW``, and per completion token (what turns the engine's output
+  tokens a second, from its telemetry, into the work it computes: the capacity while full);
+- per route, its responses over ``ARRIVAL_WINDOW`` by kind (with or without a session),
+  whichever pool served them, and their work: the demand's mean work per request.
+
+An entry arrives when its response ends (``USAGE_FLUSH_INTERVAL`` later), so these count
+completions, not arrivals. The counts are this kvpilot replica's Envoys'.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from signals.overflowff import KindWork, work_of
+from xdsserver.arrivals import ARRIVAL_WINDOW, MIN_SPAN
+from xdsserver.translate.usage import USAGE_FILTER
+from xdsserver.usage import parse_route_name
+
+SESSION_ENTRY = "/affinity"
+"""In a route entry's name after ``#``: the entry that matches the session header
+(``xdsserver.translate.routes``), its overflow entry included."""
+
+
+def entry_kind(route_name: str) -> tuple[str, bool]:
+    """(route cluster ``policy/route``, whether the request had a session) from a route
+    entry's name."""
+    route, _ = parse_route_name(route_name)
+    _, _, rest = route_name.partition("#")
+    return route, SESSION_ENTRY in rest
+
+
+class WorkBook:
+    """Work per host and per route and kind over sliding windows, from usage entries."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._hosts: dict[str, deque[tuple[float, float, int]]] = {}
+        self._host_first: dict[str, float] = {}
+        self._routes: dict[str, deque[tuple[float, bool, float]]] = {}
+        self.entries = 0
+        """Entries with usage counted."""
+
+    def observe(self, entry: Any) -> None:
+        """One ``HTTPAccessLogEntry`` of a usage log (``kvpilot.usage/<listener>``)."""
+        common = entry.common_properties
+        fields = common.metadata.filter_metadata.get(USAGE_FILTER)
+        if fields is None or "prompt" not in fields.fields:
+            return
+        if entry.response.response_code.value != 200:
+            return
+        values = fields.fields
+        completion = int(values["completion"].number_value) if "completion" in values else 0
+        work = work_of(
+            int(values["prompt"].number_value),
+            int(values["cached"].number_value) if "cached" in values else 0,
+            completion,
+        )
+        now = self.clock()
+        self.entries += 1
+        route, session = entry_kind(common.route_name)
+        if route:
+            self._routes.setdefault(route, deque()).append((now, session, work))
+        socket = common.upstream_remote_address.socket_address
+        if socket.address:
+            host = f"{socket.address}:{socket.port_value}"
+            self._hosts.setdefault(host, deque()).append((now, work, completion))
+            self._host_first.setdefault(host, now)
+
+    def _drop_old(self, now: float) -> None:
+        for host in list(self._hosts):
+            done = self._hosts[host]
+            while done and done[0][0] <= now - ARRIVAL_WINDOW:
+                done.popleft()
+            if not done:
+                del self._hosts[host]
+                self._host_first.pop(host, None)
+        for route in list(self._routes):
+            seen = self._routes[route]
+            while seen and seen[0][0] <= now - ARRIVAL_WINDOW:
+                seen.popleft()
+            if not seen:
+                del self._routes[route]
+
+    def host_work(
+        self, now: float | None = None, window: float = ARRIVAL_WINDOW
+    ) -> dict[str, float]:
+        """``address:port`` -> work its responses carried per second over the last `window`
+        seconds (at most ``ARRIVAL_WINDOW``; over the time since its first one when that is
+        shorter, and none before ``MIN_SPAN``)."""
+        now = self.clock() if now is None else now
+        window = min(window, ARRIVAL_WINDOW)
+        self._drop_old(now)
+        out: dict[str, float] = {}
+        for host, done in self._hosts.items():
+            age = now - self._host_first[host]
+            if age < MIN_SPAN:
+                continue
+            work = sum(w for at, w, _ in done if at > now - window)
+            out[host] = round(work / min(window, age), 4)
+        return out
+
+    def work_per_output(self, now: float | None = None) -> dict[str, float]:
+        """``address:port`` -> the work of its responses over ``ARRIVAL_WINDOW`` per
+        completion token: with the engine's output tokens a second, the work it computes."""
+        now = self.clock() if now is None else now
+        self._drop_old(now)
+        out: dict[str, float] = {}
+        for host, done in self._hosts.items():
+            tokens = sum(c for _, _, c in done)
+            if tokens > 0:
+                out[host] = round(sum(w for _, w, _ in done) / tokens, 4)
+        return out
+
+    def kinds(self, now: float | None = None) -> dict[str, KindWork]:
+        """Route cluster -> its responses over ``ARRIVAL_WINDOW`` by kind and their work."""
+        now = self.clock() if now is None else now
+        self._drop_old(now)
+        out: dict[str, KindWork] = {}
+        for route, seen in self._routes.items():
+            plain = [w for _, session, w in seen if not session]
+            sessions = [w for _, session, w in seen if session]
+            out[route] = KindWork(
+                plain=len(plain),
+                plain_work=round(sum(plain), 2),
+                sessions=len(sessions),
+                session_work=round(sum(sessions), 2),
+            )
+        return out
+
+
+__all__ = ["SESSION_ENTRY", "WorkBook", "entry_kind"]
