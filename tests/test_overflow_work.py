@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
-from harness.builders import policy, pool
+from harness.builders import arrivals_overflow
 
 from compiler.compile import PolicyState, compile_plan
 from policies.models import PolicyObject, Pool, RoutingPolicy
@@ -279,30 +279,11 @@ def _state(
     output: float | None = None,
     completed: float = 1000.0,
 ) -> PolicyState:
+    owned, paid, main = arrivals_overflow(PORTS)
     objects: list[PolicyObject] = [
-        Pool.model_validate(pool("owned", PORTS, telemetry={"format": "vllm"})),
-        Pool.model_validate(
-            pool(
-                "paid",
-                [],
-                endpoints=[{"address": "localhost", "port": 9443}],
-                healthCheck={"enabled": False},
-            )
-        ),
-        RoutingPolicy.model_validate(
-            policy(
-                "main",
-                10000,
-                [
-                    {
-                        "name": "chat",
-                        "tiers": [["owned"]],
-                        "sessionAffinity": {"header": "x-session-id"},
-                        "overflow": {"pools": ["paid"], "signal": "arrivals"},
-                    }
-                ],
-            )
-        ),
+        Pool.model_validate(owned),
+        Pool.model_validate(paid),
+        RoutingPolicy.model_validate(main),
     ]
     hosts = [f"127.0.0.1:{port}" for port in PORTS]
     return PolicyState.from_objects(

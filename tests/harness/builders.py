@@ -72,6 +72,25 @@ def policy(
     }
 
 
+def arrivals_overflow(ports: Iterable[int]) -> tuple[dict[str, Any], ...]:
+    """An owned pool of vLLM replicas at `ports`, a paid pool, and a policy whose route
+    `chat` keeps sessions on the owned pool and overflows to the paid one by arrivals."""
+    owned = pool("owned", ports, telemetry={"format": "vllm"})
+    paid = pool(
+        "paid",
+        [],
+        endpoints=[{"address": "localhost", "port": 9443}],
+        healthCheck={"enabled": False},
+    )
+    chat = {
+        "name": "chat",
+        "tiers": [["owned"]],
+        "sessionAffinity": {"header": "x-session-id"},
+        "overflow": {"pools": ["paid"], "signal": "arrivals"},
+    }
+    return owned, paid, policy("main", 10000, [chat])
+
+
 def fleet_policies(ports: Mapping[str, int]) -> list[dict[str, Any]]:
     """An empty pool `p` and, per fleet, a policy named after it that only that fleet gets,
     listening on the fleet's port: what tests of fleet scoping apply."""
