@@ -52,7 +52,7 @@ from controlplane.spend import (
     SpendPublisher,
     fleet_spend,
 )
-from signals.overflowff import SAMPLE_WINDOW
+from signals.overflowwork import SAMPLE_WINDOW
 from xdsserver.arrivals import ArrivalBook
 from xdsserver.difficultylog import ScoreBook
 from xdsserver.identity import FleetBinding

@@ -22,7 +22,7 @@ from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.overflow import OverflowDecision
-from signals.overflowff import KindWork
+from signals.overflowwork import KindWork
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord

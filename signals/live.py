@@ -18,7 +18,8 @@ from signals.overflow import (
     overflow_signals,
     provider_order,
 )
-from signals.overflowff import ReplicaLoad, blend_demand, computed_rate, route_demand
+from signals.overflowdemand import blend_demand, route_demand
+from signals.overflowwork import ReplicaLoad, computed_rate
 from signals.saturation import (
     SaturationDecision,
     batch_fill,

@@ -62,13 +62,8 @@ from signals.admission import (
     step_level,
     steps_per_class,
 )
-from signals.overflowff import (
-    ArrivalsDecision,
-    KindWork,
-    ReplicaLoad,
-    decide_arrivals,
-    kind_shares,
-)
+from signals.overflowff import ArrivalsDecision, decide_arrivals, kind_shares
+from signals.overflowwork import KindWork, ReplicaLoad
 from signals.saturation import batch_fill
 from signals.telemetry import TelemetryRecord
 

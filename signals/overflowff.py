@@ -36,55 +36,10 @@ batches from filling would otherwise keep a low prior from ever being measured.
 
 Capacity and demand in one unit of work
 ---------------------------------------
-Requests per second are not one unit when the kinds differ: with requests without a
-session sent to the paid pools first, the owned replicas serve conversations alone at a
-peak, and a conversation (long answers, a history to prefill on a miss) completes fewer a
-second than the mixed load. Read replica by replica in requests, the capacity measured
-2.5-3.7/s where the whole pool served 4.8/s at the mixed load, and divided into a demand of
-every kind it sent too much to paid (0.95x the static split's spend in the cost benchmark).
-
-So where the route's responses carry an OpenAI ``usage`` (the accounting filter's, read from
-the listener's usage log: ``xdsserver.work``), demand and capacity are counted in the work
-the owned replicas compute: output tokens plus uncached prompt tokens at ``PREFILL_WEIGHT``
-of an output token (``work_of``). In a full batch a replica's time goes to decode steps, one
-token per sequence per step, and to prefilling what its cache does not hold; the weight is
-what a prefilled token costs against a decoded one (the simulated engine: 1/4000 s a prompt
-token, 23 ms a step of 8 sequences, 2.9 ms an output token: 0.086; on a GPU prefill is
-compute-bound at thousands of tokens a second and decode at a full batch memory-bound, the
-same order). Counting prompt tokens at par with output tokens would make the prefill four
-fifths of the work in that benchmark where it takes about a third of the engines' time.
-
-- **Demand** is the arrival rate times the mean work of a request of each kind over the
-  last ``ARRIVAL_WINDOW`` (``KindWork``: every pool's responses, the kind from the route
-  entry that took the request, with or without a session): rate x (p x plain work + (1 - p)
-  x conversation work), p the share of requests without a session.
-- **Capacity** is the work per second the owned replicas compute while full, read replica
-  by replica (``ReplicaLoad``, ``computed_rate``): the output tokens the engine made a
-  second between the agent's last two scrapes (``output_tokens_per_second``), times the
-  work per output token of the responses it served over the long window (from their
-  usage). Each round the replicas full at their last
-  scrape give a sample, their rates over their slots (``rate_sample``), averaged in at
-  ``RATE_WEIGHT``. The scrape's own ``prefill_per_token`` is not the ratio: it counts a
-  prompt when the engine admits it, not as it prefills, so a scrape that admitted a long
-  prompt and decoded little read the pool at 7,000 work/s where it computed some 1,500.
-  Nor is running over the mean time per output token the output rate: sequences still in
-  their prefill run without making tokens, and steps without a decoding sequence are in no
-  token's time; it read 1,700-2,200 work/s there. Counted from the responses' usage instead (the work each brought when it
-  ended, ``work_sample``: each replica full for a request's time and then
-  ``SAMPLE_WINDOW``), the first run of the cost benchmark read 945-1,390 work/s where the
-  pool computed about 1,480 when all were full: a replica stays full for that long with a
-  paid share in force when its requests are long, and those end, and count, late. The
-  responses' usage is the sample only for replicas whose telemetry has no token timings.
-  Held per slot; before any sample, the prior in requests. What the owned replicas
-  completed over the long window, in work, bounds it from below.
-- **The share** is of the demand's work: the paid pools take what the owned replicas cannot
-  compute, requests without a session first, as many of them as carry that work (the plain
-  share of ``kind_shares`` is then the share of the work without a session). For status and
-  the drain, the capacity is shown in requests at the current mix (capacity's work over a
-  request's mean work).
-
-Without usage (a backend that sends none, fewer than ``MIN_WORK_REQUESTS`` responses in the
-window) the unit is requests, as above.
+Where the route's responses carry an OpenAI ``usage``, demand and capacity are counted in the
+work the owned replicas compute rather than in requests (``signals.overflowwork``): a
+capacity measured while the replicas serve conversations alone is then not read as fewer
+requests of the mix than they can take. Without usage, the unit is requests, as above.
 
 The trim, as spill's
 --------------------
@@ -136,6 +91,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from signals.overflowwork import (
+    FULL,
+    RATE_WEIGHT,
+    SAMPLE_WINDOW,
+    KindWork,
+    ReplicaLoad,
+    rate_sample,
+    work_sample,
+)
 from signals.spill import (
     DEADBAND,
     DRAIN_S,
@@ -150,59 +114,6 @@ from signals.spill import (
     TRIM_RANGE,
 )
 
-OVERFLOW_PARTS = ("/overflow/", "/provider/")
-"""What follows a route cluster's name in the names of its overflow aggregates and paid
-pools' clusters (``policies.names``): starts there are the route's demand too."""
-
-
-RISE_SIGMAS = 2.0
-"""The recent rate (the last ``RECENT_WINDOW`` seconds) replaces the long one when it is
-above it by more than this many standard deviations of its own count: a rise shows within
-seconds, the noise of a few seconds' count does not."""
-RECENT_WINDOW = 4.0
-"""Seconds of the recent rate (``xdsserver.arrivals.CHANGE_WINDOW``)."""
-
-
-def blend_demand(long: float, recent: float | None) -> float:
-    """The demand overflow reads: the long window's rate, or the recent one when it is
-    above it beyond noise (``RISE_SIGMAS``). A fall waits for the long window (and the
-    hysteresis), so the share is not given back on a quiet second."""
-    if recent is None or recent <= long:
-        return long
-    expected = long * RECENT_WINDOW
-    if (recent - long) * RECENT_WINDOW > RISE_SIGMAS * math.sqrt(max(expected, 1.0)):
-        return recent
-    return long
-
-
-def route_of(cluster: str) -> str:
-    """The route cluster (``policy/route``) that a route cluster, one of its overflow
-    aggregates or one of its paid pools' clusters belongs to."""
-    for part in OVERFLOW_PARTS:
-        head, found, _ = cluster.partition(part)
-        if found:
-            return head
-    return cluster
-
-
-def route_demand(rates: Mapping[str, float], route: str) -> float:
-    """A route's demand: the requests per second started on its own cluster (`route`,
-    ``policy/route``) and on its overflow aggregates and paid pools' clusters, by every fleet,
-    from ``fleet/cluster`` rates (``ArrivalBook.rates``, or every replica's through
-    ``controlplane.arrivals``)."""
-    total = 0.0
-    for key, rate in rates.items():
-        _, _, cluster = key.partition("/")
-        if cluster == route or any(cluster.startswith(route + part) for part in OVERFLOW_PARTS):
-            total += rate
-    return round(total, 4)
-
-
-FULL = 0.95
-"""Mean running / batch size at or above which the owned replicas' batches count as full."""
-SAMPLE_WINDOW = 5.0
-"""Seconds the batches must have been full, and the window completions are counted over,
-for a capacity sample: at 4 completions a second, 20 of them."""
 SAMPLE_WEIGHT = 0.5
 """Weight of a new capacity sample against the held one."""
 PRIOR_SHARE = 0.7
@@ -215,122 +126,6 @@ QUEUE_WAIT = 0.5
 a batch slot: the queue the owned replicas may hold is this much of the objective times
 their capacity, the rest of the objective is left to the prefill (the fill loop's TTFT
 signal bounds the engines' time to first token at half of it too)."""
-
-
-PREFILL_WEIGHT = 0.1
-"""What an uncached prompt token counts against an output token in overflow's unit of work
-(module docstring: the simulated engine's ratio is 0.086)."""
-RATE_WEIGHT = 0.2
-"""Weight of a round's sample of the full replicas' computed rates (``rate_sample``) against
-the held one: a scrape's second of steps is noisy (a long prefill's step is half a second),
-so about five rounds make the estimate."""
-MIN_WORK_REQUESTS = 8
-"""Responses with usage a route needs over the window before its demand and capacity are
-counted in work; fewer: in requests."""
-
-
-def work_of(prompt: int, cached: int, completion: int) -> float:
-    """The work one response took its replica: output tokens plus the uncached prompt
-    tokens at ``PREFILL_WEIGHT``."""
-    return completion + PREFILL_WEIGHT * max(0, prompt - cached)
-
-
-@dataclass(frozen=True, slots=True)
-class KindWork:
-    """A route's responses over the last window, every pool's, by kind: how many and their
-    work (``work_of``)."""
-
-    plain: int = 0
-    plain_work: float = 0.0
-    sessions: int = 0
-    session_work: float = 0.0
-
-    @property
-    def requests(self) -> int:
-        return self.plain + self.sessions
-
-    def mean(self) -> float | None:
-        """The mean work of a request at this mix of kinds (rate x mean is the demand's
-        work: the kinds' rates times their own means); None below ``MIN_WORK_REQUESTS``."""
-        total = self.plain_work + self.session_work
-        if self.requests < MIN_WORK_REQUESTS or total <= 0:
-            return None
-        return total / self.requests
-
-    def plain_work_share(self) -> float | None:
-        """The share of the demand's work without a session: what sending every such request
-        to paid takes off the owned replicas."""
-        total = self.plain_work + self.session_work
-        return self.plain_work / total if total > 0 else None
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaLoad:
-    """One owned replica as the capacity sample in work reads it: its fresh telemetry and
-    the work its responses carried."""
-
-    key: str
-    slots: float
-    """Its batch size (``max_running``)."""
-    running: float
-    """Its running sequences over its batch size."""
-    work: float | None
-    """The work it completed per second over the last ``SAMPLE_WINDOW``; None: none seen."""
-    rate: float | None = None
-    """The work it computed per second at its last scrape (``computed_rate``); None: its
-    telemetry has no token timings, or it served no response with usage lately."""
-
-
-def computed_rate(
-    output_tokens_per_second: float | None, work_per_output: float | None
-) -> float | None:
-    """Work per second an engine computes: the output tokens it made a second (its last
-    scrape) times the work per output token of the responses it served (`work_per_output`:
-    ``work_of`` over completion tokens, their prefill included). None without either."""
-    if output_tokens_per_second is None or not work_per_output:
-        return None
-    # A full engine that made no token between two scrapes was prefilling: a rate of
-    # nothing that counts, or the samples would hold only the scrapes between prefills.
-    return output_tokens_per_second * work_per_output
-
-
-def rate_sample(replicas: Sequence[ReplicaLoad]) -> float | None:
-    """Work per second per batch slot the replicas full at their last scrape computed
-    (``ReplicaLoad.rate``), or None when none of them is full with a rate."""
-    sampled = [r for r in replicas if r.running >= FULL and r.rate is not None and r.slots > 0]
-    if not sampled:
-        return None
-    return sum(r.rate or 0.0 for r in sampled) / sum(r.slots for r in sampled)
-
-
-def settled(service_time: float | None) -> float:
-    """Seconds a replica must have been full before its completions are a capacity sample:
-    a request's time in the batch (every one it finishes was admitted while it was full;
-    `service_time`, the replicas' mean, at least ``SAMPLE_WINDOW``), then the window its
-    completions are counted over."""
-    return max(SAMPLE_WINDOW, service_time or 0.0) + SAMPLE_WINDOW
-
-
-def work_sample(
-    replicas: Sequence[ReplicaLoad],
-    full_since: Mapping[str, float],
-    now: float,
-    service_time: float | None = None,
-) -> float | None:
-    """Work per second per batch slot of the replicas full for ``settled`` seconds
-    (`full_since`: since when each has been), or None when none has (or none completed
-    any)."""
-    wait = settled(service_time)
-    sampled = [
-        replica
-        for replica in replicas
-        if now - full_since.get(replica.key, math.inf) >= wait
-        and replica.work
-        and replica.slots > 0
-    ]
-    if not sampled:
-        return None
-    return sum(r.work or 0.0 for r in sampled) / sum(r.slots for r in sampled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -653,31 +448,13 @@ def decide_arrivals(
 
 
 __all__ = [
-    "FULL",
-    "MIN_WORK_REQUESTS",
-    "OVERFLOW_PARTS",
     "PLAIN_PRIOR",
-    "PREFILL_WEIGHT",
     "PRIOR_SHARE",
     "QUEUE_WAIT",
-    "RATE_WEIGHT",
-    "RECENT_WINDOW",
-    "RISE_SIGMAS",
     "SAMPLE_WEIGHT",
-    "SAMPLE_WINDOW",
     "ArrivalsDecision",
-    "KindWork",
-    "ReplicaLoad",
-    "blend_demand",
     "capacity_of",
-    "computed_rate",
     "decide_arrivals",
     "drain_rate",
     "kind_shares",
-    "rate_sample",
-    "route_demand",
-    "route_of",
-    "settled",
-    "work_of",
-    "work_sample",
 ]

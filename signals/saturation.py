@@ -221,12 +221,8 @@ LOOSEN_MARGIN = 1.1
 clears that rung by this much: the rung's headroom against the noise of one scrape."""
 TIGHTEN_MARGIN = 1.1
 """... and keeps its rung while the factor stays within this much below it: the busiest
-replica may then go past the usable part of its batch by a tenth at most (29 of 32, 128 of
-128), still within the batch. A held peak a few percent above the one that fits would
-otherwise take the next rung down, a third to half tighter: in the scenario benchmark's calm
-documents mix at batch size 32 the factor fell to 430-448% at bursts, the route took 300%
-for 15-25 s, and the replica holding the popular documents spilled them to replicas that
-had never prefilled them."""
+replica may go past its usable batch by a tenth at most, still within the batch (29 of 32),
+and a burst a few percent above what fits does not take a rung a third to half tighter."""
 LOOSEN_DWELL = 15.0
 """... and no sooner than this many seconds after its last change of rung. Each change sends
 session requests to a twin whose in-flight counts hold only its own requests, so for a while
@@ -361,10 +357,8 @@ def decide_bound(
             if looser and now - since >= LOOSEN_DWELL:
                 factor = looser[-1]
             elif first and (bounded := [r for r in looser if r != UNBOUNDED_RUNG]):
-                # Through the first dwell, the loosest bound that fits rather than the
-                # usual one: at 125% a calm pool's ramp spills the first requests of a
-                # popular document off the replica the hash gives it, and that replica then
-                # meets the document cold once the bound is loose.
+                # Through the first dwell, the loosest bound that fits: at 125% a ramp spills
+                # a document's first requests off its replica, which later meets it cold.
                 factor = bounded[-1]
     if factor != current:
         since = now

@@ -12,7 +12,7 @@ from policies.models import Budget, Endpoint, Fleet, PolicyObject, Pool, Rollout
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.overflow import OverflowDecision
-from signals.overflowff import KindWork
+from signals.overflowwork import KindWork
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord

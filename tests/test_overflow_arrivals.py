@@ -14,17 +14,16 @@ from pydantic import ValidationError
 from compiler.compile import PolicyState, compile_plan
 from policies.models import Overflow, PolicyObject, Pool, RoutingPolicy
 from signals.overflow import OverflowDecision
+from signals.overflowdemand import blend_demand, route_demand
 from signals.overflowff import (
     PRIOR_SHARE,
     QUEUE_WAIT,
-    SAMPLE_WINDOW,
     ArrivalsDecision,
-    blend_demand,
     decide_arrivals,
     drain_rate,
     kind_shares,
-    route_demand,
 )
+from signals.overflowwork import SAMPLE_WINDOW
 from signals.spill import DEADBAND, DRAIN_S, LOAD
 from signals.telemetry import TelemetryRecord
 from xdsserver.arrivals import ARRIVAL_WINDOW, ArrivalBook

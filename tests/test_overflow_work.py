@@ -14,17 +14,15 @@ from harness.builders import arrivals_overflow
 from compiler.compile import PolicyState, compile_plan
 from policies.models import PolicyObject, Pool, RoutingPolicy
 from signals.overflow import OverflowDecision
-from signals.overflowff import (
+from signals.overflowff import PRIOR_SHARE, ArrivalsDecision, decide_arrivals
+from signals.overflowwork import (
     MIN_WORK_REQUESTS,
     PREFILL_WEIGHT,
-    PRIOR_SHARE,
     RATE_WEIGHT,
     SAMPLE_WINDOW,
-    ArrivalsDecision,
     KindWork,
     ReplicaLoad,
     computed_rate,
-    decide_arrivals,
     rate_sample,
     settled,
     work_of,

@@ -51,7 +51,7 @@ from typing import Any
 from envoy.data.accesslog.v3 import accesslog_pb2
 
 from policies.names import LOCAL_SUFFIX
-from signals.overflowff import route_of
+from signals.overflowdemand import route_of
 from xdsserver.translate import AFFINITY_SUFFIX
 
 ARRIVAL_WINDOW = 16.0

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from signals.overflowff import KindWork, work_of
+from signals.overflowwork import KindWork, work_of
 from xdsserver.arrivals import ARRIVAL_WINDOW, MIN_SPAN
 from xdsserver.translate.usage import USAGE_FILTER
 from xdsserver.usage import parse_route_name

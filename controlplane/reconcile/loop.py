@@ -51,7 +51,7 @@ from controlplane.reconcile.live import LiveDecisions
 from controlplane.reconcile.metrics import ReconcileMetrics
 from signals import PolicyState
 from signals.difficultyshare import ShareDecision
-from signals.overflowff import KindWork
+from signals.overflowwork import KindWork
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
 from xdsserver.snapshot import SnapshotCache
 
