@@ -51,7 +51,7 @@ fifths of the work in that benchmark where it takes about a third of the engines
   request's mean work).
 
 Without usage (a backend that sends none, fewer than ``MIN_WORK_REQUESTS`` responses in the
-window) the unit is requests, as above.
+window) the unit is requests (``signals.overflowff``).
 """
 
 from __future__ import annotations
