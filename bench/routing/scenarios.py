@@ -145,14 +145,13 @@ SUITE_POLICIES: tuple[Policy, ...] = (
             "sessionAffinity": {**_RECOMMENDED_AFFINITY, "capacityBound": True},
         },
     ),
-    # The recommended route with a sixth, looser rung: 450% (its hashBalanceFactor, which a
-    # capacityBound route adds to the ladder), to measure a looser rung while calm against
-    # the ladder without it (docs/bounded-load.md); run only when named. Being its usual
-    # bound, 450% is also what it holds before the batch size is known and through the dwell
-    # after the first record (125% on the recommended route).
+    # The recommended route with `hashBalanceFactor: 450`: the same ladder (450% is one of its
+    # rungs), holding 450% rather than 125% before any record knows the batch size. It
+    # measured the 450% rung before the ladder had it (docs/bounded-load.md); run only when
+    # named.
     Policy(
         "kvpilot_450",
-        "kvpilot: capacityBound, ladder with 450%",
+        "kvpilot: capacityBound, 450% before the batch size is known",
         {
             "balancing": "telemetry",
             "sessionAffinity": {
@@ -163,13 +162,13 @@ SUITE_POLICIES: tuple[Policy, ...] = (
         },
         default=False,
     ),
-    # The recommended route whose usual bound is its top bound, 300%: the same rungs, held at
-    # 300% rather than 125% before the batch size is known and through the dwell after the
-    # first record. Beside `kvpilot_450` it tells the extra rung from the looser start
-    # (docs/bounded-load.md); run only when named.
+    # The recommended route with `hashBalanceFactor: 300`: the same rungs, holding 300% rather
+    # than 125% before any record knows the batch size (the first record then takes the
+    # loosest bound that fits, as on the recommended route). It measured a looser start
+    # before the first record's rule (docs/bounded-load.md); run only when named.
     Policy(
         "kvpilot_start300",
-        "kvpilot: capacityBound, 300% until the dwell after the first record",
+        "kvpilot: capacityBound, 300% before the batch size is known",
         {
             "balancing": "telemetry",
             "sessionAffinity": {
