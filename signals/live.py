@@ -233,6 +233,7 @@ def _by_arrivals(
             rate=computed_rate(
                 record.output_tokens_per_second, state.work_per_output.get(endpoint.key)
             ),
+            at=record.at,
         )
         for endpoint in endpoints
         if (record := telemetry.get(endpoint.key)) is not None

@@ -97,6 +97,7 @@ from signals.overflowwork import (
     SAMPLE_WINDOW,
     KindWork,
     ReplicaLoad,
+    full_scrapes,
     rate_sample,
     work_sample,
 )
@@ -152,6 +153,9 @@ class ArrivalsDecision:
     full (``work_sample``)."""
     replicas_full_since: Mapping[str, float] = field(default_factory=dict)
     """Replica key -> since when its batch has been full (absent: it is not)."""
+    scrapes: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    """Replica key -> (its last scrape's time, scrapes in a row it was full at)
+    (``full_scrapes``; absent: not full)."""
     work: float | None = None
     """The mean work of a request this round when demand and capacity are counted in work
     (``KindWork.mean``); None: in requests."""
@@ -280,14 +284,20 @@ def decide_arrivals(
         if replica.running >= FULL
     }
     work_per_slot = before.work_per_slot
-    # The engines' computed rates where the telemetry has them; else the responses' work.
-    weight, sample = RATE_WEIGHT, rate_sample(replicas)
+    # The engines' computed rates where the telemetry has them, each scrape once and only
+    # after a few full ones; else the responses' work.
+    scrapes, counted = full_scrapes(replicas, before.scrapes, now)
+    weight, sample = RATE_WEIGHT, rate_sample(counted)
+    start = work_per_slot
+    if sample is not None and start is None and mix is not None and service_time:
+        # The first rate is averaged in from the prior in work, not taken outright.
+        start = PRIOR_SHARE / service_time * mix
     if sample is None:
         untimed = [replica for replica in replicas if replica.rate is None]
         weight, sample = SAMPLE_WEIGHT, work_sample(untimed, replicas_full_since, now, service_time)
     if sample is not None:
         work_per_slot = round(
-            sample if work_per_slot is None else (1 - weight) * work_per_slot + weight * sample,
+            sample if start is None else (1 - weight) * start + weight * sample,
             6,
         )
     # Capacity, from the completions of a full period when there is one.
@@ -338,6 +348,7 @@ def decide_arrivals(
         full_since=full_since,
         work_per_slot=work_per_slot,
         replicas_full_since=replicas_full_since,
+        scrapes=scrapes,
         work=round(mix, 2) if mix is not None else None,
         plain_share=plain_share,
         queued=queued,

@@ -29,9 +29,13 @@ fifths of the work in that benchmark where it takes about a third of the engines
   by replica (``ReplicaLoad``, ``computed_rate``): the output tokens the engine made a
   second between the agent's last two scrapes (``output_tokens_per_second``), times the
   work per output token of the responses it served over the long window (from their
-  usage). Each round the replicas full at their last
-  scrape give a sample, their rates over their slots (``rate_sample``), averaged in at
-  ``RATE_WEIGHT``. The scrape's own ``prefill_per_token`` is not the ratio: it counts a
+  usage). A replica's rate counts once it has been full for ``FULL_SCRAPES`` scrapes in a
+  row, each scrape once (``full_scrapes``): the replicas that count give a sample, their
+  rates over their slots (``rate_sample``), averaged in at ``RATE_WEIGHT`` from the prior
+  (below), never taken outright. One replica full at a low load, or a scrape that held a
+  long prefill's step, read the pool at 400-520 work/s where it computes some 1,500, and
+  a first sample taken outright sent two thirds of the requests to paid at 100% of
+  capacity. The scrape's own ``prefill_per_token`` is not the ratio: it counts a
   prompt when the engine admits it, not as it prefills, so a scrape that admitted a long
   prompt and decoded little read the pool at 7,000 work/s where it computed some 1,500.
   Nor is running over the mean time per output token the output rate: sequences still in
@@ -42,7 +46,8 @@ fifths of the work in that benchmark where it takes about a third of the engines
   pool computed about 1,480 when all were full: a replica stays full for that long with a
   paid share in force when its requests are long, and those end, and count, late. The
   responses' usage is the sample only for replicas whose telemetry has no token timings.
-  Held per slot; before any sample, the prior in requests. What the owned replicas
+  Held per slot; before any sample, the prior in requests (``signals.overflowff``), which
+  is also where the first sample is averaged in from. What the owned replicas
   completed over the long window, in work, bounds it from below.
 - **The share** is of the demand's work: the paid pools take what the owned replicas cannot
   compute, requests without a session first, as many of them as carry that work (the plain
@@ -72,7 +77,10 @@ PREFILL_WEIGHT = 0.1
 RATE_WEIGHT = 0.2
 """Weight of a round's sample of the full replicas' computed rates (``rate_sample``) against
 the held one: a scrape's second of steps is noisy (a long prefill's step is half a second),
-so about five rounds make the estimate."""
+so about five scrapes make the estimate."""
+FULL_SCRAPES = 3
+"""Scrapes in a row a replica must have been full at before its computed rate counts: the
+first scrape of a full batch can hold the steps before it filled, or one long prefill."""
 MIN_WORK_REQUESTS = 8
 """Responses with usage a route needs over the window before its demand and capacity are
 counted in work; fewer: in requests."""
@@ -128,6 +136,9 @@ class ReplicaLoad:
     rate: float | None = None
     """The work it computed per second at its last scrape (``computed_rate``); None: its
     telemetry has no token timings, or it served no response with usage lately."""
+    at: float | None = None
+    """When its telemetry was scraped (the record's time); None: unknown, every round is
+    then a new scrape."""
 
 
 def computed_rate(
@@ -150,6 +161,28 @@ def rate_sample(replicas: Sequence[ReplicaLoad]) -> float | None:
     if not sampled:
         return None
     return sum(r.rate or 0.0 for r in sampled) / sum(r.slots for r in sampled)
+
+
+def full_scrapes(
+    replicas: Sequence[ReplicaLoad], before: Mapping[str, tuple[float, int]], now: float
+) -> tuple[dict[str, tuple[float, int]], list[ReplicaLoad]]:
+    """(replica key -> (its last scrape's time, scrapes in a row it was full at), the
+    replicas whose rate counts this round): those full at a scrape not counted before and at
+    ``FULL_SCRAPES`` in a row. A replica not full at its last scrape starts again."""
+    counts: dict[str, tuple[float, int]] = {}
+    new: list[ReplicaLoad] = []
+    for replica in replicas:
+        if replica.running < FULL:
+            continue
+        at = now if replica.at is None else replica.at
+        last, count = before.get(replica.key, (-math.inf, 0))
+        if at == last:
+            counts[replica.key] = (last, count)
+            continue
+        counts[replica.key] = (at, count + 1)
+        if count + 1 >= FULL_SCRAPES:
+            new.append(replica)
+    return counts, new
 
 
 def settled(service_time: float | None) -> float:
@@ -184,6 +217,7 @@ def work_sample(
 
 __all__ = [
     "FULL",
+    "FULL_SCRAPES",
     "MIN_WORK_REQUESTS",
     "PREFILL_WEIGHT",
     "RATE_WEIGHT",
@@ -191,6 +225,7 @@ __all__ = [
     "KindWork",
     "ReplicaLoad",
     "computed_rate",
+    "full_scrapes",
     "rate_sample",
     "settled",
     "work_of",

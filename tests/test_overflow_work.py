@@ -16,6 +16,7 @@ from policies.models import PolicyObject, Pool, RoutingPolicy
 from signals.overflow import OverflowDecision
 from signals.overflowff import PRIOR_SHARE, ArrivalsDecision, decide_arrivals
 from signals.overflowwork import (
+    FULL_SCRAPES,
     MIN_WORK_REQUESTS,
     PREFILL_WEIGHT,
     RATE_WEIGHT,
@@ -276,6 +277,7 @@ def _state(
     now: float = NOW,
     output: float | None = None,
     completed: float = 1000.0,
+    scraped: float | None = None,
 ) -> PolicyState:
     owned, paid, main = arrivals_overflow(PORTS)
     objects: list[PolicyObject] = [
@@ -289,7 +291,7 @@ def _state(
         telemetry={
             "owned": {
                 host: TelemetryRecord(
-                    at=now - 1,
+                    at=now - 1 if scraped is None else scraped,
                     running=8,
                     max_running=8,
                     output_tokens_per_second=output,
@@ -325,35 +327,87 @@ def test_the_compiled_route_sends_the_excess_work_to_paid_plain_requests_first()
     assert peak.sessions == pytest.approx((paid - share) / (1 - share), abs=2e-3)
 
 
-def test_a_capacity_from_the_engines_rates_is_measured_at_once_and_averaged_in() -> None:
-    def round_(previous: ArrivalsDecision | None, rate: float, now: float) -> ArrivalsDecision:
-        return decide_arrivals(
-            previous,
-            demand=20.0,
-            slots=32,
-            running=1.0,
-            fill=1.0,
-            completions=None,
-            service_time=4.0,
-            now=now,
-            replicas=[ReplicaLoad(f"r{i}", 8, 1.0, work=1200.0, rate=rate) for i in range(4)],
-            kinds=CONVERSATIONS,
-        )
+def _rates_round(
+    previous: ArrivalsDecision | None, rate: float, now: float, *, at: float | None = None
+) -> ArrivalsDecision:
+    """Four full replicas of 8 slots computing `rate` work/s each, scraped at `at`."""
+    return decide_arrivals(
+        previous,
+        demand=20.0,
+        slots=32,
+        running=1.0,
+        fill=1.0,
+        completions=None,
+        service_time=4.0,  # the prior in work: 0.7 / 4 x 304 = 53.2 a slot
+        now=now,
+        replicas=[ReplicaLoad(f"r{i}", 8, 1.0, work=1200.0, rate=rate, at=at) for i in range(4)],
+        kinds=CONVERSATIONS,
+    )
 
-    # Full at the scrape: no wait for a request's time (nothing is counted at its end).
-    first = round_(None, 360.0, NOW)
-    assert first.measured and first.work_per_slot == pytest.approx(45.0)
-    assert first.capacity == pytest.approx(45 * 32 / 304, rel=1e-3)
+
+def test_a_capacity_from_the_engines_rates_counts_after_three_full_scrapes_from_the_prior() -> None:
+    prior = PRIOR_SHARE / 4.0 * 304
+    decision = None
+    for scrape in range(FULL_SCRAPES - 1):
+        decision = _rates_round(decision, 360.0, NOW + scrape, at=NOW + scrape)
+        assert not decision.measured and decision.work_per_slot is None
+    # The third full scrape in a row counts, averaged in from the prior, not taken outright
+    # (a first sample of one replica at a low load read the pool at a third of its rate).
+    third = _rates_round(decision, 360.0, NOW + 2, at=NOW + 2)
+    assert third.measured
+    assert third.work_per_slot == pytest.approx((1 - RATE_WEIGHT) * prior + RATE_WEIGHT * 45)
     # The responses' work (1,200/s a replica) is not mixed in while the rates are there.
-    later = round_(first, 400.0, NOW + 1)
-    assert later.work_per_slot == pytest.approx((1 - RATE_WEIGHT) * 45 + RATE_WEIGHT * 50)
+    later = _rates_round(third, 400.0, NOW + 3, at=NOW + 3)
+    assert later.work_per_slot == pytest.approx(
+        (1 - RATE_WEIGHT) * third.work_per_slot + RATE_WEIGHT * 50
+    )
+
+
+def test_a_scrape_counts_once_and_a_replica_not_full_starts_again() -> None:
+    decision = None
+    for scrape in range(FULL_SCRAPES):
+        decision = _rates_round(decision, 360.0, NOW + scrape, at=NOW + scrape)
+    assert decision is not None
+    held = decision.work_per_slot
+    # Rounds between scrapes (an arrival's report, a config change) read the same scrape:
+    # it is not averaged in again.
+    again = _rates_round(decision, 360.0, NOW + 2.5, at=NOW + 2)
+    assert again.work_per_slot == held
+    # A replica below full at its scrape starts its count again.
+    light = decide_arrivals(
+        again,
+        demand=20.0,
+        slots=32,
+        running=0.5,
+        fill=0.5,
+        completions=None,
+        service_time=4.0,
+        now=NOW + 3,
+        replicas=[ReplicaLoad(f"r{i}", 8, 0.5, None, rate=90.0, at=NOW + 3) for i in range(4)],
+        kinds=CONVERSATIONS,
+    )
+    assert light.scrapes == {} and light.work_per_slot == held
+    back = _rates_round(light, 200.0, NOW + 4, at=NOW + 4)
+    assert back.work_per_slot == held and back.scrapes["r0"] == (NOW + 4, 1)
 
 
 def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> None:
-    # 320 output tokens a second, 1.2 work per output token: 384 work/s a replica, 1,536
-    # for the pool, measured in the first round (above the 800 they completed).
-    decision = compile_plan(_state(20.0, output=320.0, completed=200.0)).overflow["main/chat"]
-    arrivals = decision.arrivals
+    # 320 output tokens a second, 1.2 work per output token: 384 work/s a replica, 48 a
+    # slot, counted at the third scrape in a row that found the replicas full (a scrape a
+    # second: the record's time is the scrape's), averaged in from the prior.
+    previous: OverflowDecision | None = None
+    for scrape in range(FULL_SCRAPES):
+        state = _state(20.0, output=320.0, completed=200.0, previous=previous, now=NOW + scrape)
+        previous = compile_plan(state).overflow["main/chat"]
+    assert previous is not None
+    arrivals = previous.arrivals
     assert arrivals is not None and arrivals.measured
-    assert arrivals.work_per_slot == pytest.approx(48.0)
-    assert arrivals.paid == pytest.approx(1 - LOAD * 1536 / (20 * 304), abs=1e-3)
+    held = (1 - RATE_WEIGHT) * PRIOR_SHARE / 4.0 * 304 + RATE_WEIGHT * 48.0
+    assert arrivals.work_per_slot == pytest.approx(held)
+    assert arrivals.target == pytest.approx(1 - LOAD * held * 32 / (20 * 304), abs=1e-3)
+    # A rebuild before the next scrape reads the same records: nothing is averaged in again.
+    state = _state(
+        20.0, output=320.0, completed=200.0, previous=previous, now=NOW + 2.5, scraped=NOW + 1
+    )
+    again = compile_plan(state).overflow["main/chat"].arrivals
+    assert again is not None and again.work_per_slot == arrivals.work_per_slot
