@@ -17,7 +17,15 @@ from types import MappingProxyType
 from typing import Generic, TypeVar
 
 from controlplane.etcd.keys import ENDPOINTS, OBJECTS, TELEMETRY
-from policies import PATH_KINDS, Endpoint, PolicyError, PolicyObject, jsondoc, parse_object
+from policies import (
+    PATH_KINDS,
+    Endpoint,
+    PolicyError,
+    PolicyObject,
+    RoutingPolicy,
+    jsondoc,
+    parse_object,
+)
 from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
@@ -139,6 +147,16 @@ class DecodedState:
             self._telemetry_by_pool.put(key, decoded)
         elif decoded is not None:
             self.objects[key] = decoded
+
+    def overflows_by_arrivals(self) -> bool:
+        """True when a routing policy has a route with ``overflow.signal: arrivals``: the
+        only reader of the usage log's work windows (``xdsserver.work``)."""
+        return any(
+            route.overflow is not None and route.overflow.signal == "arrivals"
+            for obj in self.objects.values()
+            if isinstance(obj, RoutingPolicy)
+            for route in obj.spec.routes
+        )
 
     def policy_state(
         self,

@@ -5,6 +5,7 @@ work, the demand at the mix of kinds, and the share that follows."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from harness.builders import arrivals_overflow
 
 from compiler.compile import PolicyState, compile_plan
+from controlplane.decode import DecodedState
 from policies.models import PolicyObject, Pool, RoutingPolicy
 from signals.overflow import OverflowDecision
 from signals.overflowff import PRIOR_SHARE, ArrivalsDecision, decide_arrivals
@@ -132,6 +134,31 @@ def test_the_book_counts_work_per_host_and_per_route_and_kind() -> None:
     # All of it leaves the window.
     clock[0] += ARRIVAL_WINDOW
     assert book.host_work() == {} and book.kinds() == {} and book.work_per_output() == {}
+
+
+def test_the_book_stays_bounded_when_nothing_reads_it() -> None:
+    # A fleet without overflow by arrivals: the reconciler never reads the windows, and
+    # they still hold no more than the window's entries (an entry every 0.5 s for 60 s).
+    clock = [1000.0]
+    book = WorkBook(lambda: clock[0])
+    for _ in range(120):
+        book.observe(_usage("main/chat#0", prompt=1080, cached=1000, completion=150))
+        clock[0] += 0.5
+    assert book.entries == 120
+    per_window = int(ARRIVAL_WINDOW / 0.5)
+    assert per_window <= book.held <= 2 * per_window  # the host's and the route's
+
+
+def test_only_a_route_that_overflows_by_arrivals_reads_the_work_windows() -> None:
+    owned, paid, main = arrivals_overflow(PORTS)
+    objects = {"pools/owned": Pool.model_validate(owned), "pools/paid": Pool.model_validate(paid)}
+    assert not DecodedState(objects=dict(objects)).overflows_by_arrivals()
+    by_fill = json.loads(json.dumps(main))
+    by_fill["spec"]["routes"][0]["overflow"]["signal"] = "fill"
+    objects["policies/main"] = RoutingPolicy.model_validate(by_fill)
+    assert not DecodedState(objects=dict(objects)).overflows_by_arrivals()
+    objects["policies/main"] = RoutingPolicy.model_validate(main)
+    assert DecodedState(objects=dict(objects)).overflows_by_arrivals()
 
 
 # --------------------------------------------------------------------------- the capacity

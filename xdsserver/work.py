@@ -44,6 +44,15 @@ def entry_kind(route_name: str) -> tuple[str, bool]:
     return route, SESSION_ENTRY in rest
 
 
+def _expire(entries: deque[Any], now: float) -> int:
+    """Drop `entries` (oldest first, their time first) older than ``ARRIVAL_WINDOW``; how
+    many are left. Each entry is dropped once: the windows stay bounded whether or not
+    anything reads them (the reconciler reads them only for overflow by arrivals)."""
+    while entries and entries[0][0] <= now - ARRIVAL_WINDOW:
+        entries.popleft()
+    return len(entries)
+
+
 class WorkBook:
     """Work per host and per route and kind over sliding windows, from usage entries."""
 
@@ -74,26 +83,30 @@ class WorkBook:
         self.entries += 1
         route, session = entry_kind(common.route_name)
         if route:
-            self._routes.setdefault(route, deque()).append((now, session, work))
+            seen = self._routes.setdefault(route, deque())
+            seen.append((now, session, work))
+            _expire(seen, now)
         socket = common.upstream_remote_address.socket_address
         if socket.address:
             host = f"{socket.address}:{socket.port_value}"
-            self._hosts.setdefault(host, deque()).append((now, work, completion))
+            done = self._hosts.setdefault(host, deque())
+            done.append((now, work, completion))
+            _expire(done, now)
             self._host_first.setdefault(host, now)
+
+    @property
+    def held(self) -> int:
+        """Entries held in the windows (per host and per route): at most what
+        ``ARRIVAL_WINDOW`` saw, read or not."""
+        return sum(map(len, self._hosts.values())) + sum(map(len, self._routes.values()))
 
     def _drop_old(self, now: float) -> None:
         for host in list(self._hosts):
-            done = self._hosts[host]
-            while done and done[0][0] <= now - ARRIVAL_WINDOW:
-                done.popleft()
-            if not done:
+            if not _expire(self._hosts[host], now):
                 del self._hosts[host]
                 self._host_first.pop(host, None)
         for route in list(self._routes):
-            seen = self._routes[route]
-            while seen and seen[0][0] <= now - ARRIVAL_WINDOW:
-                seen.popleft()
-            if not seen:
+            if not _expire(self._routes[route], now):
                 del self._routes[route]
 
     def host_work(

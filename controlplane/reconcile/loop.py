@@ -329,6 +329,9 @@ class Reconciler:
             else:
                 self._applied[key] = value
         now = self.clock()
+        # The work windows are a pass over the last seconds of responses each; only overflow
+        # by arrivals reads them.
+        by_work = self._decoded.overflows_by_arrivals()
         state = self._decoded.policy_state(
             previous_weights=self._live.weights,
             previous_admission=self._live.admission,
@@ -344,10 +347,10 @@ class Reconciler:
             recent_completions=self.recent_completions(now),
             session_shares=self.session_shares(now),
             recent_demands=self.recent_demands(now),
-            recent_work=self.recent_work(now),
-            completed_work=self.completed_work(now),
-            kind_work=self.kind_work(now),
-            work_per_output=self.work_per_output(now),
+            recent_work=self.recent_work(now) if by_work else None,
+            completed_work=self.completed_work(now) if by_work else None,
+            kind_work=self.kind_work(now) if by_work else None,
+            work_per_output=self.work_per_output(now) if by_work else None,
         )
         if self.budget_verdicts is not None:
             # Decided afresh for every compile, so the first snapshot after a restart already

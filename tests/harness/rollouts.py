@@ -100,12 +100,20 @@ class Rig:
         return result
 
     def wait_phase(self, name: str, phases: Iterable[str], timeout: float = 90) -> dict[str, Any]:
+        """Wait until the rollout is in one of `phases`; on timeout the failure says where it
+        stood (phase, step and what its live verdict was waiting for)."""
         wanted = set(phases)
-        wait_until(
-            lambda: self.status(name)["phase"] in wanted,
-            timeout,
-            message=f"rollout {name} to reach {wanted}",
-        )
+        last: dict[str, Any] = {}
+
+        def reached() -> bool:
+            last.clear()
+            last.update(self.status(name))
+            return last["phase"] in wanted
+
+        try:
+            wait_until(reached, timeout, message=f"rollout {name} to reach {wanted}")
+        except AssertionError as error:
+            raise AssertionError(f"{error}; it stood at {standing(last)}") from None
         return self.status(name)
 
     def tier_weights(self) -> dict[str, int]:
@@ -232,6 +240,22 @@ def rollout(
             "interval": "250ms",
             "rules": rules or [{"metric": "errorRate", "max": 0.05}],
         },
+    )
+
+
+def standing(status: dict[str, Any]) -> str:
+    """A rollout's status in one line: phase, step, the step's sample and each rule's outcome
+    (with what a waiting rule waits for)."""
+    if not status:
+        return "no status read"
+    verdict = status.get("verdict") or {}
+    rules = "; ".join(
+        f"{r['rule']} {r['outcome']}" + (f" ({r['message']})" if r.get("message") else "")
+        for r in verdict.get("rules", [])
+    )
+    return (
+        f"phase {status.get('phase')}, step {status.get('step')} {status.get('weights')}, "
+        f"canary {verdict.get('canary')}, stable {verdict.get('stable')}, rules: {rules or '-'}"
     )
 
 
