@@ -234,6 +234,8 @@ def _by_arrivals(
                 record.output_tokens_per_second, state.work_per_output.get(endpoint.key)
             ),
             at=record.at,
+            total=record.output_tokens_total,
+            per_output=state.work_per_output.get(endpoint.key),
         )
         for endpoint in endpoints
         if (record := telemetry.get(endpoint.key)) is not None

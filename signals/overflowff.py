@@ -97,6 +97,7 @@ from signals.overflowwork import (
     SAMPLE_WINDOW,
     KindWork,
     ReplicaLoad,
+    Scrapes,
     full_scrapes,
     rate_sample,
     work_sample,
@@ -153,9 +154,8 @@ class ArrivalsDecision:
     full (``work_sample``)."""
     replicas_full_since: Mapping[str, float] = field(default_factory=dict)
     """Replica key -> since when its batch has been full (absent: it is not)."""
-    scrapes: Mapping[str, tuple[float, int]] = field(default_factory=dict)
-    """Replica key -> (its last scrape's time, scrapes in a row it was full at)
-    (``full_scrapes``; absent: not full)."""
+    scrapes: Scrapes = field(default_factory=dict)
+    """The owned replicas full at their last scrapes (``full_scrapes``; absent: not full)."""
     work: float | None = None
     """The mean work of a request this round when demand and capacity are counted in work
     (``KindWork.mean``); None: in requests."""

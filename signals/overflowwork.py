@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 FULL = 0.95
 """Mean running / batch size at or above which the owned replicas' batches count as full."""
@@ -139,6 +139,10 @@ class ReplicaLoad:
     at: float | None = None
     """When its telemetry was scraped (the record's time); None: unknown, every round is
     then a new scrape."""
+    total: float | None = None
+    """The output tokens its engine had made by that scrape (``output_tokens_total``)."""
+    per_output: float | None = None
+    """The work per output token of the responses it served (``computed_rate``)."""
 
 
 def computed_rate(
@@ -163,25 +167,47 @@ def rate_sample(replicas: Sequence[ReplicaLoad]) -> float | None:
     return sum(r.rate or 0.0 for r in sampled) / sum(r.slots for r in sampled)
 
 
+Scrapes = Mapping[str, tuple[float, int, float | None]]
+"""Replica key -> (the time of its last scrape read, scrapes in a row it was full at, its
+engine's output tokens by then): what ``full_scrapes`` carries from round to round."""
+
+
 def full_scrapes(
-    replicas: Sequence[ReplicaLoad], before: Mapping[str, tuple[float, int]], now: float
-) -> tuple[dict[str, tuple[float, int]], list[ReplicaLoad]]:
-    """(replica key -> (its last scrape's time, scrapes in a row it was full at), the
-    replicas whose rate counts this round): those full at a scrape not counted before and at
-    ``FULL_SCRAPES`` in a row. A replica not full at its last scrape starts again."""
-    counts: dict[str, tuple[float, int]] = {}
+    replicas: Sequence[ReplicaLoad], before: Scrapes, now: float
+) -> tuple[dict[str, tuple[float, int, float | None]], list[ReplicaLoad]]:
+    """(``Scrapes`` this round, the replicas whose rate counts this round): those full at a
+    scrape not read before and at ``FULL_SCRAPES`` in a row. A replica not full at its last
+    scrape starts again.
+
+    A counted replica's rate is its engine's output tokens between the last two scrapes
+    read (``ReplicaLoad.total``), over the time between them, times its work per output
+    token: every step in between counts, whichever scrapes the agent wrote. Without the
+    totals, the scrape's own rate (``ReplicaLoad.rate``): the interval before a record, and a
+    record is written when a count moves (a request admitted or finished), so those
+    intervals are not a fair sample of the engine's time."""
+    counts: dict[str, tuple[float, int, float | None]] = {}
     new: list[ReplicaLoad] = []
     for replica in replicas:
         if replica.running < FULL:
             continue
         at = now if replica.at is None else replica.at
-        last, count = before.get(replica.key, (-math.inf, 0))
+        last, count, total = before.get(replica.key, (-math.inf, 0, None))
         if at == last:
-            counts[replica.key] = (last, count)
+            counts[replica.key] = (last, count, total)
             continue
-        counts[replica.key] = (at, count + 1)
-        if count + 1 >= FULL_SCRAPES:
-            new.append(replica)
+        counts[replica.key] = (at, count + 1, replica.total)
+        if count + 1 < FULL_SCRAPES:
+            continue
+        if (
+            replica.total is not None
+            and total is not None
+            and replica.total >= total
+            and replica.per_output
+            and at > last
+        ):
+            made = (replica.total - total) / (at - last)
+            replica = replace(replica, rate=made * replica.per_output)
+        new.append(replica)
     return counts, new
 
 
@@ -224,6 +250,7 @@ __all__ = [
     "SAMPLE_WINDOW",
     "KindWork",
     "ReplicaLoad",
+    "Scrapes",
     "computed_rate",
     "full_scrapes",
     "rate_sample",

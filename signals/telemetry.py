@@ -67,6 +67,15 @@ class TelemetryRecord(BaseModel):
         "(the time-per-output-token histogram's count over the time between the scrapes): "
         "at a full batch, what it computes, whatever the prompts' kinds.",
     )
+    output_tokens_total: float | None = Field(
+        None,
+        ge=0,
+        description="Output tokens the engine has made since it started (the "
+        "time-per-output-token histogram's count) at this scrape. Two records read apart "
+        "give the rate over the time between them, whatever the scrapes in between: a "
+        "record is written when a count moves, so the quarter second before it is no "
+        "sample of the engine's time.",
+    )
     prefill_per_token: float | None = Field(
         None,
         ge=0,
@@ -351,6 +360,8 @@ def extract(
         ttft_count=total(metric_map.ttft_count),
         at=at,
     )
+    if counters.token_count is not None:
+        values["output_tokens_total"] = counters.token_count
     if previous is not None:
         counters = _time_to_first_token(counters, previous, busy=_busy(values))
         if counters.ttft is not None:

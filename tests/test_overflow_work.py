@@ -26,6 +26,7 @@ from signals.overflowwork import (
     KindWork,
     ReplicaLoad,
     computed_rate,
+    full_scrapes,
     rate_sample,
     settled,
     work_of,
@@ -305,6 +306,7 @@ def _state(
     output: float | None = None,
     completed: float = 1000.0,
     scraped: float | None = None,
+    total: float | None = None,
 ) -> PolicyState:
     owned, paid, main = arrivals_overflow(PORTS)
     objects: list[PolicyObject] = [
@@ -322,6 +324,7 @@ def _state(
                     running=8,
                     max_running=8,
                     output_tokens_per_second=output,
+                    output_tokens_total=total,
                 )
                 for host in hosts
             }
@@ -415,16 +418,47 @@ def test_a_scrape_counts_once_and_a_replica_not_full_starts_again() -> None:
     )
     assert light.scrapes == {} and light.work_per_slot == held
     back = _rates_round(light, 200.0, NOW + 4, at=NOW + 4)
-    assert back.work_per_slot == held and back.scrapes["r0"] == (NOW + 4, 1)
+    assert back.work_per_slot == held and back.scrapes["r0"] == (NOW + 4, 1, None)
+
+
+def test_a_counted_rate_is_the_engines_tokens_between_the_scrapes_read() -> None:
+    # Scrapes read a second apart; the records' own rates (the interval before each, 900
+    # tokens a second: written as a request was admitted, after a run of decode steps) are
+    # not a fair sample. The totals say 320 a second were made between them.
+    def full(at: float, total: float) -> ReplicaLoad:
+        return ReplicaLoad("r0", 8, 1.0, None, rate=900.0 * 1.2, at=at, total=total, per_output=1.2)
+
+    scrapes: dict[str, tuple[float, int, float | None]] = {}
+    counted: list[ReplicaLoad] = []
+    for second in range(FULL_SCRAPES):
+        scrapes, counted = full_scrapes([full(NOW + second, 1000 + 320 * second)], scrapes, NOW)
+    assert [r.rate for r in counted] == [pytest.approx(320 * 1.2)]
+    # A restarted engine's total starts again: no rate from the totals, the record's own.
+    _, counted = full_scrapes([full(NOW + FULL_SCRAPES, 50)], scrapes, NOW)
+    assert [r.rate for r in counted] == [pytest.approx(900 * 1.2)]
+    # Without totals (an engine that exports no histogram): the record's own rate.
+    plain = [ReplicaLoad("r1", 8, 1.0, None, rate=500.0, at=NOW + s) for s in range(4)]
+    state: dict[str, tuple[float, int, float | None]] = {}
+    for replica in plain:
+        state, counted = full_scrapes([replica], state, NOW)
+    assert [r.rate for r in counted] == [500.0]
 
 
 def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> None:
-    # 320 output tokens a second, 1.2 work per output token: 384 work/s a replica, 48 a
-    # slot, counted at the third scrape in a row that found the replicas full (a scrape a
-    # second: the record's time is the scrape's), averaged in from the prior.
+    # 320 output tokens a second between the records read (their totals; each record's own
+    # rate, 900, is the moment before it was written), 1.2 work per output token: 384 work/s
+    # a replica, 48 a slot, counted at the third scrape in a row that found the replicas
+    # full (a scrape a second: the record's time is the scrape's), averaged in from the prior.
     previous: OverflowDecision | None = None
     for scrape in range(FULL_SCRAPES):
-        state = _state(20.0, output=320.0, completed=200.0, previous=previous, now=NOW + scrape)
+        state = _state(
+            20.0,
+            output=900.0,
+            total=1000.0 + 320 * scrape,
+            completed=200.0,
+            previous=previous,
+            now=NOW + scrape,
+        )
         previous = compile_plan(state).overflow["main/chat"]
     assert previous is not None
     arrivals = previous.arrivals
@@ -434,7 +468,13 @@ def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> No
     assert arrivals.target == pytest.approx(1 - LOAD * held * 32 / (20 * 304), abs=1e-3)
     # A rebuild before the next scrape reads the same records: nothing is averaged in again.
     state = _state(
-        20.0, output=320.0, completed=200.0, previous=previous, now=NOW + 2.5, scraped=NOW + 1
+        20.0,
+        output=900.0,
+        total=1640.0,
+        completed=200.0,
+        previous=previous,
+        now=NOW + 2.5,
+        scraped=NOW + 1,
     )
     again = compile_plan(state).overflow["main/chat"].arrivals
     assert again is not None and again.work_per_slot == arrivals.work_per_slot

@@ -240,6 +240,10 @@ def test_output_tokens_per_second_are_the_tokens_made_between_scrapes_over_their
     # Idle: no token made, a rate of nothing (not unknown).
     idle, _ = extract(parse_samples(scrape(580)), VLLM, at=2.25, previous=counters)
     assert idle.output_tokens_per_second == 0.0
+    # Each record also carries the total, from the first scrape on: two records read apart
+    # give the rate between them, whatever was scraped in between.
+    assert (first.output_tokens_total, second.output_tokens_total) == (500, 580)
+    assert idle.output_tokens_total == 580
 
 
 def test_prefill_per_token_is_the_uncached_prompt_tokens_per_output_token() -> None:
