@@ -358,19 +358,27 @@ def test_the_compiled_route_sends_the_excess_work_to_paid_plain_requests_first()
 
 
 def _rates_round(
-    previous: ArrivalsDecision | None, rate: float, now: float, *, at: float | None = None
+    previous: ArrivalsDecision | None,
+    rate: float,
+    now: float,
+    *,
+    at: float | None = None,
+    running: float = 1.0,
 ) -> ArrivalsDecision:
-    """Four full replicas of 8 slots computing `rate` work/s each, scraped at `at`."""
+    """Four replicas of 8 slots, `running` full, computing `rate` work/s each, scraped at
+    `at`."""
     return decide_arrivals(
         previous,
         demand=20.0,
         slots=32,
-        running=1.0,
-        fill=1.0,
+        running=running,
+        fill=running,
         completions=None,
         service_time=4.0,  # the prior in work: 0.7 / 4 x 304 = 53.2 a slot
         now=now,
-        replicas=[ReplicaLoad(f"r{i}", 8, 1.0, work=1200.0, rate=rate, at=at) for i in range(4)],
+        replicas=[
+            ReplicaLoad(f"r{i}", 8, running, work=1200.0, rate=rate, at=at) for i in range(4)
+        ],
         kinds=CONVERSATIONS,
     )
 
@@ -404,18 +412,7 @@ def test_a_scrape_counts_once_and_a_replica_not_full_starts_again() -> None:
     again = _rates_round(decision, 360.0, NOW + 2.5, at=NOW + 2)
     assert again.work_per_slot == held
     # A replica below full at its scrape starts its count again.
-    light = decide_arrivals(
-        again,
-        demand=20.0,
-        slots=32,
-        running=0.5,
-        fill=0.5,
-        completions=None,
-        service_time=4.0,
-        now=NOW + 3,
-        replicas=[ReplicaLoad(f"r{i}", 8, 0.5, None, rate=90.0, at=NOW + 3) for i in range(4)],
-        kinds=CONVERSATIONS,
-    )
+    light = _rates_round(again, 90.0, NOW + 3, at=NOW + 3, running=0.5)
     assert light.scrapes == {} and light.work_per_slot == held
     back = _rates_round(light, 200.0, NOW + 4, at=NOW + 4)
     assert back.work_per_slot == held and back.scrapes["r0"] == (NOW + 4, 1, None)
