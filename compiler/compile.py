@@ -68,7 +68,7 @@ from signals.live import (
     saturation_decisions,
     telemetry_weights,
 )
-from signals.saturation import SaturationDecision, small_batch_bound
+from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.state import PolicyState, pool_endpoints
 
@@ -96,17 +96,11 @@ def on_path(route: Route, decision: SaturationDecision | None) -> Route:
     """`route` as it compiles this round: a ``capacityBound`` route whose batches are too
     small for the ladder (``SaturationDecision.ladder`` false, ``signals.saturation.ladder_pays``)
     compiles as the same route without ``capacityBound``, to the fixed bounds' two twins and
-    their route entries, the calm one at ``small_batch_bound`` (150% unless
-    ``hashBalanceFactor`` is looser); any other route as it is."""
+    their route entries; any other route as it is."""
     affinity = route.session_affinity
     if decision is None or decision.ladder is not False or affinity is None:
         return route
-    fixed = affinity.model_copy(
-        update={
-            "capacity_bound": False,
-            "hash_balance_factor": small_batch_bound(affinity.hash_balance_factor),
-        }
-    )
+    fixed = affinity.model_copy(update={"capacity_bound": False})
     return route.model_copy(update={"session_affinity": fixed})
 
 

@@ -29,7 +29,6 @@ from signals.saturation import (
     mean_in_flight,
     saturated_fill,
     sized_records,
-    small_batch_bound,
 )
 from signals.state import PolicyState, is_external, pool_endpoints
 from signals.telemetry import TelemetryRecord
@@ -132,10 +131,8 @@ def saturation_decisions(state: PolicyState) -> dict[str, SaturationDecision]:
             name = cluster_name(policy_name, route.name)
             if affinity.capacity_bound and route.balancing == "telemetry":
                 endpoints, telemetry, max_age = _first_tier(state, route)
-                # Read only at batches too small for the ladder, where the calm twin is
-                # bounded at `small_batch_bound` (compiler.compile.on_path).
                 saturated_at = (
-                    saturated_fill(small_batch_bound(affinity.hash_balance_factor))
+                    saturated_fill(affinity.hash_balance_factor)
                     if affinity.saturated_hash_balance_factor
                     else None
                 )

@@ -84,19 +84,6 @@ decisions (``decide_saturation``) and compiles to their twins alone
 (``decide_capacity_route``); the batch size it was decided from is kept, so a route whose
 telemetry goes stale keeps its path. Before any record knew its batch size the route keeps
 the ladder it asked for (its session requests take ``hashBalanceFactor`` either way).
-
-The calm one of those two bounds is ``SMALL_BATCH_BOUND`` (150), or ``hashBalanceFactor``
-when that is looser (``small_batch_bound``), and the route counts as saturated at that
-bound's fill (``saturated_fill``: 0.67 at 150). Calm chat at batch 8 holds 1.7 to 2.1
-requests per replica (a fill of a quarter), where the usable batch would allow about 250%.
-Envoy lets a host that holds ``ceil(ceil((N + 1) * factor / 100) / hosts)`` of the ``N``
-requests in flight take one more; across 8 hosts at 125% that spills the next turn of a
-replica holding 3 of its 8 slots with 10 or 11 in flight, or 4 with 16 to 18, where 150%
-takes it. Each such spill pays the session's history's prefill on another replica while its
-own had free slots. In the routing benchmark at batch size 8 (calm chat and the documents
-mix, seeds 1-3) the 125% calm bound moved 2 to 3 times the turns of affinity alone's 150%,
-and its TTFT p99 was 1.0-1.5x affinity alone's; at 150% both were level with affinity
-alone's, and no route saturated (docs/bounded-load.md).
 """
 
 from __future__ import annotations
@@ -113,18 +100,6 @@ CALM_SHARE = 0.75
 """A saturated pool is calm again at this share of the fill that saturates it ..."""
 MIN_DWELL = 5.0
 """... once it has been saturated for at least this many seconds."""
-
-
-SMALL_BATCH_BOUND = 150
-"""The least calm bound of a ``capacityBound`` route at batches too small for the ladder
-(``small_batch_bound``; see the module notes)."""
-
-
-def small_batch_bound(hash_balance_factor: int) -> int:
-    """The calm bounded load of a ``capacityBound`` route that takes the fixed bounds
-    (``ladder_pays`` false): ``SMALL_BATCH_BOUND``, or `hash_balance_factor` when looser.
-    The route counts as saturated at its ``saturated_fill``."""
-    return max(SMALL_BATCH_BOUND, hash_balance_factor)
 
 
 def saturated_fill(hash_balance_factor: int) -> float:
@@ -466,8 +441,7 @@ def decide_capacity_route(
     """This round's decision for a ``capacityBound`` route: its ladder (``decide_bound``) at
     batches where it pays (``ladder_pays``), else the fixed bounds' decision
     (``decide_saturation`` from the batch `fill`, at `saturated_at`, ``saturated_fill`` of
-    the calm twin's ``small_batch_bound``; ``None`` when the route has no saturated bound:
-    always calm).
+    ``hashBalanceFactor``; ``None`` when the route has no saturated bound: always calm).
     `load` is (mean in flight, mean batch size) (``in_flight``) over `replicas` fresh
     records. Without a known batch size the route keeps the path it took last (the ladder at
     first)."""
@@ -503,7 +477,6 @@ __all__ = [
     "LOOSEN_MARGIN",
     "MIN_DWELL",
     "PEAK_HOLD",
-    "SMALL_BATCH_BOUND",
     "TIGHTEN_MARGIN",
     "SaturationDecision",
     "batch_fill",
@@ -521,7 +494,6 @@ __all__ = [
     "path_reason",
     "saturated_fill",
     "sized_records",
-    "small_batch_bound",
     "unbounded_at",
     "usable_batch",
 ]

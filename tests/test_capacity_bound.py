@@ -52,15 +52,10 @@ def record(
 
 
 def _state(
-    running: float,
-    previous: SaturationDecision | None = None,
-    *,
-    batch: float | None = 32,
-    affinity: dict[str, Any] | None = None,
+    running: float, previous: SaturationDecision | None = None, *, batch: float | None = 32
 ) -> PolicyState:
-    """A telemetry route at its defaults (or with `affinity` as its ``sessionAffinity``) over
-    four replicas running `running` each in batches of `batch` (32: the ladder; 8: the fixed
-    bounds, ``ladder_pays``)."""
+    """A telemetry route at its defaults over four replicas running `running` each in
+    batches of `batch` (32: the ladder; 8: the fixed bounds, ``ladder_pays``)."""
     objects = [
         Pool.model_validate(pool("p", list(PORTS))),
         RoutingPolicy.model_validate(
@@ -71,7 +66,7 @@ def _state(
                     {
                         "name": "live",
                         "balancing": "telemetry",
-                        "sessionAffinity": affinity or {"capacityBound": True},
+                        "sessionAffinity": {"capacityBound": True},
                         "tiers": [["p"]],
                     }
                 ],
@@ -515,9 +510,8 @@ def _twin_factors(resources: Any) -> dict[str, int]:
 
 def test_batches_of_8_compile_to_the_fixed_bounds_twins_and_their_route_entries() -> None:
     """At batches too small for the ladder (``ladder_pays``) the route compiles to what the
-    same route without ``capacityBound`` at a calm bound of 150% (``small_batch_bound``)
-    compiles to: two twins, the session entries on the calm one while calm and on the
-    saturated one while the batches are full."""
+    same route without ``capacityBound`` compiles to: two twins, the session entries on the
+    usual one while calm and on the saturated one while the batches are full."""
     calm = compile_plan(_state(running=1, batch=8))
     decision = calm.saturation["r/live"]
     assert decision.ladder is False and decision.factor == 0 and not decision.saturated
@@ -528,20 +522,17 @@ def test_batches_of_8_compile_to_the_fixed_bounds_twins_and_their_route_entries(
     assert _session_clusters(full) == {"r/live/affinity-saturated"}
 
     resources = translate(calm.fleets[0])
-    assert _twin_factors(resources) == {"r/live/affinity": 150, "r/live/affinity-saturated": 100}
+    assert _twin_factors(resources) == {"r/live/affinity": 125, "r/live/affinity-saturated": 100}
     assert resources.clusters == translate(full.fleets[0]).clusters
 
-    # The same route without capacityBound, bounded at 150%, on the same telemetry: the same
-    # resources.
+    # The same route without capacityBound, on the same telemetry: the same resources.
     fixed = _state(running=1, batch=8)
     spec = fixed.policies["r"].spec
     route = spec.routes[0]
     assert route.session_affinity is not None
     plain = route.model_copy(
         update={
-            "session_affinity": route.session_affinity.model_copy(
-                update={"capacity_bound": False, "hash_balance_factor": 150}
-            )
+            "session_affinity": route.session_affinity.model_copy(update={"capacity_bound": False})
         }
     )
     fixed.policies["r"] = fixed.policies["r"].model_copy(
@@ -551,54 +542,16 @@ def test_batches_of_8_compile_to_the_fixed_bounds_twins_and_their_route_entries(
     assert theirs.clusters == resources.clusters and theirs.routes == resources.routes
 
 
-@pytest.mark.parametrize(
-    ("running", "capacity", "fixed"),
-    [
-        pytest.param(4, False, False, id="half full: calm either way"),
-        pytest.param(5.2, False, False, id="0.65: calm either way"),
-        pytest.param(5.6, True, False, id="0.70: past 150%'s 0.67, short of 125%'s 0.8"),
-        pytest.param(6.5, True, True, id="0.81: saturated either way"),
-    ],
-)
-def test_at_batches_of_8_the_route_saturates_at_the_fill_of_its_150_bound(
-    running: float, capacity: bool, fixed: bool
-) -> None:
-    """A ``capacityBound`` route over batches of 8 is calm at 150% and counts as saturated
-    where 150% lets the busiest replica's batch overflow (a fill of 0.67), sooner than the
-    same route with ``capacityBound: false``, whose calm bound 125% overflows at 0.8."""
-    mine = compile_plan(_state(running, batch=8))
-    assert mine.saturation["r/live"].saturated is capacity
-    twin = "r/live/affinity-saturated" if capacity else "r/live/affinity"
-    assert _session_clusters(mine) == {twin}
-    theirs = compile_plan(_state(running, batch=8, affinity={"capacityBound": False}))
-    assert theirs.saturation["r/live"].saturated is fixed
-    assert _twin_factors(translate(theirs.fleets[0]))["r/live/affinity"] == 125
-
-
-def test_at_batches_of_8_a_looser_hash_balance_factor_stays_the_calm_bound() -> None:
-    """``hashBalanceFactor: 300`` on a ``capacityBound`` route: at batches of 8 its calm twin
-    keeps 300%, which is looser than 150%, and saturates at 300%'s fill (a third)."""
-    looser = {"capacityBound": True, "hashBalanceFactor": 300}
-    calm = compile_plan(_state(2.4, batch=8, affinity=looser))  # 0.30
-    assert calm.saturation["r/live"].saturated is False
-    assert _twin_factors(translate(calm.fleets[0])) == {
-        "r/live/affinity": 300,
-        "r/live/affinity-saturated": 100,
-    }
-    busy = compile_plan(_state(2.8, batch=8, affinity=looser))  # 0.35
-    assert busy.saturation["r/live"].saturated is True
-
-
 def test_without_a_known_batch_size_the_route_keeps_its_ladder_of_twins() -> None:
     """Before any record knows its batch size the route compiles to its ladder, as it asks;
     the first record of a small batch drops the three twins the fixed bounds do not use
-    and bounds the calm one at 150% (a cluster update), and the two left keep their names."""
+    (a cluster update), and the two left keep their names."""
     unknown = compile_plan(_state(running=1, batch=None))
     assert unknown.saturation["r/live"].ladder is True
     # Every bound, and the twin without one (0).
     assert set(_twin_factors(translate(unknown.fleets[0])).values()) == {*LADDER, 0}
     small = compile_plan(_state(running=1, previous=unknown.saturation["r/live"], batch=8))
     assert _twin_factors(translate(small.fleets[0])) == {
-        "r/live/affinity": 150,
+        "r/live/affinity": 125,
         "r/live/affinity-saturated": 100,
     }

@@ -20,7 +20,6 @@ from signals.saturation import (
     ladder_pays,
     path_reason,
     saturated_fill,
-    small_batch_bound,
     usable_batch,
 )
 
@@ -154,23 +153,6 @@ def test_a_saturated_small_route_calms_when_its_dwell_ends() -> None:
     calm_fill = decide(saturated, (3, 8), now=NOW + 1)
     assert calm_fill.saturated is True and calm_fill.calm_at == NOW + MIN_DWELL
     assert decide(calm_fill, (3, 8), now=calm_fill.calm_at).saturated is False
-
-
-@pytest.mark.parametrize(
-    ("usual", "calm"),
-    [
-        pytest.param(100, 150, id="100: 150"),
-        pytest.param(125, 150, id="125 (a telemetry route's default): 150"),
-        pytest.param(150, 150, id="150"),
-        pytest.param(300, 300, id="300: looser, kept"),
-    ],
-)
-def test_the_fixed_bounds_are_calm_at_150_or_a_looser_hash_balance_factor(
-    usual: int, calm: int
-) -> None:
-    """At batch 8, 125% spilled turns off replicas holding 3 or 4 of their 8 slots."""
-    assert small_batch_bound(usual) == calm
-    assert saturated_fill(small_batch_bound(usual)) == pytest.approx(100 / calm)
 
 
 @pytest.mark.parametrize(

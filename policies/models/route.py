@@ -212,10 +212,8 @@ class SessionAffinity(Model):
         "false keeps two fixed bounds (hashBalanceFactor, and saturatedHashBalanceFactor while "
         "the batches are nearly full). At batches of 16 or less (the replicas' mean) the "
         "ladder does not pay: the square root of the batch, the noise of one scrape, is a "
-        "quarter of it or more, so the route takes two fixed bounds and their twins "
-        "(the status says which and why): saturatedHashBalanceFactor while the batches are "
-        "two thirds full, else 150 (or hashBalanceFactor if looser), where a replica keeps "
-        "the turns its free slots can take. Default: true on a route with balancing: telemetry "
+        "quarter of it or more, so the route takes those two fixed bounds and their twins "
+        "(the status says which and why). Default: true on a route with balancing: telemetry "
         "and bounded load, else false (docs/bounded-load.md).",
     )
     prefix_hash_chars: int = Field(
