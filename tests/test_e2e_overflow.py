@@ -78,6 +78,7 @@ def test_overflow_to_a_paid_pool_when_the_owned_pool_saturates_and_back(
             "sessionAffinity": {"header": "x-session-id"},
             "overflow": {
                 "pools": ["paid"],
+                "signal": "fill",
                 # One step moves all requests of a kind. The next rise (conversations) may
                 # not come before the test has put the fill inside the band.
                 "step": 100,

@@ -34,9 +34,12 @@ END = accesslog_pb2.AccessLogType.UpstreamEnd
 # --------------------------------------------------------------------------- the policy
 
 
-def test_signal_defaults_to_the_fill_loop() -> None:
-    assert Overflow.model_validate({"pools": ["paid"]}).signal == "fill"
-    assert Overflow.model_validate({"pools": ["paid"], "signal": "arrivals"}).signal == "arrivals"
+def test_signal_defaults_to_arrivals_and_the_loop_is_named() -> None:
+    assert Overflow.model_validate({"pools": ["paid"]}).signal == "arrivals"
+    assert Overflow.model_validate({"pools": ["paid"], "signal": "fill"}).signal == "fill"
+    # feedForward is the loop's: without the signal named, a clear error that says so.
+    with pytest.raises(ValidationError, match="signal: fill"):
+        Overflow.model_validate({"pools": ["paid"], "feedForward": 0.5})
 
 
 def test_arrivals_with_feed_forward_is_refused_naming_the_field() -> None:

@@ -111,6 +111,7 @@ POLICIES: tuple[Policy, ...] = (
             **ROUTE,
             "overflow": {
                 "pools": [PAID_POOL],
+                "signal": "fill",
                 "minShare": 20,
                 "maxShare": 20,
                 "conversations": "with",
@@ -118,11 +119,16 @@ POLICIES: tuple[Policy, ...] = (
         },
     ),
     Policy("failover_only", "failover only", {**ROUTE, "tiers": [[POOL], [PAID_POOL]]}),
-    Policy("cost_aware", "cost-aware overflow", {**ROUTE, "overflow": {"pools": [PAID_POOL]}}),
+    # The fill loop (`signal: fill`, the default before overflow by arrivals).
+    Policy(
+        "cost_aware",
+        "cost-aware overflow",
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "fill"}},
+    ),
     Policy(
         "cost_aware_ff",
         "cost-aware + feed-forward 0.5",
-        {**ROUTE, "overflow": {"pools": [PAID_POOL], "feedForward": 0.5}},
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "fill", "feedForward": 0.5}},
         default=False,
     ),
     Policy(
@@ -137,13 +143,21 @@ POLICIES: tuple[Policy, ...] = (
     Policy(
         "cost_aware_r2",
         "cost-aware, recover 2 s",
-        {**ROUTE, "overflow": {"pools": [PAID_POOL], "recoverInterval": "2s"}},
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "fill", "recoverInterval": "2s"}},
         default=False,
     ),
     Policy(
         "cost_aware_r2_low9",
         "cost-aware, recover 2 s, low 0.9",
-        {**ROUTE, "overflow": {"pools": [PAID_POOL], "recoverInterval": "2s", "low": 0.9}},
+        {
+            **ROUTE,
+            "overflow": {
+                "pools": [PAID_POOL],
+                "signal": "fill",
+                "recoverInterval": "2s",
+                "low": 0.9,
+            },
+        },
         default=False,
     ),
     # The same with an objective twice the benchmark's: a longer queue is held on the owned
