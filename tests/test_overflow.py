@@ -93,7 +93,11 @@ def test_bad_overflow_is_refused_with_the_field_named(fields: dict[str, Any], me
 def test_a_pool_cannot_be_both_a_failover_tier_and_an_overflow_pool() -> None:
     with pytest.raises(ValidationError, match=r"both in a tier and in overflow\.pools"):
         Route.model_validate(
-            {"name": "r", "tiers": [["owned"], ["cheap"]], "overflow": {"pools": ["cheap"], "signal": "fill"}}
+            {
+                "name": "r",
+                "tiers": [["owned"], ["cheap"]],
+                "overflow": {"pools": ["cheap"], "signal": "fill"},
+            }
         )
 
 
