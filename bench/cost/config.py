@@ -122,7 +122,7 @@ POLICIES: tuple[Policy, ...] = (
     # The fill loop (`signal: fill`, the default before overflow by arrivals).
     Policy(
         "cost_aware",
-        "cost-aware overflow",
+        "cost-aware, the loop (signal: fill)",
         {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "fill"}},
     ),
     Policy(
@@ -133,9 +133,8 @@ POLICIES: tuple[Policy, ...] = (
     ),
     Policy(
         "cost_aware_arrivals",
-        "cost-aware by arrivals",
+        "cost-aware by arrivals (the default signal)",
         {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "arrivals", "ttft": "1s"}},
-        default=False,
     ),
     # The loop giving back sooner: a step each 2 s instead of 5 (a telemetry scrape is 1 s),
     # and, in the second, from a pressure of 0.9 instead of 0.8 (a narrower band). Where the
