@@ -27,9 +27,10 @@ fifths of the work in that benchmark where it takes about a third of the engines
   x conversation work), p the share of requests without a session.
 - **Capacity** is the work per second the owned replicas compute while full, read replica
   by replica (``ReplicaLoad``, ``computed_rate``): the output tokens the engine made a
-  second between the agent's last two scrapes (``output_tokens_per_second``), times the
-  work per output token of the responses it served over the long window (from their
-  usage). A replica's rate counts once it has been full for ``FULL_SCRAPES`` scrapes in a
+  second between the last two telemetry records kvpilot read (their
+  ``output_tokens_total``; without it, the record's own ``output_tokens_per_second``),
+  times the work per output token of the responses it served over the long window (from
+  their usage). A replica's rate counts once it has been full for ``FULL_SCRAPES`` scrapes in a
   row, each scrape once (``full_scrapes``): the replicas that count give a sample, their
   rates over their slots (``rate_sample``), averaged in at ``RATE_WEIGHT`` from the prior
   (below), never taken outright. One replica full at a low load, or a scrape that held a

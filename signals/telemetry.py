@@ -73,7 +73,7 @@ class TelemetryRecord(BaseModel):
         description="Output tokens the engine has made since it started (the "
         "time-per-output-token histogram's count) at this scrape. Two records read apart "
         "give the rate over the time between them, whatever the scrapes in between: a "
-        "record is written when a count moves, so the quarter second before it is no "
+        "record is written when a count moves, so the interval before it is no fair "
         "sample of the engine's time.",
     )
     prefill_per_token: float | None = Field(
