@@ -105,7 +105,10 @@ def test_targets_are_judged_on_the_median_over_seeds() -> None:
     verdicts = {what: met for what, met, _ in targets({1: seed(1.0), 2: seed(1.3), 3: seed(1.1)})}
     assert verdicts["the loop (signal: fill): TTFT p99 at most 1.2x the static split's"] is True
     assert verdicts["the loop (signal: fill): paid spend at most 0.6x the static split's"] is True
-    assert verdicts["the loop (signal: fill): owned only's TTFT p99 at the peak at least 3x its"] is True
+    assert (
+        verdicts["the loop (signal: fill): owned only's TTFT p99 at the peak at least 3x its"]
+        is True
+    )
     assert verdicts["the loop (signal: fill): goodput at least the static split's"] is True
 
 
