@@ -113,8 +113,8 @@ class Overflow(Model):
         "capacity measured while their batches were full; the paid pools take what is above "
         "it, corrected by the batch fill (signals.overflowff). Its listeners then report "
         "every upstream attempt's start and end to kvpilot. Not with feedForward. "
-        "Default: arrivals (in the cost benchmark it paid 0.69x the loop's spend with a "
-        "faster peak).",
+        "Default: arrivals (in the cost benchmark it paid 0.64-0.88x the loop's spend, seed "
+        "by seed, at a peak level with the loop's or faster).",
     )
     feed_forward: float = Field(
         0.0,
