@@ -12,7 +12,8 @@ from harness.builders import arrivals_overflow
 from pydantic import ValidationError
 
 from compiler.compile import PolicyState, compile_plan
-from policies.models import Overflow, PolicyObject, Pool, RoutingPolicy
+from policies import parse_object
+from policies.models import Overflow
 from signals.overflow import OverflowDecision
 from signals.overflowdemand import blend_demand, route_demand
 from signals.overflowff import (
@@ -360,12 +361,7 @@ PORTS = (8001, 8002, 8003, 8004)
 def _state(
     demand: float, *, running: float, previous: OverflowDecision | None = None, now: float = NOW
 ) -> PolicyState:
-    owned, paid, main = arrivals_overflow(PORTS)
-    objects: list[PolicyObject] = [
-        Pool.model_validate(owned),
-        Pool.model_validate(paid),
-        RoutingPolicy.model_validate(main),
-    ]
+    objects = [parse_object(body) for body in arrivals_overflow(PORTS)]
     hosts = [f"127.0.0.1:{port}" for port in PORTS]
     return PolicyState.from_objects(
         objects,

@@ -14,7 +14,8 @@ from harness.builders import arrivals_overflow
 
 from compiler.compile import PolicyState, compile_plan
 from controlplane.decode import DecodedState
-from policies.models import PolicyObject, Pool, RoutingPolicy
+from policies import parse_object
+from policies.models import Pool, RoutingPolicy
 from signals.overflow import OverflowDecision
 from signals.overflowff import PRIOR_SHARE, ArrivalsDecision, decide_arrivals
 from signals.overflowwork import (
@@ -308,12 +309,7 @@ def _state(
     scraped: float | None = None,
     total: float | None = None,
 ) -> PolicyState:
-    owned, paid, main = arrivals_overflow(PORTS)
-    objects: list[PolicyObject] = [
-        Pool.model_validate(owned),
-        Pool.model_validate(paid),
-        RoutingPolicy.model_validate(main),
-    ]
+    objects = [parse_object(body) for body in arrivals_overflow(PORTS)]
     hosts = [f"127.0.0.1:{port}" for port in PORTS]
     return PolicyState.from_objects(
         objects,
