@@ -236,6 +236,7 @@ def _by_arrivals(
             at=record.at,
             total=record.output_tokens_total,
             per_output=state.work_per_output.get(endpoint.key),
+            prefilled=record.prefilled_tokens_total,
         )
         for endpoint in endpoints
         if (record := telemetry.get(endpoint.key)) is not None

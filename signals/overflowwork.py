@@ -26,11 +26,13 @@ fifths of the work in that benchmark where it takes about a third of the engines
   entry that took the request, with or without a session): rate x (p x plain work + (1 - p)
   x conversation work), p the share of requests without a session.
 - **Capacity** is the work per second the owned replicas compute while full, read replica
-  by replica (``ReplicaLoad``, ``computed_rate``): the output tokens the engine made a
-  second between the last two telemetry records kvpilot read (their
-  ``output_tokens_total``; without it, the record's own ``output_tokens_per_second``),
-  times the work per output token of the responses it served over the long window (from
-  their usage). A replica's rate counts once it has been full for ``FULL_SCRAPES`` scrapes in a
+  by replica (``ReplicaLoad``, ``engine_work``): the work its engine computed a second
+  between the last two telemetry records kvpilot read, the output tokens it made plus the
+  prompt tokens it prefilled at ``PREFILL_WEIGHT``, both from its own counters over the
+  same time (``output_tokens_total``, ``prefilled_tokens_total``). An engine without a
+  prefill count: its output tokens times the work per output token of the responses it
+  served over the long window (``computed_rate``; without totals, the record's own
+  ``output_tokens_per_second``), which a mix that moves at a peak biases. A replica's rate counts once it has been full for ``FULL_SCRAPES`` scrapes in a
   row, each scrape once (``full_scrapes``): the replicas that count give a sample, their
   rates over their slots (``rate_sample``), averaged in at ``RATE_WEIGHT`` from the prior
   (below), never taken outright. One replica full at a low load, or a scrape that held a
@@ -144,6 +146,8 @@ class ReplicaLoad:
     """The output tokens its engine had made by that scrape (``output_tokens_total``)."""
     per_output: float | None = None
     """The work per output token of the responses it served (``computed_rate``)."""
+    prefilled: float | None = None
+    """The prompt tokens its engine had prefilled by that scrape (``prefilled_tokens_total``)."""
 
 
 def computed_rate(
@@ -168,48 +172,69 @@ def rate_sample(replicas: Sequence[ReplicaLoad]) -> float | None:
     return sum(r.rate or 0.0 for r in sampled) / sum(r.slots for r in sampled)
 
 
-Scrapes = Mapping[str, tuple[float, int, float | None]]
+Scrapes = Mapping[str, tuple[float, int, float | None, float | None]]
 """Replica key -> (the time of its last scrape read, scrapes in a row it was full at, its
-engine's output tokens by then): what ``full_scrapes`` carries from round to round."""
+engine's output tokens and prefilled prompt tokens by then): what ``full_scrapes`` carries
+from round to round."""
 
 
 def full_scrapes(
     replicas: Sequence[ReplicaLoad], before: Scrapes, now: float
-) -> tuple[dict[str, tuple[float, int, float | None]], list[ReplicaLoad]]:
+) -> tuple[dict[str, tuple[float, int, float | None, float | None]], list[ReplicaLoad]]:
     """(``Scrapes`` this round, the replicas whose rate counts this round): those full at a
     scrape not read before and at ``FULL_SCRAPES`` in a row. A replica not full at its last
     scrape starts again.
 
-    A counted replica's rate is its engine's output tokens between the last two scrapes
-    read (``ReplicaLoad.total``), over the time between them, times its work per output
-    token: every step in between counts, whichever scrapes the agent wrote. Without the
-    totals, the scrape's own rate (``ReplicaLoad.rate``): the interval before a record, and a
-    record is written when a count moves (a request admitted or finished), so those
-    intervals are not a fair sample of the engine's time."""
-    counts: dict[str, tuple[float, int, float | None]] = {}
+    A counted replica's rate is the work its engine computed between the last two scrapes
+    read, over the time between them (``engine_work``): its output tokens and the prompt
+    tokens it prefilled, both from its own counters over the same interval. Without the
+    prefill count, the output tokens times the work per output token of its responses
+    (``ReplicaLoad.per_output``); without the totals, the scrape's own rate
+    (``ReplicaLoad.rate``): the interval before a record, and a record is written when a
+    count moves (a request admitted or finished), so those intervals are not a fair sample
+    of the engine's time."""
+    counts: dict[str, tuple[float, int, float | None, float | None]] = {}
     new: list[ReplicaLoad] = []
     for replica in replicas:
         if replica.running < FULL:
             continue
         at = now if replica.at is None else replica.at
-        last, count, total = before.get(replica.key, (-math.inf, 0, None))
+        last, count, total, prefilled = before.get(replica.key, (-math.inf, 0, None, None))
         if at == last:
-            counts[replica.key] = (last, count, total)
+            counts[replica.key] = (last, count, total, prefilled)
             continue
-        counts[replica.key] = (at, count + 1, replica.total)
+        counts[replica.key] = (at, count + 1, replica.total, replica.prefilled)
         if count + 1 < FULL_SCRAPES:
             continue
-        if (
-            replica.total is not None
-            and total is not None
-            and replica.total >= total
-            and replica.per_output
-            and at > last
-        ):
-            made = (replica.total - total) / (at - last)
-            replica = replace(replica, rate=made * replica.per_output)
+        rate = engine_work(replica, total, prefilled, at - last)
+        if rate is not None:
+            replica = replace(replica, rate=rate)
         new.append(replica)
     return counts, new
+
+
+def engine_work(
+    replica: ReplicaLoad, total: float | None, prefilled: float | None, seconds: float
+) -> float | None:
+    """Work per second `replica`'s engine computed since the scrape that read `total` output
+    tokens and `prefilled` prompt tokens, `seconds` before; None when its totals cannot say
+    (missing, or lower: the engine restarted).
+
+    Both terms come from the engine over the same interval. The responses' work per output
+    token is an average over the long window, and the mix moves at a peak: with requests
+    without a session sent to paid, the owned engines decode conversations with their
+    histories cached, make more tokens a second, and each of those carries less prefill
+    than the window's responses did. Their product read the pool at 1,750-1,940 work/s in
+    the cost benchmark's peak, where it computes some 1,450, and cut the paid share when the
+    queue was growing."""
+    if replica.total is None or total is None or replica.total < total or seconds <= 0:
+        return None
+    made = replica.total - total
+    if replica.prefilled is not None and prefilled is not None and replica.prefilled >= prefilled:
+        return (made + PREFILL_WEIGHT * (replica.prefilled - prefilled)) / seconds
+    if not replica.per_output:
+        return None
+    return made / seconds * replica.per_output
 
 
 def settled(service_time: float | None) -> float:
@@ -253,6 +278,7 @@ __all__ = [
     "ReplicaLoad",
     "Scrapes",
     "computed_rate",
+    "engine_work",
     "full_scrapes",
     "rate_sample",
     "settled",

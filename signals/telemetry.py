@@ -76,6 +76,14 @@ class TelemetryRecord(BaseModel):
         "record is written when a count moves, so the interval before it is no fair "
         "sample of the engine's time.",
     )
+    prefilled_tokens_total: float | None = Field(
+        None,
+        ge=0,
+        description="Prompt tokens the engine has prefilled since it started (the prefix "
+        "cache's queries less its hits) at this scrape. With ``output_tokens_total`` two "
+        "records read apart give the work the engine computed between them, both counts over "
+        "the same time.",
+    )
     prefill_per_token: float | None = Field(
         None,
         ge=0,
@@ -362,6 +370,8 @@ def extract(
     )
     if counters.token_count is not None:
         values["output_tokens_total"] = counters.token_count
+    if counters.queries is not None and counters.hits is not None:
+        values["prefilled_tokens_total"] = max(0.0, counters.queries - counters.hits)
     if previous is not None:
         counters = _time_to_first_token(counters, previous, busy=_busy(values))
         if counters.ttft is not None:

@@ -411,7 +411,7 @@ def test_a_scrape_counts_once_and_a_replica_not_full_starts_again() -> None:
     light = _rates_round(again, 90.0, NOW + 3, at=NOW + 3, running=0.5)
     assert light.scrapes == {} and light.work_per_slot == held
     back = _rates_round(light, 200.0, NOW + 4, at=NOW + 4)
-    assert back.work_per_slot == held and back.scrapes["r0"] == (NOW + 4, 1, None)
+    assert back.work_per_slot == held and back.scrapes["r0"] == (NOW + 4, 1, None, None)
 
 
 def test_a_counted_rate_is_the_engines_tokens_between_the_scrapes_read() -> None:
@@ -421,7 +421,7 @@ def test_a_counted_rate_is_the_engines_tokens_between_the_scrapes_read() -> None
     def full(at: float, total: float) -> ReplicaLoad:
         return ReplicaLoad("r0", 8, 1.0, None, rate=900.0 * 1.2, at=at, total=total, per_output=1.2)
 
-    scrapes: dict[str, tuple[float, int, float | None]] = {}
+    scrapes: dict[str, tuple[float, int, float | None, float | None]] = {}
     counted: list[ReplicaLoad] = []
     for second in range(FULL_SCRAPES):
         scrapes, counted = full_scrapes([full(NOW + second, 1000 + 320 * second)], scrapes, NOW)
@@ -431,7 +431,7 @@ def test_a_counted_rate_is_the_engines_tokens_between_the_scrapes_read() -> None
     assert [r.rate for r in counted] == [pytest.approx(900 * 1.2)]
     # Without totals (an engine that exports no histogram): the record's own rate.
     plain = [ReplicaLoad("r1", 8, 1.0, None, rate=500.0, at=NOW + s) for s in range(4)]
-    state: dict[str, tuple[float, int, float | None]] = {}
+    state: dict[str, tuple[float, int, float | None, float | None]] = {}
     for replica in plain:
         state, counted = full_scrapes([replica], state, NOW)
     assert [r.rate for r in counted] == [500.0]

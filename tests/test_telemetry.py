@@ -86,13 +86,13 @@ def test_parse_samples_rejects_garbage() -> None:
         pytest.param(
             VLLM_V1,
             VLLM,
-            {"waiting": 2.0, "running": 8.0, "kv_cache": 0.61},
+            {"waiting": 2.0, "running": 8.0, "kv_cache": 0.61, "prefilled_tokens_total": 750.0},
             id="vllm-v1: counts summed over engines, KV cache is the fullest engine",
         ),
         pytest.param(
             VLLM_V0,
             VLLM,
-            {"waiting": 1.0, "running": 4.0, "kv_cache": 0.3},
+            {"waiting": 1.0, "running": 4.0, "kv_cache": 0.3, "prefilled_tokens_total": 5.0},
             id="vllm-v0: the older gpu_cache_usage_perc name",
         ),
         pytest.param(
