@@ -27,6 +27,7 @@ from signals.overflowwork import (
     KindWork,
     ReplicaLoad,
     computed_rate,
+    engine_work,
     full_scrapes,
     rate_sample,
     settled,
@@ -308,6 +309,7 @@ def _state(
     completed: float = 1000.0,
     scraped: float | None = None,
     total: float | None = None,
+    prefilled: float | None = None,
 ) -> PolicyState:
     objects = [parse_object(body) for body in arrivals_overflow(PORTS)]
     hosts = [f"127.0.0.1:{port}" for port in PORTS]
@@ -321,6 +323,7 @@ def _state(
                     max_running=8,
                     output_tokens_per_second=output,
                     output_tokens_total=total,
+                    prefilled_tokens_total=prefilled,
                 )
                 for host in hosts
             }
@@ -437,6 +440,36 @@ def test_a_counted_rate_is_the_engines_tokens_between_the_scrapes_read() -> None
     assert [r.rate for r in counted] == [500.0]
 
 
+def test_a_counted_rate_is_the_engines_output_and_prefill_over_the_same_interval() -> None:
+    # Two records a second apart: 320 output tokens and 400 prompt tokens prefilled between
+    # them. The responses' work per output token (1.5: a window that held long uncached
+    # prompts) is not the interval's: the engine's own counters are.
+    def full(at: float, total: float, prefilled: float) -> ReplicaLoad:
+        return ReplicaLoad(
+            "r0", 8, 1.0, None, at=at, total=total, per_output=1.5, prefilled=prefilled
+        )
+
+    scrapes: dict[str, tuple[float, int, float | None, float | None]] = {}
+    counted: list[ReplicaLoad] = []
+    for second in range(FULL_SCRAPES):
+        replica = full(NOW + second, 1000 + 320 * second, 5000 + 400 * second)
+        scrapes, counted = full_scrapes([replica], scrapes, NOW)
+    assert [r.rate for r in counted] == [pytest.approx(320 + PREFILL_WEIGHT * 400)]
+    # The peak's move of the mix: the engine decodes cached conversations (400 tokens a
+    # second, nothing prefilled) while the window's responses still say 1.5 work a token.
+    # The product would read 600 work/s where the engine computed 400.
+    before = full(NOW, 1000, 5000)
+    decoding = full(NOW + 1, 1400, 5000)
+    assert engine_work(decoding, before.total, before.prefilled, 1.0) == pytest.approx(400.0)
+    # A restarted engine's prefill count starts again: the output tokens at the responses'
+    # ratio; a restarted output count: nothing from the totals.
+    restarted = full(NOW + 1, 1400, 10)
+    assert engine_work(restarted, 1000, 5000, 1.0) == pytest.approx(400 * 1.5)
+    assert engine_work(full(NOW + 1, 50, 5400), 1000, 5000, 1.0) is None
+    # An engine without a prefill count (no prefix-cache counters): the responses' ratio.
+    assert engine_work(replace(decoding, prefilled=None), 1000, 5000, 1.0) == pytest.approx(600)
+
+
 def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> None:
     # 320 output tokens a second between the records read (their totals; each record's own
     # rate, 900, is the moment before it was written), 1.2 work per output token: 384 work/s
@@ -471,3 +504,23 @@ def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> No
     )
     again = compile_plan(state).overflow["main/chat"].arrivals
     assert again is not None and again.work_per_slot == arrivals.work_per_slot
+
+
+def test_the_compiled_route_reads_the_engines_prefill_from_their_telemetry() -> None:
+    # The same replicas with a prefill count: 320 output and 400 prompt tokens a second
+    # between the records, 360 work/s a replica, 45 a slot, whatever their responses' ratio.
+    previous: OverflowDecision | None = None
+    for scrape in range(FULL_SCRAPES):
+        state = _state(
+            20.0,
+            output=900.0,
+            total=1000.0 + 320 * scrape,
+            prefilled=5000.0 + 400 * scrape,
+            completed=200.0,
+            previous=previous,
+            now=NOW + scrape,
+        )
+        previous = compile_plan(state).overflow["main/chat"]
+    assert previous is not None and previous.arrivals is not None
+    held = (1 - RATE_WEIGHT) * PRIOR_SHARE / 4.0 * 304 + RATE_WEIGHT * 45.0
+    assert previous.arrivals.work_per_slot == pytest.approx(held)
