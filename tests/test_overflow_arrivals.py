@@ -425,13 +425,35 @@ def test_a_rise_of_demand_shows_in_the_recent_rate_within_seconds() -> None:
         clock[0] += 0.5
     clock[0] -= 0.25
     assert book.recent_demands() == {"main/chat": pytest.approx(6.0)}
-    # The rates follow a rise beyond noise from its change point (the owned replicas' 1 to 4
-    # a second); the paid pool's 1 to 2 is within the noise of 8 starts, so its long
-    # window averages the rise in, and the recent demand is what shows it.
+    # The rates follow the route's rise beyond noise from its change point, found on its
+    # clusters' starts together: the owned replicas' 1 to 4 a second and the paid pool's 1
+    # to 2 (alone within the noise of 8 starts) both count from it.
     rates = book.rates()
     assert rates["edge/main/chat"] == pytest.approx(4.0)
-    assert rates["edge/main/chat/overflow/paid"] == pytest.approx(19 / 16)
-    assert route_demand(rates, "main/chat") < 6.0
+    assert rates["edge/main/chat/overflow/paid"] == pytest.approx(2.0)
+    assert route_demand(rates, "main/chat") == pytest.approx(6.0)
+
+
+def test_a_route_s_demand_holds_while_overflow_moves_its_split() -> None:
+    # 6 a second for 20 s on the owned replicas; then the same 6 a second, half of them to a
+    # paid pool the route had not used: the owned cluster's rate falls beyond noise, the
+    # paid pool's cluster is new. The route's demand stays 6 a second at every round, the
+    # new cluster counting from its first start.
+    clock = [1000.0]
+    book = ArrivalBook(lambda: clock[0])
+    for _ in range(120):
+        book.observe(_entry(START, "main/chat"), "edge")
+        clock[0] += 1 / 6
+    demands = []
+    for tick in range(60):  # 10 s, the split moved
+        name = "main/chat" if tick % 2 else "main/chat/overflow/paid"
+        book.observe(_entry(START, name), "edge")
+        clock[0] += 1 / 6
+        if tick % 6 == 5:
+            demands.append(route_demand(book.rates(), "main/chat"))
+    assert demands == [pytest.approx(6.0, rel=0.05)] * len(demands)
+    rates = book.rates()
+    assert rates["edge/main/chat/overflow/paid"] > 0 and rates["edge/main/chat"] < 6.0
 
 
 def test_the_recent_rate_counts_only_when_it_rises_beyond_noise() -> None:

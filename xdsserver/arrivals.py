@@ -42,6 +42,7 @@ through etcd.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
@@ -99,6 +100,13 @@ def route_cluster(cluster: str) -> str:
     # no "/", so everything from the suffix on is the twin's).
     head, found, _ = cluster.partition(AFFINITY_SUFFIX)
     return (head if found else cluster).removesuffix(LOCAL_SUFFIX)
+
+
+def route_key(key: str) -> str:
+    """The ``fleet/route`` a ``fleet/cluster`` key's starts count toward: the route cluster
+    of an overflow aggregate or a paid pool's cluster (``route_of``), else the cluster."""
+    fleet, _, cluster = key.partition("/")
+    return f"{fleet}/{route_of(cluster)}"
 
 
 def change_point_rate(
@@ -174,8 +182,8 @@ class ArrivalBook:
         self._starts: dict[str, deque[float]] = {}
         self._first: dict[str, float] = {}
         self._change: dict[str, float] = {}
-        """``fleet/cluster`` -> its last change point (``change_point_rate``), while the long
-        window still holds starts from before it."""
+        """``fleet/route`` (``route_key``) -> its last change point (``change_point_rate``),
+        while the long window still holds starts from before it."""
         self._served: dict[str, deque[tuple[float, float]]] = {}
         self._done: dict[str, deque[float]] = {}
         self._done_first: dict[str, float] = {}
@@ -280,9 +288,17 @@ class ArrivalBook:
     def rates(self, now: float | None = None) -> dict[str, float]:
         """``fleet/cluster`` -> requests started per second: over the last
         ``ARRIVAL_WINDOW`` (over the time since the first one, when that is shorter), or,
-        after a change of rate, over the time since the change (``change_point_rate``)."""
+        after a change of rate, over the time since the change (``change_point_rate``).
+
+        The change is found on a route's starts together, its own cluster's, its overflow
+        aggregates' and its paid pools' (``route_of``), and each cluster's rate is its starts
+        since the route's change over the same time: so the clusters of a route add up to
+        its demand whichever way overflow splits it. Found cluster by cluster, a new paid
+        share moved starts from one cluster to another, each found its own change (or none,
+        or a new cluster gave no rate for its first seconds), and the route's demand dipped
+        by a third for a round as the split moved at a peak."""
         now = self.clock() if now is None else now
-        out: dict[str, float] = {}
+        routes: dict[str, list[str]] = {}
         for key in list(self._starts):
             starts = self._starts[key]
             while starts and starts[0] <= now - ARRIVAL_WINDOW:
@@ -290,18 +306,26 @@ class ArrivalBook:
             if not starts:
                 del self._starts[key]
                 self._first.pop(key, None)
-                self._change.pop(key, None)
                 continue
-            age = now - self._first[key]
+            routes.setdefault(route_key(key), []).append(key)
+        for route in [route for route in self._change if route not in routes]:
+            del self._change[route]
+        out: dict[str, float] = {}
+        for route, keys in routes.items():
+            age = now - min(self._first[key] for key in keys)
             if age < MIN_SPAN:
                 continue
             since = now - min(ARRIVAL_WINDOW, age)
-            rate, change = change_point_rate(starts, now, since, self._change.get(key))
+            merged = list(heapq.merge(*(self._starts[key] for key in keys)))
+            _, change = change_point_rate(merged, now, since, self._change.get(route))
             if change is None:
-                self._change.pop(key, None)
+                self._change.pop(route, None)
             else:
-                self._change[key] = change
-            out[key] = round(rate, 4)
+                self._change[route] = change
+            base = since if change is None else change
+            for key in keys:
+                count = sum(1 for at in self._starts[key] if at >= base)
+                out[key] = round(count / (now - base), 4)
         return out
 
     def session_rates(self, now: float | None = None) -> dict[str, float]:
@@ -333,12 +357,17 @@ class ArrivalBook:
         beyond noise. Routes seen for less than ``CHANGE_WINDOW`` give none."""
         now = self.clock() if now is None else now
         self.rates(now)  # drops what left the window
-        out: dict[str, float] = {}
-        for key, starts in self._starts.items():
-            if now - self._first.get(key, now) < CHANGE_WINDOW:
-                continue
+        first: dict[str, float] = {}
+        for key in self._starts:
             _, _, cluster = key.partition("/")
             route = route_of(cluster)
+            first[route] = min(first.get(route, now), self._first.get(key, now))
+        out: dict[str, float] = {}
+        for key, starts in self._starts.items():
+            _, _, cluster = key.partition("/")
+            route = route_of(cluster)
+            if now - first[route] < CHANGE_WINDOW:
+                continue
             recent = sum(1 for at in starts if at > now - CHANGE_WINDOW)
             out[route] = round(out.get(route, 0.0) + recent / CHANGE_WINDOW, 4)
         return out
@@ -412,4 +441,5 @@ __all__ = [
     "ArrivalBook",
     "change_point_rate",
     "route_cluster",
+    "route_key",
 ]
