@@ -25,7 +25,7 @@ Each policy replays the same requests, one after the other on the same stack:
   (``ttft: 1s``) so that a queue beyond it is drained to the paid API; and (also only when
   named) the same with an objective of 2 s, which holds a longer queue on the owned replicas;
 - the loop giving back sooner (run only when named): ``recoverInterval: 2s``, and the same
-  with ``low: 0.9``.
+  with ``low: 0.9``; and by arrivals with ``recoverInterval: 2s``.
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
@@ -155,6 +155,23 @@ POLICIES: tuple[Policy, ...] = (
                 "signal": "fill",
                 "recoverInterval": "2s",
                 "low": 0.9,
+            },
+        },
+        default=False,
+    ),
+    # By arrivals giving back sooner: a share held 2 s after its last change instead of 5.
+    # The hold is the largest share of the last seconds' rounds; with a demand that no
+    # longer dips as the split moves, what it buys at the peak against what it costs.
+    Policy(
+        "cost_aware_arrivals_r2",
+        "cost-aware by arrivals, recover 2 s",
+        {
+            **ROUTE,
+            "overflow": {
+                "pools": [PAID_POOL],
+                "signal": "arrivals",
+                "ttft": "1s",
+                "recoverInterval": "2s",
             },
         },
         default=False,
