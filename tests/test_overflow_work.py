@@ -470,23 +470,32 @@ def test_a_counted_rate_is_the_engines_output_and_prefill_over_the_same_interval
     assert engine_work(replace(decoding, prefilled=None), 1000, 5000, 1.0) == pytest.approx(600)
 
 
-def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> None:
-    # 320 output tokens a second between the records read (their totals; each record's own
-    # rate, 900, is the moment before it was written), 1.2 work per output token: 384 work/s
-    # a replica, 48 a slot, counted at the third scrape in a row that found the replicas
-    # full (a scrape a second: the record's time is the scrape's), averaged in from the prior.
+def _full_scrapes_compiled(prefilled: float | None) -> OverflowDecision:
+    """The route compiled at ``FULL_SCRAPES`` scrapes a second apart of full replicas whose
+    engines made 320 output tokens a second (each record's own rate saying 900) and
+    prefilled `prefilled` prompt tokens a second (None: no prefill count)."""
     previous: OverflowDecision | None = None
     for scrape in range(FULL_SCRAPES):
         state = _state(
             20.0,
             output=900.0,
             total=1000.0 + 320 * scrape,
+            prefilled=None if prefilled is None else 5000.0 + prefilled * scrape,
             completed=200.0,
             previous=previous,
             now=NOW + scrape,
         )
         previous = compile_plan(state).overflow["main/chat"]
     assert previous is not None
+    return previous
+
+
+def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> None:
+    # 320 output tokens a second between the records read (their totals; each record's own
+    # rate, 900, is the moment before it was written), 1.2 work per output token: 384 work/s
+    # a replica, 48 a slot, counted at the third scrape in a row that found the replicas
+    # full (a scrape a second: the record's time is the scrape's), averaged in from the prior.
+    previous = _full_scrapes_compiled(prefilled=None)
     arrivals = previous.arrivals
     assert arrivals is not None and arrivals.measured
     held = (1 - RATE_WEIGHT) * PRIOR_SHARE / 4.0 * 304 + RATE_WEIGHT * 48.0
@@ -509,18 +518,7 @@ def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> No
 def test_the_compiled_route_reads_the_engines_prefill_from_their_telemetry() -> None:
     # The same replicas with a prefill count: 320 output and 400 prompt tokens a second
     # between the records, 360 work/s a replica, 45 a slot, whatever their responses' ratio.
-    previous: OverflowDecision | None = None
-    for scrape in range(FULL_SCRAPES):
-        state = _state(
-            20.0,
-            output=900.0,
-            total=1000.0 + 320 * scrape,
-            prefilled=5000.0 + 400 * scrape,
-            completed=200.0,
-            previous=previous,
-            now=NOW + scrape,
-        )
-        previous = compile_plan(state).overflow["main/chat"]
-    assert previous is not None and previous.arrivals is not None
+    previous = _full_scrapes_compiled(prefilled=400.0)
+    assert previous.arrivals is not None
     held = (1 - RATE_WEIGHT) * PRIOR_SHARE / 4.0 * 304 + RATE_WEIGHT * 45.0
     assert previous.arrivals.work_per_slot == pytest.approx(held)
