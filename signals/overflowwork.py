@@ -32,9 +32,10 @@ fifths of the work in that benchmark where it takes about a third of the engines
   same time (``output_tokens_total``, ``prefilled_tokens_total``). An engine without a
   prefill count: its output tokens times the work per output token of the responses it
   served over the long window (``computed_rate``; without totals, the record's own
-  ``output_tokens_per_second``), which a mix that moves at a peak biases. A replica's rate counts once it has been full for ``FULL_SCRAPES`` scrapes in a
-  row, each scrape once (``full_scrapes``): the replicas that count give a sample, their
-  rates over their slots (``rate_sample``), averaged in at ``RATE_WEIGHT`` from the prior
+  ``output_tokens_per_second``), which a mix that moves at a peak biases. A replica's
+  rate counts once it has been full for ``FULL_SCRAPES`` scrapes in a row, each scrape
+  once (``full_scrapes``): the replicas that count give a sample, their rates over their
+  slots (``rate_sample``), averaged in at ``RATE_WEIGHT`` from the prior
   (below), never taken outright. One replica full at a low load, or a scrape that held a
   long prefill's step, read the pool at 400-520 work/s where it computes some 1,500, and
   a first sample taken outright sent two thirds of the requests to paid at 100% of
@@ -43,8 +44,8 @@ fifths of the work in that benchmark where it takes about a third of the engines
   prompt and decoded little read the pool at 7,000 work/s where it computed some 1,500.
   Nor is running over the mean time per output token the output rate: sequences still in
   their prefill run without making tokens, and steps without a decoding sequence are in no
-  token's time; it read 1,700-2,200 work/s there. Counted from the responses' usage instead (the work each brought when it
-  ended, ``work_sample``: each replica full for a request's time and then
+  token's time; it read 1,700-2,200 work/s there. Counted from the responses' usage
+  instead (the work each brought when it ended, ``work_sample``: each replica full for a request's time and then
   ``SAMPLE_WINDOW``), the first run of the cost benchmark read 945-1,390 work/s where the
   pool computed about 1,480 when all were full: a replica stays full for that long with a
   paid share in force when its requests are long, and those end, and count, late. The
