@@ -317,12 +317,20 @@ class ArrivalBook:
             if age < MIN_SPAN:
                 continue
             since = now - min(ARRIVAL_WINDOW, age)
-            merged = list(heapq.merge(*(self._starts[key] for key in keys)))
-            _, change = change_point_rate(merged, now, since, self._change.get(route))
+            # A route with one cluster (no overflow, a located fleet's) needs no merge.
+            merged: Sequence[float] = (
+                self._starts[keys[0]]
+                if len(keys) == 1
+                else list(heapq.merge(*(self._starts[key] for key in keys)))
+            )
+            rate, change = change_point_rate(merged, now, since, self._change.get(route))
             if change is None:
                 self._change.pop(route, None)
             else:
                 self._change[route] = change
+            if len(keys) == 1:
+                out[keys[0]] = round(rate, 4)
+                continue
             base = since if change is None else change
             for key in keys:
                 count = sum(1 for at in self._starts[key] if at >= base)
