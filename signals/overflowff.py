@@ -53,7 +53,9 @@ lower load leaves is the setting's) with a paid share it rises by ``STEP``, but 
 that share is what the estimate asked for (room made by a drain or by a share held above the
 estimate is the share's doing: in the cost benchmark it raised the trim from 0.97 to 1.46
 over the peak and sent 3% to paid at 140% of capacity); bounded by ``TRIM_RANGE``, changed
-at most once a ``DWELL``.
+at most once a ``DWELL``. Above 1 only while the capacity is the prior: a measured one is
+what the engines computed at full batches, and a trim above 1 there undid the operator's
+``load`` (0.8 read as 0.96 in the cost benchmark).
 
 A queue beyond the objective, drained
 -------------------------------------
@@ -381,6 +383,11 @@ def decide_arrivals(
     # capacity shows a lower fill, which is the setting's doing, not a capacity read low.
     room = fill < LOW_FILL * min(1.0, load / LOAD)
     high_since = (min(before.high_since, now)) if queueing else math.inf
+    # A measured capacity is not raised by the fill: what the engines computed at full
+    # batches is what they can, and room below it is the load asked for (``load``).
+    ceiling = 1.0 if measured else TRIM_RANGE[1]
+    if trim > ceiling:
+        trim, trim_since = ceiling, now
     if now - max(trim_since, before.since) >= DWELL:
         wanted = trim
         draining = before.step_fill is not None and fill < before.step_fill
@@ -396,7 +403,7 @@ def decide_arrivals(
                 wanted = trim + STEP
         elif room and trim < 1.0:
             wanted = min(1.0, trim + STEP)
-        wanted = round(min(TRIM_RANGE[1], max(TRIM_RANGE[0], wanted)), 4)
+        wanted = round(min(ceiling, max(TRIM_RANGE[0], wanted)), 4)
         if wanted != trim:
             trim, trim_since = wanted, now
     keep = trim * load * capacity / demand

@@ -11,6 +11,7 @@ from compiler.compile import PolicyState, compile_plan
 from policies import parse_object
 from policies.models import Overflow
 from signals.overflowff import PRIOR_SHARE, ArrivalsDecision, decide_arrivals
+from signals.overflowwork import SAMPLE_WINDOW
 from signals.spill import LOAD, LOW_FILL
 from signals.telemetry import TelemetryRecord
 
@@ -99,3 +100,31 @@ def test_the_compiled_route_reads_its_utilization() -> None:
     # 32 slots / 4 s: a prior of 5.6/s against 6/s of demand.
     assert paid() == pytest.approx(1 - LOAD * PRIOR_SHARE * 8.0 / 6.0, abs=1e-3)
     assert paid(utilization=0.5) == pytest.approx(1 - 0.5 * PRIOR_SHARE * 8.0 / 6.0, abs=1e-3)
+
+
+def test_a_measured_capacity_keeps_the_trim_at_most_1() -> None:
+    def at(previous: ArrivalsDecision | None, now: float, fill: float) -> ArrivalsDecision:
+        return decide_arrivals(
+            previous,
+            demand=9.0,
+            slots=32,
+            running=min(1.0, fill),
+            fill=fill,
+            completions=4.4,
+            service_time=4.0,
+            now=now,
+            load=0.8,
+        )
+
+    # On the prior, room with a share in force raises the trim above 1 ...
+    prior = at(None, NOW, 0.4)
+    raised = at(prior, NOW + 6, 0.4)
+    assert not raised.measured and raised.trim == pytest.approx(1.1)
+    # ... once measured at full batches it comes back to 1 at once ...
+    full = at(raised, NOW + 7, 1.0)
+    measured = at(full, NOW + 7 + SAMPLE_WINDOW, 1.0)
+    assert measured.measured and measured.trim == 1.0
+    assert measured.paid == pytest.approx(1 - 0.8 * 4.4 / 9.0, abs=0.01)
+    # ... and room no longer raises it: the 0.8 asked for is what the replicas carry.
+    roomy = at(measured, NOW + 30, 0.4)
+    assert at(roomy, NOW + 40, 0.4).trim == 1.0 and "above 0.80 x capacity" in roomy.why
