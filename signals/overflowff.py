@@ -7,15 +7,16 @@ Routes with ``overflow.signal: arrivals`` (``policies.models.Overflow``). The fi
 batches, seconds late. Here the route's Envoys report each request's start
 (``xdsserver.arrivals``), so the paid share follows the demand itself:
 
-    keep = trim x LOAD x capacity / demand        paid share = max(0, 1 - keep)
+    keep = trim x load x capacity / demand        paid share = max(0, 1 - keep)
 
 ``demand`` is the route's requests per second, whichever pool took them (its own replicas,
 its overflow aggregates, its paid pools: ``route_demand``, every kvpilot replica's through
 ``controlplane.arrivals``; each counted over the long window, or since the rate's last
 change point, ``xdsserver.arrivals.change_point_rate``), or this replica's own rate over
 the last few seconds when that is above it beyond noise (``blend_demand``): a rise counts
-within seconds, a fall waits for the shared rate. ``LOAD`` (0.97, as spill's) leaves a little room so a
-queue that formed while the share was found drains.
+within seconds, a fall waits for the shared rate. ``load`` (``Overflow.utilization``, 0.97 by
+default, as spill's ``LOAD``) leaves a little room so a queue that formed while the share was
+found drains; lower, it keeps the queue shorter at a peak and pays for more requests.
 
 Capacity: measured while the batches are full
 ---------------------------------------------
@@ -46,12 +47,15 @@ The trim, as spill's
 The batch fill ((running + waiting) / batch size) corrects the estimate rather than the
 share (``signals.spill``'s constants): above ``HIGH_FILL`` while a paid share has been in
 force for a ``DWELL`` (or a queue lasting ``LASTING`` seconds without one) and not draining,
-``trim`` falls in proportion (``TARGET_FILL / fill``, at most to ``MAX_CUT`` of itself); below
-``LOW_FILL`` with a paid share it rises by ``STEP``, but only while that share is what the
-estimate asked for (room made by a drain or by a share held above the estimate is the
-share's doing: in the cost benchmark it raised the trim from 0.97 to 1.46 over the peak
-and sent 3% to paid at 140% of capacity); bounded by ``TRIM_RANGE``, changed at most once a
-``DWELL``.
+``trim`` falls in proportion (``TARGET_FILL / fill``, at most to ``MAX_CUT`` of itself);
+below ``LOW_FILL`` (times ``load`` over spill's ``LOAD`` when ``load`` is lower: the room a
+lower load leaves is the setting's) with a paid share it rises by ``STEP``, but only while
+that share is what the estimate asked for (room made by a drain or by a share held above the
+estimate is the share's doing: in the cost benchmark it raised the trim from 0.97 to 1.46
+over the peak and sent 3% to paid at 140% of capacity); bounded by ``TRIM_RANGE``, changed
+at most once a ``DWELL``. Above 1 only while the capacity is the prior: a measured one is
+what the engines computed at full batches, and a trim above 1 there undid the operator's
+``load`` (0.8 read as 0.96 in the cost benchmark).
 
 A queue beyond the objective, drained
 -------------------------------------
@@ -254,6 +258,7 @@ def decide_arrivals(
     replicas: Sequence[ReplicaLoad] = (),
     kinds: KindWork | None = None,
     completed_work: float | None = None,
+    load: float = LOAD,
 ) -> ArrivalsDecision:
     """This round's share for one route.
 
@@ -268,7 +273,8 @@ def decide_arrivals(
     objective in seconds (``Overflow.ttft``), without which no queue is drained
     (``drain_rate``); `conversations`: ``Overflow.conversations``: with ``last`` the drain
     takes requests without a session only, never conversations (the share it adds stops at
-    the share of the demand without one).
+    the share of the demand without one); `load`: the share of the capacity the owned
+    replicas carry (``Overflow.utilization``).
 
     In work (module docstring), when `kinds` (the route's responses by kind over the window)
     give a mean: `replicas`, each owned replica's batch, running share and the work it
@@ -373,7 +379,15 @@ def decide_arrivals(
     # The trim, from the batch fill (as spill's).
     trim, trim_since = before.trim, before.trim_since
     queueing = fill > HIGH_FILL
+    # Room is judged against the load asked for: a replica kept at a lower share of its
+    # capacity shows a lower fill, which is the setting's doing, not a capacity read low.
+    room = fill < LOW_FILL * min(1.0, load / LOAD)
     high_since = (min(before.high_since, now)) if queueing else math.inf
+    # A measured capacity is not raised by the fill: what the engines computed at full
+    # batches is what they can, and room below it is the load asked for (``load``).
+    ceiling = 1.0 if measured else TRIM_RANGE[1]
+    if trim > ceiling:
+        trim, trim_since = ceiling, now
     if now - max(trim_since, before.since) >= DWELL:
         wanted = trim
         draining = before.step_fill is not None and fill < before.step_fill
@@ -381,18 +395,18 @@ def decide_arrivals(
             lasting = before.paid > 0 or now - high_since >= LASTING
             if lasting and not draining:
                 wanted = trim * max(MAX_CUT, TARGET_FILL / fill)
-        elif fill < LOW_FILL and before.paid > 0:
+        elif room and before.paid > 0:
             # Room with a share in force says the capacity reads low, but only when the
             # share is what the estimate asked for: room made by draining a queue or by a
             # share held above the estimate (hysteresis) is the share's own doing.
             if before.drain == 0 and before.paid <= before.target + DEADBAND:
                 wanted = trim + STEP
-        elif fill < LOW_FILL and trim < 1.0:
+        elif room and trim < 1.0:
             wanted = min(1.0, trim + STEP)
-        wanted = round(min(TRIM_RANGE[1], max(TRIM_RANGE[0], wanted)), 4)
+        wanted = round(min(ceiling, max(TRIM_RANGE[0], wanted)), 4)
         if wanted != trim:
             trim, trim_since = wanted, now
-    keep = trim * LOAD * capacity / demand
+    keep = trim * load * capacity / demand
     target = round(max(0.0, 1.0 - keep), 4)
     drain, allowed = drain_rate(queued, capacity, objective)
     if drain > 0:
@@ -414,7 +428,7 @@ def decide_arrivals(
     if recent is not None and recent > demand:
         # Falls wait for the recent rate too: in a rise the long window still holds the
         # lower rate of before, and a share given back then is a queue a second later.
-        held = round(max(0.0, 1.0 - trim * LOAD * capacity / recent), 4)
+        held = round(max(0.0, 1.0 - trim * load * capacity / recent), 4)
         floor = max(target, min(held, paid))
     else:
         floor = target
@@ -431,11 +445,11 @@ def decide_arrivals(
     excess = round(target - drain / demand, 4) if drain > 0 else target
     if excess > 0:
         why = (
-            f"demand {demand:.2f}/s above {trim * LOAD:.2f} x capacity {capacity:.2f}/s "
+            f"demand {demand:.2f}/s above {trim * load:.2f} x capacity {capacity:.2f}/s "
             f"({what}): {excess:.0%} to paid"
         )
     else:
-        why = f"demand {demand:.2f}/s within {trim * LOAD:.2f} x capacity {capacity:.2f}/s ({what})"
+        why = f"demand {demand:.2f}/s within {trim * load:.2f} x capacity {capacity:.2f}/s ({what})"
     if drain > 0 and queued is not None:
         why += (
             f"; queue {queued:.0f} above the objective's {allowed:.1f}: {drain:.2f}/s more "

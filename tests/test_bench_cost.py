@@ -15,6 +15,7 @@ from bench.cost.config import PAID_POOL, Phase, Prices, default_config
 from bench.cost.floor import full_rate, measured_floor
 from bench.cost.report import markdown, summarize, targets
 from bench.cost.results import CostSummary, Dollars, FullRate, PhaseRow
+from bench.cost.run import request_row
 from bench.cost.spend import PoolSpend, between, differences, from_responses, from_view
 from bench.rig.loadgen import LoadSample, RequestResult, RunResult
 from bench.rig.stack import POOL
@@ -245,3 +246,35 @@ def test_kvpilots_account_of_a_replay_is_the_difference_of_two_readings() -> Non
     assert differences(short, counted) == [
         f"pool {PAID_POOL}: requests 2 by kvpilot's spend, 3 from the responses"
     ]
+
+
+def test_each_request_is_a_line_of_the_requests_file_with_its_side_and_its_wait() -> None:
+    answered = RequestResult(
+        session="s12-5",
+        turn=2,
+        start=57.31234,
+        status=200,
+        replica="replica-3",
+        ttft=3.51234,
+        engine_ttft=3.49,
+        prompt_tokens=4100,
+        cached_tokens=4000,
+        completion_tokens=120,
+    )
+    row = json.loads(json.dumps(request_row("cost_aware_arrivals", answered)))
+    assert row == {
+        "policy": "cost_aware_arrivals",
+        "session": "s12-5",
+        "turn": 2,
+        "start": 57.3123,
+        "replica": "replica-3",
+        "status": 200,
+        "error": "",
+        "ttft": 3.5123,
+        "engine_ttft": 3.49,
+        "prompt_tokens": 4100,
+        "cached_tokens": 4000,
+        "completion_tokens": 120,
+    }
+    failed = request_row("owned_only", RequestResult(session="d1-0", turn=0, start=1.0, error="x"))
+    assert failed["ttft"] is None and failed["engine_ttft"] is None and failed["error"] == "x"

@@ -25,7 +25,9 @@ Each policy replays the same requests, one after the other on the same stack:
   (``ttft: 1s``) so that a queue beyond it is drained to the paid API; and (also only when
   named) the same with an objective of 2 s, which holds a longer queue on the owned replicas;
 - the loop giving back sooner (run only when named): ``recoverInterval: 2s``, and the same
-  with ``low: 0.9``; and by arrivals with ``recoverInterval: 2s``.
+  with ``low: 0.9``; and by arrivals with ``recoverInterval: 2s``;
+- by arrivals with the owned replicas kept at 90% or 80% of their measured capacity (run
+  only when named, ``cost_aware_arrivals_u90`` and ``_u80``: ``utilization``).
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
@@ -175,6 +177,26 @@ POLICIES: tuple[Policy, ...] = (
             },
         },
         default=False,
+    ),
+    # By arrivals with the owned replicas kept at a lower share of their capacity
+    # (``utilization``, 0.97 by default): a shorter queue at the peak bought with paid
+    # requests. Side by side with the default, the trade between the two targets.
+    *(
+        Policy(
+            f"cost_aware_arrivals_u{round(share * 100)}",
+            f"cost-aware by arrivals, utilization {share}",
+            {
+                **ROUTE,
+                "overflow": {
+                    "pools": [PAID_POOL],
+                    "signal": "arrivals",
+                    "ttft": "1s",
+                    "utilization": share,
+                },
+            },
+            default=False,
+        )
+        for share in (0.9, 0.8)
     ),
     # The same with an objective twice the benchmark's: a longer queue is held on the owned
     # replicas before it is drained. Where the objective sits between paid spend and the

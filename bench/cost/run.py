@@ -25,7 +25,7 @@ from bench.cost.results import (
     PaidDollars,
     SpendCheck,
 )
-from bench.rig.loadgen import replay
+from bench.rig.loadgen import RequestResult, replay
 from bench.rig.routes import Policy
 from bench.rig.stack import (
     MODEL,
@@ -145,8 +145,15 @@ def _serving(stack: Stack, policy: Policy) -> bool:
 
 
 def run_one(
-    stack: Stack, paid_url: str, policy: Policy, workload: Workload, config: CostConfig
+    stack: Stack,
+    paid_url: str,
+    policy: Policy,
+    workload: Workload,
+    config: CostConfig,
+    requests: list[dict[str, Any]] | None = None,
 ) -> CostSummary:
+    """Replay `workload` through `policy`; each request's outcome is appended to `requests`
+    when given (``request_row``)."""
     print(f"\n== {policy.title}: {workload.requests} requests", flush=True)
     stack.put(policy_body(stack.listener_port, policy.route))
     wait_until(lambda: _serving(stack, policy), 60, f"Envoy to serve {policy.key}")
@@ -172,6 +179,8 @@ def run_one(
         )
     )
     check = _spend_check(stack, run.results, before, config)
+    if requests is not None:
+        requests.extend(request_row(policy.key, result) for result in run.results)
     summary = replace(summarize(run, config), spend=check)
     print(
         f"   {summary.ok}/{summary.requests} ok; TTFT p50 {summary.ttft_p50:.3f} "
@@ -186,6 +195,26 @@ def run_one(
         flush=True,
     )
     return summary
+
+
+def request_row(policy: str, result: RequestResult) -> dict[str, Any]:
+    """One request's outcome as a line of the run's requests file: which side answered it
+    and when, its time to first token as the client and the engine saw it (their difference
+    is the wait before the engine), its tokens."""
+    return {
+        "policy": policy,
+        "session": result.session,
+        "turn": result.turn,
+        "start": round(result.start, 4),
+        "replica": result.replica,
+        "status": result.status,
+        "error": result.error,
+        "ttft": None if result.ttft is None else round(result.ttft, 4),
+        "engine_ttft": None if result.engine_ttft is None else round(result.engine_ttft, 4),
+        "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
+        "completion_tokens": result.completion_tokens,
+    }
 
 
 def _spend_check(
@@ -240,6 +269,7 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
     workload, calibration = build_workload(config)
     print(f"workload: {workload.requests} requests ({time.monotonic() - started:.0f}s to build)")
     results: dict[str, CostSummary] = {}
+    requests: list[dict[str, Any]] = []
     with contextlib.ExitStack() as exits:
         if state_dir is None:
             state_dir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="kvcost-")))
@@ -261,7 +291,7 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
             if policy.key not in config.policies if config.policies else not policy.default:
                 continue
             results[policy.key] = run_one(
-                stack, paid.replicas[0].url, config.policy(policy), workload, config
+                stack, paid.replicas[0].url, config.policy(policy), workload, config, requests
             )
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -286,5 +316,8 @@ def run_cost(config: CostConfig, state_dir: Path | None = None) -> Path:
         "results": {policy: summary.to_json() for policy, summary in results.items()},
     }
     report.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str))
+    # Every request of every policy, one JSON object a line: what the tables summarize.
+    lines = "".join(json.dumps(row) + "\n" for row in requests)
+    report.with_name(f"{report.stem}-requests.jsonl").write_text(lines)
     print(report.read_text())
     return report

@@ -11,6 +11,8 @@ from policies.models.fields import Duration, Model, Name
 
 Conversations = Literal["last", "with"]
 OverflowSignal = Literal["arrivals", "fill"]
+UTILIZATION = 0.97
+"""Default ``Overflow.utilization``: spill's share of a locality's capacity, as there."""
 
 
 class Overflow(Model):
@@ -114,7 +116,18 @@ class Overflow(Model):
         "it, corrected by the batch fill (signals.overflowff). Its listeners then report "
         "every upstream attempt's start and end to kvpilot. Not with feedForward. "
         "Default: arrivals (in the cost benchmark it paid 0.64-0.88x the loop's spend, seed "
-        "by seed, at a peak level with the loop's or faster).",
+        "by seed, its peak TTFT p99 from level with the loop's to 1.46x slower by run).",
+    )
+    utilization: float = Field(
+        UTILIZATION,
+        gt=0,
+        le=1,
+        description="With signal: arrivals, the share of the owned replicas' measured "
+        "capacity they carry before the paid pools take the rest of the demand. Lower keeps "
+        "a shorter queue on them at a peak and pays for more requests: the trade between "
+        "paid spend and the peak's latency (measured in docs/cost-overflow.md). "
+        "Default: 0.97 (a little room, so a queue that formed while the share was found "
+        "drains).",
     )
     feed_forward: float = Field(
         0.0,
@@ -145,5 +158,10 @@ class Overflow(Model):
             raise ValueError(
                 "overflow feedForward is for signal: fill (set it); with signal: arrivals, "
                 "the default, the arrival rate sets the share already"
+            )
+        if self.signal == "fill" and self.utilization != UTILIZATION:
+            raise ValueError(
+                "overflow utilization is for signal: arrivals; with signal: fill, fill sets "
+                "the batch fill at which the replicas count as saturated"
             )
         return self

@@ -72,9 +72,10 @@ def policy(
     }
 
 
-def arrivals_overflow(ports: Iterable[int]) -> tuple[dict[str, Any], ...]:
+def arrivals_overflow(ports: Iterable[int], **overflow: Any) -> tuple[dict[str, Any], ...]:
     """An owned pool of vLLM replicas at `ports`, a paid pool, and a policy whose route
-    `chat` keeps sessions on the owned pool and overflows to the paid one by arrivals."""
+    `chat` keeps sessions on the owned pool and overflows to the paid one by arrivals
+    (`overflow`: more of the route's overflow fields)."""
     owned = pool("owned", ports, telemetry={"format": "vllm"})
     paid = pool(
         "paid",
@@ -86,7 +87,7 @@ def arrivals_overflow(ports: Iterable[int]) -> tuple[dict[str, Any], ...]:
         "name": "chat",
         "tiers": [["owned"]],
         "sessionAffinity": {"header": "x-session-id"},
-        "overflow": {"pools": ["paid"], "signal": "arrivals"},
+        "overflow": {"pools": ["paid"], "signal": "arrivals", **overflow},
     }
     return owned, paid, policy("main", 10000, [chat])
 
