@@ -267,10 +267,11 @@ def decide_arrivals(
     (running + waiting) / batch size; `completions`: what they completed per second over the
     last ``SAMPLE_WINDOW``; `service_time`: their mean seconds per request (first to last
     byte); `completed`: what they completed per second over a longer window, full or not, a
-    lower bound of their capacity; `session_share`: the share of the requests started on the route's own replicas
-    that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``); `queued`: the
-    requests waiting for a slot on the owned replicas; `objective`: the route's TTFT
-    objective in seconds (``Overflow.ttft``), without which no queue is drained
+    lower bound of their capacity; `session_share`: the share of the requests started on the
+    route's own replicas that had a session
+    (``xdsserver.arrivals.ArrivalBook.session_shares``); `queued`: the requests waiting for
+    a slot on the owned replicas; `objective`: the route's TTFT objective in seconds
+    (``Overflow.ttft``), without which no queue is drained
     (``drain_rate``); `conversations`: ``Overflow.conversations``: with ``last`` the drain
     takes requests without a session only, never conversations (the share it adds stops at
     the share of the demand without one); `load`: the share of the capacity the owned

@@ -45,14 +45,14 @@ fifths of the work in that benchmark where it takes about a third of the engines
   Nor is running over the mean time per output token the output rate: sequences still in
   their prefill run without making tokens, and steps without a decoding sequence are in no
   token's time; it read 1,700-2,200 work/s there. Counted from the responses' usage
-  instead (the work each brought when it ended, ``work_sample``: each replica full for a request's time and then
-  ``SAMPLE_WINDOW``), the first run of the cost benchmark read 945-1,390 work/s where the
-  pool computed about 1,480 when all were full: a replica stays full for that long with a
-  paid share in force when its requests are long, and those end, and count, late. The
-  responses' usage is the sample only for replicas whose telemetry has no token timings.
-  Held per slot; before any sample, the prior in requests (``signals.overflowff``), which
-  is also where the first sample is averaged in from. What the owned replicas
-  completed over the long window, in work, bounds it from below.
+  instead (the work each brought when it ended, ``work_sample``: each replica full for a
+  request's time and then ``SAMPLE_WINDOW``), the first run of the cost benchmark read
+  945-1,390 work/s where the pool computed about 1,480 when all were full: a replica stays
+  full for that long with a paid share in force when its requests are long, and those end,
+  and count, late. The responses' usage is the sample only for replicas whose telemetry has
+  no token timings. Held per slot; before any sample, the prior in requests
+  (``signals.overflowff``), which is also where the first sample is averaged in from. What
+  the owned replicas completed over the long window, in work, bounds it from below.
 - **The share** is of the demand's work: the paid pools take what the owned replicas cannot
   compute, requests without a session first, as many of them as carry that work (the plain
   share of ``kind_shares`` is then the share of the work without a session). For status and

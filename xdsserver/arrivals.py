@@ -14,8 +14,8 @@ From the start entries: first attempts per (fleet, route cluster) over the last
 ``ARRIVAL_WINDOW`` seconds, or over the time since the route's rate last changed beyond
 noise (``change_point_rate``, found on the starts of a route's clusters together: its own,
 its overflow aggregates', its paid pools'; retries are not new demand). From the end
-entries of streamed answers: the time from the replica's first byte to its last, per host, over the last
-``SERVICE_WINDOW`` seconds. The first byte is the first token where the replica queues
+entries of streamed answers: the time from the replica's first byte to its last, per host,
+over the last ``SERVICE_WINDOW`` seconds. The first byte is the first token where the replica queues
 before it answers; the prefill before it is left out, a small part of a request with a few
 hundred tokens to generate.
 
