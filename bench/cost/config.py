@@ -281,12 +281,13 @@ SINGLES = WorkloadConfig(
 """Single requests: a question about one of a few shared documents, no session id."""
 
 
-def default_config(short: bool = False, seed: int = 1) -> CostConfig:
-    """The `make bench` settings, or a smoke run with `short`."""
+def default_config(short: bool = False, seed: int = 1, batch: int = SUITE_MAX_BATCH) -> CostConfig:
+    """The `make bench` settings, or a smoke run with `short`; the owned replicas batch
+    `batch` sequences (the load follows their capacity at that batch size)."""
     # Paced as the service-class benchmark's fleet is (`bench.rig.phased.paced`).
     base = paced(
         BenchConfig(replicas=4, sim=routing_config().sim, workload=CHAT),
-        SUITE_MAX_BATCH,
+        batch,
         orca=False,
     )
     config = CostConfig(routing=base, seed=seed)
