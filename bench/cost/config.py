@@ -44,7 +44,7 @@ from bench.rig.phased import Phased, paced
 from bench.rig.routes import SESSION_AFFINITY, Policy
 from bench.rig.stack import POOL
 from bench.rig.workload import CHAT, WorkloadConfig
-from bench.routing.scenarios import SUITE_MAX_BATCH
+from bench.routing.scenarios import SUITE_MAX_BATCH, sim_at
 from bench.routing.sequential import RoutingConfig as BenchConfig
 from bench.routing.sequential import default_config as routing_config
 from replicasim.simulator import SimConfig
@@ -285,11 +285,10 @@ def default_config(short: bool = False, seed: int = 1, batch: int = SUITE_MAX_BA
     """The `make bench` settings, or a smoke run with `short`; the owned replicas batch
     `batch` sequences (the load follows their capacity at that batch size)."""
     # Paced as the service-class benchmark's fleet is (`bench.rig.phased.paced`).
-    base = paced(
-        BenchConfig(replicas=4, sim=routing_config().sim, workload=CHAT),
-        batch,
-        orca=False,
-    )
+    # The KV cache grows with the batch (`sim_at`: the same cache per sequence); the pace
+    # stays the wall clock's, so the control plane's seconds are the engines' seconds.
+    sim = sim_at(routing_config().sim, batch)
+    base = paced(BenchConfig(replicas=4, sim=sim, workload=CHAT), batch, orca=False)
     config = CostConfig(routing=base, seed=seed)
     if short:
         config = CostConfig(
