@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from compiler.compile import PolicyState, compile_plan
 from policies import parse_object
 from policies.models import Overflow
+from policies.models.overflow import UTILIZATION
 from signals.overflowff import PRIOR_SHARE, ArrivalsDecision, decide_arrivals
 from signals.overflowwork import SAMPLE_WINDOW
 from signals.spill import LOAD, LOW_FILL
@@ -19,8 +20,8 @@ NOW = 1_000_000.0
 PORTS = (8001, 8002, 8003, 8004)
 
 
-def test_utilization_defaults_to_spill_s_load_and_bad_values_name_the_field() -> None:
-    assert Overflow.model_validate({"pools": ["paid"]}).utilization == LOAD
+def test_utilization_defaults_to_0_9_and_bad_values_name_the_field() -> None:
+    assert Overflow.model_validate({"pools": ["paid"]}).utilization == UTILIZATION == 0.9
     assert Overflow.model_validate({"pools": ["paid"], "utilization": 0.8}).utilization == 0.8
     for bad in (0, -0.5, 1.2, "most"):
         with pytest.raises(ValidationError, match="utilization"):
@@ -29,7 +30,7 @@ def test_utilization_defaults_to_spill_s_load_and_bad_values_name_the_field() ->
     with pytest.raises(ValidationError, match="utilization is for signal: arrivals"):
         Overflow.model_validate({"pools": ["paid"], "signal": "fill", "utilization": 0.8})
     # Its default, as a stored policy carries it back, is not.
-    Overflow.model_validate({"pools": ["paid"], "signal": "fill", "utilization": LOAD})
+    Overflow.model_validate({"pools": ["paid"], "signal": "fill", "utilization": UTILIZATION})
 
 
 def _round(
@@ -98,7 +99,7 @@ def test_the_compiled_route_reads_its_utilization() -> None:
         return decision.paid
 
     # 32 slots / 4 s: a prior of 5.6/s against 6/s of demand.
-    assert paid() == pytest.approx(1 - LOAD * PRIOR_SHARE * 8.0 / 6.0, abs=1e-3)
+    assert paid() == pytest.approx(1 - UTILIZATION * PRIOR_SHARE * 8.0 / 6.0, abs=1e-3)
     assert paid(utilization=0.5) == pytest.approx(1 - 0.5 * PRIOR_SHARE * 8.0 / 6.0, abs=1e-3)
 
 
