@@ -12,9 +12,9 @@ from policies.models.fields import Duration, Model, Name
 Conversations = Literal["last", "with"]
 OverflowSignal = Literal["arrivals", "fill"]
 UTILIZATION = 0.9
-"""``Overflow.utilization`` when unset: the share that met more of the cost benchmark's
-targets than 0.97 (spill's share of a locality's capacity) at batches of 8 and of 32
-(docs/cost-overflow.md)."""
+"""``Overflow.utilization`` when unset: the share that holds the cost benchmark's TTFT p99 at
+batches of 32, where 0.97 (spill's share of a locality's capacity) left it 1.6x the static
+split's; at batches of 8 the two are a trade of spend for the peak (docs/cost-overflow.md)."""
 UTILIZATION_STORED_BEFORE = 0.97
 """What versions before 0.9 stored in every overflow's ``utilization`` (objects are stored
 with their defaults filled in): accepted with ``signal: fill`` so that such a route still
