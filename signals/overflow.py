@@ -339,7 +339,7 @@ def decide_overflow_arrivals(
         replicas=replicas,
         kinds=kinds,
         completed_work=completed_work,
-        load=overflow.utilization,
+        load=overflow.owned_share(),
     )
     plain, sessions = kind_shares(decision.paid, decision.plain_share, overflow.conversations)
     low, high = overflow.min_share / 100, overflow.max_share / 100

@@ -14,9 +14,10 @@ its overflow aggregates, its paid pools: ``route_demand``, every kvpilot replica
 ``controlplane.arrivals``; each counted over the long window, or since the rate's last
 change point, ``xdsserver.arrivals.change_point_rate``), or this replica's own rate over
 the last few seconds when that is above it beyond noise (``blend_demand``): a rise counts
-within seconds, a fall waits for the shared rate. ``load`` (``Overflow.utilization``, 0.97 by
-default, as spill's ``LOAD``) leaves a little room so a queue that formed while the share was
-found drains; lower, it keeps the queue shorter at a peak and pays for more requests.
+within seconds, a fall waits for the shared rate. ``load`` (``Overflow.utilization``, 0.9
+when unset; spill's ``LOAD``, 0.97, for a caller that gives none) leaves room so a queue
+that formed while the share was found drains; lower, it keeps the queue shorter at a peak
+and pays for more requests.
 
 Capacity: measured while the batches are full
 ---------------------------------------------

@@ -204,6 +204,21 @@ def test_the_report_rendered_from_a_runs_file_is_the_committed_markdown() -> Non
     ]
 
 
+def test_a_larger_batch_grows_the_kv_cache_with_it_at_the_wall_clocks_pace() -> None:
+    """At 32 sequences a replica holds four times the KV cache of 8 (the same per sequence,
+    as the routing suite's replicas), the engines still run at the wall clock's pace, and the
+    report says which batch size it ran."""
+    small, large = default_config(), default_config(batch=32)
+    assert small.routing.sim.max_batch == 8 and large.routing.sim.max_batch == 32
+    assert large.routing.sim.kv_blocks == 4 * small.routing.sim.kv_blocks
+    assert large.routing.sim.time_scale == small.routing.sim.time_scale == 1.0
+    assert large.routing.capacity_batch == 32
+    data = json.loads((BENCH / "cost-short.json").read_text())["1"]
+    results = {1: {key: CostSummary.from_json(entry) for key, entry in data.items()}}
+    assert "4 owned replicas batching 32 sequences" in markdown(results, large)
+    assert "4 owned replicas batching 8 sequences" in markdown(results, small)
+
+
 def test_the_responses_account_prices_paid_usage_as_kvpilot_does() -> None:
     results = [
         result(12.0, "paid-0", 0.5),

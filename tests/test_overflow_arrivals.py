@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from compiler.compile import PolicyState, compile_plan
 from policies import parse_object
 from policies.models import Overflow
+from policies.models.overflow import UTILIZATION
 from signals.overflow import OverflowDecision
 from signals.overflowdemand import blend_demand, route_demand
 from signals.overflowff import (
@@ -392,7 +393,7 @@ def test_the_compiled_route_overflows_the_demand_above_capacity_plain_requests_f
     assert light.arrivals.plain_share == pytest.approx(0.4)  # learned: nothing overflowed
     peak = compile_plan(_state(12.0, running=1.0, previous=light, now=NOW + 1))
     decision = peak.overflow["main/chat"]
-    paid = 1 - LOAD * PRIOR_SHARE * 8.0 / 12.0
+    paid = 1 - UTILIZATION * PRIOR_SHARE * 8.0 / 12.0
     assert decision.arrivals is not None and decision.arrivals.paid == pytest.approx(paid, abs=1e-3)
     # 40% of the demand has no session: those go first, all of them and some conversations.
     assert decision.plain == 1.0

@@ -3,13 +3,17 @@ with ``signal: arrivals`` before the paid pools take the rest of the route's dem
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from harness.builders import arrivals_overflow
 from pydantic import ValidationError
 
 from compiler.compile import PolicyState, compile_plan
+from controlplane.decode import decode
 from policies import parse_object
-from policies.models import Overflow
+from policies.models import Overflow, RoutingPolicy
+from policies.models.overflow import UTILIZATION, UTILIZATION_STORED_BEFORE
 from signals.overflowff import PRIOR_SHARE, ArrivalsDecision, decide_arrivals
 from signals.overflowwork import SAMPLE_WINDOW
 from signals.spill import LOAD, LOW_FILL
@@ -19,8 +23,12 @@ NOW = 1_000_000.0
 PORTS = (8001, 8002, 8003, 8004)
 
 
-def test_utilization_defaults_to_spill_s_load_and_bad_values_name_the_field() -> None:
-    assert Overflow.model_validate({"pools": ["paid"]}).utilization == LOAD
+def test_utilization_defaults_to_0_9_and_bad_values_name_the_field() -> None:
+    unset = Overflow.model_validate({"pools": ["paid"]})
+    assert unset.utilization is None and unset.owned_share() == UTILIZATION == 0.9
+    # Stored unset, so a later default applies to it.
+    assert unset.model_dump(mode="json", by_alias=True)["utilization"] is None
+    assert Overflow.model_validate({"pools": ["paid"], "utilization": 0.8}).owned_share() == 0.8
     assert Overflow.model_validate({"pools": ["paid"], "utilization": 0.8}).utilization == 0.8
     for bad in (0, -0.5, 1.2, "most"):
         with pytest.raises(ValidationError, match="utilization"):
@@ -28,8 +36,25 @@ def test_utilization_defaults_to_spill_s_load_and_bad_values_name_the_field() ->
     # The loop has its own bound (fill): a utilization set for it is refused, named.
     with pytest.raises(ValidationError, match="utilization is for signal: arrivals"):
         Overflow.model_validate({"pools": ["paid"], "signal": "fill", "utilization": 0.8})
-    # Its default, as a stored policy carries it back, is not.
-    Overflow.model_validate({"pools": ["paid"], "signal": "fill", "utilization": LOAD})
+    # Unset, as the loop's routes are stored now, it is not.
+    Overflow.model_validate({"pools": ["paid"], "signal": "fill"})
+    with pytest.raises(ValidationError, match="utilization is for signal: arrivals"):
+        Overflow.model_validate({"pools": ["paid"], "signal": "fill", "utilization": 0.9})
+
+
+def test_a_loop_route_stored_by_an_earlier_version_still_loads() -> None:
+    # Versions before 0.9 stored every overflow with its defaults filled in (utilization
+    # 0.97), the fill loop's routes too: such a stored policy still decodes, and an
+    # arrivals route stored so keeps the 0.97 it was stored with.
+    for signal in ("fill", "arrivals"):
+        body = parse_object(arrivals_overflow(PORTS, signal=signal)[2])
+        stored = body.model_dump(mode="json", by_alias=True)
+        stored["spec"]["routes"][0]["overflow"]["utilization"] = UTILIZATION_STORED_BEFORE
+        decoded = decode("objects/routingpolicies/main", json.dumps(stored).encode())
+        assert isinstance(decoded, RoutingPolicy), signal
+        overflow = decoded.spec.routes[0].overflow
+        assert overflow is not None and overflow.signal == signal
+        assert overflow.owned_share() == 0.97
 
 
 def _round(
@@ -98,7 +123,7 @@ def test_the_compiled_route_reads_its_utilization() -> None:
         return decision.paid
 
     # 32 slots / 4 s: a prior of 5.6/s against 6/s of demand.
-    assert paid() == pytest.approx(1 - LOAD * PRIOR_SHARE * 8.0 / 6.0, abs=1e-3)
+    assert paid() == pytest.approx(1 - UTILIZATION * PRIOR_SHARE * 8.0 / 6.0, abs=1e-3)
     assert paid(utilization=0.5) == pytest.approx(1 - 0.5 * PRIOR_SHARE * 8.0 / 6.0, abs=1e-3)
 
 

@@ -16,6 +16,7 @@ from compiler.compile import PolicyState, compile_plan
 from controlplane.decode import DecodedState
 from policies import parse_object
 from policies.models import Pool, RoutingPolicy
+from policies.models.overflow import UTILIZATION
 from signals.overflow import OverflowDecision
 from signals.overflowff import PRIOR_SHARE, ArrivalsDecision, decide_arrivals
 from signals.overflowwork import (
@@ -348,7 +349,7 @@ def test_the_compiled_route_sends_the_excess_work_to_paid_plain_requests_first()
     peak = compile_plan(_state(20.0, previous=first, now=NOW + settled(4.0))).overflow["main/chat"]
     arrivals = peak.arrivals
     assert arrivals is not None and arrivals.measured
-    paid = 1 - LOAD * 4800 / (20 * 304)
+    paid = 1 - UTILIZATION * 4800 / (20 * 304)
     assert arrivals.paid == pytest.approx(paid, abs=1e-3)
     # The plain requests carry 21% of the work: all of them go, then conversations.
     share = 6400 / 30400
@@ -500,7 +501,7 @@ def test_the_compiled_route_reads_the_engines_rates_from_their_telemetry() -> No
     assert arrivals is not None and arrivals.measured
     held = (1 - RATE_WEIGHT) * PRIOR_SHARE / 4.0 * 304 + RATE_WEIGHT * 48.0
     assert arrivals.work_per_slot == pytest.approx(held)
-    assert arrivals.target == pytest.approx(1 - LOAD * held * 32 / (20 * 304), abs=1e-3)
+    assert arrivals.target == pytest.approx(1 - UTILIZATION * held * 32 / (20 * 304), abs=1e-3)
     # A rebuild before the next scrape reads the same records: nothing is averaged in again.
     state = _state(
         20.0,

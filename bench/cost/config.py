@@ -26,8 +26,9 @@ Each policy replays the same requests, one after the other on the same stack:
   named) the same with an objective of 2 s, which holds a longer queue on the owned replicas;
 - the loop giving back sooner (run only when named): ``recoverInterval: 2s``, and the same
   with ``low: 0.9``; and by arrivals with ``recoverInterval: 2s``;
-- by arrivals with the owned replicas kept at 90% or 80% of their measured capacity (run
-  only when named, ``cost_aware_arrivals_u90`` and ``_u80``: ``utilization``).
+- by arrivals with the owned replicas kept at 97% or 80% of their measured capacity (run
+  only when named, ``cost_aware_arrivals_u97`` and ``_u80``: ``utilization``, 0.9 by
+  default).
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
@@ -44,7 +45,7 @@ from bench.rig.phased import Phased, paced
 from bench.rig.routes import SESSION_AFFINITY, Policy
 from bench.rig.stack import POOL
 from bench.rig.workload import CHAT, WorkloadConfig
-from bench.routing.scenarios import SUITE_MAX_BATCH
+from bench.routing.scenarios import SUITE_MAX_BATCH, sim_at
 from bench.routing.sequential import RoutingConfig as BenchConfig
 from bench.routing.sequential import default_config as routing_config
 from replicasim.simulator import SimConfig
@@ -178,9 +179,10 @@ POLICIES: tuple[Policy, ...] = (
         },
         default=False,
     ),
-    # By arrivals with the owned replicas kept at a lower share of their capacity
-    # (``utilization``, 0.97 by default): a shorter queue at the peak bought with paid
-    # requests. Side by side with the default, the trade between the two targets.
+    # By arrivals with the owned replicas kept at another share of their capacity
+    # (``utilization``, 0.9 by default): 0.97, the default before, pays for fewer requests
+    # and holds a longer queue at the peak; 0.8 the other way. Side by side with the
+    # default, the trade between the two targets.
     *(
         Policy(
             f"cost_aware_arrivals_u{round(share * 100)}",
@@ -196,7 +198,7 @@ POLICIES: tuple[Policy, ...] = (
             },
             default=False,
         )
-        for share in (0.9, 0.8)
+        for share in (0.97, 0.8)
     ),
     # The same with an objective twice the benchmark's: a longer queue is held on the owned
     # replicas before it is drained. Where the objective sits between paid spend and the
@@ -281,14 +283,14 @@ SINGLES = WorkloadConfig(
 """Single requests: a question about one of a few shared documents, no session id."""
 
 
-def default_config(short: bool = False, seed: int = 1) -> CostConfig:
-    """The `make bench` settings, or a smoke run with `short`."""
+def default_config(short: bool = False, seed: int = 1, batch: int = SUITE_MAX_BATCH) -> CostConfig:
+    """The `make bench` settings, or a smoke run with `short`; the owned replicas batch
+    `batch` sequences (the load follows their capacity at that batch size)."""
     # Paced as the service-class benchmark's fleet is (`bench.rig.phased.paced`).
-    base = paced(
-        BenchConfig(replicas=4, sim=routing_config().sim, workload=CHAT),
-        SUITE_MAX_BATCH,
-        orca=False,
-    )
+    # The KV cache grows with the batch (`sim_at`: the same cache per sequence); the pace
+    # stays the wall clock's, so the control plane's seconds are the engines' seconds.
+    sim = sim_at(routing_config().sim, batch)
+    base = paced(BenchConfig(replicas=4, sim=sim, workload=CHAT), batch, orca=False)
     config = CostConfig(routing=base, seed=seed)
     if short:
         config = CostConfig(

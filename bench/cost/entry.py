@@ -23,6 +23,12 @@ class CostBenchmark:
         parser.add_argument("--seeds", default="1,2,3", help="comma list of seeds (1,2,3)")
         parser.add_argument("--policies", default="", help="comma list of policies to run")
         parser.add_argument(
+            "--batch-size",
+            type=int,
+            default=None,
+            help="sequences the owned replicas batch (the suite's first batch size, 8, by default)",
+        )
+        parser.add_argument(
             "--overflow",
             default="{}",
             help="JSON fields added to cost-aware's overflow, for tuning runs",
@@ -33,6 +39,7 @@ class CostBenchmark:
         from bench.cost.report import markdown
         from bench.cost.results import CostSummary
         from bench.cost.run import run_cost
+        from bench.routing.scenarios import SUITE_MAX_BATCH
 
         try:
             seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
@@ -43,11 +50,16 @@ class CostBenchmark:
             ) from None
         if not seeds or not isinstance(extra, dict):
             raise UsageError("--seeds needs a seed; --overflow is a JSON object")
+        batch = SUITE_MAX_BATCH if args.batch_size is None else args.batch_size
+        if batch < 1:
+            raise UsageError(f"--batch-size is a number of sequences, at least 1: {batch}")
         policies = names(args.policies, (p.key for p in POLICIES), "policies")
         results: dict[int, dict[str, CostSummary]] = {}
-        config = default_config(short=args.short)
+        config = default_config(short=args.short, batch=batch)
         for seed in seeds:
-            config = replace(default_config(short=args.short, seed=seed), overflow=extra)
+            config = replace(
+                default_config(short=args.short, seed=seed, batch=batch), overflow=extra
+            )
             if args.out is not None:
                 config = replace(config, out_dir=args.out)
             if policies:

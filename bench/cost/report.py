@@ -308,7 +308,8 @@ def markdown(results: Results, config: CostConfig) -> str:
         "# Cost-aware overflow",
         "",
         f"Seeds {', '.join(str(s) for s in results)}: median (min-max). {config.replicas} owned "
-        f"replicas at ${config.prices.owned_per_replica_hour:.2f}/h each; the paid API at "
+        f"replicas batching {config.routing.sim.max_batch} sequences at "
+        f"${config.prices.owned_per_replica_hour:.2f}/h each; the paid API at "
         f"${config.prices.paid_input_per_mtok:.2f} / ${config.prices.paid_cached_input_per_mtok:.2f}"
         f" / ${config.prices.paid_output_per_mtok:.2f} per million input / cached input / "
         f"output tokens, {config.paid_sim.first_token_delay:g} s added before its engine, "

@@ -11,8 +11,14 @@ from policies.models.fields import Duration, Model, Name
 
 Conversations = Literal["last", "with"]
 OverflowSignal = Literal["arrivals", "fill"]
-UTILIZATION = 0.97
-"""Default ``Overflow.utilization``: spill's share of a locality's capacity, as there."""
+UTILIZATION = 0.9
+"""``Overflow.utilization`` when unset: the share that holds the cost benchmark's TTFT p99 at
+batches of 32, where 0.97 (spill's share of a locality's capacity) left it 1.6x the static
+split's; at batches of 8 the two are a trade of spend for the peak (docs/cost-overflow.md)."""
+UTILIZATION_STORED_BEFORE = 0.97
+"""What versions before 0.9 stored in every overflow's ``utilization`` (objects are stored
+with their defaults filled in): accepted with ``signal: fill`` so that such a route still
+loads, where any other value set for the loop is refused."""
 
 
 class Overflow(Model):
@@ -118,16 +124,17 @@ class Overflow(Model):
         "Default: arrivals (in the cost benchmark it paid 0.64-0.88x the loop's spend, seed "
         "by seed, its peak TTFT p99 from level with the loop's to 1.46x slower by run).",
     )
-    utilization: float = Field(
-        UTILIZATION,
+    utilization: float | None = Field(
+        None,
         gt=0,
         le=1,
         description="With signal: arrivals, the share of the owned replicas' measured "
         "capacity they carry before the paid pools take the rest of the demand. Lower keeps "
         "a shorter queue on them at a peak and pays for more requests: the trade between "
         "paid spend and the peak's latency (measured in docs/cost-overflow.md). "
-        "Default: 0.97 (a little room, so a queue that formed while the share was found "
-        "drains).",
+        "Unset: 0.9 (at batches of 32, 0.97 left the owned replicas' TTFT p99 1.6x the "
+        "static split's; 0.9 level with it; 0.8 for routes whose latency matters more); "
+        "stored unset, so a later default applies.",
     )
     feed_forward: float = Field(
         0.0,
@@ -159,9 +166,14 @@ class Overflow(Model):
                 "overflow feedForward is for signal: fill (set it); with signal: arrivals, "
                 "the default, the arrival rate sets the share already"
             )
-        if self.signal == "fill" and self.utilization != UTILIZATION:
+        if self.signal == "fill" and self.utilization not in (None, UTILIZATION_STORED_BEFORE):
             raise ValueError(
                 "overflow utilization is for signal: arrivals; with signal: fill, fill sets "
                 "the batch fill at which the replicas count as saturated"
             )
         return self
+
+    def owned_share(self) -> float:
+        """The share of their measured capacity the owned replicas carry: ``utilization``,
+        or ``UTILIZATION`` when it is unset."""
+        return UTILIZATION if self.utilization is None else self.utilization
