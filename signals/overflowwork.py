@@ -20,6 +20,10 @@ token, 23 ms a step of 8 sequences, 2.9 ms an output token: 0.086; on a GPU pref
 compute-bound at thousands of tokens a second and decode at a full batch memory-bound, the
 same order). Counting prompt tokens at par with output tokens would make the prefill four
 fifths of the work in that benchmark where it takes about a third of the engines' time.
+The ratio grows with the batch, as a fuller step makes each output token cheaper: the same
+engine at 32 sequences is at 0.24 (33 ms a step of 32), and there the constant undercounts
+the long prompts' work, reads the capacity high and sends less than the excess to paid
+(docs/cost-overflow.md, "Measured at a batch of 32"). Learning it from the engines is open.
 
 - **Demand** is the arrival rate times the mean work of a request of each kind over the
   last ``ARRIVAL_WINDOW`` (``KindWork``: every pool's responses, the kind from the route
@@ -77,7 +81,7 @@ for a capacity sample: at 4 completions a second, 20 of them."""
 
 PREFILL_WEIGHT = 0.1
 """What an uncached prompt token counts against an output token in overflow's unit of work
-(module docstring: the simulated engine's ratio is 0.086)."""
+(module docstring: the simulated engine's ratio is 0.086 at batches of 8, 0.24 at 32)."""
 RATE_WEIGHT = 0.2
 """Weight of a round's sample of the full replicas' computed rates (``rate_sample``) against
 the held one: a scrape's second of steps is noisy (a long prefill's step is half a second),
