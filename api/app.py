@@ -384,6 +384,8 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
                 capacity=arrivals.capacity,
                 capacityMeasured=arrivals.measured,
                 workPerRequest=arrivals.work,
+                prefillWeight=arrivals.prefill_weight,
+                prefillWeightLearned=arrivals.fit.weight() is not None,
                 paidShare=arrivals.paid,
                 trim=arrivals.trim,
                 queued=arrivals.queued,

@@ -225,7 +225,7 @@ async def serve(
     reconciler.recent_work = lambda now: work.host_work(now, window=SAMPLE_WINDOW)
     reconciler.completed_work = work.host_work
     reconciler.kind_work = work.kinds
-    reconciler.work_per_output = work.work_per_output
+    reconciler.prefill_per_output = work.prefill_per_output
     difficulty = DifficultyLoop(
         scores,
         lambda: virtual_models_of(reconciler.state.policies if reconciler.state else {}),

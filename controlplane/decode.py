@@ -30,7 +30,7 @@ from signals import PolicyState
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.overflow import OverflowDecision
-from signals.overflowwork import KindWork
+from signals.overflowwork import KindWork, Work
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
@@ -175,10 +175,10 @@ class DecodedState:
         recent_completions: Mapping[str, float] | None = None,
         session_shares: Mapping[str, float] | None = None,
         recent_demands: Mapping[str, float] | None = None,
-        recent_work: Mapping[str, float] | None = None,
-        completed_work: Mapping[str, float] | None = None,
+        recent_work: Mapping[str, Work] | None = None,
+        completed_work: Mapping[str, Work] | None = None,
         kind_work: Mapping[str, KindWork] | None = None,
-        work_per_output: Mapping[str, float] | None = None,
+        prefill_per_output: Mapping[str, float] | None = None,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
         per-pool mappings are shared with this state and must not be changed."""
@@ -203,5 +203,5 @@ class DecodedState:
             recent_work=recent_work or {},
             completed_work=completed_work or {},
             kind_work=kind_work or {},
-            work_per_output=work_per_output or {},
+            prefill_per_output=prefill_per_output or {},
         )

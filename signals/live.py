@@ -19,6 +19,7 @@ from signals.overflow import (
     provider_order,
 )
 from signals.overflowdemand import blend_demand, route_demand
+from signals.overflowff import prefill_weight
 from signals.overflowwork import ReplicaLoad, computed_rate
 from signals.saturation import (
     SaturationDecision,
@@ -223,19 +224,25 @@ def _by_arrivals(
     done = [state.recent_completions[key] for key in keys if key in state.recent_completions]
     completed = [state.completions[key] for key in keys if key in state.completions]
     # In work (signals.overflowff): each replica's fullness, the work it computed at its last
-    # scrape and the work its responses carried.
+    # scrape and the work its responses carried, a prefilled token at the weight learned
+    # from the engines so far (signals.prefillfit; the decision weighs with the same one).
+    previous = state.previous_overflow.get(name)
+    weight = prefill_weight(previous.arrivals if previous is not None else None)
+
+    def per_output(key: str) -> float | None:
+        prefill = state.prefill_per_output.get(key)
+        return None if prefill is None else round(1.0 + weight * prefill, 4)
+
     replicas = [
         ReplicaLoad(
             key=endpoint.key,
             slots=record.max_running,
             running=(record.running or 0.0) / record.max_running,
-            work=state.recent_work.get(endpoint.key),
-            rate=computed_rate(
-                record.output_tokens_per_second, state.work_per_output.get(endpoint.key)
-            ),
+            work=recent.at(weight) if (recent := state.recent_work.get(endpoint.key)) else None,
+            rate=computed_rate(record.output_tokens_per_second, per_output(endpoint.key)),
             at=record.at,
             total=record.output_tokens_total,
-            per_output=state.work_per_output.get(endpoint.key),
+            per_output=per_output(endpoint.key),
             prefilled=record.prefilled_tokens_total,
         )
         for endpoint in endpoints
@@ -243,9 +250,9 @@ def _by_arrivals(
         and record.max_running
         and state.now - record.at <= max_age
     ]
-    work = [state.completed_work[key] for key in keys if key in state.completed_work]
+    work = [state.completed_work[key].at(weight) for key in keys if key in state.completed_work]
     return decide_overflow_arrivals(
-        state.previous_overflow.get(name),
+        previous,
         overflow,
         signals,
         providers,

@@ -107,6 +107,7 @@ from signals.overflowwork import (
     rate_sample,
     work_sample,
 )
+from signals.prefillfit import PrefillFit, Starts, fit_intervals, learned_weight
 from signals.spill import (
     DEADBAND,
     DRAIN_S,
@@ -161,6 +162,11 @@ class ArrivalsDecision:
     """Replica key -> since when its batch has been full (absent: it is not)."""
     scrapes: Scrapes = field(default_factory=dict)
     """The owned replicas full at their last scrapes (``full_scrapes``; absent: not full)."""
+    fit: PrefillFit = field(default_factory=PrefillFit)
+    """What a prefilled token costs against an output token, learned from the owned
+    engines' counters while full (``signals.prefillfit``)."""
+    fit_starts: Starts = field(default_factory=dict)
+    """The owned replicas' open intervals of that fit (``fit_intervals``)."""
     work: float | None = None
     """The mean work of a request this round when demand and capacity are counted in work
     (``KindWork.mean``); None: in requests."""
@@ -187,11 +193,23 @@ class ArrivalsDecision:
     recover_interval: float = field(default=5.0, compare=False)
 
     @property
+    def prefill_weight(self) -> float:
+        """The weight a prefilled token counts at in this route's work: the learned one, or
+        ``PREFILL_WEIGHT`` until the fit can say (``signals.prefillfit.learned_weight``)."""
+        return learned_weight(self.fit)
+
+    @property
     def next_at(self) -> float:
         """When a step back is due although nothing else triggers a rebuild."""
         if self.paid > 0 and self.target < self.paid:
             return self.since + self.recover_interval
         return math.inf
+
+
+def prefill_weight(decision: ArrivalsDecision | None) -> float:
+    """The weight a route's work counts a prefilled token at this round: its last decision's
+    (``ArrivalsDecision.prefill_weight``), ``PREFILL_WEIGHT`` before it has one."""
+    return learned_weight(decision.fit if decision is not None else None)
 
 
 def capacity_of(
@@ -285,7 +303,10 @@ def decide_arrivals(
     The capacity is then carried in requests at the current mix, and the share of plain
     requests from the share of the work without a session."""
     before = previous or ArrivalsDecision()
-    mix = kinds.mean() if kinds is not None else None
+    # Work weighs a prefilled token as the fit had it before this round: the callers
+    # (signals.live) weighed the replicas' work with the same (prefill_weight).
+    weight = before.prefill_weight
+    mix = kinds.mean(weight) if kinds is not None else None
     replicas_full_since = {
         replica.key: min(before.replicas_full_since.get(replica.key, now), now)
         for replica in replicas
@@ -294,7 +315,8 @@ def decide_arrivals(
     work_per_slot = before.work_per_slot
     # The engines' computed rates where the telemetry has them, each scrape once and only
     # after a few full ones; else the responses' work.
-    scrapes, counted = full_scrapes(replicas, before.scrapes, now)
+    scrapes, counted = full_scrapes(replicas, before.scrapes, now, weight)
+    fit_starts, fit = fit_intervals(replicas, before.fit_starts, before.fit)
     weight, sample = RATE_WEIGHT, rate_sample(counted)
     start = work_per_slot
     if sample is not None and start is None and mix is not None and service_time:
@@ -334,7 +356,7 @@ def decide_arrivals(
             capacity, measured = capacity_of(None, slots, service_time)
         lower = completed_work / mix if completed_work is not None else None
         # Every pool's responses show the kinds' work wherever they were served.
-        share = kinds.plain_work_share()
+        share = kinds.plain_work_share(weight)
         plain_share = round(share, 4) if share is not None else before.plain_share
     else:
         capacity, measured = capacity_of(per_slot, slots, service_time)
@@ -357,6 +379,8 @@ def decide_arrivals(
         work_per_slot=work_per_slot,
         replicas_full_since=replicas_full_since,
         scrapes=scrapes,
+        fit=fit,
+        fit_starts=fit_starts,
         work=round(mix, 2) if mix is not None else None,
         plain_share=plain_share,
         queued=queued,
@@ -484,4 +508,5 @@ __all__ = [
     "decide_arrivals",
     "drain_rate",
     "kind_shares",
+    "prefill_weight",
 ]

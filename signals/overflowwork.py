@@ -72,6 +72,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 FULL = 0.95
 """Mean running / batch size at or above which the owned replicas' batches count as full."""
@@ -94,39 +95,64 @@ MIN_WORK_REQUESTS = 8
 counted in work; fewer: in requests."""
 
 
-def work_of(prompt: int, cached: int, completion: int) -> float:
+def work_of(prompt: int, cached: int, completion: int, weight: float = PREFILL_WEIGHT) -> float:
     """The work one response took its replica: output tokens plus the uncached prompt
-    tokens at ``PREFILL_WEIGHT``."""
-    return completion + PREFILL_WEIGHT * max(0, prompt - cached)
+    tokens at `weight` (``PREFILL_WEIGHT`` until the engines' own is learned,
+    ``signals.prefillfit``)."""
+    return completion + weight * max(0, prompt - cached)
+
+
+class Work(NamedTuple):
+    """Tokens a replica computed, kept apart so that the weight can be applied when the
+    decision is made (``signals.prefillfit`` learns it while the tokens are counted)."""
+
+    output: float
+    """Output tokens (a rate where the book gives rates)."""
+    prefill: float
+    """Uncached prompt tokens it prefilled."""
+
+    def at(self, weight: float) -> float:
+        """The work these tokens are: output plus prefill at `weight`."""
+        return self.output + weight * self.prefill
 
 
 @dataclass(frozen=True, slots=True)
 class KindWork:
     """A route's responses over the last window, every pool's, by kind: how many and their
-    work (``work_of``)."""
+    tokens (output and uncached prompt), whose work ``work_of`` weighs."""
 
     plain: int = 0
-    plain_work: float = 0.0
+    plain_output: float = 0.0
+    plain_prefill: float = 0.0
     sessions: int = 0
-    session_work: float = 0.0
+    session_output: float = 0.0
+    session_prefill: float = 0.0
 
     @property
     def requests(self) -> int:
         return self.plain + self.sessions
 
-    def mean(self) -> float | None:
-        """The mean work of a request at this mix of kinds (rate x mean is the demand's
-        work: the kinds' rates times their own means); None below ``MIN_WORK_REQUESTS``."""
-        total = self.plain_work + self.session_work
+    def plain_work(self, weight: float = PREFILL_WEIGHT) -> float:
+        return self.plain_output + weight * self.plain_prefill
+
+    def session_work(self, weight: float = PREFILL_WEIGHT) -> float:
+        return self.session_output + weight * self.session_prefill
+
+    def mean(self, weight: float = PREFILL_WEIGHT) -> float | None:
+        """The mean work of a request at this mix of kinds, a prefilled token at `weight`
+        (rate x mean is the demand's work: the kinds' rates times their own means); None
+        below ``MIN_WORK_REQUESTS``."""
+        total = self.plain_work(weight) + self.session_work(weight)
         if self.requests < MIN_WORK_REQUESTS or total <= 0:
             return None
         return total / self.requests
 
-    def plain_work_share(self) -> float | None:
+    def plain_work_share(self, weight: float = PREFILL_WEIGHT) -> float | None:
         """The share of the demand's work without a session: what sending every such request
         to paid takes off the owned replicas."""
-        total = self.plain_work + self.session_work
-        return self.plain_work / total if total > 0 else None
+        plain = self.plain_work(weight)
+        total = plain + self.session_work(weight)
+        return plain / total if total > 0 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +210,7 @@ from round to round."""
 
 
 def full_scrapes(
-    replicas: Sequence[ReplicaLoad], before: Scrapes, now: float
+    replicas: Sequence[ReplicaLoad], before: Scrapes, now: float, weight: float = PREFILL_WEIGHT
 ) -> tuple[dict[str, tuple[float, int, float | None, float | None]], list[ReplicaLoad]]:
     """(``Scrapes`` this round, the replicas whose rate counts this round): those full at a
     scrape not read before and at ``FULL_SCRAPES`` in a row. A replica not full at its last
@@ -211,7 +237,7 @@ def full_scrapes(
         counts[replica.key] = (at, count + 1, replica.total, replica.prefilled)
         if count + 1 < FULL_SCRAPES:
             continue
-        rate = engine_work(replica, total, prefilled, at - last)
+        rate = engine_work(replica, total, prefilled, at - last, weight)
         if rate is not None:
             replica = replace(replica, rate=rate)
         new.append(replica)
@@ -219,7 +245,11 @@ def full_scrapes(
 
 
 def engine_work(
-    replica: ReplicaLoad, total: float | None, prefilled: float | None, seconds: float
+    replica: ReplicaLoad,
+    total: float | None,
+    prefilled: float | None,
+    seconds: float,
+    weight: float = PREFILL_WEIGHT,
 ) -> float | None:
     """Work per second `replica`'s engine computed since the scrape that read `total` output
     tokens and `prefilled` prompt tokens, `seconds` before; None when its totals cannot say
@@ -236,7 +266,7 @@ def engine_work(
         return None
     made = replica.total - total
     if replica.prefilled is not None and prefilled is not None and replica.prefilled >= prefilled:
-        return (made + PREFILL_WEIGHT * (replica.prefilled - prefilled)) / seconds
+        return (made + weight * (replica.prefilled - prefilled)) / seconds
     if not replica.per_output:
         return None
     return made / seconds * replica.per_output
@@ -282,6 +312,7 @@ __all__ = [
     "KindWork",
     "ReplicaLoad",
     "Scrapes",
+    "Work",
     "computed_rate",
     "engine_work",
     "full_scrapes",

@@ -12,7 +12,7 @@ from policies.models import Budget, Endpoint, Fleet, PolicyObject, Pool, Rollout
 from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.overflow import OverflowDecision
-from signals.overflowwork import KindWork
+from signals.overflowwork import KindWork, Work
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
@@ -68,16 +68,16 @@ class PolicyState:
     session_shares: Mapping[str, float] = field(default_factory=dict)
     """Route cluster (``policy/route``) -> share of the requests started on its own replicas
     that had a session (``xdsserver.arrivals.ArrivalBook.session_shares``)."""
-    recent_work: Mapping[str, float] = field(default_factory=dict)
-    """Work completed per second on each upstream host, ``address:port``, over the last
-    ``signals.overflowff.SAMPLE_WINDOW`` seconds (``signals.overflowff.work_of`` of the usage
-    its responses carried, ``xdsserver.work``): overflow by arrivals' capacity samples in
-    work."""
-    completed_work: Mapping[str, float] = field(default_factory=dict)
+    recent_work: Mapping[str, Work] = field(default_factory=dict)
+    """Tokens completed per second on each upstream host, ``address:port``, over the last
+    ``signals.overflowwork.SAMPLE_WINDOW`` seconds (output and uncached prompt tokens of the
+    usage its responses carried, ``xdsserver.work``): overflow by arrivals' capacity samples
+    in work, weighed with the route's learned prefill weight (``signals.prefillfit``)."""
+    completed_work: Mapping[str, Work] = field(default_factory=dict)
     """The same over the long window (``xdsserver.arrivals.ARRIVAL_WINDOW``)."""
-    work_per_output: Mapping[str, float] = field(default_factory=dict)
-    """Each upstream host's work per output token over the long window: its responses' work
-    over their completion tokens (the prefill they needed per token made)."""
+    prefill_per_output: Mapping[str, float] = field(default_factory=dict)
+    """Each upstream host's uncached prompt tokens per output token over the long window:
+    the prefill its responses needed per token made."""
     kind_work: Mapping[str, KindWork] = field(default_factory=dict)
     """Route cluster (``policy/route``) -> its responses over the long window by kind (with
     or without a session), every pool's, and their work: the demand in work."""

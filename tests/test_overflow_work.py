@@ -27,6 +27,7 @@ from signals.overflowwork import (
     SAMPLE_WINDOW,
     KindWork,
     ReplicaLoad,
+    Work,
     computed_rate,
     engine_work,
     full_scrapes,
@@ -58,11 +59,11 @@ def test_the_work_of_a_response_is_its_output_and_a_tenth_of_what_it_prefilled()
 def test_the_mean_of_a_mix_is_the_kinds_rates_times_their_own_means() -> None:
     # 4 plain requests of 100 and 6 conversation turns of 300: the demand's work at 5/s is
     # 2/s x 100 + 3/s x 300 = 1,100, that is 5/s x 220.
-    kinds = KindWork(plain=4, plain_work=400.0, sessions=6, session_work=1800.0)
+    kinds = KindWork(plain=4, plain_output=400.0, sessions=6, session_output=1800.0)
     assert kinds.mean() == pytest.approx(220.0)
     assert kinds.plain_work_share() == pytest.approx(400 / 2200)
     # Too few responses: no mean (the unit stays requests).
-    few = KindWork(plain=MIN_WORK_REQUESTS - 1, plain_work=700.0)
+    few = KindWork(plain=MIN_WORK_REQUESTS - 1, plain_output=700.0)
     assert few.mean() is None
     assert KindWork().plain_work_share() is None
 
@@ -118,26 +119,31 @@ def test_the_book_counts_work_per_host_and_per_route_and_kind() -> None:
         )
     book.observe(_usage("main/chat#0", prompt=100, cached=0, completion=10, status=503))
     book.observe(_usage("main/chat#0", prompt=100, cached=0, completion=10, usage=False))
-    plain, turn, paid = 150 + 8.0, 250 + 10.0, 150 + 108.0
+    # (output, prefilled) tokens of each.
+    plain, turn, paid = Work(150, 80), Work(250, 100), Work(150, 1080)
     assert book.entries == 22
     assert book.host_work() == {
-        "10.0.1.1:8001": pytest.approx(10 * plain / 5.0),
-        "10.0.1.1:8002": pytest.approx(10 * turn / 5.0),
+        "10.0.1.1:8001": Work(10 * 150 / 5.0, 10 * 80 / 5.0),
+        "10.0.1.1:8002": Work(10 * 250 / 5.0, 10 * 100 / 5.0),
     }  # (the provider's host was first seen just now: no rate yet)
     # Over the last 2 s alone: the three that ended 0.5, 1 and 1.5 s ago.
     recent = book.host_work(window=2.0)
-    assert recent["10.0.1.1:8001"] == pytest.approx(3 * plain / 2.0)
-    # Work per completion token: (150 + 8) / 150 for the plain requests' replica.
-    per_token = book.work_per_output()
-    assert per_token["10.0.1.1:8001"] == pytest.approx(plain / 150, abs=1e-4)
-    assert per_token["10.0.1.1:443"] == pytest.approx(paid / 150, abs=1e-4)
+    assert recent["10.0.1.1:8001"] == Work(3 * 150 / 2.0, 3 * 80 / 2.0)
+    # Work at the constant weight: 150 + 8 for a plain request.
+    assert recent["10.0.1.1:8001"].at(PREFILL_WEIGHT) == pytest.approx(3 * 158 / 2.0)
+    # Prefill per completion token: 80 / 150 for the plain requests' replica.
+    per_token = book.prefill_per_output()
+    assert per_token["10.0.1.1:8001"] == pytest.approx(80 / 150, abs=1e-4)
+    assert per_token["10.0.1.1:443"] == pytest.approx(1080 / 150, abs=1e-4)
     kinds = book.kinds()["main/chat"]
     assert (kinds.plain, kinds.sessions) == (12, 10)
-    assert kinds.plain_work == pytest.approx(10 * plain + 2 * paid)
-    assert kinds.session_work == pytest.approx(10 * turn)
+    assert (kinds.plain_output, kinds.plain_prefill) == (12 * 150, 10 * 80 + 2 * 1080)
+    assert (kinds.session_output, kinds.session_prefill) == (10 * 250, 10 * 100)
+    assert kinds.plain_work() == pytest.approx(10 * plain.at(0.1) + 2 * paid.at(0.1))
+    assert kinds.session_work(0.25) == pytest.approx(10 * turn.at(0.25))
     # All of it leaves the window.
     clock[0] += ARRIVAL_WINDOW
-    assert book.host_work() == {} and book.kinds() == {} and book.work_per_output() == {}
+    assert book.host_work() == {} and book.kinds() == {} and book.prefill_per_output() == {}
 
 
 def test_the_book_stays_bounded_when_nothing_reads_it() -> None:
@@ -210,7 +216,7 @@ def test_the_rate_sample_takes_the_replicas_full_at_their_last_scrape() -> None:
     assert rate_sample(replicas[2:]) is None
 
 
-CONVERSATIONS = KindWork(plain=40, plain_work=40 * 160.0, sessions=60, session_work=60 * 400.0)
+CONVERSATIONS = KindWork(plain=40, plain_output=40 * 160.0, sessions=60, session_output=60 * 400.0)
 """The mixed demand: 40% plain requests of 160 work, 60% conversation turns of 400: 304 a
 request, 21% of the work without a session."""
 
@@ -266,7 +272,7 @@ def test_the_held_work_per_slot_follows_the_mix_of_the_demand() -> None:
     decision = _work_round(None, 20.0, now=NOW, running=1.0, work=1200.0)
     decision = _work_round(decision, 20.0, now=NOW + settled(4.0), running=1.0, work=1200.0)
     # Later the demand is plain requests alone (160 a request): the same work is 30/s.
-    plain = KindWork(plain=50, plain_work=50 * 160.0)
+    plain = KindWork(plain=50, plain_output=50 * 160.0)
     later = _work_round(decision, 20.0, now=NOW + 60, running=0.5, work=300.0, kinds=plain)
     assert later.measured and later.work_per_slot == decision.work_per_slot
     assert later.capacity == pytest.approx(4800 / 160, rel=1e-3)
@@ -282,7 +288,7 @@ def test_what_the_replicas_computed_bounds_the_capacity_from_below_in_work() -> 
 
 
 def test_without_usage_the_unit_stays_requests() -> None:
-    few = KindWork(plain=2, plain_work=300.0, sessions=3, session_work=1200.0)
+    few = KindWork(plain=2, plain_output=300.0, sessions=3, session_output=1200.0)
     for kinds in (None, few):
         decision = _work_round(None, 9.0, now=NOW, running=1.0, work=1200.0, kinds=kinds)
         assert decision.work is None
@@ -334,10 +340,11 @@ def _state(
         service_times={host: 4.0 for host in hosts},
         session_shares={"main/chat": 0.6},
         previous_overflow={"main/chat": previous} if previous is not None else {},
-        recent_work={host: 1200.0 for host in hosts},
-        completed_work={host: completed for host in hosts},
+        recent_work={host: Work(1200.0, 0.0) for host in hosts},
+        completed_work={host: Work(completed, 0.0) for host in hosts},
         kind_work={"main/chat": CONVERSATIONS},
-        work_per_output={host: 1.2 for host in hosts},
+        # 2 prompt tokens prefilled per output token: 1.2 work per output token at 0.1.
+        prefill_per_output={host: 2.0 for host in hosts},
     )
 
 

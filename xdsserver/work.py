@@ -8,12 +8,13 @@ the request's last attempt and the route entry that took it (``policy/route#0/af
 for a request with the route's session header, ``policy/route#0`` or ``.../prefix`` for
 one without, ``/overflow`` when it went to a paid pool's aggregate). From them:
 
-- per host, the work its responses carried (``signals.overflowff.work_of``: output tokens
-  plus the uncached prompt tokens at ``PREFILL_WEIGHT``) per second, over the last seconds
-  and over ``ARRIVAL_WINDOW``, and per completion token (what turns the engine's output
+- per host, the tokens its responses carried (output, and uncached prompt tokens: their
+  work is ``signals.overflowwork.work_of``, weighed when the decision is made with the
+  weight ``signals.prefillfit`` learns) per second, over the last seconds and over
+  ``ARRIVAL_WINDOW``, and the prefill per completion token (what turns the engine's output
   tokens a second, from its telemetry, into the work it computes: the capacity while full);
 - per route, its responses over ``ARRIVAL_WINDOW`` by kind (with or without a session),
-  whichever pool served them, and their work: the demand's mean work per request.
+  whichever pool served them, and their tokens: the demand's mean work per request.
 
 An entry arrives when its response ends (``USAGE_FLUSH_INTERVAL`` later), so these count
 completions, not arrivals. The counts are this kvpilot replica's Envoys'.
@@ -26,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from signals.overflowwork import KindWork, work_of
+from signals.overflowwork import KindWork, Work
 from xdsserver.arrivals import ARRIVAL_WINDOW, MIN_SPAN
 from xdsserver.translate.usage import USAGE_FILTER
 from xdsserver.usage import parse_route_name
@@ -54,13 +55,15 @@ def _expire(entries: deque[Any], now: float) -> int:
 
 
 class WorkBook:
-    """Work per host and per route and kind over sliding windows, from usage entries."""
+    """Tokens per host and per route and kind over sliding windows, from usage entries."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self._hosts: dict[str, deque[tuple[float, float, int]]] = {}
+        self._hosts: dict[str, deque[tuple[float, int, int]]] = {}
+        """Host -> (when, completion tokens, uncached prompt tokens) of each response."""
         self._host_first: dict[str, float] = {}
-        self._routes: dict[str, deque[tuple[float, bool, float]]] = {}
+        self._routes: dict[str, deque[tuple[float, bool, int, int]]] = {}
+        """Route -> (when, with a session, completion tokens, uncached prompt tokens)."""
         self.entries = 0
         """Entries with usage counted."""
 
@@ -74,23 +77,21 @@ class WorkBook:
             return
         values = fields.fields
         completion = int(values["completion"].number_value) if "completion" in values else 0
-        work = work_of(
-            int(values["prompt"].number_value),
-            int(values["cached"].number_value) if "cached" in values else 0,
-            completion,
-        )
+        cached = int(values["cached"].number_value) if "cached" in values else 0
+        # A cached count above the prompt's (a provider's rounding) prefilled nothing.
+        prefill = max(0, int(values["prompt"].number_value) - cached)
         now = self.clock()
         self.entries += 1
         route, session = entry_kind(common.route_name)
         if route:
             seen = self._routes.setdefault(route, deque())
-            seen.append((now, session, work))
+            seen.append((now, session, completion, prefill))
             _expire(seen, now)
         socket = common.upstream_remote_address.socket_address
         if socket.address:
             host = f"{socket.address}:{socket.port_value}"
             done = self._hosts.setdefault(host, deque())
-            done.append((now, work, completion))
+            done.append((now, completion, prefill))
             _expire(done, now)
             self._host_first.setdefault(host, now)
 
@@ -111,47 +112,52 @@ class WorkBook:
 
     def host_work(
         self, now: float | None = None, window: float = ARRIVAL_WINDOW
-    ) -> dict[str, float]:
-        """``address:port`` -> work its responses carried per second over the last `window`
-        seconds (at most ``ARRIVAL_WINDOW``; over the time since its first one when that is
-        shorter, and none before ``MIN_SPAN``)."""
+    ) -> dict[str, Work]:
+        """``address:port`` -> the tokens its responses carried per second over the last
+        `window` seconds (at most ``ARRIVAL_WINDOW``; over the time since its first one when
+        that is shorter, and none before ``MIN_SPAN``)."""
         now = self.clock() if now is None else now
         window = min(window, ARRIVAL_WINDOW)
         self._drop_old(now)
-        out: dict[str, float] = {}
+        out: dict[str, Work] = {}
         for host, done in self._hosts.items():
             age = now - self._host_first[host]
             if age < MIN_SPAN:
                 continue
-            work = sum(w for at, w, _ in done if at > now - window)
-            out[host] = round(work / min(window, age), 4)
+            span = min(window, age)
+            output = sum(c for at, c, _ in done if at > now - window)
+            prefill = sum(p for at, _, p in done if at > now - window)
+            out[host] = Work(round(output / span, 4), round(prefill / span, 4))
         return out
 
-    def work_per_output(self, now: float | None = None) -> dict[str, float]:
-        """``address:port`` -> the work of its responses over ``ARRIVAL_WINDOW`` per
-        completion token: with the engine's output tokens a second, the work it computes."""
+    def prefill_per_output(self, now: float | None = None) -> dict[str, float]:
+        """``address:port`` -> the uncached prompt tokens of its responses over
+        ``ARRIVAL_WINDOW`` per completion token: with the engine's output tokens a second
+        and the weight, the work it computes (``1 + weight x this`` per output token)."""
         now = self.clock() if now is None else now
         self._drop_old(now)
         out: dict[str, float] = {}
         for host, done in self._hosts.items():
-            tokens = sum(c for _, _, c in done)
+            tokens = sum(c for _, c, _ in done)
             if tokens > 0:
-                out[host] = round(sum(w for _, w, _ in done) / tokens, 4)
+                out[host] = round(sum(p for _, _, p in done) / tokens, 4)
         return out
 
     def kinds(self, now: float | None = None) -> dict[str, KindWork]:
-        """Route cluster -> its responses over ``ARRIVAL_WINDOW`` by kind and their work."""
+        """Route cluster -> its responses over ``ARRIVAL_WINDOW`` by kind and their tokens."""
         now = self.clock() if now is None else now
         self._drop_old(now)
         out: dict[str, KindWork] = {}
         for route, seen in self._routes.items():
-            plain = [w for _, session, w in seen if not session]
-            sessions = [w for _, session, w in seen if session]
+            plain = [(c, p) for _, session, c, p in seen if not session]
+            sessions = [(c, p) for _, session, c, p in seen if session]
             out[route] = KindWork(
                 plain=len(plain),
-                plain_work=round(sum(plain), 2),
+                plain_output=float(sum(c for c, _ in plain)),
+                plain_prefill=float(sum(p for _, p in plain)),
                 sessions=len(sessions),
-                session_work=round(sum(sessions), 2),
+                session_output=float(sum(c for c, _ in sessions)),
+                session_prefill=float(sum(p for _, p in sessions)),
             )
         return out
 

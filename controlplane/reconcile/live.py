@@ -209,6 +209,24 @@ class LiveDecisions:
             metrics.overflow_pressure.labels(route).set(
                 math.nan if decision.pressure is None else decision.pressure
             )
+            arrivals = decision.arrivals
+            if arrivals is not None:
+                learned = arrivals.fit.weight() is not None
+                metrics.overflow_prefill_weight.labels(route, str(int(learned))).set(
+                    arrivals.prefill_weight
+                )
+                with contextlib.suppress(KeyError):
+                    metrics.overflow_prefill_weight.remove(route, str(int(not learned)))
+                old = self.overflow.get(route)
+                was_learned = old.arrivals.fit.weight() if old and old.arrivals else None
+                if learned and was_learned is None:
+                    log.info(
+                        "overflow on %s: a prefilled token now counts %.3f of an output token, "
+                        "learned from %d full intervals of the owned engines",
+                        route,
+                        arrivals.prefill_weight,
+                        arrivals.fit.intervals,
+                    )
             was = self.overflow.get(route)
             for pool in set(decision.resting) | set(was.resting if was is not None else ()):
                 metrics.overflow_resting.labels(route, pool).set(int(pool in decision.resting))
@@ -233,6 +251,9 @@ class LiveDecisions:
             for kind in ("requests", "sessions"):
                 metrics.overflow_share.remove(route, kind)
             metrics.overflow_pressure.remove(route)
+            for flag in ("0", "1"):
+                with contextlib.suppress(KeyError):
+                    metrics.overflow_prefill_weight.remove(route, flag)
         self.overflow = plan.overflow
         self._overflow_at = (
             min((d.next_step_at for d in plan.overflow.values()), default=math.inf) + 0.05

@@ -51,7 +51,7 @@ from controlplane.reconcile.live import LiveDecisions
 from controlplane.reconcile.metrics import ReconcileMetrics
 from signals import PolicyState
 from signals.difficultyshare import ShareDecision
-from signals.overflowwork import KindWork
+from signals.overflowwork import KindWork, Work
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
 from xdsserver.snapshot import SnapshotCache
 
@@ -149,15 +149,15 @@ class Reconciler:
         """Each route's starts per second over the last few seconds (``xdsserver.arrivals``)."""
         self.session_shares: Callable[[float], Mapping[str, float]] = lambda now: {}
         """Share of each route's own starts that had a session (``xdsserver.arrivals``)."""
-        self.recent_work: Callable[[float], Mapping[str, float]] = lambda now: {}
-        """Work completed per second per upstream host over the last few seconds
+        self.recent_work: Callable[[float], Mapping[str, Work]] = lambda now: {}
+        """Tokens completed per second per upstream host over the last few seconds
         (``xdsserver.work``): overflow by arrivals' capacity samples in work."""
-        self.completed_work: Callable[[float], Mapping[str, float]] = lambda now: {}
+        self.completed_work: Callable[[float], Mapping[str, Work]] = lambda now: {}
         """The same over the long window."""
         self.kind_work: Callable[[float], Mapping[str, KindWork]] = lambda now: {}
-        """Each route's responses by kind and their work (``xdsserver.work``)."""
-        self.work_per_output: Callable[[float], Mapping[str, float]] = lambda now: {}
-        """Each upstream host's work per output token (``xdsserver.work``)."""
+        """Each route's responses by kind and their tokens (``xdsserver.work``)."""
+        self.prefill_per_output: Callable[[float], Mapping[str, float]] = lambda now: {}
+        """Each upstream host's uncached prompt tokens per output token (``xdsserver.work``)."""
         """Paid pools resting after a 429 at a time: pool -> until (``ProviderRests.active``)."""
         self._pending_live = False
         self.over_budget: dict[str, float] = {}
@@ -350,7 +350,7 @@ class Reconciler:
             recent_work=self.recent_work(now) if by_work else None,
             completed_work=self.completed_work(now) if by_work else None,
             kind_work=self.kind_work(now) if by_work else None,
-            work_per_output=self.work_per_output(now) if by_work else None,
+            prefill_per_output=self.prefill_per_output(now) if by_work else None,
         )
         if self.budget_verdicts is not None:
             # Decided afresh for every compile, so the first snapshot after a restart already

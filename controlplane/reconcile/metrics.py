@@ -107,6 +107,14 @@ class ReconcileMetrics:
             ["route"],
             **kwargs,
         )
+        self.overflow_prefill_weight = Gauge(
+            "kvpilot_overflow_prefill_weight",
+            "What an uncached prompt token counts against an output token in a route's overflow "
+            "by arrivals: learned from its owned engines' counters while full, the constant 0.1 "
+            "until then (learned=1 or 0).",
+            ["route", "learned"],
+            **kwargs,
+        )
         self.overflow_resting = Gauge(
             "kvpilot_overflow_resting",
             "1 while a paid pool rests after a 429, until its Retry-After has passed; else 0.",

@@ -1,0 +1,245 @@
+"""The prefill weight learned from the engines' counters (``signals.prefillfit``): the fit,
+the intervals it takes from full replicas, a simulated engine's own ratio recovered through
+its Prometheus counters, and overflow by arrivals weighing its work with what was learned."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from replicasim.simulator import Engine, SimConfig
+from signals.overflowff import ArrivalsDecision, decide_arrivals, prefill_weight
+from signals.overflowwork import PREFILL_WEIGHT, KindWork, ReplicaLoad
+from signals.prefillfit import (
+    FIT_WINDOW,
+    MAX_GAP,
+    MAX_WEIGHT,
+    MIN_FIT_WINDOWS,
+    PrefillFit,
+    fit_intervals,
+    learned_weight,
+)
+from signals.telemetry import extract, metric_map_for, parse_samples
+
+OUTPUT_COST, PREFILL_COST = 33e-3 / 32, 1 / 4000
+"""An engine at a full batch of 32: 33 ms a step, a quarter of a millisecond a prompt token."""
+TRUE_WEIGHT = PREFILL_COST / OUTPUT_COST
+
+
+def _intervals(count: int, seed: int = 1, noise: float = 0.0) -> list[tuple[float, float, float]]:
+    """(seconds, output, prefilled) of `count` intervals of a full engine whose mix moves."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        prefill_share = rng.uniform(0.2, 0.7)  # of the engine's time
+        seconds = rng.uniform(10, 14)
+        output = seconds * (1 - prefill_share) / OUTPUT_COST
+        prefilled = seconds * prefill_share / PREFILL_COST
+        out.append((seconds * (1 + rng.gauss(0, noise)), output, prefilled))
+    return out
+
+
+def _fit(intervals: list[tuple[float, float, float]]) -> PrefillFit:
+    fit = PrefillFit()
+    for seconds, output, prefilled in intervals:
+        fit = fit.add(seconds, output, prefilled)
+    return fit
+
+
+# --------------------------------------------------------------------------- the fit
+
+
+def test_the_fit_finds_what_a_prefilled_token_costs_against_an_output_token() -> None:
+    fit = _fit(_intervals(MIN_FIT_WINDOWS))
+    costs = fit.costs()
+    assert costs is not None
+    assert costs[0] == pytest.approx(OUTPUT_COST, rel=1e-6)
+    assert costs[1] == pytest.approx(PREFILL_COST, rel=1e-6)
+    assert fit.weight() == pytest.approx(TRUE_WEIGHT, abs=1e-4)
+    # With 3% noise on each interval's time, 30 of them still say it within a tenth.
+    noisy = _fit(_intervals(30, seed=2, noise=0.03)).weight()
+    assert noisy == pytest.approx(TRUE_WEIGHT, rel=0.1)
+
+
+def test_until_the_fit_can_say_the_weight_is_the_constant() -> None:
+    assert PrefillFit().weight() is None
+    assert learned_weight(None) == learned_weight(PrefillFit()) == PREFILL_WEIGHT
+    # Too few intervals.
+    assert _fit(_intervals(MIN_FIT_WINDOWS - 1)).weight() is None
+    # The tokens always in one proportion: their costs cannot be told apart.
+    steady = _fit([(12.0, 6000.0 * k, 24000.0 * k) for k in (1.0, 1.01, 0.99) * 4])
+    assert steady.intervals >= MIN_FIT_WINDOWS and steady.weight() is None
+    # A fit that is not physical (prefill costing nothing or less) is not used either.
+    odd = _fit([(10.0, 10000.0, p) for p in (0.0, 5000.0, 20000.0, 40000.0) * 3])
+    assert odd.weight() is None and learned_weight(odd) == PREFILL_WEIGHT
+
+
+def test_a_learned_weight_is_bounded_and_older_intervals_fade() -> None:
+    # Prefill dearer than decoding per token is read as noise and capped.
+    dear = _fit([(o * OUTPUT_COST + p * 3 * OUTPUT_COST, o, p) for _, o, p in _intervals(10)])
+    assert dear.weight() == MAX_WEIGHT
+    # A new engine (twice the prefill cost) takes over as its intervals come in.
+    fit = _fit(_intervals(40))
+    for seconds, output, prefilled in _intervals(200, seed=3):
+        fit = fit.add(seconds + prefilled * PREFILL_COST, output, prefilled)
+    assert fit.weight() == pytest.approx(2 * TRUE_WEIGHT, rel=0.1)
+    assert fit.windows < 80  # about 1 / (1 - DECAY)
+
+
+# --------------------------------------------------------------------------- the intervals
+
+
+def _replica(at: float, output: float, prefilled: float, running: float = 1.0) -> ReplicaLoad:
+    return ReplicaLoad(
+        key="a", slots=32, running=running, work=None, at=at, total=output, prefilled=prefilled
+    )
+
+
+def test_an_interval_counts_once_a_replica_has_been_full_for_its_length() -> None:
+    starts: dict[str, tuple[float, float, float, float]] = {}
+    fit = PrefillFit()
+    for second in range(int(FIT_WINDOW) + 1):
+        starts, fit = fit_intervals([_replica(second, 900.0 * second, 100.0 * second)], starts, fit)
+    assert fit.intervals == 1
+    # Seconds times tokens: FIT_WINDOW x 900 x FIT_WINDOW, and the same for the prefill.
+    assert fit.to == pytest.approx(FIT_WINDOW * 900 * FIT_WINDOW)
+    assert fit.tp == pytest.approx(FIT_WINDOW * 100 * FIT_WINDOW)
+    # The next starts where that one ended; the same record read again changes nothing.
+    assert starts["a"][:3] == (FIT_WINDOW, 900 * FIT_WINDOW, 100 * FIT_WINDOW)
+    last = [_replica(FIT_WINDOW, 900 * FIT_WINDOW, 100 * FIT_WINDOW)]
+    assert fit_intervals(last, starts, fit) == (starts, fit)
+
+
+@pytest.mark.parametrize(
+    ("record", "start"),
+    [
+        # Not full at 2 s: the interval starts at the next full record.
+        (_replica(2.0, 2800.0, 1200.0, running=0.5), 4.0),
+        # Its counters went back (the engine restarted): it starts at that record.
+        (_replica(2.0, 100.0, 50.0), 2.0),
+        # No counters: as not full.
+        (ReplicaLoad(key="a", slots=32, running=1.0, work=None, at=2.0, total=None), 4.0),
+    ],
+    ids=["not-full", "restarted", "no-counters"],
+)
+def test_an_interval_starts_again_when_the_replica_is_not_seen_full_all_along(
+    record: ReplicaLoad, start: float
+) -> None:
+    starts, fit = fit_intervals([_replica(0.0, 1000.0, 1000.0)], {}, PrefillFit())
+    starts, fit = fit_intervals([record], starts, fit)
+    for at in (4.0, 6.0):  # full again from 4 s: 6 s after the first record, 2 s after it
+        starts, fit = fit_intervals([_replica(at, 5000 + 900 * at, 5000 + 100 * at)], starts, fit)
+    assert fit.intervals == 0
+    assert starts["a"][0] == start
+
+
+def test_records_too_far_apart_start_an_interval_again() -> None:
+    starts, fit = fit_intervals([_replica(0.0, 0.0, 0.0)], {}, PrefillFit())
+    starts, fit = fit_intervals([_replica(MAX_GAP + 1.0, 9900.0, 1100.0)], starts, fit)
+    assert fit.intervals == 0 and starts["a"][0] == MAX_GAP + 1.0
+
+
+# --------------------------------------------------------------------------- a real engine
+
+
+async def _drive(batch: int, seconds: float, seed: int) -> PrefillFit:
+    """A simulated engine kept full with conversation turns (long cached system prompts, a
+    short new question) and documents (thousands of new tokens), the documents' share
+    changing every 5-30 s; read through its Prometheus text every simulated second, the time
+    being its own busy seconds (it is never idle), so a slow machine does not move it."""
+    config = SimConfig(
+        max_batch=batch,
+        kv_blocks=384 * batch,
+        prefill_per_token=PREFILL_COST,
+        decode_base=0.02,
+        decode_per_seq=0.0004,
+        time_scale=0.005,
+        stream_interval=1.0,
+    )
+    engine = Engine(config, "m")
+    loop = asyncio.create_task(engine.run())
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 50000) for _ in range(n)] for n in (1000, 2000, 3000, 4000)]
+    metric_map = metric_map_for("vllm")
+    starts: dict[str, tuple[float, float, float, float]] = {}
+    fit, previous, share, switch, scrape = PrefillFit(), None, 0.3, 0.0, 1.0
+    try:
+        while engine.busy_seconds < seconds:
+            if engine.busy_seconds >= switch:
+                share = rng.choice((0.05, 0.2, 0.4, 0.7))
+                switch = engine.busy_seconds + rng.uniform(5, 30)
+            while len(engine.running) + len(engine.waiting) < batch + 2:
+                if rng.random() < share:
+                    prompt = [rng.randrange(1, 50000) for _ in range(rng.choice((2000, 3000)))]
+                else:
+                    question = int(rng.lognormvariate(5, 0.8)) + 20
+                    prompt = rng.choice(systems) + [
+                        rng.randrange(1, 50000) for _ in range(question)
+                    ]
+                engine.submit(prompt, min(600, int(rng.lognormvariate(5.3, 0.8)) + 5))
+            if engine.busy_seconds >= scrape:
+                samples = parse_samples("\n".join(engine.metrics_lines()))
+                record, previous = extract(
+                    samples, metric_map, at=engine.busy_seconds, previous=previous
+                )
+                replica = ReplicaLoad(
+                    key="sim",
+                    slots=batch,
+                    running=(record.running or 0) / batch,
+                    work=None,
+                    at=record.at,
+                    total=record.output_tokens_total,
+                    prefilled=record.prefilled_tokens_total,
+                )
+                starts, fit = fit_intervals([replica], starts, fit)
+                scrape += 1.0
+            await asyncio.sleep(0)
+    finally:
+        loop.cancel()
+    return fit
+
+
+@pytest.mark.parametrize("batch", [8, 32])
+def test_the_fit_recovers_a_simulated_engines_own_ratio_from_its_counters(batch: int) -> None:
+    truth = PREFILL_COST / ((0.02 + 0.0004 * batch) / batch)  # 0.086 at 8, 0.244 at 32
+    fit = asyncio.run(_drive(batch, 600.0, seed=batch))
+    assert fit.intervals >= 20
+    assert fit.weight() == pytest.approx(truth, rel=0.2)
+
+
+# --------------------------------------------------------------------------- in overflow
+
+
+def test_overflow_weighs_the_demand_with_the_learned_weight() -> None:
+    # Documents: 100 output tokens and 3,000 prefilled; conversation turns: 300 and 100.
+    kinds = KindWork(
+        plain=20,
+        plain_output=20 * 100.0,
+        plain_prefill=20 * 3000.0,
+        sessions=20,
+        session_output=20 * 300.0,
+        session_prefill=20 * 100.0,
+    )
+    learned = _fit(_intervals(MIN_FIT_WINDOWS))
+    weights = {}
+    for name, fit in (("constant", PrefillFit()), ("learned", learned)):
+        before = ArrivalsDecision(fit=fit)
+        decision = decide_arrivals(
+            before,
+            demand=10.0,
+            slots=128,
+            running=0.5,
+            fill=0.5,
+            completions=None,
+            service_time=10.0,
+            kinds=kinds,
+            now=1000.0,
+        )
+        weights[name] = prefill_weight(decision)
+        expected = (100 + 300 + weights[name] * 3100) / 2
+        assert decision.work == pytest.approx(expected, abs=0.01)
+        # What it learned is carried to the next round.
+        assert decision.fit == fit
+    assert weights == {"constant": PREFILL_WEIGHT, "learned": pytest.approx(TRUE_WEIGHT, 1e-3)}
