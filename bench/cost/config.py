@@ -283,6 +283,32 @@ SINGLES = WorkloadConfig(
 """Single requests: a question about one of a few shared documents, no session id."""
 
 
+WARM_UP_LOAD = 1.2
+"""Offered load of the warm-up (``warmed``), a share of the owned capacity."""
+WARM_UP_SETTLE = 20.0
+"""Seconds the first unmeasured phase is lengthened by after a warm-up, for what queued in
+it to drain before the measured phases."""
+
+
+def warmed(config: CostConfig, seconds: float) -> CostConfig:
+    """`config` after `seconds` at ``WARM_UP_LOAD``, not measured: the owned batches fill
+    and overflow learns its engines' prefill weight (``signals.prefillfit``) before the
+    measured phases, as a control plane that has run with its fleet through a busy hour
+    has. The first phase (the unmeasured ramp) is ``WARM_UP_SETTLE`` longer."""
+    if seconds <= 0:
+        return config
+    first, *rest = config.phases
+    return replace(
+        config,
+        phases=(
+            Phase("warm-up", seconds, WARM_UP_LOAD, measured=False),
+            replace(first, duration=first.duration + WARM_UP_SETTLE),
+            *rest,
+        ),
+        deadline=config.deadline + seconds + WARM_UP_SETTLE,
+    )
+
+
 def default_config(short: bool = False, seed: int = 1, batch: int = SUITE_MAX_BATCH) -> CostConfig:
     """The `make bench` settings, or a smoke run with `short`; the owned replicas batch
     `batch` sequences (the load follows their capacity at that batch size)."""
