@@ -305,8 +305,8 @@ def decide_arrivals(
     before = previous or ArrivalsDecision()
     # Work weighs a prefilled token as the fit had it before this round: the callers
     # (signals.live) weighed the replicas' work with the same (prefill_weight).
-    weight = before.prefill_weight
-    mix = kinds.mean(weight) if kinds is not None else None
+    prefill = before.prefill_weight
+    mix = kinds.mean(prefill) if kinds is not None else None
     replicas_full_since = {
         replica.key: min(before.replicas_full_since.get(replica.key, now), now)
         for replica in replicas
@@ -315,7 +315,7 @@ def decide_arrivals(
     work_per_slot = before.work_per_slot
     # The engines' computed rates where the telemetry has them, each scrape once and only
     # after a few full ones; else the responses' work.
-    scrapes, counted = full_scrapes(replicas, before.scrapes, now, weight)
+    scrapes, counted = full_scrapes(replicas, before.scrapes, now, prefill)
     fit_starts, fit = fit_intervals(replicas, before.fit_starts, before.fit)
     weight, sample = RATE_WEIGHT, rate_sample(counted)
     start = work_per_slot
@@ -356,7 +356,7 @@ def decide_arrivals(
             capacity, measured = capacity_of(None, slots, service_time)
         lower = completed_work / mix if completed_work is not None else None
         # Every pool's responses show the kinds' work wherever they were served.
-        share = kinds.plain_work_share(weight)
+        share = kinds.plain_work_share(prefill)
         plain_share = round(share, 4) if share is not None else before.plain_share
     else:
         capacity, measured = capacity_of(per_slot, slots, service_time)
@@ -369,6 +369,14 @@ def decide_arrivals(
         # What they served is capacity they have, full or not: an estimate below it sends
         # more to paid than needed, and then the batches never fill to measure it.
         capacity = round(lower, 4)
+    learned = learned_weight(fit)
+    if learned != prefill and work_per_slot is not None and kinds is not None:
+        # The unit changes from next round: the held capacity is carried over at the same
+        # requests a second at this mix, so the share does not jump with the unit; the
+        # engines' next full scrapes then measure it in the new one.
+        old, new = kinds.mean(prefill), kinds.mean(learned)
+        if old and new:
+            work_per_slot = round(work_per_slot * new / old, 6)
     base = replace(
         before,
         demand=demand,

@@ -243,3 +243,43 @@ def test_overflow_weighs_the_demand_with_the_learned_weight() -> None:
         # What it learned is carried to the next round.
         assert decision.fit == fit
     assert weights == {"constant": PREFILL_WEIGHT, "learned": pytest.approx(TRUE_WEIGHT, 1e-3)}
+
+
+def test_when_the_weight_is_learned_the_held_capacity_keeps_its_requests_a_second() -> None:
+    kinds = KindWork(
+        plain=20,
+        plain_output=20 * 100.0,
+        plain_prefill=20 * 3000.0,
+        sessions=20,
+        session_output=20 * 300.0,
+        session_prefill=20 * 100.0,
+    )
+    # One interval short of a fit that can say; this round's closes it.
+    intervals = _intervals(MIN_FIT_WINDOWS)
+    almost = _fit(intervals[:-1])
+    seconds, output, prefilled = intervals[-1]
+    starts = {"a": (0.0, 0.0, 0.0, seconds - 1.0)}
+    replica = ReplicaLoad(
+        key="a", slots=32, running=1.0, work=None, at=seconds, total=output, prefilled=prefilled
+    )
+    held = 0.5  # work per slot a second, at the constant weight
+    before = ArrivalsDecision(fit=almost, fit_starts=starts, work_per_slot=held)
+    decision = decide_arrivals(
+        before,
+        demand=10.0,
+        slots=32,
+        running=1.0,
+        fill=1.0,
+        completions=None,
+        service_time=10.0,
+        kinds=kinds,
+        replicas=[replica],
+        now=1000.0,
+    )
+    assert before.prefill_weight == PREFILL_WEIGHT
+    assert decision.prefill_weight == pytest.approx(TRUE_WEIGHT, rel=1e-3)
+    old, new = kinds.mean(PREFILL_WEIGHT), kinds.mean(decision.prefill_weight)
+    assert old is not None and new is not None
+    assert decision.work_per_slot == pytest.approx(held * new / old, rel=1e-5)
+    # In requests a second at this mix, the same before and after.
+    assert decision.work_per_slot / new == pytest.approx(held / old, rel=1e-5)
