@@ -475,7 +475,11 @@ def decide_arrivals(
         paid, since, step_fill = floor, now, fill
     what = "measured full" if measured else "prior"
     if mix is not None:
-        what += f"; in work, {mix:.0f} a request, {capacity * mix:.0f}/s"
+        known = "learned" if before.fit.weight() is not None else "until learned"
+        what += (
+            f"; in work, {mix:.0f} a request, {capacity * mix:.0f}/s, a prefilled token at "
+            f"{prefill:.3f} ({known}, {fit.intervals} full intervals)"
+        )
     excess = round(target - drain / demand, 4) if drain > 0 else target
     if excess > 0:
         why = (
