@@ -385,7 +385,7 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
                 capacityMeasured=arrivals.measured,
                 workPerRequest=arrivals.work,
                 prefillWeight=arrivals.prefill_weight,
-                prefillWeightLearned=arrivals.fit.weight() is not None,
+                prefillWeightSource=arrivals.weight_source,
                 paidShare=arrivals.paid,
                 trim=arrivals.trim,
                 queued=arrivals.queued,

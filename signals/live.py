@@ -227,7 +227,9 @@ def _by_arrivals(
     # scrape and the work its responses carried, a prefilled token at the weight learned
     # from the engines so far (signals.prefillfit; the decision weighs with the same one).
     previous = state.previous_overflow.get(name)
-    weight = prefill_weight(previous.arrivals if previous is not None else None)
+    weight = prefill_weight(
+        previous.arrivals if previous is not None else None, overflow.prefill_weight
+    )
 
     def per_output(key: str) -> float | None:
         prefill = state.prefill_per_output.get(key)

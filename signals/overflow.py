@@ -340,6 +340,7 @@ def decide_overflow_arrivals(
         kinds=kinds,
         completed_work=completed_work,
         load=overflow.owned_share(),
+        fixed_weight=overflow.prefill_weight,
     )
     plain, sessions = kind_shares(decision.paid, decision.plain_share, overflow.conversations)
     low, high = overflow.min_share / 100, overflow.max_share / 100

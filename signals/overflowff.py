@@ -167,6 +167,9 @@ class ArrivalsDecision:
     engines' counters while full (``signals.prefillfit``)."""
     fit_starts: Starts = field(default_factory=dict)
     """The owned replicas' open intervals of that fit (``fit_intervals``)."""
+    fixed_weight: float | None = field(default=None, compare=False)
+    """The route's ``overflow.prefillWeight`` when set: the weight used instead of the fit's
+    (which still learns, for status)."""
     work: float | None = None
     """The mean work of a request this round when demand and capacity are counted in work
     (``KindWork.mean``); None: in requests."""
@@ -194,9 +197,18 @@ class ArrivalsDecision:
 
     @property
     def prefill_weight(self) -> float:
-        """The weight a prefilled token counts at in this route's work: the learned one, or
-        ``PREFILL_WEIGHT`` until the fit can say (``signals.prefillfit.learned_weight``)."""
-        return learned_weight(self.fit)
+        """The weight a prefilled token counts at in this route's work: the route's own
+        (``fixed_weight``), else the learned one, or ``PREFILL_WEIGHT`` until the fit can
+        say (``signals.prefillfit.learned_weight``)."""
+        return learned_weight(self.fit) if self.fixed_weight is None else self.fixed_weight
+
+    @property
+    def weight_source(self) -> str:
+        """Where ``prefill_weight`` comes from: ``set`` (the route's), ``learned`` or
+        ``default`` (``PREFILL_WEIGHT``, until the fit can say)."""
+        if self.fixed_weight is not None:
+            return "set"
+        return "learned" if self.fit.weight() is not None else "default"
 
     @property
     def next_at(self) -> float:
@@ -206,9 +218,12 @@ class ArrivalsDecision:
         return math.inf
 
 
-def prefill_weight(decision: ArrivalsDecision | None) -> float:
-    """The weight a route's work counts a prefilled token at this round: its last decision's
-    (``ArrivalsDecision.prefill_weight``), ``PREFILL_WEIGHT`` before it has one."""
+def prefill_weight(decision: ArrivalsDecision | None, fixed: float | None = None) -> float:
+    """The weight a route's work counts a prefilled token at this round: `fixed` (the
+    route's ``overflow.prefillWeight``) when set, else what its last decision's fit learned,
+    ``PREFILL_WEIGHT`` before it can say."""
+    if fixed is not None:
+        return fixed
     return learned_weight(decision.fit if decision is not None else None)
 
 
@@ -278,6 +293,7 @@ def decide_arrivals(
     kinds: KindWork | None = None,
     completed_work: float | None = None,
     load: float = LOAD,
+    fixed_weight: float | None = None,
 ) -> ArrivalsDecision:
     """This round's share for one route.
 
@@ -305,7 +321,7 @@ def decide_arrivals(
     before = previous or ArrivalsDecision()
     # Work weighs a prefilled token as the fit had it before this round: the callers
     # (signals.live) weighed the replicas' work with the same (prefill_weight).
-    prefill = before.prefill_weight
+    prefill = prefill_weight(before, fixed_weight)
     mix = kinds.mean(prefill) if kinds is not None else None
     replicas_full_since = {
         replica.key: min(before.replicas_full_since.get(replica.key, now), now)
@@ -369,7 +385,7 @@ def decide_arrivals(
         # What they served is capacity they have, full or not: an estimate below it sends
         # more to paid than needed, and then the batches never fill to measure it.
         capacity = round(lower, 4)
-    learned = learned_weight(fit)
+    learned = fixed_weight if fixed_weight is not None else learned_weight(fit)
     if learned != prefill and work_per_slot is not None and kinds is not None:
         # The unit changes from next round: the held capacity is carried over at the same
         # requests a second at this mix, so the share does not jump with the unit; the
@@ -389,6 +405,7 @@ def decide_arrivals(
         scrapes=scrapes,
         fit=fit,
         fit_starts=fit_starts,
+        fixed_weight=fixed_weight,
         work=round(mix, 2) if mix is not None else None,
         plain_share=plain_share,
         queued=queued,
@@ -475,7 +492,7 @@ def decide_arrivals(
         paid, since, step_fill = floor, now, fill
     what = "measured full" if measured else "prior"
     if mix is not None:
-        known = "learned" if before.fit.weight() is not None else "until learned"
+        known = replace(before, fixed_weight=fixed_weight).weight_source
         what += (
             f"; in work, {mix:.0f} a request, {capacity * mix:.0f}/s, a prefilled token at "
             f"{prefill:.3f} ({known}, {fit.intervals} full intervals)"

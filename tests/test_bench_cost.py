@@ -11,14 +11,7 @@ from decimal import Decimal
 import pytest
 from harness.golden import BENCH, check, updating
 
-from bench.cost.config import (
-    PAID_POOL,
-    WARM_UP_LOAD,
-    Phase,
-    Prices,
-    default_config,
-    warmed,
-)
+from bench.cost.config import PAID_POOL, Phase, Prices, default_config
 from bench.cost.floor import full_rate, measured_floor
 from bench.cost.report import markdown, summarize, targets
 from bench.cost.results import CostSummary, Dollars, FullRate, PhaseRow
@@ -224,30 +217,6 @@ def test_a_larger_batch_grows_the_kv_cache_with_it_at_the_wall_clocks_pace() -> 
     results = {1: {key: CostSummary.from_json(entry) for key, entry in data.items()}}
     assert "4 owned replicas batching 32 sequences" in markdown(results, large)
     assert "4 owned replicas batching 8 sequences" in markdown(results, small)
-
-
-def test_a_warm_up_comes_before_the_measured_phases_and_changes_none_of_them() -> None:
-    """``--warm-up``: a stretch above the owned capacity, not measured, then the ramp longer
-    by the time its queue needs to drain; the measured phases, their window and the excess
-    they hold are those of a cold run."""
-    cold = default_config()
-    warm = warmed(cold, 150.0)
-    first = warm.phases[0]
-    assert (first.name, first.duration, first.load, first.measured) == (
-        "warm-up",
-        150.0,
-        WARM_UP_LOAD,
-        False,
-    )
-    assert WARM_UP_LOAD > 1.0
-    assert warm.phases[1] == replace(cold.phases[0], duration=cold.phases[0].duration + 20.0)
-    assert warm.phases[2:] == cold.phases[1:]
-    assert warm.ramp == cold.ramp + 170.0
-    assert warm.excess_share() == cold.excess_share()
-    peak = cold.window("peak")
-    assert warm.window("peak") == (peak[0] + 170.0, peak[1] + 170.0)
-    assert warm.deadline == cold.deadline + 170.0
-    assert warmed(cold, 0.0) == cold
 
 
 def test_the_responses_account_prices_paid_usage_as_kvpilot_does() -> None:

@@ -36,7 +36,6 @@ def test_every_benchmark_takes_the_shared_flags() -> None:
         (["--policies", "nope"], "unknown policies ['nope']"),
         (["classes", "--policies", "nope"], "unknown policies ['nope']"),
         (["cost", "--batch-size", "0"], "--batch-size is a number of sequences, at least 1: 0"),
-        (["cost", "--warm-up", "-5"], "--warm-up is a number of seconds, 0 or more: -5.0"),
     ],
 )
 def test_flags_that_make_no_run_are_refused_with_a_sentence(

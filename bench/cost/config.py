@@ -28,7 +28,10 @@ Each policy replays the same requests, one after the other on the same stack:
   with ``low: 0.9``; and by arrivals with ``recoverInterval: 2s``;
 - by arrivals with the owned replicas kept at 97% or 80% of their measured capacity (run
   only when named, ``cost_aware_arrivals_u97`` and ``_u80``: ``utilization``, 0.9 by
-  default).
+  default);
+- by arrivals with the prefill weight set to the simulated engine's own ratio (run only when
+  named, ``cost_aware_arrivals_w``: ``prefillWeight``), where a kvpilot that has learned it
+  stands.
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
@@ -104,6 +107,18 @@ class Prices:
 
 ROUTE: dict[str, Any] = {"balancing": "telemetry", "sessionAffinity": dict(SESSION_AFFINITY)}
 """The owned replicas' route in every policy: session affinity with telemetry weights."""
+
+ENGINE_WEIGHT_POLICY = "cost_aware_arrivals_w"
+"""The policy run with ``overflow.prefillWeight`` at the simulated engine's own ratio."""
+
+
+def engine_weight(sim: SimConfig) -> float:
+    """What a prefilled token costs the simulated engine against an output token at a full
+    batch: its prefill time per token over a full step's time per sequence (0.086 at 8, 0.24
+    at 32 with the benchmark's engine), what ``signals.prefillfit`` learns from its counters."""
+    step = sim.decode_base + sim.decode_per_seq * sim.max_batch
+    return round(sim.prefill_per_token / (step / sim.max_batch), 4)
+
 
 POLICIES: tuple[Policy, ...] = (
     Policy("owned_only", "owned only", ROUTE),
@@ -200,6 +215,16 @@ POLICIES: tuple[Policy, ...] = (
         )
         for share in (0.97, 0.8)
     ),
+    # By arrivals with the prefill weight the engines have (``prefillWeight``, set per run
+    # from the simulated engine at its batch size: ``engine_weight``): where a kvpilot that
+    # has learned it stands, against the default that starts from 0.1 (a cold kvpilot
+    # learns it only after minutes of full batches, longer than this run).
+    Policy(
+        ENGINE_WEIGHT_POLICY,
+        "cost-aware by arrivals, the engines' prefill weight",
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "arrivals", "ttft": "1s"}},
+        default=False,
+    ),
     # The same with an objective twice the benchmark's: a longer queue is held on the owned
     # replicas before it is drained. Where the objective sits between paid spend and the
     # peak's latency.
@@ -258,6 +283,12 @@ class CostConfig(Phased):
 
     def policy(self, policy: Policy) -> Policy:
         """`policy` as this run applies it."""
+        if policy.key == ENGINE_WEIGHT_POLICY:
+            overflow = {
+                **policy.route["overflow"],
+                "prefillWeight": engine_weight(self.routing.sim),
+            }
+            return replace(policy, route={**policy.route, "overflow": overflow})
         if policy.key != "cost_aware" or not self.overflow:
             return policy
         overflow = {**policy.route["overflow"], **self.overflow}
@@ -281,32 +312,6 @@ SINGLES = WorkloadConfig(
     length_cap=400,
 )
 """Single requests: a question about one of a few shared documents, no session id."""
-
-
-WARM_UP_LOAD = 1.2
-"""Offered load of the warm-up (``warmed``), a share of the owned capacity."""
-WARM_UP_SETTLE = 20.0
-"""Seconds the first unmeasured phase is lengthened by after a warm-up, for what queued in
-it to drain before the measured phases."""
-
-
-def warmed(config: CostConfig, seconds: float) -> CostConfig:
-    """`config` after `seconds` at ``WARM_UP_LOAD``, not measured: the owned batches fill
-    and overflow learns its engines' prefill weight (``signals.prefillfit``) before the
-    measured phases, as a control plane that has run with its fleet through a busy hour
-    has. The first phase (the unmeasured ramp) is ``WARM_UP_SETTLE`` longer."""
-    if seconds <= 0:
-        return config
-    first, *rest = config.phases
-    return replace(
-        config,
-        phases=(
-            Phase("warm-up", seconds, WARM_UP_LOAD, measured=False),
-            replace(first, duration=first.duration + WARM_UP_SETTLE),
-            *rest,
-        ),
-        deadline=config.deadline + seconds + WARM_UP_SETTLE,
-    )
 
 
 def default_config(short: bool = False, seed: int = 1, batch: int = SUITE_MAX_BATCH) -> CostConfig:

@@ -29,20 +29,13 @@ class CostBenchmark:
             help="sequences the owned replicas batch (the suite's first batch size, 8, by default)",
         )
         parser.add_argument(
-            "--warm-up",
-            type=float,
-            default=0.0,
-            help="seconds at 120%% of the owned capacity before the run, not measured: "
-            "overflow learns its engines' prefill weight first (0: a cold start)",
-        )
-        parser.add_argument(
             "--overflow",
             default="{}",
             help="JSON fields added to cost-aware's overflow, for tuning runs",
         )
 
     def run(self, args: argparse.Namespace) -> Written:
-        from bench.cost.config import POLICIES, default_config, warmed
+        from bench.cost.config import POLICIES, default_config
         from bench.cost.report import markdown
         from bench.cost.results import CostSummary
         from bench.cost.run import run_cost
@@ -60,15 +53,12 @@ class CostBenchmark:
         batch = SUITE_MAX_BATCH if args.batch_size is None else args.batch_size
         if batch < 1:
             raise UsageError(f"--batch-size is a number of sequences, at least 1: {batch}")
-        if args.warm_up < 0:
-            raise UsageError(f"--warm-up is a number of seconds, 0 or more: {args.warm_up}")
         policies = names(args.policies, (p.key for p in POLICIES), "policies")
         results: dict[int, dict[str, CostSummary]] = {}
         config = default_config(short=args.short, batch=batch)
         for seed in seeds:
             config = replace(
-                warmed(default_config(short=args.short, seed=seed, batch=batch), args.warm_up),
-                overflow=extra,
+                default_config(short=args.short, seed=seed, batch=batch), overflow=extra
             )
             if args.out is not None:
                 config = replace(config, out_dir=args.out)

@@ -23,6 +23,9 @@ from signals.spill import SpillDecision
 from signals.weights import WeightDecision
 
 log = logging.getLogger(__name__)
+WEIGHT_SOURCES = ("set", "learned", "default")
+"""Values of ``kvpilot_overflow_prefill_weight``'s ``source`` label
+(``ArrivalsDecision.weight_source``)."""
 
 
 class LiveDecisions:
@@ -211,15 +214,15 @@ class LiveDecisions:
             )
             arrivals = decision.arrivals
             if arrivals is not None:
-                learned = arrivals.fit.weight() is not None
-                metrics.overflow_prefill_weight.labels(route, str(int(learned))).set(
-                    arrivals.prefill_weight
-                )
-                with contextlib.suppress(KeyError):
-                    metrics.overflow_prefill_weight.remove(route, str(int(not learned)))
-                old = self.overflow.get(route)
-                was_learned = old.arrivals.fit.weight() if old and old.arrivals else None
-                if learned and was_learned is None:
+                source = arrivals.weight_source
+                metrics.overflow_prefill_weight.labels(route, source).set(arrivals.prefill_weight)
+                for other in WEIGHT_SOURCES:
+                    if other != source:
+                        with contextlib.suppress(KeyError):
+                            metrics.overflow_prefill_weight.remove(route, other)
+                last = self.overflow.get(route)
+                last_source = last.arrivals.weight_source if last and last.arrivals else None
+                if source == "learned" and last_source != "learned":
                     log.info(
                         "overflow on %s: a prefilled token now counts %.3f of an output token, "
                         "learned from %d full intervals of the owned engines",
@@ -251,9 +254,9 @@ class LiveDecisions:
             for kind in ("requests", "sessions"):
                 metrics.overflow_share.remove(route, kind)
             metrics.overflow_pressure.remove(route)
-            for flag in ("0", "1"):
+            for source in WEIGHT_SOURCES:
                 with contextlib.suppress(KeyError):
-                    metrics.overflow_prefill_weight.remove(route, flag)
+                    metrics.overflow_prefill_weight.remove(route, source)
         self.overflow = plan.overflow
         self._overflow_at = (
             min((d.next_step_at for d in plan.overflow.values()), default=math.inf) + 0.05

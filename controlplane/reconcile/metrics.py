@@ -110,9 +110,9 @@ class ReconcileMetrics:
         self.overflow_prefill_weight = Gauge(
             "kvpilot_overflow_prefill_weight",
             "What an uncached prompt token counts against an output token in a route's overflow "
-            "by arrivals: learned from its owned engines' counters while full, the constant 0.1 "
-            "until then (learned=1 or 0).",
-            ["route", "learned"],
+            "by arrivals, by source: set (the route's prefillWeight), learned (from its owned "
+            "engines' counters while full) or default (0.1, until the fit can say).",
+            ["route", "source"],
             **kwargs,
         )
         self.overflow_resting = Gauge(

@@ -136,6 +136,18 @@ class Overflow(Model):
         "static split's; 0.9 level with it; 0.8 for routes whose latency matters more); "
         "stored unset, so a later default applies.",
     )
+    prefill_weight: float | None = Field(
+        None,
+        ge=0.01,
+        le=1,
+        description="With signal: arrivals, what an uncached prompt token counts against an "
+        "output token in the work demand and capacity are counted in: the time a prompt token "
+        "takes to prefill over the time an output token takes at a full batch (0.086 for the "
+        "benchmark's simulated engine at 8 sequences, 0.24 at 32). Unset: learned from the "
+        "owned engines' own counters while their batches are full, 0.1 until the fit can say "
+        "it (signals.prefillfit). Set it for replicas that are seldom full, from a run of "
+        "them kept full.",
+    )
     feed_forward: float = Field(
         0.0,
         ge=0,
@@ -165,6 +177,11 @@ class Overflow(Model):
             raise ValueError(
                 "overflow feedForward is for signal: fill (set it); with signal: arrivals, "
                 "the default, the arrival rate sets the share already"
+            )
+        if self.signal == "fill" and self.prefill_weight is not None:
+            raise ValueError(
+                "overflow prefillWeight is for signal: arrivals, which counts demand and "
+                "capacity in work; the loop (signal: fill) reads the batch fill"
             )
         if self.signal == "fill" and self.utilization not in (None, UTILIZATION_STORED_BEFORE):
             raise ValueError(
