@@ -11,7 +11,15 @@ from decimal import Decimal
 import pytest
 from harness.golden import BENCH, check, updating
 
-from bench.cost.config import PAID_POOL, Phase, Prices, default_config
+from bench.cost.config import (
+    ENGINE_WEIGHT_POLICY,
+    PAID_POOL,
+    POLICIES,
+    Phase,
+    Prices,
+    default_config,
+    engine_weight,
+)
 from bench.cost.floor import full_rate, measured_floor
 from bench.cost.report import markdown, summarize, targets
 from bench.cost.results import CostSummary, Dollars, FullRate, PhaseRow
@@ -19,6 +27,7 @@ from bench.cost.run import request_row
 from bench.cost.spend import PoolSpend, between, differences, from_responses, from_view
 from bench.rig.loadgen import LoadSample, RequestResult, RunResult
 from bench.rig.stack import POOL
+from policies.models import Overflow
 from signals.spend import TokenPrice
 
 CONFIG = replace(
@@ -217,6 +226,18 @@ def test_a_larger_batch_grows_the_kv_cache_with_it_at_the_wall_clocks_pace() -> 
     results = {1: {key: CostSummary.from_json(entry) for key, entry in data.items()}}
     assert "4 owned replicas batching 32 sequences" in markdown(results, large)
     assert "4 owned replicas batching 8 sequences" in markdown(results, small)
+
+
+def test_the_engine_weight_policy_runs_with_the_simulated_engines_own_ratio() -> None:
+    """``cost_aware_arrivals_w``: overflow by arrivals with ``prefillWeight`` at what the
+    simulated engine's prefilled token costs against an output token at a full batch."""
+    policy = next(p for p in POLICIES if p.key == ENGINE_WEIGHT_POLICY)
+    for batch, weight in ((8, 0.0862), (32, 0.2439)):
+        config = default_config(batch=batch)
+        assert engine_weight(config.routing.sim) == weight
+        route = config.policy(policy).route
+        assert route["overflow"]["prefillWeight"] == weight
+        assert Overflow.model_validate(route["overflow"]).prefill_weight == weight
 
 
 def test_the_responses_account_prices_paid_usage_as_kvpilot_does() -> None:

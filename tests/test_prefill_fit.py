@@ -8,7 +8,12 @@ import asyncio
 import random
 
 import pytest
+from harness.builders import arrivals_overflow
+from pydantic import ValidationError
 
+from compiler.compile import PolicyState, compile_plan
+from policies import parse_object
+from policies.models import Overflow
 from replicasim.simulator import Engine, SimConfig
 from signals.overflowff import ArrivalsDecision, decide_arrivals, prefill_weight
 from signals.overflowwork import PREFILL_WEIGHT, KindWork, ReplicaLoad
@@ -21,7 +26,10 @@ from signals.prefillfit import (
     fit_intervals,
     learned_weight,
 )
-from signals.telemetry import extract, metric_map_for, parse_samples
+from signals.telemetry import TelemetryRecord, extract, metric_map_for, parse_samples
+
+NOW = 1_000_000.0
+PORTS = (8001, 8002, 8003, 8004)
 
 OUTPUT_COST, PREFILL_COST = 33e-3 / 32, 1 / 4000
 """An engine at a full batch of 32: 33 ms a step, a quarter of a millisecond a prompt token."""
@@ -283,3 +291,66 @@ def test_when_the_weight_is_learned_the_held_capacity_keeps_its_requests_a_secon
     assert decision.work_per_slot == pytest.approx(held * new / old, rel=1e-5)
     # In requests a second at this mix, the same before and after.
     assert decision.work_per_slot / new == pytest.approx(held / old, rel=1e-5)
+
+
+def test_a_route_may_set_its_weight_and_the_fit_still_learns_beside_it() -> None:
+    assert Overflow.model_validate({"pools": ["paid"]}).prefill_weight is None
+    set_ = Overflow.model_validate({"pools": ["paid"], "prefillWeight": 0.25})
+    assert set_.prefill_weight == 0.25
+    for bad in (0, 0.001, 1.5, "high"):
+        with pytest.raises(ValidationError, match="prefillWeight"):
+            Overflow.model_validate({"pools": ["paid"], "prefillWeight": bad})
+    with pytest.raises(ValidationError, match="prefillWeight is for signal: arrivals"):
+        Overflow.model_validate({"pools": ["paid"], "signal": "fill", "prefillWeight": 0.2})
+    # Compiled: the route's weight is used, and said to be set.
+    hosts = [f"127.0.0.1:{port}" for port in PORTS]
+    kinds = KindWork(
+        plain=20,
+        plain_output=20 * 100.0,
+        plain_prefill=20 * 3000.0,
+        sessions=20,
+        session_output=20 * 300.0,
+        session_prefill=20 * 100.0,
+    )
+
+    def decided(**overflow: float) -> ArrivalsDecision:
+        objects = [parse_object(body) for body in arrivals_overflow(PORTS, **overflow)]
+        state = PolicyState.from_objects(
+            objects,
+            telemetry={
+                "owned": {
+                    host: TelemetryRecord(at=NOW - 1, running=8, max_running=8) for host in hosts
+                }
+            },
+            now=NOW,
+            arrivals={"default/main/chat": 6.0},
+            service_times={host: 4.0 for host in hosts},
+            kind_work={"main/chat": kinds},
+        )
+        decision = compile_plan(state).overflow["main/chat"].arrivals
+        assert decision is not None
+        return decision
+
+    fixed = decided(prefillWeight=0.25)
+    assert (fixed.prefill_weight, fixed.weight_source) == (0.25, "set")
+    assert fixed.work == pytest.approx((100 + 300 + 0.25 * 3100) / 2, abs=0.01)
+    cold = decided()
+    assert (cold.prefill_weight, cold.weight_source) == (PREFILL_WEIGHT, "default")
+    assert cold.work == pytest.approx((100 + 300 + PREFILL_WEIGHT * 3100) / 2, abs=0.01)
+    # A fit that can say, beside a set weight: the set one wins, nothing is rescaled.
+    learned = ArrivalsDecision(fit=_fit(_intervals(MIN_FIT_WINDOWS)), work_per_slot=0.5)
+    assert learned.weight_source == "learned"
+    kept = decide_arrivals(
+        learned,
+        demand=10.0,
+        slots=32,
+        running=0.5,
+        fill=0.5,
+        completions=None,
+        service_time=10.0,
+        kinds=kinds,
+        now=1000.0,
+        fixed_weight=0.05,
+    )
+    assert (kept.prefill_weight, kept.weight_source, kept.work_per_slot) == (0.05, "set", 0.5)
+    assert kept.fit == learned.fit
