@@ -12,8 +12,8 @@ every kind it sent too much to paid (0.95x the static split's spend in the cost 
 
 So where the route's responses carry an OpenAI ``usage`` (the accounting filter's, read from
 the listener's usage log: ``xdsserver.work``), demand and capacity are counted in the work
-the owned replicas compute: output tokens plus uncached prompt tokens at ``PREFILL_WEIGHT``
-of an output token (``work_of``). In a full batch a replica's time goes to decode steps, one
+the owned replicas compute: output tokens plus uncached prompt tokens at a weight of an
+output token (``work_of``). In a full batch a replica's time goes to decode steps, one
 token per sequence per step, and to prefilling what its cache does not hold; the weight is
 what a prefilled token costs against a decoded one (the simulated engine: 1/4000 s a prompt
 token, 23 ms a step of 8 sequences, 2.9 ms an output token: 0.086; on a GPU prefill is
@@ -23,7 +23,10 @@ fifths of the work in that benchmark where it takes about a third of the engines
 The ratio grows with the batch, as a fuller step makes each output token cheaper: the same
 engine at 32 sequences is at 0.24 (33 ms a step of 32), and there the constant undercounts
 the long prompts' work, reads the capacity high and sends less than the excess to paid
-(docs/cost-overflow.md, "Measured at a batch of 32"). Learning it from the engines is open.
+(docs/cost-overflow.md, "Measured at a batch of 32"). So the weight is the route's
+``overflow.prefillWeight`` where set, else learned from the owned engines' own counters
+while full (``signals.prefillfit``), ``PREFILL_WEIGHT`` until the fit can say; the books
+keep tokens (``Work``, ``KindWork``) and the weight is applied at the decision.
 
 - **Demand** is the arrival rate times the mean work of a request of each kind over the
   last ``ARRIVAL_WINDOW`` (``KindWork``: every pool's responses, the kind from the route
@@ -32,7 +35,7 @@ the long prompts' work, reads the capacity high and sends less than the excess t
 - **Capacity** is the work per second the owned replicas compute while full, read replica
   by replica (``ReplicaLoad``, ``engine_work``): the work its engine computed a second
   between the last two telemetry records kvpilot read, the output tokens it made plus the
-  prompt tokens it prefilled at ``PREFILL_WEIGHT``, both from its own counters over the
+  prompt tokens it prefilled at the weight, both from its own counters over the
   same time (``output_tokens_total``, ``prefilled_tokens_total``). An engine without a
   prefill count: its output tokens times the work per output token of the responses it
   served over the long window (``computed_rate``; without totals, the record's own
@@ -82,7 +85,8 @@ for a capacity sample: at 4 completions a second, 20 of them."""
 
 PREFILL_WEIGHT = 0.1
 """What an uncached prompt token counts against an output token in overflow's unit of work
-(module docstring: the simulated engine's ratio is 0.086 at batches of 8, 0.24 at 32)."""
+until the engines' own ratio is learned (``signals.prefillfit``; module docstring: the
+simulated engine's ratio is 0.086 at batches of 8, 0.24 at 32)."""
 RATE_WEIGHT = 0.2
 """Weight of a round's sample of the full replicas' computed rates (``rate_sample``) against
 the held one: a scrape's second of steps is noisy (a long prefill's step is half a second),
