@@ -36,6 +36,18 @@ OUTPUT_COST, PREFILL_COST = 33e-3 / 32, 1 / 4000
 TRUE_WEIGHT = PREFILL_COST / OUTPUT_COST
 
 
+KINDS = KindWork(
+    plain=20,
+    plain_output=20 * 100.0,
+    plain_prefill=20 * 3000.0,
+    sessions=20,
+    session_output=20 * 300.0,
+    session_prefill=20 * 100.0,
+)
+"""A route's responses: documents of 100 output tokens and 3,000 prefilled, conversation
+turns of 300 and 100."""
+
+
 def _intervals(count: int, seed: int = 1, noise: float = 0.0) -> list[tuple[float, float, float]]:
     """(seconds, output, prefilled) of `count` intervals of a full engine whose mix moves."""
     rng = random.Random(seed)
@@ -221,15 +233,7 @@ def test_the_fit_recovers_a_simulated_engines_own_ratio_from_its_counters(batch:
 
 
 def test_overflow_weighs_the_demand_with_the_learned_weight() -> None:
-    # Documents: 100 output tokens and 3,000 prefilled; conversation turns: 300 and 100.
-    kinds = KindWork(
-        plain=20,
-        plain_output=20 * 100.0,
-        plain_prefill=20 * 3000.0,
-        sessions=20,
-        session_output=20 * 300.0,
-        session_prefill=20 * 100.0,
-    )
+    kinds = KINDS
     learned = _fit(_intervals(MIN_FIT_WINDOWS))
     weights = {}
     for name, fit in (("constant", PrefillFit()), ("learned", learned)):
@@ -254,14 +258,7 @@ def test_overflow_weighs_the_demand_with_the_learned_weight() -> None:
 
 
 def test_when_the_weight_is_learned_the_held_capacity_keeps_its_requests_a_second() -> None:
-    kinds = KindWork(
-        plain=20,
-        plain_output=20 * 100.0,
-        plain_prefill=20 * 3000.0,
-        sessions=20,
-        session_output=20 * 300.0,
-        session_prefill=20 * 100.0,
-    )
+    kinds = KINDS
     # One interval short of a fit that can say; this round's closes it.
     intervals = _intervals(MIN_FIT_WINDOWS)
     almost = _fit(intervals[:-1])
@@ -304,14 +301,7 @@ def test_a_route_may_set_its_weight_and_the_fit_still_learns_beside_it() -> None
         Overflow.model_validate({"pools": ["paid"], "signal": "fill", "prefillWeight": 0.2})
     # Compiled: the route's weight is used, and said to be set.
     hosts = [f"127.0.0.1:{port}" for port in PORTS]
-    kinds = KindWork(
-        plain=20,
-        plain_output=20 * 100.0,
-        plain_prefill=20 * 3000.0,
-        sessions=20,
-        session_output=20 * 300.0,
-        session_prefill=20 * 100.0,
-    )
+    kinds = KINDS
 
     def decided(**overflow: float) -> ArrivalsDecision:
         objects = [parse_object(body) for body in arrivals_overflow(PORTS, **overflow)]
