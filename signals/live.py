@@ -224,8 +224,9 @@ def _by_arrivals(
     done = [state.recent_completions[key] for key in keys if key in state.recent_completions]
     completed = [state.completions[key] for key in keys if key in state.completions]
     # In work (signals.overflowff): each replica's fullness, the work it computed at its last
-    # scrape and the work its responses carried, a prefilled token at the weight learned
-    # from the engines so far (signals.prefillfit; the decision weighs with the same one).
+    # scrape and the work its responses carried, a prefilled token at the route's weight or
+    # the one learned from the engines so far (signals.prefillfit; the decision weighs with
+    # the same one).
     previous = state.previous_overflow.get(name)
     weight = prefill_weight(
         previous.arrivals if previous is not None else None, overflow.prefill_weight

@@ -269,10 +269,13 @@ def decide_arrivals(
     completed over the last ``SAMPLE_WINDOW``, for the capacity sample; `completed_work`:
     the work the owned replicas completed per second over the long window, its lower bound.
     The capacity is then carried in requests at the current mix, and the share of plain
-    requests from the share of the work without a session."""
+    requests from the share of the work without a session. A prefilled token counts at
+    `fixed_weight` (``Overflow.prefillWeight``) when set, else at what the fit carried in
+    `previous` learned (``prefill_weight``); the replicas' stretches of full batches this
+    round go into the fit (``signals.prefillfit.fit_intervals``)."""
     before = previous or ArrivalsDecision()
-    # Work weighs a prefilled token as the fit had it before this round: the callers
-    # (signals.live) weighed the replicas' work with the same (prefill_weight).
+    # Work weighs a prefilled token as set, or as the fit had it before this round: the
+    # callers (signals.live) weighed the replicas' work with the same (prefill_weight).
     prefill = prefill_weight(before, fixed_weight)
     mix = kinds.mean(prefill) if kinds is not None else None
     replicas_full_since = {
