@@ -7,9 +7,9 @@ import json
 
 import pytest
 from harness.builders import arrivals_overflow
+from harness.overflow import compiled_arrivals
 from pydantic import ValidationError
 
-from compiler.compile import PolicyState, compile_plan
 from controlplane.decode import decode
 from policies import parse_object
 from policies.models import Overflow, RoutingPolicy
@@ -17,7 +17,6 @@ from policies.models.overflow import UTILIZATION, UTILIZATION_STORED_BEFORE
 from signals.overflowff import PRIOR_SHARE, ArrivalsDecision, decide_arrivals
 from signals.overflowwork import SAMPLE_WINDOW
 from signals.spill import LOAD, LOW_FILL
-from signals.telemetry import TelemetryRecord
 
 NOW = 1_000_000.0
 PORTS = (8001, 8002, 8003, 8004)
@@ -102,25 +101,8 @@ def test_the_room_a_lower_utilization_leaves_does_not_raise_the_trim() -> None:
 
 
 def test_the_compiled_route_reads_its_utilization() -> None:
-    hosts = [f"127.0.0.1:{port}" for port in PORTS]
-
     def paid(**overflow: float) -> float:
-        objects = [parse_object(body) for body in arrivals_overflow(PORTS, **overflow)]
-        state = PolicyState.from_objects(
-            objects,
-            telemetry={
-                "owned": {
-                    host: TelemetryRecord(at=NOW - 1, running=8, max_running=8) for host in hosts
-                }
-            },
-            now=NOW,
-            arrivals={"default/main/chat": 6.0},
-            service_times={host: 4.0 for host in hosts},
-            session_shares={"main/chat": 0.6},
-        )
-        decision = compile_plan(state).overflow["main/chat"].arrivals
-        assert decision is not None
-        return decision.paid
+        return compiled_arrivals(PORTS, now=NOW, **overflow).paid
 
     # 32 slots / 4 s: a prior of 5.6/s against 6/s of demand.
     assert paid() == pytest.approx(1 - UTILIZATION * PRIOR_SHARE * 8.0 / 6.0, abs=1e-3)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import pytest
-from harness.builders import arrivals_overflow
+from harness.overflow import compiled_arrivals
 from pydantic import ValidationError
 
-from compiler.compile import PolicyState, compile_plan
-from policies import parse_object
 from policies.models import Overflow
 from replicasim.simulator import Engine, SimConfig
 from signals.overflowff import ArrivalsDecision, decide_arrivals, prefill_weight
@@ -26,7 +25,7 @@ from signals.prefillfit import (
     fit_intervals,
     learned_weight,
 )
-from signals.telemetry import TelemetryRecord, extract, metric_map_for, parse_samples
+from signals.telemetry import extract, metric_map_for, parse_samples
 
 NOW = 1_000_000.0
 PORTS = (8001, 8002, 8003, 8004)
@@ -232,23 +231,26 @@ def test_the_fit_recovers_a_simulated_engines_own_ratio_from_its_counters(batch:
 # --------------------------------------------------------------------------- in overflow
 
 
+def _decide(before: ArrivalsDecision, **round_: Any) -> ArrivalsDecision:
+    """A round of a route with ``KINDS`` and 10 requests a second, its batches half full
+    unless `round_` says otherwise."""
+    values: dict[str, Any] = {"slots": 128, "running": 0.5, "fill": 0.5, **round_}
+    return decide_arrivals(
+        before,
+        demand=10.0,
+        completions=None,
+        service_time=10.0,
+        kinds=KINDS,
+        now=1000.0,
+        **values,
+    )
+
+
 def test_overflow_weighs_the_demand_with_the_learned_weight() -> None:
-    kinds = KINDS
     learned = _fit(_intervals(MIN_FIT_WINDOWS))
     weights = {}
     for name, fit in (("constant", PrefillFit()), ("learned", learned)):
-        before = ArrivalsDecision(fit=fit)
-        decision = decide_arrivals(
-            before,
-            demand=10.0,
-            slots=128,
-            running=0.5,
-            fill=0.5,
-            completions=None,
-            service_time=10.0,
-            kinds=kinds,
-            now=1000.0,
-        )
+        decision = _decide(ArrivalsDecision(fit=fit))
         weights[name] = prefill_weight(decision)
         expected = (100 + 300 + weights[name] * 3100) / 2
         assert decision.work == pytest.approx(expected, abs=0.01)
@@ -258,7 +260,6 @@ def test_overflow_weighs_the_demand_with_the_learned_weight() -> None:
 
 
 def test_when_the_weight_is_learned_the_held_capacity_keeps_its_requests_a_second() -> None:
-    kinds = KINDS
     # One interval short of a fit that can say; this round's closes it.
     intervals = _intervals(MIN_FIT_WINDOWS)
     almost = _fit(intervals[:-1])
@@ -269,21 +270,10 @@ def test_when_the_weight_is_learned_the_held_capacity_keeps_its_requests_a_secon
     )
     held = 0.5  # work per slot a second, at the constant weight
     before = ArrivalsDecision(fit=almost, fit_starts=starts, work_per_slot=held)
-    decision = decide_arrivals(
-        before,
-        demand=10.0,
-        slots=32,
-        running=1.0,
-        fill=1.0,
-        completions=None,
-        service_time=10.0,
-        kinds=kinds,
-        replicas=[replica],
-        now=1000.0,
-    )
+    decision = _decide(before, slots=32, running=1.0, fill=1.0, replicas=[replica])
     assert before.prefill_weight == PREFILL_WEIGHT
     assert decision.prefill_weight == pytest.approx(TRUE_WEIGHT, rel=1e-3)
-    old, new = kinds.mean(PREFILL_WEIGHT), kinds.mean(decision.prefill_weight)
+    old, new = KINDS.mean(PREFILL_WEIGHT), KINDS.mean(decision.prefill_weight)
     assert old is not None and new is not None
     assert decision.work_per_slot == pytest.approx(held * new / old, rel=1e-5)
     # In requests a second at this mix, the same before and after.
@@ -299,27 +289,12 @@ def test_a_route_may_set_its_weight_and_the_fit_still_learns_beside_it() -> None
             Overflow.model_validate({"pools": ["paid"], "prefillWeight": bad})
     with pytest.raises(ValidationError, match="prefillWeight is for signal: arrivals"):
         Overflow.model_validate({"pools": ["paid"], "signal": "fill", "prefillWeight": 0.2})
-    # Compiled: the route's weight is used, and said to be set.
-    hosts = [f"127.0.0.1:{port}" for port in PORTS]
-    kinds = KINDS
 
+    # Compiled: the route's weight is used, and said to be set.
     def decided(**overflow: float) -> ArrivalsDecision:
-        objects = [parse_object(body) for body in arrivals_overflow(PORTS, **overflow)]
-        state = PolicyState.from_objects(
-            objects,
-            telemetry={
-                "owned": {
-                    host: TelemetryRecord(at=NOW - 1, running=8, max_running=8) for host in hosts
-                }
-            },
-            now=NOW,
-            arrivals={"default/main/chat": 6.0},
-            service_times={host: 4.0 for host in hosts},
-            kind_work={"main/chat": kinds},
+        return compiled_arrivals(
+            PORTS, now=NOW, live={"kind_work": {"main/chat": KINDS}}, **overflow
         )
-        decision = compile_plan(state).overflow["main/chat"].arrivals
-        assert decision is not None
-        return decision
 
     fixed = decided(prefillWeight=0.25)
     assert (fixed.prefill_weight, fixed.weight_source) == (0.25, "set")
@@ -330,17 +305,6 @@ def test_a_route_may_set_its_weight_and_the_fit_still_learns_beside_it() -> None
     # A fit that can say, beside a set weight: the set one wins, nothing is rescaled.
     learned = ArrivalsDecision(fit=_fit(_intervals(MIN_FIT_WINDOWS)), work_per_slot=0.5)
     assert learned.weight_source == "learned"
-    kept = decide_arrivals(
-        learned,
-        demand=10.0,
-        slots=32,
-        running=0.5,
-        fill=0.5,
-        completions=None,
-        service_time=10.0,
-        kinds=kinds,
-        now=1000.0,
-        fixed_weight=0.05,
-    )
+    kept = _decide(learned, slots=32, fixed_weight=0.05)
     assert (kept.prefill_weight, kept.weight_source, kept.work_per_slot) == (0.05, "set", 0.5)
     assert kept.fit == learned.fit

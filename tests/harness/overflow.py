@@ -1,0 +1,38 @@
+"""A route with overflow by arrivals compiled from a state written by hand: the owned pool of
+`harness.builders.arrivals_overflow` full at a batch of 8, a demand, and what else a test
+gives."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from compiler.compile import PolicyState, compile_plan
+from harness.builders import arrivals_overflow
+from policies import parse_object
+from signals.overflowff import ArrivalsDecision
+from signals.telemetry import TelemetryRecord
+
+
+def compiled_arrivals(
+    ports: Sequence[int], *, now: float, demand: float = 6.0, live: Any = None, **overflow: Any
+) -> ArrivalsDecision:
+    """The arrivals decision of route ``main/chat`` compiled at `now`: its 4 s service time,
+    60% of its starts with a session, `demand` requests a second; `live`: more of
+    ``PolicyState``'s live fields; `overflow`: more of the route's overflow fields."""
+    hosts = [f"127.0.0.1:{port}" for port in ports]
+    objects = [parse_object(body) for body in arrivals_overflow(ports, **overflow)]
+    state = PolicyState.from_objects(
+        objects,
+        telemetry={
+            "owned": {host: TelemetryRecord(at=now - 1, running=8, max_running=8) for host in hosts}
+        },
+        now=now,
+        arrivals={"default/main/chat": demand},
+        service_times={host: 4.0 for host in hosts},
+        session_shares={"main/chat": 0.6},
+        **(live or {}),
+    )
+    decision = compile_plan(state).overflow["main/chat"].arrivals
+    assert decision is not None
+    return decision
