@@ -115,7 +115,7 @@ from signals.overflowwork import (
     rate_sample,
     work_sample,
 )
-from signals.prefillfit import PrefillFit, Starts, fit_intervals, learned_weight
+from signals.prefillfit import PrefillFit, Starts, fit_intervals, route_weight, weight_source
 from signals.spill import (
     DEADBAND,
     DWELL,
@@ -196,16 +196,13 @@ class ArrivalsDecision:
     def prefill_weight(self) -> float:
         """The weight a prefilled token counts at in this route's work: the route's own
         (``fixed_weight``), else the learned one, or ``PREFILL_WEIGHT`` until the fit can
-        say (``signals.prefillfit.learned_weight``)."""
-        return learned_weight(self.fit) if self.fixed_weight is None else self.fixed_weight
+        say (``signals.prefillfit.route_weight``)."""
+        return route_weight(self.fit, self.fixed_weight)
 
     @property
     def weight_source(self) -> str:
-        """Where ``prefill_weight`` comes from: ``set`` (the route's), ``learned`` or
-        ``default`` (``PREFILL_WEIGHT``, until the fit can say)."""
-        if self.fixed_weight is not None:
-            return "set"
-        return "learned" if self.fit.weight() is not None else "default"
+        """Where ``prefill_weight`` comes from (``signals.prefillfit.weight_source``)."""
+        return weight_source(self.fit, self.fixed_weight)
 
     @property
     def next_at(self) -> float:
@@ -219,9 +216,7 @@ def prefill_weight(decision: ArrivalsDecision | None, fixed: float | None = None
     """The weight a route's work counts a prefilled token at this round: `fixed` (the
     route's ``overflow.prefillWeight``) when set, else what its last decision's fit learned,
     ``PREFILL_WEIGHT`` before it can say."""
-    if fixed is not None:
-        return fixed
-    return learned_weight(decision.fit if decision is not None else None)
+    return route_weight(decision.fit if decision is not None else None, fixed)
 
 
 def decide_arrivals(
@@ -340,7 +335,7 @@ def decide_arrivals(
         # What they served is capacity they have, full or not: an estimate below it sends
         # more to paid than needed, and then the batches never fill to measure it.
         capacity = round(lower, 4)
-    learned = fixed_weight if fixed_weight is not None else learned_weight(fit)
+    learned = route_weight(fit, fixed_weight)
     if learned != prefill and work_per_slot is not None and kinds is not None:
         # The unit changes from next round: the held capacity is carried over at the same
         # requests a second at this mix, so the share does not jump with the unit; the
@@ -447,7 +442,7 @@ def decide_arrivals(
         paid, since, step_fill = floor, now, fill
     what = "measured full" if measured else "prior"
     if mix is not None:
-        known = replace(before, fixed_weight=fixed_weight).weight_source
+        known = weight_source(before.fit, fixed_weight)
         what += (
             f"; in work, {mix:.0f} a request, {capacity * mix:.0f}/s, a prefilled token at "
             f"{prefill:.3f} ({known}, {fit.intervals} full intervals)"

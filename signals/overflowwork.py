@@ -13,7 +13,7 @@ every kind it sent too much to paid (0.95x the static split's spend in the cost 
 So where the route's responses carry an OpenAI ``usage`` (the accounting filter's, read from
 the listener's usage log: ``xdsserver.work``), demand and capacity are counted in the work
 the owned replicas compute: output tokens plus uncached prompt tokens at a weight of an
-output token (``work_of``). In a full batch a replica's time goes to decode steps, one
+output token (``Work``). In a full batch a replica's time goes to decode steps, one
 token per sequence per step, and to prefilling what its cache does not hold; the weight is
 what a prefilled token costs against a decoded one (the simulated engine: 1/4000 s a prompt
 token, 23 ms a step of 8 sequences, 2.9 ms an output token: 0.086; on a GPU prefill is
@@ -99,13 +99,6 @@ MIN_WORK_REQUESTS = 8
 counted in work; fewer: in requests."""
 
 
-def work_of(prompt: int, cached: int, completion: int, weight: float = PREFILL_WEIGHT) -> float:
-    """The work one response took its replica: output tokens plus the uncached prompt
-    tokens at `weight` (``PREFILL_WEIGHT`` until the engines' own is learned,
-    ``signals.prefillfit``)."""
-    return completion + weight * max(0, prompt - cached)
-
-
 class Work(NamedTuple):
     """Tokens a replica computed, kept apart so that the weight can be applied when the
     decision is made (``signals.prefillfit`` learns it while the tokens are counted)."""
@@ -115,15 +108,23 @@ class Work(NamedTuple):
     prefill: float
     """Uncached prompt tokens it prefilled."""
 
+    @classmethod
+    def of(cls, prompt: int, cached: int, completion: int) -> Work:
+        """The tokens one response took its replica, from its ``usage``: its completion, and
+        its prompt less what was cached (nothing below zero: a provider's rounding can
+        report more cached than prompt)."""
+        return cls(completion, max(0, prompt - cached))
+
     def at(self, weight: float) -> float:
-        """The work these tokens are: output plus prefill at `weight`."""
+        """The work these tokens are: output plus prefill at `weight` (``PREFILL_WEIGHT``
+        until the engines' own is learned, ``signals.prefillfit``)."""
         return self.output + weight * self.prefill
 
 
 @dataclass(frozen=True, slots=True)
 class KindWork:
     """A route's responses over the last window, every pool's, by kind: how many and their
-    tokens (output and uncached prompt), whose work ``work_of`` weighs."""
+    tokens (output and uncached prompt), whose work ``Work.at`` weighs."""
 
     plain: int = 0
     plain_output: float = 0.0
@@ -190,7 +191,7 @@ def computed_rate(
 ) -> float | None:
     """Work per second an engine computes: the output tokens it made a second (its last
     scrape) times the work per output token of the responses it served (`work_per_output`:
-    ``work_of`` over completion tokens, their prefill included). None without either."""
+    ``Work.at`` over completion tokens, their prefill included). None without either."""
     if output_tokens_per_second is None or not work_per_output:
         return None
     # A full engine that made no token between two scrapes was prefilling: a rate of
@@ -322,6 +323,5 @@ __all__ = [
     "full_scrapes",
     "rate_sample",
     "settled",
-    "work_of",
     "work_sample",
 ]

@@ -200,11 +200,22 @@ def fit_intervals(
     return out, fit
 
 
-def learned_weight(fit: PrefillFit | None) -> float:
-    """The weight overflow counts a prefilled token at: the fit's, or ``PREFILL_WEIGHT``
-    until it can say."""
+def route_weight(fit: PrefillFit | None, fixed: float | None = None) -> float:
+    """The weight a route's overflow counts a prefilled token at: `fixed` (its
+    ``overflow.prefillWeight``) when set, else the fit's, or ``PREFILL_WEIGHT`` until it can
+    say."""
+    if fixed is not None:
+        return fixed
     weight = fit.weight() if fit is not None else None
     return PREFILL_WEIGHT if weight is None else weight
+
+
+def weight_source(fit: PrefillFit, fixed: float | None) -> str:
+    """Where ``route_weight`` comes from: ``set``, ``learned`` (`fit` can say) or
+    ``default`` (``PREFILL_WEIGHT``, until it can)."""
+    if fixed is not None:
+        return "set"
+    return "learned" if fit.weight() is not None else "default"
 
 
 __all__ = [
@@ -219,5 +230,6 @@ __all__ = [
     "PrefillFit",
     "Starts",
     "fit_intervals",
-    "learned_weight",
+    "route_weight",
+    "weight_source",
 ]

@@ -33,7 +33,6 @@ from signals.overflowwork import (
     full_scrapes,
     rate_sample,
     settled,
-    work_of,
     work_sample,
 )
 from signals.spill import LOAD
@@ -50,10 +49,10 @@ NOW = 10_000.0
 def test_the_work_of_a_response_is_its_output_and_a_tenth_of_what_it_prefilled() -> None:
     assert PREFILL_WEIGHT == 0.1
     # 1,200 prompt tokens of which 1,000 were cached: 200 prefilled, 150 decoded.
-    assert work_of(1200, 1000, 150) == pytest.approx(150 + 20)
-    assert work_of(100, 0, 0) == pytest.approx(10)
+    assert Work.of(1200, 1000, 150).at(PREFILL_WEIGHT) == pytest.approx(150 + 20)
+    assert Work.of(100, 0, 0).at(PREFILL_WEIGHT) == pytest.approx(10)
     # A cached count above the prompt's (a provider's rounding) prefills nothing.
-    assert work_of(100, 128, 50) == 50
+    assert Work.of(100, 128, 50).at(PREFILL_WEIGHT) == 50
 
 
 def test_the_mean_of_a_mix_is_the_kinds_rates_times_their_own_means() -> None:

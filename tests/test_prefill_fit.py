@@ -23,7 +23,7 @@ from signals.prefillfit import (
     MIN_FIT_WINDOWS,
     PrefillFit,
     fit_intervals,
-    learned_weight,
+    route_weight,
 )
 from signals.telemetry import extract, metric_map_for, parse_samples
 
@@ -84,7 +84,7 @@ def test_the_fit_finds_what_a_prefilled_token_costs_against_an_output_token() ->
 
 def test_until_the_fit_can_say_the_weight_is_the_constant() -> None:
     assert PrefillFit().weight() is None
-    assert learned_weight(None) == learned_weight(PrefillFit()) == PREFILL_WEIGHT
+    assert route_weight(None) == route_weight(PrefillFit()) == PREFILL_WEIGHT
     # Too few intervals.
     assert _fit(_intervals(MIN_FIT_WINDOWS - 1)).weight() is None
     # The tokens always in one proportion: their costs cannot be told apart.
@@ -92,7 +92,7 @@ def test_until_the_fit_can_say_the_weight_is_the_constant() -> None:
     assert steady.intervals >= MIN_FIT_WINDOWS and steady.weight() is None
     # A fit that is not physical (prefill costing nothing or less) is not used either.
     odd = _fit([(10.0, 10000.0, p) for p in (0.0, 5000.0, 20000.0, 40000.0) * 3])
-    assert odd.weight() is None and learned_weight(odd) == PREFILL_WEIGHT
+    assert odd.weight() is None and route_weight(odd) == PREFILL_WEIGHT
 
 
 def test_a_learned_weight_is_bounded_and_older_intervals_fade() -> None:

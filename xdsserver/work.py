@@ -9,7 +9,7 @@ for a request with the route's session header, ``policy/route#0`` or ``.../prefi
 one without, ``/overflow`` when it went to a paid pool's aggregate). From them:
 
 - per host, the tokens its responses carried (output, and uncached prompt tokens: their
-  work is ``signals.overflowwork.work_of``, weighed when the decision is made with the
+  work is ``signals.overflowwork.Work``, weighed when the decision is made with the
   weight ``signals.prefillfit`` learns) per second, over the last seconds and over
   ``ARRIVAL_WINDOW``, and the prefill per completion token (what turns the engine's output
   tokens a second, from its telemetry, into the work it computes: the capacity while full);
@@ -59,10 +59,10 @@ class WorkBook:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self._hosts: dict[str, deque[tuple[float, int, int]]] = {}
+        self._hosts: dict[str, deque[tuple[float, float, float]]] = {}
         """Host -> (when, completion tokens, uncached prompt tokens) of each response."""
         self._host_first: dict[str, float] = {}
-        self._routes: dict[str, deque[tuple[float, bool, int, int]]] = {}
+        self._routes: dict[str, deque[tuple[float, bool, float, float]]] = {}
         """Route -> (when, with a session, completion tokens, uncached prompt tokens)."""
         self.entries = 0
         """Entries with usage counted."""
@@ -76,22 +76,23 @@ class WorkBook:
         if entry.response.response_code.value != 200:
             return
         values = fields.fields
-        completion = int(values["completion"].number_value) if "completion" in values else 0
-        cached = int(values["cached"].number_value) if "cached" in values else 0
-        # A cached count above the prompt's (a provider's rounding) prefilled nothing.
-        prefill = max(0, int(values["prompt"].number_value) - cached)
+        tokens = Work.of(
+            int(values["prompt"].number_value),
+            int(values["cached"].number_value) if "cached" in values else 0,
+            int(values["completion"].number_value) if "completion" in values else 0,
+        )
         now = self.clock()
         self.entries += 1
         route, session = entry_kind(common.route_name)
         if route:
             seen = self._routes.setdefault(route, deque())
-            seen.append((now, session, completion, prefill))
+            seen.append((now, session, *tokens))
             _expire(seen, now)
         socket = common.upstream_remote_address.socket_address
         if socket.address:
             host = f"{socket.address}:{socket.port_value}"
             done = self._hosts.setdefault(host, deque())
-            done.append((now, completion, prefill))
+            done.append((now, *tokens))
             _expire(done, now)
             self._host_first.setdefault(host, now)
 

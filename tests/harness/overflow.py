@@ -4,7 +4,7 @@ gives."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from compiler.compile import PolicyState, compile_plan
@@ -15,7 +15,12 @@ from signals.telemetry import TelemetryRecord
 
 
 def compiled_arrivals(
-    ports: Sequence[int], *, now: float, demand: float = 6.0, live: Any = None, **overflow: Any
+    ports: Sequence[int],
+    *,
+    now: float,
+    demand: float = 6.0,
+    live: Mapping[str, Any] | None = None,
+    **overflow: Any,
 ) -> ArrivalsDecision:
     """The arrivals decision of route ``main/chat`` compiled at `now`: its 4 s service time,
     60% of its starts with a session, `demand` requests a second; `live`: more of
