@@ -34,6 +34,9 @@ TPOT_BUCKETS: tuple[float, ...] = (
     80.0,
 )
 """vLLM's `vllm:time_per_output_token_seconds` bucket bounds."""
+ITERATION_BUCKETS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+"""Bounds of `vllm:iteration_tokens_total` (tokens an engine step computed): its count is the
+engine's steps."""
 
 
 class Histogram:

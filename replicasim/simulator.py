@@ -28,7 +28,7 @@ from typing import Any
 
 from replicasim.chat import chat_tokens, synth_answer
 from replicasim.kvcache import Allocation, KVCache, blocks_for, tokenize
-from replicasim.prometheus import TPOT_BUCKETS, TTFT_BUCKETS, Histogram
+from replicasim.prometheus import ITERATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,7 @@ class Engine:
         self.prefill_seconds = 0.0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
+        self.iteration_tokens = Histogram(ITERATION_BUCKETS)
         self.started_at = time.monotonic()
 
     # ------------------------------------------------------------------ requests
@@ -252,6 +253,7 @@ class Engine:
             await asyncio.sleep(max(0.0, due - started))
             self.busy_seconds += step
             self.prefill_seconds += config.prefill_per_token * prefill_tokens * self.slow_factor
+            self.iteration_tokens.observe(len(decoding) + prefill_tokens)
             now = time.monotonic()
             decoded = 0
             for seq in decoding:
@@ -384,6 +386,9 @@ class Engine:
             "# HELP vllm:time_per_output_token_seconds Time per output token, simulated seconds.",
             "# TYPE vllm:time_per_output_token_seconds histogram",
             *self.tpot.lines("vllm:time_per_output_token_seconds", labels),
+            "# HELP vllm:iteration_tokens_total Tokens per engine step.",
+            "# TYPE vllm:iteration_tokens_total histogram",
+            *self.iteration_tokens.lines("vllm:iteration_tokens_total", labels),
         ]
         return lines
 

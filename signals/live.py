@@ -247,6 +247,7 @@ def _by_arrivals(
             total=record.output_tokens_total,
             per_output=per_output(endpoint.key),
             prefilled=record.prefilled_tokens_total,
+            steps=record.steps_total,
         )
         for endpoint in endpoints
         if (record := telemetry.get(endpoint.key)) is not None

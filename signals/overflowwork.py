@@ -184,6 +184,8 @@ class ReplicaLoad:
     """The work per output token of the responses it served (``computed_rate``)."""
     prefilled: float | None = None
     """The prompt tokens its engine had prefilled by that scrape (``prefilled_tokens_total``)."""
+    steps: float | None = None
+    """The steps its engine had run by that scrape (``steps_total``); None: not exported."""
 
 
 def computed_rate(

@@ -84,6 +84,14 @@ class TelemetryRecord(BaseModel):
         "records read apart give the work the engine computed between them, both counts over "
         "the same time.",
     )
+    steps_total: float | None = Field(
+        None,
+        ge=0,
+        description="Steps the engine has run since it started (the count of vLLM's "
+        "tokens-per-step histogram, ``vllm:iteration_tokens_total``) at this scrape. With "
+        "the two token counts, what a step costs whatever it holds, so a batch need not be "
+        "full for overflow to learn what a prefilled token costs (``signals.prefillfit``).",
+    )
     prefill_per_token: float | None = Field(
         None,
         ge=0,
@@ -145,6 +153,8 @@ class MetricMap:
     """Sum of a time-to-first-token histogram; with ``ttft_count`` gives the mean time to
     first token of the requests that got one between scrapes."""
     ttft_count: tuple[str, ...] = ()
+    steps: tuple[str, ...] = ()
+    """Counter of the engine's steps (a tokens-per-step histogram's count)."""
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> MetricMap:
@@ -192,6 +202,7 @@ VLLM = MetricMap(
     ),
     ttft_seconds=("vllm:time_to_first_token_seconds_sum",),
     ttft_count=("vllm:time_to_first_token_seconds_count",),
+    steps=("vllm:iteration_tokens_total_count",),
 )
 SGLANG = MetricMap(
     waiting=("sglang:num_queue_reqs",),
@@ -370,6 +381,9 @@ def extract(
     )
     if counters.token_count is not None:
         values["output_tokens_total"] = counters.token_count
+    steps = total(metric_map.steps)
+    if steps is not None:
+        values["steps_total"] = max(0.0, steps)
     if counters.queries is not None and counters.hits is not None:
         values["prefilled_tokens_total"] = max(0.0, counters.queries - counters.hits)
     if previous is not None:

@@ -37,6 +37,12 @@ vllm:prefix_cache_queries_created{engine="0",model_name="llama"} 1.7e9
 # HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.
 # TYPE vllm:prefix_cache_hits counter
 vllm:prefix_cache_hits_total{engine="0",model_name="llama"} 250.0
+# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_bucket{engine="0",le="+Inf",model_name="llama"} 120.0
+vllm:iteration_tokens_total_count{engine="0",model_name="llama"} 120.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="llama"} 9000.0
+vllm:iteration_tokens_total_count{engine="1",model_name="llama"} 80.0
 """
 
 VLLM_V0 = """\
@@ -86,7 +92,13 @@ def test_parse_samples_rejects_garbage() -> None:
         pytest.param(
             VLLM_V1,
             VLLM,
-            {"waiting": 2.0, "running": 8.0, "kv_cache": 0.61, "prefilled_tokens_total": 750.0},
+            {
+                "waiting": 2.0,
+                "running": 8.0,
+                "kv_cache": 0.61,
+                "prefilled_tokens_total": 750.0,
+                "steps_total": 200.0,
+            },
             id="vllm-v1: counts summed over engines, KV cache is the fullest engine",
         ),
         pytest.param(
