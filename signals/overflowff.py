@@ -445,7 +445,7 @@ def decide_arrivals(
         known = weight_source(before.fit, fixed_weight)
         what += (
             f"; in work, {mix:.0f} a request, {capacity * mix:.0f}/s, a prefilled token at "
-            f"{prefill:.3f} ({known}, {fit.intervals} full intervals)"
+            f"{prefill:.3f} ({known}, {fit.intervals} intervals)"
         )
     excess = round(target - drain / demand, 4) if drain > 0 else target
     if excess > 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from harness.overflow import compiled_arrivals
@@ -21,6 +21,8 @@ from signals.prefillfit import (
     MAX_GAP,
     MAX_WEIGHT,
     MIN_FIT_WINDOWS,
+    RESTART_AFTER,
+    Opened,
     PrefillFit,
     fit_intervals,
     route_weight,
@@ -107,6 +109,65 @@ def test_a_learned_weight_is_bounded_and_older_intervals_fade() -> None:
     assert fit.windows < 80  # about 1 / (1 - DECAY)
 
 
+STEP_COST, SEQUENCE_COST = 0.02, 0.0004
+"""The same engine's step: 20 ms whatever it holds, 0.4 ms a decoding sequence (33 ms at 32)."""
+
+
+def _busy_intervals(count: int, seed: int = 1) -> list[tuple[float, float, float, float]]:
+    """(seconds, output, prefilled, extra steps) of `count` intervals of that engine busy at
+    a quarter to all of its batch of 32, its steps counted."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        decoding = rng.randint(8, 32)
+        steps = rng.uniform(100, 200)
+        output = steps * decoding
+        prefilled = rng.uniform(1000, 12000)
+        seconds = steps * STEP_COST + output * SEQUENCE_COST + prefilled * PREFILL_COST
+        out.append((seconds, output, prefilled, steps - output / 32))
+    return out
+
+
+def test_with_steps_counted_busy_intervals_give_the_full_batchs_weight() -> None:
+    intervals = _busy_intervals(MIN_FIT_WINDOWS + 2)
+    fit = PrefillFit()
+    for seconds, output, prefilled, extra in intervals:
+        fit = fit.add(seconds, output, prefilled, extra)
+    solution = fit.solve()
+    assert solution is not None
+    assert solution.a == pytest.approx(STEP_COST, rel=1e-6)
+    full_batch = PREFILL_COST / (STEP_COST / 32 + SEQUENCE_COST)
+    assert fit.weight() == pytest.approx(full_batch, abs=1e-4)
+    # Without the steps the same intervals (not full) cannot say: the step's fixed part,
+    # shared by fewer sequences than a full batch, is charged to the tokens (an output token
+    # reads a quarter dearer) and what is left over makes the ratio too uncertain to use.
+    blind = _fit([(seconds, output, prefilled) for seconds, output, prefilled, _ in intervals])
+    blind_solution = blind.solve()
+    assert blind_solution is not None and blind_solution.a == 0.0
+    assert blind_solution.c > 1.2 * (STEP_COST / 32 + SEQUENCE_COST)
+    assert blind.weight() is None
+
+
+def test_a_burst_counted_before_its_prefill_is_left_out_and_a_changed_engine_restarts() -> None:
+    fit = PrefillFit()
+    for interval in _busy_intervals(12):
+        fit = fit.take(*interval)
+    assert fit.intervals == 12 and fit.screened == 0
+    # Thirty documents admitted at once, counted here and prefilled in the next intervals.
+    seconds, output, prefilled, extra = _busy_intervals(1, seed=5)[0]
+    burst = fit.take(seconds, output, prefilled + 30 * 3000, extra)
+    assert (burst.intervals, burst.screened, burst.weight()) == (12, 1, fit.weight())
+    # An engine whose prefill costs three times as much: left out until RESTART_AFTER
+    # intervals in a row were (the burst among them), then the fit starts again from it
+    # and learns it.
+    changed = burst
+    for seconds, output, prefilled, extra in _busy_intervals(20, seed=6):
+        changed = changed.take(seconds + 2 * prefilled * PREFILL_COST, output, prefilled, extra)
+    assert changed.screened == RESTART_AFTER
+    dearer = 3 * PREFILL_COST / (STEP_COST / 32 + SEQUENCE_COST)
+    assert changed.weight() == pytest.approx(dearer, rel=1e-3)
+
+
 # --------------------------------------------------------------------------- the intervals
 
 
@@ -117,7 +178,7 @@ def _replica(at: float, output: float, prefilled: float, running: float = 1.0) -
 
 
 def test_an_interval_counts_once_a_replica_has_been_full_for_its_length() -> None:
-    starts: dict[str, tuple[float, float, float, float]] = {}
+    starts: dict[str, Opened] = {}
     fit = PrefillFit()
     for second in range(int(FIT_WINDOW) + 1):
         starts, fit = fit_intervals([_replica(second, 900.0 * second, 100.0 * second)], starts, fit)
@@ -154,6 +215,31 @@ def test_an_interval_starts_again_when_the_replica_is_not_seen_full_all_along(
     assert starts["a"][0] == start
 
 
+def test_a_replica_that_counts_its_steps_is_read_while_busy_not_only_full() -> None:
+    def busy(at: float, running: float, steps: float | None = 30.0) -> ReplicaLoad:
+        return ReplicaLoad(
+            key="a",
+            slots=32,
+            running=running,
+            work=None,
+            at=at,
+            total=500.0 * at,
+            prefilled=300.0 * at,
+            steps=None if steps is None else steps * at,
+        )
+
+    starts, fit = fit_intervals([busy(0.0, 0.5)], {}, PrefillFit())
+    starts, fit = fit_intervals([busy(FIT_WINDOW, 0.3)], starts, fit)
+    assert fit.intervals == 1
+    # 150 steps made 2,500 tokens: 150 - 2500 / 32 steps more than full decode batches.
+    assert fit.tu == pytest.approx(FIT_WINDOW * (150 - 2500 / 32))
+    # Below BUSY it is not read; and an engine that stops counting its steps starts again.
+    idle, _ = fit_intervals([busy(FIT_WINDOW + 1, 0.2)], starts, fit)
+    assert "a" not in idle
+    again, same = fit_intervals([busy(2 * FIT_WINDOW, 1.0, steps=None)], starts, fit)
+    assert again["a"].start == 2 * FIT_WINDOW and same == fit
+
+
 def test_records_too_far_apart_start_an_interval_again() -> None:
     starts, fit = fit_intervals([_replica(0.0, 0.0, 0.0)], {}, PrefillFit())
     starts, fit = fit_intervals([_replica(MAX_GAP + 1.0, 9900.0, 1100.0)], starts, fit)
@@ -163,11 +249,19 @@ def test_records_too_far_apart_start_an_interval_again() -> None:
 # --------------------------------------------------------------------------- a real engine
 
 
-async def _drive(batch: int, seconds: float, seed: int) -> PrefillFit:
-    """A simulated engine kept full with conversation turns (long cached system prompts, a
-    short new question) and documents (thousands of new tokens), the documents' share
-    changing every 5-30 s; read through its Prometheus text every simulated second, the time
-    being its own busy seconds (it is never idle), so a slow machine does not move it."""
+class Driven(NamedTuple):
+    fit: PrefillFit
+    known_at: float | None
+    """Busy seconds at which the fit first said a weight; None: it never did."""
+
+
+async def _drive(batch: int, seconds: float, seed: int, *, moving: bool = False) -> Driven:
+    """A simulated engine fed conversation turns (long cached system prompts, a short new
+    question) and documents (thousands of new tokens), the documents' share changing every
+    5-30 s; kept full, or (`moving`) its batch held at 30% to 110% of its slots, changing
+    with the share, requests at least 0.1 s apart, and its steps read. Read through its Prometheus text every simulated
+    second, the time being its own busy seconds (it is never idle while it has work), so a
+    slow machine does not move it."""
     config = SimConfig(
         max_batch=batch,
         kv_blocks=384 * batch,
@@ -182,14 +276,23 @@ async def _drive(batch: int, seconds: float, seed: int) -> PrefillFit:
     rng = random.Random(seed)
     systems = [[rng.randrange(1, 50000) for _ in range(n)] for n in (1000, 2000, 3000, 4000)]
     metric_map = metric_map_for("vllm")
-    starts: dict[str, tuple[float, float, float, float]] = {}
+    starts: dict[str, Opened] = {}
     fit, previous, share, switch, scrape = PrefillFit(), None, 0.3, 0.0, 1.0
+    occupancy, known_at, arrival = 1.0, None, 0.0
     try:
         while engine.busy_seconds < seconds:
             if engine.busy_seconds >= switch:
                 share = rng.choice((0.05, 0.2, 0.4, 0.7))
+                if moving:
+                    occupancy = rng.choice((0.3, 0.5, 0.7, 0.9, 1.1))
                 switch = engine.busy_seconds + rng.uniform(5, 30)
-            while len(engine.running) + len(engine.waiting) < batch + 2:
+            held = int(occupancy * batch) if moving else batch + 2
+            # Held at its share, requests arrive a tenth of a second apart at most (a
+            # batch that moves up fills as a stream does, not all at once).
+            while len(engine.running) + len(engine.waiting) < held and (
+                not moving or engine.busy_seconds >= arrival
+            ):
+                arrival = engine.busy_seconds + 0.1
                 if rng.random() < share:
                     prompt = [rng.randrange(1, 50000) for _ in range(rng.choice((2000, 3000)))]
                 else:
@@ -211,21 +314,38 @@ async def _drive(batch: int, seconds: float, seed: int) -> PrefillFit:
                     at=record.at,
                     total=record.output_tokens_total,
                     prefilled=record.prefilled_tokens_total,
+                    steps=record.steps_total if moving else None,
                 )
                 starts, fit = fit_intervals([replica], starts, fit)
+                if known_at is None and fit.weight() is not None:
+                    known_at = engine.busy_seconds
                 scrape += 1.0
             await asyncio.sleep(0)
     finally:
         loop.cancel()
-    return fit
+    return Driven(fit, known_at)
+
+
+def _truth(batch: int) -> float:
+    return PREFILL_COST / ((0.02 + 0.0004 * batch) / batch)  # 0.086 at 8, 0.244 at 32
 
 
 @pytest.mark.parametrize("batch", [8, 32])
 def test_the_fit_recovers_a_simulated_engines_own_ratio_from_its_counters(batch: int) -> None:
-    truth = PREFILL_COST / ((0.02 + 0.0004 * batch) / batch)  # 0.086 at 8, 0.244 at 32
-    fit = asyncio.run(_drive(batch, 600.0, seed=batch))
+    fit = asyncio.run(_drive(batch, 600.0, seed=batch)).fit
     assert fit.intervals >= 20
-    assert fit.weight() == pytest.approx(truth, rel=0.2)
+    assert fit.weight() == pytest.approx(_truth(batch), rel=0.2)
+
+
+@pytest.mark.parametrize("batch", [8, 32])
+def test_with_its_steps_counted_a_busy_engine_gives_its_ratio_without_being_full(
+    batch: int,
+) -> None:
+    driven = asyncio.run(_drive(batch, 200.0, seed=batch, moving=True))
+    # Its steps come through its Prometheus text (vLLM's tokens-per-step histogram).
+    assert driven.fit.intervals >= 20
+    assert driven.known_at is not None and driven.known_at <= 150.0
+    assert driven.fit.weight() == pytest.approx(_truth(batch), rel=0.15)
 
 
 # --------------------------------------------------------------------------- in overflow
@@ -264,7 +384,7 @@ def test_when_the_weight_is_learned_the_held_capacity_keeps_its_requests_a_secon
     intervals = _intervals(MIN_FIT_WINDOWS)
     almost = _fit(intervals[:-1])
     seconds, output, prefilled = intervals[-1]
-    starts = {"a": (0.0, 0.0, 0.0, seconds - 1.0)}
+    starts = {"a": Opened(0.0, 0.0, 0.0, None, seconds - 1.0)}
     replica = ReplicaLoad(
         key="a", slots=32, running=1.0, work=None, at=seconds, total=output, prefilled=prefilled
     )

@@ -225,7 +225,7 @@ class LiveDecisions:
                 if source == "learned" and last_source != "learned":
                     log.info(
                         "overflow on %s: a prefilled token now counts %.3f of an output token, "
-                        "learned from %d full intervals of the owned engines",
+                        "learned from %d busy intervals of the owned engines",
                         route,
                         arrivals.prefill_weight,
                         arrivals.fit.intervals,
