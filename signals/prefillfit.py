@@ -36,10 +36,11 @@ export its steps gives only stretches of full batches, taken with the last term 
 nothing; while that term does not vary apart from the others (every stretch full), the fit
 is the two-term one, ``a`` left out.
 
-Steps are what make the fit quick: a pool at half its capacity is busy all the time and
-full seldom. One simulated engine at a batch of 32, its batch moving between 30% and 110%
-of its slots, read 0.24 (true 0.244) after 16 stretches of 5 s; kept full and without its
-steps, it needed 300-600 s (at 8: 0.085 after 16 stretches, against 150-300 s).
+Steps are what make the fit quick: a pool at 0.9 of its capacity is busy all the time and
+full seldom. One simulated engine, its batch held at 30% to 110% of its slots and its
+requests arriving as a stream, said its weight after 40-120 busy seconds at a batch of 32
+(five seeds), within 0.88-1.04x of the truth, and after 40 s at 8; kept full and read
+without its steps, it needed 300-600 s at 32 and 150-300 s at 8 (docs/cost-overflow.md).
 
 - **Intervals of ``FIT_WINDOW`` seconds.** A prompt is counted when the engine admits it
   and output tokens as they are made, so over a second or two the counts and the time do
@@ -58,8 +59,10 @@ steps, it needed 300-600 s (at 8: 0.085 after 16 stretches, against 150-300 s).
   it did not count. Once the fit can say, an interval further from it than ``SCREEN``
   standard deviations of its residuals (or ``SCREEN_FLOOR`` of its time, whichever is more)
   is left out; ``RESTART_AFTER`` such intervals in a row mean the engine changed (a new
-  model, another batch size), and the fit starts again from the last of them. Unscreened,
-  two bursts took that engine's reading from 0.235 to 0.16.
+  model, another batch size), and the fit starts again from the last of them. Bursts of
+  twenty and more prompts widen the residuals the screen measures against, so it catches
+  the smaller ones: a simulated engine at 32 fed such bursts read 0.8-0.9x of its ratio
+  (docs/cost-overflow.md).
 - **Used once it is known.** The weight is the fit's once ``MIN_FIT_WINDOWS`` intervals are
   in it, the token counts are not in one fixed proportion (``MIN_SPREAD``), both costs are
   positive, and the fit's own standard error of the ratio (from its residuals) is within
