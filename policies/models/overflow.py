@@ -144,9 +144,10 @@ class Overflow(Model):
         "output token in the work demand and capacity are counted in: the time a prompt token "
         "takes to prefill over the time an output token takes at a full batch (0.086 for the "
         "benchmark's simulated engine at 8 sequences, 0.24 at 32). Unset: learned from the "
-        "owned engines' own counters while their batches are full, 0.1 until the fit can say "
-        "it (signals.prefillfit). Set it for replicas that are seldom full, from a run of "
-        "them kept full.",
+        "owned engines' own counters while they are busy (vLLM's steps counted; full batches "
+        "only for an engine that does not export them), 0.1 until the fit can say it "
+        "(signals.prefillfit). Set it for replicas that export no steps and are seldom full, "
+        "from a run of them kept full.",
     )
     feed_forward: float = Field(
         0.0,
