@@ -356,7 +356,7 @@ def test_a_request_past_the_route_timeout_is_ended_by_envoy(rig: Rig, backends: 
     replicas = backends(1, id_prefix="slow")
     ports = ports_of(replicas)
     [replica] = replicas.replicas
-    httpx.post(f"{replica.url}/admin/slow", json={"delay": 3.0}, timeout=10).raise_for_status()
+    httpx.post(f"{replica.url}/admin/slow", json={"delay": 1.5}, timeout=10).raise_for_status()
 
     def apply(request_timeout: str) -> None:
         route = {"name": "all", "tiers": [["llm"]], "timeouts": {"request": request_timeout}}
@@ -365,8 +365,8 @@ def test_a_request_past_the_route_timeout_is_ended_by_envoy(rig: Rig, backends: 
             policy("chat", rig.listener_port, [route]),
         )
 
-    # A replica that answers after 3 s, behind a route that allows 1 s: Envoy answers 504.
-    apply("1s")
+    # A replica that answers after 1.5 s, behind a route that allows 0.5 s: Envoy answers 504.
+    apply("500ms")
     rig.wait_ready("chat/all", ports)
     with httpx.Client(timeout=30) as client:
         response = client.post(rig.url(), json=chat())
