@@ -78,6 +78,18 @@ def generated_envoys() -> Iterator[list[GeneratedEnvoy]]:
         envoy.stop()
 
 
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """`kvpilot certs` run once for the module (the directory and what it printed): both ADS
+    modes' tests read the same certificates, which no test changes."""
+    pki = tmp_path_factory.mktemp("pki")
+    report = kvpilot(
+        "certs", "--out", str(pki), "--fleet", "fleet-a", "--fleet", "fleet-b",
+        "--trust-domain", TRUST_DOMAIN,
+    )  # fmt: skip
+    return pki, report
+
+
 def served_flags(report: str, flag: str) -> list[str]:
     """The values of `flag` in the `kvpilot serve` command `kvpilot certs` printed."""
     return re.findall(rf"{re.escape(flag)} (\S+)", report)
@@ -86,17 +98,14 @@ def served_flags(report: str, flag: str) -> list[str]:
 @pytest.mark.parametrize("delta", [False, True], ids=["sotw", "delta"])
 def test_envoy_from_bootstrap_with_certs_receives_its_fleet_and_only_its_fleet(
     tmp_path: Path,
+    certs: tuple[Path, str],
     etcd_prefix: str,
     kvpilot_factory: Any,
     backends: BackendFactory,
     generated_envoys: list[GeneratedEnvoy],
     delta: bool,
 ) -> None:
-    pki = tmp_path / "pki"
-    report = kvpilot(
-        "certs", "--out", str(pki), "--fleet", "fleet-a", "--fleet", "fleet-b",
-        "--trust-domain", TRUST_DOMAIN,
-    )  # fmt: skip
+    pki, report = certs
     (cert,), (key,), (client_ca,) = (
         served_flags(report, flag) for flag in ("--xds-cert", "--xds-key", "--xds-client-ca")
     )
