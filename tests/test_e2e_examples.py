@@ -65,24 +65,29 @@ def stage_examples(tmp_path: Path) -> tuple[Path, dict[str, set[str]]]:
     return staged, listeners
 
 
-@pytest.mark.parametrize("fleet", ["default", "edge"])
 def test_all_examples_applied_through_the_cli_are_accepted_by_envoy(
-    fleet: str, tmp_path: Path, etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any
+    tmp_path: Path, etcd_prefix: str, kvpilot_factory: Any, envoy_factory: Any
 ) -> None:
+    """One kvpilot serves an Envoy of each fleet the examples name (`default` and `edge`); a
+    listener for every fleet ("*") is bound by both, on the same port (SO_REUSEPORT)."""
     kvpilot = kvpilot_factory(etcd_prefix)
-    envoy = envoy_factory(xds_port=kvpilot.xds_port, fleet=fleet)
+    envoys = {
+        fleet: envoy_factory(xds_port=kvpilot.xds_port, fleet=fleet)
+        for fleet in ("default", "edge")
+    }
     staged, listeners = stage_examples(tmp_path)
     command = ["--server", kvpilot.api_url, "--token", ADMIN_TOKEN, "apply", "-f", str(staged)]
     assert kvpilot_cli(command) == 0
 
-    expected = listeners.get(fleet, set()) | listeners.get("*", set())
-    assert len(expected) >= 2, listeners  # each fleet is served more than one example
-    wait_until(
-        lambda: expected <= active_listeners(envoy),
-        30,
-        message=f"Envoy to serve the listeners {sorted(expected)}",
-    )
-    assert rejected_updates(envoy) == {}
+    for fleet, envoy in envoys.items():
+        expected = listeners.get(fleet, set()) | listeners.get("*", set())
+        assert len(expected) >= 2, listeners  # each fleet is served more than one example
+        wait_until(
+            lambda envoy=envoy, expected=expected: expected <= active_listeners(envoy),
+            30,
+            message=f"fleet {fleet}'s Envoy to serve the listeners {sorted(expected)}",
+        )
+        assert rejected_updates(envoy) == {}, fleet
     api = api_client(kvpilot)
     status = api.get("/v1/status").json()
     assert not status["invalidObjects"], status["invalidObjects"]
