@@ -51,8 +51,9 @@ without its steps, it needed 300-600 s at 32 and 150-300 s at 8 (docs/cost-overf
   (``BUSY`` of its batch running with its steps counted, ``FULL`` without), its counters
   did not go back (a restart) and the records came no further apart than ``MAX_GAP``. An
   agent writes a record only when it moved beyond its band (``signals.writeband``: running
-  by a tenth), so a replica with a quarter of its batch running cannot fall idle and come
-  back between two records unseen, short of a scrape interval.
+  by a tenth), so a replica with an eighth of its batch running cannot fall idle and come
+  back between two records unseen, short of a scrape interval; an idle gap shorter than
+  that adds seconds no count explains, which the screen below leaves out when it is large.
 - **A burst admitted is screened out.** Many prompts admitted at once (a queue let into a
   batch that emptied) are counted in the interval that admits them and prefilled in the
   next ones: one interval reads seconds of prefill it did not do and the next does seconds
@@ -92,8 +93,12 @@ FIT_WINDOW = 5.0
 MAX_GAP = 5.0
 """Most seconds between two records of one interval: a longer gap may hide a time the
 replica was idle."""
-BUSY = 0.25
-"""Running share of its batch at or above which a replica that counts its steps is busy."""
+BUSY = 0.125
+"""Running share of its batch at or above which a replica that counts its steps is busy
+(with ``BUSY_SEQUENCES`` at least)."""
+BUSY_SEQUENCES = 2
+"""Fewest running sequences at which a replica that counts its steps is busy: with one, a
+gap between two requests may leave it idle between two scrapes."""
 MIN_FIT_WINDOWS = 8
 """Intervals the fit needs before its weight is used."""
 MIN_SPREAD = 0.05
@@ -311,10 +316,12 @@ Starts = Mapping[str, Opened]
 
 
 def _busy(replica: ReplicaLoad) -> bool:
-    """True when the replica's record says it was stepping all along: a quarter of its batch
-    running when it counts its steps, a full batch when it does not (and then only full
-    stretches are taken)."""
-    return replica.running >= (BUSY if replica.steps is not None else FULL)
+    """True when the replica's record says it was stepping all along: an eighth of its batch
+    running (two sequences at least) when it counts its steps, a full batch when it does not
+    (and then only full stretches are taken)."""
+    if replica.steps is None:
+        return replica.running >= FULL
+    return replica.running >= BUSY and replica.running * replica.slots >= BUSY_SEQUENCES
 
 
 def fit_intervals(
@@ -381,6 +388,7 @@ def weight_source(fit: PrefillFit, fixed: float | None) -> str:
 
 __all__ = [
     "BUSY",
+    "BUSY_SEQUENCES",
     "DECAY",
     "FIT_WINDOW",
     "MAX_ERROR",

@@ -233,9 +233,14 @@ def test_a_replica_that_counts_its_steps_is_read_while_busy_not_only_full() -> N
     assert fit.intervals == 1
     # 150 steps made 2,500 tokens: 150 - 2500 / 32 steps more than full decode batches.
     assert fit.tu == pytest.approx(FIT_WINDOW * (150 - 2500 / 32))
-    # Below BUSY it is not read; and an engine that stops counting its steps starts again.
-    idle, _ = fit_intervals([busy(FIT_WINDOW + 1, 0.2)], starts, fit)
+    # Below BUSY (an eighth: 4 of 32) it is not read, nor below BUSY_SEQUENCES in a small
+    # batch; and an engine that stops counting its steps starts again.
+    idle, _ = fit_intervals([busy(FIT_WINDOW + 1, 3 / 32)], starts, fit)
     assert "a" not in idle
+    small = ReplicaLoad(
+        key="b", slots=8, running=1 / 8, work=None, at=0.0, total=0.0, prefilled=0.0, steps=0.0
+    )
+    assert fit_intervals([small], {}, fit)[0] == {}
     again, same = fit_intervals([busy(2 * FIT_WINDOW, 1.0, steps=None)], starts, fit)
     assert again["a"].start == 2 * FIT_WINDOW and same == fit
 
