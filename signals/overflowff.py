@@ -161,7 +161,7 @@ class ArrivalsDecision:
     """The owned replicas full at their last scrapes (``full_scrapes``; absent: not full)."""
     fit: PrefillFit = field(default_factory=PrefillFit)
     """What a prefilled token costs against an output token, learned from the owned
-    engines' counters while full (``signals.prefillfit``)."""
+    engines' counters while busy (``signals.prefillfit``)."""
     fit_starts: Starts = field(default_factory=dict)
     """The owned replicas' open intervals of that fit (``fit_intervals``)."""
     fixed_weight: float | None = field(default=None, compare=False)
@@ -266,8 +266,8 @@ def decide_arrivals(
     The capacity is then carried in requests at the current mix, and the share of plain
     requests from the share of the work without a session. A prefilled token counts at
     `fixed_weight` (``Overflow.prefillWeight``) when set, else at what the fit carried in
-    `previous` learned (``prefill_weight``); the replicas' stretches of full batches this
-    round go into the fit (``signals.prefillfit.fit_intervals``)."""
+    `previous` learned (``prefill_weight``); the replicas' busy stretches this round go
+    into the fit (``signals.prefillfit.fit_intervals``)."""
     before = previous or ArrivalsDecision()
     # Work weighs a prefilled token as set, or as the fit had it before this round: the
     # callers (signals.live) weighed the replicas' work with the same (prefill_weight).

@@ -25,7 +25,7 @@ engine at 32 sequences is at 0.24 (33 ms a step of 32), and there the constant u
 the long prompts' work, reads the capacity high and sends less than the excess to paid
 (docs/cost-overflow.md, "Measured at a batch of 32"). So the weight is the route's
 ``overflow.prefillWeight`` where set, else learned from the owned engines' own counters
-while full (``signals.prefillfit``), ``PREFILL_WEIGHT`` until the fit can say; the books
+while busy (``signals.prefillfit``), ``PREFILL_WEIGHT`` until the fit can say; the books
 keep tokens (``Work``, ``KindWork``) and the weight is applied at the decision.
 
 - **Demand** is the arrival rate times the mean work of a request of each kind over the

@@ -155,10 +155,17 @@ class Solution(NamedTuple):
     covariance: Matrix
     variance: float
 
-    def predict(self, seconds_of: tuple[float, float, float]) -> float:
-        """The seconds the fit gives an interval's (output, prefilled, extra steps)."""
-        output, prefilled, extra = seconds_of
+    def predict(self, output: float, prefilled: float, extra: float) -> float:
+        """The seconds the fit gives an interval of these counts."""
         return self.c * output + self.p * prefilled + self.a * extra
+
+    def error(self) -> float:
+        """The relative standard error of ``p / c`` (to first order)."""
+        cov = self.covariance
+        var_c, var_p, cov_cp = (self.variance * cov[i][j] for i, j in ((0, 0), (1, 1), (0, 1)))
+        c, p = self.c, self.p
+        # Var(p / c) / (p / c)^2 = var_p / p^2 + var_c / c^2 - 2 cov / (p c).
+        return math.sqrt(max(0.0, var_p / (p * p) + var_c / (c * c) - 2 * cov_cp / (p * c)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,9 +224,9 @@ class PrefillFit:
         ``SCREEN`` standard deviations (or ``SCREEN_FLOOR`` of its seconds): then it is left
         out, and after ``RESTART_AFTER`` in a row the fit starts again from it."""
         solution = self.solve()
-        if solution is None or self.intervals < MIN_FIT_WINDOWS or self.windows <= 3:
+        if solution is None:
             return self.add(seconds, output, prefilled, extra)
-        residual = abs(seconds - solution.predict((output, prefilled, extra)))
+        residual = abs(seconds - solution.predict(output, prefilled, extra))
         if residual <= SCREEN * max(math.sqrt(solution.variance), SCREEN_FLOOR * seconds):
             return self.add(seconds, output, prefilled, extra)
         if self.in_row + 1 >= RESTART_AFTER:
@@ -267,37 +274,27 @@ class PrefillFit:
         c, p, *rest = coefficients
         return Solution(c, p, rest[0] if rest else 0.0, inverse, variance)
 
+    def _physical(self) -> Solution | None:
+        """``solve``'s solution when both costs are positive, else None."""
+        solution = self.solve()
+        if solution is None or solution.c <= 0 or solution.p <= 0:
+            return None
+        return solution
+
     def costs(self) -> tuple[float, float] | None:
         """(seconds per output token at a full batch, seconds per prefilled token), or None
         while the fit cannot say (too few intervals, counts in one proportion, a cost at or
         below zero)."""
-        solution = self.solve()
-        if solution is None or solution.c <= 0 or solution.p <= 0:
-            return None
-        return solution.c, solution.p
-
-    def error(self) -> float | None:
-        """The relative standard error of ``p / c`` (the fit's residuals, to first order),
-        or None without a fit."""
-        solution = self.solve()
-        if solution is None or solution.c <= 0 or solution.p <= 0:
-            return None
-        if self.windows <= len(solution.covariance):
-            return None
-        c, p, cov = solution.c, solution.p, solution.covariance
-        var_c, var_p, cov_cp = (solution.variance * cov[i][j] for i, j in ((0, 0), (1, 1), (0, 1)))
-        # Var(p / c) / (p / c)^2 = var_p / p^2 + var_c / c^2 - 2 cov / (p c).
-        relative = var_p / (p * p) + var_c / (c * c) - 2 * cov_cp / (p * c)
-        return math.sqrt(max(0.0, relative))
+        solution = self._physical()
+        return None if solution is None else (solution.c, solution.p)
 
     def weight(self) -> float | None:
         """The learned weight (``p / c``, within ``MIN_WEIGHT`` and ``MAX_WEIGHT``), or None
         while the fit cannot say it to within ``MAX_ERROR``."""
-        costs = self.costs()
-        error = self.error()
-        if costs is None or error is None or error > MAX_ERROR:
+        solution = self._physical()
+        if solution is None or solution.error() > MAX_ERROR:
             return None
-        return round(min(MAX_WEIGHT, max(MIN_WEIGHT, costs[1] / costs[0])), 4)
+        return round(min(MAX_WEIGHT, max(MIN_WEIGHT, solution.p / solution.c)), 4)
 
 
 class Opened(NamedTuple):
