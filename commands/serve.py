@@ -37,6 +37,7 @@ from controlplane.etcd.store import Store
 from controlplane.local import EmbeddedEtcd
 from controlplane.logs import setup_logging
 from controlplane.mirror import StateChange, StateMirror
+from controlplane.prefillfits import FitBoard, FitPublisher
 from controlplane.reconcile.budgets import BudgetWatcher
 from controlplane.reconcile.difficulty import DifficultyLoop, virtual_models_of
 from controlplane.reconcile.loop import Reconciler
@@ -157,12 +158,15 @@ async def serve(
     # slots are the agents' max_running (read from the last compile's telemetry).
     arrivals = ArrivalBook(slots=lambda: batch_slots(reconciler.state))
     shared_arrivals = ArrivalBoard(arrivals.rates, config.replica_id)
+    # Overflow's prefill fits outlive this replica in etcd: a fresh fit continues from them.
+    fits = FitBoard()
     mirror: StateMirror
 
     def on_change(change: StateChange) -> None:
         reconciler.on_change(change, mirror.items)
         rests.on_change(change, mirror.items)
         shared_arrivals.on_change(change, mirror.items)
+        fits.on_change(change, mirror.items)
 
     mirror = StateMirror(client, config.prefix, on_change)
     Gauge(
@@ -234,6 +238,7 @@ async def serve(
     )
     rest_publisher = RestPublisher(store, signals.rests, config.replica_id)
     reconciler.provider_backoff = rests.active
+    reconciler.stored_fits = fits.fits
     signals.rests.listeners.append(reconciler.live_changed)
     signals.rests.listeners.append(rest_publisher.poke)
     rests.listeners.append(reconciler.live_changed)
@@ -291,6 +296,15 @@ async def serve(
     # Spend records carry no lease: they outlive the replica, which writes its last batch
     # on the way out (below) and continues from them when started again.
     spend = asyncio.create_task(SpendPublisher(store, usage, config.replica_id).run(), name="spend")
+    fit_writes = asyncio.create_task(
+        FitPublisher(
+            store,
+            fits,
+            lambda: reconciler.plan.overflow if reconciler.plan is not None else {},
+            config.replica_id,
+        ).run(),
+        name="prefill-fits",
+    )
     budgets = BudgetWatcher(reconciler, usage.ledger, lambda: mirror.items, config.replica_id)
     usage.listeners.append(budgets.poke)
     # Revokes its lease when cancelled: the other replicas stop counting this one's Envoys.
@@ -303,6 +317,7 @@ async def serve(
         ),
         asyncio.create_task(_drive_rollouts(mirror, rollouts), name="rollouts"),
         spend,
+        fit_writes,
         asyncio.create_task(rest_publisher.run(), name="provider-rests"),
         arrival_rates,
         asyncio.create_task(reconciler.run(), name="reconcile"),
@@ -347,8 +362,9 @@ async def serve(
         # records from etcd at once instead of after the lease TTL: let it, while etcd is open.
         publisher.cancel()
         spend.cancel()
+        fit_writes.cancel()
         arrival_rates.cancel()
-        await asyncio.wait([publisher, spend, arrival_rates], timeout=3.0)
+        await asyncio.wait([publisher, spend, fit_writes, arrival_rates], timeout=3.0)
         for task in tasks:
             task.cancel()
         # Closing the channel ends an etcd watch that is still being opened; waiting for the

@@ -16,7 +16,8 @@ processes.
   fleet's sum, the Prometheus counters); the budget verdicts it feeds are
   ``reconcile.budgets``;
 - ``envoystatus``: each replica's Envoy connections, published to etcd; ``audit``: who
-  changed what;
+  changed what; ``rests``: paid pools resting after a 429, shared; ``prefillfits``:
+  overflow's prefill fits, kept for the next run;
 - ``local``: development only: local etcd, Envoy and kvpilot processes, one module each, and
   the throwaway CA (``local.pki``) of the local stack and the tests;
 - ``asgi``: uvicorn servers that leave signal handling to their process.

@@ -31,6 +31,7 @@ from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.overflow import OverflowDecision
 from signals.overflowwork import KindWork, Work
+from signals.prefillrecord import StoredFit
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
@@ -179,6 +180,7 @@ class DecodedState:
         completed_work: Mapping[str, Work] | None = None,
         kind_work: Mapping[str, KindWork] | None = None,
         prefill_per_output: Mapping[str, float] | None = None,
+        stored_fits: Mapping[str, StoredFit] | None = None,
     ) -> PolicyState:
         """What compilation takes: the objects, endpoints by pool and telemetry by pool. The
         per-pool mappings are shared with this state and must not be changed."""
@@ -204,4 +206,5 @@ class DecodedState:
             completed_work=completed_work or {},
             kind_work=kind_work or {},
             prefill_per_output=prefill_per_output or {},
+            stored_fits=stored_fits or {},
         )

@@ -19,8 +19,9 @@ from signals.overflow import (
     provider_order,
 )
 from signals.overflowdemand import blend_demand, route_demand
-from signals.overflowff import prefill_weight
 from signals.overflowwork import ReplicaLoad, computed_rate
+from signals.prefillfit import PrefillFit, route_weight
+from signals.prefillrecord import fit_scope, seeded
 from signals.saturation import (
     SaturationDecision,
     batch_fill,
@@ -70,20 +71,30 @@ def telemetry_weights(state: PolicyState) -> dict[str, dict[str, WeightDecision]
 def _first_tier(
     state: PolicyState, route: Route
 ) -> tuple[list[Endpoint], dict[str, TelemetryRecord], float]:
-    """The replicas of a route's first tier (external providers and pools weighted 0 left
-    out), their telemetry by endpoint key and the shortest ``maxAge`` of their pools."""
+    """The replicas of a route's first tier (``_owned_pools``), their telemetry by endpoint
+    key and the shortest ``maxAge`` of their pools."""
     endpoints: list[Endpoint] = []
     telemetry: dict[str, TelemetryRecord] = {}
     max_age = TELEMETRY_MAX_AGE
-    for target in route.tiers[0].pools:
-        pool = state.pools.get(target.pool)
-        if pool is None or is_external(pool) or target.weight == 0:
-            continue
-        endpoints.extend(pool_endpoints(pool, state.registered.get(target.pool, {})))
-        telemetry.update(state.telemetry.get(target.pool, {}))
+    for name in _owned_pools(state, route):
+        pool = state.pools[name]
+        endpoints.extend(pool_endpoints(pool, state.registered.get(name, {})))
+        telemetry.update(state.telemetry.get(name, {}))
         if pool.spec.telemetry is not None:
             max_age = min(max_age, pool.spec.telemetry.max_age)
     return endpoints, telemetry, max_age
+
+
+def _owned_pools(state: PolicyState, route: Route) -> list[str]:
+    """The pools of a route's first tier that take its traffic on owned replicas: external
+    providers and pools weighted 0 left out."""
+    return [
+        target.pool
+        for target in route.tiers[0].pools
+        if (pool := state.pools.get(target.pool)) is not None
+        and not is_external(pool)
+        and target.weight != 0
+    ]
 
 
 def admission_decisions(state: PolicyState) -> dict[str, AdmissionDecision]:
@@ -183,7 +194,13 @@ def overflow_decisions(state: PolicyState) -> dict[str, OverflowDecision]:
             ]
             if overflow.signal == "arrivals":
                 out[name] = _by_arrivals(
-                    state, name, overflow, endpoints, telemetry, max_age, signals, providers
+                    state,
+                    name,
+                    overflow,
+                    _owned_pools(state, route),
+                    (endpoints, telemetry, max_age),
+                    signals,
+                    providers,
                 )
                 continue
             out[name] = decide_overflow(
@@ -201,9 +218,8 @@ def _by_arrivals(
     state: PolicyState,
     name: str,
     overflow: Overflow,
-    endpoints: Sequence[Endpoint],
-    telemetry: Mapping[str, TelemetryRecord],
-    max_age: float,
+    pools: Sequence[str],
+    tier: tuple[Sequence[Endpoint], Mapping[str, TelemetryRecord], float],
     signals: tuple[Signal, ...],
     providers: Sequence[str],
 ) -> OverflowDecision:
@@ -211,7 +227,10 @@ def _by_arrivals(
     its demand (every replica's arrival rates), its first tier's batch slots and mean running
     share and waiting requests from fresh telemetry, and what those replicas completed and
     how long they took; and, where responses carry usage, each replica's fullness, the work
-    it completed and the route's work by kind (``xdsserver.work``)."""
+    it completed and the route's work by kind (``xdsserver.work``). A route whose prefill fit
+    is fresh continues from the one stored for `pools` at their batch size
+    (``signals.prefillrecord.seeded``)."""
+    endpoints, telemetry, max_age = tier
     fresh = sized_records(endpoints, telemetry, now=state.now, max_age=max_age)
     slots = sum(batch for _, batch in fresh)
     running = (
@@ -228,9 +247,15 @@ def _by_arrivals(
     # the one learned from the engines so far (signals.prefillfit; the decision weighs with
     # the same one).
     previous = state.previous_overflow.get(name)
-    weight = prefill_weight(
-        previous.arrivals if previous is not None else None, overflow.prefill_weight
+    before = previous.arrivals if previous is not None else None
+    scope = fit_scope(pools, [batch for _, batch in fresh])
+    fit = seeded(
+        before.fit if before is not None else PrefillFit(),
+        state.stored_fits.get(name),
+        scope,
+        state.now,
     )
+    weight = route_weight(fit, overflow.prefill_weight)
 
     def per_output(key: str) -> float | None:
         prefill = state.prefill_per_output.get(key)
@@ -277,4 +302,6 @@ def _by_arrivals(
         replicas=replicas,
         kinds=state.kind_work.get(name),
         completed_work=sum(work) if work else None,
+        fit=fit,
+        scope=scope,
     )

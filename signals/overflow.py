@@ -64,6 +64,8 @@ from signals.admission import (
 )
 from signals.overflowff import ArrivalsDecision, decide_arrivals, kind_shares
 from signals.overflowwork import KindWork, ReplicaLoad
+from signals.prefillfit import PrefillFit
+from signals.prefillrecord import FitScope
 from signals.saturation import batch_fill
 from signals.telemetry import TelemetryRecord
 
@@ -308,6 +310,8 @@ def decide_overflow_arrivals(
     replicas: Sequence[ReplicaLoad] = (),
     kinds: KindWork | None = None,
     completed_work: float | None = None,
+    fit: PrefillFit | None = None,
+    scope: FitScope | None = None,
 ) -> OverflowDecision:
     """This round's decision for a route with ``signal: arrivals``: the share of its demand
     above the owned replicas' capacity (``signals.overflowff``), split between plain
@@ -316,7 +320,8 @@ def decide_overflow_arrivals(
     and read for the batch fill; `queued`: the requests waiting for a slot on the owned
     replicas, drained to the paid pools beyond what ``overflow.ttft`` allows; `recent`: the
     route's demand over the last few seconds alone, below which the share is not given back;
-    `replicas`, `kinds`, `completed_work`: demand and capacity in work
+    `replicas`, `kinds`, `completed_work`: demand and capacity in work; `fit`, `scope`: the
+    prefill fit to continue and what it is learned on
     (``signals.overflowff.decide_arrivals``)."""
     fill = next((signal.mean for signal in signals if signal.name == "fill"), None)
     before = previous.arrivals if previous is not None else None
@@ -341,6 +346,8 @@ def decide_overflow_arrivals(
         completed_work=completed_work,
         load=overflow.owned_share(),
         fixed_weight=overflow.prefill_weight,
+        fit=fit,
+        scope=scope,
     )
     plain, sessions = kind_shares(decision.paid, decision.plain_share, overflow.conversations)
     low, high = overflow.min_share / 100, overflow.max_share / 100

@@ -116,6 +116,7 @@ from signals.overflowwork import (
     work_sample,
 )
 from signals.prefillfit import PrefillFit, Starts, fit_intervals, route_weight, weight_source
+from signals.prefillrecord import FitScope
 from signals.spill import (
     DEADBAND,
     DWELL,
@@ -164,6 +165,8 @@ class ArrivalsDecision:
     engines' counters while busy (``signals.prefillfit``)."""
     fit_starts: Starts = field(default_factory=dict)
     """The owned replicas' open intervals of that fit (``fit_intervals``)."""
+    scope: FitScope | None = field(default=None, compare=False)
+    """The owned pools and batch size the fit is learned on (stored with it)."""
     fixed_weight: float | None = field(default=None, compare=False)
     """The route's ``overflow.prefillWeight`` when set: the weight used instead of the fit's
     (which still learns, for status)."""
@@ -241,6 +244,8 @@ def decide_arrivals(
     completed_work: float | None = None,
     load: float = LOAD,
     fixed_weight: float | None = None,
+    fit: PrefillFit | None = None,
+    scope: FitScope | None = None,
 ) -> ArrivalsDecision:
     """This round's share for one route.
 
@@ -267,8 +272,11 @@ def decide_arrivals(
     requests from the share of the work without a session. A prefilled token counts at
     `fixed_weight` (``Overflow.prefillWeight``) when set, else at what the fit carried in
     `previous` learned (``prefill_weight``); the replicas' busy stretches this round go
-    into the fit (``signals.prefillfit.fit_intervals``)."""
+    into the fit (``signals.prefillfit.fit_intervals``), `fit` when given (a stored one,
+    ``signals.prefillrecord.seeded``) instead of `previous`'s, learned on `scope`."""
     before = previous or ArrivalsDecision()
+    if fit is not None:
+        before = replace(before, fit=fit)
     # Work weighs a prefilled token as set, or as the fit had it before this round: the
     # callers (signals.live) weighed the replicas' work with the same (prefill_weight).
     prefill = prefill_weight(before, fixed_weight)
@@ -355,6 +363,7 @@ def decide_arrivals(
         scrapes=scrapes,
         fit=fit,
         fit_starts=fit_starts,
+        scope=scope if scope is not None else before.scope,
         fixed_weight=fixed_weight,
         work=round(mix, 2) if mix is not None else None,
         plain_share=plain_share,

@@ -192,6 +192,9 @@ class PrefillFit:
     tp: float = 0.0
     tu: float = 0.0
     tt: float = 0.0
+    stored: bool = False
+    """Read back from etcd (``restore``) and not added to since: what another run of
+    kvpilot learned."""
 
     def add(
         self, seconds: float, output: float, prefilled: float, extra: float = 0.0
@@ -205,6 +208,7 @@ class PrefillFit:
             intervals=self.intervals + 1,
             windows=self.windows * d + 1.0,
             in_row=0,
+            stored=False,
             oo=self.oo * d + output * output,
             op=self.op * d + output * prefilled,
             pp=self.pp * d + prefilled * prefilled,
@@ -376,11 +380,14 @@ def route_weight(fit: PrefillFit | None, fixed: float | None = None) -> float:
 
 
 def weight_source(fit: PrefillFit, fixed: float | None) -> str:
-    """Where ``route_weight`` comes from: ``set``, ``learned`` (`fit` can say) or
-    ``default`` (``PREFILL_WEIGHT``, until it can)."""
+    """Where ``route_weight`` comes from: ``set``, ``learned`` (`fit` can say), ``stored``
+    (it can, read back from etcd and not yet added to) or ``default`` (``PREFILL_WEIGHT``,
+    until it can)."""
     if fixed is not None:
         return "set"
-    return "learned" if fit.weight() is not None else "default"
+    if fit.weight() is None:
+        return "default"
+    return "stored" if fit.stored else "learned"
 
 
 __all__ = [

@@ -13,6 +13,7 @@ from signals.admission import AdmissionDecision
 from signals.difficultyshare import ShareDecision
 from signals.overflow import OverflowDecision
 from signals.overflowwork import KindWork, Work
+from signals.prefillrecord import StoredFit
 from signals.saturation import SaturationDecision
 from signals.spill import SpillDecision
 from signals.telemetry import TelemetryRecord
@@ -78,6 +79,10 @@ class PolicyState:
     prefill_per_output: Mapping[str, float] = field(default_factory=dict)
     """Each upstream host's uncached prompt tokens per output token over the long window:
     the prefill its responses needed per token made."""
+    stored_fits: Mapping[str, StoredFit] = field(default_factory=dict)
+    """Route cluster (``policy/route``) -> the prefill fit kvpilot stored in etcd for it
+    (``controlplane.prefillfits``): a route whose fit is fresh continues from it
+    (``signals.prefillrecord.seeded``)."""
     kind_work: Mapping[str, KindWork] = field(default_factory=dict)
     """Route cluster (``policy/route``) -> its responses over the long window by kind (with
     or without a session), every pool's, and their work: the demand in work."""

@@ -8,11 +8,14 @@ stream their answers, so their service times and completions are real, read from
 arrivals log. Their telemetry (batch size, running, waiting) is written into etcd as an
 agent writes it, refreshed every half second so kvpilot rebuilds as it would with agents.
 The paid pool is a stand-in on ``localhost`` (``test_e2e_overflow``'s), answering at once.
+A prefill fit stored in etcd, as a kvpilot that ran before would have left it, is what the
+route weighs its work with from the start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.overflow import TRUE_WEIGHT, learned_fit
 from harness.paid import overflow_entries, paid_pool, paid_stand_in
 from harness.rig import Rig, api_client
 from harness.wait import wait_until
@@ -30,7 +34,9 @@ from harness.wait import wait_until
 from controlplane.etcd import EtcdClient
 from controlplane.etcd.store import Store
 from controlplane.local import EmbeddedEtcd
+from controlplane.prefillfits import fit_key
 from replicasim.simulator import SimConfig
+from signals.prefillrecord import FitScope, fit_record
 
 pytestmark = pytest.mark.e2e
 
@@ -185,9 +191,23 @@ def owned_and_paid(
         yield {r.id for r in replicas.replicas}, paid, fill
 
 
+def store_fit(etcd: EmbeddedEtcd, prefix: str) -> None:
+    """Leave the route's prefill fit in etcd as a kvpilot that ran before would have: learned
+    on the owned pool at its batch size."""
+
+    async def put() -> None:
+        async with EtcdClient([etcd.endpoint]) as client:
+            store = Store(client, prefix)
+            body = fit_record(learned_fit(), FitScope(("owned",), SLOTS), time.time(), "before")
+            await client.put(store.keys.absolute(fit_key(CLUSTER)), json.dumps(body).encode())
+
+    asyncio.run(put())
+
+
 def test_overflow_by_arrivals_sends_the_excess_to_paid_and_returns_when_demand_falls(
     rig: Rig, backends: Any, etcd: EmbeddedEtcd, etcd_prefix: str
 ) -> None:
+    store_fit(etcd, etcd_prefix)
     route = {
         "name": "chat",
         "tiers": [["owned"]],
@@ -203,6 +223,9 @@ def test_overflow_by_arrivals_sends_the_excess_to_paid_and_returns_when_demand_f
             assert light["signal"] == "arrivals" and not light["capacityMeasured"]
             assert light["demand"] == pytest.approx(1.0, rel=0.5)
             assert light["paidShare"] == 0.0 and "within" in light["why"], light
+            # The route weighs a prefilled token with the stored fit, not the constant.
+            assert light["prefillWeightSource"] == "stored", light
+            assert light["prefillWeight"] == pytest.approx(TRUE_WEIGHT, abs=1e-3)
             assert set(taken()) <= owned and paid.hits == 0
             assert overflow_entries(rig) == {}
 

@@ -23,7 +23,7 @@ from signals.spill import SpillDecision
 from signals.weights import WeightDecision
 
 log = logging.getLogger(__name__)
-WEIGHT_SOURCES = ("set", "learned", "default")
+WEIGHT_SOURCES = ("set", "learned", "stored", "default")
 """Values of ``kvpilot_overflow_prefill_weight``'s ``source`` label
 (``ArrivalsDecision.weight_source``)."""
 
@@ -222,7 +222,16 @@ class LiveDecisions:
                             metrics.overflow_prefill_weight.remove(route, other)
                 last = self.overflow.get(route)
                 last_source = last.arrivals.weight_source if last and last.arrivals else None
-                if source == "learned" and last_source != "learned":
+                if source == "stored" and last_source != "stored":
+                    log.info(
+                        "overflow on %s: a prefilled token counts %.3f of an output token, as "
+                        "stored in etcd for these owned pools and batch size (%d busy "
+                        "intervals); the fit goes on learning from it",
+                        route,
+                        arrivals.prefill_weight,
+                        arrivals.fit.intervals,
+                    )
+                elif source == "learned" and last_source not in ("learned", "stored"):
                     log.info(
                         "overflow on %s: a prefilled token now counts %.3f of an output token, "
                         "learned from %d busy intervals of the owned engines",

@@ -52,6 +52,7 @@ from controlplane.reconcile.metrics import ReconcileMetrics
 from signals import PolicyState
 from signals.difficultyshare import ShareDecision
 from signals.overflowwork import KindWork, Work
+from signals.prefillrecord import StoredFit
 from xdsserver.incremental import BUILD_PATHS, build_snapshot
 from xdsserver.snapshot import SnapshotCache
 
@@ -137,6 +138,8 @@ class Reconciler:
         self._last_change = 0.0
         self._built = asyncio.Event()
         self.provider_backoff: Callable[[float], Mapping[str, float]] = lambda now: {}
+        self.stored_fits: Callable[[float], Mapping[str, StoredFit]] = lambda now: {}
+        """Overflow's prefill fits stored in etcd, by route (``controlplane.prefillfits``)."""
         self.arrivals: Callable[[float], Mapping[str, float]] = lambda now: {}
         """Requests per second each fleet starts per route cluster (``xdsserver.arrivals``)."""
         self.service_times: Callable[[float], Mapping[str, float]] = lambda now: {}
@@ -341,6 +344,7 @@ class Reconciler:
             previous_spill=self._live.spill,
             now=now,
             provider_backoff=self.provider_backoff(now),
+            stored_fits=self.stored_fits(now) if by_work else {},
             arrivals=self.arrivals(now),
             service_times=self.service_times(now),
             completions=self.completions(now),

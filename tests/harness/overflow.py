@@ -1,9 +1,10 @@
 """A route with overflow by arrivals compiled from a state written by hand: the owned pool of
 `harness.builders.arrivals_overflow` full at a batch of 8, a demand, and what else a test
-gives."""
+gives; and a prefill fit learned on an engine whose ratio is known."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ from compiler.compile import PolicyState, compile_plan
 from harness.builders import arrivals_overflow
 from policies import parse_object
 from signals.overflowff import ArrivalsDecision
+from signals.prefillfit import MIN_FIT_WINDOWS, PrefillFit
 from signals.telemetry import TelemetryRecord
 
 
@@ -41,3 +43,19 @@ def compiled_arrivals(
     decision = compile_plan(state).overflow["main/chat"].arrivals
     assert decision is not None
     return decision
+
+
+OUTPUT_COST, PREFILL_COST = 33e-3 / 32, 1 / 4000
+"""An engine at a full batch of 32: 33 ms a step, a quarter of a millisecond a prompt token."""
+TRUE_WEIGHT = PREFILL_COST / OUTPUT_COST
+
+
+def learned_fit(count: int = MIN_FIT_WINDOWS, seed: int = 1) -> PrefillFit:
+    """A fit of `count` busy intervals of that engine, its mix moving (it can say its
+    weight, ``TRUE_WEIGHT``, from ``MIN_FIT_WINDOWS`` on)."""
+    rng = random.Random(seed)
+    fit = PrefillFit()
+    for _ in range(count):
+        share, seconds = rng.uniform(0.2, 0.7), rng.uniform(10, 14)
+        fit = fit.add(seconds, seconds * (1 - share) / OUTPUT_COST, seconds * share / PREFILL_COST)
+    return fit
