@@ -226,6 +226,11 @@ def test_overflow_by_arrivals_sends_the_excess_to_paid_and_returns_when_demand_f
             # The route weighs a prefilled token with the stored fit, not the constant.
             assert light["prefillWeightSource"] == "stored", light
             assert light["prefillWeight"] == pytest.approx(TRUE_WEIGHT, abs=1e-3)
+            metrics = api_client(rig.kvpilot).get("/metrics").text
+            assert (
+                'kvpilot_overflow_prefill_weight{route="paid/chat",source="stored"} '
+                f"{light['prefillWeight']}"
+            ) in metrics
             assert set(taken()) <= owned and paid.hits == 0
             assert overflow_entries(rig) == {}
 
