@@ -109,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-running",
         type=float,
-        help="batch capacity when the server does not export it (vLLM --max-num-seqs)",
+        help="batch capacity when the server does not export it (vLLM --max-num-seqs; times "
+        "--data-parallel-size for a data-parallel vLLM behind one port)",
     )
     parser.add_argument("--region", default="", help="region registered with the backends")
     parser.add_argument(

@@ -273,6 +273,7 @@ def _by_arrivals(
             per_output=per_output(endpoint.key),
             prefilled=record.prefilled_tokens_total,
             steps=record.steps_total,
+            engines=record.engines or 1,
         )
         for endpoint in endpoints
         if (record := telemetry.get(endpoint.key)) is not None

@@ -186,6 +186,9 @@ class ReplicaLoad:
     """The prompt tokens its engine had prefilled by that scrape (``prefilled_tokens_total``)."""
     steps: float | None = None
     """The steps its engine had run by that scrape (``steps_total``); None: not exported."""
+    engines: int = 1
+    """Engines behind it (``TelemetryRecord.engines``): its steps are their sum, and
+    ``slots`` their batches together."""
 
 
 def computed_rate(

@@ -97,8 +97,8 @@ BUSY = 0.125
 """Running share of its batch at or above which a replica that counts its steps is busy
 (with ``BUSY_SEQUENCES`` at least)."""
 BUSY_SEQUENCES = 2
-"""Fewest running sequences at which a replica that counts its steps is busy: with one, a
-gap between two requests may leave it idle between two scrapes."""
+"""Fewest running sequences per engine at which a replica that counts its steps is busy:
+with one, a gap between two requests may leave it idle between two scrapes."""
 MIN_FIT_WINDOWS = 8
 """Intervals the fit needs before its weight is used."""
 MIN_SPREAD = 0.05
@@ -318,11 +318,14 @@ Starts = Mapping[str, Opened]
 
 def _busy(replica: ReplicaLoad) -> bool:
     """True when the replica's record says it was stepping all along: an eighth of its batch
-    running (two sequences at least) when it counts its steps, a full batch when it does not
-    (and then only full stretches are taken)."""
+    running (two sequences an engine at least) when it counts its steps, a full batch when
+    it does not (and then only full stretches are taken)."""
     if replica.steps is None:
         return replica.running >= FULL
-    return replica.running >= BUSY and replica.running * replica.slots >= BUSY_SEQUENCES
+    return (
+        replica.running >= BUSY
+        and replica.running * replica.slots >= BUSY_SEQUENCES * replica.engines
+    )
 
 
 def fit_intervals(
@@ -363,7 +366,9 @@ def fit_intervals(
         made = output - begun.output
         extra = 0.0
         if steps is not None and begun.steps is not None and replica.slots > 0:
-            extra = (steps - begun.steps) - made / replica.slots
+            # Several engines (data-parallel) step side by side, each at its own batch:
+            # their seconds and counts add up to the same costs, the ratio unchanged.
+            extra = (steps - begun.steps) - made / (replica.slots / replica.engines)
         fit = fit.take(at - begun.start, made, prefilled - begun.prefilled, extra)
         out[replica.key] = here
     return out, fit

@@ -92,6 +92,14 @@ class TelemetryRecord(BaseModel):
         "the two token counts, what a step costs whatever it holds, so a batch need not be "
         "full for overflow to learn what a prefilled token costs (``signals.prefillfit``).",
     )
+    engines: int | None = Field(
+        None,
+        ge=1,
+        description="Engines behind the replica's one port, where it runs more than one (a "
+        "data-parallel vLLM: one series of the steps counter per engine). Its counts are "
+        "the engines' sums and its batch size (``max_running``) their total, so a step of "
+        "one engine holds at most ``max_running / engines`` sequences.",
+    )
     prefill_per_token: float | None = Field(
         None,
         ge=0,
@@ -381,9 +389,11 @@ def extract(
     )
     if counters.token_count is not None:
         values["output_tokens_total"] = counters.token_count
-    steps = total(metric_map.steps)
-    if steps is not None:
-        values["steps_total"] = max(0.0, steps)
+    engine_steps = _first(samples, metric_map.steps)
+    if engine_steps is not None:
+        values["steps_total"] = max(0.0, sum(engine_steps))
+        if len(engine_steps) > 1:
+            values["engines"] = len(engine_steps)
     if counters.queries is not None and counters.hits is not None:
         values["prefilled_tokens_total"] = max(0.0, counters.queries - counters.hits)
     if previous is not None:

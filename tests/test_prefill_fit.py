@@ -245,6 +245,47 @@ def test_a_replica_that_counts_its_steps_is_read_while_busy_not_only_full() -> N
     assert again["a"].start == 2 * FIT_WINDOW and same == fit
 
 
+def test_engines_side_by_side_behind_one_port_give_the_weight_of_one() -> None:
+    """A data-parallel replica: two engines at a batch of 32 each, its record their sums
+    (steps, tokens) and their batches together (64)."""
+
+    def record(at: float, counts: tuple[float, float, float], engines: int) -> ReplicaLoad:
+        output, prefilled, steps = counts
+        return ReplicaLoad(
+            key="dp",
+            slots=64,
+            running=0.5,
+            work=None,
+            at=at,
+            total=output,
+            prefilled=prefilled,
+            steps=steps,
+            engines=engines,
+        )
+
+    def fit_of(engines: int) -> PrefillFit:
+        rng = random.Random(3)
+        starts: dict[str, Opened] = {}
+        fit, at, counts = PrefillFit(), 0.0, (0.0, 0.0, 0.0)
+        starts, fit = fit_intervals([record(at, counts, engines)], starts, fit)
+        for _ in range(3 * MIN_FIT_WINDOWS):
+            seconds = rng.uniform(2, MAX_GAP)  # records at most MAX_GAP apart
+            for _engine in range(2):  # each busy the whole interval, its own mix
+                decoding, share = rng.randint(8, 32), rng.uniform(0.1, 0.6)
+                steps = seconds * (1 - share) / (STEP_COST + decoding * SEQUENCE_COST)
+                output, prefilled = steps * decoding, seconds * share / PREFILL_COST
+                counts = (counts[0] + output, counts[1] + prefilled, counts[2] + steps)
+            at += seconds
+            starts, fit = fit_intervals([record(at, counts, engines)], starts, fit)
+        return fit
+
+    full_batch = PREFILL_COST / (STEP_COST / 32 + SEQUENCE_COST)
+    assert fit_of(2).weight() == pytest.approx(full_batch, rel=1e-3)
+    # Read as one engine at a batch of 64, the same counts give another weight.
+    one = fit_of(1).weight()
+    assert one is not None and one != pytest.approx(full_batch, rel=0.1), one
+
+
 def test_records_too_far_apart_start_an_interval_again() -> None:
     starts, fit = fit_intervals([_replica(0.0, 0.0, 0.0)], {}, PrefillFit())
     starts, fit = fit_intervals([_replica(MAX_GAP + 1.0, 9900.0, 1100.0)], starts, fit)

@@ -98,8 +98,9 @@ def test_parse_samples_rejects_garbage() -> None:
                 "kv_cache": 0.61,
                 "prefilled_tokens_total": 750.0,
                 "steps_total": 200.0,
+                "engines": 2,
             },
-            id="vllm-v1: counts summed over engines, KV cache is the fullest engine",
+            id="vllm-v1: counts summed over engines (counted), KV cache is the fullest engine",
         ),
         pytest.param(
             VLLM_V0,
