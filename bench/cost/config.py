@@ -110,6 +110,9 @@ ROUTE: dict[str, Any] = {"balancing": "telemetry", "sessionAffinity": dict(SESSI
 
 ENGINE_WEIGHT_POLICY = "cost_aware_arrivals_w"
 """The policy run with ``overflow.prefillWeight`` at the simulated engine's own ratio."""
+RESTART_POLICY = "cost_aware_arrivals_restart"
+"""The default route replayed by a kvpilot just restarted: its prefill fit is the one the
+previous policies' runs left in etcd (run after ``cost_aware_arrivals``)."""
 
 
 def engine_weight(sim: SimConfig) -> float:
@@ -214,6 +217,16 @@ POLICIES: tuple[Policy, ...] = (
             default=False,
         )
         for share in (0.97, 0.8)
+    ),
+    # The default route again, replayed by a kvpilot stopped and started just before: the
+    # fit that ``cost_aware_arrivals``' run learned is kept in etcd, and the route's fresh
+    # fit continues from it (``controlplane.prefillfits``). What a restart costs a route
+    # whose kvpilot had learned; named after ``cost_aware_arrivals`` to follow it.
+    Policy(
+        RESTART_POLICY,
+        "cost-aware by arrivals, kvpilot restarted (its fit kept in etcd)",
+        {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "arrivals", "ttft": "1s"}},
+        default=False,
     ),
     # By arrivals with the prefill weight the engines have (``prefillWeight``, set per run
     # from the simulated engine at its batch size: ``engine_weight``): where a kvpilot that

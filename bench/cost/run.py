@@ -16,7 +16,14 @@ from typing import Any
 import httpx
 
 from bench.cost import spend
-from bench.cost.config import PAID_POOL, PAID_PREFIX, POLICIES, SINGLES, CostConfig
+from bench.cost.config import (
+    PAID_POOL,
+    PAID_PREFIX,
+    POLICIES,
+    RESTART_POLICY,
+    SINGLES,
+    CostConfig,
+)
 from bench.cost.report import markdown, summarize
 from bench.cost.results import (
     CostCalibration,
@@ -155,6 +162,12 @@ def run_one(
     """Replay `workload` through `policy`; each request's outcome is appended to `requests`
     when given (``request_row``)."""
     print(f"\n== {policy.title}: {workload.requests} requests", flush=True)
+    if policy.key == RESTART_POLICY:
+        # Stopped, kvpilot writes its routes' prefill fits; started, a fresh fit continues
+        # from them (controlplane.prefillfits).
+        stack.kvpilot.stop()
+        stack.kvpilot.start()
+        wait_until(lambda: bool(_status(stack).get("envoys")), 60, "Envoy to reconnect")
     stack.put(policy_body(stack.listener_port, policy.route))
     wait_until(lambda: _serving(stack, policy), 60, f"Envoy to serve {policy.key}")
     ready_for_replay(stack, workload.system_prompts(), idle_timeout=120)
@@ -163,6 +176,8 @@ def run_one(
         # The warm-up fills every replica with the long system prompts at once: start only
         # once the overflow has come back to nothing.
         wait_until(lambda: _overflow_idle(stack), 60, "the overflow to settle")
+    if "overflow" in policy.route:
+        print(f"   prefill weight at the start: {_prefill_weight(stack)}", flush=True)
     replicas = [(r.id, r.url) for r in stack.backends.replicas]
     # kvpilot's account starts after the warm-up and the probes, once their usage is in.
     before = spend.settled(stack.kvpilot.api_url, stack.token)
@@ -179,6 +194,8 @@ def run_one(
         )
     )
     check = _spend_check(stack, run.results, before, config)
+    if "overflow" in policy.route:
+        print(f"   prefill weight at the end: {_prefill_weight(stack)}", flush=True)
     if requests is not None:
         requests.extend(request_row(policy.key, result) for result in run.results)
     summary = replace(summarize(run, config), spend=check)
@@ -250,6 +267,25 @@ def _spend_check(
             config=config.replicas * config.prices.owned_per_replica_hour,
         ),
     )
+
+
+def _status(stack: Stack) -> dict[str, Any]:
+    response = httpx.get(
+        f"{stack.kvpilot.api_url}/v1/status",
+        headers={"Authorization": f"Bearer {stack.token}"},
+        timeout=5,
+    )
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def _prefill_weight(stack: Stack) -> str:
+    """The route's prefill weight and where it comes from, as kvpilot's status says."""
+    for entry in _status(stack).get("overflow", []):
+        if entry.get("route") == f"{POLICY_NAME}/chat" and "prefillWeight" in entry:
+            return f"{entry['prefillWeight']} ({entry['prefillWeightSource']})"
+    return "none (overflow by the fill loop)"
 
 
 def _overflow_idle(stack: Stack) -> bool:
