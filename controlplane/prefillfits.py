@@ -70,8 +70,9 @@ class FitBoard:
             self.stored[route] = stored
 
     def fits(self, now: float) -> Mapping[str, StoredFit]:
-        """Route -> stored fit (``seeded`` judges age and scope)."""
-        return self.stored
+        """Route -> stored fit, a copy for one compile's state (``seeded`` judges age and
+        scope)."""
+        return dict(self.stored)
 
 
 class FitPublisher:
