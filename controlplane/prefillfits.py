@@ -15,13 +15,13 @@ Records carry no lease (they are meant to outlive the replica); one older than
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from urllib.parse import quote, unquote
 
-from controlplane.etcd import EtcdClosed, EtcdError, KeyValue
+from controlplane.etcd import KeyValue
+from controlplane.etcd.batches import flush_every
 from controlplane.etcd.keys import STATUS, decode_json, encode_json
 from controlplane.etcd.store import Store
 from controlplane.mirror import StateChange
@@ -136,23 +136,7 @@ class FitPublisher:
     async def run(self) -> None:
         """Publish every ``interval`` until cancelled; a cancelled publisher writes its last
         batch."""
-        try:
-            while True:
-                await asyncio.sleep(self.interval)
-                try:
-                    await self.flush()
-                except EtcdClosed:
-                    log.info("etcd client closed; prefill fits are no longer stored")
-                    return
-                except EtcdError as error:
-                    log.warning("cannot store prefill fits (will retry): %s", error)
-        except asyncio.CancelledError:
-            try:
-                async with asyncio.timeout(2.0):
-                    await self.flush()
-            except (EtcdError, TimeoutError) as error:
-                log.warning("prefill fits not stored at shutdown: %s", error)
-            raise
+        await flush_every(self.interval, self.flush, "prefill fits")
 
 
 __all__ = ["FITS_PREFIX", "FIT_WRITE_INTERVAL", "FitBoard", "FitPublisher", "fit_key"]

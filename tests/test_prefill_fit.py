@@ -9,13 +9,13 @@ import random
 from typing import Any, NamedTuple
 
 import pytest
-from harness.overflow import compiled_arrivals
+from harness.overflow import KINDS, OUTPUT_COST, PREFILL_COST, TRUE_WEIGHT, compiled_arrivals
 from pydantic import ValidationError
 
 from policies.models import Overflow
 from replicasim.simulator import Engine, SimConfig
 from signals.overflowff import ArrivalsDecision, decide_arrivals, prefill_weight
-from signals.overflowwork import PREFILL_WEIGHT, KindWork, ReplicaLoad
+from signals.overflowwork import PREFILL_WEIGHT, ReplicaLoad
 from signals.prefillfit import (
     FIT_WINDOW,
     MAX_GAP,
@@ -31,22 +31,6 @@ from signals.telemetry import extract, metric_map_for, parse_samples
 
 NOW = 1_000_000.0
 PORTS = (8001, 8002, 8003, 8004)
-
-OUTPUT_COST, PREFILL_COST = 33e-3 / 32, 1 / 4000
-"""An engine at a full batch of 32: 33 ms a step, a quarter of a millisecond a prompt token."""
-TRUE_WEIGHT = PREFILL_COST / OUTPUT_COST
-
-
-KINDS = KindWork(
-    plain=20,
-    plain_output=20 * 100.0,
-    plain_prefill=20 * 3000.0,
-    sessions=20,
-    session_output=20 * 300.0,
-    session_prefill=20 * 100.0,
-)
-"""A route's responses: documents of 100 output tokens and 3,000 prefilled, conversation
-turns of 300 and 100."""
 
 
 def _intervals(count: int, seed: int = 1, noise: float = 0.0) -> list[tuple[float, float, float]]:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import pytest
-from harness.overflow import TRUE_WEIGHT, compiled_arrivals
+from harness.overflow import KINDS, TRUE_WEIGHT, compiled_arrivals
 from harness.overflow import learned_fit as learned
 
 from controlplane.etcd import EtcdClient, KeyValue
@@ -21,7 +21,7 @@ from controlplane.mirror import StateChange, StateMirror
 from controlplane.prefillfits import FITS_PREFIX, FitBoard, FitPublisher, fit_key
 from signals.overflow import OverflowDecision
 from signals.overflowff import ArrivalsDecision
-from signals.overflowwork import PREFILL_WEIGHT, KindWork
+from signals.overflowwork import PREFILL_WEIGHT
 from signals.prefillfit import MIN_FIT_WINDOWS, RESTART_AFTER, PrefillFit
 from signals.prefillrecord import (
     STORED_MAX_AGE,
@@ -38,14 +38,6 @@ PORTS = (8001, 8002, 8003, 8004)
 ROUTE = "main/chat"
 SCOPE = FitScope(("owned",), 8.0)
 """What ``harness.overflow.compiled_arrivals``' route is learned on: pool ``owned`` at 8."""
-KINDS = KindWork(
-    plain=20,
-    plain_output=20 * 100.0,
-    plain_prefill=20 * 3000.0,
-    sessions=20,
-    session_output=20 * 300.0,
-    session_prefill=20 * 100.0,
-)
 
 
 def stored(fit: PrefillFit | None = None, scope: FitScope = SCOPE, at: float = NOW) -> StoredFit:

@@ -9,6 +9,7 @@ import time
 from urllib.parse import quote
 
 from controlplane.etcd import EtcdClosed, EtcdError
+from controlplane.etcd.batches import flush_every
 from controlplane.etcd.keys import decode_json, encode_json
 from controlplane.etcd.store import Store
 from controlplane.spend.records import SPEND_INTERVAL, SPEND_PREFIX, spend_key
@@ -81,22 +82,4 @@ class SpendPublisher:
             except EtcdError as error:
                 log.warning("cannot read this replica's spend records (will retry): %s", error)
                 await asyncio.sleep(1.0)
-        try:
-            while True:
-                await asyncio.sleep(self.interval)
-                try:
-                    await self.flush()
-                except EtcdClosed:
-                    log.info("etcd client closed; spend is no longer published")
-                    return
-                except EtcdError as error:
-                    log.warning("cannot publish spend (will retry): %s", error)
-        except asyncio.CancelledError:
-            try:
-                async with asyncio.timeout(2.0):
-                    await self.flush()
-            except (EtcdError, TimeoutError) as error:
-                log.warning(
-                    "spend of the last %.2fs not stored at shutdown: %s", self.interval, error
-                )
-            raise
+        await flush_every(self.interval, self.flush, "spend")

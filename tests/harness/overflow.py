@@ -12,6 +12,7 @@ from compiler.compile import PolicyState, compile_plan
 from harness.builders import arrivals_overflow
 from policies import parse_object
 from signals.overflowff import ArrivalsDecision
+from signals.overflowwork import KindWork
 from signals.prefillfit import MIN_FIT_WINDOWS, PrefillFit
 from signals.telemetry import TelemetryRecord
 
@@ -44,6 +45,17 @@ def compiled_arrivals(
     assert decision is not None
     return decision
 
+
+KINDS = KindWork(
+    plain=20,
+    plain_output=20 * 100.0,
+    plain_prefill=20 * 3000.0,
+    sessions=20,
+    session_output=20 * 300.0,
+    session_prefill=20 * 100.0,
+)
+"""A route's responses: documents of 100 output tokens and 3,000 prefilled, conversation
+turns of 300 and 100."""
 
 OUTPUT_COST, PREFILL_COST = 33e-3 / 32, 1 / 4000
 """An engine at a full batch of 32: 33 ms a step, a quarter of a millisecond a prompt token."""
