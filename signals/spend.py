@@ -246,9 +246,14 @@ class Ledger:
             if not isinstance(stored, dict) or not isinstance(stored.get("id"), str):
                 continue
             current = self.windows[window]
-            if current.id and current.id != stored["id"]:
+            # Each tenant's record holds the window it was last written in, so the records
+            # of one replica can name different windows (a tenant that stopped before the
+            # minute turned): the newest is the current one, whichever record comes first.
+            # Ids of one kind compare as times (``window_id``: fixed-width ISO 8601).
+            if stored["id"] < current.id:
                 continue
-            current.id = stored["id"]
+            if stored["id"] > current.id:
+                current.id, current.rows = stored["id"], {}
             for key, spend in parse_rows(stored.get("rows")):
                 _add(current.rows, key, spend)
 

@@ -137,7 +137,20 @@ def test_a_rollout_shows_its_steps_and_verdict_and_an_admin_pauses_it_from_the_p
 
         pause = card.locator('[data-command="pause"]')
         assert pause.get_attribute("aria-disabled") is None
-        pause.click()
+        # The button is pressed until a poll has redrawn the current step (its time held
+        # changes every poll), then released: the click still reaches it. When a poll
+        # replaced the buttons too, this click went to no button (as did a person's click,
+        # pressed for about a tenth of a second, about once in ten at one poll a second).
+        pause.hover()
+        admin.mouse.down()
+        drawn = card.locator(".step.current").inner_html()
+        admin.wait_for_function(
+            """drawn => document.querySelector(
+                 '.rollout[data-rollout="chat-canary"] .step.current')?.innerHTML !== drawn""",
+            arg=drawn,
+            timeout=10_000,
+        )
+        admin.mouse.up()
         admin.wait_for_selector(
             '.rollout[data-rollout="chat-canary"][data-phase="Paused"]', timeout=15_000
         )

@@ -81,6 +81,27 @@ def test_a_ledger_reads_back_what_it_stored_and_replicas_sum() -> None:
     assert sum_records([record], None, later)[KEY].requests == 2
 
 
+@pytest.mark.parametrize("order", [1, -1])
+def test_a_ledger_read_back_keeps_the_newest_window_of_each_kind(order: int) -> None:
+    """Each tenant's record holds the window it was last written in: a tenant that stopped
+    before the minute turned keeps the older minute. Read back in any order, the newest
+    window is the ledger's, as it was before the restart."""
+    now = at("2026-12-03T14:45:59")
+    ledger = Ledger()
+    ledger.add(KEY, Spend(1, 10, 0, 5, Decimal("0.001")), now)
+    early = ledger.record("acme")
+    other = SpendKey("globex", "m", "paid", "batch", "web/paid", "USD")
+    ledger.add(other, Spend(1, 20, 0, 5, Decimal("0.002")), now + 2)  # the next minute
+    records = [early, ledger.record("globex")][::order]
+    again = Ledger()
+    for record in records:
+        again.load(record)
+    for window in ("minute", "hour"):
+        assert dict(again.rows(window, now + 3)) == dict(ledger.rows(window, now + 3))
+        assert sum_records(records, window, now + 3) == dict(ledger.rows(window, now + 3))
+    assert again.totals == ledger.totals
+
+
 def test_records_that_do_not_parse_are_skipped() -> None:
     bad = {"totals": [["a"], ["t", "m", "p", "c", "r", "USD", 1, "x", 0, 0, "0"], "junk"]}
     assert sum_records([bad, {"totals": "nope"}], None, 0.0) == {}

@@ -91,25 +91,45 @@ function historyHtml(history) {
     .join("")}</ul>`;
 }
 
-function rolloutHtml(rollout, admin) {
-  const target = rollout.target || {};
-  const buttons = ROLLOUT_COMMANDS.map((command) => {
+function buttonsHtml(rollout, admin) {
+  return ROLLOUT_COMMANDS.map((command) => {
     const problem = admin ? commandProblem(command, rollout.phase) : "needs an admin token";
     const off = problem ? ` aria-disabled="true" title="${esc(problem)}"` : "";
     return `<span class="act" role="button" tabindex="0" data-rollout="${esc(rollout.name)}" data-command="${command}"${off}>${command}</span>`;
   }).join("");
+}
+
+function factsHtml(rollout) {
+  const target = rollout.target || {};
   return (
-    `<section class="rollout" data-rollout="${esc(rollout.name)}" data-phase="${esc(rollout.phase)}"><header><h2>${esc(rollout.name)}</h2>` +
+    `<h2>${esc(rollout.name)}</h2>` +
     `<span class="pill phase-${esc(rollout.phase)}" data-phase-pill>${esc(rollout.phase)}</span>` +
     `<span class="muted">${esc(target.policy)}/${esc(target.route)} tier ${esc(target.tier)}</span>` +
     (rollout.step !== null && rollout.step !== undefined ? `<span class="muted">step ${Math.min(rollout.step + 1, rollout.steps.length)} of ${rollout.steps.length}</span>` : "") +
     (rollout.driver ? `<span class="muted">driven by <span class="mono">${esc(rollout.driver)}</span></span>` : "") +
-    (rollout.message ? `<span class="muted">${esc(rollout.message)}</span>` : "") +
-    `<span class="actions">${buttons}</span></header>` +
-    `<div class="body"><div class="box"><h4>steps</h4>${stepsHtml(rollout)}</div>` +
-    `<div class="box"><h4>live verdict</h4>${verdictHtml(rollout.verdict)}</div>` +
-    `<div class="box"><h4>history</h4>${historyHtml(state.rolloutHistory.get(rollout.name))}</div></div></section>`
+    (rollout.message ? `<span class="muted">${esc(rollout.message)}</span>` : "")
   );
+}
+
+function newCard() {
+  const section = document.createElement("section");
+  section.className = "rollout";
+  section.innerHTML =
+    `<header><span class="facts"></span><span class="actions"></span></header>` +
+    `<div class="body"><div class="box"><h4>steps</h4><div></div></div>` +
+    `<div class="box"><h4>live verdict</h4><div></div></div>` +
+    `<div class="box"><h4>history</h4><div></div></div></div>`;
+  const [steps, verdict, history] = section.querySelectorAll(".box > div");
+  return { section, facts: section.querySelector(".facts"), actions: section.querySelector(".actions"), steps, verdict, history };
+}
+
+const cards = new Map(); // rollout name -> its section and the parts a poll patches
+const shown = new WeakMap(); // part -> the HTML it shows
+
+function patch(part, html) {
+  if (shown.get(part) === html) return;
+  part.innerHTML = html;
+  shown.set(part, html);
 }
 
 export async function loadRolloutHistories(rollouts) {
@@ -124,13 +144,52 @@ export async function loadRolloutHistories(rollouts) {
 }
 
 export function renderRollouts(rollouts) {
+  // Each part of a card is rewritten only when it changed: the steps box changes every poll
+  // (the time held), and rewriting the whole view with it replaced the buttons under the
+  // pointer, so a click pressed before a poll and released after it reached no button.
   const admin = state.role === "admin";
-  const html =
-    rollouts.map((rollout) => rolloutHtml(rollout, admin)).join("") ||
-    `<div class="empty">No rollouts. Create one with <code>kvpilot apply -f rollout.yaml</code> (see the README's "Progressive rollouts").</div>`;
-  if (state.rendered.signatures.rollouts !== html) {
-    $("#rollouts").innerHTML = html;
-    state.rendered.signatures.rollouts = html;
+  const container = $("#rollouts");
+  if (!rollouts.length) {
+    const html = `<div class="empty">No rollouts. Create one with <code>kvpilot apply -f rollout.yaml</code> (see the README's "Progressive rollouts").</div>`;
+    if (state.rendered.signatures.rollouts !== html) {
+      container.innerHTML = html;
+      cards.clear();
+      state.rendered.signatures.rollouts = html;
+    }
+    return;
+  }
+  if (state.rendered.signatures.rollouts !== "cards") {
+    container.innerHTML = "";
+    cards.clear();
+    state.rendered.signatures.rollouts = "cards";
+  }
+  const seen = new Set();
+  let previous = null;
+  for (const rollout of rollouts) {
+    seen.add(rollout.name);
+    let card = cards.get(rollout.name);
+    if (!card) {
+      card = newCard();
+      card.section.dataset.rollout = rollout.name;
+      cards.set(rollout.name, card);
+    }
+    card.section.dataset.phase = String(rollout.phase ?? "");
+    patch(card.facts, factsHtml(rollout));
+    patch(card.actions, buttonsHtml(rollout, admin));
+    patch(card.steps, stepsHtml(rollout));
+    patch(card.verdict, verdictHtml(rollout.verdict));
+    patch(card.history, historyHtml(state.rolloutHistory.get(rollout.name)));
+    if ((previous ? previous.nextSibling : container.firstChild) !== card.section) {
+      if (previous) previous.after(card.section);
+      else container.prepend(card.section);
+    }
+    previous = card.section;
+  }
+  for (const [name, card] of cards) {
+    if (!seen.has(name)) {
+      card.section.remove();
+      cards.delete(name);
+    }
   }
 }
 
