@@ -10,7 +10,7 @@ from typing import Any, Self
 import httpx
 import yaml
 
-from controlplane.local.launcher import Launcher, http_get
+from controlplane.local.launcher import Launcher, default_verify, http_get
 from controlplane.local.process import (
     POLL_INTERVAL,
     LauncherError,
@@ -270,7 +270,7 @@ class EmbeddedEnvoy(Launcher):
 
     def _admin_get(self, path: str) -> httpx.Response:
         try:
-            response = httpx.get(f"{self.admin_url}{path}", timeout=5.0)
+            response = httpx.get(f"{self.admin_url}{path}", timeout=5.0, verify=default_verify())
             response.raise_for_status()
         except httpx.HTTPError as exc:
             raise LauncherError(f"envoy admin {path} failed: {exc}") from exc
