@@ -15,10 +15,13 @@ import os
 # run, and gRPC's fork handlers can abort such a child before it execs (see `commands`).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
+import functools
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
+import httpx._transports.default
 import pytest
 from harness.agent import MetricsBackend
 from harness.api import Harness, running_api
@@ -30,6 +33,30 @@ from harness.xdsclient import RunningServer
 
 from controlplane.local import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
 from controlplane.local.replicas import BackendProcess
+
+
+def _share_default_ssl_context() -> None:
+    """Every httpx client builds its SSL context, loading the whole CA bundle (some 50 ms of
+    CPU), even for plain HTTP: tests and fixtures make thousands of one-off clients
+    (`httpx.get`, and clients inside polled predicates) to local processes, and that loading
+    was most of a worker's CPU. Clients with the default verification share one context
+    instead (what `controlplane.local.launcher.default_verify` does for the launchers);
+    clients given their own `verify` keep it."""
+    module = httpx._transports.default
+    create = module.create_ssl_context  # fails loudly should httpx move it
+    shared = functools.cache(create)
+
+    def create_ssl_context(
+        verify: ssl.SSLContext | str | bool = True, cert: Any = None, trust_env: bool = True
+    ) -> ssl.SSLContext:
+        if verify is True and cert is None:
+            return shared(verify, cert, trust_env)
+        return create(verify, cert, trust_env)
+
+    module.create_ssl_context = create_ssl_context  # type: ignore[assignment]
+
+
+_share_default_ssl_context()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -165,10 +166,15 @@ class Twins:
 
     def served_by(self, twin: str) -> bool:
         """The next session request is answered through `twin`."""
-        stats = self.setup.envoy.stats
-        before = int(stats().get(f"cluster.{twin}.upstream_rq_total", 0))
+        counter = f"cluster.{twin}.upstream_rq_total"
+
+        def requests() -> int:
+            stats = self.setup.envoy.stats(f"^{re.escape(counter)}$")
+            return int(stats.get(counter, 0))
+
+        before = requests()
         httpx.post(self.setup.url, json=chat(), headers={"x-session-id": "probe"}, timeout=10)
-        return int(stats().get(f"cluster.{twin}.upstream_rq_total", 0)) > before
+        return requests() > before
 
     async def batches(self, running: float) -> None:
         """Every replica reports `running` in flight out of its batch of `max_running`."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -10,7 +11,7 @@ from typing import Any, Self
 import httpx
 import yaml
 
-from controlplane.local.launcher import Launcher, http_get
+from controlplane.local.launcher import Launcher, default_verify, http_get
 from controlplane.local.process import (
     POLL_INTERVAL,
     LauncherError,
@@ -270,15 +271,23 @@ class EmbeddedEnvoy(Launcher):
 
     def _admin_get(self, path: str) -> httpx.Response:
         try:
-            response = httpx.get(f"{self.admin_url}{path}", timeout=5.0)
+            response = httpx.get(f"{self.admin_url}{path}", timeout=5.0, verify=default_verify())
             response.raise_for_status()
         except httpx.HTTPError as exc:
             raise LauncherError(f"envoy admin {path} failed: {exc}") from exc
         return response
 
-    def stats(self) -> dict[str, int | str]:
-        """Counters and gauges by name (`GET /stats?format=json`); histograms are left out."""
-        data = self._admin_get("/stats?format=json").json()
+    def stats(self, matching: str | None = None) -> dict[str, int | str]:
+        """Counters and gauges by name (`GET /stats?format=json`); histograms are left out.
+
+        `matching`, a regular expression (RE2, searched in the name), keeps only the stats it
+        matches: Envoy then renders and sends those instead of its thousands, which matters
+        to a caller that polls one counter.
+        """
+        path = "/stats?format=json"
+        if matching is not None:
+            path += "&filter=" + urllib.parse.quote(matching, safe="")
+        data = self._admin_get(path).json()
         result: dict[str, int | str] = {}
         for entry in data.get("stats", []):
             if "name" in entry and "value" in entry:

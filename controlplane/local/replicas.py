@@ -19,7 +19,7 @@ from typing import Any, Protocol, Self
 import httpx
 
 from controlplane.asgi import read_announcement
-from controlplane.local.launcher import Launcher
+from controlplane.local.launcher import Launcher, default_verify
 from controlplane.local.process import LauncherError, ManagedProcess
 
 DEFAULT_MODEL = "sim-model"
@@ -141,7 +141,7 @@ class BackendProcess(Launcher):
     def _admin(self, replica_id: str, path: str, body: dict[str, Any]) -> None:
         url = f"{self.replica(replica_id).url}{path}"
         try:
-            httpx.post(url, json=body, timeout=5.0).raise_for_status()
+            httpx.post(url, json=body, timeout=5.0, verify=default_verify()).raise_for_status()
         except httpx.HTTPError as exc:
             raise LauncherError(f"backend admin {url} failed: {exc}") from exc
 
