@@ -35,7 +35,13 @@ typecheck: $(STAMP)
 # Whole modules go to one worker (`loadfile`), so a module's fixtures start once.
 TEST_WORKERS ?= 3
 
+# Byte-compiled once here, so the many kvpilot, agent and replica processes the tests start
+# do not each compile the sources again (where PYTHONDONTWRITEBYTECODE keeps them from
+# saving what they compiled).
+PACKAGES := api bench commands compiler controlplane policies replicasim signals xdsserver
+
 test: lint typecheck
+	$(BIN)/python -m compileall -q $(PACKAGES)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
