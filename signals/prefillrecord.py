@@ -1,5 +1,5 @@
-"""A route's prefill fit as etcd keeps it (pure, no I/O): what a kvpilot started again, or a
-route's new replica of kvpilot, continues from instead of learning again.
+"""A route's prefill fit as etcd keeps it (pure, no I/O): what a kvpilot started again, or
+another kvpilot replica, continues from instead of learning it again.
 
 The fit (``signals.prefillfit``) lives in the reconciler's memory and needs a minute of busy
 owned replicas to say its weight; until then overflow counts a prefilled token at
