@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from api.client import KvpilotClient
 from bench.cost import spend
 from bench.cost.config import (
     PAID_POOL,
@@ -270,14 +271,8 @@ def _spend_check(
 
 
 def _status(stack: Stack) -> dict[str, Any]:
-    response = httpx.get(
-        f"{stack.kvpilot.api_url}/v1/status",
-        headers={"Authorization": f"Bearer {stack.token}"},
-        timeout=5,
-    )
-    response.raise_for_status()
-    body: dict[str, Any] = response.json()
-    return body
+    with KvpilotClient(stack.kvpilot.api_url, token=stack.token) as client:
+        return client.status()
 
 
 def _prefill_weight(stack: Stack) -> str:
