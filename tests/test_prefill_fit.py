@@ -9,7 +9,15 @@ import random
 from typing import Any, NamedTuple
 
 import pytest
-from harness.overflow import KINDS, OUTPUT_COST, PREFILL_COST, TRUE_WEIGHT, compiled_arrivals
+from harness.overflow import (
+    KINDS,
+    OUTPUT_COST,
+    PREFILL_COST,
+    TRUE_WEIGHT,
+    compiled_arrivals,
+    fit_of,
+    full_intervals,
+)
 from pydantic import ValidationError
 
 from policies.models import Overflow
@@ -33,38 +41,18 @@ NOW = 1_000_000.0
 PORTS = (8001, 8002, 8003, 8004)
 
 
-def _intervals(count: int, seed: int = 1, noise: float = 0.0) -> list[tuple[float, float, float]]:
-    """(seconds, output, prefilled) of `count` intervals of a full engine whose mix moves."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        prefill_share = rng.uniform(0.2, 0.7)  # of the engine's time
-        seconds = rng.uniform(10, 14)
-        output = seconds * (1 - prefill_share) / OUTPUT_COST
-        prefilled = seconds * prefill_share / PREFILL_COST
-        out.append((seconds * (1 + rng.gauss(0, noise)), output, prefilled))
-    return out
-
-
-def _fit(intervals: list[tuple[float, float, float]]) -> PrefillFit:
-    fit = PrefillFit()
-    for seconds, output, prefilled in intervals:
-        fit = fit.add(seconds, output, prefilled)
-    return fit
-
-
 # --------------------------------------------------------------------------- the fit
 
 
 def test_the_fit_finds_what_a_prefilled_token_costs_against_an_output_token() -> None:
-    fit = _fit(_intervals(MIN_FIT_WINDOWS))
+    fit = fit_of(full_intervals(MIN_FIT_WINDOWS))
     costs = fit.costs()
     assert costs is not None
     assert costs[0] == pytest.approx(OUTPUT_COST, rel=1e-6)
     assert costs[1] == pytest.approx(PREFILL_COST, rel=1e-6)
     assert fit.weight() == pytest.approx(TRUE_WEIGHT, abs=1e-4)
     # With 3% noise on each interval's time, 30 of them still say it within a tenth.
-    noisy = _fit(_intervals(30, seed=2, noise=0.03)).weight()
+    noisy = fit_of(full_intervals(30, seed=2, noise=0.03)).weight()
     assert noisy == pytest.approx(TRUE_WEIGHT, rel=0.1)
 
 
@@ -72,22 +60,22 @@ def test_until_the_fit_can_say_the_weight_is_the_constant() -> None:
     assert PrefillFit().weight() is None
     assert route_weight(None) == route_weight(PrefillFit()) == PREFILL_WEIGHT
     # Too few intervals.
-    assert _fit(_intervals(MIN_FIT_WINDOWS - 1)).weight() is None
+    assert fit_of(full_intervals(MIN_FIT_WINDOWS - 1)).weight() is None
     # The tokens always in one proportion: their costs cannot be told apart.
-    steady = _fit([(12.0, 6000.0 * k, 24000.0 * k) for k in (1.0, 1.01, 0.99) * 4])
+    steady = fit_of([(12.0, 6000.0 * k, 24000.0 * k) for k in (1.0, 1.01, 0.99) * 4])
     assert steady.intervals >= MIN_FIT_WINDOWS and steady.weight() is None
     # A fit that is not physical (prefill costing nothing or less) is not used either.
-    odd = _fit([(10.0, 10000.0, p) for p in (0.0, 5000.0, 20000.0, 40000.0) * 3])
+    odd = fit_of([(10.0, 10000.0, p) for p in (0.0, 5000.0, 20000.0, 40000.0) * 3])
     assert odd.weight() is None and route_weight(odd) == PREFILL_WEIGHT
 
 
 def test_a_learned_weight_is_bounded_and_older_intervals_fade() -> None:
     # Prefill dearer than decoding per token is read as noise and capped.
-    dear = _fit([(o * OUTPUT_COST + p * 3 * OUTPUT_COST, o, p) for _, o, p in _intervals(10)])
+    dear = fit_of([(o * OUTPUT_COST + p * 3 * OUTPUT_COST, o, p) for _, o, p in full_intervals(10)])
     assert dear.weight() == MAX_WEIGHT
     # A new engine (twice the prefill cost) takes over as its intervals come in.
-    fit = _fit(_intervals(40))
-    for seconds, output, prefilled in _intervals(200, seed=3):
+    fit = fit_of(full_intervals(40))
+    for seconds, output, prefilled in full_intervals(200, seed=3):
         fit = fit.add(seconds + prefilled * PREFILL_COST, output, prefilled)
     assert fit.weight() == pytest.approx(2 * TRUE_WEIGHT, rel=0.1)
     assert fit.windows < 80  # about 1 / (1 - DECAY)
@@ -125,7 +113,7 @@ def test_with_steps_counted_busy_intervals_give_the_full_batchs_weight() -> None
     # Without the steps the same intervals (not full) cannot say: the step's fixed part,
     # shared by fewer sequences than a full batch, is charged to the tokens (an output token
     # reads a quarter dearer) and what is left over makes the ratio too uncertain to use.
-    blind = _fit([(seconds, output, prefilled) for seconds, output, prefilled, _ in intervals])
+    blind = fit_of([(seconds, output, prefilled) for seconds, output, prefilled, _ in intervals])
     blind_solution = blind.solve()
     assert blind_solution is not None and blind_solution.a == 0.0
     assert blind_solution.c > 1.2 * (STEP_COST / 32 + SEQUENCE_COST)
@@ -397,7 +385,7 @@ def _decide(before: ArrivalsDecision, **round_: Any) -> ArrivalsDecision:
 
 
 def test_overflow_weighs_the_demand_with_the_learned_weight() -> None:
-    learned = _fit(_intervals(MIN_FIT_WINDOWS))
+    learned = fit_of(full_intervals(MIN_FIT_WINDOWS))
     weights = {}
     for name, fit in (("constant", PrefillFit()), ("learned", learned)):
         decision = _decide(ArrivalsDecision(fit=fit))
@@ -411,8 +399,8 @@ def test_overflow_weighs_the_demand_with_the_learned_weight() -> None:
 
 def test_when_the_weight_is_learned_the_held_capacity_keeps_its_requests_a_second() -> None:
     # One interval short of a fit that can say; this round's closes it.
-    intervals = _intervals(MIN_FIT_WINDOWS)
-    almost = _fit(intervals[:-1])
+    intervals = full_intervals(MIN_FIT_WINDOWS)
+    almost = fit_of(intervals[:-1])
     seconds, output, prefilled = intervals[-1]
     starts = {"a": Opened(0.0, 0.0, 0.0, None, seconds - 1.0)}
     replica = ReplicaLoad(
@@ -453,7 +441,7 @@ def test_a_route_may_set_its_weight_and_the_fit_still_learns_beside_it() -> None
     assert (cold.prefill_weight, cold.weight_source) == (PREFILL_WEIGHT, "default")
     assert cold.work == pytest.approx((100 + 300 + PREFILL_WEIGHT * 3100) / 2, abs=0.01)
     # A fit that can say, beside a set weight: the set one wins, nothing is rescaled.
-    learned = ArrivalsDecision(fit=_fit(_intervals(MIN_FIT_WINDOWS)), work_per_slot=0.5)
+    learned = ArrivalsDecision(fit=fit_of(full_intervals(MIN_FIT_WINDOWS)), work_per_slot=0.5)
     assert learned.weight_source == "learned"
     kept = _decide(learned, slots=32, fixed_weight=0.05)
     assert (kept.prefill_weight, kept.weight_source, kept.work_per_slot) == (0.05, "set", 0.5)

@@ -62,12 +62,31 @@ OUTPUT_COST, PREFILL_COST = 33e-3 / 32, 1 / 4000
 TRUE_WEIGHT = PREFILL_COST / OUTPUT_COST
 
 
-def learned_fit(count: int = MIN_FIT_WINDOWS, seed: int = 1) -> PrefillFit:
-    """A fit of `count` busy intervals of that engine, its mix moving (it can say its
-    weight, ``TRUE_WEIGHT``, from ``MIN_FIT_WINDOWS`` on)."""
+def full_intervals(
+    count: int, seed: int = 1, noise: float = 0.0
+) -> list[tuple[float, float, float]]:
+    """(seconds, output, prefilled) of `count` intervals of that engine kept full, its mix
+    moving; `noise`: the seconds' relative spread."""
     rng = random.Random(seed)
-    fit = PrefillFit()
+    out = []
     for _ in range(count):
-        share, seconds = rng.uniform(0.2, 0.7), rng.uniform(10, 14)
-        fit = fit.add(seconds, seconds * (1 - share) / OUTPUT_COST, seconds * share / PREFILL_COST)
+        prefill_share = rng.uniform(0.2, 0.7)  # of the engine's time
+        seconds = rng.uniform(10, 14)
+        output = seconds * (1 - prefill_share) / OUTPUT_COST
+        prefilled = seconds * prefill_share / PREFILL_COST
+        out.append((seconds * (1 + rng.gauss(0, noise)), output, prefilled))
+    return out
+
+
+def fit_of(intervals: list[tuple[float, float, float]]) -> PrefillFit:
+    """The fit of these full intervals."""
+    fit = PrefillFit()
+    for seconds, output, prefilled in intervals:
+        fit = fit.add(seconds, output, prefilled)
     return fit
+
+
+def learned_fit(count: int = MIN_FIT_WINDOWS, seed: int = 1) -> PrefillFit:
+    """A fit of `count` intervals of that engine (it can say its weight, ``TRUE_WEIGHT``,
+    from ``MIN_FIT_WINDOWS`` on)."""
+    return fit_of(full_intervals(count, seed))
