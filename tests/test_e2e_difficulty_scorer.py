@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness.difficulty import EASY, HARD, post, virtual_policy
+from harness.difficulty import EASY, HARD, answered_by, post, virtual_policy
 from harness.jsonserver import json_server
 from harness.rig import BackendFactory, Rig, ports_of
 from harness.wait import wait_until
@@ -79,7 +79,7 @@ def test_the_classifier_routes_and_a_slow_or_dead_one_sends_everything_to_the_fa
         url = rig.url()
         client = httpx.Client(timeout=10)
         wait_until(
-            lambda: post(client, url, HARD).headers.get("x-kvpilot-model") == "llama-large",
+            lambda: answered_by(client, url, HARD, ["llama-large"]),
             30,
             message="the classifier's verdict to route",
         )
@@ -118,7 +118,7 @@ def test_the_cap_holds_when_the_classifier_calls_everything_hard_or_stops_answer
         url = rig.url()
         client = httpx.Client(timeout=10)
         wait_until(
-            lambda: post(client, url, EASY).headers.get("x-kvpilot-model") is not None,
+            lambda: answered_by(client, url, EASY, ["llama-small", "llama-large"]),
             30,
             message="the virtual model",
         )

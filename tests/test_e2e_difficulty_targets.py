@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from harness.difficulty import EASY, TARGETS, post, targets_policy
+from harness.difficulty import EASY, TARGETS, answered_by, post, targets_policy
 from harness.rig import BackendFactory, Rig, ports_of
 from harness.wait import wait_until
 
@@ -35,11 +35,7 @@ def start(rig: Rig, backends: BackendFactory, **virtual: object) -> tuple[httpx.
     assert isinstance(targets, list)
     targets_policy(rig, [ports_of(r) for r in replicas], targets, **virtual)
     client, url = httpx.Client(timeout=10), rig.url()
-    wait_until(
-        lambda: post(client, url, EASY).headers.get("x-kvpilot-model") in TARGETS,
-        30,
-        message="the virtual model",
-    )
+    wait_until(lambda: answered_by(client, url, EASY, TARGETS), 30, message="the virtual model")
     return client, url
 
 

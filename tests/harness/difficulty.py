@@ -4,6 +4,7 @@ that tell them apart (an easy prompt, a hard one)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
@@ -62,6 +63,16 @@ def virtual_policy(
 
 def post(client: httpx.Client, url: str, body: dict[str, Any], **headers: str) -> httpx.Response:
     return client.post(url, content=json.dumps(body).encode(), headers=headers)
+
+
+def answered_by(
+    client: httpx.Client, url: str, body: dict[str, Any], models: Iterable[str]
+) -> bool:
+    """Whether one of `models` answered `body`. The virtual host names the chosen model on
+    Envoy's own replies too (a 503 while the target's cluster is not yet in Envoy), so a wait
+    for the virtual model to route reads the status as well as the header."""
+    reply = post(client, url, body)
+    return reply.status_code == 200 and reply.headers.get("x-kvpilot-model") in set(models)
 
 
 TARGETS = ("llama-small", "llama-medium", "llama-large")
