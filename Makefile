@@ -32,7 +32,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Whole modules go to one worker (`loadfile`), so a module's fixtures start once.
+# Whole modules go to one worker (`loadfile`), so a module's fixtures start once, in
+# collection order (`--no-loadscope-reorder`): tests/conftest.py puts the longest first.
 TEST_WORKERS ?= 3
 
 # Byte-compiled once here, so the many kvpilot, agent and replica processes the tests start
@@ -42,7 +43,7 @@ PACKAGES := api bench commands compiler controlplane policies replicasim signals
 
 test: lint typecheck
 	$(BIN)/python -m compileall -q $(PACKAGES)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
