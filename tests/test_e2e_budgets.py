@@ -104,8 +104,9 @@ def test_a_tenant_sending_at_five_times_its_budget_overshoots_it_by_at_most_ten_
     # loaded machine can stretch it past the boundary: then the minute's numbers mix two
     # windows, and the measurement is taken again in a fresh minute.
     for attempt in range(3):
-        # A run takes about 15 s (the budget is spent 12 s in at five times its rate).
-        wait_until(lambda: time.time() % 60 < 35, 70, message="room in this minute for a run")
+        # A run takes 15-20 s (the budget is spent 12 s in at five times its rate), and its
+        # last requests are counted within a second or two after it.
+        wait_until(lambda: time.time() % 60 < 30, 70, message="room in this minute for a run")
         window = spend(rig, window="minute")["start"]
         before = sum(
             row["requests"] for row in spend(rig, by="tenant")["rows"] if row["tenant"] == "acme"
