@@ -33,7 +33,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # Whole modules go to one worker (`loadfile`), so a module's fixtures start once, in
-# collection order (`--no-loadscope-reorder`): tests/conftest.py puts the longest first.
+# collection order (`--no-loadscope-reorder`): tests/harness/order.py puts the longest first.
 TEST_WORKERS ?= 3
 
 # Byte-compiled once here, so the many kvpilot, agent and replica processes the tests start

@@ -1,10 +1,10 @@
-"""The order `make test` hands modules to its workers in (`conftest.LONGEST_MODULES`)."""
+"""The order `make test` hands modules to its workers in (`harness.order`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import LONGEST_MODULES
+from harness.order import LONGEST_MODULES
 
 
 def test_every_module_ranked_longest_exists_once() -> None:
