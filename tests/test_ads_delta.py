@@ -181,8 +181,12 @@ async def test_reconnect_with_initial_versions_gets_exactly_the_differences(
         await s.send(CLUSTER, initial_versions=had_clusters)
         clusters = await recv(s)
         assert names_of(clusters) == ["new"]
-        assert list(clusters.removed_resources) == ["gone"]
+        # The routes the Envoy holds may still use "gone": it goes once "new" warmed.
+        assert list(clusters.removed_resources) == []
         await s.ack(clusters)
+        removal = await recv(s)
+        assert names_of(removal) == [] and list(removal.removed_resources) == ["gone"]
+        await s.ack(removal)
         # Envoy re-subscribes to what it had before it processes the CDS update.
         await s.send(ENDPOINT, ["a", "b", "gone"], initial_versions=had_endpoints)
         update = await recv(s)
@@ -204,7 +208,14 @@ async def test_make_before_break_order_adds_then_removals(ads: RunningServer) ->
 
         # Everything moves from cluster "old" to "new".
         ads.cache.set_snapshot("default", make_snapshot({"new": [2]}, listener_port=10001))
-        pushes = [await recv(s) for _ in range(6)]
+        pushes = [await recv(s) for _ in range(2)]
+        # The new cluster warms before anything routes to it (Envoy answers the CDS response
+        # once it did); what still routes to the old one keeps it until then.
+        await s.expect_silence()
+        [conn] = ads.status.connections()
+        assert conn.as_dict()["warming"]["clusters"] == ["new"]
+        await s.ack(pushes[0])
+        pushes += [await recv(s) for _ in range(4)]
         kinds = [(p.type_url, "add" if p.resources else "remove") for p in pushes]
         assert kinds == [
             (CLUSTER, "add"),
@@ -214,6 +225,8 @@ async def test_make_before_break_order_adds_then_removals(ads: RunningServer) ->
             (CLUSTER, "remove"),
             (ENDPOINT, "remove"),
         ]
+        assert pushes[4].system_version_info == ads.cache.snapshot_for("default").version(CLUSTER)  # type: ignore[union-attr]
+        assert pushes[0].system_version_info != pushes[4].system_version_info
 
 
 async def test_fleets_are_scoped_in_delta_too(ads: RunningServer) -> None:
@@ -299,25 +312,33 @@ async def test_an_empty_wildcard_answer_is_sent_alongside_other_changes(
         assert names_of(got[CLUSTER]) == [] and names_of(got[LISTENER]) == ["ingress"]
 
 
+def rebuilt_a(clusters: dict[str, list[int]]) -> Snapshot:
+    """`clusters` routed to a, with cluster a rebuilt (another connect timeout)."""
+    messages = make_messages(clusters, route_to="a")
+    messages[CLUSTER] = [make_cluster("a", timeout_ms=900), *messages[CLUSTER][1:]]
+    return Snapshot.from_messages(messages)
+
+
 async def test_a_nack_of_the_earlier_response_of_a_round_is_counted(ads: RunningServer) -> None:
-    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1], "x": [2]}, route_to="x"))
     async with ads.delta("envoy-1") as s:
         await s.send(CLUSTER)
         await s.ack(await recv(s))
         await s.send(ROUTE, ["ingress-routes"])
         await s.ack(await recv(s))
-        # Cluster a is replaced by b: updates first (CDS, RDS), the removal of a after.
-        ads.cache.set_snapshot("default", make_snapshot({"b": [2]}))
-        added, routes, removed = [await recv(s) for _ in range(3)]
-        assert names_of(added) == ["b"] and list(removed.removed_resources) == ["a"]
+        # Cluster a is rebuilt and x goes, the route moving to a: updates first (CDS, RDS),
+        # the removal of x after.
+        ads.cache.set_snapshot("default", rebuilt_a({"a": [1]}))
+        updated, routes, removed = [await recv(s) for _ in range(3)]
+        assert names_of(updated) == ["a"] and list(removed.removed_resources) == ["x"]
         # Envoy answers in order; the NACK of the first carries a nonce that is not the latest.
-        await s.nack(added, "cluster b: bad")
+        await s.nack(updated, "cluster a: bad")
         await s.ack(routes)
         await s.ack(removed)
         await poll(lambda: ads.metric("kvpilot_xds_nacks_total", type="CDS", fleet="default") == 1)
         [conn] = ads.status.find("envoy-1")
         nack = conn.types[CLUSTER].last_nack
-        assert nack is not None and nack.version == added.system_version_info
-        # What the Envoy runs lacks b: the next version carries it again, with what changed.
-        ads.cache.set_snapshot("default", make_snapshot({"b": [2], "c": [3]}))
-        assert sorted(names_of(await recv(s, CLUSTER))) == ["b", "c"]
+        assert nack is not None and nack.version == updated.system_version_info
+        # What the Envoy runs lacks the new a: the next version carries it again.
+        ads.cache.set_snapshot("default", rebuilt_a({"a": [1], "c": [3]}))
+        assert sorted(names_of(await recv(s, CLUSTER))) == ["a", "c"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from harness.wait import poll
 from harness.xdsclient import (
     RunningServer,
@@ -22,6 +23,7 @@ from harness.xdsclient import (
     unpack,
 )
 
+from xdsserver import stream
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from xdsserver.snapshot import Snapshot
 
@@ -175,8 +177,79 @@ async def test_all_types_change_pushed_cds_eds_lds_rds(ads: RunningServer) -> No
                 }
             ),
         )
-        order = [(await recv_well_formed(s)).type_url for _ in range(4)]
-        assert order == [CLUSTER, ENDPOINT, LISTENER, ROUTE]
+        cds, eds = await recv_well_formed(s), await recv_well_formed(s)
+        assert [cds.type_url, eds.type_url] == [CLUSTER, ENDPOINT]
+        # Cluster b is new: Envoy serves a route to it with 503 NC until it warmed, and says
+        # it did by answering the CDS response. The listener and routes wait for that.
+        await s.expect_silence()
+        [conn] = ads.status.connections()
+        assert conn.as_dict()["warming"]["clusters"] == ["b"]
+        await s.ack(cds)
+        order = [(await recv_well_formed(s)).type_url for _ in range(2)]
+        assert order == [LISTENER, ROUTE]
+        [conn] = ads.status.connections()
+        assert conn.as_dict()["warming"] is None
+        # Joining added cluster a: two waits in all.
+        assert ads.metric("kvpilot_xds_cluster_warming_seconds_count") == 2
+
+
+def moved_to(cluster: str) -> Snapshot:
+    """Everything routed to `cluster`, the only cluster there is."""
+    return make_snapshot({cluster: [2]}, route_to=cluster)
+
+
+async def test_routes_wait_for_new_clusters_and_the_old_ones_wait_for_the_routes(
+    ads: RunningServer,
+) -> None:
+    ads.cache.set_snapshot("default", moved_to("old"))
+    async with ads.sotw("envoy-1") as s:
+        await join_like_envoy(s, ["old"], ["ingress-routes"])
+        ads.cache.set_snapshot("default", moved_to("new"))
+        union = await recv_well_formed(s)
+        assert union.type_url == CLUSTER and sorted(names_of(union)) == ["new", "old"]
+        # Envoy re-requests endpoints for the new cluster and warms it.
+        await s.send(ENDPOINT, ["new", "old"])
+        while not names_of(endpoints := await recv_well_formed(s, ENDPOINT)):
+            pass  # the round's own push: nothing it was subscribed to is left
+        assert names_of(endpoints) == ["new"]
+        await s.expect_silence()
+        await s.ack(union)
+        route = await recv_well_formed(s)
+        assert route.type_url == ROUTE
+        final = await recv_well_formed(s)
+        assert final.type_url == CLUSTER and names_of(final) == ["new"]
+        assert final.version_info == ads.cache.snapshot_for("default").version(CLUSTER)  # type: ignore[union-attr]
+        await s.ack(route, ["ingress-routes"])
+        await s.ack(final)
+        await s.expect_silence()
+
+
+async def test_a_nack_of_the_new_clusters_lets_the_routes_go(ads: RunningServer) -> None:
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
+    async with ads.sotw("envoy-1") as s:
+        await join_like_envoy(s, ["a"], ["ingress-routes"])
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}, route_to="b"))
+        cds = await recv_well_formed(s, CLUSTER)
+        await s.expect_silence()
+        await s.nack(cds, "bad cluster")
+        # Holding on would not warm anything: the Envoy keeps what it had.
+        assert (await recv_well_formed(s, ROUTE)).type_url == ROUTE
+
+
+async def test_routes_go_after_the_longest_wait_without_an_answer(
+    ads: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stream, "WARMING_HOLD_SECONDS", 0.2)
+    ads.cache.set_snapshot("default", make_snapshot({"a": [1]}))
+    async with ads.sotw("envoy-1") as s:
+        await join_like_envoy(s, ["a"], ["ingress-routes"])
+        ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}, route_to="b"))
+        await recv_well_formed(s, CLUSTER)
+        # Never answered: the writer wakes by itself at the limit.
+        assert (await recv_well_formed(s, ROUTE)).type_url == ROUTE
+        assert ads.metric("kvpilot_xds_warming_timeouts_total", fleet="default") == 1
+        [conn] = ads.status.connections()
+        assert conn.as_dict()["warming"] is None
 
 
 async def test_removals_come_after_the_routes_that_stop_using_them(ads: RunningServer) -> None:
@@ -184,12 +257,12 @@ async def test_removals_come_after_the_routes_that_stop_using_them(ads: RunningS
     async with ads.sotw("envoy-1") as s:
         await join_like_envoy(s, ["a", "b"], ["ingress-routes"])
         # Cluster b goes away and the route moves to a: CDS keeps b until RDS has moved.
+        # (The Envoy runs a and b already: the union of old and new is not sent again.)
         ads.cache.set_snapshot("default", make_snapshot({"a": [3]}, route_to="a"))
-        pushes = [await recv_well_formed(s) for _ in range(4)]
-        assert [p.type_url for p in pushes] == [CLUSTER, ENDPOINT, ROUTE, CLUSTER]
-        assert sorted(names_of(pushes[0])) == ["a", "b"]
-        assert names_of(pushes[3]) == ["a"]
-        assert pushes[3].version_info == ads.cache.snapshot_for("default").version(CLUSTER)  # type: ignore[union-attr]
+        pushes = [await recv_well_formed(s) for _ in range(3)]
+        assert [p.type_url for p in pushes] == [ENDPOINT, ROUTE, CLUSTER]
+        assert names_of(pushes[2]) == ["a"]
+        assert pushes[2].version_info == ads.cache.snapshot_for("default").version(CLUSTER)  # type: ignore[union-attr]
 
 
 async def test_eds_request_after_cds_change_is_answered_even_if_unchanged(
@@ -334,8 +407,12 @@ async def test_a_nack_of_the_earlier_response_of_a_round_is_counted_and_then_res
     ads.cache.set_snapshot("default", make_snapshot({"a": [1], "b": [2]}, route_to="b"))
     async with ads.sotw("envoy-1") as s:
         await join_like_envoy(s, ["a", "b"], ["ingress-routes"])
-        ads.cache.set_snapshot("default", make_snapshot({"a": [3]}, route_to="a"))
+        # Cluster a is rebuilt as b goes: the union carries the new a and keeps b.
+        messages = make_messages({"a": [3]}, route_to="a")
+        messages[CLUSTER] = [make_cluster("a", timeout_ms=900)]
+        ads.cache.set_snapshot("default", Snapshot.from_messages(messages))
         union, eds, rds, final = [await recv_well_formed(s) for _ in range(4)]
+        assert sorted(names_of(union)) == ["a", "b"] and names_of(final) == ["a"]
         assert (union.type_url, final.type_url) == (CLUSTER, CLUSTER)
         # Envoy answers in order: the union's NACK carries a nonce that is no longer the latest.
         await s.nack(union, "cluster b: bad")

@@ -84,6 +84,10 @@ class Acceptance(Generic[V]):
                 self.accepted.pop(name, None)
         return Answer(sent, nacked)
 
+    def awaiting(self, nonce: str) -> bool:
+        """Whether the response sent with `nonce` has not been answered yet."""
+        return nonce in self._pending
+
     def rejected(self, version: str) -> bool:
         """Whether the Envoy rejected this version on this stream."""
         return version in self._rejected

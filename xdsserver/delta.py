@@ -3,7 +3,8 @@ removed (xds_protocol, "Incremental xDS")."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,14 @@ from xdsserver.resources import (
 )
 from xdsserver.snapshot import Snapshot
 from xdsserver.status import ConnectionRegistry, ConnectionStatus
-from xdsserver.stream import ANSWER_NEXT_REQUEST, WILDCARD, Push, Stream, in_order
+from xdsserver.stream import (
+    ANSWER_NEXT_REQUEST,
+    ROUTING_TYPES,
+    WILDCARD,
+    Push,
+    Stream,
+    in_order,
+)
 
 
 @dataclass(slots=True)
@@ -40,6 +48,8 @@ class _DeltaType:
     """The Envoy came with initial_resource_versions and nothing was sent since."""
     acceptance: Acceptance[str] = field(default_factory=Acceptance)
     """Name → version the Envoy runs (ACKed, or reported on reconnect); rejected versions."""
+    deferred: bool = False
+    """Removals were held back while routes waited: evaluate again at the next plan."""
 
 
 @dataclass(slots=True)
@@ -51,8 +61,14 @@ class _DeltaChange:
 
 
 class DeltaStream(Stream):
-    def __init__(self, conn: ConnectionStatus, status: ConnectionRegistry) -> None:
-        super().__init__(conn, status)
+    def __init__(
+        self,
+        conn: ConnectionStatus,
+        status: ConnectionRegistry,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(conn, status, clock=clock)
         self.types: dict[str, _DeltaType] = {}
 
     def handle(self, request: Any) -> None:
@@ -117,8 +133,9 @@ class DeltaStream(Stream):
         version = snapshot.version(st.type_url)
         if not version:
             return None
-        if not st.dirty and version == st.seen_version:
+        if not st.dirty and not st.deferred and version == st.seen_version:
             return None
+        st.deferred = False
         held = not st.dirty and st.acceptance.rejected(version)
         st.dirty, st.seen_version = False, version
         if held:
@@ -148,11 +165,28 @@ class DeltaStream(Stream):
     def plan(self, snapshot: Snapshot | None) -> list[Push]:
         if snapshot is None:
             return []
+        held = self.routes_held()
         changes = []
         for type_url in in_order(self.types, PUSH_ORDER):
+            if type_url in ROUTING_TYPES and held:
+                continue  # evaluated once the clusters warmed; their state waits untouched
             change = self._evaluate(self.types[type_url], snapshot)
             if change is None:
                 continue
+            st = change.st
+            if type_url == CLUSTER:
+                held = held or any(r.name not in st.acceptance.accepted for r in change.updates)
+            if held and change.removals:
+                # What current routes may still reference stays until they move: the removals
+                # go out with the routes, and this push is labelled with the set it leaves.
+                # (If the Envoy rejected that set, they go together, as below.)
+                kept = {**st.sent, **{r.name: r.version for r in change.updates}}
+                kept_version = content_version(kept.items())
+                if not st.acceptance.rejected(kept_version):
+                    st.deferred = True
+                    change.removals, change.version = [], kept_version
+                    if not change.updates:
+                        continue
             changes.append(change)
             follower = self.types.get(ANSWER_NEXT_REQUEST.get(type_url, ""))
             if type_url == CLUSTER and follower is not None:
@@ -195,6 +229,16 @@ class DeltaStream(Stream):
         return pushes
 
     def _commit(
+        self, st: _DeltaType, version: str, updates: list[Resource], removals: list[str]
+    ) -> Push:
+        push = self._send(st, version, updates, removals)
+        if st.type_url == CLUSTER:
+            added = [r.name for r in updates if r.name not in st.acceptance.accepted]
+            if added:
+                self.hold_routes(push.nonce, added)
+        return push
+
+    def _send(
         self, st: _DeltaType, version: str, updates: list[Resource], removals: list[str]
     ) -> Push:
         nonce = self.next_nonce()

@@ -15,6 +15,7 @@ Protocol rules and where they come from: Envoy's xds_protocol doc and /work/shar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -164,7 +165,14 @@ class AdsServer:
                         changed_at=changed_at,
                     )
                 if not watch.event.is_set():
-                    await watch.event.wait()
+                    # A hold of routes behind warming clusters ends by itself at its limit.
+                    wake_in = stream.wake_in()
+                    if wake_in is None:
+                        await watch.event.wait()
+                    else:
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(wake_in):
+                                await watch.event.wait()
         finally:
             reader.cancel()
             self.cache.unwatch(watch)

@@ -3,17 +3,33 @@ subscribed to (xds_protocol, "Basic Protocol Overview")."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xdsserver.acceptance import Acceptance, Sent
-from xdsserver.resources import PUSH_ORDER, REMOVE_ORDER, WILDCARD_TYPES, Resource, content_version
+from xdsserver.resources import (
+    CLUSTER,
+    PUSH_ORDER,
+    REMOVE_ORDER,
+    WILDCARD_TYPES,
+    Resource,
+    content_version,
+)
 from xdsserver.snapshot import Snapshot
 from xdsserver.status import ConnectionRegistry, ConnectionStatus
-from xdsserver.stream import ANSWER_NEXT_REQUEST, LEADER, WILDCARD, Push, Stream, in_order
+from xdsserver.stream import (
+    ANSWER_NEXT_REQUEST,
+    LEADER,
+    ROUTING_TYPES,
+    WILDCARD,
+    Push,
+    Stream,
+    in_order,
+)
 
 
 @dataclass(slots=True)
@@ -42,8 +58,14 @@ class _SotwType:
 
 
 class SotwStream(Stream):
-    def __init__(self, conn: ConnectionStatus, status: ConnectionRegistry) -> None:
-        super().__init__(conn, status)
+    def __init__(
+        self,
+        conn: ConnectionStatus,
+        status: ConnectionRegistry,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(conn, status, clock=clock)
         self.types: dict[str, _SotwType] = {}
 
     def handle(self, request: Any) -> None:
@@ -137,12 +159,19 @@ class SotwStream(Stream):
     def plan(self, snapshot: Snapshot | None) -> list[Push]:
         if snapshot is None:
             return []
+        held = self.routes_held()
+        added: set[str] = set()
         changes: list[tuple[_SotwType, dict[str, Resource]]] = []
         for type_url in in_order(self.types, PUSH_ORDER):
             st = self.types[type_url]
+            if type_url in ROUTING_TYPES and (held or added):
+                continue  # evaluated once the clusters warmed; their state waits untouched
             items = self._evaluate(st, snapshot)
             if items is not None:
                 changes.append((st, items))
+                if type_url == CLUSTER:
+                    added = items.keys() - st.acceptance.accepted.keys()
+        held = held or bool(added)
         # A follower pushed in the round of its leader holds its whole named set: the leader's
         # rebuilt clusters (listeners) warm until theirs arrive, and Envoy's re-request for
         # them will carry a nonce that is stale by then.
@@ -154,24 +183,36 @@ class SotwStream(Stream):
         # round that also changes other types, first send the union (old kept), then the final
         # set after the rest, so nothing the new routes still reference disappears first. The
         # old side is what the Envoy accepted: what was merely sent may be what it rejected.
+        # While routes are held, the final set of clusters waits for them (the union stands).
         first: list[tuple[_SotwType, dict[str, Resource], str]] = []
         last: list[tuple[_SotwType, dict[str, Resource], str]] = []
         for st, items in changes:
             final_version = snapshot.version(st.type_url)
             accepted = st.acceptance.accepted
-            dropped = accepted.keys() - items.keys() if len(changes) > 1 and st.wildcard else ()
+            dropped = (
+                accepted.keys() - items.keys() if st.wildcard and (len(changes) > 1 or held) else ()
+            )
             union = {n: accepted[n] for n in dropped} | items
             union_version = content_version((n, r.version) for n, r in union.items())
             if dropped and not st.acceptance.rejected(union_version):
-                first.append((st, union, union_version))
-                last.append((st, items, final_version))
+                if st.sent is None or not _same(union, st.sent):
+                    first.append((st, union, union_version))  # not sent already
+                if held:
+                    st.dirty = True  # the final set goes out with the routes
+                else:
+                    last.append((st, items, final_version))
             else:
                 first.append((st, items, final_version))
         rank = {t: i for i, t in enumerate(REMOVE_ORDER)}
         last.sort(key=lambda c: rank.get(c[0].type_url, len(rank)))
         pushes = []
         for i, (st, items, version) in enumerate(first + last):
-            pushes.append(self._commit(st, items, version, makes=i < len(first)))
+            push = self._commit(st, items, version, makes=i < len(first))
+            pushes.append(push)
+            if st.type_url == CLUSTER and i < len(first):
+                new = items.keys() - st.acceptance.accepted.keys()
+                if new:
+                    self.hold_routes(push.nonce, new)
         return pushes
 
     def _commit(

@@ -83,6 +83,10 @@ class ConnectionStatus:
     types: dict[str, TypeStatus] = field(default_factory=dict)
     identity: str = ""
     """The client certificate's identity (its first SAN) when ADS runs with mutual TLS."""
+    warming: list[str] = field(default_factory=list)
+    """Clusters the Envoy was sent and has not confirmed warm: its LDS and RDS changes wait."""
+    warming_since: float | None = None
+    """Wall-clock time since which they wait (None: nothing waits)."""
 
     def type(self, type_url: str) -> TypeStatus:
         status = self.types.get(type_url)
@@ -123,6 +127,9 @@ class ConnectionStatus:
             "mode": self.mode,
             "identity": self.identity,
             "connected_since": self.connected_since,
+            "warming": {"clusters": list(self.warming), "since": self.warming_since}
+            if self.warming_since is not None
+            else None,
             "types": types,
         }
 
@@ -199,6 +206,20 @@ class _Metrics:
         for reason in REFUSAL_REASONS:
             self.refused.labels(reason=reason)
             self.signals_refused.labels(reason=reason)
+        self.warming_seconds = Histogram(
+            "kvpilot_xds_cluster_warming_seconds",
+            "Time from a CDS response adding clusters to the Envoy's answer to it (Envoy "
+            "answers once they finished warming; routes wait for it).",
+            registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.warming_timeouts = Counter(
+            "kvpilot_xds_warming_timeouts_total",
+            "Times routes went to an Envoy without its answer to the CDS response adding "
+            "their clusters, after waiting the longest they may.",
+            ["fleet"],
+            registry=registry,
+        )
         self.push_seconds = Histogram(
             "kvpilot_xds_push_seconds",
             "Time from set_snapshot to the response being sent on a stream.",
@@ -421,6 +442,20 @@ class ConnectionRegistry:
         )
         self._metrics.nacks.labels(type=short_name(type_url), fleet=status.fleet).inc()
         self._notify("nacked", status)
+
+    def warming(self, status: ConnectionStatus, clusters: Iterable[str]) -> None:
+        """The Envoy was sent new clusters; its routes wait until they are warm."""
+        status.warming = sorted(clusters)
+        if status.warming_since is None:
+            status.warming_since = self._clock()
+
+    def warmed(self, status: ConnectionStatus, *, seconds: float, timed_out: bool) -> None:
+        """The wait for warming clusters ended: answered, or after its limit."""
+        status.warming, status.warming_since = [], None
+        if timed_out:
+            self._metrics.warming_timeouts.labels(fleet=status.fleet).inc()
+        else:
+            self._metrics.warming_seconds.observe(seconds)
 
     def _notify(self, event: Event, status: ConnectionStatus) -> None:
         for listener in list(self._listeners):
