@@ -80,6 +80,13 @@ def _print_status(status: dict[str, Any], output: str, out: TextIO) -> None:
         )
     out.write(f"Envoys connected: {len(envoys)}\n")
     table(rows, out)
+    for envoy in envoys:
+        warming = envoy.get("warming")
+        if warming:
+            out.write(
+                f"warming: {envoy.get('node_id')} since {_when(warming.get('since'))}: "
+                f"{', '.join(warming.get('clusters', []))} (its route changes wait)\n"
+            )
     for refused in status.get("refusedEnvoys", []):
         out.write(
             f"refused {refused.get('service', 'ads')}: {refused.get('node_id')} "
