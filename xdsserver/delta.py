@@ -163,9 +163,9 @@ class DeltaStream(Stream):
         return _DeltaChange(st, version, updates, removals)
 
     def plan(self, snapshot: Snapshot | None) -> list[Push]:
+        held = self.routes_held()  # first: it also ends a hold that reached its limit
         if snapshot is None:
             return []
-        held = self.routes_held()
         changes = []
         for type_url in in_order(self.types, PUSH_ORDER):
             if type_url in ROUTING_TYPES and held:

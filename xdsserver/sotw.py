@@ -157,9 +157,9 @@ class SotwStream(Stream):
         return leader is not None and leader.sent is not None and not leader.nonce
 
     def plan(self, snapshot: Snapshot | None) -> list[Push]:
+        held = self.routes_held()  # first: it also ends a hold that reached its limit
         if snapshot is None:
             return []
-        held = self.routes_held()
         added: set[str] = set()
         changes: list[tuple[_SotwType, dict[str, Resource]]] = []
         for type_url in in_order(self.types, PUSH_ORDER):
