@@ -16,12 +16,14 @@ import httpx
 import pytest
 from harness.builders import policy, pool, route
 from harness.rig import BackendFactory, EnvoyFactory, KvpilotFactory, Rig, ports_of
+from harness.status import metric
 from harness.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
 ROUNDS = 3
 """New routes added one after another (each a new cluster warming under load)."""
+WAITS = "kvpilot_xds_cluster_warming_seconds_count"
 
 
 class Sender:
@@ -80,6 +82,7 @@ def test_a_new_route_is_served_from_its_first_request(rig: Rig, backends: Backen
         30,
         message="the first route to serve",
     )
+    warmed_before = metric(rig.kvpilot.api_url, WAITS)
     routes = [route("old")]
     for n in range(ROUNDS):
         name = f"new{n}"
@@ -93,7 +96,14 @@ def test_a_new_route_is_served_from_its_first_request(rig: Rig, backends: Backen
             wait_until(
                 lambda name=name: sender.answered_by(name), 30, message=f"route {name} to serve"
             )
+            # The routes waited for Envoy's answer to the clusters, not for the hold's limit.
+            wait_until(
+                lambda n=n: metric(rig.kvpilot.api_url, WAITS) >= warmed_before + n + 1,
+                30,
+                message="the wait for the new cluster to be counted",
+            )
         codes = sorted({code for code, _ in sender.answers})
         assert codes == [200], (name, [a for a in sender.answers if a[0] != 200][:5])
         switched = [backend.split("-")[0] for _, backend in sender.answers]
         assert switched[-1] == name, switched[-5:]
+    assert metric(rig.kvpilot.api_url, "kvpilot_xds_warming_timeouts_total", fleet="default") == 0
