@@ -342,3 +342,30 @@ async def test_a_nack_of_the_earlier_response_of_a_round_is_counted(ads: Running
         # What the Envoy runs lacks the new a: the next version carries it again.
         ads.cache.set_snapshot("default", rebuilt_a({"a": [1], "c": [3]}))
         assert sorted(names_of(await recv(s, CLUSTER))) == ["a", "c"]
+
+
+async def test_after_a_nack_of_the_kept_set_the_assignment_follows_its_cluster(
+    ads: RunningServer,
+) -> None:
+    ads.cache.set_snapshot("default", make_snapshot({"x": [1]}))
+    async with ads.delta("envoy-1") as s:
+        await s.send(CLUSTER)
+        await s.ack(await recv(s))
+        await s.send(ENDPOINT, ["x", "a"])
+        await s.ack(await recv(s))
+        await s.send(ROUTE, ["ingress-routes"])
+        await s.ack(await recv(s))
+        # Everything moves from x to a new cluster a: a goes first, x waits for the routes.
+        ads.cache.set_snapshot("default", make_snapshot({"a": [2]}))
+        kept = await recv(s, CLUSTER)
+        assert names_of(kept) == ["a"] and list(kept.removed_resources) == []
+        await s.ack(await recv(s, ENDPOINT))
+        await s.expect_silence()
+        await s.nack(kept, "cluster a: bad")
+        # Holding the routes for a cluster the Envoy turned down would not help: the routes
+        # go, then a again with x's removal, and a's assignment after its cluster (in Delta,
+        # Envoy warms a cluster with the assignment it reads after the cluster arrived).
+        pushes = [await recv(s) for _ in range(3)]
+        assert [p.type_url for p in pushes] == [ROUTE, CLUSTER, ENDPOINT]
+        assert names_of(pushes[1]) == ["a"] and list(pushes[1].removed_resources) == ["x"]
+        assert names_of(pushes[2]) == ["a"] and list(pushes[2].removed_resources) == ["x"]

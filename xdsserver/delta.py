@@ -13,6 +13,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from xdsserver.acceptance import Acceptance, Sent
 from xdsserver.resources import (
     CLUSTER,
+    ENDPOINT,
     PUSH_ORDER,
     REMOVE_ORDER,
     WILDCARD_TYPES,
@@ -174,19 +175,24 @@ class DeltaStream(Stream):
             if change is None:
                 continue
             st = change.st
-            if type_url == CLUSTER:
+            # The set the Envoy holds after this type's updates if its removals wait.
+            kept = {**st.sent, **{r.name: r.version for r in change.updates}}
+            kept_version = content_version(kept.items()) if change.removals else change.version
+            # Once the Envoy rejected that set, the updates go with the removals in the old
+            # make-before-break order (below): holding the routes for clusters it already
+            # turned down would not help them.
+            kept_rejected = bool(change.removals) and st.acceptance.rejected(kept_version)
+            if type_url == CLUSTER and not kept_rejected:
                 held = held or any(r.name not in st.acceptance.accepted for r in change.updates)
             if held and change.removals:
                 # What current routes may still reference stays until they move: the removals
                 # go out with the routes, and this push is labelled with the set it leaves.
-                # (If the Envoy rejected that set, they go together, as below.)
-                kept = {**st.sent, **{r.name: r.version for r in change.updates}}
-                kept_version = content_version(kept.items())
-                if not st.acceptance.rejected(kept_version):
-                    st.deferred = True
-                    change.removals, change.version = [], kept_version
-                    if not change.updates:
-                        continue
+                st.deferred = True
+                if kept_rejected:
+                    continue  # all of it waits for the routes
+                change.removals, change.version = [], kept_version
+                if not change.updates:
+                    continue
             changes.append(change)
             follower = self.types.get(ANSWER_NEXT_REQUEST.get(type_url, ""))
             if type_url == CLUSTER and follower is not None:
@@ -220,8 +226,12 @@ class DeltaStream(Stream):
                 if c.st.acceptance.rejected(version):
                     merged.add(c.st.type_url)
                     continue
+            if c.st.type_url == ENDPOINT and CLUSTER in merged:
+                # The assignments of clusters pushed with the removals follow them.
+                merged.add(ENDPOINT)
+                continue
             pushes.append(self._commit(c.st, version, c.updates, []))
-        by_type = {c.st.type_url: c for c in changes if c.removals}
+        by_type = {c.st.type_url: c for c in changes if c.removals or c.st.type_url in merged}
         for type_url in in_order(by_type, REMOVE_ORDER):
             c = by_type[type_url]
             updates = c.updates if type_url in merged else []

@@ -167,10 +167,16 @@ class SotwStream(Stream):
             if type_url in ROUTING_TYPES and (held or added):
                 continue  # evaluated once the clusters warmed; their state waits untouched
             items = self._evaluate(st, snapshot)
-            if items is not None:
-                changes.append((st, items))
-                if type_url == CLUSTER:
-                    added = items.keys() - st.acceptance.accepted.keys()
+            if items is None:
+                continue
+            if type_url == CLUSTER and not _union_rejected(st, items):
+                # (Once the Envoy rejected the union with these clusters, the final set goes
+                # in the old make-before-break order: holding the routes would not help.)
+                added = items.keys() - st.acceptance.accepted.keys()
+            if held and type_url == CLUSTER and _union_rejected(st, items):
+                st.dirty = True  # the final set would drop what held routes may use: it waits
+                continue
+            changes.append((st, items))
         held = held or bool(added)
         # A follower pushed in the round of its leader holds its whole named set: the leader's
         # rebuilt clusters (listeners) warm until theirs arrive, and Envoy's re-request for
@@ -188,12 +194,12 @@ class SotwStream(Stream):
         last: list[tuple[_SotwType, dict[str, Resource], str]] = []
         for st, items in changes:
             final_version = snapshot.version(st.type_url)
-            accepted = st.acceptance.accepted
             dropped = (
-                accepted.keys() - items.keys() if st.wildcard and (len(changes) > 1 or held) else ()
+                st.acceptance.accepted.keys() - items.keys()
+                if st.wildcard and (len(changes) > 1 or held)
+                else ()
             )
-            union = {n: accepted[n] for n in dropped} | items
-            union_version = content_version((n, r.version) for n, r in union.items())
+            union, union_version = _union(st, items)
             if dropped and not st.acceptance.rejected(union_version):
                 if st.sent is None or not _same(union, st.sent):
                     first.append((st, union, union_version))  # not sent already
@@ -238,6 +244,21 @@ class SotwStream(Stream):
         )
         response.resources.extend([r.body for r in body.values()])
         return Push(st.type_url, version, nonce, response)
+
+
+def _union(st: _SotwType, items: Mapping[str, Resource]) -> tuple[dict[str, Resource], str]:
+    """What the Envoy runs of a full-set type that `items` drops, kept beside `items`; and that
+    set's version. (The union has nothing to keep when `items` drops nothing.)"""
+    accepted = st.acceptance.accepted
+    union = {n: accepted[n] for n in accepted.keys() - items.keys()} | dict(items)
+    return union, content_version((n, r.version) for n, r in union.items())
+
+
+def _union_rejected(st: _SotwType, items: Mapping[str, Resource]) -> bool:
+    """Whether `items` drops names the Envoy runs and it rejected the union that keeps them."""
+    if not st.wildcard or not (st.acceptance.accepted.keys() - items.keys()):
+        return False
+    return st.acceptance.rejected(_union(st, items)[1])
 
 
 def _same(items: Mapping[str, Resource], sent: Mapping[str, Resource]) -> bool:
