@@ -3,8 +3,7 @@ removed (xds_protocol, "Incremental xDS")."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,6 @@ from xdsserver.resources import (
     content_version,
 )
 from xdsserver.snapshot import Snapshot
-from xdsserver.status import ConnectionRegistry, ConnectionStatus
 from xdsserver.stream import (
     ANSWER_NEXT_REQUEST,
     ROUTING_TYPES,
@@ -61,17 +59,7 @@ class _DeltaChange:
     removals: list[str]
 
 
-class DeltaStream(Stream):
-    def __init__(
-        self,
-        conn: ConnectionStatus,
-        status: ConnectionRegistry,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(conn, status, clock=clock)
-        self.types: dict[str, _DeltaType] = {}
-
+class DeltaStream(Stream[_DeltaType]):
     def handle(self, request: Any) -> None:
         type_url = self.request_type(request)
         if type_url is None:

@@ -138,7 +138,7 @@ class AdsServer:
             peer,
             identity,
         )
-        stream: Stream = (
+        stream: Stream[Any] = (
             SotwStream(conn, self.status) if mode == "sotw" else DeltaStream(conn, self.status)
         )
         stream.handle(first)
@@ -180,7 +180,7 @@ class AdsServer:
             log.info("xDS disconnect node=%s fleet=%s mode=%s peer=%s", node_id, fleet, mode, peer)
 
     @staticmethod
-    async def _read(requests: AsyncIterator[Any], stream: Stream, watch: Watch) -> None:
+    async def _read(requests: AsyncIterator[Any], stream: Stream[Any], watch: Watch) -> None:
         try:
             async for request in requests:
                 try:

@@ -3,8 +3,7 @@ subscribed to (xds_protocol, "Basic Protocol Overview")."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +19,6 @@ from xdsserver.resources import (
     content_version,
 )
 from xdsserver.snapshot import Snapshot
-from xdsserver.status import ConnectionRegistry, ConnectionStatus
 from xdsserver.stream import (
     ANSWER_NEXT_REQUEST,
     LEADER,
@@ -57,17 +55,7 @@ class _SotwType:
     """The next response carries only the resources that changed since the last one."""
 
 
-class SotwStream(Stream):
-    def __init__(
-        self,
-        conn: ConnectionStatus,
-        status: ConnectionRegistry,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(conn, status, clock=clock)
-        self.types: dict[str, _SotwType] = {}
-
+class SotwStream(Stream[_SotwType]):
     def handle(self, request: Any) -> None:
         type_url = self.request_type(request)
         if type_url is None:

@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from xdsserver.acceptance import Acceptance, Answer
 from xdsserver.resources import CLUSTER, ENDPOINT, LISTENER, ROUTE, short_name
@@ -72,9 +72,13 @@ class Warming:
     """`time.monotonic()` of the first response: the hold's limit counts from it."""
 
 
-class Stream:
-    """State shared by both protocol variants: nonces, status reporting, completion, and the
-    hold of routes while new clusters warm."""
+T = TypeVar("T")
+"""A protocol variant's state of one resource type."""
+
+
+class Stream(Generic[T]):
+    """State shared by both protocol variants: per-type state, nonces, status reporting,
+    completion, and the hold of routes while new clusters warm."""
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class Stream:
     ) -> None:
         self.conn = conn
         self.status = status
+        self.types: dict[str, T] = {}
         self.done = False
         self.warming: Warming | None = None
         self._clock = clock
