@@ -31,7 +31,7 @@ class Sender:
 
     def __init__(self, url: str, headers: dict[str, str]) -> None:
         self.answers: list[tuple[int, str]] = []
-        """(status, x-backend-id) of each answer, in order."""
+        """(status, x-backend-id) of each answer, in order; (0, the error) when none came."""
         self._url, self._headers = url, headers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -48,7 +48,11 @@ class Sender:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         with httpx.Client(timeout=10) as client:
             while not self._stop.is_set():
-                response = client.post(self._url, json=body, headers=self._headers)
+                try:
+                    response = client.post(self._url, json=body, headers=self._headers)
+                except httpx.HTTPError as error:  # kept, so the assertion shows it
+                    self.answers.append((0, repr(error)))
+                    continue
                 self.answers.append(
                     (response.status_code, response.headers.get("x-backend-id", ""))
                 )
@@ -64,7 +68,7 @@ def rig(
     kvpilot_factory: KvpilotFactory,
     envoy_factory: EnvoyFactory,
 ) -> Iterator[Rig]:
-    """The shared rig, with an Envoy on either ADS variant."""
+    """conftest's `rig`, with its Envoy on either ADS variant."""
     kvpilot = kvpilot_factory(etcd_prefix)
     envoy = envoy_factory(xds_port=kvpilot.xds_port, delta=request.param == "delta")
     rig = Rig.around(kvpilot, envoy)
