@@ -163,13 +163,11 @@ class DeltaStream(Stream[_DeltaType]):
             if change is None:
                 continue
             st = change.st
-            # The set the Envoy holds after this type's updates if its removals wait.
-            kept = {**st.sent, **{r.name: r.version for r in change.updates}}
-            kept_version = content_version(kept.items()) if change.removals else change.version
-            # Once the Envoy rejected that set, the updates go with the removals in the old
-            # make-before-break order (below): holding the routes for clusters it already
-            # turned down would not help them.
-            kept_rejected = bool(change.removals) and st.acceptance.rejected(kept_version)
+            # Once the Envoy rejected the set it would hold with the removals kept back, the
+            # updates go with the removals in the old make-before-break order (below):
+            # holding the routes for clusters it already turned down would not help them.
+            kept_version = _kept_version(st, change.updates) if change.removals else ""
+            kept_rejected = bool(kept_version) and st.acceptance.rejected(kept_version)
             if type_url == CLUSTER and not kept_rejected:
                 held = held or any(r.name not in st.acceptance.accepted for r in change.updates)
             if held and change.removals:
@@ -208,9 +206,7 @@ class DeltaStream(Stream[_DeltaType]):
                 continue
             version = c.version
             if c.removals:
-                version = content_version(
-                    {**c.st.sent, **{r.name: r.version for r in c.updates}}.items()
-                )
+                version = _kept_version(c.st, c.updates)
                 if c.st.acceptance.rejected(version):
                     merged.add(c.st.type_url)
                     continue
@@ -227,16 +223,6 @@ class DeltaStream(Stream[_DeltaType]):
         return pushes
 
     def _commit(
-        self, st: _DeltaType, version: str, updates: list[Resource], removals: list[str]
-    ) -> Push:
-        push = self._send(st, version, updates, removals)
-        if st.type_url == CLUSTER:
-            added = [r.name for r in updates if r.name not in st.acceptance.accepted]
-            if added:
-                self.hold_routes(push.nonce, added)
-        return push
-
-    def _send(
         self, st: _DeltaType, version: str, updates: list[Resource], removals: list[str]
     ) -> Push:
         nonce = self.next_nonce()
@@ -260,7 +246,17 @@ class DeltaStream(Stream[_DeltaType]):
         st.acceptance.sent(
             nonce, Sent(version, {r.name: r.version for r in updates}, tuple(removals))
         )
+        if st.type_url == CLUSTER:
+            added = [r.name for r in updates if r.name not in st.acceptance.accepted]
+            if added:
+                self.hold_routes(nonce, added)
         return Push(st.type_url, version, nonce, response)
+
+
+def _kept_version(st: _DeltaType, updates: list[Resource]) -> str:
+    """The version of the set the Envoy holds after `updates` while the type's removals wait
+    (its old names kept), as a SotW union is labelled."""
+    return content_version({**st.sent, **{r.name: r.version for r in updates}}.items())
 
 
 def _restore(sent: dict[str, str], name: str, version: str | None) -> None:

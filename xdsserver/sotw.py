@@ -157,13 +157,14 @@ class SotwStream(Stream[_SotwType]):
             items = self._evaluate(st, snapshot)
             if items is None:
                 continue
-            if type_url == CLUSTER and not _union_rejected(st, items):
+            if type_url == CLUSTER:
+                if not _union_rejected(st, items):
+                    added = items.keys() - st.acceptance.accepted.keys()
+                elif held:
+                    st.dirty = True  # the final set would drop what held routes may use
+                    continue
                 # (Once the Envoy rejected the union with these clusters, the final set goes
                 # in the old make-before-break order: holding the routes would not help.)
-                added = items.keys() - st.acceptance.accepted.keys()
-            if held and type_url == CLUSTER and _union_rejected(st, items):
-                st.dirty = True  # the final set would drop what held routes may use: it waits
-                continue
             changes.append((st, items))
         held = held or bool(added)
         # A follower pushed in the round of its leader holds its whole named set: the leader's
@@ -182,13 +183,12 @@ class SotwStream(Stream[_SotwType]):
         last: list[tuple[_SotwType, dict[str, Resource], str]] = []
         for st, items in changes:
             final_version = snapshot.version(st.type_url)
-            dropped = (
-                st.acceptance.accepted.keys() - items.keys()
-                if st.wildcard and (len(changes) > 1 or held)
-                else ()
-            )
-            union, union_version = _union(st, items)
-            if dropped and not st.acceptance.rejected(union_version):
+            if not (st.wildcard and (len(changes) > 1 or held)):
+                first.append((st, items, final_version))
+                continue
+            kept = _union(st, items)
+            if kept is not None and not st.acceptance.rejected(kept[1]):
+                union, union_version = kept
                 if st.sent is None or not _same(union, st.sent):
                     first.append((st, union, union_version))  # not sent already
                 if held:
@@ -234,19 +234,21 @@ class SotwStream(Stream[_SotwType]):
         return Push(st.type_url, version, nonce, response)
 
 
-def _union(st: _SotwType, items: Mapping[str, Resource]) -> tuple[dict[str, Resource], str]:
-    """What the Envoy runs of a full-set type that `items` drops, kept beside `items`; and that
-    set's version. (The union has nothing to keep when `items` drops nothing.)"""
+def _union(st: _SotwType, items: Mapping[str, Resource]) -> tuple[dict[str, Resource], str] | None:
+    """`items` with what the Envoy runs of a full-set type that `items` drops kept beside
+    them, and that set's version; None when `items` drops nothing it runs."""
     accepted = st.acceptance.accepted
-    union = {n: accepted[n] for n in accepted.keys() - items.keys()} | dict(items)
+    dropped = accepted.keys() - items.keys()
+    if not dropped:
+        return None
+    union = {n: accepted[n] for n in dropped} | dict(items)
     return union, content_version((n, r.version) for n, r in union.items())
 
 
 def _union_rejected(st: _SotwType, items: Mapping[str, Resource]) -> bool:
     """Whether `items` drops names the Envoy runs and it rejected the union that keeps them."""
-    if not st.wildcard or not (st.acceptance.accepted.keys() - items.keys()):
-        return False
-    return st.acceptance.rejected(_union(st, items)[1])
+    kept = _union(st, items) if st.wildcard else None
+    return kept is not None and st.acceptance.rejected(kept[1])
 
 
 def _same(items: Mapping[str, Resource], sent: Mapping[str, Resource]) -> bool:
