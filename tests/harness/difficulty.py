@@ -69,9 +69,8 @@ def answered_by(
     client: httpx.Client, url: str, body: dict[str, Any], models: Iterable[str]
 ) -> bool:
     """Whether one of `models` answered `body`. The virtual host names the chosen model on
-    Envoy's own replies too (a 503 while a new target cluster has its first health check,
-    docs/operations.md), so a wait for the virtual model to route reads the status as well as
-    the header."""
+    Envoy's own replies too (a 503 when the chosen target has no healthy replica), so a wait
+    for the virtual model to route reads the status as well as the header."""
     reply = post(client, url, body)
     return reply.status_code == 200 and reply.headers.get("x-kvpilot-model") in set(models)
 
