@@ -40,6 +40,7 @@ from controlplane.etcd.store import (
     RevisionMismatch,
 )
 from policies import KIND_PATHS, KINDS, Endpoint, FieldError, PolicyError
+from policies.names import GATE_SUFFIX
 from policies.validate import field_path
 from signals.saturation import exported_bound
 from signals.state import PolicyState
@@ -363,9 +364,16 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
     mean work of a request, both were counted in work and are shown at the current mix of
     kinds), the share of the demand sent
     to paid pools, the owned replicas' queue and the rate sent to paid to drain it (beyond
-    the TTFT objective's queue) and why."""
+    the TTFT objective's queue) and why; and the route's gate (``maxInFlight``), where it has
+    one in force."""
     if plan is None:
         return []
+    gates = {
+        cluster.name.removesuffix(GATE_SUFFIX): cluster.circuit_breakers.max_requests
+        for fleet in plan.fleets
+        for cluster in fleet.clusters
+        if cluster.kind == "gate"
+    }
     out = []
     for route, decision in sorted(plan.overflow.items()):
         entry: dict[str, Any] = {
@@ -376,6 +384,8 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
             "sessions": decision.sessions,
             "pressure": decision.pressure,
             "resting": sorted(decision.resting),
+            # The gate's limit per Envoy (overflow.maxInFlight); None: no gate.
+            "gate": {"maxInFlight": gates[route]} if route in gates else None,
         }
         arrivals = decision.arrivals
         if arrivals is not None:

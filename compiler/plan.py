@@ -67,7 +67,7 @@ class PlanEndpoint(NamedTuple):
     """How the replica's machine is bought (``Endpoint.capacity``); empty when unknown."""
 
 
-ClusterKind = Literal["eds", "dns", "aggregate"]
+ClusterKind = Literal["eds", "dns", "aggregate", "gate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +76,10 @@ class PlanCluster:
 
     - ``eds``: the route's replicas, tier k at priority k, endpoints over EDS;
     - ``dns``: one external provider pool, resolved by Envoy (EDS carries only IP addresses);
-    - ``aggregate``: failover across ``members`` in order, when a route ends in providers.
+    - ``aggregate``: failover across ``members`` in order, when a route ends in providers;
+    - ``gate``: a route's owned replicas behind an internal listener, whose circuit breaker
+      (``circuit_breakers.max_requests``) answers at once, with a header the route retries
+      on, when their batch slots are taken (``overflow.maxInFlight``).
     """
 
     name: str
@@ -143,6 +146,13 @@ class PlanOverflow:
     """Share of the requests with a session header sent there, 0 to 1."""
     members: int = 1
     """Clusters in that aggregate: retries move across them."""
+    gate: str = ""
+    """The route's gate (a ``gate`` cluster, ``overflow.maxInFlight``): its requests try the
+    owned replicas through it first, and the ones it turns away move on to the paid pools
+    (without a session) or to their replica's queue (with one). Empty: no gate."""
+    gate_conversations: bool = False
+    """Conversations the gate turns away go to the paid pools too (``conversations: with``),
+    not to their replica's queue."""
     arrivals: bool = False
     """The share follows the route's arrival rate (``overflow.signal: arrivals``): its
     listener reports every upstream attempt's start and end (``PlanListener.arrivals_log``)."""

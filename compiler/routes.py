@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from compiler.gate import gate_clusters
 from compiler.models import NO_MODELS, PoolModels
 from compiler.plan import (
     Diagnostic,
@@ -399,7 +400,14 @@ def compile_route(
     paid, plan_overflow = _overflow_clusters(
         name, route, spec, state, replicas, {p.metadata.name for p in providers}, overflow
     )
-    return [*out, *paid], replace(plan_route, overflow=plan_overflow)
+    gates = gate_clusters(name, route, [*out, *paid], replicas, subsets)
+    if gates:
+        plan_overflow = replace(
+            plan_overflow,
+            gate=gates[0].name,
+            gate_conversations=route.overflow.conversations == "with",
+        )
+    return [*out, *paid, *gates], replace(plan_route, overflow=plan_overflow)
 
 
 def _overflow_clusters(

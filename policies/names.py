@@ -9,6 +9,9 @@ OVERFLOW_INFIX = "/overflow/"
 """Between a route's cluster name and a paid pool's: the aggregate that starts from that pool."""
 PROVIDER_INFIX = "/provider/"
 """Between a route's cluster name and an external pool's: that pool's cluster."""
+GATE_SUFFIX = "/gate"
+"""Suffix of a route's gate (``overflow.maxInFlight``): the internal listener, and the cluster
+to it, through which requests reach the owned replicas while they have batch slots free."""
 QUEUE_INFIX = "/queue/"
 """Between a route's cluster name and a class name: the cluster that queues that class."""
 
@@ -36,3 +39,16 @@ def provider_cluster_name(route_cluster: str, pool: str) -> str:
 def overflow_cluster_name(route_cluster: str, pool: str) -> str:
     """The aggregate a route's overflow takes while paid pool `pool` is its first choice."""
     return f"{route_cluster}{OVERFLOW_INFIX}{pool}"
+
+
+def gate_name(route_cluster: str) -> str:
+    """The gate of a route's owned replicas: its internal listener and the cluster to it; with
+    a cluster name after it, the aggregate that starts from the gate and goes on to that
+    cluster's members (``gated_name``)."""
+    return f"{route_cluster}{GATE_SUFFIX}"
+
+
+def gated_name(cluster: str) -> str:
+    """The aggregate that tries the gate first, then `cluster` (a paid overflow aggregate's
+    members, or a consistent-hash twin of the replicas)."""
+    return f"{cluster}{GATE_SUFFIX}"

@@ -50,6 +50,20 @@ MUTATIONS: list[tuple[str, str, tuple[Any, ...], Any, set[str]]] = [
         {"listeners"},
     ),
     (
+        "the gate of the owned replicas: its breaker's limit",
+        "overflow-gate",
+        ("objects", 2, "spec", "routes", 0, "overflow", "maxInFlight"),
+        24,
+        {"clusters"},
+    ),
+    (
+        "the gate of the owned replicas: its internal listener and the entries through it",
+        "overflow-gate",
+        ("objects", 2, "spec", "routes", 0, "overflow", "maxInFlight"),
+        None,
+        {"clusters", "listeners", "routes"},
+    ),
+    (
         "spot preference",
         "regions-spot",
         ("objects", 0, "spec", "preferCapacity"),

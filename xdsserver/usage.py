@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from signals.overflowdemand import route_of
 from signals.spend import Ledger, Spend, SpendKey, TokenPrice
 from xdsserver.translate.listeners import DIFFICULTY_METADATA
 from xdsserver.translate.metadata import POOL_TAG
@@ -78,7 +79,7 @@ class UsageBook:
             or (
                 self.context.pool(common.upstream_cluster, socket.address, socket.port_value)
                 if socket.address
-                else None
+                else self._behind_gate(common.upstream_cluster, values)
             )
             or ""
         )
@@ -107,6 +108,16 @@ class UsageBook:
             spend.cost = price.cost(prompt, cached, completion)
         self.entries += 1
         self.ledger.add(key, spend, self.clock())
+
+    def _behind_gate(self, cluster: str, values: Any) -> str | None:
+        """The pool of the replica that answered through a route's gate: the gate names it
+        in ``GATE_UPSTREAM``, which the usage filter keeps in the metadata (the host Envoy
+        logs is the gate's internal listener)."""
+        address = values["upstream"].string_value if "upstream" in values else ""
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            return None
+        return self.context.pool(route_of(cluster), host, int(port))
 
     def batch_done(self) -> None:
         for listener in self.listeners:

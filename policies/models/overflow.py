@@ -149,6 +149,19 @@ class Overflow(Model):
         "(signals.prefillfit). Set it for replicas that export no steps and are seldom full, "
         "from a run of them kept full.",
     )
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description="Requests each Envoy keeps in flight on the owned replicas, conversations "
+        "included: their batch slots (replicas x batch size) over the fleet's Envoys. A "
+        "request without a session that finds them all taken goes to the paid pool at once, "
+        "in the same request (Envoy's circuit breaker on a gate in front of the replicas, and "
+        "a retry); a conversation waits on its replica. It takes the first seconds of a peak "
+        "that the share (signal) follows only later. Every request then passes the gate, an "
+        "internal listener: a second HTTP pass inside Envoy. Not with pools that serve "
+        "several models by subsets. Default: none (no gate).",
+    )
     feed_forward: float = Field(
         0.0,
         ge=0,

@@ -19,9 +19,11 @@ from envoy.config.route.v3 import route_pb2
 from google.protobuf.message import Message
 
 from compiler.plan import FleetPlan, PlanCluster
+from policies.names import GATE_SUFFIX
 from xdsserver import resources
 from xdsserver.translate.clusters import (
     AFFINITY_SUFFIX,
+    INTERNAL_SUFFIX,
     SATURATED_SUFFIX,
     UNBOUNDED_SUFFIX,
     aggregate_clusters,
@@ -30,13 +32,11 @@ from xdsserver.translate.clusters import (
 )
 from xdsserver.translate.difficulty import scorer_clusters
 from xdsserver.translate.escalation import escalation_clusters
+from xdsserver.translate.gate import gate_clusters, gate_listener, gated_aggregate
 from xdsserver.translate.listeners import translate_listener
+from xdsserver.translate.metadata import PREFIX_KEY_HEADER
 from xdsserver.translate.providers import credential_listener, internal_cluster, provider_cluster
-from xdsserver.translate.routes import (
-    PREFIX_KEY_HEADER,
-    prefix_key_lua,
-    translate_route_configuration,
-)
+from xdsserver.translate.routes import prefix_key_lua, translate_route_configuration
 from xdsserver.translate.tracing import COLLECTOR_CLUSTER, collector_cluster
 
 
@@ -68,8 +68,16 @@ def translate(plan: FleetPlan) -> FleetResources:
         if cluster.kind == "eds":
             clusters.extend(translate_cluster(cluster, trusted_ca_file=plan.trusted_ca_file))
             endpoints.append(translate_endpoints(cluster))
+        elif cluster.kind == "aggregate" and cluster.name.endswith(GATE_SUFFIX):
+            members = tuple(
+                member + INTERNAL_SUFFIX if member in behind_listener else member
+                for member in cluster.members
+            )
+            clusters.append(gated_aggregate(cluster.name, members, cluster))
         elif cluster.kind == "aggregate":
             clusters.extend(aggregate_clusters(cluster, behind_listener))
+        elif cluster.kind == "gate":
+            clusters.extend(gate_clusters(cluster, trusted_ca_file=plan.trusted_ca_file))
         else:
             clusters.append(provider_cluster(cluster, plan.trusted_ca_file))
             if cluster.auth is not None:
@@ -96,6 +104,7 @@ def translate_listeners(plan: FleetPlan) -> tuple[listener_pb2.Listener, ...]:
             credential_listener(cluster, plan.secrets_dir)
             for cluster in _authenticated_providers(plan)
         ),
+        *(gate_listener(cluster) for cluster in plan.clusters if cluster.kind == "gate"),
     )
 
 

@@ -34,3 +34,12 @@ def pool_tag() -> custom_tag_pb2.CustomTag:
             ),
         ),
     )
+
+
+GATE_UPSTREAM = "x-kvpilot-gate-upstream"
+"""Set by a route's gate (``translate.gate``) on every answer: the replica's ``address:port``.
+Behind the gate the host Envoy logs is the gate's internal listener, so the usage log reads
+this header to count spend by the replica's pool."""
+
+PREFIX_KEY_HEADER = "x-kvpilot-prefix-key"
+"""Set by Envoy's Lua filter from the prompt's first characters when no session header is sent."""

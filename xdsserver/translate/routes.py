@@ -13,21 +13,23 @@ from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.type.matcher.v3 import string_pb2
 
 from compiler.plan import PlanClass, PlanListener, PlanRoute, PlanVirtualHost
+from policies.names import gated_name
 from xdsserver.translate.budgets import budget_entries
 from xdsserver.translate.classes import class_stat_prefix, restricted_entry, selects, with_class
 from xdsserver.translate.difficulty import response_headers, virtual_entries
 from xdsserver.translate.entries import match_of, route_entry, with_header
 from xdsserver.translate.escalation import escalation_entries
+from xdsserver.translate.gate import SESSION_TRIES, gate_retries
 from xdsserver.translate.listeners import LUA, SERVICE_CLASS
-from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
+from xdsserver.translate.metadata import (
+    MODEL_METADATA_KEY,
+    MODEL_METADATA_NAMESPACE,
+    PREFIX_KEY_HEADER,
+)
 from xdsserver.translate.overflow import OVERFLOW_SUFFIX, overflow_entry
 from xdsserver.translate.protos import pack
 from xdsserver.translate.ratelimits import class_budget
 from xdsserver.translate.tracing import entry_tracing
-
-PREFIX_KEY_HEADER = "x-kvpilot-prefix-key"
-"""Set by Envoy's Lua filter from the prompt's first characters when no session header is sent."""
-
 
 UNKNOWN_MODEL_BODY = json.dumps(
     {
@@ -197,30 +199,58 @@ def _entries(
             )
         )
     if affinity is not None:
-        entries.append(
-            route_entry(
+        session_entry = route_entry(
+            route,
+            f"{name}/affinity",
+            with_header(match, affinity.header),
+            affinity=affinity.header,
+            body_limit=body_limit,
+        )
+        if overflow is not None and overflow.gate:
+            # Through the gate; turned away, the session waits on its replica's twin, or
+            # goes to the paid pools with the other requests.
+            if overflow.gate_conversations and overflow.cluster:
+                session_entry.route.cluster = gated_name(overflow.cluster)
+                session_entry.route.auto_host_rewrite.value = True
+                gate_retries(session_entry)
+            else:
+                session_entry.route.cluster = gated_name(session_entry.route.cluster)
+                gate_retries(session_entry, tries=SESSION_TRIES)
+        entries.append(session_entry)
+        if affinity.prefix_hash_chars:
+            prefix_entry = route_entry(
                 route,
-                f"{name}/affinity",
-                with_header(match, affinity.header),
-                affinity=affinity.header,
+                f"{name}/prefix",
+                with_header(match, PREFIX_KEY_HEADER),
+                affinity=PREFIX_KEY_HEADER,
                 body_limit=body_limit,
             )
-        )
-        if affinity.prefix_hash_chars:
-            entries.append(
-                route_entry(
-                    route,
-                    f"{name}/prefix",
-                    with_header(match, PREFIX_KEY_HEADER),
-                    affinity=PREFIX_KEY_HEADER,
-                    body_limit=body_limit,
-                )
-            )
+            if overflow is not None and overflow.gate and overflow.cluster:
+                # A request without a session: turned away, on to the paid pools.
+                prefix_entry.route.cluster = gated_name(overflow.cluster)
+                prefix_entry.route.auto_host_rewrite.value = True
+                gate_retries(prefix_entry)
+            entries.append(prefix_entry)
     if overflow is not None and overflow.plain > 0:
         # After the prompt-prefix entry: a request the Lua filter gives a prefix key is
         # matched again and takes that entry, so it draws once.
         entries.append(overflow_entry(route, name, match, body_limit, sessions=False))
     entry = route_entry(route, name, match, affinity=None, body_limit=body_limit)
+    if overflow is not None and overflow.gate and overflow.cluster:
+        # Through the gate; turned away, on to the paid pools (then the replicas).
+        entry = route_entry(
+            replace(
+                route,
+                cluster=gated_name(overflow.cluster),
+                host_rewrite=True,
+                tiers=max(route.tiers, overflow.members + 1),
+            ),
+            name,
+            match,
+            affinity=None,
+            body_limit=body_limit,
+        )
+        gate_retries(entry)
     if affinity is not None and affinity.prefix_hash_chars:
         # No session header: the Lua filter derives a key from the prompt's first
         # characters and sets PREFIX_KEY_HEADER; changing headers clears Envoy's route

@@ -35,7 +35,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 
-from xdsserver.translate.metadata import pool_tag
+from xdsserver.translate.metadata import GATE_UPSTREAM, pool_tag
 from xdsserver.translate.protos import duration, pack
 
 USAGE_FILTER = "kvpilot.usage"
@@ -112,6 +112,12 @@ function envoy_on_request(handle)
 end
 
 function envoy_on_response(handle)
+  -- Behind a route's gate: the replica that answered, kept for the log, not for the client.
+  local upstream = handle:headers():get("{GATE_UPSTREAM}")
+  if upstream ~= nil then
+    handle:headers():remove("{GATE_UPSTREAM}")
+    handle:streamInfo():dynamicMetadata():set(NS, "upstream", upstream)
+  end
   local reset = handle:headers():get("x-kvpilot-budget-reset")
   if reset ~= nil then
     -- A tenant past its budget: Retry-After in seconds to the window's end.

@@ -1,0 +1,123 @@
+"""The gate (``overflow.maxInFlight``) through a real Envoy: requests reach the owned
+replicas through an internal listener whose circuit breaker takes `LIMIT` at a time; a
+request without a session that finds them all taken is answered by the paid pool in the
+same request, and a conversation's turn waits on its replica instead. No share is set
+(``signal: fill`` without telemetry sends nothing to paid), so the gate alone moves them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.paid import paid_pool, paid_stand_in
+from harness.rig import Rig
+from harness.spend import pool_rows
+from harness.wait import wait_until
+
+from replicasim.simulator import SimConfig
+from xdsserver.translate.metadata import GATE_UPSTREAM
+
+pytestmark = pytest.mark.e2e
+
+CLUSTER = "paid/chat"
+SLOTS = 2
+"""Batch slots of each owned replica (two replicas)."""
+LIMIT = 4
+"""The gate: the owned replicas' batch slots, for this one Envoy."""
+BODY = chat(max_tokens=60, stream=True)
+"""A streamed answer of 60 tokens: about 0.8 s in a simulated batch of two."""
+
+
+def _burst(rig: Rig, count: int, session: str | None = None) -> list[tuple[int, str]]:
+    """`count` requests at once; (status, backend) of each."""
+    headers = {"x-session-id": session} if session else {}
+
+    def one(client: httpx.Client) -> tuple[int, str]:
+        with client.stream("POST", rig.url(), json=BODY, headers=headers) as answer:
+            answer.read()
+            # The gate names the replica for the usage log alone.
+            assert GATE_UPSTREAM not in answer.headers, answer.headers
+            return answer.status_code, answer.headers.get("x-backend-id", "")
+
+    with httpx.Client(timeout=30) as client, ThreadPoolExecutor(count) as threads:
+        return list(threads.map(lambda _: one(client), range(count)))
+
+
+def _extend(into: list[tuple[int, str]], more: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    into.extend(more)
+    return into
+
+
+def _stat(rig: Rig, name: str) -> int:
+    text = httpx.get(f"{rig.envoy.admin_url}/stats", params={"filter": name}).text
+    return sum(int(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.strip())
+
+
+def test_the_gate_sends_the_excess_of_the_moment_to_paid_and_keeps_conversations(
+    rig: Rig, backends: Any
+) -> None:
+    replicas = backends(
+        2, id_prefix="owned", simulator=SimConfig(max_batch=SLOTS, stream_interval=0.05)
+    )
+    ports = [r.port for r in replicas.replicas]
+    owned = {r.id for r in replicas.replicas}
+    route = {
+        "name": "chat",
+        "tiers": [["owned"]],
+        "sessionAffinity": {"header": "x-session-id"},
+        "overflow": {"pools": ["paid"], "signal": "fill", "maxInFlight": LIMIT},
+    }
+    with paid_stand_in("paid") as paid:
+        rig.apply(
+            pool("owned", ports, health_check=FAST_HEALTH_CHECK),
+            paid_pool("paid", paid.port),
+            policy("paid", rig.listener_port, [route]),
+        )
+        rig.wait_ready(CLUSTER, ports)
+        status = rig.api.get("/v1/status").json()
+        overflow = next(e for e in status["overflow"] if e["route"] == CLUSTER)
+        assert overflow["gate"] == {"maxInFlight": LIMIT}, overflow
+        sent: list[tuple[int, str]] = []
+        wait_until(
+            lambda: all(status == 200 for status, _ in _extend(sent, _burst(rig, 1))),
+            30,
+            message="gate ready",
+        )
+        paid.hits = 0
+
+        # One request at a time: the owned replicas take them all.
+        alone = _extend(sent, [_burst(rig, 1)[0] for _ in range(3)])[-3:]
+        assert all(status == 200 and backend in owned for status, backend in alone), alone
+        assert paid.hits == 0
+
+        # Ten at once: the gate lets LIMIT through, the rest are answered by paid at once.
+        answers = _extend(sent, _burst(rig, 10))[-10:]
+        assert all(status == 200 for status, _ in answers), answers
+        by_owned = sum(backend in owned for _, backend in answers)
+        by_paid = sum(backend == "paid" for _, backend in answers)
+        assert (by_owned, by_paid) == (LIMIT, 10 - LIMIT), answers
+        assert (
+            _stat(rig, "cluster.paid/chat/gate/replicas.upstream_rq_active_overflow") >= 10 - LIMIT
+        )
+        # Spend is counted by the pool that answered: the owned replicas' behind the gate,
+        # every one of their answers (the paid stand-in sends no usage).
+        answered = sum(status == 200 and backend in owned for status, backend in sent)
+        wait_until(
+            lambda: pool_rows(rig).get("owned", Counter())["requests"] == answered,
+            30,
+            message=f"the owned replicas' {answered} answers counted",
+        )
+        assert set(pool_rows(rig)) == {"owned"}, pool_rows(rig)
+
+        # Ten turns of one conversation at once: none goes to paid; those over the limit
+        # wait on the conversation's replica.
+        hits = paid.hits
+        turns = _burst(rig, 10, session="conversation-1")
+        assert all(status == 200 for status, _ in turns), turns
+        assert len({backend for _, backend in turns}) == 1 and turns[0][1] in owned, turns
+        assert paid.hits == hits

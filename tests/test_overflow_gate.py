@@ -1,0 +1,203 @@
+"""The gate (``overflow.maxInFlight``) as configuration: the field's bounds, the resources it
+adds (the gate's internal listener and breaker, the aggregates that try it first) and the
+route entries that use them; where it is left out; and the usage entry it leaves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.retry.priority.previous_priorities.v3 import (
+    previous_priorities_config_pb2,
+)
+from harness.builders import policy, pool
+from pydantic import ValidationError
+
+from compiler.compile import PolicyState, compile_plan
+from policies.models import Overflow, Pool, RoutingPolicy
+from xdsserver.translate import FleetResources, translate
+from xdsserver.translate.gate import GATE_HEADER, GATE_RETRIES, SESSION_TRIES
+from xdsserver.translate.metadata import GATE_UPSTREAM, PREFIX_KEY_HEADER
+from xdsserver.translate.usage import USAGE_FILTER, USAGE_LUA
+from xdsserver.usage import UsageBook
+
+PORTS = (8001, 8002)
+
+
+def _paid(name: str, port: int) -> dict[str, Any]:
+    return pool(
+        name, [], endpoints=[{"address": "localhost", "port": port}], healthCheck={"enabled": False}
+    )
+
+
+def _resources(route: dict[str, Any], *extra: dict[str, Any]) -> FleetResources:
+    objects = [
+        Pool.model_validate(pool("owned", PORTS)),
+        Pool.model_validate(_paid("cheap", 9443)),
+        *(Pool.model_validate(o) for o in extra),
+        RoutingPolicy.model_validate(policy("main", 10000, [route])),
+    ]
+    plan = compile_plan(PolicyState.from_objects(objects, now=1000.0))
+    fleet = plan.fleet("default")
+    assert fleet is not None
+    return translate(fleet)
+
+
+def _route(**overflow: Any) -> dict[str, Any]:
+    return {
+        "name": "chat",
+        "tiers": [["owned"]],
+        "sessionAffinity": {"header": "x-session-id"},
+        "overflow": {"pools": ["cheap"], "signal": "fill", "maxInFlight": 16, **overflow},
+    }
+
+
+def _entries(out: FleetResources) -> dict[str, Any]:
+    return {r.name: r for r in out.routes[0].virtual_hosts[0].routes}
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [(0, "greater than or equal to 1"), (-3, "greater than or equal to 1"), ("many", "integer")],
+)
+def test_a_bad_limit_is_refused_with_the_field_named(value: Any, message: str) -> None:
+    with pytest.raises(ValidationError, match=message) as error:
+        Overflow.model_validate({"pools": ["a"], "maxInFlight": value})
+    assert "maxInFlight" in str(error.value)
+
+
+def test_the_gate_is_an_internal_listener_in_front_of_a_breaker_at_the_limit() -> None:
+    out = _resources(_route())
+    clusters = {c.name: c for c in out.clusters}
+    behind = clusters["main/chat/gate/replicas"]
+    assert behind.circuit_breakers.thresholds[0].max_requests.value == 16
+    # The same EDS resource as the replicas' own cluster, hashed as the session entry is.
+    assert behind.eds_cluster_config.service_name == "main/chat"
+    assert behind.lb_policy == behind.RING_HASH
+    to_gate = clusters["main/chat/gate"]
+    address = to_gate.load_assignment.endpoints[0].lb_endpoints[0].endpoint.address
+    assert address.envoy_internal_address.server_listener_name == "main/chat/gate"
+
+    gate = next(listener for listener in out.listeners if listener.name == "main/chat/gate")
+    assert gate.HasField("internal_listener")
+    manager = _manager(gate)
+    route = manager.route_config.virtual_hosts[0].routes[0]
+    assert route.route.cluster == "main/chat/gate/replicas"
+    assert [h.header.header_name for h in route.route.hash_policy] == ["x-session-id"]
+    assert route.response_headers_to_add[0].header.key == GATE_UPSTREAM
+    mapper = manager.local_reply_config.mappers[0]
+    assert list(mapper.filter.response_flag_filter.flags) == ["UO"]
+    assert mapper.headers_to_add[0].header.key == GATE_HEADER
+    # Envoy's own overload header would forbid the retry.
+    router = router_pb2.Router()
+    manager.http_filters[-1].typed_config.Unpack(router)
+    assert router.suppress_envoy_headers
+
+
+def _manager(listener: Any) -> Any:
+    manager = hcm_pb2.HttpConnectionManager()
+    listener.filter_chains[0].filters[0].typed_config.Unpack(manager)
+    return manager
+
+
+def test_plain_requests_go_on_to_paid_and_conversations_wait_for_their_replica() -> None:
+    out = _resources(_route())
+    clusters = {c.name: c for c in out.clusters}
+    entries = _entries(out)
+
+    plain = entries["main/chat#0"]
+    assert plain.route.cluster == "main/chat/overflow/cheap/gate"
+    assert _members(clusters["main/chat/overflow/cheap/gate"]) == [
+        "main/chat/gate",
+        "main/chat/provider/cheap",
+        "main/chat",
+    ]
+    assert plain.route.auto_host_rewrite.value
+    _assert_retries_on_the_gate(plain, tries=1)
+
+    session = entries["main/chat#0/affinity"]
+    assert session.route.cluster == "main/chat/affinity/gate"
+    assert _members(clusters["main/chat/affinity/gate"]) == ["main/chat/gate", "main/chat/affinity"]
+    _assert_retries_on_the_gate(session, tries=SESSION_TRIES)
+    # Every spilled request is a retry: the aggregates do not cap them at Envoy's 3.
+    for name in ("main/chat/overflow/cheap/gate", "main/chat/affinity/gate"):
+        assert clusters[name].circuit_breakers.thresholds[0].max_retries.value == GATE_RETRIES
+
+
+def _members(cluster: Any) -> list[str]:
+    config = aggregate_pb2.ClusterConfig()
+    cluster.cluster_type.typed_config.Unpack(config)
+    return list(config.clusters)
+
+
+def _assert_retries_on_the_gate(entry: Any, *, tries: int) -> None:
+    policy_ = entry.route.retry_policy
+    assert "retriable-headers" in policy_.retry_on.split(",")
+    assert [h.name for h in policy_.retriable_headers] == [GATE_HEADER]
+    assert policy_.num_retries.value == 2 + tries  # the route's two retries, and the gate's
+    config = previous_priorities_config_pb2.PreviousPrioritiesConfig()
+    policy_.retry_priority.typed_config.Unpack(config)
+    assert config.update_frequency == tries
+
+
+def test_conversations_with_the_rest_go_on_to_paid_too() -> None:
+    out = _resources(_route(conversations="with"))
+    session = _entries(out)["main/chat#0/affinity"]
+    assert session.route.cluster == "main/chat/overflow/cheap/gate"
+    _assert_retries_on_the_gate(session, tries=1)
+
+
+def test_a_prompt_prefix_key_is_gated_and_hashed_behind_the_gate() -> None:
+    route = _route()
+    route["sessionAffinity"] = {"header": "x-session-id", "prefixHashChars": 256}
+    out = _resources(route)
+    prefix = _entries(out)["main/chat#0/prefix"]
+    assert prefix.route.cluster == "main/chat/overflow/cheap/gate"
+    gate = next(listener for listener in out.listeners if listener.name == "main/chat/gate")
+    hashed = _manager(gate).route_config.virtual_hosts[0].routes[0].route.hash_policy
+    assert [h.header.header_name for h in hashed] == ["x-session-id", PREFIX_KEY_HEADER]
+
+
+def test_no_gate_without_a_limit_or_with_a_provider_among_the_tiers() -> None:
+    for route in (
+        {**_route(), "overflow": {"pools": ["cheap"], "signal": "fill"}},
+        {**_route(), "tiers": [["owned"], ["backup"]]},
+    ):
+        out = _resources(route, _paid("backup", 9445))
+        names = {c.name for c in out.clusters} | {listener.name for listener in out.listeners}
+        assert not any("/gate" in name for name in names), names
+        entries = _entries(out)
+        assert not any(GATE_HEADER in str(e.route.retry_policy) for e in entries.values())
+
+
+def test_the_usage_filter_keeps_the_replica_for_the_log_and_the_book_prices_it() -> None:
+    # The usage filter moves the gate's header into the metadata and off the answer.
+    assert f'headers():remove("{GATE_UPSTREAM}")' in USAGE_LUA
+    assert 'set(NS, "upstream", upstream)' in USAGE_LUA
+
+    class Context:
+        def pool(self, cluster: str, address: str, port: int) -> str | None:
+            return "owned" if (cluster, address, port) == ("main/chat", "10.0.0.1", 8001) else None
+
+        def price(self, pool: str) -> None:
+            return None
+
+        def tenant_header(self, route: str) -> str:
+            return ""
+
+    book = UsageBook(Context())
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    common = entry.common_properties
+    common.upstream_cluster = "main/chat/overflow/cheap/gate"
+    common.route_name = "main/chat#0"
+    common.upstream_remote_address.envoy_internal_address.server_listener_name = "main/chat/gate"
+    fields = common.metadata.filter_metadata[USAGE_FILTER]
+    fields.update({"prompt": 10, "completion": 5, "upstream": "10.0.0.1:8001"})
+    book.observe(entry)
+    assert [key.pool for key in book.ledger.totals] == ["owned"]
