@@ -110,6 +110,21 @@ ROUTE: dict[str, Any] = {"balancing": "telemetry", "sessionAffinity": dict(SESSI
 
 ENGINE_WEIGHT_POLICY = "cost_aware_arrivals_w"
 """The policy run with ``overflow.prefillWeight`` at the simulated engine's own ratio."""
+GATED_OVERFLOW: dict[str, Any] = {"pools": [PAID_POOL], "signal": "arrivals", "ttft": "1s"}
+GATE_POLICIES: dict[str, tuple[str, float, dict[str, Any]]] = {
+    "cost_aware_gate": ("cost-aware by arrivals, a gate at the batch slots", 1.0, {}),
+    "cost_aware_gate_75": ("cost-aware by arrivals, a gate at 75% of them", 0.75, {}),
+    "cost_aware_gate_with": (
+        "cost-aware by arrivals, a gate, conversations with the rest",
+        1.0,
+        {"conversations": "with"},
+    ),
+    "gate_only": ("a gate at the batch slots alone (no share)", 1.0, {"maxShare": 0}),
+    "gate_only_75": ("a gate at 75% of the batch slots alone", 0.75, {"maxShare": 0}),
+}
+"""Routes with a gate (``overflow.maxInFlight``): key -> (label, the gate's share of the owned
+replicas' batch slots, overflow fields): a request without a session that finds the gate
+full goes to the paid API at once."""
 RESTART_POLICY = "cost_aware_arrivals_restart"
 """The default route replayed by a kvpilot just restarted: its prefill fit is the one the
 previous policies' runs left in etcd (run after ``cost_aware_arrivals``)."""
@@ -238,6 +253,14 @@ POLICIES: tuple[Policy, ...] = (
         {**ROUTE, "overflow": {"pools": [PAID_POOL], "signal": "arrivals", "ttft": "1s"}},
         default=False,
     ),
+    # The default route with a gate (``maxInFlight``, set per run from the replicas and
+    # their batch: ``CostConfig.policy``): the first seconds of a peak, which the share
+    # follows only later, go to the paid API request by request. At the batch slots or 75%
+    # of them; with the share (by arrivals) or with the gate alone (``maxShare: 0``).
+    *(
+        Policy(key, label, {**ROUTE, "overflow": {**GATED_OVERFLOW, **fields}}, default=False)
+        for key, (label, _, fields) in GATE_POLICIES.items()
+    ),
     # The same with an objective twice the benchmark's: a longer queue is held on the owned
     # replicas before it is drained. Where the objective sits between paid spend and the
     # peak's latency.
@@ -301,6 +324,11 @@ class CostConfig(Phased):
                 **policy.route["overflow"],
                 "prefillWeight": engine_weight(self.routing.sim),
             }
+            return replace(policy, route={**policy.route, "overflow": overflow})
+        if policy.key in GATE_POLICIES:
+            slots = self.routing.replicas * self.routing.sim.max_batch
+            share = GATE_POLICIES[policy.key][1]
+            overflow = {**policy.route["overflow"], "maxInFlight": round(slots * share)}
             return replace(policy, route={**policy.route, "overflow": overflow})
         if policy.key != "cost_aware" or not self.overflow:
             return policy

@@ -1,0 +1,172 @@
+"""What a route's gate (``overflow.maxInFlight``) costs Envoy per request, measured with the
+real Envoy.
+
+``python -m bench.cost.gateprice [--requests N] [--out FILE]``
+
+Two Envoys (one worker each) with kvpilot's own translation of the same route with overflow,
+one of them with a gate whose limit is never reached, in front of a trivial upstream that
+answers at once (Envoy's own work is most of the time): the gated side's requests take the
+gate's second HTTP pass through an internal listener, and nothing else differs. Blocks of
+requests alternate between the two, so both see the same machine; Envoy's CPU time comes from
+``/proc/<pid>/stat`` over each block. The usage log's book checks that the gated side's
+answers are counted under the replicas' pool, as the direct side's are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.rig.probe import (
+    Timings,
+    connect,
+    cpu_seconds,
+    envoy_process,
+    probe_bootstrap,
+    start_log_sink,
+    stub_upstream,
+    timed_request,
+)
+from compiler import compile_plan
+from compiler.plan import FleetPlan
+from controlplane.local.process import free_port
+from policies import parse_object
+from signals import PolicyState
+
+SIDES = ("direct", "gated")
+LIMIT = 10_000
+"""The gated side's ``maxInFlight``: never reached by one client."""
+
+
+def _body(stream: bool = False) -> bytes:
+    body: dict[str, Any] = {
+        "model": "small",
+        "messages": [{"role": "user", "content": "Explain how the cache works and why."}],
+    }
+    if stream:
+        body["stream"] = True
+    return json.dumps(body).encode()
+
+
+def gate_fleet(listener: int, backend: int, *, gated: bool) -> FleetPlan:
+    """A route to one replica (the upstream) with a paid pool for overflow (never used), with
+    a gate at `LIMIT` or without one."""
+    pools = [
+        {
+            "apiVersion": "kvpilot.io/v1",
+            "kind": "Pool",
+            "metadata": {"name": "small"},
+            "spec": {
+                "models": ["small"],
+                "endpoints": [{"address": "127.0.0.1", "port": backend}],
+                "healthCheck": {"enabled": False},
+                "outlierDetection": {"enabled": False},
+            },
+        },
+        {
+            "apiVersion": "kvpilot.io/v1",
+            "kind": "Pool",
+            "metadata": {"name": "paid"},
+            "spec": {
+                "models": ["small"],
+                "endpoints": [{"address": "localhost", "port": backend}],
+                "healthCheck": {"enabled": False},
+            },
+        },
+    ]
+    fleet = {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "Fleet",
+        "metadata": {"name": "probe"},
+        "spec": {"accessLog": False},
+    }
+    overflow: dict[str, Any] = {"pools": ["paid"], "signal": "fill"}
+    if gated:
+        overflow["maxInFlight"] = LIMIT
+    policy = {
+        "apiVersion": "kvpilot.io/v1",
+        "kind": "RoutingPolicy",
+        "metadata": {"name": "main"},
+        "spec": {
+            "fleets": ["probe"],
+            "listener": {"address": "127.0.0.1", "port": listener},
+            "routes": [
+                {
+                    "name": "small",
+                    "tiers": [["small"]],
+                    "sessionAffinity": {"header": "x-session-id"},
+                    "overflow": overflow,
+                }
+            ],
+        },
+    }
+    objects = [parse_object(o) for o in (*pools, fleet, policy)]
+    plan = compile_plan(PolicyState.from_objects(objects)).fleet("probe")
+    assert plan is not None
+    return plan
+
+
+def measure(requests: int) -> dict[str, Any]:
+    """Time to the first byte (streamed) or the end (JSON) and Envoy's CPU per request on
+    each side, `requests` per side and kind of answer."""
+    backend = free_port()
+    ports = {side: free_port() for side in SIDES}
+    envoys: dict[str, subprocess.Popen[bytes]] = {}
+    with (
+        tempfile.TemporaryDirectory() as workdir,
+        stub_upstream(backend),
+        contextlib.ExitStack() as running,
+    ):
+        for side, port in ports.items():
+            signals = free_port()
+            start_log_sink(signals)
+            fleet = gate_fleet(port, backend, gated=side == "gated")
+            config = Path(workdir) / f"envoy-{side}.json"
+            bootstrap = probe_bootstrap(fleet, signals, free_port())
+            envoys[side] = running.enter_context(envoy_process(config, bootstrap))
+        conns = {side: connect(port, _body()) for side, port in ports.items()}
+        results: dict[str, Any] = {}
+        for label, stream in (("JSON", False), ("streamed", True)):
+            body = _body(stream)
+            times: dict[str, list[float]] = {side: [] for side in SIDES}
+            cpu = dict.fromkeys(SIDES, 0.0)
+            for _ in range(50):
+                for side in SIDES:
+                    timed_request(conns[side], body)
+            block = max(1, min(500, requests // 4))
+            for index in range(max(1, requests // block)):
+                for side in SIDES if index % 2 == 0 else SIDES[::-1]:
+                    before = cpu_seconds(envoys[side].pid)
+                    for _ in range(block):
+                        answer = timed_request(conns[side], body)
+                        times[side].append(answer.first if stream else answer.total)
+                    cpu[side] += cpu_seconds(envoys[side].pid) - before
+            results[label] = {
+                side: asdict(Timings.of(values, cpu[side])) for side, values in times.items()
+            }
+        return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cost.gateprice")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.requests < 1:
+        parser.error("--requests must be at least 1")
+    text = json.dumps(measure(args.requests), indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
