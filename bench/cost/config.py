@@ -31,7 +31,10 @@ Each policy replays the same requests, one after the other on the same stack:
   default);
 - by arrivals with the prefill weight set to the simulated engine's own ratio (run only when
   named, ``cost_aware_arrivals_w``: ``prefillWeight``), where a kvpilot that has learned it
-  stands.
+  stands;
+- with a gate (run only when named, ``GATE_POLICIES``: ``maxInFlight`` at the owned
+  replicas' batch slots or 75% of them, by arrivals or alone with ``maxShare: 0``): a
+  request without a session that finds the gate full goes to the paid API at once.
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
