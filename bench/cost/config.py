@@ -33,7 +33,7 @@ Each policy replays the same requests, one after the other on the same stack:
   named, ``cost_aware_arrivals_w``: ``prefillWeight``), where a kvpilot that has learned it
   stands;
 - with a gate (run only when named, ``GATE_POLICIES``: ``maxInFlight`` at the owned
-  replicas' batch slots or 75% of them, by arrivals or alone with ``maxShare: 0``): a
+  replicas' batch slots, 85% or 75% of them, by arrivals or alone with ``maxShare: 0``): a
   request without a session that finds the gate full goes to the paid API at once.
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
@@ -117,6 +117,7 @@ GATED_OVERFLOW: dict[str, Any] = {"pools": [PAID_POOL], "signal": "arrivals", "t
 GATE_POLICIES: dict[str, tuple[str, float, dict[str, Any]]] = {
     "cost_aware_gate": ("cost-aware by arrivals, a gate at the batch slots", 1.0, {}),
     "cost_aware_gate_75": ("cost-aware by arrivals, a gate at 75% of them", 0.75, {}),
+    "cost_aware_gate_85": ("cost-aware by arrivals, a gate at 85% of them", 0.85, {}),
     "cost_aware_gate_with": (
         "cost-aware by arrivals, a gate, conversations with the rest",
         1.0,
