@@ -94,6 +94,8 @@ def test_the_gate_is_an_internal_listener_in_front_of_a_breaker_at_the_limit() -
     mapper = manager.local_reply_config.mappers[0]
     assert list(mapper.filter.response_flag_filter.flags) == ["UO"]
     assert mapper.headers_to_add[0].header.key == GATE_HEADER
+    # Should the retries run out, the client gets the 503 in OpenAI's format.
+    assert mapper.body_format_override.json_format["error"]["code"]
     # Envoy's own overload header would forbid the retry.
     router = router_pb2.Router()
     manager.http_filters[-1].typed_config.Unpack(router)

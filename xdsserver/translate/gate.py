@@ -140,13 +140,17 @@ def gate_listener(gate: PlanCluster) -> listener_pb2.Listener:
             for header in headers
         )
     replies = local_replies(rate_limited=False)
-    full = hcm_pb2.ResponseMapper(
-        filter=accesslog_pb2.AccessLogFilter(
+    # The first mapper that matches applies: the refusal keeps the 5xx body in OpenAI's
+    # format (what a client sees should the retries run out) and gets the header.
+    full = hcm_pb2.ResponseMapper()
+    full.CopyFrom(replies.mappers[-1])
+    full.filter.CopyFrom(
+        accesslog_pb2.AccessLogFilter(
             response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=["UO"])
-        ),
-        headers_to_add=[
-            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=GATE_HEADER, value="1"))
-        ],
+        )
+    )
+    full.headers_to_add.append(
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=GATE_HEADER, value="1"))
     )
     replies.mappers.insert(0, full)
     manager = hcm_pb2.HttpConnectionManager(
