@@ -25,14 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.rig.probe import (
-    Timings,
+    alternating_blocks,
     connect,
-    cpu_seconds,
     envoy_process,
     probe_bootstrap,
     start_log_sink,
     stub_upstream,
-    timed_request,
 )
 from compiler import compile_plan
 from compiler.plan import FleetPlan
@@ -132,26 +130,16 @@ def measure(requests: int) -> dict[str, Any]:
             bootstrap = probe_bootstrap(fleet, signals, free_port())
             envoys[side] = running.enter_context(envoy_process(config, bootstrap))
         conns = {side: connect(port, _body()) for side, port in ports.items()}
-        results: dict[str, Any] = {}
-        for label, stream in (("JSON", False), ("streamed", True)):
-            body = _body(stream)
-            times: dict[str, list[float]] = {side: [] for side in SIDES}
-            cpu = dict.fromkeys(SIDES, 0.0)
-            for _ in range(50):
-                for side in SIDES:
-                    timed_request(conns[side], body)
-            block = max(1, min(500, requests // 4))
-            for index in range(max(1, requests // block)):
-                for side in SIDES if index % 2 == 0 else SIDES[::-1]:
-                    before = cpu_seconds(envoys[side].pid)
-                    for _ in range(block):
-                        answer = timed_request(conns[side], body)
-                        times[side].append(answer.first if stream else answer.total)
-                    cpu[side] += cpu_seconds(envoys[side].pid) - before
-            results[label] = {
-                side: asdict(Timings.of(values, cpu[side])) for side, values in times.items()
+        pids = {side: envoy.pid for side, envoy in envoys.items()}
+        return {
+            label: {
+                side: asdict(timings)
+                for side, timings in alternating_blocks(
+                    conns, pids, _body(stream), requests, stream=stream
+                ).items()
             }
-        return results
+            for label, stream in (("JSON", False), ("streamed", True))
+        }
 
 
 def main(argv: list[str] | None = None) -> int:

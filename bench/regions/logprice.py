@@ -25,14 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.rig.probe import (
-    Timings,
+    alternating_blocks,
     connect,
-    cpu_seconds,
     envoy_process,
     probe_bootstrap,
     start_log_sink,
     stub_upstream,
-    timed_request,
 )
 from compiler import compile_plan
 from compiler.plan import FleetPlan
@@ -111,25 +109,16 @@ def measure(requests: int) -> dict[str, Any]:
             bootstrap = probe_bootstrap(fleet, signals, free_port())
             envoys[kind] = running.enter_context(envoy_process(config, bootstrap))
         conns = {kind: connect(port, _body()) for kind, port in ports.items()}
-        results: dict[str, Any] = {}
-        for label, stream in (("JSON", False), ("streamed", True)):
-            body = _body(stream)
-            times: dict[str, list[float]] = {kind: [] for kind in ports}
-            cpu = dict.fromkeys(ports, 0.0)
-            for _ in range(50):
-                for kind in ports:
-                    timed_request(conns[kind], body)
-            block = max(1, min(500, requests // 4))
-            for index in range(max(1, requests // block)):
-                for kind in ("with", "without") if index % 2 else ("without", "with"):
-                    before = cpu_seconds(envoys[kind].pid)
-                    for _ in range(block):
-                        answer = timed_request(conns[kind], body)
-                        times[kind].append(answer.first if stream else answer.total)
-                    cpu[kind] += cpu_seconds(envoys[kind].pid) - before
-            results[label] = {
-                kind: asdict(Timings.of(values, cpu[kind])) for kind, values in times.items()
+        pids = {kind: envoy.pid for kind, envoy in envoys.items()}
+        results: dict[str, Any] = {
+            label: {
+                kind: asdict(timings)
+                for kind, timings in alternating_blocks(
+                    conns, pids, _body(stream), requests, stream=stream
+                ).items()
             }
+            for label, stream in (("JSON", False), ("streamed", True))
+        }
         time.sleep(1)  # the log's last batch
         results["entries"] = book.entries
         results["rates"] = book.rates()

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -140,6 +140,35 @@ def probe_bootstrap(fleet: FleetPlan, signals: int, admin: int) -> dict[str, Any
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}
     }
     return bootstrap
+
+
+def alternating_blocks(
+    conns: Mapping[str, http.client.HTTPConnection],
+    pids: Mapping[str, int],
+    body: bytes,
+    requests: int,
+    *,
+    stream: bool,
+) -> dict[str, Timings]:
+    """The same request on every side's connection, `requests` per side after 50 to warm
+    up, in blocks of up to 500 whose order of sides flips from one block to the next, so
+    that every side sees the same machine; each side's times (to the first chunk of a
+    streamed answer, to the end of another) and its Envoy's CPU (`pids`) over its blocks."""
+    sides = list(conns)
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    cpu = dict.fromkeys(sides, 0.0)
+    for _ in range(50):
+        for side in sides:
+            timed_request(conns[side], body)
+    block = max(1, min(500, requests // 4))
+    for index in range(max(1, requests // block)):
+        for side in sides if index % 2 == 0 else sides[::-1]:
+            before = cpu_seconds(pids[side])
+            for _ in range(block):
+                answer = timed_request(conns[side], body)
+                times[side].append(answer.first if stream else answer.total)
+            cpu[side] += cpu_seconds(pids[side]) - before
+    return {side: Timings.of(values, cpu[side]) for side, values in times.items()}
 
 
 def start_log_sink(

@@ -4,6 +4,7 @@ aggregate that adds external providers, and the ClusterLoadAssignments."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import (
@@ -180,19 +181,23 @@ def aggregate_clusters(
                 ),
             )
         )
-    out = []
-    for name, members in variants:
-        aggregate = cluster_pb2.Cluster(
-            name=name,
-            connect_timeout=duration(cluster.connect_timeout),
-            lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
-        )
-        aggregate.cluster_type.name = "envoy.clusters.aggregate"
-        aggregate.cluster_type.typed_config.CopyFrom(
-            pack(aggregate_pb2.ClusterConfig(clusters=list(members)))
-        )
-        out.append(aggregate)
-    return out
+    return [aggregate_cluster(name, members, cluster.connect_timeout) for name, members in variants]
+
+
+def aggregate_cluster(
+    name: str, members: Iterable[str], connect_timeout: float
+) -> cluster_pb2.Cluster:
+    """Envoy's aggregate cluster over `members`, highest priority first."""
+    aggregate = cluster_pb2.Cluster(
+        name=name,
+        connect_timeout=duration(connect_timeout),
+        lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
+    )
+    aggregate.cluster_type.name = "envoy.clusters.aggregate"
+    aggregate.cluster_type.typed_config.CopyFrom(
+        pack(aggregate_pb2.ClusterConfig(clusters=list(members)))
+    )
+    return aggregate
 
 
 def affinity_suffixes(cluster: PlanCluster) -> tuple[str, ...]:

@@ -12,7 +12,6 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2 as header_mutation_rules_pb2
 from envoy.config.core.v3 import base_pb2, protocol_pb2
 from envoy.config.route.v3 import route_components_pb2
-from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.upstream_codec.v3 import upstream_codec_pb2
@@ -26,6 +25,7 @@ from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import wrappers_pb2
 
 from compiler.plan import PlanEscalation, PlanVirtualHost, PlanVirtualModel
+from xdsserver.translate.clusters import aggregate_cluster
 from xdsserver.translate.difficulty import (
     ESCALATE_HEADER,
     ESCALATED_HEADER,
@@ -153,15 +153,7 @@ def escalation_clusters(vhosts: Iterable[PlanVirtualHost]) -> list[cluster_pb2.C
 def _escalation_cluster(
     virtual: PlanVirtualModel, escalation: PlanEscalation
 ) -> cluster_pb2.Cluster:
-    aggregate = cluster_pb2.Cluster(
-        name=escalation.cluster,
-        connect_timeout=duration(5),
-        lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
-    )
-    aggregate.cluster_type.name = "envoy.clusters.aggregate"
-    aggregate.cluster_type.typed_config.CopyFrom(
-        pack(aggregate_pb2.ClusterConfig(clusters=list(escalation.members)))
-    )
+    aggregate = aggregate_cluster(escalation.cluster, escalation.members, 5)
     options = http_protocol_options_pb2.HttpProtocolOptions()
     if escalation.protocol == "http2":
         options.explicit_http_config.http2_protocol_options.CopyFrom(

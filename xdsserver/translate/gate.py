@@ -26,7 +26,6 @@ from envoy.config.core.v3 import address_pb2, base_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
-from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
@@ -36,7 +35,7 @@ from google.protobuf import wrappers_pb2
 
 from compiler.plan import PlanCluster
 from policies.names import GATE_SUFFIX, gated_name
-from xdsserver.translate.clusters import affinity_suffixes, translate_cluster
+from xdsserver.translate.clusters import affinity_suffixes, aggregate_cluster, translate_cluster
 from xdsserver.translate.listeners import local_replies
 from xdsserver.translate.metadata import GATE_UPSTREAM, PREFIX_KEY_HEADER
 from xdsserver.translate.protos import duration, http_filter_chain, pack
@@ -69,15 +68,7 @@ def gated_aggregate(
 ) -> cluster_pb2.Cluster:
     """An aggregate that starts from the gate; its retries in flight are not bounded by
     Envoy's default of 3."""
-    out = cluster_pb2.Cluster(
-        name=name,
-        connect_timeout=duration(cluster.connect_timeout),
-        lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
-    )
-    out.cluster_type.name = "envoy.clusters.aggregate"
-    out.cluster_type.typed_config.CopyFrom(
-        pack(aggregate_pb2.ClusterConfig(clusters=list(members)))
-    )
+    out = aggregate_cluster(name, members, cluster.connect_timeout)
     thresholds = out.circuit_breakers.thresholds.add()
     thresholds.max_retries.value = GATE_RETRIES
     return out
