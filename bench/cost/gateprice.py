@@ -14,21 +14,20 @@ answers are counted under the replicas' pool, as the direct side's are.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bench.rig.probe import (
-    alternating_blocks,
+    both_answers,
     connect,
     envoy_process,
     probe_bootstrap,
+    probe_main,
     start_log_sink,
     stub_upstream,
 )
@@ -131,29 +130,11 @@ def measure(requests: int) -> dict[str, Any]:
             envoys[side] = running.enter_context(envoy_process(config, bootstrap))
         conns = {side: connect(port, _body()) for side, port in ports.items()}
         pids = {side: envoy.pid for side, envoy in envoys.items()}
-        return {
-            label: {
-                side: asdict(timings)
-                for side, timings in alternating_blocks(
-                    conns, pids, _body(stream), requests, stream=stream
-                ).items()
-            }
-            for label, stream in (("JSON", False), ("streamed", True))
-        }
+        return both_answers(conns, pids, _body, requests)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cost.gateprice")
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    if args.requests < 1:
-        parser.error("--requests must be at least 1")
-    text = json.dumps(measure(args.requests), indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
-    return 0
+    return probe_main("python -m bench.cost.gateprice", measure, argv)
 
 
 if __name__ == "__main__":

@@ -13,22 +13,22 @@ both see the same machine; Envoy's CPU time comes from ``/proc/<pid>/stat`` over
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench.rig.probe import (
-    alternating_blocks,
+    both_answers,
     connect,
     envoy_process,
     probe_bootstrap,
+    probe_main,
     start_log_sink,
     stub_upstream,
 )
@@ -110,15 +110,7 @@ def measure(requests: int) -> dict[str, Any]:
             envoys[kind] = running.enter_context(envoy_process(config, bootstrap))
         conns = {kind: connect(port, _body()) for kind, port in ports.items()}
         pids = {kind: envoy.pid for kind, envoy in envoys.items()}
-        results: dict[str, Any] = {
-            label: {
-                kind: asdict(timings)
-                for kind, timings in alternating_blocks(
-                    conns, pids, _body(stream), requests, stream=stream
-                ).items()
-            }
-            for label, stream in (("JSON", False), ("streamed", True))
-        }
+        results: dict[str, Any] = both_answers(conns, pids, _body, requests)
         time.sleep(1)  # the log's last batch
         results["entries"] = book.entries
         results["rates"] = book.rates()
@@ -126,15 +118,7 @@ def measure(requests: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.regions.logprice")
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    text = json.dumps(measure(args.requests), indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
-    return 0
+    return probe_main("python -m bench.regions.logprice", measure, argv)
 
 
 if __name__ == "__main__":

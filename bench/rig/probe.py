@@ -11,6 +11,7 @@ answers at once so that Envoy's own work is most of a request's time.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import http.client
@@ -21,8 +22,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -169,6 +170,43 @@ def alternating_blocks(
                 times[side].append(answer.first if stream else answer.total)
             cpu[side] += cpu_seconds(pids[side]) - before
     return {side: Timings.of(values, cpu[side]) for side, values in times.items()}
+
+
+def both_answers(
+    conns: Mapping[str, http.client.HTTPConnection],
+    pids: Mapping[str, int],
+    body: Callable[[bool], bytes],
+    requests: int,
+) -> dict[str, dict[str, Any]]:
+    """`alternating_blocks` with JSON answers, then streamed ones (``body(stream)``): per kind
+    of answer, each side's timings as JSON."""
+    return {
+        label: {
+            side: asdict(timings)
+            for side, timings in alternating_blocks(
+                conns, pids, body(stream), requests, stream=stream
+            ).items()
+        }
+        for label, stream in (("JSON", False), ("streamed", True))
+    }
+
+
+def probe_main(
+    prog: str, measure: Callable[[int], Mapping[str, Any]], argv: list[str] | None
+) -> int:
+    """A probe's command line: ``--requests N`` (2,000 by default) and ``--out FILE``; prints
+    what `measure` returns as JSON (and writes it to the file)."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.requests < 1:
+        parser.error("--requests must be at least 1")
+    text = json.dumps(measure(args.requests), indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
 
 
 def start_log_sink(
