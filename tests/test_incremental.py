@@ -63,3 +63,23 @@ def test_a_plan_equal_to_the_last_reuses_the_snapshot() -> None:
     again = replace(old, clusters=(cluster("a", 1), cluster("b", 2)))
     after, path = build_snapshot(again, old, before)
     assert path == "fast" and after is before
+
+
+def test_a_gate_beside_its_replicas_keeps_the_fast_path() -> None:
+    """A route's gate (``overflow.maxInFlight``) carries its replicas' endpoints and reads
+    their assignment: an endpoint change changes both clusters and re-serializes the
+    replicas' assignment alone."""
+    gate = replace(cluster("a/gate", 1, 2), kind="gate", eds_service="a")
+    old = FleetPlan(fleet="default", listeners=(), clusters=(cluster("a", 1, 2), gate))
+    before, _ = build_snapshot(old, None, None)
+    assert "a/gate" not in before.resources(resources.ENDPOINT)
+    moved = replace(gate, endpoints=cluster("a/gate", 1, 9).endpoints)
+    new = replace(old, clusters=(cluster("a", 1, 9), moved))
+    after, path = build_snapshot(new, old, before)
+    assert path == "fast"
+    assert set(after.resources(resources.ENDPOINT)) == {"a"}
+    assert (
+        after.resources(resources.ENDPOINT)["a"].version
+        != before.resources(resources.ENDPOINT)["a"].version
+    )
+    assert after.version(resources.CLUSTER) == before.version(resources.CLUSTER)

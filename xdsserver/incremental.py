@@ -73,7 +73,7 @@ def _endpoints_only(fleet: FleetPlan, old: FleetPlan, before: Snapshot) -> Snaps
     ]
     for cluster in changed:
         if (
-            cluster.kind != "eds"
+            cluster.kind not in ("eds", "gate")
             or replace(previous[cluster.name], endpoints=cluster.endpoints) != cluster
         ):
             return None
@@ -81,7 +81,8 @@ def _endpoints_only(fleet: FleetPlan, old: FleetPlan, before: Snapshot) -> Snaps
         return before
     return before.with_messages(
         resources.ENDPOINT,
-        [translate_endpoints(cluster) for cluster in changed],
+        # A gate reads its replicas' own assignment (``eds_service``), changed beside it.
+        [translate_endpoints(cluster) for cluster in changed if cluster.kind == "eds"],
         replace_all=False,
     )
 
