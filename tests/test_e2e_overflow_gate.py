@@ -31,14 +31,19 @@ LIMIT = 4
 """The gate: the owned replicas' batch slots, for this one Envoy."""
 BODY = chat(max_tokens=60, stream=True)
 """A streamed answer of 60 tokens: about 0.8 s in a simulated batch of two."""
+LONG = chat(max_tokens=240, stream=True)
+"""Four times as long: a burst of them is in flight together however slowly its threads
+start on a loaded machine."""
 
 
-def _burst(rig: Rig, count: int, session: str | None = None) -> list[tuple[int, str]]:
+def _burst(
+    rig: Rig, count: int, session: str | None = None, body: dict[str, Any] = BODY
+) -> list[tuple[int, str]]:
     """`count` requests at once; (status, backend) of each."""
     headers = {"x-session-id": session} if session else {}
 
     def one(client: httpx.Client) -> tuple[int, str]:
-        with client.stream("POST", rig.url(), json=BODY, headers=headers) as answer:
+        with client.stream("POST", rig.url(), json=body, headers=headers) as answer:
             answer.read()
             # The gate names the replica for the usage log alone.
             assert GATE_UPSTREAM not in answer.headers, answer.headers
@@ -96,7 +101,7 @@ def test_the_gate_sends_the_excess_of_the_moment_to_paid_and_keeps_conversations
         assert paid.hits == 0
 
         # Ten at once: the gate lets LIMIT through, the rest are answered by paid at once.
-        answers = _extend(sent, _burst(rig, 10))[-10:]
+        answers = _extend(sent, _burst(rig, 10, body=LONG))[-10:]
         assert all(status == 200 for status, _ in answers), answers
         by_owned = sum(backend in owned for _, backend in answers)
         by_paid = sum(backend == "paid" for _, backend in answers)
