@@ -23,10 +23,10 @@ from policies.names import GATE_SUFFIX
 from xdsserver import resources
 from xdsserver.translate.clusters import (
     AFFINITY_SUFFIX,
-    INTERNAL_SUFFIX,
     SATURATED_SUFFIX,
     UNBOUNDED_SUFFIX,
     aggregate_clusters,
+    listener_members,
     translate_cluster,
     translate_endpoints,
 )
@@ -69,10 +69,7 @@ def translate(plan: FleetPlan) -> FleetResources:
             clusters.extend(translate_cluster(cluster, trusted_ca_file=plan.trusted_ca_file))
             endpoints.append(translate_endpoints(cluster))
         elif cluster.kind == "aggregate" and cluster.name.endswith(GATE_SUFFIX):
-            members = tuple(
-                member + INTERNAL_SUFFIX if member in behind_listener else member
-                for member in cluster.members
-            )
+            members = listener_members(cluster.members, behind_listener)
             clusters.append(gated_aggregate(cluster.name, members, cluster))
         elif cluster.kind == "aggregate":
             clusters.extend(aggregate_clusters(cluster, behind_listener))

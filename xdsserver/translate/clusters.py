@@ -165,10 +165,7 @@ def aggregate_clusters(
     failover and retries with previous_priorities work across them. With session affinity a
     twin aggregate starts from the replicas' consistent-hash cluster instead.
     """
-    members = tuple(
-        member + INTERNAL_SUFFIX if member in behind_listener else member
-        for member in cluster.members
-    )
+    members = listener_members(cluster.members, behind_listener)
     variants = [(cluster.name, members)]
     suffixes = affinity_suffixes(cluster)
     for suffix in suffixes:
@@ -182,6 +179,14 @@ def aggregate_clusters(
             )
         )
     return [aggregate_cluster(name, members, cluster.connect_timeout) for name, members in variants]
+
+
+def listener_members(members: Iterable[str], behind_listener: frozenset[str]) -> tuple[str, ...]:
+    """An aggregate's `members`, each provider whose auth header an internal listener adds
+    (`behind_listener`) named by the cluster that reaches that listener."""
+    return tuple(
+        member + INTERNAL_SUFFIX if member in behind_listener else member for member in members
+    )
 
 
 def aggregate_cluster(
