@@ -80,6 +80,9 @@ def test_the_gate_is_an_internal_listener_in_front_of_a_breaker_at_the_limit() -
     # The same EDS resource as the replicas' own cluster, hashed as the session entry is.
     assert behind.eds_cluster_config.service_name == "main/chat"
     assert behind.lb_policy == behind.RING_HASH
+    # At the limit no replica holds more than the mean: its batch, where the limit is the
+    # replicas' batch slots.
+    assert behind.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value == 100
     to_gate = clusters["main/chat/gate"]
     address = to_gate.load_assignment.endpoints[0].lb_endpoints[0].endpoint.address
     assert address.envoy_internal_address.server_listener_name == "main/chat/gate"

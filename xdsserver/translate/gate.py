@@ -82,6 +82,10 @@ def _behind(gate: PlanCluster, trusted_ca_file: str) -> cluster_pb2.Cluster:
     made = translate_cluster(replace(gate, kind="eds", name=name), trusted_ca_file=trusted_ca_file)
     out = made[1] if gate.affinity is not None else made[0]
     out.name = name
+    if gate.affinity is not None:
+        # No replica above the mean of what the gate lets in: at the limit, no replica holds
+        # more than its batch.
+        out.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = 100
     return out
 
 
