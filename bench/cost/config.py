@@ -32,9 +32,10 @@ Each policy replays the same requests, one after the other on the same stack:
 - by arrivals with the prefill weight set to the simulated engine's own ratio (run only when
   named, ``cost_aware_arrivals_w``: ``prefillWeight``), where a kvpilot that has learned it
   stands;
-- with a gate (run only when named, ``GATE_POLICIES``: ``maxInFlight`` at the owned
-  replicas' batch slots, 85% or 75% of them, by arrivals or alone with ``maxShare: 0``): a
-  request without a session that finds the gate full goes to the paid API at once.
+- with a gate (``GATE_POLICIES``: ``maxInFlight`` at the owned replicas' batch slots or
+  75-95% of them, by arrivals or alone with ``maxShare: 0``; 90% by arrivals in every run,
+  ``DEFAULT_GATE``, the others when named): a request without a session that finds the gate
+  full goes to the paid API at once.
 
 Capacity is what the owned replicas serve at full batches with perfect affinity (every
 request hits all that was computed before it): an upper bound, so 150% of it is more than
@@ -118,6 +119,8 @@ GATE_POLICIES: dict[str, tuple[str, float, dict[str, Any]]] = {
     "cost_aware_gate": ("cost-aware by arrivals, a gate at the batch slots", 1.0, {}),
     "cost_aware_gate_75": ("cost-aware by arrivals, a gate at 75% of them", 0.75, {}),
     "cost_aware_gate_85": ("cost-aware by arrivals, a gate at 85% of them", 0.85, {}),
+    "cost_aware_gate_90": ("cost-aware by arrivals, a gate at 90% of them", 0.9, {}),
+    "cost_aware_gate_95": ("cost-aware by arrivals, a gate at 95% of them", 0.95, {}),
     "cost_aware_gate_with": (
         "cost-aware by arrivals, a gate, conversations with the rest",
         1.0,
@@ -125,10 +128,14 @@ GATE_POLICIES: dict[str, tuple[str, float, dict[str, Any]]] = {
     ),
     "gate_only": ("a gate at the batch slots alone (no share)", 1.0, {"maxShare": 0}),
     "gate_only_75": ("a gate at 75% of the batch slots alone", 0.75, {"maxShare": 0}),
+    "gate_only_90": ("a gate at 90% of the batch slots alone", 0.9, {"maxShare": 0}),
 }
 """Routes with a gate (``overflow.maxInFlight``): key -> (label, the gate's share of the owned
 replicas' batch slots, overflow fields): a request without a session that finds the gate
 full goes to the paid API at once."""
+DEFAULT_GATE = "cost_aware_gate_90"
+"""The gated route every run has (the others run when named): at 90% of the slots, where the
+benchmark met its targets (docs/cost-overflow.md)."""
 RESTART_POLICY = "cost_aware_arrivals_restart"
 """The default route replayed by a kvpilot just restarted: its prefill fit is the one the
 previous policies' runs left in etcd (run after ``cost_aware_arrivals``)."""
@@ -259,10 +266,15 @@ POLICIES: tuple[Policy, ...] = (
     ),
     # The default route with a gate (``maxInFlight``, set per run from the replicas and
     # their batch: ``CostConfig.policy``): the first seconds of a peak, which the share
-    # follows only later, go to the paid API request by request. At the batch slots or 75%
-    # of them; with the share (by arrivals) or with the gate alone (``maxShare: 0``).
+    # follows only later, go to the paid API request by request. At the batch slots or
+    # 75-95% of them; with the share (by arrivals) or with the gate alone (``maxShare: 0``).
     *(
-        Policy(key, label, {**ROUTE, "overflow": {**GATED_OVERFLOW, **fields}}, default=False)
+        Policy(
+            key,
+            label,
+            {**ROUTE, "overflow": {**GATED_OVERFLOW, **fields}},
+            default=key == DEFAULT_GATE,
+        )
         for key, (label, _, fields) in GATE_POLICIES.items()
     ),
     # The same with an objective twice the benchmark's: a longer queue is held on the owned

@@ -9,7 +9,7 @@ import functools
 import statistics
 from collections.abc import Callable, Sequence
 
-from bench.cost.config import PAID_PREFIX, POLICIES, CostConfig
+from bench.cost.config import GATE_POLICIES, PAID_PREFIX, POLICIES, CostConfig
 from bench.cost.floor import floor_lines, full_rate
 from bench.cost.results import CostSummary, Dollars, PhaseRow, Results
 from bench.rig.loadgen import RequestResult, RunResult
@@ -272,6 +272,31 @@ def targets(results: Results) -> list[tuple[str, bool | None, str]]:
                 f"{by}: TTFT p99 at the peak below the loop's",
                 _ratios(results, (arrivals, _peak_ttft_p99), ("cost_aware", _peak_ttft_p99)),
                 lambda r: r < 1.0,
+            ),
+        ]
+    for gated in sorted(key for key in present if key in GATE_POLICIES):
+        # The same targets for each gated route run (``overflow.maxInFlight``).
+        by = GATE_POLICIES[gated][0]
+        checks += [
+            (
+                f"{by}: TTFT p99 at most 1.2x the static split's",
+                _ratios(results, (gated, _ttft_p99), ("static_split", _ttft_p99)),
+                lambda r: r <= 1.2,
+            ),
+            (
+                f"{by}: paid spend at most 0.6x the static split's",
+                _ratios(results, (gated, _paid_dollars), ("static_split", _paid_dollars)),
+                lambda r: r <= 0.6,
+            ),
+            (
+                f"{by}: owned only's TTFT p99 at the peak at least 3x its",
+                _ratios(results, ("owned_only", _peak_ttft_p99), (gated, _peak_ttft_p99)),
+                lambda r: r >= 3.0,
+            ),
+            (
+                f"{by}: goodput at least the static split's",
+                _ratios(results, (gated, _goodput), ("static_split", _goodput)),
+                lambda r: r >= 1.0,
             ),
         ]
     out: list[tuple[str, bool | None, str]] = []
