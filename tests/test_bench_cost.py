@@ -12,7 +12,9 @@ import pytest
 from harness.golden import BENCH, check, updating
 
 from bench.cost.config import (
+    DEFAULT_GATE,
     ENGINE_WEIGHT_POLICY,
+    GATE_POLICIES,
     PAID_POOL,
     POLICIES,
     Phase,
@@ -137,6 +139,23 @@ def test_overflow_by_arrivals_is_judged_against_the_loop_only_when_it_ran() -> N
     assert verdicts["by arrivals: paid spend below the loop's"] is True
     assert verdicts["by arrivals: TTFT p99 at the peak below the loop's"] is False
     assert verdicts["by arrivals: paid spend at most 0.6x the static split's"] is True
+
+
+def test_a_gated_route_run_is_judged_on_the_issues_four_targets() -> None:
+    quiet = summarize(RunResult(results=[], samples=[], wall_seconds=0.0, timed_out=False), CONFIG)
+    base = replace(
+        quiet, ttft_p99=2.0, peak_ttft_p99=6.0, goodput_per_s=1.0, dollars=Dollars(0.0, 1.0)
+    )
+    gated = replace(base, ttft_p99=1.0, peak_ttft_p99=1.5, dollars=Dollars(0.0, 0.7))
+    label = GATE_POLICIES[DEFAULT_GATE][0]
+    run = {"static_split": base, "cost_aware": base, "owned_only": base, DEFAULT_GATE: gated}
+    verdicts = {what: met for what, met, _ in targets({1: run})}
+    assert verdicts[f"{label}: TTFT p99 at most 1.2x the static split's"] is True
+    assert verdicts[f"{label}: paid spend at most 0.6x the static split's"] is False
+    assert verdicts[f"{label}: owned only's TTFT p99 at the peak at least 3x its"] is True
+    assert verdicts[f"{label}: goodput at least the static split's"] is True
+    # Every run has it; the other gated routes run when named.
+    assert [p.key for p in POLICIES if p.key in GATE_POLICIES and p.default] == [DEFAULT_GATE]
 
 
 def test_the_excess_over_capacity_bounds_what_overflow_can_save() -> None:

@@ -213,56 +213,47 @@ def _ratios(
     return out
 
 
-def targets(results: Results) -> list[tuple[str, bool | None, str]]:
-    """The issue's targets, each judged on the median over seeds: (what, met, measured)."""
-    checks: list[tuple[str, list[float | None], Callable[[float], bool]]] = [
+Check = tuple[str, list[float | None], Callable[[float], bool]]
+"""What a target says, its ratio seed by seed, and whether a median ratio meets it."""
+
+
+def _issue_targets(results: Results, key: str, label: str) -> list[Check]:
+    """The cost issue's four targets for the policy `key`, against the static split and owned
+    only of the same seeds."""
+    return [
         (
-            "the loop (signal: fill): TTFT p99 at most 1.2x the static split's",
-            _ratios(results, ("cost_aware", _ttft_p99), ("static_split", _ttft_p99)),
+            f"{label}: TTFT p99 at most 1.2x the static split's",
+            _ratios(results, (key, _ttft_p99), ("static_split", _ttft_p99)),
             lambda r: r <= 1.2,
         ),
         (
-            "the loop (signal: fill): paid spend at most 0.6x the static split's",
-            _ratios(results, ("cost_aware", _paid_dollars), ("static_split", _paid_dollars)),
+            f"{label}: paid spend at most 0.6x the static split's",
+            _ratios(results, (key, _paid_dollars), ("static_split", _paid_dollars)),
             lambda r: r <= 0.6,
         ),
         (
-            "the loop (signal: fill): owned only's TTFT p99 at the peak at least 3x its",
-            _ratios(results, ("owned_only", _peak_ttft_p99), ("cost_aware", _peak_ttft_p99)),
+            f"{label}: owned only's TTFT p99 at the peak at least 3x its",
+            _ratios(results, ("owned_only", _peak_ttft_p99), (key, _peak_ttft_p99)),
             lambda r: r >= 3.0,
         ),
         (
-            "the loop (signal: fill): goodput at least the static split's",
-            _ratios(results, ("cost_aware", _goodput), ("static_split", _goodput)),
+            f"{label}: goodput at least the static split's",
+            _ratios(results, (key, _goodput), ("static_split", _goodput)),
             lambda r: r >= 1.0,
         ),
     ]
+
+
+def targets(results: Results) -> list[tuple[str, bool | None, str]]:
+    """The issue's targets, each judged on the median over seeds: (what, met, measured)."""
+    checks = _issue_targets(results, "cost_aware", "the loop (signal: fill)")
     present = {key for per_policy in results.values() for key in per_policy}
     for arrivals in sorted(key for key in present if key.startswith("cost_aware_arrivals")):
         # The same targets for overflow by arrivals (each objective run; `signal: arrivals`
         # is the default), and how it compares with the loop.
         by = "by arrivals" + arrivals.removeprefix("cost_aware_arrivals").replace("_", " ")
         checks += [
-            (
-                f"{by}: TTFT p99 at most 1.2x the static split's",
-                _ratios(results, (arrivals, _ttft_p99), ("static_split", _ttft_p99)),
-                lambda r: r <= 1.2,
-            ),
-            (
-                f"{by}: paid spend at most 0.6x the static split's",
-                _ratios(results, (arrivals, _paid_dollars), ("static_split", _paid_dollars)),
-                lambda r: r <= 0.6,
-            ),
-            (
-                f"{by}: owned only's TTFT p99 at the peak at least 3x its",
-                _ratios(results, ("owned_only", _peak_ttft_p99), (arrivals, _peak_ttft_p99)),
-                lambda r: r >= 3.0,
-            ),
-            (
-                f"{by}: goodput at least the static split's",
-                _ratios(results, (arrivals, _goodput), ("static_split", _goodput)),
-                lambda r: r >= 1.0,
-            ),
+            *_issue_targets(results, arrivals, by),
             (
                 f"{by}: paid spend below the loop's",
                 _ratios(results, (arrivals, _paid_dollars), ("cost_aware", _paid_dollars)),
@@ -276,29 +267,7 @@ def targets(results: Results) -> list[tuple[str, bool | None, str]]:
         ]
     for gated in sorted(key for key in present if key in GATE_POLICIES):
         # The same targets for each gated route run (``overflow.maxInFlight``).
-        by = GATE_POLICIES[gated][0]
-        checks += [
-            (
-                f"{by}: TTFT p99 at most 1.2x the static split's",
-                _ratios(results, (gated, _ttft_p99), ("static_split", _ttft_p99)),
-                lambda r: r <= 1.2,
-            ),
-            (
-                f"{by}: paid spend at most 0.6x the static split's",
-                _ratios(results, (gated, _paid_dollars), ("static_split", _paid_dollars)),
-                lambda r: r <= 0.6,
-            ),
-            (
-                f"{by}: owned only's TTFT p99 at the peak at least 3x its",
-                _ratios(results, ("owned_only", _peak_ttft_p99), (gated, _peak_ttft_p99)),
-                lambda r: r >= 3.0,
-            ),
-            (
-                f"{by}: goodput at least the static split's",
-                _ratios(results, (gated, _goodput), ("static_split", _goodput)),
-                lambda r: r >= 1.0,
-            ),
-        ]
+        checks += _issue_targets(results, gated, GATE_POLICIES[gated][0])
     out: list[tuple[str, bool | None, str]] = []
     for what, ratios, holds in checks:
         median, low, high = _stats(ratios)
