@@ -34,9 +34,7 @@ typecheck: $(STAMP)
 
 # Whole modules go to one worker (`loadfile`), so a module's fixtures start once, in
 # collection order (`--no-loadscope-reorder`): tests/harness/order.py puts the longest first.
-# Four workers on 2 cores: the end-to-end tests spend much of their time waiting on
-# processes and conditions (three workers kept 1.45 cores busy on average).
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 
 # Byte-compiled once here, so the many kvpilot, agent and replica processes the tests start
 # do not each compile the sources again (where PYTHONDONTWRITEBYTECODE keeps them from
