@@ -155,8 +155,8 @@ class Overflow(Model):
         le=100_000,
         description="Requests each Envoy keeps in flight on the owned replicas, conversations "
         "included: about 90% of their batch slots (replicas x batch size) over the fleet's "
-        "Envoys (in the cost benchmark, 90% met every target by the median; the full slots "
-        "paid less and held less of the peak's tail). Behind the gate no replica takes more "
+        "Envoys (in the cost benchmark at batches of 8, 90% met every target by the median; the "
+        "full slots paid less and held less of the peak's tail; at 32, level with no gate). Behind the gate no replica takes more "
         "than the mean of what it lets in. A "
         "request without a session that finds them all taken goes to the paid pool at once, "
         "in the same request (Envoy's circuit breaker on a gate in front of the replicas, and "
