@@ -75,9 +75,9 @@ def gated_aggregate(
 
 
 def _behind(gate: PlanCluster, trusted_ca_file: str) -> cluster_pb2.Cluster:
-    """The replicas' cluster as the gate's route reaches it: their consistent-hash twin at
-    the usual bound when the route has session affinity (both kinds of request pass the
-    gate: the breaker counts them all), else their own balancing."""
+    """The replicas' cluster as the gate's route reaches it: with session affinity their
+    consistent-hash twin bounded at the mean of what the gate lets in (both kinds of request
+    pass the gate: the breaker counts them all), else their own balancing."""
     name = gate.name + REPLICAS_SUFFIX
     made = translate_cluster(replace(gate, kind="eds", name=name), trusted_ca_file=trusted_ca_file)
     out = made[1] if gate.affinity is not None else made[0]
