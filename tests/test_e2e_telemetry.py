@@ -22,7 +22,7 @@ import pytest
 from harness.agent import MetricsBackend, start_agent_process
 from harness.auth import ADMIN
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool, route
-from harness.envoy import endpoint_weights, health_flags
+from harness.envoy import endpoint_weights, health_flags, serves_listener
 from harness.status import metric
 from harness.traffic import served_by
 from harness.wait import poll
@@ -75,6 +75,7 @@ class Setup:
         self.envoy = envoy
         self.backends = backends
         self.ports = [b.port for b in backends]
+        self.listener_port = listener_port
         self.url = f"http://127.0.0.1:{listener_port}/v1/chat/completions"
         self.store = store
 
@@ -196,6 +197,13 @@ async def affinity_twins(
     )
     for twin in twins:
         await setup.wait_weights(dict.fromkeys(setup.ports, 100), 30, f"{twin} in Envoy", twin)
+    # Clusters arrive before the listener that routes to them: wait for it too, or the first
+    # session request can find the port closed.
+    await poll(
+        lambda: asyncio.to_thread(serves_listener, setup.envoy, setup.listener_port),
+        30,
+        "the policy's listener in Envoy",
+    )
     return Twins(setup, max_running)
 
 
