@@ -33,6 +33,7 @@ from harness.rig import BackendFactory, EnvoyFactory, KvpilotFactory, Rig
 from harness.xdsclient import RunningServer
 
 from controlplane.local import EmbeddedEnvoy, EmbeddedEtcd, KvpilotProcess
+from controlplane.local.process import enable_prefork
 from controlplane.local.replicas import BackendProcess
 
 
@@ -58,6 +59,11 @@ def _share_default_ssl_context() -> None:
 
 
 _share_default_ssl_context()
+
+# `kvpilot serve`, its agent and the simulated replicas start by forking a process that has
+# imported them once (`controlplane.local.prefork`): over a hundred starts, each of which
+# would spend 1.5 s of CPU importing FastAPI, gRPC and kvpilot on a 2-core machine.
+enable_prefork(["commands.cli", "commands.serve", "commands.agent", "replicasim.server"])
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -13,6 +13,10 @@ demo can all use it. Children never outlive us:
   which covers `kill -9` of the parent and crashed test runs;
 - an `atexit` hook stops whatever is still running at interpreter exit.
 
+`enable_prefork` makes `python -m` starts of the named kvpilot modules fork from a process
+that imported them already (`controlplane.local.prefork`): the tests start over a hundred
+`kvpilot serve` processes, each of which would spend 1.5 s of CPU on imports.
+
 Caveat of `PR_SET_PDEATHSIG`: "parent" means the *thread* that forked. Start children from the
 main thread or from a thread that lives as long as they do, not from a short-lived worker.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -175,6 +180,113 @@ def _preexec_pdeathsig(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
+class _Adopted:
+    """A child the prefork server forked and the kernel handed to this process (a subreaper):
+    what `ManagedProcess` uses of a `Popen`, over `waitpid`."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = 0  # reaped elsewhere: Popen says 0 then too
+            else:
+                if pid == self.pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.005)
+        return code
+
+
+def _python_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables Python reads when it starts: a forked child keeps the server's."""
+    return {key: value for key, value in env.items() if key.startswith("PYTHON")}
+
+
+class _PreforkServer:
+    """The requester's side of `controlplane.local.prefork`: one server, started at the first
+    start it can take, asked over a pipe (one start at a time)."""
+
+    def __init__(self, modules: Sequence[str]) -> None:
+        self.modules = list(modules)
+        self.cwd = repo_root()
+        self.python_env = _python_env(os.environ)
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def module_for(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path | None) -> str:
+        """The module of a `python -m MODULE ...` start this server can fork, else ''."""
+        if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+            return ""
+        module = argv[2]
+        preloaded = any(m == module or m.startswith(module + ".") for m in self.modules)
+        same_place = Path(cwd or os.getcwd()).resolve() == self.cwd
+        if preloaded and same_place and _python_env(env) == self.python_env:
+            return module
+        return ""
+
+    def spawn(self, request: dict[str, object]) -> int:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "controlplane.local.prefork", *self.modules],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    cwd=self.cwd,
+                    close_fds=True,
+                )
+            assert self._proc.stdin is not None and self._proc.stdout is not None
+            try:
+                self._proc.stdin.write(json.dumps(request).encode() + b"\n")
+                self._proc.stdin.flush()
+                line = self._proc.stdout.readline()
+            except OSError as exc:
+                raise LauncherError(f"the prefork server is gone: {exc}") from exc
+        if not line:
+            raise LauncherError("the prefork server exited")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise LauncherError(f"the prefork server could not start it: {answer['error']}")
+        return int(answer["pid"])
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+
+
+_prefork: _PreforkServer | None = None
+
+
+def enable_prefork(modules: Sequence[str]) -> bool:
+    """Start `python -m` children of `modules` (or of a package of one) by forking a process
+    that imported `modules` once (`controlplane.local.prefork`). Linux only: False, and
+    nothing changes, where this process cannot become a child subreaper."""
+    # Imported here: `python -m controlplane.local.prefork` imports this package first, and
+    # the module must not be in it already then.
+    from controlplane.local.prefork import become_subreaper
+
+    global _prefork
+    if _prefork is None:
+        if not become_subreaper():
+            return False
+        _prefork = _PreforkServer(modules)
+        atexit.register(_prefork.close)
+    return True
+
+
 _running: set[ManagedProcess] = set()
 _running_lock = threading.Lock()
 
@@ -210,7 +322,7 @@ class ManagedProcess:
         self.stdout_path = stdout_path
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | _Adopted | None = None
         self._log_start = 0
 
     @property
@@ -232,6 +344,8 @@ class ManagedProcess:
         if self.running():
             return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._spawn_forked():
+            return
         with contextlib.ExitStack() as files:
             log: IO[bytes] = files.enter_context(self.log_path.open("ab"))
             self._log_start = log.seek(0, os.SEEK_END)
@@ -254,6 +368,35 @@ class ManagedProcess:
                 raise LauncherError(f"cannot run {self.argv[0]}: {exc}") from exc
         with _running_lock:
             _running.add(self)
+
+    def _spawn_forked(self) -> bool:
+        """Start through the prefork server when it can take this start; False otherwise, or
+        when it fails (then it is not asked again)."""
+        global _prefork
+        env = os.environ if self.env is None else self.env
+        module = _prefork.module_for(self.argv, env, self.cwd) if _prefork else ""
+        if _prefork is None or not module:
+            return False
+        with self.log_path.open("ab") as log:
+            self._log_start = log.seek(0, os.SEEK_END)
+        request: dict[str, object] = {
+            "module": module,
+            "args": self.argv[3:],
+            "env": dict(env),
+            "cwd": str(self.cwd or os.getcwd()),
+            "log": str(self.log_path),
+            "stdout": str(self.stdout_path) if self.stdout_path is not None else "",
+        }
+        try:
+            self._proc = _Adopted(_prefork.spawn(request))
+        except LauncherError as exc:
+            print(f"kvpilot: {exc}; starting processes without it", file=sys.stderr)
+            _prefork.close()
+            _prefork = None
+            return False
+        with _running_lock:
+            _running.add(self)
+        return True
 
     def _signal_group(self, sig: int) -> None:
         assert self._proc is not None
