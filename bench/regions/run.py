@@ -171,7 +171,7 @@ async def _phases(stack: RegionsStack, load: OpenLoop, marks: Marks) -> None:
     rates(config.steady_load, config.steady_load)
     await phase("steady", config.phase)
     rates(config.overload, config.steady_load)
-    await phase("overload", config.phase)
+    await phase("overload", config.overload_phase)
     rates(config.steady_load, config.steady_load)
     start = load.now()
     say(f"  down: {config.phase:g}s, region {a} killed after {config.phase / 4:g}s")
