@@ -27,7 +27,7 @@ from signals.spill import (
 from signals.telemetry import TelemetryRecord
 from tests.harness.regions import two_region_state
 from tests.harness.upstreamlog import END, START, upstream_entry
-from xdsserver.arrivals import PENDING_LIMIT, ArrivalBook
+from xdsserver.arrivals import PENDING_LIMIT, SERVICE_HOLD, SERVICE_WINDOW, ArrivalBook
 
 HOST = "10.0.1.1:8000"
 
@@ -61,6 +61,28 @@ def test_an_attempt_that_waited_for_a_slot_gives_no_service_time() -> None:
     book.observe(_entry(END, 2, first=0.1, last=12.5), "us")
     assert book.service_times() == {HOST: pytest.approx(7.5)}
     assert book.in_flight() == {}
+
+
+def test_a_host_full_for_longer_than_the_window_keeps_its_last_service_time() -> None:
+    """A locality held at capacity is full most of the time: its replicas' attempts start
+    without a free slot and give no time, and its capacity must not go unknown then."""
+    book, clock = _book({HOST: 1})
+    book.observe(_entry(START, 0), "us")
+    book.observe(_entry(END, 0, first=0.1, last=7.6), "us")
+    assert book.service_times() == {HOST: pytest.approx(7.5)}
+    # Full from now on: each start finds the slot taken by the one before.
+    book.observe(_entry(START, 1), "us")
+    for request in range(2, 22):
+        clock[0] += 4.0
+        book.observe(_entry(START, request), "us")
+        # The first of them found the slot free (timed, 7.5 s); the rest waited 4.5 s each.
+        book.observe(_entry(END, request - 1, first=0.1, last=7.6 if request == 2 else 12.1), "us")
+        assert book.service_times() == {HOST: pytest.approx(7.5)}, clock[0] - 1000
+    assert clock[0] - 1000 > SERVICE_WINDOW
+    # Past the hold after the last time counted (request 1's end, 4 s in) with nothing new:
+    # unknown, as for a host that stopped answering.
+    clock[0] = 1004 + SERVICE_HOLD + 1
+    assert book.service_times() == {}
 
 
 def test_without_the_hosts_slots_every_streamed_answer_counts_as_before() -> None:

@@ -29,7 +29,13 @@ from signals.telemetry import TelemetryRecord
 from tests.harness.golden import load_case
 from tests.harness.regions import two_region_state
 from tests.harness.upstreamlog import END, START, upstream_entry
-from xdsserver.arrivals import ARRIVAL_WINDOW, CHANGE_WINDOW, MIN_SPAN, ArrivalBook
+from xdsserver.arrivals import (
+    ARRIVAL_WINDOW,
+    CHANGE_WINDOW,
+    MIN_SPAN,
+    SERVICE_HOLD,
+    ArrivalBook,
+)
 from xdsserver.signals import SignalBook
 from xdsserver.static import validate_with_envoy
 from xdsserver.translate import translate
@@ -235,7 +241,11 @@ def test_the_arrival_book_times_streamed_answers_from_first_to_last_byte() -> No
     # Every 200 counts as a completion, streamed or not: four over the two seconds.
     assert book.completions() == {"10.0.1.1:8000": pytest.approx(4 / MIN_SPAN)}
     clock[0] += 60
-    assert book.service_times() == {} and book.completions() == {}
+    assert book.completions() == {}
+    # The last service time stands a while (a full host gives none), then goes.
+    assert book.service_times() == {"10.0.1.1:8000": pytest.approx(7.5)}
+    clock[0] += SERVICE_HOLD
+    assert book.service_times() == {}
 
 
 def test_rollout_signals_skip_the_start_entries() -> None:

@@ -81,6 +81,13 @@ MIN_SPAN = 2.0
 estimate."""
 SERVICE_WINDOW = 30.0
 """Seconds over which service times are averaged per host."""
+SERVICE_HOLD = 120.0
+"""Seconds a host's last service time stands when none came since: a host whose batch stays
+full gives none (every attempt started without a free slot), and that is when its
+locality's capacity is needed. Feed-forward holds a locality at ``signals.spill.LOAD`` of
+its capacity, so it is full most of a long overload: without the hold, its capacity went
+unknown 30 s in and the fill loop took over (and spilled 10 points more in the regions
+benchmark's 80 s overload)."""
 MIN_SERVICE = 0.05
 """Service times below this are not counted: an answer sent in one piece (not streamed) has
 its first and last byte together, which says nothing of its time in the batch."""
@@ -186,6 +193,8 @@ class ArrivalBook:
         """``fleet/route`` (``route_key``) -> its last change point (``change_point_rate``),
         while the long window still holds starts from before it."""
         self._served: dict[str, deque[tuple[float, float]]] = {}
+        self._last_service: dict[str, tuple[float, float]] = {}
+        """``address:port`` -> (when its last service time was taken, the mean then)."""
         self._done: dict[str, deque[float]] = {}
         self._done_first: dict[str, float] = {}
         self._sessions: dict[str, deque[float]] = {}
@@ -425,17 +434,24 @@ class ArrivalBook:
 
     def service_times(self, now: float | None = None) -> dict[str, float]:
         """``address:port`` -> mean seconds from first to last byte of the streamed answers
-        that ended there over the last ``SERVICE_WINDOW``."""
+        that ended there over the last ``SERVICE_WINDOW``; for a host with none there, the
+        last such mean, until ``SERVICE_HOLD`` seconds after its last answer counted."""
         now = self.clock() if now is None else now
-        out: dict[str, float] = {}
         for host in list(self._served):
             served = self._served[host]
+            last = served[-1][0] if served else now
             while served and served[0][0] <= now - SERVICE_WINDOW:
                 served.popleft()
-            if not served:
+            if served:
+                self._last_service[host] = (last, round(sum(s for _, s in served) / len(served), 4))
+            else:
                 del self._served[host]
-                continue
-            out[host] = round(sum(s for _, s in served) / len(served), 4)
+        out: dict[str, float] = {}
+        for host, (at, mean) in list(self._last_service.items()):
+            if now - at > SERVICE_HOLD:
+                del self._last_service[host]
+            else:
+                out[host] = mean
         return out
 
 
@@ -446,6 +462,7 @@ __all__ = [
     "HOLD_SIGMAS",
     "MIN_SERVICE",
     "PENDING_LIMIT",
+    "SERVICE_HOLD",
     "SERVICE_WINDOW",
     "ArrivalBook",
     "change_point_rate",
