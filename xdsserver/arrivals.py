@@ -86,7 +86,7 @@ SERVICE_HOLD = 120.0
 full gives none (every attempt started without a free slot), and that is when its
 locality's capacity is needed. Feed-forward holds a locality at ``signals.spill.LOAD`` of
 its capacity, so it is full most of a long overload: without the hold, its capacity went
-unknown 30 s in and the fill loop took over (and spilled 10 points more in the regions
+unknown 30 s in and the fill loop took over (8 points more crossed at seed 2 of the regions
 benchmark's 80 s overload)."""
 MIN_SERVICE = 0.05
 """Service times below this are not counted: an answer sent in one piece (not streamed) has

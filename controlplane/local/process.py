@@ -238,11 +238,14 @@ class _PreforkServer:
     def spawn(self, request: dict[str, object]) -> int:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
+                # Python's own variables as `module_for` compared them, whatever came since.
+                env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
                 self._proc = subprocess.Popen(
                     [sys.executable, "-m", "controlplane.local.prefork", *self.modules],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     cwd=self.cwd,
+                    env=env | self.python_env,
                     close_fds=True,
                 )
             assert self._proc.stdin is not None and self._proc.stdout is not None
