@@ -33,9 +33,13 @@ import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -165,6 +169,105 @@ def serve(modules: list[str]) -> None:
             except Exception as exc:  # the requester falls back and says why
                 answer = {"error": f"{type(exc).__name__}: {exc}"}
             os.write(1, json.dumps(answer).encode() + b"\n")
+
+
+# --------------------------------------------------------------------------- the requester's side
+
+
+class PreforkError(RuntimeError):
+    """The prefork server could not start a child (the requester then uses `Popen`)."""
+
+
+class Adopted:
+    """A child the prefork server forked and the kernel handed to this process (a subreaper):
+    what `ManagedProcess` uses of a `Popen`, over `waitpid`."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = 0  # reaped elsewhere: Popen says 0 then too
+            else:
+                if pid == self.pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.005)
+        return code
+
+
+def _python_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables Python reads when it starts: a forked child keeps the server's."""
+    return {key: value for key, value in env.items() if key.startswith("PYTHON")}
+
+
+class PreforkClient:
+    """The requester's side of `controlplane.local.prefork`: one server, started at the first
+    start it can take, asked over a pipe (one start at a time)."""
+
+    def __init__(self, modules: Sequence[str], cwd: Path) -> None:
+        self.modules = list(modules)
+        self.cwd = cwd
+        """Where the server runs, and the only working directory its children can have (it is
+        `sys.path[0]` under `-m`)."""
+        self.python_env = _python_env(os.environ)
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def module_for(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path | None) -> str:
+        """The module of a `python -m MODULE ...` start this server can fork, else ''."""
+        if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+            return ""
+        module = argv[2]
+        preloaded = any(m == module or m.startswith(module + ".") for m in self.modules)
+        same_place = Path(cwd or os.getcwd()).resolve() == self.cwd
+        if preloaded and same_place and _python_env(env) == self.python_env:
+            return module
+        return ""
+
+    def spawn(self, request: dict[str, object]) -> int:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                # Python's own variables as `module_for` compared them, whatever came since.
+                env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "controlplane.local.prefork", *self.modules],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    cwd=self.cwd,
+                    env=env | self.python_env,
+                    close_fds=True,
+                )
+            assert self._proc.stdin is not None and self._proc.stdout is not None
+            try:
+                self._proc.stdin.write(json.dumps(request).encode() + b"\n")
+                self._proc.stdin.flush()
+                line = self._proc.stdout.readline()
+            except OSError as exc:
+                raise PreforkError(f"the prefork server is gone: {exc}") from exc
+        if not line:
+            raise PreforkError("the prefork server exited")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise PreforkError(f"the prefork server could not start it: {answer['error']}")
+        return int(answer["pid"])
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
 
 
 if __name__ == "__main__":

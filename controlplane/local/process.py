@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import json
 import os
 import shutil
 import signal
@@ -37,7 +36,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from controlplane.local.prefork import Adopted, PreforkClient
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 POLL_INTERVAL = 0.05
@@ -180,97 +182,7 @@ def _preexec_pdeathsig(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-class _Adopted:
-    """A child the prefork server forked and the kernel handed to this process (a subreaper):
-    what `ManagedProcess` uses of a `Popen`, over `waitpid`."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                self.returncode = 0  # reaped elsewhere: Popen says 0 then too
-            else:
-                if pid == self.pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
-            time.sleep(0.005)
-        return code
-
-
-def _python_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables Python reads when it starts: a forked child keeps the server's."""
-    return {key: value for key, value in env.items() if key.startswith("PYTHON")}
-
-
-class _PreforkServer:
-    """The requester's side of `controlplane.local.prefork`: one server, started at the first
-    start it can take, asked over a pipe (one start at a time)."""
-
-    def __init__(self, modules: Sequence[str]) -> None:
-        self.modules = list(modules)
-        self.cwd = repo_root()
-        self.python_env = _python_env(os.environ)
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def module_for(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path | None) -> str:
-        """The module of a `python -m MODULE ...` start this server can fork, else ''."""
-        if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
-            return ""
-        module = argv[2]
-        preloaded = any(m == module or m.startswith(module + ".") for m in self.modules)
-        same_place = Path(cwd or os.getcwd()).resolve() == self.cwd
-        if preloaded and same_place and _python_env(env) == self.python_env:
-            return module
-        return ""
-
-    def spawn(self, request: dict[str, object]) -> int:
-        with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                # Python's own variables as `module_for` compared them, whatever came since.
-                env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "controlplane.local.prefork", *self.modules],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    cwd=self.cwd,
-                    env=env | self.python_env,
-                    close_fds=True,
-                )
-            assert self._proc.stdin is not None and self._proc.stdout is not None
-            try:
-                self._proc.stdin.write(json.dumps(request).encode() + b"\n")
-                self._proc.stdin.flush()
-                line = self._proc.stdout.readline()
-            except OSError as exc:
-                raise LauncherError(f"the prefork server is gone: {exc}") from exc
-        if not line:
-            raise LauncherError("the prefork server exited")
-        answer = json.loads(line)
-        if "error" in answer:
-            raise LauncherError(f"the prefork server could not start it: {answer['error']}")
-        return int(answer["pid"])
-
-    def close(self) -> None:
-        if self._proc is not None and self._proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self._proc.stdin.close()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=5)
-
-
-_prefork: _PreforkServer | None = None
+_prefork: PreforkClient | None = None
 
 
 def enable_prefork(modules: Sequence[str]) -> bool:
@@ -279,13 +191,13 @@ def enable_prefork(modules: Sequence[str]) -> bool:
     nothing changes, where this process cannot become a child subreaper."""
     # Imported here: `python -m controlplane.local.prefork` imports this package first, and
     # the module must not be in it already then.
-    from controlplane.local.prefork import become_subreaper
+    from controlplane.local.prefork import PreforkClient, become_subreaper
 
     global _prefork
     if _prefork is None:
         if not become_subreaper():
             return False
-        _prefork = _PreforkServer(modules)
+        _prefork = PreforkClient(modules, repo_root())
         atexit.register(_prefork.close)
     return True
 
@@ -325,7 +237,7 @@ class ManagedProcess:
         self.stdout_path = stdout_path
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
-        self._proc: subprocess.Popen[bytes] | _Adopted | None = None
+        self._proc: subprocess.Popen[bytes] | Adopted | None = None
         self._log_start = 0
 
     @property
@@ -390,9 +302,11 @@ class ManagedProcess:
             "log": str(self.log_path),
             "stdout": str(self.stdout_path) if self.stdout_path is not None else "",
         }
+        from controlplane.local.prefork import Adopted, PreforkError
+
         try:
-            self._proc = _Adopted(_prefork.spawn(request))
-        except LauncherError as exc:
+            self._proc = Adopted(_prefork.spawn(request))
+        except PreforkError as exc:
             print(f"kvpilot: {exc}; starting processes without it", file=sys.stderr)
             _prefork.close()
             _prefork = None
