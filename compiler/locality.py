@@ -159,7 +159,9 @@ def spill_decision(
         now=state.now,
         arrivals=state.arrivals.get(key) if feed_forward else None,
         capacity=_capacity_of(parts),
-        healthy=len(serving) / len(first) if first else 1.0,
+        # Envoy leaves a DRAINING host out of its priority's health (it is excluded, not
+        # unhealthy): a drained replica takes no share, and counts in no denominator.
+        healthy=len(serving) / len(counted) if (counted := _counted(first)) else 1.0,
         queued=queued,
         slots=slots,
         slot_capacity=parts[0] if parts else None,
@@ -168,6 +170,12 @@ def spill_decision(
 
 
 _SERVING = ("healthy", "degraded")
+
+
+def _counted(endpoints: Sequence[PlanEndpoint]) -> list[PlanEndpoint]:
+    """The endpoints Envoy counts in a priority's health: all but the draining ones (EDS
+    ``DRAINING`` hosts are excluded from priority spillover, locality weighting and panic)."""
+    return [e for e in endpoints if e.health != "draining"]
 
 
 def capacity(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:

@@ -63,7 +63,9 @@ a move of ``keep`` under ``DEADBAND`` is made once it has waited ``SETTLE`` seco
 
 With feed-forward the factor also counts priority 0's healthy share h: Envoy gives it
 ``h x factor``, so the factor is ``keep / h``, never more than Envoy's own 140 (health
-spill stays an upper bound on what the locality keeps).
+spill stays an upper bound on what the locality keeps). Envoy's h leaves draining hosts
+out of the count (they are excluded, not unhealthy), and so does the h it is given
+(``compiler.locality.spill_decision``).
 
 A locality that comes back
 --------------------------

@@ -77,14 +77,38 @@ def test_small_moves_are_left_out_and_large_ones_are_not() -> None:
 def test_a_locality_that_loses_replicas_spills_their_capacity_in_the_same_round() -> None:
     before = _ff(None, arrivals=3.8, capacity=8.5)
     assert before.keep == 1.0 and before.overprovisioning == 140
-    # Two of four replicas drain: half the capacity, half of priority 0 healthy.
+    # Two of four replicas die (unhealthy): half the capacity, half of priority 0 healthy.
     wave = _ff(before, local=2, arrivals=3.8, capacity=2.0, healthy=0.5, now=100.1)
     assert wave.keep == pytest.approx(LOAD * 2.0 / 3.8, abs=1e-4)
-    # Envoy gives priority 0 healthy x factor: the factor makes up for the drained half.
+    # Envoy gives priority 0 healthy x factor: the factor makes up for the dead half.
     assert wave.overprovisioning == round(100 * wave.keep / 0.5)
     # Never above Envoy's own factor: health spill still bounds what stays.
     room = _ff(before, local=2, arrivals=3.8, capacity=4.0, healthy=0.5, now=100.1)
     assert room.keep == pytest.approx(1.0) and room.overprovisioning == 140
+
+
+def test_a_draining_replica_is_left_out_of_the_healthy_share_as_envoy_leaves_it_out() -> None:
+    """Envoy excludes an EDS DRAINING host from its priority's health: us, one replica
+    serving and one draining, is a fully healthy priority 0 of one replica to Envoy, so the
+    factor is 100 x keep (counted as half healthy, it was twice that: nothing spilled)."""
+    telemetry = {
+        "10.0.1.1:8000": TelemetryRecord(at=99.5, running=16, waiting=0, max_running=16),
+        "10.0.1.2:8000": TelemetryRecord(at=99.5, running=8, waiting=0, max_running=16),
+    } | {
+        f"10.0.2.{i}:8000": TelemetryRecord(at=99.5, running=4, waiting=0, max_running=16)
+        for i in (1, 2)
+    }
+    state = two_region_state(
+        telemetry,
+        arrivals={"us/chat/chat": 3.0},
+        service_times={key: 8.0 for key in telemetry},
+        draining=("10.0.1.2",),
+    )
+    decision = compile_plan(state).spill["us/chat/chat"]
+    # The serving replica's 16 slots over 8 s: 2 requests/s for 3 arriving.
+    assert decision.keep == pytest.approx(LOAD * 2.0 / 3.0, abs=1e-4)
+    assert decision.healthy == 1.0
+    assert decision.overprovisioning == round(100 * decision.keep)
 
 
 def test_the_fill_loop_trims_the_estimate_after_the_dwell() -> None:

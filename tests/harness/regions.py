@@ -17,11 +17,19 @@ REGIONS = ((1, "us"), (2, "eu"))
 """Each region with the third octet of its replicas' addresses."""
 
 
-def two_region_objects(spill_signal: str | None = None) -> list[PolicyObject]:
+def two_region_objects(
+    spill_signal: str | None = None, draining: tuple[str, ...] = ()
+) -> list[PolicyObject]:
     """The pool, the policy and the two fleets; ``spill_signal`` sets the fleets'
-    ``spillSignal`` (left out when None: the default)."""
+    ``spillSignal`` (left out when None: the default); the replicas whose address is in
+    `draining` are draining."""
     endpoints = [
-        {"address": f"10.0.{r}.{i}", "port": 8000, "locality": {"region": region}}
+        {
+            "address": f"10.0.{r}.{i}",
+            "port": 8000,
+            "locality": {"region": region},
+            "health": "draining" if f"10.0.{r}.{i}" in draining else "healthy",
+        }
         for r, region in REGIONS
         for i in (1, 2)
     ]
@@ -60,13 +68,14 @@ def two_region_state(
     *,
     now: float = 100.0,
     spill_signal: str | None = None,
+    draining: tuple[str, ...] = (),
     **live: Any,
 ) -> PolicyState:
     """The objects with ``telemetry`` (replica ``address:port`` to its record) for pool
     ``llama`` at time ``now``; ``live`` gives the other live fields (previous spill,
     arrivals, service times...)."""
     return PolicyState.from_objects(
-        two_region_objects(spill_signal),
+        two_region_objects(spill_signal, draining),
         telemetry={"llama": dict(telemetry)},
         now=now,
         **live,
