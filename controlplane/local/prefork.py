@@ -21,6 +21,9 @@ Forking is safe here because the server runs one thread and has only imported mo
 event loop, no gRPC channel, no open connection). The environment variables that Python reads
 at start (`PYTHON*`) and the working directory (`sys.path[0]` under `-m`) are the server's, so
 a start that asks for other values is not sent here.
+
+Both sides live here: `serve` is the server; `PreforkClient` (which starts it and asks it
+for children) and `Adopted` (a child's handle) are the requester's, used by `ManagedProcess`.
 """
 
 from __future__ import annotations

@@ -94,19 +94,10 @@ def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[clu
         # The saturated twin has the same endpoints, weights and hash keys, so the same
         # ring: a session keeps its replica whichever twin its request takes. Each twin
         # counts its own requests in flight.
-        for suffix, factor in affinity_twins(cluster):
-            twin = cluster_base(cluster, cluster.name + suffix, trusted_ca_file)
-            if affinity.algorithm == "maglev":
-                twin.lb_policy = cluster_pb2.Cluster.MAGLEV
-            else:
-                twin.lb_policy = cluster_pb2.Cluster.RING_HASH
-                twin.ring_hash_lb_config.minimum_ring_size.value = 1024
-            if factor:
-                # Bounded load: no host above factor% of the average in-flight load.
-                twin.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = (
-                    factor
-                )
-            out.append(twin)
+        out.extend(
+            hash_twin(cluster, cluster.name + suffix, factor, trusted_ca_file)
+            for suffix, factor in affinity_twins(cluster)
+        )
     for name, queue in cluster.queues:
         # A queued service class: with http1 each request in flight holds a connection of
         # its own, so a connection limit is a concurrency limit, and a request that finds
@@ -120,6 +111,24 @@ def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[clu
         thresholds.max_pending_requests.value = queue.size
         out.append(held)
     return out
+
+
+def hash_twin(
+    cluster: PlanCluster, name: str, factor: int, trusted_ca_file: str
+) -> cluster_pb2.Cluster:
+    """The replicas' consistent-hash cluster `name` (ring hash or maglev, as the route's
+    session affinity says), bounded at `factor`% of the mean load (0: no bound)."""
+    assert cluster.affinity is not None
+    twin = cluster_base(cluster, name, trusted_ca_file)
+    if cluster.affinity.algorithm == "maglev":
+        twin.lb_policy = cluster_pb2.Cluster.MAGLEV
+    else:
+        twin.lb_policy = cluster_pb2.Cluster.RING_HASH
+        twin.ring_hash_lb_config.minimum_ring_size.value = 1024
+    if factor:
+        # Bounded load: no host above factor% of the average in-flight load.
+        twin.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = factor
+    return twin
 
 
 ORCA_UTILIZATION_METRICS = ("named_metrics.kv_cache_usage_perc",)

@@ -35,7 +35,12 @@ from google.protobuf import wrappers_pb2
 
 from compiler.plan import PlanCluster
 from policies.names import GATE_SUFFIX, gated_name
-from xdsserver.translate.clusters import affinity_suffixes, aggregate_cluster, translate_cluster
+from xdsserver.translate.clusters import (
+    affinity_suffixes,
+    aggregate_cluster,
+    hash_twin,
+    translate_cluster,
+)
 from xdsserver.translate.listeners import local_replies
 from xdsserver.translate.metadata import GATE_UPSTREAM, PREFIX_KEY_HEADER
 from xdsserver.translate.protos import duration, http_filter_chain, pack
@@ -79,14 +84,12 @@ def _behind(gate: PlanCluster, trusted_ca_file: str) -> cluster_pb2.Cluster:
     consistent-hash twin bounded at the mean of what the gate lets in (both kinds of request
     pass the gate: the breaker counts them all), else their own balancing."""
     name = gate.name + REPLICAS_SUFFIX
-    made = translate_cluster(replace(gate, kind="eds", name=name), trusted_ca_file=trusted_ca_file)
-    out = made[1] if gate.affinity is not None else made[0]
-    out.name = name
+    replicas = replace(gate, kind="eds", name=name)
     if gate.affinity is not None:
         # No replica above the mean of what the gate lets in: at the limit, no replica holds
         # more than its batch.
-        out.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = 100
-    return out
+        return hash_twin(replicas, name, 100, trusted_ca_file)
+    return translate_cluster(replicas, trusted_ca_file=trusted_ca_file)[0]
 
 
 def _to_listener(gate: PlanCluster) -> cluster_pb2.Cluster:
