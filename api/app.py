@@ -329,7 +329,8 @@ def _spill(plan: RoutingPlan | None) -> list[dict[str, Any]]:
     (the rest spills to the next priority), the replicas it has, their batch fill, whether
     it is back from an outage and ramping, and, with feed-forward, the fleet's arrival rate,
     its locality's capacity (requests per second) with its two parts, the fill loop's
-    correction, and the queue in the locality's replicas with the share its drain takes."""
+    correction, the queue in the locality's replicas with the share its drain takes, and the
+    cluster's mean load with the level the locality was given."""
     if plan is None:
         return []
     return [
@@ -350,6 +351,11 @@ def _spill(plan: RoutingPlan | None) -> list[dict[str, Any]]:
             "completed": decision.completed,
             "queued": decision.queued,
             "drain": decision.drain,
+            # The cluster's mean load, and the share of its capacity the locality was given:
+            # 0.97, or that mean while it levels with a cluster whose other replicas have room.
+            "meanLoad": decision.mean_load,
+            "level": decision.level,
+            "balancing": decision.balancing,
         }
         for key, decision in sorted(plan.spill.items())
     ]

@@ -25,6 +25,7 @@ from policies.models import Capacity, FleetSpec, Locality, Pool
 from signals.saturation import batch_fill
 from signals.spill import SpillDecision, decide_spill
 from signals.state import PolicyState, pool_endpoints
+from signals.telemetry import TelemetryRecord
 
 NEAR, REGION, FAR = 0, 1, 2
 """Place ranks of an endpoint seen from a fleet: same zone, same region, elsewhere."""
@@ -149,6 +150,7 @@ def spill_decision(
     first = [e for e in view.endpoints if e.priority == 0]
     parts = capacity_parts(serving, state) if feed_forward else None
     queued, slots = _queue(serving, state) if feed_forward else (None, None)
+    everywhere = [e for e in view.endpoints if e.health in _SERVING]
     return decide_spill(
         state.previous_spill.get(key),
         local=len(home),
@@ -166,7 +168,47 @@ def spill_decision(
         slots=slots,
         slot_capacity=parts[0] if parts else None,
         completed=parts[1] if parts else None,
+        mean_load=(
+            mean_load(cluster.eds_service or cluster.name, everywhere, state)
+            if feed_forward
+            else None
+        ),
     )
+
+
+def mean_load(cluster: str, endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
+    """The load of `cluster` over its serving `endpoints`, whichever locality: every fleet's
+    arrivals on it over their capacity, and at least the share of their batch slots that run
+    (which counts traffic that no arrivals log reports, as from Envoys kvpilot does not
+    configure; a queue is left out of it, as the arrivals that made it are counted). None
+    when neither is known."""
+    rates = [rate for key, rate in state.arrivals.items() if key.partition("/")[2] == cluster]
+    pooled = capacity(endpoints, state)
+    by_arrivals = sum(rates) / pooled if rates and pooled else None
+    known = [value for value in (by_arrivals, _busy(endpoints, state)) if value is not None]
+    return round(max(known), 4) if known else None
+
+
+def _busy(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
+    """The share of `endpoints`' batch slots running a request, from fresh telemetry that
+    reports both; None when none does."""
+    running, slots = 0.0, 0.0
+    for endpoint in endpoints:
+        record = _fresh(endpoint, state)
+        if record is None or record.running is None or not record.max_running:
+            continue
+        running += min(record.running, record.max_running)
+        slots += record.max_running
+    return running / slots if slots else None
+
+
+def _fresh(endpoint: PlanEndpoint, state: PolicyState) -> TelemetryRecord | None:
+    """`endpoint`'s telemetry record if its pool has telemetry and the record is fresh."""
+    pool = state.pools.get(endpoint.pool)
+    record = state.telemetry.get(endpoint.pool, {}).get(f"{endpoint.address}:{endpoint.port}")
+    if pool is None or pool.spec.telemetry is None or record is None:
+        return None
+    return record if state.now - record.at <= pool.spec.telemetry.max_age else None
 
 
 _SERVING = ("healthy", "degraded")
@@ -228,11 +270,8 @@ def _queue(
     reports both; (None, None) when none does."""
     waiting, slots = 0.0, 0
     for endpoint in endpoints:
-        pool = state.pools.get(endpoint.pool)
-        record = state.telemetry.get(endpoint.pool, {}).get(f"{endpoint.address}:{endpoint.port}")
-        if pool is None or pool.spec.telemetry is None or record is None:
-            continue
-        if state.now - record.at > pool.spec.telemetry.max_age:
+        record = _fresh(endpoint, state)
+        if record is None:
             continue
         if record.waiting is None or not record.max_running:
             continue
@@ -291,6 +330,7 @@ __all__ = [
     "capacity_parts",
     "capacity_rank",
     "fleet_view",
+    "mean_load",
     "needs_view",
     "place_rank",
     "placed_views",

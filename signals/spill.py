@@ -61,6 +61,26 @@ by chance, one standard deviation at 64 slots, and a ``trim`` raised then under-
 a move of ``keep`` under ``DEADBAND`` is made once it has waited ``SETTLE`` seconds, so
 ``keep`` settles on the estimate rather than up to 5 points off it.
 
+Where the others have room: the cluster's mean load
+----------------------------------------------------
+``LOAD`` of a locality's capacity is the right share when every locality is near its own (a
+regional overload on a fleet whose total is about its capacity: only the excess can go, and
+what it takes from the others it takes from their own traffic). It is not when the others are
+nearly idle: a locality that lost replicas (a spot wave) and carries 90% of what it has left
+queues long before 97% (at 32 batch slots and 90% of capacity, one request in a hundred waits
+seconds for a slot), while the next region's slots sit free. So each round also weighs the
+cluster's mean load M: every fleet's arrivals on the cluster over the capacity of all its
+serving replicas, whichever locality (at least their mean batch fill, which also counts
+traffic that no arrivals log reports). When the locality's own load A / C is over
+``BALANCE_FROM`` and above M by ``BALANCE_GAP``, it is given M of its capacity instead of
+``LOAD`` (never more than ``LOAD``): it sends what puts it level with the rest, and each
+locality then runs at the cluster's mean. It stops when its load falls under ``BALANCE_FROM``
+less ``BALANCE_HOLD`` or within ``BALANCE_HOLD`` of M (hysteresis: a Poisson rate over the
+arrival window moves by 10% and more). In an overload whose total is the cluster's capacity M
+is about 1 and ``LOAD`` holds: only the excess crosses. Under ``BALANCE_FROM`` a locality
+keeps everything however idle the others are: its queue is short, and every request sent away
+pays the round trip.
+
 With feed-forward the factor also counts priority 0's healthy share h: Envoy gives it
 ``h x factor``, so the factor is ``keep / h``, never more than Envoy's own 140 (health
 spill stays an upper bound on what the locality keeps). Envoy's h leaves draining hosts
@@ -99,6 +119,15 @@ STEP = 0.1
 LOAD = 0.97
 """The share of its capacity a locality is given by feed-forward: a little under 1, so a queue
 that formed while the spill was found drains."""
+BALANCE_FROM = 0.8
+"""A locality's own load (arrivals over capacity) from which it levels with the cluster's mean
+load when the others have room: under it a locality of 32 or more slots has little queue."""
+BALANCE_GAP = 0.1
+"""How far the locality's own load must be above the cluster's mean load before it levels
+with it: at 70% each in a steady state the arrival rate's noise alone stays under it."""
+BALANCE_HOLD = 0.05
+"""A locality that levels with the mean stops when its own load is within this of the mean,
+or this far under ``BALANCE_FROM``."""
 DEADBAND = 0.05
 """Feed-forward leaves ``keep`` alone when its new value is this close: the arrival rate over
 a few seconds is a Poisson count, and every move of the factor is an EDS push."""
@@ -174,6 +203,14 @@ class SpillDecision:
     """Requests per second the locality's replicas completed lately (the capacity's floor)."""
     drain: float = field(default=0.0, compare=False)
     """Requests per second taken off the locality's share to drain its queue's excess."""
+    mean_load: float | None = field(default=None, compare=False)
+    """Every fleet's arrivals on the cluster over the capacity of all its serving replicas;
+    None: not known."""
+    level: float = LOAD
+    """The share of its capacity the locality was given this round: ``LOAD``, or the mean
+    load while it levels with the cluster (``balancing``)."""
+    balancing: bool = False
+    """The locality's own load is well above the cluster's mean and it levels with it."""
 
     @property
     def feed_forward(self) -> bool:
@@ -222,6 +259,7 @@ def decide_spill(
     slots: int | None = None,
     slot_capacity: float | None = None,
     completed: float | None = None,
+    mean_load: float | None = None,
 ) -> SpillDecision:
     """This round's share for one fleet and route, from the last round's, the number of
     replicas in the fleet's priority 0 and their batch fill; `next_fill` is the fill of the
@@ -231,7 +269,8 @@ def decide_spill(
     `healthy` is the share of priority 0's replicas that serve. `queued` (requests waiting in
     the locality's replicas) and `slots` (their batch slots) give the drain term; without
     them the share is as before. `slot_capacity` and `completed` (the capacity's two parts)
-    are kept for status."""
+    are kept for status. `mean_load` is the cluster's, with which a locality well above it
+    levels (module docstring)."""
     decision = _decide(
         previous,
         local=local,
@@ -243,6 +282,7 @@ def decide_spill(
         healthy=healthy,
         queued=queued,
         slots=slots,
+        mean_load=mean_load,
     )
     # Shown in status and logs although the fill loop decided (no capacity yet).
     return replace(
@@ -252,6 +292,7 @@ def decide_spill(
         slots=slots,
         slot_capacity=slot_capacity,
         completed=completed,
+        mean_load=mean_load,
     )
 
 
@@ -267,6 +308,7 @@ def _decide(
     healthy: float,
     queued: float | None,
     slots: int | None,
+    mean_load: float | None,
 ) -> SpillDecision:
     before = previous or SpillDecision()
     if arrivals and capacity and local > 0 and not before.outage:
@@ -282,6 +324,7 @@ def _decide(
             healthy=healthy,
             queued=queued,
             slots=slots,
+            mean_load=mean_load,
         )
     keep = before.keep
     if local == 0:
@@ -330,9 +373,13 @@ def _feed_forward(
     healthy: float,
     queued: float | None = None,
     slots: int | None = None,
+    mean_load: float | None = None,
 ) -> SpillDecision:
     """The share from the arrival rate and the capacity, corrected by the fill loop, less
-    the drain of a queue beyond chance (with `queued` and `slots`)."""
+    the drain of a queue beyond chance (with `queued` and `slots`); `LOAD` of the capacity,
+    or the cluster's `mean_load` while the locality levels with it."""
+    balancing = _balancing(before.balancing, arrivals / capacity, mean_load)
+    level = min(LOAD, mean_load) if balancing and mean_load is not None else LOAD
     knows_queue = queued is not None and bool(slots)
     trim, trim_since = before.trim, before.trim_since
     # With the queue known, a queue within chance of a load at capacity (which feed-forward
@@ -342,11 +389,12 @@ def _feed_forward(
     else:
         queueing = fill is not None and fill > HIGH_FILL
     high_since = (before.high_since if before.high_since <= now else now) if queueing else math.inf
-    roomy = fill is not None and fill < LOW_FILL
+    # Room is under the level the locality is given: levelled at 72% its fill sits there.
+    roomy = fill is not None and fill < LOW_FILL * level / LOAD
     low_since = (before.low_since if before.low_since <= now else now) if roomy else math.inf
     # While the estimate says the locality has room (no spill), a queue says it is wrong only
     # when it lasts: a burst of arrivals queues for a moment at 70% of capacity too.
-    spilling = arrivals >= trim * LOAD * capacity
+    spilling = arrivals >= trim * level * capacity
     # The fill shows a change of the share only as the requests admitted before it finish.
     if now - max(trim_since, before.since) >= DWELL:
         wanted = trim
@@ -361,7 +409,7 @@ def _feed_forward(
             ) or now - high_since >= LASTING
             if lasting and not draining and (next_fill is None or next_fill < HIGH_FILL):
                 wanted = trim * max(MAX_CUT, TARGET_FILL / fill)
-        elif before.keep < 1.0 and (fill is None or fill < LOW_FILL):
+        elif before.keep < 1.0 and (fill is None or roomy):
             # Room while spilling: the estimate is too low. With the queue known, only room
             # that lasts: given LOAD of its capacity, a locality's fill is a Poisson count of
             # about its slots over their number, and dips under LOW_FILL by chance for
@@ -380,7 +428,7 @@ def _feed_forward(
     room_next = next_fill is None or next_fill < HIGH_FILL
     if knows_queue and queued is not None and slots and room_next:
         drain = max(0.0, queued - queue_chance(slots)) / DRAIN_S
-    target = round(max(FLOOR, min(1.0, (trim * LOAD * capacity - drain) / arrivals)), 4)
+    target = round(max(FLOOR, min(1.0, (trim * level * capacity - drain) / arrivals)), 4)
     keep, since, step_fill = before.keep, before.since, before.step_fill
     ramp = before.ramp
     # A small move that the estimate holds for a while is made (with the queue known).
@@ -407,10 +455,26 @@ def _feed_forward(
         high_since=high_since,
         low_since=low_since,
         drain=round(drain, 4),
+        mean_load=mean_load,
+        level=level,
+        balancing=balancing,
     )
 
 
+def _balancing(before: bool, own: float, mean: float | None) -> bool:
+    """Whether a locality whose own load is `own` (arrivals over capacity) levels with the
+    cluster's `mean` load this round; `before`: it did last round (hysteresis)."""
+    if mean is None:
+        return False
+    if before:
+        return own >= BALANCE_FROM - BALANCE_HOLD and own - mean >= BALANCE_HOLD
+    return own >= BALANCE_FROM and own - mean >= BALANCE_GAP
+
+
 __all__ = [
+    "BALANCE_FROM",
+    "BALANCE_GAP",
+    "BALANCE_HOLD",
     "DEADBAND",
     "DRAIN_S",
     "DWELL",

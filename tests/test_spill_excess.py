@@ -206,7 +206,7 @@ def test_status_shows_why_a_share_was_kept() -> None:
         f"10.0.1.{i}:8000": TelemetryRecord(at=99.5, running=16, waiting=15, max_running=16)
         for i in (1, 2)
     } | {  # eu has room for the spill
-        f"10.0.2.{i}:8000": TelemetryRecord(at=99.5, running=10, waiting=0, max_running=16)
+        f"10.0.2.{i}:8000": TelemetryRecord(at=99.5, running=14, waiting=0, max_running=16)
         for i in (1, 2)
     }
     times = {f"10.0.{r}.{i}:8000": 8.0 for r in (1, 2) for i in (1, 2)}
@@ -224,7 +224,11 @@ def test_status_shows_why_a_share_was_kept() -> None:
     assert entry["capacity"] == pytest.approx(4.5)
     assert entry["queued"] == 30
     assert entry["drain"] == pytest.approx(drain, abs=1e-4)
-    assert entry["keep"] == pytest.approx((LOAD * 4.5 - drain) / 5.0, abs=1e-4)
+    # eu reports no arrivals: the cluster's load is at least the share of its slots that run
+    # (60 of 64), under us's own (5 / 4.5): us levels with it rather than taking LOAD.
+    assert entry["meanLoad"] == pytest.approx(60 / 64, abs=1e-4)
+    assert entry["balancing"] and entry["level"] == entry["meanLoad"]
+    assert entry["keep"] == pytest.approx((60 / 64 * 4.5 - drain) / 5.0, abs=1e-4)
     # A fleet without arrivals of its own: the fill loop, no drain.
     (eu,) = [e for e in _spill(plan) if e["fleetRoute"] == "eu/chat/chat"]
     assert eu["keep"] == 1.0 and eu["drain"] == 0.0

@@ -100,7 +100,9 @@ def test_a_draining_replica_is_left_out_of_the_healthy_share_as_envoy_leaves_it_
     }
     state = two_region_state(
         telemetry,
-        arrivals={"us/chat/chat": 3.0},
+        # eu's own fleet keeps its region busy: the cluster's mean load is over us's capacity
+        # too, so us is given LOAD of it (it does not level with an idle region).
+        arrivals={"us/chat/chat": 3.0, "eu/chat/chat": 5.0},
         service_times={key: 8.0 for key in telemetry},
         draining=("10.0.1.2",),
     )
@@ -202,11 +204,13 @@ def test_capacity_is_the_slots_over_the_service_time() -> None:
 
 def test_the_compiled_fleet_spills_its_excess_and_logs_its_arrivals() -> None:
     times = {f"10.0.{r}.{i}:8000": 8.0 for r in (1, 2) for i in (1, 2)}
-    # us: 32 slots / 8 s = 4 requests a second; its Envoys start 5.
-    arrivals = {"us/chat/chat": 5.0, "eu/chat/chat": 2.0}
+    # us: 32 slots / 8 s = 4 requests a second; its Envoys start 5. eu's start 3: the two
+    # together are the cluster's capacity, and only us's excess can go.
+    arrivals = {"us/chat/chat": 5.0, "eu/chat/chat": 3.0}
     plan = compile_plan(_located(arrivals=arrivals, service_times=times))
     assert plan.spill["us/chat/chat"].keep == pytest.approx(LOAD * 4 / 5)
     assert plan.spill["eu/chat/chat"].keep == 1.0
+    assert plan.spill["us/chat/chat"].mean_load == pytest.approx(1.0)
     assert plan.fleet("us").clusters[0].overprovisioning == round(100 * LOAD * 4 / 5)
     assert all(plan.fleet(f).listeners[0].arrivals_log for f in ("us", "eu"))
     # spillSignal: fill: no log, and arrivals are not read.

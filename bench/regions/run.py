@@ -187,7 +187,7 @@ async def _phases(stack: RegionsStack, load: OpenLoop, marks: Marks) -> None:
     await asyncio.sleep(5)
     rates(config.wave_load, config.wave_load)
     start = load.now()
-    calm = max(10.0, config.phase / 4)
+    calm = max(10.0, config.phase / 2)
     say(f"  wave: {calm:g}s calm, notice, {config.notice:g}s, spot replicas gone, 10s")
     await asyncio.sleep(calm)
     marks.notice = load.now()

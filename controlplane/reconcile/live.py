@@ -185,7 +185,7 @@ class LiveDecisions:
                 log.info(
                     "%s: own locality keeps %.0f%% of the traffic (was %.0f%%; %d replicas, "
                     "batch fill %s; arrivals %s/s, capacity %s/s (slots %s/s, completed "
-                    "%s/s), queued %s, drain %s/s, trim %s)",
+                    "%s/s), queued %s, drain %s/s, trim %s; cluster load %s, level %s)",
                     key,
                     100 * decision.keep,
                     100 * before.keep,
@@ -198,6 +198,8 @@ class LiveDecisions:
                     decision.queued,
                     decision.drain,
                     decision.trim,
+                    decision.mean_load,
+                    decision.level,
                 )
         self.spill = plan.spill
         self._spill_at = min((d.next_at for d in plan.spill.values()), default=math.inf) + 0.05
