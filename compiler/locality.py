@@ -168,25 +168,33 @@ def spill_decision(
         slots=slots,
         slot_capacity=parts[0] if parts else None,
         completed=parts[1] if parts else None,
-        mean_load=(
-            mean_load(cluster.eds_service or cluster.name, everywhere, state)
-            if feed_forward
-            else None
-        ),
+        mean_load=mean_load(everywhere, state) if feed_forward else None,
     )
 
 
-def mean_load(cluster: str, endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
-    """The load of `cluster` over its serving `endpoints`, whichever locality: every fleet's
-    arrivals on it over their capacity, and at least the share of their batch slots that run
-    (which counts traffic that no arrivals log reports, as from Envoys kvpilot does not
-    configure; a queue is left out of it, as the arrivals that made it are counted). None
-    when neither is known."""
-    rates = [rate for key, rate in state.arrivals.items() if key.partition("/")[2] == cluster]
+def mean_load(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
+    """The load on the serving `endpoints`, whichever locality: the arrivals of every fleet
+    on every route whose first tier draws on their pools (one policy per fleet, or several
+    routes over one pool, share the replicas) over their capacity, and at least the share of
+    their batch slots that run (which counts traffic that no arrivals log reports, as from
+    Envoys kvpilot does not configure). None when neither is known."""
+    pools = {e.pool for e in endpoints}
+    rates = [rate for key, rate in state.arrivals.items() if _first_pools(key, state) & pools]
     pooled = capacity(endpoints, state)
     by_arrivals = sum(rates) / pooled if rates and pooled else None
     known = [value for value in (by_arrivals, _busy(endpoints, state)) if value is not None]
     return round(max(known), 4) if known else None
+
+
+def _first_pools(key: str, state: PolicyState) -> set[str]:
+    """The pools of the first tier of the route an arrivals key (``fleet/policy/route``)
+    counts; empty when that route is not in `state`."""
+    policy_name, _, route_name = key.partition("/")[2].partition("/")
+    policy = state.policies.get(policy_name)
+    for route in policy.spec.routes if policy is not None else ():
+        if route.name == route_name and route.tiers:
+            return {target.pool for target in route.tiers[0].pools}
+    return set()
 
 
 def _busy(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from compiler import compile_plan
+from policies import RoutingPolicy
+from signals import PolicyState
 from signals.spill import (
     BALANCE_FROM,
     BALANCE_GAP,
@@ -19,7 +21,7 @@ from signals.spill import (
     decide_spill,
 )
 from signals.telemetry import TelemetryRecord
-from tests.harness.regions import two_region_state
+from tests.harness.regions import two_region_objects, two_region_state
 
 # The regions benchmark's spot wave: us-east has 2 of its 4 replicas left (4.3 requests/s)
 # for its fleet's 3.8/s; the cluster's 5 replicas serve both fleets' 7.6/s at 72%.
@@ -90,9 +92,7 @@ def _wave_state(arrivals: dict[str, float], eu_running: float) -> Any:
     telemetry = {
         "10.0.1.1:8000": TelemetryRecord(at=99.5, running=15, waiting=0, max_running=16),
     } | {
-        f"10.0.2.{i}:8000": TelemetryRecord(
-            at=99.5, running=eu_running, waiting=0, max_running=16
-        )
+        f"10.0.2.{i}:8000": TelemetryRecord(at=99.5, running=eu_running, waiting=0, max_running=16)
         for i in (1, 2)
     }
     return two_region_state(
@@ -120,3 +120,30 @@ def test_traffic_no_arrivals_log_reports_raises_the_mean_by_the_slots_that_run()
     us = plan.spill["us/chat/chat"]
     assert us.mean_load == pytest.approx(45 / 48, abs=1e-4)
     assert not us.balancing and us.keep == 1.0
+
+
+def test_the_mean_counts_the_routes_of_other_policies_over_the_same_pool() -> None:
+    # One policy per fleet (as the regions benchmark has): eu's arrivals come on its own
+    # policy's route, over the same pool, and count; a route that is not there does not.
+    extra = RoutingPolicy.model_validate(
+        {
+            "kind": "RoutingPolicy",
+            "metadata": {"name": "chat-eu"},
+            "spec": {
+                "fleets": ["eu"],
+                "listener": {"port": 10001},
+                "routes": [{"name": "all", "tiers": [["llama"]]}],
+            },
+        }
+    )
+    telemetry = _wave_state({}, eu_running=9).telemetry["llama"]
+    state = PolicyState.from_objects(
+        [*two_region_objects(draining=("10.0.1.2",)), extra],
+        telemetry={"llama": dict(telemetry)},
+        now=100.0,
+        arrivals={"us/chat/chat": 1.8, "eu/chat-eu/all": 2.4, "eu/gone/all": 50.0},
+        service_times={key: 8.0 for key in telemetry},
+    )
+    us = compile_plan(state).spill["us/chat/chat"]
+    assert us.mean_load == pytest.approx(4.2 / 6.0, abs=1e-4)
+    assert us.balancing
