@@ -175,15 +175,13 @@ def spill_decision(
 def mean_load(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
     """The load on the serving `endpoints`, whichever locality: the arrivals of every fleet
     on every route whose first tier draws on their pools (one policy per fleet, or several
-    routes over one pool, share the replicas) over their capacity, and at least the share of
-    their batch slots that run (which counts traffic that no arrivals log reports, as from
-    Envoys kvpilot does not configure). None when neither is known."""
+    routes over one pool, share the replicas) over their capacity. None when either is not
+    known. Traffic that no arrivals log reports (Envoys kvpilot does not configure) is not
+    in it: ``signals.spilllevel`` levels only into a priority whose batch fill has room."""
     pools = {e.pool for e in endpoints}
     rates = [rate for key, rate in state.arrivals.items() if _first_pools(key, state) & pools]
     pooled = capacity(endpoints, state)
-    by_arrivals = sum(rates) / pooled if rates and pooled else None
-    known = [value for value in (by_arrivals, _busy(endpoints, state)) if value is not None]
-    return round(max(known), 4) if known else None
+    return round(sum(rates) / pooled, 4) if rates and pooled else None
 
 
 def _first_pools(key: str, state: PolicyState) -> set[str]:
@@ -195,19 +193,6 @@ def _first_pools(key: str, state: PolicyState) -> set[str]:
         if route.name == route_name and route.tiers:
             return {target.pool for target in route.tiers[0].pools}
     return set()
-
-
-def _busy(endpoints: Sequence[PlanEndpoint], state: PolicyState) -> float | None:
-    """The share of `endpoints`' batch slots running a request, from fresh telemetry that
-    reports both; None when none does."""
-    running, slots = 0.0, 0.0
-    for endpoint in endpoints:
-        record = _fresh(endpoint, state)
-        if record is None or record.running is None or not record.max_running:
-            continue
-        running += min(record.running, record.max_running)
-        slots += record.max_running
-    return running / slots if slots else None
 
 
 def _fresh(endpoint: PlanEndpoint, state: PolicyState) -> TelemetryRecord | None:

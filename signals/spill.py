@@ -63,23 +63,10 @@ a move of ``keep`` under ``DEADBAND`` is made once it has waited ``SETTLE`` seco
 
 Where the others have room: the cluster's mean load
 ----------------------------------------------------
-``LOAD`` of a locality's capacity is the right share when every locality is near its own (a
-regional overload on a fleet whose total is about its capacity: only the excess can go, and
-what it takes from the others it takes from their own traffic). It is not when the others are
-nearly idle: a locality that lost replicas (a spot wave) and carries 90% of what it has left
-queues long before 97% (at 32 batch slots and 90% of capacity, one request in a hundred waits
-seconds for a slot), while the next region's slots sit free. So each round also weighs the
-cluster's mean load M: every fleet's arrivals on the cluster over the capacity of all its
-serving replicas, whichever locality (at least their mean batch fill, which also counts
-traffic that no arrivals log reports). When the locality's own load A / C is over
-``BALANCE_FROM`` and above M by ``BALANCE_GAP``, it is given M of its capacity instead of
-``LOAD`` (never more than ``LOAD``): it sends what puts it level with the rest, and each
-locality then runs at the cluster's mean. It stops when its load falls under ``BALANCE_FROM``
-less ``BALANCE_HOLD`` or within ``BALANCE_HOLD`` of M (hysteresis: a Poisson rate over the
-arrival window moves by 10% and more). In an overload whose total is the cluster's capacity M
-is about 1 and ``LOAD`` holds: only the excess crosses. Under ``BALANCE_FROM`` a locality
-keeps everything however idle the others are: its queue is short, and every request sent away
-pays the round trip.
+A locality far above the cluster's mean load, while the others have room (a spot wave took
+its replicas), is given that mean of its capacity instead of ``LOAD``: it sends what puts it
+level with the rest (``signals.spilllevel``). Near the cluster's capacity ``LOAD`` holds,
+and only the excess crosses.
 
 With feed-forward the factor also counts priority 0's healthy share h: Envoy gives it
 ``h x factor``, so the factor is ``keep / h``, never more than Envoy's own 140 (health
@@ -100,6 +87,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from signals.spilllevel import levels
+
 ENVOY_OVERPROVISIONING = 140
 """Envoy's default overprovisioning factor, in percent: what a locality keeping everything
 gets, so health-based spill works as Envoy's own."""
@@ -119,15 +108,6 @@ STEP = 0.1
 LOAD = 0.97
 """The share of its capacity a locality is given by feed-forward: a little under 1, so a queue
 that formed while the spill was found drains."""
-BALANCE_FROM = 0.8
-"""A locality's own load (arrivals over capacity) from which it levels with the cluster's mean
-load when the others have room: under it a locality of 32 or more slots has little queue."""
-BALANCE_GAP = 0.1
-"""How far the locality's own load must be above the cluster's mean load before it levels
-with it: at 70% each in a steady state the arrival rate's noise alone stays under it."""
-BALANCE_HOLD = 0.05
-"""A locality that levels with the mean stops when its own load is within this of the mean,
-or this far under ``BALANCE_FROM``."""
 DEADBAND = 0.05
 """Feed-forward leaves ``keep`` alone when its new value is this close: the arrival rate over
 a few seconds is a Poisson count, and every move of the factor is an EDS push."""
@@ -378,8 +358,15 @@ def _feed_forward(
     """The share from the arrival rate and the capacity, corrected by the fill loop, less
     the drain of a queue beyond chance (with `queued` and `slots`); `LOAD` of the capacity,
     or the cluster's `mean_load` while the locality levels with it."""
-    balancing = _balancing(before.balancing, arrivals / capacity, mean_load)
-    level = min(LOAD, mean_load) if balancing and mean_load is not None else LOAD
+    balancing = levels(
+        before.balancing,
+        own=arrivals / capacity,
+        mean=mean_load,
+        slots=slots,
+        next_room=next_fill is not None and next_fill < LOW_FILL,
+        next_queues=next_fill is None or next_fill >= HIGH_FILL,
+    )
+    level = mean_load if balancing and mean_load is not None else LOAD
     knows_queue = queued is not None and bool(slots)
     trim, trim_since = before.trim, before.trim_since
     # With the queue known, a queue within chance of a load at capacity (which feed-forward
@@ -461,20 +448,7 @@ def _feed_forward(
     )
 
 
-def _balancing(before: bool, own: float, mean: float | None) -> bool:
-    """Whether a locality whose own load is `own` (arrivals over capacity) levels with the
-    cluster's `mean` load this round; `before`: it did last round (hysteresis)."""
-    if mean is None:
-        return False
-    if before:
-        return own >= BALANCE_FROM - BALANCE_HOLD and own - mean >= BALANCE_HOLD
-    return own >= BALANCE_FROM and own - mean >= BALANCE_GAP
-
-
 __all__ = [
-    "BALANCE_FROM",
-    "BALANCE_GAP",
-    "BALANCE_HOLD",
     "DEADBAND",
     "DRAIN_S",
     "DWELL",

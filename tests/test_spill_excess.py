@@ -201,35 +201,35 @@ def test_a_small_move_is_made_once_the_estimate_has_held_it() -> None:
 
 def test_status_shows_why_a_share_was_kept() -> None:
     # us: 2 replicas of 16 slots, 8 s a request: 4/s by the slots; they completed 4.5/s,
-    # and 30 requests wait in them (queue_chance(32) = 22.6 by chance).
+    # and 26 requests wait in them (queue_chance(32) = 22.6 by chance).
     telemetry = {
-        f"10.0.1.{i}:8000": TelemetryRecord(at=99.5, running=16, waiting=15, max_running=16)
+        f"10.0.1.{i}:8000": TelemetryRecord(at=99.5, running=16, waiting=13, max_running=16)
         for i in (1, 2)
     } | {  # eu has room for the spill
-        f"10.0.2.{i}:8000": TelemetryRecord(at=99.5, running=14, waiting=0, max_running=16)
+        f"10.0.2.{i}:8000": TelemetryRecord(at=99.5, running=10, waiting=0, max_running=16)
         for i in (1, 2)
     }
     times = {f"10.0.{r}.{i}:8000": 8.0 for r in (1, 2) for i in (1, 2)}
     state = two_region_state(
         telemetry,
-        arrivals={"us/chat/chat": 5.0},
+        arrivals={"us/chat/chat": 5.0, "eu/chat/chat": 1.0},
         service_times=times,
         completions={"10.0.1.1:8000": 2.5, "10.0.1.2:8000": 2.0},
     )
     plan = compile_plan(state)
     (entry,) = [e for e in _spill(plan) if e["fleetRoute"] == "us/chat/chat"]
-    drain = (30 - queue_chance(32)) / DRAIN_S
+    drain = (26 - queue_chance(32)) / DRAIN_S
     assert entry["slotCapacity"] == pytest.approx(4.0)
     assert entry["completed"] == pytest.approx(4.5)
     assert entry["capacity"] == pytest.approx(4.5)
-    assert entry["queued"] == 30
+    assert entry["queued"] == 26
     assert entry["drain"] == pytest.approx(drain, abs=1e-4)
-    # eu reports no arrivals: the cluster's load is at least the share of its slots that run
-    # (60 of 64), under us's own (5 / 4.5): us levels with it rather than taking LOAD.
-    assert entry["meanLoad"] == pytest.approx(60 / 64, abs=1e-4)
+    # Both fleets' 6/s over the 8/s of the 64 slots: 0.75, far under us's own (5 / 4.5),
+    # with room in eu: us levels with it rather than taking LOAD.
+    assert entry["meanLoad"] == pytest.approx(0.75, abs=1e-4)
     assert entry["balancing"] and entry["level"] == entry["meanLoad"]
-    assert entry["keep"] == pytest.approx((60 / 64 * 4.5 - drain) / 5.0, abs=1e-4)
-    # A fleet without arrivals of its own: the fill loop, no drain.
+    assert entry["keep"] == pytest.approx((0.75 * 4.5 - drain) / 5.0, abs=1e-4)
+    # eu's own 1/s is a quarter of its capacity: it keeps it all, and has no queue.
     (eu,) = [e for e in _spill(plan) if e["fleetRoute"] == "eu/chat/chat"]
     assert eu["keep"] == 1.0 and eu["drain"] == 0.0
 

@@ -39,6 +39,13 @@ def _window(records: Iterable[Sent], lo: float, hi: float, fleet: str | None = N
     return [r for r in records if lo <= r.start < hi and (fleet is None or r.fleet == fleet)]
 
 
+def _pair(stats: Stats | None) -> str:
+    """TTFT p50 / p99 of some requests, or - for none."""
+    if stats is None or stats.ttft_p50 is None:
+        return "-"
+    return f"{_ms(stats.ttft_p50)} / {_ms(stats.ttft_p99)}"
+
+
 def _stats(records: Sequence[Sent]) -> Stats:
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
@@ -147,6 +154,8 @@ def summarize(config: RegionsConfig, marks: Marks, records: Sequence[Sent]) -> R
         before=_stats(before),
         during=_stats(during),
         drained=drained,
+        stayed=_stats([r for r in during if not r.crossed]),
+        crossed=_stats([r for r in during if r.crossed]),
     )
     return RegionsRun(
         service_s=marks.service,
@@ -270,6 +279,23 @@ def markdown(config: RegionsConfig, summary: Mapping[str, RegionsRun]) -> str:
     row("spot wave: requests / failed", lambda s: f"{s.wave.requests} / {s.wave.failed}")
     row("spot wave: TTFT p99 before", lambda s: _ms(s.wave.before.ttft_p99))
     row("spot wave: TTFT p99 during", lambda s: _ms(s.wave.during.ttft_p99))
+    row(
+        "spot wave: during, p99 over before",
+        lambda s: (
+            f"{s.wave.during.ttft_p99 / s.wave.before.ttft_p99:.2f}x"
+            if s.wave.during.ttft_p99 and s.wave.before.ttft_p99
+            else "-"
+        ),
+    )
+    row("spot wave: during, cross-region share", lambda s: _fmt(s.wave.during.cross, "%", 100, 1))
+    row(
+        "spot wave: during, TTFT p50 / p99 of those that stayed",
+        lambda s: _pair(s.wave.stayed),
+    )
+    row(
+        "spot wave: during, TTFT p50 / p99 of those that crossed",
+        lambda s: _pair(s.wave.crossed),
+    )
     row(
         "spot wave: last start on a drained replica after kvpilot learned",
         lambda s: (

@@ -121,13 +121,17 @@ class Drained:
 @dataclass(frozen=True)
 class Wave:
     """The spot wave: requests and failures over it, TTFT before and during, the drained
-    replicas."""
+    replicas; the requests during it that stayed in their region and those that crossed
+    (each crossing pays the round trip: with more than 1% crossing, the p99 during is at
+    least about the local TTFT plus the round trip)."""
 
     failed: int
     requests: int
     before: Stats
     during: Stats
     drained: dict[str, Drained]
+    stayed: Stats | None = None
+    crossed: Stats | None = None
 
 
 @dataclass(frozen=True)
@@ -169,5 +173,7 @@ class RegionsRun:
                 before=Stats.from_json(wave["before"]),
                 during=Stats.from_json(wave["during"]),
                 drained={rid: Drained(**d) for rid, d in wave["drained"].items()},
+                stayed=Stats.from_json(wave["stayed"]) if wave.get("stayed") else None,
+                crossed=Stats.from_json(wave["crossed"]) if wave.get("crossed") else None,
             ),
         )
