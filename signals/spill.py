@@ -184,9 +184,9 @@ class SpillDecision:
     drain: float = field(default=0.0, compare=False)
     """Requests per second taken off the locality's share to drain its queue's excess."""
     mean_load: float | None = field(default=None, compare=False)
-    """Every fleet's arrivals on the cluster over the capacity of all its serving replicas;
-    None: not known."""
-    level: float = LOAD
+    """Every fleet's arrivals on the routes over the same pools, over the capacity of all
+    their serving replicas (``compiler.locality.mean_load``); None: not known."""
+    level: float = field(default=LOAD, compare=False)
     """The share of its capacity the locality was given this round: ``LOAD``, or the mean
     load while it levels with the cluster (``balancing``)."""
     balancing: bool = False

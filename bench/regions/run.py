@@ -262,6 +262,8 @@ def run_regions_bench(config: RegionsConfig, *, state_dir: Path) -> Path:
     decisions = {
         policy: {
             "phases": marks.phases,
+            "notice": marks.notice,
+            "gone": marks.gone,
             "decisions": marks.decisions,
             "envoyStats": marks.envoy_stats,
         }
