@@ -19,9 +19,9 @@ capacity and sends what puts it level with the rest, when
   queue of that many slots makes ``WAIT_CHANCE`` of the requests wait (Erlang C): 0.66 for
   32 slots, 0.75 for 64, 0.82 for 128. Under it the queue is short, and every request sent
   away pays the round trip;
-- its own load is ``BALANCE_GAP`` or more above M (with M the mean of two equal regions,
-  their loads 0.1 apart; the regions benchmark's spot wave had the locality 0.07 to 0.1
-  above M while one of its replicas queued for a second);
+- its own load is ``BALANCE_GAP`` or more above M (for two regions of one size: their
+  loads 0.1 apart; in the regions benchmark's spot wave a locality 0.07 to 0.1 above M
+  kept everything at 10 points, and one of its replicas queued requests for a second);
 - the next priority has room: its batch fill is under ``LOW_FILL``. (Traffic that no
   arrivals log reports, from Envoys kvpilot does not configure, is not in M; their fill
   shows it.)

@@ -122,8 +122,8 @@ class Drained:
 class Wave:
     """The spot wave: requests and failures over it, TTFT before and during, the drained
     replicas; the requests during it that stayed in their region and those that crossed
-    (each crossing pays the round trip: with more than 1% crossing, the p99 during is at
-    least about the local TTFT plus the round trip)."""
+    (each crossing pays the round trip: with more than 1% of them crossing, the p99 during
+    is about a TTFT at once plus the round trip, or more)."""
 
     failed: int
     requests: int
