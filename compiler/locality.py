@@ -239,11 +239,8 @@ def capacity_parts(
     mean_time = sum(times) / len(times)
     total = 0.0
     for endpoint, key in zip(endpoints, keys, strict=True):
-        pool = state.pools.get(endpoint.pool)
-        record = state.telemetry.get(endpoint.pool, {}).get(key)
-        if pool is None or pool.spec.telemetry is None or record is None:
-            continue
-        if not record.max_running or state.now - record.at > pool.spec.telemetry.max_age:
+        record = _fresh(endpoint, state)
+        if record is None or not record.max_running:
             continue
         seconds = state.service_times.get(key, mean_time)
         if seconds > 0:
