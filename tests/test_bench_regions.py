@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from harness.golden import BENCH, check, updating
 
 from bench.regions.config import default_regions_config
-from bench.regions.report import load, markdown
+from bench.regions.load import Sent
+from bench.regions.report import WAVE_LIMIT, load, markdown, over_limit
 from bench.regions.results import Overload, RegionsRun
 
 
@@ -29,3 +31,31 @@ def test_the_file_read_back_is_the_file_written_key_for_key() -> None:
         default_regions_config().regions
     )
     assert RegionsRun.from_json(runs["aware"].to_json()) == runs["aware"]
+
+
+def _sent(ttft: float, replica: str = "us-east-1", status: int = 200) -> Sent:
+    return Sent(fleet="us-east", start=0.0, status=status, replica=replica, ttft=ttft)
+
+
+def test_the_wave_counts_its_requests_over_the_line_and_the_most_that_may_cross() -> None:
+    # Before: p99 120 ms, so the line is 180 ms; with an 80 ms round trip a crossing request
+    # is over it when its TTFT at once is over 100 ms, as 10% of those before were.
+    before = [_sent(0.09)] * 90 + [_sent(0.12)] * 10
+    during = (
+        [_sent(0.1)] * 190
+        + [_sent(0.3)] * 5  # stayed and waited
+        + [_sent(0.19, "eu-west-1")] * 4  # crossed: at once plus the round trip
+        + [_sent(0.17, "eu-west-2")]  # crossed, under the line
+        + [_sent(0.0, status=503)]  # failed: not served, not counted
+    )
+    over = over_limit(before, during, rtt=0.08)
+    assert over is not None
+    assert over.limit_s == pytest.approx(WAVE_LIMIT * 0.12)
+    assert (over.crossed, over.stayed, over.allowed) == (4, 5, 2)
+    assert over.crossing_chance == pytest.approx(0.1)
+    # The p99 of 200 lets 2 pass the line: 20 crossing requests, a tenth of the wave's.
+    assert over.most_crossing == pytest.approx(0.1)
+    assert over_limit([], during, rtt=0.08) is None
+    # No request before was within the round trip of the line: any share may cross.
+    free = over_limit(before, during, rtt=0.01)
+    assert free is not None and free.most_crossing == 1.0

@@ -19,6 +19,7 @@ from bench.regions.results import (
     Drained,
     LocalBin,
     Offered,
+    OverLimit,
     Overload,
     Recovery,
     RegionsRun,
@@ -63,6 +64,34 @@ def _offered(records: Sequence[Sent], lo: float, hi: float, capacity: float) -> 
     stats = _stats(records)
     rate = len(records) / (hi - lo) if hi > lo else 0.0
     return Offered(**asdict(stats), rate=round(rate, 2), load=round(rate / capacity, 3))
+
+
+WAVE_LIMIT = 1.5
+"""The spot wave's target: TTFT p99 during it at most this many times the p99 before."""
+
+
+def over_limit(before: Sequence[Sent], during: Sequence[Sent], rtt: float) -> OverLimit | None:
+    """The wave's requests over its target's line and what the round trip `rtt` lets cross
+    (``OverLimit``); None without a p99 before."""
+    at_once = [r.ttft for r in before if r.ok and r.ttft is not None]
+    p99 = _quantile(at_once, 0.99)
+    if p99 is None:
+        return None
+    limit = WAVE_LIMIT * p99
+    served = [r for r in during if r.ok and r.ttft is not None]
+    allowed = len(served) - math.ceil(0.99 * len(served))
+    chance = sum(t > limit - rtt for t in at_once) / len(at_once)
+    most = None
+    if served:
+        most = round(min(1.0, allowed / chance / len(served)), 4) if chance else 1.0
+    return OverLimit(
+        limit_s=round(limit, 4),
+        allowed=allowed,
+        crossed=sum(r.crossed and (r.ttft or 0.0) > limit for r in served),
+        stayed=sum(not r.crossed and (r.ttft or 0.0) > limit for r in served),
+        crossing_chance=round(chance, 4),
+        most_crossing=most,
+    )
 
 
 def served_excess(config: RegionsConfig, records: Sequence[Sent], lo: float, hi: float) -> Served:
@@ -156,6 +185,7 @@ def summarize(config: RegionsConfig, marks: Marks, records: Sequence[Sent]) -> R
         drained=drained,
         stayed=_stats([r for r in during if not r.crossed]),
         crossed=_stats([r for r in during if r.crossed]),
+        over_limit=over_limit(before, during, config.rtt),
     )
     return RegionsRun(
         service_s=marks.service,
@@ -297,6 +327,19 @@ def markdown(config: RegionsConfig, summary: Mapping[str, RegionsRun]) -> str:
         lambda s: _pair(s.wave.crossed),
     )
     row(
+        f"spot wave: during, over {WAVE_LIMIT}x before: crossed, stayed (the p99 allows)",
+        lambda s: f"{o.crossed}, {o.stayed} ({o.allowed})" if (o := s.wave.over_limit) else "-",
+    )
+    row(
+        "spot wave: a crossing request over it (its TTFT at once plus the round trip); "
+        "the most that may cross",
+        lambda s: (
+            f"{_pct(o.crossing_chance)}; {_pct(o.most_crossing)}"
+            if (o := s.wave.over_limit)
+            else "-"
+        ),
+    )
+    row(
         "spot wave: last start on a drained replica after kvpilot learned",
         lambda s: (
             ", ".join(
@@ -310,4 +353,4 @@ def markdown(config: RegionsConfig, summary: Mapping[str, RegionsRun]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["load", "markdown", "summarize", "write_report"]
+__all__ = ["WAVE_LIMIT", "load", "markdown", "over_limit", "summarize", "write_report"]

@@ -119,6 +119,24 @@ class Drained:
 
 
 @dataclass(frozen=True)
+class OverLimit:
+    """The spot wave against its target's line, 1.5x the TTFT p99 before the notice: the
+    requests during it over the line, those that crossed and those that stayed, and the most
+    the p99 lets pass it (`allowed`: 1% of them). A request that crosses is over the line
+    when its TTFT at once is over the line less the round trip, as `crossing_chance` of the
+    requests before the notice were: so about `allowed / crossing_chance` requests, the
+    `most_crossing` share of the wave's (all of them when no request before was that slow),
+    may cross for the p99 to hold, even if none that stayed waited for a slot."""
+
+    limit_s: float
+    allowed: int
+    crossed: int
+    stayed: int
+    crossing_chance: float
+    most_crossing: float | None
+
+
+@dataclass(frozen=True)
 class Wave:
     """The spot wave: requests and failures over it, TTFT before and during, the drained
     replicas; the requests during it that stayed in their region and those that crossed
@@ -132,6 +150,7 @@ class Wave:
     drained: dict[str, Drained]
     stayed: Stats | None = None
     crossed: Stats | None = None
+    over_limit: OverLimit | None = None
 
 
 @dataclass(frozen=True)
@@ -175,5 +194,6 @@ class RegionsRun:
                 drained={rid: Drained(**d) for rid, d in wave["drained"].items()},
                 stayed=Stats.from_json(wave["stayed"]) if wave.get("stayed") else None,
                 crossed=Stats.from_json(wave["crossed"]) if wave.get("crossed") else None,
+                over_limit=OverLimit(**wave["over_limit"]) if wave.get("over_limit") else None,
             ),
         )
