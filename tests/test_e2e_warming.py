@@ -31,7 +31,8 @@ class Sender:
 
     def __init__(self, url: str, headers: dict[str, str]) -> None:
         self.answers: list[tuple[int, str]] = []
-        """(status, x-backend-id) of each answer, in order; (0, the error) when none came."""
+        """(status, x-backend-id) of each answer, in order; (0, the error) when none came, and
+        (status, Envoy's body: ``no healthy upstream``, ``no cluster``...) for an error."""
         self._url, self._headers = url, headers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -53,9 +54,10 @@ class Sender:
                 except httpx.HTTPError as error:  # kept, so the assertion shows it
                     self.answers.append((0, repr(error)))
                     continue
-                self.answers.append(
-                    (response.status_code, response.headers.get("x-backend-id", ""))
-                )
+                backend = response.headers.get("x-backend-id", "")
+                if response.status_code != 200:  # Envoy's reason, so the assertion shows why
+                    backend = f"{backend} {response.text[:80]!r}"
+                self.answers.append((response.status_code, backend))
 
     def answered_by(self, prefix: str) -> bool:
         return any(backend.startswith(prefix) for _, backend in self.answers[-5:])
@@ -107,7 +109,10 @@ def test_a_new_route_is_served_from_its_first_request(rig: Rig, backends: Backen
                 message="the wait for the new cluster to be counted",
             )
         codes = sorted({code for code, _ in sender.answers})
-        assert codes == [200], (name, [a for a in sender.answers if a[0] != 200][:5])
+        timeouts = metric(
+            rig.kvpilot.api_url, "kvpilot_xds_warming_timeouts_total", fleet="default"
+        )
+        assert codes == [200], (name, timeouts, [a for a in sender.answers if a[0] != 200][:5])
         switched = [backend.split("-")[0] for _, backend in sender.answers]
         assert switched[-1] == name, switched[-5:]
     assert metric(rig.kvpilot.api_url, "kvpilot_xds_warming_timeouts_total", fleet="default") == 0
