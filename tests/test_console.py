@@ -124,6 +124,45 @@ def test_nack_shows_envoys_message_on_that_envoy(browser: Any, console: Console)
         blocker.close()
 
 
+def test_an_envoy_warming_a_new_cluster_shows_it_and_why_its_routes_wait(
+    browser: Any, console: Console
+) -> None:
+    # A replica that takes the connection and never answers: the new cluster's first health
+    # check waits for its 6 s timeout, and the Envoy holds its ACK of the clusters until then.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    port = silent.getsockname()[1]
+    page = open_console(browser, console.kvpilot.api_url, READ_TOKEN, "fleets")
+    row = 'tr[data-node="envoy-default-1"]'
+    try:
+        page.wait_for_selector(row, timeout=10_000)
+        with console.api() as api:
+            slow = pool("slow", [port], models=["slow"])
+            slow["spec"]["healthCheck"] = {"interval": "10s", "timeout": "6s"}
+            assert api.put("/v1/pools/slow", json=slow).status_code in (200, 201)
+            held = policy("slow", free_port(), [{"name": "slow", "tiers": [["slow"]]}])
+            response = api.put("/v1/routingpolicies/slow", json=held)
+            assert response.status_code in (200, 201), response.text
+        pill = page.locator(f"{row} [data-warming]")
+        pill.wait_for(timeout=10_000)
+        assert "warming 1 cluster" in pill.inner_text()
+        assert "slow" in (pill.get_attribute("title") or "")
+        # The routes (and the new listener) wait for the clusters' answer, and say why.
+        reasons = page.locator(f"{row} [data-why]").all_inner_texts()
+        assert "held: clusters warming" in reasons or "warming" in reasons, reasons
+        shoot(page, "fleets-warming")
+        # The health check timed out, the cluster is in use (its endpoint unhealthy), the
+        # Envoy answered, and the routes went out.
+        page.wait_for_selector(f"{row} [data-warming]", state="detached", timeout=20_000)
+    finally:
+        page.close()
+        with console.api() as api:
+            api.delete("/v1/routingpolicies/slow")
+            api.delete("/v1/pools/slow")
+        silent.close()
+
+
 def test_a_thousand_endpoints_render_and_update(
     browser: Any, kvpilot_factory: Any, etcd_prefix: str
 ) -> None:

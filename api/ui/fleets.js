@@ -1,5 +1,5 @@
 // The Fleets & Envoys view: per fleet the versions served, per replica its Envoys with the
-// versions ACKed and the last NACK.
+// versions ACKed, the clusters warming and the last NACK.
 
 import { $, state } from "./core.js";
 import { ago, esc, since } from "./format.js";
@@ -25,10 +25,28 @@ function isNacked(t) {
   return Boolean(t && t.last_nack && t.version_acked !== t.version_sent);
 }
 
+// Clusters an Envoy was sent and has not taken into use yet (kvpilot's status `warming`).
+function warmingClusters(envoy) {
+  return envoy.warming ? envoy.warming.clusters || [] : [];
+}
+
 // Why a cell is behind what the fleet is served, in a few words, and as a sentence.
 function waitReason(envoy, name, t) {
+  const warming = warmingClusters(envoy);
   if (t.version_sent !== t.version_acked) {
+    if (name === "CDS" && envoy.warming) {
+      return [
+        "warming",
+        `sent ${t.version_sent}; the Envoy answers once its new clusters have warmed (their endpoints arrived and each endpoint's first health check completed): ${warming.join(", ")}`,
+      ];
+    }
     return ["awaiting ACK", `sent ${t.version_sent}; the Envoy has not ACKed it yet`];
+  }
+  if ((name === "LDS" || name === "RDS") && envoy.warming) {
+    return [
+      "held: clusters warming",
+      "kvpilot sends listeners and routes only once the Envoy has answered the clusters they may name (or its wait for that ran out), so that no request meets a cluster the Envoy does not have yet",
+    ];
   }
   const leader = LEADER[name];
   const leaderUrl = leader && TYPES.find(([n]) => n === leader)[1];
@@ -54,6 +72,15 @@ function typeCell(envoy, name, typeUrl, served) {
     `${t.version_sent !== t.version_acked ? ` <span class="muted">← ${shortVersion(t.version_sent)}</span>` : ""}` +
     `${why ? ` <span class="why" data-why>${esc(why)}</span>` : ""}</td>`
   );
+}
+
+// A pill on an Envoy whose new clusters are warming: how many, for how long, and their names.
+function warmingPill(envoy, now) {
+  if (!envoy.warming) return "";
+  const clusters = warmingClusters(envoy);
+  const title = `warming: ${clusters.join(", ")}\nroutes and listeners wait for these clusters`;
+  const count = `${clusters.length} cluster${clusters.length === 1 ? "" : "s"}`;
+  return ` <span class="pill warn" data-warming title="${esc(title)}">warming ${count} · ${ago(now - envoy.warming.since)}</span>`;
 }
 
 export function renderFleets(status) {
@@ -92,7 +119,7 @@ export function renderFleets(status) {
           ? `<div class="nack" data-nack>${esc(nack.type)} ${current ? "rejected" : "rejected earlier"} (${since(nack.last_nack.at)}): ${esc(nack.last_nack.message)}</div>`
           : `<span class="muted">none</span>`;
         return (
-          `<tr data-node="${esc(envoy.node_id)}"><td class="id">${esc(envoy.node_id)}</td><td>${esc(envoy.fleet)}</td><td>${esc(envoy.mode)}</td>` +
+          `<tr data-node="${esc(envoy.node_id)}"><td class="id">${esc(envoy.node_id)}${warmingPill(envoy, now)}</td><td>${esc(envoy.fleet)}</td><td>${esc(envoy.mode)}</td>` +
           `<td class="muted">${esc(envoy.peer)}</td><td class="num">${ago(now - envoy.connected_since)}</td>` +
           TYPES.map(([name, url]) => typeCell(envoy, name, url, versions[url])).join("") +
           `<td class="num">${lastAck ? ago(now - lastAck) : "—"}</td><td class="nackcell">${nackHtml}</td></tr>`
