@@ -371,7 +371,7 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
     kinds), the share of the demand sent
     to paid pools, the owned replicas' queue and the rate sent to paid to drain it (beyond
     the TTFT objective's queue) and why; and the route's gate (``maxInFlight``), where it has
-    one in force."""
+    one in force, with what set it under ``maxInFlight: auto`` (``gateAuto``)."""
     if plan is None:
         return []
     gates = {
@@ -393,6 +393,10 @@ def _overflow(plan: RoutingPlan | None) -> list[dict[str, Any]]:
             # The gate's limit per Envoy (overflow.maxInFlight); None: no gate.
             "gate": {"maxInFlight": gates[route]} if route in gates else None,
         }
+        if route in plan.gate_auto:
+            # maxInFlight: auto: what set it (no gate while no batch size is known).
+            slots, envoys = plan.gate_auto[route]
+            entry["gateAuto"] = {"batchSlots": slots, "envoys": envoys}
         arrivals = decision.arrivals
         if arrivals is not None:
             entry.update(

@@ -42,6 +42,7 @@ from dataclasses import replace
 from compiler.budgets import route_blocks
 from compiler.difficulty import plan_virtual_models
 from compiler.fleets import applies, fleet_compiled, fleet_names, merge_listener
+from compiler.gate import auto_basis, gate_limit
 from compiler.locality import (
     fleet_view,
     needs_view,
@@ -116,6 +117,8 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
     saturation = saturation_decisions(state)
     served = served_models(state)
     overflow = overflow_decisions(state)
+    gate_auto: dict[str, tuple[int, int]] = {}
+    known = set(fleet_names(state))
     for policy_name in sorted(state.policies):
         policy = state.policies[policy_name]
         policy_clusters = []
@@ -134,7 +137,10 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 served=served,
                 overflow=overflow.get(name),
                 bound=saturated.factor if saturated is not None else 0,
+                gate=gate_limit(policy, route, state, known),
             )
+            if route.overflow is not None and route.overflow.max_in_flight == "auto":
+                gate_auto[name] = auto_basis(policy, route, state, known)
             entries[name] = entry
             diagnostics.extend(entry.diagnostics)
             policy_clusters.extend(entry.clusters)
@@ -231,6 +237,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         saturation=saturation,
         difficulty=state.difficulty,
         spill=spill,
+        gate_auto=gate_auto,
         overflow=overflow,
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
+from compiler.gate import gate_limit
 from compiler.plan import DEFAULT_FLEET, Diagnostic, PlanCluster, PlanVirtualHost
 from compiler.routes import compile_route
 from policies.models import RoutingPolicy
@@ -75,6 +76,7 @@ def fleet_compiled(
                 weights,
                 admission.get(key),
                 overflow=(overflow or {}).get(key),
+                gate=gate_limit(variant, route, state, fleet_names(state)),
             )
             clusters.extend(route_clusters)
             routes.append(plan_route)

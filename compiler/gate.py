@@ -1,4 +1,5 @@
-"""The gate of a route's owned replicas (``overflow.maxInFlight``): the plan's side of it.
+"""The gate of a route's owned replicas (``overflow.maxInFlight``): the plan's side of it,
+and the limit ``auto`` sets from the batch slots and the Envoys connected.
 
 A ``gate`` cluster is a copy of the replicas' cluster whose breaker allows ``maxInFlight``
 requests, which translation puts behind an internal listener (``xdsserver.translate.gate``);
@@ -6,11 +7,57 @@ each paid overflow aggregate gets a twin that tries the gate first."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Collection
 from dataclasses import replace
 
-from compiler.plan import PlanCluster
-from policies.models import Route
+from compiler.locality import batch_slots
+from compiler.plan import DEFAULT_FLEET, PlanCluster
+from policies.models import GATE_AUTO_SHARE, Route, RoutingPolicy
 from policies.names import OVERFLOW_INFIX, gate_name, gated_name
+from signals.state import PolicyState, is_external, pool_endpoints
+
+
+def gate_limit(
+    policy: RoutingPolicy, route: Route, state: PolicyState, fleets: Collection[str]
+) -> int | None:
+    """The gate's limit per Envoy: ``overflow.maxInFlight``, or with ``auto``
+    ``GATE_AUTO_SHARE`` of the batch slots that the first tier's replicas report (fresh
+    telemetry) over the Envoys connected in the policy's fleets, at least 1 (``auto_basis``).
+    None without a gate, and with ``auto`` before any of those replicas reports a batch
+    size."""
+    if route.overflow is None or route.overflow.max_in_flight is None:
+        return None
+    if route.overflow.max_in_flight != "auto":
+        return route.overflow.max_in_flight
+    slots, envoys = auto_basis(policy, route, state, fleets)
+    if not slots:
+        return None
+    return max(1, math.floor(GATE_AUTO_SHARE * slots / max(1, envoys)))
+
+
+def auto_basis(
+    policy: RoutingPolicy, route: Route, state: PolicyState, fleets: Collection[str]
+) -> tuple[int, int]:
+    """What ``maxInFlight: auto`` splits: the batch slots of the route's first tier (its
+    replicas with a fresh batch size) and the Envoys connected in the policy's fleets. An
+    Envoy of a fleet not among `fleets` (those with a config of their own,
+    ``compiler.fleets.fleet_names``) is served the default fleet's, and counts there."""
+    sized = batch_slots(state)
+    slots = 0
+    for target in route.tiers[0].pools if route.tiers else ():
+        pool = state.pools.get(target.pool)
+        if pool is None or is_external(pool):
+            continue
+        for endpoint in pool_endpoints(pool, state.registered.get(target.pool, {})):
+            slots += sized.get(endpoint.key, 0)
+    named = policy.spec.fleets
+    envoys = 0
+    for fleet, count in state.envoys.items():
+        served = fleet if fleet in fleets else DEFAULT_FLEET
+        if "*" in named or served in named:
+            envoys += count
+    return slots, envoys
 
 
 def gate_clusters(
@@ -19,16 +66,15 @@ def gate_clusters(
     clusters: list[PlanCluster],
     replicas: str,
     subsets: bool,
+    limit: int | None,
 ) -> list[PlanCluster]:
     """With ``overflow.maxInFlight``: the gate in front of the route's replicas (a copy of
     their cluster whose circuit breaker allows that many requests, behind an internal
     listener), and for each paid overflow aggregate the one that tries the gate first.
-    None without a limit, with providers among the route's tiers, or where the replicas are
+    `limit`: ``gate_limit``'s. None without a limit, with providers among the route's tiers, or where the replicas are
     chosen by model subsets (the request's model, in its own metadata, does not pass an
     internal listener).
     """
-    assert route.overflow is not None
-    limit = route.overflow.max_in_flight
     owned = next((c for c in clusters if c.name == replicas and c.kind == "eds"), None)
     if not limit or owned is None or subsets or replicas != name:
         # Behind a route's aggregate (providers among its tiers) the session's twin would be

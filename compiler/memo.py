@@ -53,6 +53,7 @@ class RouteMemo:
         served: Mapping[str, PoolModels] | None = None,
         overflow: OverflowDecision | None = None,
         bound: int = 0,
+        gate: int | None = None,
     ) -> MemoEntry:
         """The compiled route, reused when its inputs are unchanged."""
         route_weights = weights if route.balancing == "telemetry" else {}
@@ -69,6 +70,7 @@ class RouteMemo:
                 route_served,
                 overflow,
                 bound,
+                gate,
             ),
             index,
             *(state.pools.get(name) for name in names),
@@ -98,6 +100,7 @@ class RouteMemo:
             served=served,
             overflow=overflow,
             bound=bound,
+            gate=gate,
         )
         return MemoEntry(
             inputs, route_diagnostics(policy, index, route, state), clusters, plan_route

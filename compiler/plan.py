@@ -461,6 +461,10 @@ class RoutingPlan:
     spill: Mapping[str, SpillDecision] = field(default_factory=dict, hash=False)
     """What share of each located fleet's traffic its own locality keeps, per route cluster:
     ``fleet/policy/route`` -> decision (``compiler.locality``)."""
+    gate_auto: Mapping[str, tuple[int, int]] = field(default_factory=dict, hash=False)
+    """What set the gate of routes with ``overflow.maxInFlight: auto``: route
+    (``policy/route``) -> (the first tier's batch slots, the Envoys in the policy's fleets)
+    (``compiler.gate.auto_basis``)."""
     overflow: Mapping[str, OverflowDecision] = field(default_factory=dict, hash=False)
     """What telemetry decided for routes with paid overflow pools: route (``policy/route``)
     -> decision."""

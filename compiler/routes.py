@@ -272,8 +272,10 @@ def compile_route(
     served: Mapping[str, PoolModels] | None = None,
     overflow: OverflowDecision | None = None,
     bound: int = 0,
+    gate: int | None = None,
 ) -> tuple[list[PlanCluster], PlanRoute]:
-    """The clusters of one route and its route entry.
+    """The clusters of one route and its route entry (`gate`: the gate's limit per Envoy,
+    ``compiler.gate.gate_limit``).
 
     Replicas (IP endpoints) of every tier go into one EDS cluster at priority = tier. External
     provider pools get a DNS cluster each; when a route has any, an aggregate cluster puts the
@@ -400,7 +402,7 @@ def compile_route(
     paid, plan_overflow = _overflow_clusters(
         name, route, spec, state, replicas, {p.metadata.name for p in providers}, overflow
     )
-    gates = gate_clusters(name, route, [*out, *paid], replicas, subsets)
+    gates = gate_clusters(name, route, [*out, *paid], replicas, subsets, gate)
     if gates:
         plan_overflow = replace(
             plan_overflow,

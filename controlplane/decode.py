@@ -149,6 +149,16 @@ class DecodedState:
         elif decoded is not None:
             self.objects[key] = decoded
 
+    def gates_auto(self) -> bool:
+        """True when a routing policy has a route with ``overflow.maxInFlight: auto``: the
+        only reader of the Envoys connected per fleet."""
+        return any(
+            route.overflow is not None and route.overflow.max_in_flight == "auto"
+            for obj in self.objects.values()
+            if isinstance(obj, RoutingPolicy)
+            for route in obj.spec.routes
+        )
+
     def overflows_by_arrivals(self) -> bool:
         """True when a routing policy has a route with ``overflow.signal: arrivals``: the
         only reader of the usage log's work windows (``xdsserver.work``)."""
@@ -171,6 +181,7 @@ class DecodedState:
         now: float = 0.0,
         provider_backoff: Mapping[str, float] | None = None,
         arrivals: Mapping[str, float] | None = None,
+        envoys: Mapping[str, int] | None = None,
         service_times: Mapping[str, float] | None = None,
         completions: Mapping[str, float] | None = None,
         recent_completions: Mapping[str, float] | None = None,
@@ -197,6 +208,7 @@ class DecodedState:
             now=now,
             provider_backoff=provider_backoff or {},
             arrivals=arrivals or {},
+            envoys=envoys or {},
             service_times=service_times or {},
             completions=completions or {},
             recent_completions=recent_completions or {},

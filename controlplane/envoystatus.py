@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -47,6 +48,42 @@ def records(items: Mapping[str, KeyValue]) -> list[dict[str, Any]]:
         if (body := decode_json(items[key])) is not None:
             found.append(body)
     return found
+
+
+class EnvoyCounts:
+    """The Envoys connected per fleet, over every replica's status records, kept from the
+    mirror's changes: a record is read when it appears and forgotten when it goes, so the
+    versions every push rewrites cost nothing here (an Envoy keeps its fleet for as long as
+    it stays connected)."""
+
+    def __init__(self) -> None:
+        self._fleets: dict[str, str] = {}
+
+    def update(
+        self, changed: Iterable[str], items: Mapping[str, KeyValue], *, full: bool = False
+    ) -> bool:
+        """Take one change of the mirror (`full`: a re-list, every key); True when a fleet's
+        count moved."""
+        before = self.counts()
+        if full:
+            self._fleets = {}
+            changed = items
+        for key in changed:
+            if not key.startswith(ENVOYS_PREFIX):
+                continue
+            kv = items.get(key)
+            if kv is None:
+                self._fleets.pop(key, None)
+            elif key not in self._fleets:
+                body = decode_json(kv)
+                fleet = body.get("fleet") if isinstance(body, dict) else None
+                if isinstance(fleet, str):
+                    self._fleets[key] = fleet
+        return self.counts() != before
+
+    def counts(self) -> dict[str, int]:
+        """Fleet -> Envoys connected to any kvpilot replica."""
+        return dict(Counter(self._fleets.values()))
 
 
 class StatusPublisher:

@@ -47,6 +47,9 @@ class PolicyState:
     provider_backoff: Mapping[str, float] = field(default_factory=dict)
     """Paid pools resting after a 429: pool name -> wall-clock time its ``Retry-After`` ends
     (learned from Envoy's access log, ``xdsserver.signals``)."""
+    envoys: Mapping[str, int] = field(default_factory=dict)
+    """Envoys connected per fleet, to any kvpilot replica (their status records in etcd):
+    ``overflow.maxInFlight: auto`` splits the batch slots over them."""
     arrivals: Mapping[str, float] = field(default_factory=dict)
     """Requests per second each fleet's Envoys started on each route cluster, over the last
     few seconds: ``fleet/cluster`` (``compiler.locality.spill_key``) -> rate (reported at each

@@ -12,49 +12,22 @@ own) that answer 200, or 429 with a Retry-After, as the test says.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
 import httpx
 import pytest
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
-from harness.paid import overflow_entries, paid_pool, paid_stand_in
+from harness.paid import overflow_entries, paid_pool, paid_stand_in, put_fill
 from harness.rig import KvpilotFactory, Rig, api_client
 from harness.wait import wait_until
 
-from controlplane.etcd import EtcdClient
-from controlplane.etcd.store import Store
 from controlplane.local import EmbeddedEtcd, free_port
 
 pytestmark = pytest.mark.e2e
 
 CLUSTER = "paid/chat"
 SESSION = {"x-session-id": "conversation-1"}
-
-
-def put_fill(etcd: EmbeddedEtcd, prefix: str, ports: list[int], fill: float) -> None:
-    """Every owned replica's record, as `kvpilot agent --max-running 8` would write it, at a
-    batch fill of `fill` ((running + waiting) / 8)."""
-
-    async def put() -> None:
-        client = EtcdClient([etcd.endpoint])
-        await client.connect()
-        try:
-            store = Store(client, prefix)
-            running = min(8.0, 8 * fill)
-            for port in ports:
-                record = {
-                    "at": time.time(),
-                    "running": running,
-                    "waiting": 8 * fill - running,
-                    "max_running": 8,
-                }
-                await store.put_telemetry("owned", f"127.0.0.1:{port}", record)
-        finally:
-            await client.close()
-
-    asyncio.run(put())
 
 
 def answered_by(client: httpx.Client, rig: Rig, n: int, headers: dict[str, str]) -> list[str]:

@@ -14,11 +14,12 @@ from typing import Any
 import httpx
 import pytest
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
-from harness.paid import paid_pool, paid_stand_in
+from harness.paid import paid_pool, paid_stand_in, put_fill
 from harness.rig import Rig
 from harness.spend import pool_rows
 from harness.wait import wait_until
 
+from controlplane.local import EmbeddedEtcd
 from replicasim.simulator import SimConfig
 from xdsserver.translate.metadata import GATE_UPSTREAM
 
@@ -130,3 +131,60 @@ def test_the_gate_sends_the_excess_of_the_moment_to_paid_and_keeps_conversations
         turns = _burst(rig, 10, session="conversation-1")
         assert all(status == 200 and backend in owned for status, backend in turns), turns
         assert paid.hits == hits
+
+
+def _gate_limit(envoy: Any) -> int | None:
+    """The breaker behind the gate in `envoy`'s running config: max_requests, or None."""
+    dump = httpx.get(
+        f"{envoy.admin_url}/config_dump", params={"resource": "dynamic_active_clusters"}
+    )
+    for entry in dump.json().get("configs", []):
+        cluster = entry.get("cluster", {})
+        if cluster.get("name") == f"{CLUSTER}/gate/replicas":
+            thresholds = cluster.get("circuit_breakers", {}).get("thresholds", [{}])
+            return int(thresholds[0].get("max_requests", 0))
+    return None
+
+
+def test_an_auto_gate_splits_the_reported_batch_slots_over_the_fleets_envoys(
+    rig: Rig,
+    backends: Any,
+    etcd: EmbeddedEtcd,
+    etcd_prefix: str,
+    envoy_factory: Any,
+) -> None:
+    """``maxInFlight: auto``: no gate before a batch size is known; then 90% of the slots the
+    agents report over the Envoys connected in the fleet, following a second Envoy that joins
+    and leaves."""
+    replicas = backends(2, id_prefix="owned")
+    ports = [r.port for r in replicas.replicas]
+    route = {
+        "name": "chat",
+        "tiers": [["owned"]],
+        "overflow": {"pools": ["paid"], "signal": "fill", "maxInFlight": "auto"},
+    }
+    with paid_stand_in("paid") as paid:
+        rig.apply(
+            pool("owned", ports, telemetry={"maxAge": "300s"}, health_check=FAST_HEALTH_CHECK),
+            paid_pool("paid", paid.port),
+            policy("paid", rig.listener_port, [route]),
+        )
+        rig.wait_ready(CLUSTER, ports)
+        overflow = next(e for e in rig.api.get("/v1/status").json()["overflow"])
+        assert overflow["gate"] is None and overflow["gateAuto"]["batchSlots"] == 0, overflow
+        assert _gate_limit(rig.envoy) is None
+
+        # Two replicas of 16 slots, one Envoy: 90% of 32.
+        put_fill(etcd, etcd_prefix, ports, 0.2, slots=16)
+        wait_until(lambda: _gate_limit(rig.envoy) == 28, 30, message="the gate at 28")
+        overflow = next(e for e in rig.api.get("/v1/status").json()["overflow"])
+        assert overflow["gate"] == {"maxInFlight": 28}, overflow
+        assert overflow["gateAuto"] == {"batchSlots": 32, "envoys": 1}, overflow
+
+        # A second Envoy of the fleet: each gets half.
+        second = envoy_factory(xds_port=rig.kvpilot.xds_port, fleet="default")
+        wait_until(lambda: _gate_limit(rig.envoy) == 14, 30, message="the first gate at 14")
+        wait_until(lambda: _gate_limit(second) == 14, 30, message="the second gate at 14")
+        second.stop()
+        wait_until(lambda: _gate_limit(rig.envoy) == 28, 30, message="the gate back at 28")
+        assert paid.hits == 0

@@ -20,7 +20,8 @@ from harness.builders import policy, pool
 from pydantic import ValidationError
 
 from compiler.compile import PolicyState, compile_plan
-from policies.models import Overflow, Pool, RoutingPolicy
+from policies.models import API_VERSION, Fleet, Overflow, Pool, RoutingPolicy
+from signals.telemetry import TelemetryRecord
 from xdsserver.translate import FleetResources, translate
 from xdsserver.translate.gate import GATE_HEADER, GATE_RETRIES, SESSION_TRIES
 from xdsserver.translate.metadata import GATE_UPSTREAM, PREFIX_KEY_HEADER
@@ -70,6 +71,70 @@ def test_a_bad_limit_is_refused_with_the_field_named(value: Any, message: str) -
     with pytest.raises(ValidationError, match=message) as error:
         Overflow.model_validate({"pools": ["a"], "maxInFlight": value})
     assert "maxInFlight" in str(error.value)
+
+
+def _auto_plan(
+    envoys: dict[str, int], *, at: float = 999.0, fleets: tuple[str, ...] = ("default",)
+) -> Any:
+    """Route ``main/chat`` with ``maxInFlight: auto`` over two replicas of 16 slots (their
+    records written at `at`; the state's now is 1000), in `fleets`, beside a Fleet ``edge``
+    of its own, and `envoys` connected per fleet."""
+    main = policy("main", 10000, [_route(maxInFlight="auto")])
+    main["spec"]["fleets"] = list(fleets)
+    objects = [
+        Pool.model_validate(pool("owned", PORTS, telemetry={"maxAge": "10s"})),
+        Pool.model_validate(_paid("cheap", 9443)),
+        RoutingPolicy.model_validate(main),
+        Fleet.model_validate(
+            {"apiVersion": API_VERSION, "kind": "Fleet", "metadata": {"name": "edge"}, "spec": {}}
+        ),
+    ]
+    records = {
+        f"127.0.0.1:{port}": TelemetryRecord(at=at, running=3, waiting=0, max_running=16)
+        for port in PORTS
+    }
+    state = PolicyState.from_objects(
+        objects, now=1000.0, telemetry={"owned": records}, envoys=envoys
+    )
+    return compile_plan(state)
+
+
+def _gate_limits(plan: Any) -> set[int | None]:
+    return {
+        c.circuit_breakers.max_requests
+        for fleet in plan.fleets
+        for c in fleet.clusters
+        if c.kind == "gate"
+    }
+
+
+@pytest.mark.parametrize(
+    ("envoys", "fleets", "counted", "limit"),
+    [
+        ({"default": 2}, ("default",), 2, 14),  # 90% of 32 slots over 2 Envoys
+        ({}, ("default",), 0, 28),  # no Envoy yet: as for one
+        ({"default": 1, "edge": 3}, ("default",), 1, 28),  # another fleet's do not count
+        ({"default": 1, "edge": 3}, ("*",), 4, 7),  # every fleet's do
+        ({"default": 1, "lost": 3}, ("default",), 4, 7),  # no config of its own: default's
+        ({"default": 40}, ("default",), 40, 1),  # never under one
+    ],
+)
+def test_an_auto_gate_splits_the_reported_slots_over_the_fleets_envoys(
+    envoys: dict[str, int], fleets: tuple[str, ...], counted: int, limit: int
+) -> None:
+    plan = _auto_plan(envoys, fleets=fleets)
+    assert _gate_limits(plan) == {limit}
+    assert plan.gate_auto["main/chat"] == (32, counted)
+
+
+def test_an_auto_gate_waits_for_a_batch_size_and_accepts_only_auto() -> None:
+    # Records older than the pool's maxAge give no batch size: no gate (yet).
+    stale = _auto_plan({"default": 1}, at=900.0)
+    assert _gate_limits(stale) == set() and stale.gate_auto["main/chat"] == (0, 1)
+    assert Overflow.model_validate({"pools": ["a"], "maxInFlight": "auto"}).max_in_flight == "auto"
+    with pytest.raises(ValidationError, match="maxInFlight") as error:
+        Overflow.model_validate({"pools": ["a"], "maxInFlight": "automatic"})
+    assert "'auto'" in str(error.value)
 
 
 def test_the_gate_is_an_internal_listener_in_front_of_a_breaker_at_the_limit() -> None:

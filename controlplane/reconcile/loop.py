@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry
 
 from compiler import RouteMemo, RoutingPlan, compile_plan
 from controlplane.decode import DecodedState, DecodeError
+from controlplane.envoystatus import EnvoyCounts
 from controlplane.etcd import KeyValue
 from controlplane.etcd.keys import ENDPOINTS, STATUS, TELEMETRY
 from controlplane.mirror import StateChange
@@ -120,6 +121,8 @@ class Reconciler:
         """The last few telemetry records of each endpoint, for the console."""
         self.last_build = BuildInfo()
         self._decoded = DecodedState()
+        self.envoys = EnvoyCounts()
+        """Envoys connected per fleet (``overflow.maxInFlight: auto``)."""
         self._memo = RouteMemo()
         self._applied: dict[str, bytes] = {}
         """The value each present key was last decoded from."""
@@ -189,8 +192,13 @@ class Reconciler:
     def on_change(self, change: StateChange, items: Mapping[str, KeyValue]) -> None:
         """Record a change; the run loop rebuilds after the debounce."""
         self._items = items
+        moved = self.envoys.update(change.changed, items, full=change.full_resync)
         if not change.full_resync and all(key.startswith(STATUS_PREFIX) for key in change.changed):
-            return  # Envoy status records of kvpilot replicas: nothing to rebuild
+            # Envoy status records of kvpilot replicas: nothing to rebuild, unless an Envoy
+            # came or went where a gate splits the batch slots over a fleet's Envoys.
+            if moved and self._decoded.gates_auto():
+                self.live_changed()
+            return
         self._mark(change.changed, full=change.full_resync, revision=change.revision)
 
     def _mark(self, changed: frozenset[str], *, full: bool, revision: int) -> None:
@@ -346,6 +354,7 @@ class Reconciler:
             provider_backoff=self.provider_backoff(now),
             stored_fits=self.stored_fits(now) if by_work else {},
             arrivals=self.arrivals(now),
+            envoys=self.envoys.counts(),
             service_times=self.service_times(now),
             completions=self.completions(now),
             recent_completions=self.recent_completions(now),

@@ -66,7 +66,7 @@ from policies.models.objects import (
     RoutingPolicy,
     kind_named,
 )
-from policies.models.overflow import Conversations, Overflow
+from policies.models.overflow import GATE_AUTO_SHARE, Conversations, Overflow
 from policies.models.policy import (
     ListenerSpec,
     RoutingPolicySpec,
@@ -134,6 +134,7 @@ __all__ = [
     "ENDPOINT_ID_PATTERN",
     "ENDPOINT_ID_RULE",
     "FEATURES",
+    "GATE_AUTO_SHARE",
     "KINDS",
     "KIND_PATHS",
     "NAME_PATTERN",

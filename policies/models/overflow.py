@@ -3,13 +3,16 @@ replicas are saturated or miss the route's objective."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from policies.models.fields import Duration, Model, Name
 
 Conversations = Literal["last", "with"]
+GATE_AUTO_SHARE = 0.9
+"""``maxInFlight: auto``: the share of the owned replicas' batch slots that the gates of all
+the Envoys of the route's fleets let in together (the cost benchmark met its targets at 90%)."""
 OverflowSignal = Literal["arrivals", "fill"]
 UTILIZATION = 0.9
 """``Overflow.utilization`` when unset: the share that holds the cost benchmark's TTFT p99 at
@@ -149,14 +152,15 @@ class Overflow(Model):
         "(signals.prefillfit). Set it for replicas that export no steps and are seldom full, "
         "from a run of them kept full.",
     )
-    max_in_flight: int | None = Field(
+    max_in_flight: Annotated[int, Field(ge=1, le=100_000)] | Literal["auto"] | None = Field(
         None,
-        ge=1,
-        le=100_000,
         description="Requests each Envoy keeps in flight on the owned replicas, conversations "
         "included: about 90% of their batch slots (replicas x batch size) over the fleet's "
         "Envoys (in the cost benchmark at batches of 8, 90% met every target by the median; the "
-        "full slots paid less and held less of the peak's tail; at 32, level with no gate). Behind the gate no replica takes more "
+        "full slots paid less and held less of the peak's tail; at 32, level with no gate). "
+        "'auto': kvpilot sets it to 90% of the batch slots the agents report for the first "
+        "tier's serving replicas over the Envoys connected in the policy's fleets, and follows "
+        "both as they change (no gate until a batch size is known). Behind the gate no replica takes more "
         "than the mean of what it lets in. A "
         "request without a session that finds them all taken goes to the paid pool at once, "
         "in the same request (Envoy's circuit breaker on a gate in front of the replicas, and "

@@ -1,8 +1,9 @@
-"""A paid provider stand-in for the overflow end-to-end tests, its pool, and the overflow
-route entries an Envoy holds."""
+"""A paid provider stand-in for the overflow end-to-end tests, its pool, the overflow
+route entries an Envoy holds, and the owned replicas' telemetry as an agent writes it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -11,6 +12,9 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from controlplane.etcd import EtcdClient
+from controlplane.etcd.store import Store
+from controlplane.local import EmbeddedEtcd
 from harness.builders import pool
 from harness.rig import Rig
 
@@ -95,3 +99,29 @@ def overflow_entries(rig: Rig) -> dict[str, tuple[str, int]]:
                             int(fraction.get("numerator", 0)),
                         )
     return out
+
+
+def put_fill(
+    etcd: EmbeddedEtcd, prefix: str, ports: list[int], fill: float, *, slots: int = 8
+) -> None:
+    """Every owned replica's record, as `kvpilot agent --max-running 8` (`slots`) would write
+    it, at a batch fill of `fill` ((running + waiting) / slots)."""
+
+    async def put() -> None:
+        client = EtcdClient([etcd.endpoint])
+        await client.connect()
+        try:
+            store = Store(client, prefix)
+            running = min(float(slots), slots * fill)
+            for port in ports:
+                record = {
+                    "at": time.time(),
+                    "running": running,
+                    "waiting": slots * fill - running,
+                    "max_running": slots,
+                }
+                await store.put_telemetry("owned", f"127.0.0.1:{port}", record)
+        finally:
+            await client.close()
+
+    asyncio.run(put())
