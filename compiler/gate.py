@@ -70,10 +70,10 @@ def gate_clusters(
 ) -> list[PlanCluster]:
     """With ``overflow.maxInFlight``: the gate in front of the route's replicas (a copy of
     their cluster whose circuit breaker allows that many requests, behind an internal
-    listener), and for each paid overflow aggregate the one that tries the gate first.
-    `limit`: ``gate_limit``'s. None without a limit, with providers among the route's tiers, or where the replicas are
-    chosen by model subsets (the request's model, in its own metadata, does not pass an
-    internal listener).
+    listener), and for each paid overflow aggregate the one that tries the gate first, at
+    `limit` (``gate_limit``). None without a limit, with providers among the route's tiers,
+    or where the replicas are chosen by model subsets (the request's model, in its own
+    metadata, does not pass an internal listener).
     """
     owned = next((c for c in clusters if c.name == replicas and c.kind == "eds"), None)
     if not limit or owned is None or subsets or replicas != name:

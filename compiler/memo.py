@@ -53,7 +53,7 @@ class RouteMemo:
         served: Mapping[str, PoolModels] | None = None,
         overflow: OverflowDecision | None = None,
         bound: int = 0,
-        gate: int | None = None,
+        gate: int | None,
     ) -> MemoEntry:
         """The compiled route, reused when its inputs are unchanged."""
         route_weights = weights if route.balancing == "telemetry" else {}

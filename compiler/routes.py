@@ -272,7 +272,7 @@ def compile_route(
     served: Mapping[str, PoolModels] | None = None,
     overflow: OverflowDecision | None = None,
     bound: int = 0,
-    gate: int | None = None,
+    gate: int | None,
 ) -> tuple[list[PlanCluster], PlanRoute]:
     """The clusters of one route and its route entry (`gate`: the gate's limit per Envoy,
     ``compiler.gate.gate_limit``).
