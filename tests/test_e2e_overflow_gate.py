@@ -187,4 +187,8 @@ def test_an_auto_gate_splits_the_reported_batch_slots_over_the_fleets_envoys(
         wait_until(lambda: _gate_limit(second) == 14, 30, message="the second gate at 14")
         second.stop()
         wait_until(lambda: _gate_limit(rig.envoy) == 28, 30, message="the gate back at 28")
+        # Requests pass the gate to the owned replicas.
+        owned = {r.id for r in replicas.replicas}
+        answers = _burst(rig, 3)
+        assert all(status == 200 and backend in owned for status, backend in answers), answers
         assert paid.hits == 0
