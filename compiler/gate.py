@@ -11,11 +11,18 @@ import math
 from collections.abc import Collection
 from dataclasses import replace
 
-from compiler.locality import batch_slots
+from compiler.locality import SERVING, batch_slots
 from compiler.plan import DEFAULT_FLEET, PlanCluster
 from policies.models import GATE_AUTO_SHARE, Route, RoutingPolicy
 from policies.names import OVERFLOW_INFIX, gate_name, gated_name
 from signals.state import PolicyState, is_external, pool_endpoints
+
+GATE_OPEN = 100_000
+"""``maxInFlight: auto`` while no serving replica of the first tier reports a batch size (at
+start, or every one gone or drained): the field's largest limit, a gate that turns nothing
+away for being full. The gate stays, so neither its resources come and go with telemetry nor
+does a request lose its way on to the paid pools when the replicas behind the gate have no
+healthy host (its 503 is retried there, as at any limit)."""
 
 
 def gate_limit(
@@ -23,16 +30,15 @@ def gate_limit(
 ) -> int | None:
     """The gate's limit per Envoy: ``overflow.maxInFlight``, or with ``auto``
     ``GATE_AUTO_SHARE`` of the batch slots that the first tier's replicas report (fresh
-    telemetry) over the Envoys connected in the policy's fleets, at least 1 (``auto_basis``).
-    None without a gate, and with ``auto`` before any of those replicas reports a batch
-    size."""
+    telemetry) over the Envoys connected in the policy's fleets, at least 1 (``auto_basis``),
+    or ``GATE_OPEN`` while none reports one. None without a gate."""
     if route.overflow is None or route.overflow.max_in_flight is None:
         return None
     if route.overflow.max_in_flight != "auto":
         return route.overflow.max_in_flight
     slots, envoys = auto_basis(policy, route, state, fleets)
     if not slots:
-        return None
+        return GATE_OPEN
     return max(1, math.floor(GATE_AUTO_SHARE * slots / max(1, envoys)))
 
 
@@ -40,7 +46,8 @@ def auto_basis(
     policy: RoutingPolicy, route: Route, state: PolicyState, fleets: Collection[str]
 ) -> tuple[int, int]:
     """What ``maxInFlight: auto`` splits: the batch slots of the route's first tier (its
-    replicas with a fresh batch size) and the Envoys connected in the policy's fleets. An
+    replicas that serve, healthy or degraded, with a fresh batch size: a draining one takes
+    no new request) and the Envoys connected in the policy's fleets. An
     Envoy of a fleet not among `fleets` (those with a config of their own,
     ``compiler.fleets.fleet_names``) is served the default fleet's, and counts there."""
     sized = batch_slots(state)
@@ -50,7 +57,8 @@ def auto_basis(
         if pool is None or is_external(pool):
             continue
         for endpoint in pool_endpoints(pool, state.registered.get(target.pool, {})):
-            slots += sized.get(endpoint.key, 0)
+            if endpoint.health in SERVING:
+                slots += sized.get(endpoint.key, 0)
     named = policy.spec.fleets
     envoys = 0
     for fleet, count in state.envoys.items():

@@ -142,15 +142,15 @@ def spill_decision(
     home = [
         e
         for e in cluster.endpoints
-        if e.priority == 0 and e.health in _SERVING and place_rank(e, where) == NEAR
+        if e.priority == 0 and e.health in SERVING and place_rank(e, where) == NEAR
     ]
-    serving = [e for e in view.endpoints if e.priority == 0 and e.health in _SERVING]
-    spill_to = [e for e in view.endpoints if e.priority == 1 and e.health in _SERVING]
+    serving = [e for e in view.endpoints if e.priority == 0 and e.health in SERVING]
+    spill_to = [e for e in view.endpoints if e.priority == 1 and e.health in SERVING]
     key = spill_key(fleet, cluster.eds_service or cluster.name)
     first = [e for e in view.endpoints if e.priority == 0]
     parts = capacity_parts(serving, state) if feed_forward else None
     queued, slots = _queue(serving, state) if feed_forward else (None, None)
-    everywhere = [e for e in view.endpoints if e.health in _SERVING]
+    everywhere = [e for e in view.endpoints if e.health in SERVING]
     return decide_spill(
         state.previous_spill.get(key),
         local=len(home),
@@ -204,7 +204,8 @@ def _fresh(endpoint: PlanEndpoint, state: PolicyState) -> TelemetryRecord | None
     return record if state.now - record.at <= pool.spec.telemetry.max_age else None
 
 
-_SERVING = ("healthy", "degraded")
+SERVING = ("healthy", "degraded")
+"""Endpoint health that takes new requests (a draining endpoint finishes what it has)."""
 
 
 def _counted(endpoints: Sequence[PlanEndpoint]) -> list[PlanEndpoint]:
@@ -315,6 +316,7 @@ __all__ = [
     "NEAR",
     "PLACE_SEPARATOR",
     "REGION",
+    "SERVING",
     "batch_slots",
     "capacity",
     "capacity_parts",

@@ -19,6 +19,7 @@ from harness.rig import Rig
 from harness.spend import pool_rows
 from harness.wait import wait_until
 
+from compiler.gate import GATE_OPEN
 from controlplane.local import EmbeddedEtcd
 from replicasim.simulator import SimConfig
 from xdsserver.translate.metadata import GATE_UPSTREAM
@@ -153,9 +154,9 @@ def test_an_auto_gate_splits_the_reported_batch_slots_over_the_fleets_envoys(
     etcd_prefix: str,
     envoy_factory: Any,
 ) -> None:
-    """``maxInFlight: auto``: no gate before a batch size is known; then 90% of the slots the
-    agents report over the Envoys connected in the fleet, following a second Envoy that joins
-    and leaves."""
+    """``maxInFlight: auto``: an open gate before a batch size is known; then 90% of the slots
+    the agents report over the Envoys connected in the fleet, following a second Envoy that
+    joins and leaves; and the paid pool answering once every owned replica is gone."""
     replicas = backends(2, id_prefix="owned")
     ports = [r.port for r in replicas.replicas]
     route = {
@@ -170,9 +171,11 @@ def test_an_auto_gate_splits_the_reported_batch_slots_over_the_fleets_envoys(
             policy("paid", rig.listener_port, [route]),
         )
         rig.wait_ready(CLUSTER, ports)
+        # No batch size yet: a gate that turns nothing away.
+        wait_until(lambda: _gate_limit(rig.envoy) == GATE_OPEN, 30, message="the open gate")
         overflow = next(e for e in rig.api.get("/v1/status").json()["overflow"])
-        assert overflow["gate"] is None and overflow["gateAuto"]["batchSlots"] == 0, overflow
-        assert _gate_limit(rig.envoy) is None
+        assert overflow["gate"] == {"maxInFlight": GATE_OPEN}, overflow
+        assert overflow["gateAuto"]["batchSlots"] == 0, overflow
 
         # Two replicas of 16 slots, one Envoy: 90% of 32.
         put_fill(etcd, etcd_prefix, ports, 0.2, slots=16)
@@ -192,3 +195,13 @@ def test_an_auto_gate_splits_the_reported_batch_slots_over_the_fleets_envoys(
         answers = _burst(rig, 3)
         assert all(status == 200 and backend in owned for status, backend in answers), answers
         assert paid.hits == 0
+
+        # Every owned replica gone (their records not yet stale: the gate holds 28): Envoy's
+        # health checks leave the gate's cluster no healthy host, and its 503 is retried on
+        # the paid pool.
+        replicas.stop()
+        wait_until(
+            lambda: all(answer == (200, "paid") for answer in _burst(rig, 3)),
+            30,
+            message="the paid pool answering",
+        )

@@ -20,7 +20,8 @@ from harness.builders import policy, pool
 from pydantic import ValidationError
 
 from compiler.compile import PolicyState, compile_plan
-from policies.models import API_VERSION, Fleet, Overflow, Pool, RoutingPolicy
+from compiler.gate import GATE_OPEN
+from policies.models import API_VERSION, Endpoint, Fleet, Overflow, Pool, RoutingPolicy
 from signals.telemetry import TelemetryRecord
 from xdsserver.translate import FleetResources, translate
 from xdsserver.translate.gate import GATE_HEADER, GATE_RETRIES, SESSION_TRIES
@@ -74,7 +75,11 @@ def test_a_bad_limit_is_refused_with_the_field_named(value: Any, message: str) -
 
 
 def _auto_plan(
-    envoys: dict[str, int], *, at: float = 999.0, fleets: tuple[str, ...] = ("default",)
+    envoys: dict[str, int],
+    *,
+    at: float = 999.0,
+    fleets: tuple[str, ...] = ("default",),
+    registered: dict[str, dict[str, Endpoint]] | None = None,
 ) -> Any:
     """Route ``main/chat`` with ``maxInFlight: auto`` over two replicas of 16 slots (their
     records written at `at`; the state's now is 1000), in `fleets`, beside a Fleet ``edge``
@@ -94,7 +99,11 @@ def _auto_plan(
         for port in PORTS
     }
     state = PolicyState.from_objects(
-        objects, now=1000.0, telemetry={"owned": records}, envoys=envoys
+        objects,
+        now=1000.0,
+        telemetry={"owned": records},
+        envoys=envoys,
+        registered=registered or {},
     )
     return compile_plan(state)
 
@@ -127,10 +136,15 @@ def test_an_auto_gate_splits_the_reported_slots_over_the_fleets_envoys(
     assert plan.gate_auto["main/chat"] == (32, counted)
 
 
-def test_an_auto_gate_waits_for_a_batch_size_and_accepts_only_auto() -> None:
-    # Records older than the pool's maxAge give no batch size: no gate (yet).
+def test_an_auto_gate_counts_serving_replicas_and_stays_open_without_a_batch_size() -> None:
+    # Records older than the pool's maxAge give no batch size: a gate that turns nothing
+    # away (it stays, so its 503 for replicas without a healthy host still goes on to paid).
     stale = _auto_plan({"default": 1}, at=900.0)
-    assert _gate_limits(stale) == set() and stale.gate_auto["main/chat"] == (0, 1)
+    assert _gate_limits(stale) == {GATE_OPEN} and stale.gate_auto["main/chat"] == (0, 1)
+    # A draining replica takes no new request: its slots are not the gate's.
+    draining = Endpoint.model_validate({"address": "127.0.0.1", "port": 8002, "health": "draining"})
+    drained = _auto_plan({"default": 1}, registered={"owned": {"127.0.0.1:8002": draining}})
+    assert _gate_limits(drained) == {14} and drained.gate_auto["main/chat"] == (16, 1)
     assert Overflow.model_validate({"pools": ["a"], "maxInFlight": "auto"}).max_in_flight == "auto"
     with pytest.raises(ValidationError, match="maxInFlight") as error:
         Overflow.model_validate({"pools": ["a"], "maxInFlight": "automatic"})

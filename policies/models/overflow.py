@@ -160,7 +160,7 @@ class Overflow(Model):
         "full slots paid less and held less of the peak's tail; at 32, level with no gate). "
         "'auto': kvpilot sets it to 90% of the batch slots the agents report for the first "
         "tier's serving replicas over the Envoys connected in the policy's fleets, and follows "
-        "both as they change (no gate until a batch size is known). Behind the gate no replica takes more "
+        "both as they change (while none reports a batch size: 100000, an open gate). Behind the gate no replica takes more "
         "than the mean of what it lets in. A "
         "request without a session that finds them all taken goes to the paid pool at once, "
         "in the same request (Envoy's circuit breaker on a gate in front of the replicas, and "
