@@ -8,10 +8,13 @@ import json
 import pytest
 from harness.golden import BENCH, check, updating
 
-from bench.regions.config import default_regions_config
+from bench.regions.config import EXTRA_POLICIES, default_regions_config
 from bench.regions.load import Sent
 from bench.regions.report import WAVE_LIMIT, load, markdown, over_limit
 from bench.regions.results import Overload, RegionsRun
+from bench.regions.stack import POOL, gate_objects, replica_pool
+from policies import parse_object
+from policies.models import Pool, RoutingPolicy
 
 
 def test_the_report_rendered_from_a_runs_file_is_the_committed_markdown() -> None:
@@ -59,3 +62,22 @@ def test_the_wave_counts_its_requests_over_the_line_and_the_most_that_may_cross(
     # No request before was within the round trip of the line: any share may cross.
     free = over_limit(before, during, rtt=0.01)
     assert free is not None and free.most_crossing == 1.0
+
+
+def test_the_gate_policy_sends_each_region_through_a_gate_to_the_other_by_name() -> None:
+    """``--policies gate``: per region a pool the agents fill, behind an auto gate with no
+    share, and the other region's replicas as an external pool; every object is valid."""
+    config = default_regions_config()
+    a, b = config.regions
+    bodies = gate_objects(config, {a: 10001, b: 10002}, {a: [8001, 8002], b: [8003, 8004]})
+    parsed = {(o.kind, o.metadata.name): o for o in (parse_object(body) for body in bodies)}
+    far = parsed[("Pool", f"far-{b}")]
+    assert isinstance(far, Pool) and far.spec.external
+    assert {e.port for e in far.spec.endpoints} == {8003, 8004}
+    policy = parsed[("RoutingPolicy", f"chat-{a}")]
+    assert isinstance(policy, RoutingPolicy) and policy.spec.fleets == [a]
+    (route,) = policy.spec.routes
+    assert [t.pool for t in route.tiers[0].pools] == [replica_pool(a, gate=True)]
+    assert route.overflow is not None and route.overflow.pools == [f"far-{b}"]
+    assert (route.overflow.max_in_flight, route.overflow.max_share) == ("auto", 0)
+    assert replica_pool(a, gate=False) == POOL and "gate" in EXTRA_POLICIES

@@ -14,6 +14,12 @@ POLICIES = ("blind", "fill", "aware")
 (``spillSignal: fill``, the loop before feed-forward); ``aware``: the same with the default
 feed-forward from the fleet's arrival rate against its locality's capacity
 (``signals.spill``)."""
+EXTRA_POLICIES = ("gate",)
+"""Run only when named. ``gate``: no locality; each region's replicas are a pool of their
+own behind a gate (``overflow.maxInFlight: auto``, no share), and the other region's
+replicas, named by DNS (an external pool), take what the gate turns away: a request crosses
+only when it finds its region's batch slots taken (docs/regions.md, "The wave's line and the
+round trip")."""
 
 
 @dataclass(frozen=True)
@@ -78,4 +84,4 @@ def default_regions_config(*, short: bool = False) -> RegionsConfig:
     return RegionsConfig()
 
 
-__all__ = ["POLICIES", "RegionsConfig", "default_regions_config"]
+__all__ = ["EXTRA_POLICIES", "POLICIES", "RegionsConfig", "default_regions_config"]

@@ -18,16 +18,22 @@ class RegionsBenchmark:
     summary = "two regions: locality-aware vs blind; overload, region down, spot wave"
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--policies", default="", help="comma list of blind, fill, aware")
+        parser.add_argument(
+            "--policies",
+            default="",
+            help="comma list of blind, fill, aware (the default: all three), gate",
+        )
         parser.add_argument("--seed", type=int, default=1, help="the load's random seed")
 
     def run(self, args: argparse.Namespace) -> Written:
-        from bench.regions.config import POLICIES, default_regions_config
+        from bench.regions.config import EXTRA_POLICIES, POLICIES, default_regions_config
         from bench.regions.run import run_regions_bench
 
         config = with_out(default_regions_config(short=args.short), args)
         if args.policies:
-            config = replace(config, policies=names(args.policies, POLICIES, "policies"))
+            config = replace(
+                config, policies=names(args.policies, POLICIES + EXTRA_POLICIES, "policies")
+            )
         config = replace(config, seed=args.seed)
         state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="kvpilot-regions-"))
         report = run_regions_bench(config, state_dir=state_dir)

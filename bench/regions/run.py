@@ -19,6 +19,7 @@ of one request served alone in its own region (measured first, around the rig's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import time
@@ -30,7 +31,7 @@ import httpx
 from bench.regions.config import RegionsConfig
 from bench.regions.load import CLIENT_REGION_HEADER, OpenLoop, Sent
 from bench.regions.marks import Marks
-from bench.regions.stack import MODEL, POOL, RegionsStack, say, start_regions
+from bench.regions.stack import MODEL, RegionsStack, say, start_regions
 
 
 async def measure_service_time(stack: RegionsStack, rounds: int = 2) -> float:
@@ -71,14 +72,14 @@ async def _watch_drains(
 ) -> None:
     spot = {f"{r.host}:{r.port}": r.id for b in stack.backends.values() for r in b.replicas}
     spot = {key: rid for key, rid in spot.items() if rid in stack.spot_ids()}
-    url = f"{stack.kvpilot.api_url}/v1/pools/{POOL}/endpoints"
+    urls = [f"{stack.kvpilot.api_url}/v1/pools/{pool}/endpoints" for pool in stack.pools]
     headers = {"authorization": f"Bearer {stack.token}"}
     async with httpx.AsyncClient(timeout=5) as client:
         while not stop.is_set():
-            try:
-                items = (await client.get(url, headers=headers)).json()["items"]
-            except (httpx.HTTPError, ValueError, KeyError):
-                items = []
+            items = []
+            for url in urls:
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                    items += (await client.get(url, headers=headers)).json()["items"]
             for item in items:
                 rid = spot.get(item["id"])
                 if rid and item["endpoint"].get("health") == "draining":
@@ -230,7 +231,13 @@ def run_policy(config: RegionsConfig, policy: str, state_dir: Path) -> tuple[Mar
     """One policy's run on a fresh rig."""
     say(f"policy {policy}: starting the rig")
     signal = "fill" if policy == "fill" else "arrivals"
-    with start_regions(config, state_dir / policy, aware=policy != "blind", signal=signal) as stack:
+    with start_regions(
+        config,
+        state_dir / policy,
+        aware=policy not in ("blind", "gate"),
+        signal=signal,
+        gate=policy == "gate",
+    ) as stack:
         marks = Marks()
         marks.service = asyncio.run(measure_service_time(stack))
         marks.capacity = config.replicas * config.sim.max_batch / marks.service

@@ -49,6 +49,8 @@ class RegionsStack:
     """Each region's Envoy listener port."""
     notice_files: dict[str, Path]
     agents: list[ManagedProcess] = field(default_factory=list)
+    pools: tuple[str, ...] = (POOL,)
+    """The pools the agents register the replicas in (``replica_pool``)."""
 
     def url(self, region: str) -> str:
         return f"http://127.0.0.1:{self.ports[region]}/v1/chat/completions"
@@ -66,23 +68,89 @@ class RegionsStack:
         ]
 
 
+def _replica_pool(config: RegionsConfig, name: str) -> dict[str, Any]:
+    """A pool whose replicas the agents register, with their telemetry."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "Pool",
+        "metadata": {"name": name},
+        "spec": {
+            "models": [MODEL],
+            "telemetry": {"format": "vllm", "interval": config.agent_interval, "maxAge": "3s"},
+            "healthCheck": {"interval": "1s", "timeout": "500ms", "unhealthyThreshold": 2},
+        },
+    }
+
+
+def replica_pool(region: str, *, gate: bool) -> str:
+    """The pool `region`'s agents register its replicas in: one for all, or with ``gate``
+    one per region."""
+    return f"{POOL}-{region}" if gate else POOL
+
+
+def gate_objects(
+    config: RegionsConfig, ports: dict[str, int], replicas: dict[str, list[int]]
+) -> list[dict[str, Any]]:
+    """The ``gate`` policy (``config.EXTRA_POLICIES``): each region's replicas (`replicas`:
+    their ports) in a pool of their own, registered by the agents, behind a gate at 90% of
+    their batch slots; the other region's replicas named by DNS (``localhost``), an external
+    pool with a cluster of its own, which takes what the gate turns away. No locality and
+    no share: a request crosses only when its region's slots are taken."""
+    out: list[dict[str, Any]] = []
+    for region in config.regions:
+        out.append(_replica_pool(config, replica_pool(region, gate=True)))
+        far = _replica_pool(config, f"far-{region}")
+        del far["spec"]["telemetry"]
+        far["spec"]["endpoints"] = [{"address": "localhost", "port": p} for p in replicas[region]]
+        out.append(far)
+    a, b = config.regions
+    for region, other in ((a, b), (b, a)):
+        out.append(
+            {"apiVersion": API_VERSION, "kind": "Fleet", "metadata": {"name": region}, "spec": {}}
+        )
+        out.append(
+            _policy(
+                region,
+                ports[region],
+                tiers=[[replica_pool(region, gate=True)]],
+                overflow={
+                    "pools": [f"far-{other}"],
+                    "signal": "fill",
+                    "maxShare": 0,
+                    "maxInFlight": "auto",
+                },
+            )
+        )
+    return out
+
+
+def _policy(region: str, port: int, **route: Any) -> dict[str, Any]:
+    """Region's fleet's RoutingPolicy on its own port: one route, least request."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "RoutingPolicy",
+        "metadata": {"name": f"chat-{region}"},
+        "spec": {
+            "fleets": [region],
+            "listener": {"port": port, "address": "127.0.0.1"},
+            "routes": [
+                {
+                    "name": "all",
+                    "balancing": "least_request",
+                    "timeouts": {"request": "120s"},
+                    **route,
+                }
+            ],
+        },
+    }
+
+
 def objects(
     config: RegionsConfig, ports: dict[str, int], *, aware: bool, signal: str = "arrivals"
 ) -> list[dict[str, Any]]:
     """The Pool (endpoints come from the agents), per region a Fleet (with its locality when
     `aware`) and a RoutingPolicy for that fleet on its own port."""
-    out: list[dict[str, Any]] = [
-        {
-            "apiVersion": API_VERSION,
-            "kind": "Pool",
-            "metadata": {"name": POOL},
-            "spec": {
-                "models": [MODEL],
-                "telemetry": {"format": "vllm", "interval": config.agent_interval, "maxAge": "3s"},
-                "healthCheck": {"interval": "1s", "timeout": "500ms", "unhealthyThreshold": 2},
-            },
-        }
-    ]
+    out: list[dict[str, Any]] = [_replica_pool(config, POOL)]
     for region in config.regions:
         spec: dict[str, Any] = (
             {"locality": {"region": region}, "spillSignal": signal} if aware else {}
@@ -90,25 +158,7 @@ def objects(
         out.append(
             {"apiVersion": API_VERSION, "kind": "Fleet", "metadata": {"name": region}, "spec": spec}
         )
-        out.append(
-            {
-                "apiVersion": API_VERSION,
-                "kind": "RoutingPolicy",
-                "metadata": {"name": f"chat-{region}"},
-                "spec": {
-                    "fleets": [region],
-                    "listener": {"port": ports[region], "address": "127.0.0.1"},
-                    "routes": [
-                        {
-                            "name": "all",
-                            "balancing": "least_request",
-                            "timeouts": {"request": "120s"},
-                            "tiers": [[POOL]],
-                        }
-                    ],
-                },
-            }
-        )
+        out.append(_policy(region, ports[region], tiers=[[POOL]]))
     return out
 
 
@@ -120,10 +170,11 @@ def _agent(
     capacity: str,
     urls: list[str],
     notice: Path | None,
+    pool: str,
 ) -> ManagedProcess:
     argv = [
         *(sys.executable, "-m", "commands.cli", "agent", "--etcd-endpoints", etcd),
-        *("--pool", POOL, "--register", "--region", region, "--capacity", capacity),
+        *("--pool", pool, "--register", "--region", region, "--capacity", capacity),
         *(
             "--interval",
             f"{config.agent_interval:g}",
@@ -144,9 +195,15 @@ def _agent(
 
 @contextlib.contextmanager
 def start_regions(
-    config: RegionsConfig, state_dir: Path, *, aware: bool, signal: str = "arrivals"
+    config: RegionsConfig,
+    state_dir: Path,
+    *,
+    aware: bool,
+    signal: str = "arrivals",
+    gate: bool = False,
 ) -> Iterator[RegionsStack]:
-    """The rig for one policy, stopped on exit."""
+    """The rig for one policy, stopped on exit: with `gate`, the ``gate`` policy's objects
+    (``gate_objects``), else those of ``objects``."""
     token = secrets.token_urlsafe(24)
     with contextlib.ExitStack() as stack:
         etcd = stack.enter_context(
@@ -178,9 +235,17 @@ def start_regions(
         notices = {region: state_dir / f"notice-{region}" for region in config.regions}
         for path in notices.values():
             path.unlink(missing_ok=True)
-        rig = RegionsStack(config, kvpilot, token, {}, backends, ports, notices)
+        pools = tuple(sorted({replica_pool(r, gate=gate) for r in config.regions}))
+        rig = RegionsStack(config, kvpilot, token, {}, backends, ports, notices, pools=pools)
         client = rig.client()
-        for body in objects(config, ports, aware=aware, signal=signal):
+        bodies = (
+            gate_objects(
+                config, ports, {r: [x.port for x in backends[r].replicas] for r in backends}
+            )
+            if gate
+            else objects(config, ports, aware=aware, signal=signal)
+        )
+        for body in bodies:
             client.put(body)
         for region, spot in zip(config.regions, config.spot, strict=True):
             replicas = backends[region].replicas
@@ -198,6 +263,7 @@ def start_regions(
                         capacity,
                         [m.url for m in members],
                         notice,
+                        replica_pool(region, gate=gate),
                     )
                     rig.agents.append(agent)
                     stack.callback(agent.stop)
@@ -212,7 +278,11 @@ def start_regions(
                 ).start()
             )
         total = config.replicas * len(config.regions)
-        wait_until(lambda: len(client.endpoints(POOL)) == total, 60, f"{total} registered replicas")
+
+        def registered() -> int:
+            return sum(len(client.endpoints(pool)) for pool in pools)
+
+        wait_until(lambda: registered() == total, 60, f"{total} registered replicas")
         for region in config.regions:
             wait_until(functools.partial(_all_answer, rig.url(region)), 60, f"{region} answers")
         yield rig
@@ -233,4 +303,13 @@ def _all_answer(url: str) -> bool:
     return True
 
 
-__all__ = ["MODEL", "POOL", "RegionsStack", "objects", "say", "start_regions"]
+__all__ = [
+    "MODEL",
+    "POOL",
+    "RegionsStack",
+    "gate_objects",
+    "objects",
+    "replica_pool",
+    "say",
+    "start_regions",
+]
