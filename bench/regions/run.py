@@ -1,6 +1,6 @@
 """Run the regions benchmark: per policy (locality-blind, locality-aware by batch fill alone,
-locality-aware with feed-forward) a fresh rig and the
-same phases, every request recorded; then the report.
+locality-aware with feed-forward, and when named each region behind a gate) a fresh rig and
+the same phases, every request recorded; then the report.
 
 Phases, one after another (region A is the first region, B the second):
 

@@ -69,7 +69,9 @@ class RegionsStack:
 
 
 def _replica_pool(config: RegionsConfig, name: str) -> dict[str, Any]:
-    """A pool whose replicas the agents register, with their telemetry."""
+    """A Pool of the model with the benchmark's health checks and telemetry (its replicas
+    registered by the agents; the ``gate`` policy's external pools drop the telemetry and
+    list their replicas by name)."""
     return {
         "apiVersion": API_VERSION,
         "kind": "Pool",
