@@ -20,9 +20,9 @@ from signals.state import PolicyState, is_external, pool_endpoints
 GATE_OPEN = 100_000
 """``maxInFlight: auto`` while no serving replica of the first tier reports a batch size (at
 start, or every one gone or drained): the field's largest limit, a gate that turns nothing
-away for being full. The gate stays, so neither its resources come and go with telemetry nor
-does a request lose its way on to the paid pools when the replicas behind the gate have no
-healthy host (its 503 is retried there, as at any limit)."""
+away for being full. The gate stays: its resources do not come and go with telemetry, and a
+request that finds no healthy replica behind it still goes on to the paid pools (the gate's
+503 is retried there, as at any limit)."""
 
 
 def gate_limit(
@@ -47,8 +47,8 @@ def auto_basis(
 ) -> tuple[int, int]:
     """What ``maxInFlight: auto`` splits: the batch slots of the route's first tier (its
     replicas that serve, healthy or degraded, with a fresh batch size: a draining one takes
-    no new request) and the Envoys connected in the policy's fleets. An
-    Envoy of a fleet not among `fleets` (those with a config of their own,
+    no new request) and the Envoys connected in the policy's fleets (none: the limit is as
+    for one). An Envoy of a fleet not among `fleets` (those with a config of their own,
     ``compiler.fleets.fleet_names``) is served the default fleet's, and counts there."""
     sized = batch_slots(state)
     slots = 0
