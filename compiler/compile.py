@@ -126,6 +126,7 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
         for index, route in enumerate(policy.spec.routes):
             name = cluster_name(policy_name, route.name)
             saturated = saturation.get(name)
+            basis = auto_basis(policy, route, state, known)
             entry = memo.route(
                 policy,
                 index,
@@ -137,10 +138,10 @@ def compile_plan(state: PolicyState, memo: RouteMemo | None = None) -> RoutingPl
                 served=served,
                 overflow=overflow.get(name),
                 bound=saturated.factor if saturated is not None else 0,
-                gate=gate_limit(policy, route, state, known),
+                gate=gate_limit(route, basis),
             )
-            if route.overflow is not None and route.overflow.max_in_flight == "auto":
-                gate_auto[name] = auto_basis(policy, route, state, known)
+            if basis is not None:
+                gate_auto[name] = basis
             entries[name] = entry
             diagnostics.extend(entry.diagnostics)
             policy_clusters.extend(entry.clusters)

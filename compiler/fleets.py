@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from compiler.gate import gate_limit
+from compiler.gate import auto_basis, gate_limit
 from compiler.plan import DEFAULT_FLEET, Diagnostic, PlanCluster, PlanVirtualHost
 from compiler.routes import compile_route
 from policies.models import RoutingPolicy
@@ -61,6 +61,7 @@ def fleet_compiled(
     compiled again as that fleet gets them (a rollout's canary fleet; rare and short-lived,
     so not memoised)."""
     out = dict(compiled)
+    known = set(fleet_names(state))
     for name, policy in state.policies.items():
         if fleet not in fleet_weighted(policy) or not applies(policy, fleet):
             continue
@@ -76,7 +77,7 @@ def fleet_compiled(
                 weights,
                 admission.get(key),
                 overflow=(overflow or {}).get(key),
-                gate=gate_limit(variant, route, state, fleet_names(state)),
+                gate=gate_limit(route, auto_basis(variant, route, state, known)),
             )
             clusters.extend(route_clusters)
             routes.append(plan_route)

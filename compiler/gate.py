@@ -25,18 +25,16 @@ request that finds no healthy replica behind it still goes on to the paid pools 
 503 is retried there, as at any limit)."""
 
 
-def gate_limit(
-    policy: RoutingPolicy, route: Route, state: PolicyState, fleets: Collection[str]
-) -> int | None:
+def gate_limit(route: Route, basis: tuple[int, int] | None) -> int | None:
     """The gate's limit per Envoy: ``overflow.maxInFlight``, or with ``auto``
-    ``GATE_AUTO_SHARE`` of the batch slots that the first tier's replicas report (fresh
-    telemetry) over the Envoys connected in the policy's fleets, at least 1 (``auto_basis``),
-    or ``GATE_OPEN`` while none reports one. None without a gate."""
+    ``GATE_AUTO_SHARE`` of the batch slots that the first tier's replicas report over the
+    Envoys connected in the policy's fleets (`basis`, ``auto_basis``'s), at least 1, or
+    ``GATE_OPEN`` while none reports one. None without a gate."""
     if route.overflow is None or route.overflow.max_in_flight is None:
         return None
     if route.overflow.max_in_flight != "auto":
         return route.overflow.max_in_flight
-    slots, envoys = auto_basis(policy, route, state, fleets)
+    slots, envoys = basis or (0, 0)
     if not slots:
         return GATE_OPEN
     return max(1, math.floor(GATE_AUTO_SHARE * slots / max(1, envoys)))
@@ -44,12 +42,15 @@ def gate_limit(
 
 def auto_basis(
     policy: RoutingPolicy, route: Route, state: PolicyState, fleets: Collection[str]
-) -> tuple[int, int]:
-    """What ``maxInFlight: auto`` splits: the batch slots of the route's first tier (its
-    replicas that serve, healthy or degraded, with a fresh batch size: a draining one takes
-    no new request) and the Envoys connected in the policy's fleets (none: the limit is as
-    for one). An Envoy of a fleet not among `fleets` (those with a config of their own,
-    ``compiler.fleets.fleet_names``) is served the default fleet's, and counts there."""
+) -> tuple[int, int] | None:
+    """What ``maxInFlight: auto`` splits, None on a route without it: the batch slots of the
+    route's first tier (its replicas that serve, healthy or degraded, with a fresh batch
+    size: a draining one takes no new request) and the Envoys connected in the policy's
+    fleets (none: the limit is as for one). An Envoy of a fleet not among `fleets` (those
+    with a config of their own, ``compiler.fleets.fleet_names``) is served the default
+    fleet's, and counts there."""
+    if route.overflow is None or route.overflow.max_in_flight != "auto":
+        return None
     sized = batch_slots(state)
     slots = 0
     for target in route.tiers[0].pools if route.tiers else ():
