@@ -54,36 +54,46 @@ class EnvoyCounts:
     """The Envoys connected per fleet, over every replica's status records, kept from the
     mirror's changes: a record is read when it appears and forgotten when it goes, so the
     versions every push rewrites cost nothing here (an Envoy keeps its fleet for as long as
-    it stays connected)."""
+    it stays connected), and a change without Envoy records costs a prefix test per key."""
 
     def __init__(self) -> None:
         self._fleets: dict[str, str] = {}
+        self._counts: Counter[str] = Counter()
 
     def update(
         self, changed: Iterable[str], items: Mapping[str, KeyValue], *, full: bool = False
     ) -> bool:
         """Take one change of the mirror (`full`: a re-list, every key); True when a fleet's
         count moved."""
-        before = self.counts()
+        before = self.counts() if full else None
         if full:
-            self._fleets = {}
+            self._fleets, self._counts = {}, Counter()
             changed = items
+        moved = False
         for key in changed:
             if not key.startswith(ENVOYS_PREFIX):
                 continue
             kv = items.get(key)
             if kv is None:
-                self._fleets.pop(key, None)
+                if (gone := self._fleets.pop(key, None)) is not None:
+                    self._counts[gone] -= 1
+                    if not self._counts[gone]:
+                        del self._counts[gone]
+                    moved = True
             elif key not in self._fleets:
                 body = decode_json(kv)
                 fleet = body.get("fleet") if isinstance(body, dict) else None
                 if isinstance(fleet, str):
                     self._fleets[key] = fleet
-        return self.counts() != before
+                    self._counts[fleet] += 1
+                    moved = True
+        if before is not None:
+            return self.counts() != before
+        return moved
 
     def counts(self) -> dict[str, int]:
         """Fleet -> Envoys connected to any kvpilot replica."""
-        return dict(Counter(self._fleets.values()))
+        return dict(self._counts)
 
 
 class StatusPublisher:
