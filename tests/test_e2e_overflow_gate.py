@@ -205,3 +205,64 @@ def test_an_auto_gate_splits_the_reported_batch_slots_over_the_fleets_envoys(
             30,
             message="the paid pool answering",
         )
+
+
+def test_behind_the_gate_each_request_takes_the_replica_with_the_most_free_slots(
+    rig: Rig, gated: Any
+) -> None:
+    """Without session affinity the replicas behind the gate are chosen by least request over
+    all of them (not two drawn at random, which among four leaves one holding three while
+    another holds one): eight requests held on four replicas, two each, whatever the order."""
+    replicas = gated(4, id_prefix="behind")
+    ports = list(replicas.ports.values())
+    route = {
+        "name": "chat",
+        "tiers": [["owned"]],
+        "overflow": {"pools": ["paid"], "signal": "fill", "maxInFlight": 8},
+    }
+    with paid_stand_in("paid") as paid:
+        rig.apply(
+            pool("owned", ports, health_check=FAST_HEALTH_CHECK),
+            paid_pool("paid", paid.port),
+            policy("paid", rig.listener_port, [route]),
+        )
+        rig.wait_ready(CLUSTER, ports)
+        wait_until(lambda: _gate_limit(rig.envoy) == 8, 30, message="the gate at 8")
+        dump = httpx.get(
+            f"{rig.envoy.admin_url}/config_dump", params={"resource": "dynamic_active_clusters"}
+        ).json()
+        behind = next(
+            entry["cluster"]
+            for entry in dump["configs"]
+            if entry["cluster"]["name"] == f"{CLUSTER}/gate/replicas"
+        )
+        policies = behind["load_balancing_policy"]["policies"]
+        assert policies[0]["typed_extension_config"]["typed_config"]["selection_method"] == (
+            "FULL_SCAN"
+        ), behind
+
+        replicas.set_gate(False)
+        threads = ThreadPoolExecutor(8)
+
+        def one(_: int) -> tuple[int, str]:
+            with httpx.Client(timeout=60) as client:
+                answer = client.post(rig.url(), json=chat())
+                return answer.status_code, answer.headers.get("x-backend-id", "")
+
+        # One at a time, each sent once the last is held: the counts Envoy compares are
+        # settled, so no two requests race for the same free slot.
+        answers = []
+        for count in range(1, 9):
+            answers.append(threads.submit(one, count))
+            wait_until(
+                lambda count=count: sum(replicas.in_flight().values()) == count,
+                30,
+                message=f"{count} requests held",
+            )
+        held = replicas.in_flight()
+        replicas.set_gate(True)
+        results = [answer.result(timeout=60) for answer in answers]
+        threads.shutdown()
+        assert sorted(held.values()) == [2, 2, 2, 2], held
+        assert all(status == 200 for status, _ in results), results
+        assert paid.hits == 0

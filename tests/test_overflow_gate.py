@@ -13,6 +13,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import (
     previous_priorities_config_pb2,
 )
@@ -182,6 +183,32 @@ def test_the_gate_is_an_internal_listener_in_front_of_a_breaker_at_the_limit() -
     router = router_pb2.Router()
     manager.http_filters[-1].typed_config.Unpack(router)
     assert router.suppress_envoy_headers
+
+
+@pytest.mark.parametrize("balancing", ["least_request", "telemetry", "round_robin"])
+def test_without_affinity_least_request_behind_the_gate_scans_every_replica(
+    balancing: str,
+) -> None:
+    route = {**_route(), "balancing": balancing}
+    del route["sessionAffinity"]
+    behind = {c.name: c for c in _resources(route).clusters}["main/chat/gate/replicas"]
+    assert behind.circuit_breakers.thresholds[0].max_requests.value == 16
+    if balancing != "least_request":
+        # Unequal weights (telemetry) are an EDF schedule in Envoy whatever the selection;
+        # round robin is kept as asked.
+        assert not behind.HasField("load_balancing_policy")
+        assert behind.common_lb_config.HasField("locality_weighted_lb_config")
+        return
+    assert len(behind.load_balancing_policy.policies) == 1
+    extension = behind.load_balancing_policy.policies[0].typed_extension_config
+    assert extension.name == "envoy.load_balancing_policies.least_request"
+    config = least_request_pb2.LeastRequest()
+    extension.typed_config.Unpack(config)
+    assert config.selection_method == config.FULL_SCAN
+    # Pools sharing a tier keep their locality weights, inside the policy (Envoy refuses
+    # them beside it).
+    assert config.locality_lb_config.HasField("locality_weighted_lb_config")
+    assert not behind.common_lb_config.HasField("locality_weighted_lb_config")
 
 
 def _manager(listener: Any) -> Any:
