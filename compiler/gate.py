@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from compiler.locality import SERVING, batch_slots
 from compiler.plan import DEFAULT_FLEET, PlanCluster
-from policies.models import GATE_AUTO_SHARE, Route, RoutingPolicy
+from policies.models import Route, RoutingPolicy
 from policies.names import OVERFLOW_INFIX, gate_name, gated_name
 from signals.state import PolicyState, is_external, pool_endpoints
 
@@ -26,9 +26,9 @@ request that finds no healthy replica behind it still goes on to the paid pools 
 
 
 def gate_limit(route: Route, basis: tuple[int, int] | None) -> int | None:
-    """The gate's limit per Envoy: ``overflow.maxInFlight``, or with ``auto``
-    ``GATE_AUTO_SHARE`` of the batch slots that the first tier's replicas report over the
-    Envoys connected in the policy's fleets (`basis`, ``auto_basis``'s), at least 1, or
+    """The gate's limit per Envoy: ``overflow.maxInFlight``, or with ``auto`` the share
+    ``Overflow.auto_share`` of the batch slots that the first tier's replicas report over
+    the Envoys connected in the policy's fleets (`basis`, ``auto_basis``'s), at least 1, or
     ``GATE_OPEN`` while none reports one. None without a gate."""
     if route.overflow is None or route.overflow.max_in_flight is None:
         return None
@@ -37,7 +37,7 @@ def gate_limit(route: Route, basis: tuple[int, int] | None) -> int | None:
     slots, envoys = basis or (0, 0)
     if not slots:
         return GATE_OPEN
-    return max(1, math.floor(GATE_AUTO_SHARE * slots / max(1, envoys)))
+    return max(1, math.floor(route.overflow.auto_share() * slots / max(1, envoys)))
 
 
 def auto_basis(

@@ -78,6 +78,7 @@ def test_a_bad_limit_is_refused_with_the_field_named(value: Any, message: str) -
 def _auto_plan(
     envoys: dict[str, int],
     *,
+    share: float | None = None,
     at: float = 999.0,
     fleets: tuple[str, ...] = ("default",),
     registered: dict[str, dict[str, Endpoint]] | None = None,
@@ -85,7 +86,8 @@ def _auto_plan(
     """Route ``main/chat`` with ``maxInFlight: auto`` over two replicas of 16 slots (their
     records written at `at`; the state's now is 1000), in `fleets`, beside a Fleet ``edge``
     of its own, and `envoys` connected per fleet."""
-    main = policy("main", 10000, [_route(maxInFlight="auto")])
+    gate = {"maxInFlight": "auto"} if share is None else {"maxInFlight": "auto", "gateShare": share}
+    main = policy("main", 10000, [_route(**gate)])
     main["spec"]["fleets"] = list(fleets)
     objects = [
         Pool.model_validate(pool("owned", PORTS, telemetry={"maxAge": "10s"})),
@@ -135,6 +137,29 @@ def test_an_auto_gate_splits_the_reported_slots_over_the_fleets_envoys(
     plan = _auto_plan(envoys, fleets=fleets)
     assert _gate_limits(plan) == {limit}
     assert plan.gate_auto["main/chat"] == (32, counted)
+
+
+@pytest.mark.parametrize(("share", "limit"), [(1.0, 32), (0.5, 16), (0.01, 1)])
+def test_an_auto_gate_lets_in_the_share_of_the_slots_it_is_given(share: float, limit: int) -> None:
+    plan = _auto_plan({"default": 1}, share=share)
+    assert _gate_limits(plan) == {limit}
+    assert plan.gate_auto["main/chat"] == (32, 1)
+
+
+@pytest.mark.parametrize(
+    ("overflow", "message"),
+    [
+        ({"maxInFlight": 32, "gateShare": 1.0}, "gateShare is for maxInFlight: auto"),
+        ({"gateShare": 1.0}, "gateShare is for maxInFlight: auto"),
+        ({"maxInFlight": "auto", "gateShare": 0}, "greater than 0"),
+        ({"maxInFlight": "auto", "gateShare": 1.5}, "less than or equal to 1"),
+    ],
+)
+def test_a_gate_share_outside_auto_or_out_of_bounds_is_refused(
+    overflow: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Overflow.model_validate({"pools": ["a"], **overflow})
 
 
 def test_an_auto_gate_counts_serving_replicas_and_stays_open_without_a_batch_size() -> None:

@@ -16,10 +16,11 @@ feed-forward from the fleet's arrival rate against its locality's capacity
 (``signals.spill``)."""
 EXTRA_POLICIES = ("gate",)
 """Run only when named. ``gate``: no locality; each region's replicas are a pool of their
-own behind a gate (``overflow.maxInFlight: auto``, no share), and the other region's
-replicas, named by DNS (an external pool), take what the gate turns away: a request crosses
-only when it finds its region's batch slots taken (docs/regions.md, "The wave's line and the
-round trip")."""
+own behind a gate at every reported slot (``overflow.maxInFlight: auto``, ``gateShare: 1``,
+no share), and the other region's replicas, named by DNS (an external pool), take what the
+gate turns away: a request crosses only when it finds its region's batch slots taken
+(docs/regions.md, "The wave's line and the round trip"). The external pool knows no drain:
+a drained replica of the other region still takes the requests that cross to it."""
 
 
 @dataclass(frozen=True)

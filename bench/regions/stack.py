@@ -120,6 +120,8 @@ def gate_objects(
                     "signal": "fill",
                     "maxShare": 0,
                     "maxInFlight": "auto",
+                    # Every slot: a request crosses only when it finds them all taken.
+                    "gateShare": 1.0,
                 },
             )
         )

@@ -158,7 +158,7 @@ class Overflow(Model):
         "included: about 90% of their batch slots (replicas x batch size) over the fleet's "
         "Envoys (in the cost benchmark at batches of 8, 90% met every target by the median; the "
         "full slots paid less and held less of the peak's tail; at 32, level with no gate). "
-        "'auto': kvpilot sets it to 90% of the batch slots the agents report for the first "
+        "'auto': kvpilot sets it to 90% (gateShare) of the batch slots the agents report for the first "
         "tier's serving replicas over the Envoys connected in the policy's fleets, and follows "
         "both as they change (while none reports a batch size: 100000, an open gate). Behind the gate no replica takes more "
         "than the mean of what it lets in. A "
@@ -168,6 +168,17 @@ class Overflow(Model):
         "that the share (signal) follows only later. Every request then passes the gate, an "
         "internal listener: a second HTTP pass inside Envoy. Not with pools that serve "
         "several models by subsets. Default: none (no gate).",
+    )
+    gate_share: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="With maxInFlight: auto, the share of the reported batch slots the "
+        "gates let in. Lower leaves room for the prompts a full batch still prefills and "
+        "sends more to the paid pools; 1 crosses only what finds every slot taken (the "
+        "regions benchmark's spot wave: the requests that stayed did not wait, "
+        "docs/regions.md). Unset: 0.9 (the cost benchmark met its targets there); stored "
+        "unset, so a later default applies.",
     )
     feed_forward: float = Field(
         0.0,
@@ -204,12 +215,22 @@ class Overflow(Model):
                 "overflow prefillWeight is for signal: arrivals, which counts demand and "
                 "capacity in work; the loop (signal: fill) reads the batch fill"
             )
+        if self.gate_share is not None and self.max_in_flight != "auto":
+            raise ValueError(
+                "overflow gateShare is for maxInFlight: auto (the share of the reported batch "
+                "slots); a number in maxInFlight is the limit itself"
+            )
         if self.signal == "fill" and self.utilization not in (None, UTILIZATION_STORED_BEFORE):
             raise ValueError(
                 "overflow utilization is for signal: arrivals; with signal: fill, fill sets "
                 "the batch fill at which the replicas count as saturated"
             )
         return self
+
+    def auto_share(self) -> float:
+        """The share of the batch slots ``maxInFlight: auto`` lets in: ``gateShare``, or
+        ``GATE_AUTO_SHARE`` when it is unset."""
+        return GATE_AUTO_SHARE if self.gate_share is None else self.gate_share
 
     def owned_share(self) -> float:
         """The share of their measured capacity the owned replicas carry: ``utilization``,
