@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
+from harness.gated_backend import hold_one_by_one
 from harness.paid import paid_pool, paid_stand_in, put_fill
 from harness.rig import Rig
 from harness.spend import pool_rows
@@ -241,28 +242,11 @@ def test_behind_the_gate_each_request_takes_the_replica_with_the_most_free_slots
             "FULL_SCAN"
         ), behind
 
-        replicas.set_gate(False)
-        threads = ThreadPoolExecutor(8)
-
         def one(_: int) -> tuple[int, str]:
-            with httpx.Client(timeout=60) as client:
-                answer = client.post(rig.url(), json=chat())
-                return answer.status_code, answer.headers.get("x-backend-id", "")
+            answer = httpx.post(rig.url(), json=chat(), timeout=600)
+            return answer.status_code, answer.headers.get("x-backend-id", "")
 
-        # One at a time, each sent once the last is held: the counts Envoy compares are
-        # settled, so no two requests race for the same free slot.
-        answers = []
-        for count in range(1, 9):
-            answers.append(threads.submit(one, count))
-            wait_until(
-                lambda count=count: sum(replicas.in_flight().values()) == count,
-                30,
-                message=f"{count} requests held",
-            )
-        held = replicas.in_flight()
-        replicas.set_gate(True)
-        results = [answer.result(timeout=60) for answer in answers]
-        threads.shutdown()
+        held, results = hold_one_by_one(replicas, 8, one)
         assert sorted(held.values()) == [2, 2, 2, 2], held
         assert all(status == 200 for status, _ in results), results
         assert paid.hits == 0

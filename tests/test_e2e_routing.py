@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
-from harness.gated_backend import STREAM_CHUNKS, stream_piece
+from harness.gated_backend import STREAM_CHUNKS, hold_one_by_one, stream_piece
 from harness.rig import Rig, ports_of
 from harness.traffic import Traffic, answered_by, send
 from harness.wait import wait_until
@@ -141,6 +141,30 @@ def test_a_hot_session_spreads_under_bounded_load(rig: Rig, gated: Any) -> None:
     # it ends with about half of them. Plain round robin would leave it 13 or 14.
     assert held[home] == max(held.values()), (home, held)
     assert held[home] >= total // 2 - 1, (home, held)
+
+
+def test_least_request_takes_the_replica_with_the_fewest_in_flight_of_all(
+    rig: Rig, gated: Any
+) -> None:
+    """The default balancing compares every replica (Envoy's full scan), not two drawn at
+    random with replacement (which left eight requests on four replicas at 1/3/1/3 and
+    2/1/2/3 in two runs of three): twelve requests held on four, three each, whatever the
+    order."""
+    replicas = gated(4, id_prefix="spread")
+    ports = list(replicas.ports.values())
+    rig.apply(
+        pool("llm", ports, health_check=FAST_HEALTH_CHECK),
+        policy("chat", rig.listener_port, [{"name": "all", "tiers": [["llm"]]}]),
+    )
+    rig.wait_ready("chat/all", ports)
+    assert lb_policy(rig, "chat/all") == "LEAST_REQUEST"
+
+    def one(index: int) -> int:
+        return httpx.post(rig.url(), json=chat(content=f"request {index}"), timeout=600).status_code
+
+    held, statuses = hold_one_by_one(replicas, 12, one)
+    assert sorted(held.values()) == [3, 3, 3, 3], held
+    assert statuses == [200] * 12
 
 
 # --------------------------------------------------------------------------- weighted split

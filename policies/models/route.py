@@ -354,8 +354,10 @@ class Route(Model):
     balancing: Balancing = Field(
         "least_request",
         description="How Envoy picks a host when no session affinity applies: round_robin, "
-        "least_request, random, telemetry (weights from live load) or orca (Envoy weighs "
-        "hosts by the load they report per response). Default: least_request.",
+        "least_request (the host with the fewest requests in flight of all, Envoy's full "
+        "scan, not the fewer of two drawn at random), random, telemetry (weights from live "
+        "load) or orca (Envoy weighs hosts by the load they report per response). "
+        "Default: least_request.",
     )
     session_affinity: SessionAffinity | None = Field(
         None, description="Consistent hashing on a session header. Default: off."

@@ -27,10 +27,11 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import Self, TypeVar
 
 import httpx
 from starlette.applications import Starlette
@@ -40,6 +41,7 @@ from starlette.routing import Route
 
 from controlplane.asgi import read_announcement
 from controlplane.local import ManagedProcess
+from harness.wait import wait_until
 from replicasim.group import ServerGroup
 
 STREAM_CHUNKS = 6
@@ -205,6 +207,33 @@ class GatedBackend:
         for replica_id in self.ports:
             response = self._admin.post(self._url(replica_id, "/admin/gate"), json={"open": open_})
             response.raise_for_status()
+
+
+T = TypeVar("T")
+
+
+def hold_one_by_one(
+    replicas: GatedBackend, count: int, send: Callable[[int], T]
+) -> tuple[dict[str, int], list[T]]:
+    """Close the replicas' gates and send `count` requests with ``send(index)``, one at a
+    time, each once the last is held: Envoy knows every host's true count in flight when it
+    places the next, so where they land depends on no timing. Then read where they are
+    held and open the gates: (requests held per replica, each request's answer)."""
+    replicas.set_gate(False)
+    with ThreadPoolExecutor(max_workers=count) as executor:
+        futures = []
+        try:
+            for index in range(count):
+                futures.append(executor.submit(send, index))
+                wait_until(
+                    lambda held=index + 1: sum(replicas.in_flight().values()) == held,
+                    60,
+                    message=f"{index + 1} requests held by the replicas",
+                )
+            held = replicas.in_flight()
+        finally:
+            replicas.set_gate(True)
+        return held, [future.result(timeout=600) for future in futures]
 
 
 def main() -> int:

@@ -18,6 +18,7 @@ from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (
     client_side_weighted_round_robin_pb2 as cswrr_pb2,
 )
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import string_pb2
@@ -82,6 +83,8 @@ def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[clu
         # locality-weighted balancing, and client-side weighted round robin has no locality
         # option: its split follows endpoint weights scaled by the load the hosts report.
         base.load_balancing_policy.CopyFrom(_orca_policy())
+    elif cluster.balancing == "least_request" and not cluster.model_subsets:
+        base.load_balancing_policy.CopyFrom(_full_scan_policy())
     else:
         base.common_lb_config.locality_weighted_lb_config.SetInParent()
         if cluster.model_subsets:
@@ -134,6 +137,32 @@ def hash_twin(
 ORCA_UTILIZATION_METRICS = ("named_metrics.kv_cache_usage_perc",)
 """Used when a report has no ``application_utilization``: vLLM's own ORCA header reports its
 KV-cache use as a named metric."""
+
+
+def _full_scan_policy() -> cluster_pb2.LoadBalancingPolicy:
+    """Least request over every host of the priority, not the fewer of two drawn at random.
+
+    Envoy draws the two with replacement: of two replicas it takes the busier a quarter of the
+    time, and of four the busiest one time in sixteen; a request sent to a replica whose batch
+    is full waits there for a slot while another has one free. Replica pools are tens of
+    hosts, not thousands, and a request costs seconds of GPU time, so scanning them all is
+    cheap. Envoy keeps its weighted schedule where endpoint weights differ (the selection
+    method applies to equal weights). The pools' locality weights (a split) are set inside
+    the policy, as Envoy asks of a policy extension."""
+    config = least_request_pb2.LeastRequest(
+        selection_method=least_request_pb2.LeastRequest.FULL_SCAN
+    )
+    config.locality_lb_config.locality_weighted_lb_config.SetInParent()
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[
+            cluster_pb2.LoadBalancingPolicy.Policy(
+                typed_extension_config=core_extension_pb2.TypedExtensionConfig(
+                    name="envoy.load_balancing_policies.least_request",
+                    typed_config=pack(config),
+                )
+            )
+        ]
+    )
 
 
 def _orca_policy() -> cluster_pb2.LoadBalancingPolicy:

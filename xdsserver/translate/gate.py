@@ -23,7 +23,6 @@ from dataclasses import replace
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import address_pb2, base_pb2
-from envoy.config.core.v3 import extension_pb2 as core_extension_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
@@ -31,7 +30,6 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
-from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
 from google.protobuf import wrappers_pb2
 
@@ -91,30 +89,9 @@ def _behind(gate: PlanCluster, trusted_ca_file: str) -> cluster_pb2.Cluster:
         # No replica above the mean of what the gate lets in: at the limit, no replica holds
         # more than its batch.
         return hash_twin(replicas, name, 100, trusted_ca_file)
-    behind = translate_cluster(replicas, trusted_ca_file=trusted_ca_file)[0]
-    if gate.balancing == "least_request":
-        _full_scan(behind)
-    return behind
-
-
-def _full_scan(cluster: cluster_pb2.Cluster) -> None:
-    """Least request over every replica instead of two drawn at random (Envoy's default draws
-    with replacement: of two replicas it takes the busier one a quarter of the time). Behind
-    a gate at the batch slots this puts each request on a replica with a free slot whenever
-    one has it. Equal weights only: Envoy weighs unequal ones by an EDF schedule either way.
-    The pools' locality weights (a split) move into the policy, as Envoy asks."""
-    policy = least_request_pb2.LeastRequest(
-        selection_method=least_request_pb2.LeastRequest.FULL_SCAN
-    )
-    if cluster.common_lb_config.HasField("locality_weighted_lb_config"):
-        policy.locality_lb_config.locality_weighted_lb_config.SetInParent()
-        cluster.common_lb_config.ClearField("locality_weighted_lb_config")
-    cluster.ClearField("lb_policy")
-    cluster.load_balancing_policy.policies.add().typed_extension_config.CopyFrom(
-        core_extension_pb2.TypedExtensionConfig(
-            name="envoy.load_balancing_policies.least_request", typed_config=pack(policy)
-        )
-    )
+    # Least request scans every replica (``translate_cluster``): at a limit of the batch
+    # slots, a request waits at home only when every slot is taken.
+    return translate_cluster(replicas, trusted_ca_file=trusted_ca_file)[0]
 
 
 def _to_listener(gate: PlanCluster) -> cluster_pb2.Cluster:
