@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import pytest
 from harness.builders import FAST_HEALTH_CHECK, chat, policy, pool
-from harness.gated_backend import hold_one_by_one
 from harness.paid import paid_pool, paid_stand_in, put_fill
 from harness.rig import Rig
 from harness.spend import pool_rows
@@ -206,47 +205,3 @@ def test_an_auto_gate_splits_the_reported_batch_slots_over_the_fleets_envoys(
             30,
             message="the paid pool answering",
         )
-
-
-def test_behind_the_gate_each_request_takes_the_replica_with_the_most_free_slots(
-    rig: Rig, gated: Any
-) -> None:
-    """Without session affinity the replicas behind the gate are chosen by least request over
-    all of them (not two drawn at random, which among four leaves one holding three while
-    another holds one): eight requests held on four replicas, two each, whatever the order."""
-    replicas = gated(4, id_prefix="behind")
-    ports = list(replicas.ports.values())
-    route = {
-        "name": "chat",
-        "tiers": [["owned"]],
-        "overflow": {"pools": ["paid"], "signal": "fill", "maxInFlight": 8},
-    }
-    with paid_stand_in("paid") as paid:
-        rig.apply(
-            pool("owned", ports, health_check=FAST_HEALTH_CHECK),
-            paid_pool("paid", paid.port),
-            policy("paid", rig.listener_port, [route]),
-        )
-        rig.wait_ready(CLUSTER, ports)
-        wait_until(lambda: _gate_limit(rig.envoy) == 8, 30, message="the gate at 8")
-        dump = httpx.get(
-            f"{rig.envoy.admin_url}/config_dump", params={"resource": "dynamic_active_clusters"}
-        ).json()
-        behind = next(
-            entry["cluster"]
-            for entry in dump["configs"]
-            if entry["cluster"]["name"] == f"{CLUSTER}/gate/replicas"
-        )
-        policies = behind["load_balancing_policy"]["policies"]
-        assert policies[0]["typed_extension_config"]["typed_config"]["selection_method"] == (
-            "FULL_SCAN"
-        ), behind
-
-        def one(_: int) -> tuple[int, str]:
-            answer = httpx.post(rig.url(), json=chat(), timeout=600)
-            return answer.status_code, answer.headers.get("x-backend-id", "")
-
-        held, results = hold_one_by_one(replicas, 8, one)
-        assert sorted(held.values()) == [2, 2, 2, 2], held
-        assert all(status == 200 for status, _ in results), results
-        assert paid.hits == 0

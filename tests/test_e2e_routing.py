@@ -99,33 +99,19 @@ def test_a_hot_session_spreads_under_bounded_load(rig: Rig, gated: Any) -> None:
     )
 
     total = 40
-    replicas.set_gate(False)
     # One client shared by the threads (a new client per request costs an SSL context each).
     limits = httpx.Limits(max_connections=total + 5)
-    with ThreadPoolExecutor(max_workers=total) as executor, httpx.Client(limits=limits) as client:
-        futures = []
-        try:
-            # One request at a time, each held by its replica before the next is sent, so
-            # Envoy knows every host's true in-flight count when it places the next one.
-            for index in range(total):
-                futures.append(
-                    executor.submit(
-                        client.post,
-                        rig.url(),
-                        json=chat(content=f"turn {index}"),
-                        headers={"x-session-id": "hot-session"},
-                        timeout=600,
-                    )
-                )
-                wait_until(
-                    lambda n=index + 1: sum(replicas.in_flight().values()) == n,
-                    60,
-                    message=f"{index + 1} requests to be held by the replicas",
-                )
-            held = replicas.in_flight()
-        finally:
-            replicas.set_gate(True)
-        responses = [future.result() for future in futures]
+    with httpx.Client(limits=limits) as client:
+        held, responses = hold_one_by_one(
+            replicas,
+            total,
+            lambda index: client.post(
+                rig.url(),
+                json=chat(content=f"turn {index}"),
+                headers={"x-session-id": "hot-session"},
+                timeout=600,
+            ),
+        )
 
     assert [response.status_code for response in responses] == [200] * total
     assert collections.Counter(answered_by(r) for r in responses) == collections.Counter(held)

@@ -23,6 +23,7 @@ from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import wrappers_pb2
+from google.protobuf.message import Message
 
 from compiler.plan import PlanCluster, PlanEndpoint
 from policies.models import UNBOUNDED_RUNG, SessionAffinity
@@ -153,16 +154,7 @@ def _full_scan_policy() -> cluster_pb2.LoadBalancingPolicy:
         selection_method=least_request_pb2.LeastRequest.FULL_SCAN
     )
     config.locality_lb_config.locality_weighted_lb_config.SetInParent()
-    return cluster_pb2.LoadBalancingPolicy(
-        policies=[
-            cluster_pb2.LoadBalancingPolicy.Policy(
-                typed_extension_config=core_extension_pb2.TypedExtensionConfig(
-                    name="envoy.load_balancing_policies.least_request",
-                    typed_config=pack(config),
-                )
-            )
-        ]
-    )
+    return _policy_extension("envoy.load_balancing_policies.least_request", config)
 
 
 def _orca_policy() -> cluster_pb2.LoadBalancingPolicy:
@@ -182,12 +174,19 @@ def _orca_policy() -> cluster_pb2.LoadBalancingPolicy:
         weight_expiration_period=duration(60.0),
         metric_names_for_computing_utilization=list(ORCA_UTILIZATION_METRICS),
     )
+    return _policy_extension(
+        "envoy.load_balancing_policies.client_side_weighted_round_robin", config
+    )
+
+
+def _policy_extension(name: str, config: Message) -> cluster_pb2.LoadBalancingPolicy:
+    """A cluster's ``load_balancing_policy``: the one extension `name` configured by `config`
+    (it takes precedence over ``lb_policy``)."""
     return cluster_pb2.LoadBalancingPolicy(
         policies=[
             cluster_pb2.LoadBalancingPolicy.Policy(
                 typed_extension_config=core_extension_pb2.TypedExtensionConfig(
-                    name="envoy.load_balancing_policies.client_side_weighted_round_robin",
-                    typed_config=pack(config),
+                    name=name, typed_config=pack(config)
                 )
             )
         ]
