@@ -87,7 +87,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from signals.spilllevel import levels
+from signals.spilllevel import DEFAULT_SLOTS, levels, queue_free_load
 
 ENVOY_OVERPROVISIONING = 140
 """Envoy's default overprovisioning factor, in percent: what a locality keeping everything
@@ -357,7 +357,8 @@ def _feed_forward(
 ) -> SpillDecision:
     """The share from the arrival rate and the capacity, corrected by the fill loop, less
     the drain of a queue beyond chance (with `queued` and `slots`); `LOAD` of the capacity,
-    or the cluster's `mean_load` while the locality levels with it."""
+    or while the locality levels with the cluster its `mean_load`, no lower than the load
+    its slots serve with hardly a wait (``queue_free_load``)."""
     balancing = levels(
         before.balancing,
         own=arrivals / capacity,
@@ -366,7 +367,13 @@ def _feed_forward(
         next_room=next_fill is not None and next_fill < LOW_FILL,
         next_queues=next_fill is None or next_fill >= HIGH_FILL,
     )
-    level = mean_load if balancing and mean_load is not None else LOAD
+    # Levelled, a locality still keeps what its slots serve at once (``queue_free_load``):
+    # below that, what is sent away would not have waited at home, and pays the round trip.
+    level = (
+        max(mean_load, queue_free_load(slots or DEFAULT_SLOTS))
+        if balancing and mean_load is not None
+        else LOAD
+    )
     knows_queue = queued is not None and bool(slots)
     trim, trim_since = before.trim, before.trim_since
     # With the queue known, a queue within chance of a load at capacity (which feed-forward

@@ -11,7 +11,8 @@ for seconds) while the next region's slots sit free.
 So each round weighs the cluster's mean load M: every fleet's arrivals on every route over
 the same replicas, over the capacity of all of them that serve, whichever locality
 (``compiler.locality.mean_load``). A locality levels with M, that is it is given M of its
-capacity and sends what puts it level with the rest, when
+capacity (no less than ``queue_free_load`` of its slots: under that load what it would send
+away is served at home at once) and sends what puts it level with the rest, when
 
 - M is under ``BALANCE_ROOM``: the others have room (near the cluster's capacity levelling
   would send more than the excess only to move the queue from one region to the other);

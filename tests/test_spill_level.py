@@ -43,6 +43,15 @@ def test_a_locality_far_over_the_mean_levels_with_it() -> None:
     assert decision.keep == pytest.approx(0.72 * 4.3 / 3.8, abs=1e-4)
 
 
+def test_a_levelled_locality_keeps_what_its_slots_serve_at_once() -> None:
+    # The mean under the load at which 32 slots make 2% wait (0.66): the level is that load,
+    # not the mean. (Its own load, 88%, is over it, so it still levels.)
+    decision = _ff(None, **{**WAVE, "mean_load": 0.6})
+    assert queue_free_load(32) == pytest.approx(0.66)
+    assert decision.balancing and decision.level == pytest.approx(0.66)
+    assert decision.keep == pytest.approx(0.66 * 4.3 / 3.8, abs=1e-4)
+
+
 @pytest.mark.parametrize("mean_load", [1.0, 0.92, BALANCE_ROOM + 0.01])
 def test_when_the_whole_cluster_is_near_full_only_the_excess_crosses(mean_load: float) -> None:
     # Region A at 130%, region B at 70%: the mean is the cluster's capacity (0.92: A at
