@@ -12,22 +12,21 @@ from envoy.config.core.v3 import (
     health_check_pb2,
     protocol_pb2,
 )
-from envoy.config.core.v3 import extension_pb2 as core_extension_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
-from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (
-    client_side_weighted_round_robin_pb2 as cswrr_pb2,
-)
-from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import wrappers_pb2
-from google.protobuf.message import Message
 
 from compiler.plan import PlanCluster, PlanEndpoint
 from policies.models import UNBOUNDED_RUNG, SessionAffinity
 from policies.names import LOCAL_SUFFIX
+from xdsserver.translate.balancers import (
+    full_scan_policy,
+    model_subsets_policy,
+    orca_policy,
+)
 from xdsserver.translate.metadata import MODEL_METADATA_KEY, MODEL_METADATA_NAMESPACE
 from xdsserver.translate.protos import (
     HTTP_PROTOCOL_OPTIONS,
@@ -83,9 +82,14 @@ def translate_cluster(cluster: PlanCluster, *, trusted_ca_file: str) -> list[clu
         # load_balancing_policy takes precedence over lb_policy. Envoy refuses it beside
         # locality-weighted balancing, and client-side weighted round robin has no locality
         # option: its split follows endpoint weights scaled by the load the hosts report.
-        base.load_balancing_policy.CopyFrom(_orca_policy())
-    elif cluster.balancing == "least_request" and not cluster.model_subsets:
-        base.load_balancing_policy.CopyFrom(_full_scan_policy())
+        base.load_balancing_policy.CopyFrom(orca_policy())
+    elif cluster.balancing == "least_request" and cluster.model_subsets:
+        # The model subsets as Envoy's subset policy over the full scan: a policy extension
+        # and lb_subset_config do not combine.
+        base.ClearField("lb_subset_config")
+        base.load_balancing_policy.CopyFrom(model_subsets_policy(full_scan_policy()))
+    elif cluster.balancing == "least_request":
+        base.load_balancing_policy.CopyFrom(full_scan_policy())
     else:
         base.common_lb_config.locality_weighted_lb_config.SetInParent()
         if cluster.model_subsets:
@@ -133,64 +137,6 @@ def hash_twin(
         # Bounded load: no host above factor% of the average in-flight load.
         twin.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = factor
     return twin
-
-
-ORCA_UTILIZATION_METRICS = ("named_metrics.kv_cache_usage_perc",)
-"""Used when a report has no ``application_utilization``: vLLM's own ORCA header reports its
-KV-cache use as a named metric."""
-
-
-def _full_scan_policy() -> cluster_pb2.LoadBalancingPolicy:
-    """Least request over every host of the priority, not the fewer of two drawn at random.
-
-    Envoy draws the two with replacement: of two replicas it takes the busier a quarter of the
-    time, and of four the busiest one time in sixteen; a request sent to a replica whose batch
-    is full waits there for a slot while another has one free. Replica pools are tens of
-    hosts, not thousands, and a request costs seconds of GPU time, so scanning them all is
-    cheap. Envoy keeps its weighted schedule where endpoint weights differ (the selection
-    method applies to equal weights). The pools' locality weights (a split) are set inside
-    the policy, as Envoy asks of a policy extension."""
-    config = least_request_pb2.LeastRequest(
-        selection_method=least_request_pb2.LeastRequest.FULL_SCAN
-    )
-    config.locality_lb_config.locality_weighted_lb_config.SetInParent()
-    return _policy_extension("envoy.load_balancing_policies.least_request", config)
-
-
-def _orca_policy() -> cluster_pb2.LoadBalancingPolicy:
-    """Envoy's client-side weighted round robin: each Envoy weighs hosts by the ORCA load they
-    report in ``endpoint-load-metrics`` response headers (weight = qps / utilization), so
-    per-request load feedback needs no control-plane round trip.
-
-    Envoy's defaults are tuned for slow-moving services: a 10 s blackout before a new host's
-    reports count, recomputed every second. LLM load swings faster; a 1 s blackout and a
-    0.5 s update period let weights follow within a couple of seconds while still averaging
-    over many responses. Reports older than 60 s expire and the host falls back to the mean
-    weight.
-    """
-    config = cswrr_pb2.ClientSideWeightedRoundRobin(
-        blackout_period=duration(1.0),
-        weight_update_period=duration(0.5),
-        weight_expiration_period=duration(60.0),
-        metric_names_for_computing_utilization=list(ORCA_UTILIZATION_METRICS),
-    )
-    return _policy_extension(
-        "envoy.load_balancing_policies.client_side_weighted_round_robin", config
-    )
-
-
-def _policy_extension(name: str, config: Message) -> cluster_pb2.LoadBalancingPolicy:
-    """A cluster's ``load_balancing_policy``: the one extension `name` configured by `config`
-    (it takes precedence over ``lb_policy``)."""
-    return cluster_pb2.LoadBalancingPolicy(
-        policies=[
-            cluster_pb2.LoadBalancingPolicy.Policy(
-                typed_extension_config=core_extension_pb2.TypedExtensionConfig(
-                    name=name, typed_config=pack(config)
-                )
-            )
-        ]
-    )
 
 
 def aggregate_clusters(
