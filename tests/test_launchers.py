@@ -347,3 +347,14 @@ def test_a_restart_keeps_its_ports_and_fails_naming_one_taken_meanwhile(
         launcher.start(timeout=20)
     assert {name: getattr(launcher, name) for name in PORTS[kind]} == first
     assert not launcher.running()
+
+
+def test_a_free_port_is_drawn_below_the_ephemeral_range_and_binds() -> None:
+    # An outgoing connection takes its local port from the ephemeral range: a port released
+    # there can be taken by a client before the listener that asked for it binds.
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1, ports
+    assert all(launcher_process.LOWEST_PORT <= port < low for port in ports), (ports, low)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", ports.pop()))

@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -58,16 +59,43 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on right now.
+LOWEST_PORT = 10000
+"""Where ``free_port`` starts looking, below the kernel's ephemeral range."""
+_PORT_DRAWS = random.SystemRandom()
+"""Draws ports from the OS's entropy: a test or benchmark that seeds ``random`` leaves two
+processes drawing the same ports."""
 
-    The port is released before returning, so another process may take it before ours binds:
-    the launchers pick another and start again when that happens (`Launcher._start_child`).
-    """
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now, drawn below the kernel's ephemeral range
+    where there is room: every outgoing connection takes its local port from that range, so
+    a port released there can be taken by a client before ours binds (an Envoy listener
+    that kvpilot pushes then fails to bind, and another test's listener answers on it).
+
+    The port is released before returning, so another process may still take it before ours
+    binds: the launchers pick another and start again when that happens
+    (`Launcher._start_child`)."""
+    high = _ephemeral_low()
+    for _ in range(64 if high - LOWEST_PORT >= 1000 else 0):
+        port = _PORT_DRAWS.randrange(LOWEST_PORT, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
 
 
 def wait_until(
