@@ -83,8 +83,8 @@ def _exit_code(code: object) -> int:
 
 
 def _run_child(request: dict[str, Any], requester: int, prctl: Any) -> None:
-    """In the grandchild: wait to be adopted, take the request's files, run its module, exit."""
-    os.setsid()
+    """In the grandchild (in a session of its own already, ``_fork``): wait to be adopted,
+    take the request's files, run its module, exit."""
     deadline = time.monotonic() + ADOPTION_TIMEOUT
     while os.getppid() != requester:
         if time.monotonic() > deadline:
@@ -127,20 +127,23 @@ def _run_child(request: dict[str, Any], requester: int, prctl: Any) -> None:
 
 
 def _fork(request: dict[str, Any], requester: int, prctl: Any) -> int:
-    """Fork twice; the middle process exits, so the grandchild goes to the requester."""
+    """Fork twice; the middle process exits, so the grandchild goes to the requester. The
+    grandchild tells its pid once it leads a session of its own (the pipe's last writer)."""
     read, write = os.pipe()
     middle = os.fork()
     if middle == 0:
         try:
             os.close(read)
-            child = os.fork()
-            if child == 0:
-                os.close(write)
+            if os.fork() == 0:
                 try:
+                    # Its own session before its pid is told: a requester that signals the
+                    # group at once finds it.
+                    os.setsid()
+                    os.write(write, str(os.getpid()).encode())
+                    os.close(write)
                     _run_child(request, requester, prctl)
                 finally:
                     os._exit(70)
-            os.write(write, str(child).encode())
         finally:
             os._exit(0)
     os.close(write)
